@@ -1,0 +1,134 @@
+"""Small ``@triton.jit`` helpers shared by the attention kernels and the debug probes.
+
+Each helper owns one concern so that a bug shows in one place and a probe kernel
+(``flashcore.debug``) can run the very same code on its own:
+
+- ``load_tile``: a (rows, BLOCK_D) tile, masked only where constexpr flags say an edge is ragged.
+- ``kv_tile_range``: which key tiles a query block visits, split into an unmasked and a masked part.
+- ``mask_scores``: -inf where a key is out of range or hidden by the causal mask.
+- ``online_softmax_step``: one step of the streaming softmax in base 2.
+
+Conventions: scores arrive in log2 units (``scale * log2(e)`` folded into one multiply), a masked
+score is ``-inf`` (never a large finite number, so a row that sees no key ends with l = 0 exactly),
+and all softmax state (m, l) is fp32.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def load_tile(
+    ptrs,
+    offs_r,
+    n_rows,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    EVEN_R: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    """Load a (R, BLOCK_D) tile; rows >= n_rows and columns >= HEAD_DIM read as 0."""
+    if EVEN_R:
+        if EVEN_D:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    else:
+        if EVEN_D:
+            tile = tl.load(ptrs, mask=offs_r[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(
+                ptrs, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0
+            )
+    return tile
+
+
+@triton.jit
+def store_tile(
+    ptrs,
+    tile,
+    offs_r,
+    n_rows,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    EVEN_R: tl.constexpr,
+    EVEN_D: tl.constexpr,
+):
+    """Store a (R, BLOCK_D) tile, skipping rows >= n_rows and columns >= HEAD_DIM."""
+    if EVEN_R:
+        if EVEN_D:
+            tl.store(ptrs, tile)
+        else:
+            tl.store(ptrs, tile, mask=offs_d[None, :] < HEAD_DIM)
+    else:
+        if EVEN_D:
+            tl.store(ptrs, tile, mask=offs_r[:, None] < n_rows)
+        else:
+            tl.store(ptrs, tile, mask=(offs_r[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def kv_tile_range(
+    start_m,
+    seqlen_q,
+    seqlen_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+):
+    """Key range ``[0, hi)`` that query rows ``[start_m, start_m + BLOCK_M)`` can see.
+
+    Returns ``(full_hi, hi)``: tiles starting in ``[0, full_hi)`` are complete and visible to every
+    row of the block (no mask work), tiles in ``[full_hi, hi)`` need ``mask_scores``. ``full_hi`` is
+    a multiple of BLOCK_N. Causal is bottom-right aligned: row i sees key j iff
+    ``j <= i + seqlen_k - seqlen_q``, so a block whose rows all precede the diagonal: ``hi = 0``.
+    """
+    if IS_CAUSAL:
+        diag = seqlen_k - seqlen_q
+        hi = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + diag, 0))
+        # The first row of the block sees keys [0, start_m + diag]; every later row sees more.
+        full_hi = (tl.maximum(start_m + diag + 1, 0) // BLOCK_N) * BLOCK_N
+    else:
+        hi = seqlen_k
+        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    return full_hi, hi
+
+
+@triton.jit
+def mask_scores(
+    s,
+    offs_m,
+    offs_n,
+    seqlen_q,
+    seqlen_k,
+    IS_CAUSAL: tl.constexpr,
+    CHECK_N: tl.constexpr,
+):
+    """Set scores of keys a row may not see to -inf (keys past seqlen_k; causal future)."""
+    if CHECK_N:
+        s = tl.where(offs_n[None, :] < seqlen_k, s, float("-inf"))
+    if IS_CAUSAL:
+        visible = offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q)
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def online_softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr):
+    """One streaming-softmax step on a tile of base-2 scores ``s`` (BLOCK_M, BLOCK_N).
+
+    Returns ``(p, alpha, m_new, l_new)``: unnormalised probabilities ``exp2(s - m_new)``, the factor
+    that rescales the previous accumulator, and the updated running max and sum. With
+    MAY_BE_EMPTY, a row whose scores so far are all -inf keeps m = -inf, p = 0 and alpha = 0 instead
+    of computing ``-inf - -inf = NaN``; without it the caller guarantees a finite max (unmasked
+    tiles), and the guard compiles away.
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.math.exp2(s - m_ref[:, None])
+    alpha = tl.math.exp2(m_i - m_ref)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_new

@@ -1,0 +1,1 @@
+"""Launchers and PyTorch registration: allocate, build the grid, launch. No math here."""

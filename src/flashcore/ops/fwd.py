@@ -1,0 +1,72 @@
+"""Forward launcher: allocates ``out`` and ``lse``, picks the config, launches the kernel."""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from flashcore.tuning import fwd_config, head_block
+
+_LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """The kernel module, imported (with triton) at the first launch.
+
+    Importing flashcore does not import triton, so TRITON_INTERPRET=1 may be set any time before
+    the first attention call (triton reads it when its own modules are defined).
+    """
+    from flashcore.kernels import fwd
+
+    return fwd
+
+
+def is_interpreted() -> bool:
+    """True when the kernels were defined under Triton's interpreter (TRITON_INTERPRET=1)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernels().attn_fwd_kernel, InterpretedFunction)
+
+
+def attn_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the forward kernel on validated inputs; returns ``(out, lse)``.
+
+    ``out`` keeps q's memory layout when q is dense (so a ``(B, S, H, D)`` view in gives one out);
+    ``lse`` is fp32 ``(B, H, Sq)``, contiguous.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    out = torch.empty_like(q)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    interpreted = is_interpreted()
+    cfg = fwd_config(head_dim, q.element_size(), interpreted=interpreted)
+    grid = (cdiv(seqlen_q, cfg.block_m), batch * heads)
+    kernels().attn_fwd_kernel[grid](
+        q, k, v, out, lse,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        lse.stride(0), lse.stride(1),
+        heads, heads // kv_heads, seqlen_q, seqlen_k, scale * _LOG2E,
+        HEAD_DIM=head_dim,
+        BLOCK_D=head_block(head_dim),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        IS_CAUSAL=causal,
+        EVEN_M=seqlen_q % cfg.block_m == 0,
+        EVEN_N=seqlen_k % cfg.block_n == 0,
+        UPCAST=interpreted and q.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )  # fmt: skip
+    return out, lse
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

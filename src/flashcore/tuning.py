@@ -1,0 +1,53 @@
+"""Block, warp and pipeline-depth choices for the kernels.
+
+Each choice is a frozen dataclass so it can key caches and print in reports. Heuristics that pick
+a config say, next to the choice, which measurement justifies it (docs/performance.md has the runs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Launch configuration of the forward kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# The interpreter runs every program in numpy on the CPU: tiles small enough that odd lengths
+# (113, 203, 257) cover several blocks in both directions, and BLOCK_M != BLOCK_N so the causal
+# diagonal crosses tile borders at every alignment.
+INTERPRETER_FWD = FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+
+
+def head_block(head_dim: int) -> int:
+    """Head dim padded to the power of two the kernels tile with (at least 16 for tl.dot)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def fwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> FwdConfig:
+    """Forward config for a padded head dim and element size in bytes.
+
+    Starting points from the Triton Hopper flash-attention tutorial's search space; tuned per
+    shape class in docs/performance.md.
+    """
+    if interpreted:
+        return INTERPRETER_FWD
+    block_d = head_block(head_dim)
+    if elem_size >= 4:
+        # fp32 tiles are twice the bytes and the IEEE dot is not a wgmma: keep tiles small.
+        if block_d <= 64:
+            return FwdConfig(64, 32, 4, 2)
+        if block_d <= 128:
+            return FwdConfig(64, 32, 4, 1)
+        return FwdConfig(32, 32, 4, 1)
+    if block_d <= 64:
+        return FwdConfig(128, 64, 4, 3)
+    if block_d <= 128:
+        return FwdConfig(128, 64, 8, 3)
+    return FwdConfig(64, 64, 8, 2)

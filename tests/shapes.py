@@ -1,0 +1,52 @@
+"""Every test case, in named tiers. Narrow a run with ``-k``.
+
+A case is (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim).
+- INTERP: tiny and odd, run through the interpreter in CI (and compiled on a GPU).
+- GPU: real sizes, compiled kernels only.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Case(NamedTuple):
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+
+    @property
+    def id(self) -> str:
+        return (
+            f"b{self.batch}h{self.heads}kv{self.kv_heads}"
+            f"-q{self.seqlen_q}k{self.seqlen_k}-d{self.head_dim}"
+        )
+
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+INTERP = [
+    Case(1, 1, 1, 1, 1, 16),  # single query, single key
+    Case(2, 2, 1, 1, 257, 64),  # decode-like Sq=1, MQA
+    Case(1, 4, 2, 113, 203, 80),  # Sq < Sk, GQA, padded head dim
+    Case(1, 2, 2, 203, 113, 64),  # Sq > Sk: causal leaves rows with no key
+    Case(1, 2, 1, 257, 257, 128),  # ragged in both directions
+    Case(1, 1, 1, 64, 96, 256),  # block multiples, largest head dim
+    Case(2, 3, 3, 33, 17, 16),  # Sq > Sk, ragged, smallest head dim
+    Case(1, 2, 2, 47, 47, 96),  # head dim 96 (padded to 128)
+]
+
+GPU = [
+    Case(2, 16, 16, 4096, 4096, 128),
+    Case(2, 16, 4, 2048, 2048, 64),
+    Case(1, 8, 8, 1024, 4096, 256),
+    Case(1, 8, 1, 4096, 1024, 128),
+    Case(4, 8, 2, 1000, 3001, 80),
+    Case(2, 4, 4, 777, 777, 192),
+    Case(2, 32, 8, 513, 513, 32),
+]

@@ -1,0 +1,81 @@
+import pytest
+import torch
+
+import flashcore
+from helpers import check_forward, make_qkv
+from shapes import DTYPES, GPU, INTERP, Case
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", INTERP, ids=[c.id for c in INTERP])
+def test_forward(case, dtype, causal, device):
+    q, k, v = make_qkv(case, dtype, device)
+    out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sliced"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_strided(layout, causal, device):
+    case = Case(2, 4, 2, 77, 93, 64)
+    q, k, v = make_qkv(case, torch.float16, device, layout=layout)
+    assert not q.is_contiguous()
+    out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=causal)
+    if layout == "bshd":
+        # A dense (B, S, H, D) view gives its output in the same memory layout.
+        assert out.stride() == q.stride()
+
+
+def test_forward_strided_last_dim(device):
+    case = Case(1, 2, 2, 40, 50, 32)
+    q, k, v = (
+        t.transpose(-1, -2).contiguous().transpose(-1, -2)
+        for t in make_qkv(case, torch.float32, device)
+    )
+    assert q.stride(-1) != 1
+    out, lse = flashcore.attention(q, k, v, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=False)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 2.5])
+def test_forward_scale(scale, device):
+    q, k, v = make_qkv(Case(1, 2, 1, 50, 70, 64), torch.float16, device)
+    out, lse = flashcore.attention(q, k, v, causal=True, scale=scale, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=True, scale=scale)
+
+
+def test_fully_masked_rows(device):
+    # Sq > Sk causal: the first Sq - Sk rows see no key.
+    q, k, v = make_qkv(Case(1, 2, 2, 70, 20, 64), torch.bfloat16, device)
+    out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+    assert torch.all(out[:, :, :50] == 0)
+    assert torch.all(lse[:, :, :50] == float("-inf"))
+    assert torch.isfinite(lse[:, :, 50:]).all()
+    check_forward(out, lse, q, k, v, causal=True)
+
+
+def test_default_returns_tensor(device):
+    q, k, v = make_qkv(Case(1, 1, 1, 8, 8, 16), torch.float16, device)
+    out = flashcore.attention(q, k, v)
+    assert isinstance(out, torch.Tensor)
+    assert out.shape == q.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", GPU, ids=[c.id for c in GPU])
+def test_forward_gpu(case, dtype, causal):
+    q, k, v = make_qkv(case, dtype, "cuda", layout="bshd" if case.head_dim == 80 else "bhsd")
+    out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128, 192, 256])
+def test_forward_gpu_fp32(head_dim):
+    q, k, v = make_qkv(Case(1, 4, 2, 300, 517, head_dim), torch.float32, "cuda")
+    out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=True)

@@ -1,0 +1,125 @@
+"""Bad input raises a clear error naming the argument, before any kernel launches."""
+
+import math
+
+import pytest
+import torch
+
+import flashcore
+
+
+def qkv(device, *, b=1, h=2, hkv=2, sq=8, sk=8, d=16, dtype=torch.float16):
+    return (
+        torch.randn(b, h, sq, d, dtype=dtype, device=device),
+        torch.randn(b, hkv, sk, d, dtype=dtype, device=device),
+        torch.randn(b, hkv, sk, d, dtype=dtype, device=device),
+    )
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fail the test if a kernel is launched."""
+    from flashcore.ops import fwd
+
+    def boom(*args, **kwargs):
+        raise AssertionError("kernel launched despite invalid input")
+
+    monkeypatch.setattr(fwd, "attn_fwd", boom)
+
+
+@pytest.mark.parametrize("arg", ["q", "k", "v"])
+def test_not_a_tensor(arg, device, no_launch):
+    q, k, v = qkv(device)
+    args = {"q": q, "k": k, "v": v}
+    args[arg] = args[arg].tolist()
+    with pytest.raises(TypeError, match=rf"^{arg} must be a torch.Tensor"):
+        flashcore.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("arg", ["q", "k", "v"])
+def test_wrong_rank(arg, device, no_launch):
+    q, k, v = qkv(device)
+    args = {"q": q, "k": k, "v": v}
+    args[arg] = args[arg][0]
+    with pytest.raises(ValueError, match=rf"^{arg} must have 4 dims"):
+        flashcore.attention(args["q"], args["k"], args["v"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float64, torch.bool])
+def test_unsupported_dtype(dtype, device, no_launch):
+    q, k, v = qkv(device)
+    with pytest.raises(TypeError, match=r"^q must be float16, bfloat16 or float32"):
+        flashcore.attention(q.to(dtype), k, v)
+
+
+def test_mismatched_dtype(device, no_launch):
+    q, k, v = qkv(device)
+    with pytest.raises(TypeError, match=r"^v.dtype must equal q.dtype"):
+        flashcore.attention(q, k, v.float())
+
+
+def test_mismatched_kv_shapes(device, no_launch):
+    q, k, _ = qkv(device)
+    _, _, v = qkv(device, sk=9)
+    with pytest.raises(ValueError, match=r"^k and v must have the same shape"):
+        flashcore.attention(q, k, v)
+
+
+def test_mismatched_batch(device, no_launch):
+    q, _, _ = qkv(device, b=2)
+    _, k, v = qkv(device, b=1)
+    with pytest.raises(ValueError, match=r"^k/v batch size"):
+        flashcore.attention(q, k, v)
+
+
+def test_mismatched_head_dim(device, no_launch):
+    q, _, _ = qkv(device, d=32)
+    _, k, v = qkv(device, d=16)
+    with pytest.raises(ValueError, match=r"^k/v head_dim"):
+        flashcore.attention(q, k, v)
+
+
+def test_heads_not_divisible(device, no_launch):
+    q, k, v = qkv(device, h=3, hkv=2)
+    with pytest.raises(ValueError, match=r"^q's heads \(3\) must be a multiple of k/v's heads"):
+        flashcore.attention(q, k, v)
+
+
+def test_head_dim_too_large(device, no_launch):
+    q, k, v = qkv(device, d=320)
+    with pytest.raises(NotImplementedError, match=r"head_dim up to 256.*320"):
+        flashcore.attention(q, k, v)
+
+
+@pytest.mark.parametrize("scale", [math.inf, -math.inf, math.nan])
+def test_non_finite_scale(scale, device, no_launch):
+    with pytest.raises(ValueError, match=r"^scale must be finite"):
+        flashcore.attention(*qkv(device), scale=scale)
+
+
+@pytest.mark.parametrize("scale", ["0.1", True, torch.tensor(0.1)])
+def test_scale_type(scale, device, no_launch):
+    with pytest.raises(TypeError, match=r"^scale must be a real number"):
+        flashcore.attention(*qkv(device), scale=scale)
+
+
+@pytest.mark.parametrize("flag", ["causal", "return_lse"])
+def test_flag_type(flag, device, no_launch):
+    with pytest.raises(TypeError, match=rf"^{flag} must be a bool"):
+        flashcore.attention(*qkv(device), **{flag: 1})
+
+
+def test_options_are_keyword_only(device):
+    with pytest.raises(TypeError):
+        flashcore.attention(*qkv(device), True)  # type: ignore[misc]
+
+
+def test_device_mismatch(no_launch):
+    q, k, v = qkv("cpu")
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^k must be on q's device"):
+            flashcore.attention(q, k.cuda(), v)
+    else:
+        meta_k = torch.empty_like(k, device="meta")
+        with pytest.raises(ValueError, match=r"^k must be on q's device"):
+            flashcore.attention(q, meta_k, v)
