@@ -7,7 +7,7 @@ from types import ModuleType
 
 import torch
 
-from flashcore.tuning import fwd_config, head_block
+from flashcore.tuning import FwdConfig, fwd_config, head_block
 
 _LOG2E = 1.4426950408889634
 
@@ -32,12 +32,18 @@ def is_interpreted() -> bool:
 
 
 def attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    config: FwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel on validated inputs; returns ``(out, lse)``.
 
     ``out`` keeps q's memory layout when q is dense (so a ``(B, S, H, D)`` view in gives one out);
-    ``lse`` is fp32 ``(B, H, Sq)``, contiguous.
+    ``lse`` is fp32 ``(B, H, Sq)``, contiguous. ``config`` overrides the tuned launch config
+    (for tuning scripts).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -46,7 +52,7 @@ def attn_fwd(
     if out.numel() == 0:
         return out, lse
     interpreted = is_interpreted()
-    cfg = fwd_config(head_dim, q.element_size(), interpreted=interpreted)
+    cfg = config or fwd_config(head_dim, q.element_size(), interpreted=interpreted)
     grid = (cdiv(seqlen_q, cfg.block_m), batch * heads)
     kernels().attn_fwd_kernel[grid](
         q, k, v, out, lse,

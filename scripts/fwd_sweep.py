@@ -1,0 +1,88 @@
+"""Device-side: ceilings, then forward configs and SDPA side by side (medians of do_bench).
+
+Usage: python scripts/fwd_sweep.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from flashcore import reference
+from flashcore.ops.fwd import attn_fwd
+from flashcore.tuning import FwdConfig, fwd_config
+
+
+def ceilings() -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median")
+    print(f"ceiling: bf16 matmul 8192^3 {2 * 8192**3 / ms / 1e9:.0f} TFLOP/s")
+    x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
+    print(f"ceiling: d2d copy {2 * x.numel() / ms / 1e9:.0f} GB/s (read + write)")
+
+
+def tflops(b, h, sq, sk, d, causal, ms):
+    flops = 4 * b * h * sq * sk * d / (2 if causal else 1)
+    return flops / ms / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__)
+    ceilings()
+    shapes = [(4, 16, 4096, 128), (4, 32, 4096, 64), (2, 8, 4096, 256), (16, 16, 1024, 128)]
+    small_d = [
+        FwdConfig(bm, bn, w, s)
+        for bm, bn, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))
+    ]
+    big_d = [
+        FwdConfig(bm, bn, 8, s) for bm, bn, s in itertools.product((64, 128), (32, 64), (1, 2))
+    ]
+    for (b, h, s, d), causal in itertools.product(shapes, (False, True)):
+        dtype = torch.float16
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=dtype) for _ in range(3))
+        scale = d**-0.5
+        ref = reference.attention(
+            q[:1, :2], k[:1, :2], v[:1, :2], causal=causal, dtype=torch.float32
+        )
+        ms_sdpa = do_bench(
+            functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal),
+            return_mode="median",
+        )
+        default = fwd_config(d, 2, interpreted=False)
+        rows = []
+        cands = big_d if d > 128 else small_d
+        for cfg in [default] if args.quick else dict.fromkeys([default, *cands]):
+            try:
+                out, _ = attn_fwd(q, k, v, causal, scale, cfg)
+                err = (out[:1, :2].float() - ref.out).abs().max().item()
+                run = functools.partial(attn_fwd, q, k, v, causal, scale, cfg)
+                ms = do_bench(run, return_mode="median")
+            except Exception as e:  # out of shared memory etc.
+                rows.append((float("inf"), cfg, type(e).__name__))
+                continue
+            rows.append((ms, cfg, f"err {err:.1e}"))
+        rows.sort(key=lambda r: r[0])
+        tag = f"B{b} H{h} S{s} D{d} causal={causal}"
+        print(f"{tag}: sdpa {ms_sdpa:.3f} ms {tflops(b, h, s, s, d, causal, ms_sdpa):.0f} TF/s")
+        for ms, cfg, note in rows[:4] + [r for r in rows if r[1] == default]:
+            mark = "*" if cfg == default else " "
+            print(
+                f"  {mark}{cfg.block_m:4d}x{cfg.block_n:<4d} w{cfg.num_warps} s{cfg.num_stages}: "
+                f"{ms:.3f} ms {tflops(b, h, s, s, d, causal, ms):.0f} TF/s "
+                f"({ms_sdpa / ms:.2f}x sdpa) {note}"
+            )
+
+
+if __name__ == "__main__":
+    main()
