@@ -26,7 +26,7 @@ def ceilings() -> None:
     x = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     ms = do_bench(lambda: y.copy_(x), warmup=50, rep=300, return_mode="median")
-    print(f"ceiling: d2d copy {2 * x.numel() / ms / 1e9:.0f} GB/s (read + write)")
+    print(f"ceiling: d2d copy {2 * x.numel() / ms / 1e6:.0f} GB/s (read + write)")
 
 
 def tflops(b, h, sq, sk, d, causal, ms):
