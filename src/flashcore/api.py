@@ -82,12 +82,6 @@ def _check_flag(name: str, value: object) -> bool:
     return value
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    # Tiles load whole rows of head_dim: a strided last dim would turn every vector load into
-    # scalar gathers, so copy only then.
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -140,6 +134,5 @@ def attention(
     causal = _check_flag("causal", causal)
     return_lse = _check_flag("return_lse", return_lse)
     scale = _check_scale(scale, q.shape[-1])
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out, lse = _ops.attn_fwd(q, k, v, causal, scale)
     return (out, lse) if return_lse else out

@@ -45,6 +45,7 @@ def attn_fwd(
     ``lse`` is fp32 ``(B, H, Sq)``, contiguous. ``config`` overrides the tuned launch config
     (for tuning scripts).
     """
+    q, k, v = (unit_stride_last_dim(t) for t in (q, k, v))
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     out = torch.empty_like(q)
@@ -56,7 +57,7 @@ def attn_fwd(
     grid = (cdiv(seqlen_q, cfg.block_m), batch * heads)
     kernels().attn_fwd_kernel[grid](
         q, k, v, out, lse,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         lse.stride(0), lse.stride(1),
         heads, heads // kv_heads, seqlen_q, seqlen_k, scale * _LOG2E,
         HEAD_DIM=head_dim,
@@ -72,6 +73,11 @@ def attn_fwd(
         num_stages=cfg.num_stages,
     )  # fmt: skip
     return out, lse
+
+
+def unit_stride_last_dim(t: torch.Tensor) -> torch.Tensor:
+    """The kernels address the head dim with unit stride; copy only a tensor that lacks it."""
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
 def cdiv(a: int, b: int) -> int:
