@@ -38,7 +38,7 @@ from flashcore.kernels.common import (
     store_tile,
 )
 
-LN2: tl.constexpr = 0.6931471805599453
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
