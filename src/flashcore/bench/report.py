@@ -219,7 +219,8 @@ def plot(rows: list[dict], path: str | Path) -> None:
     panels = sorted({(r["head_dim"], r["causal"], r["mode"]) for r in timed})
     providers = list(dict.fromkeys(r["provider"] for r in timed))
     dtypes = sorted({r["dtype"] for r in timed})
-    ncols = min(3, len(panels))
+    # The sweep's four panels (D 64/128 x causal or not) read best as 2 x 2: a row per D.
+    ncols = 2 if len(panels) in (2, 4) else min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.8 * nrows), squeeze=False)
     for ax in axes.flat[len(panels) :]:
