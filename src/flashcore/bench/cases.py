@@ -100,7 +100,7 @@ def _smoke() -> list[tuple[Shape, tuple[bool, ...]]]:
 PRESETS = {
     "seed": (
         _seed,
-        "first comparison: (1,8,512,64) and (2,8,2048,64) causal and not, (2,8,2048,128)",
+        "(1,8,512,64), (2,8,2048,64) causal and not; (2,8,2048,128) non-causal",
     ),
     "sweep": (_sweep, "FlashAttention papers' sweep: H*D=2048, B*S=16384, S 512..16k, D 64/128"),
     "smoke": (_smoke, "tiny shapes for the CPU interpreter (correctness; no performance)"),

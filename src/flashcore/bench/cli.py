@@ -28,7 +28,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 EPILOG = """\
 examples (GPU):
-  flashcore-bench --preset seed
+  flashcore-bench --preset seed --out seed.jsonl
   flashcore-bench --preset sweep --mode fwd --out sweep.jsonl --plot sweep.png
   flashcore-bench --shape 4,32,4096,128,8 --causal on --mode fwd,bwd --providers flashcore,sdpa
   flashcore-bench --preset seed --resources

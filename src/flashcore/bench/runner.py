@@ -17,6 +17,7 @@ stage and message are kept); a bug in the benchmark itself still stops the run.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -106,9 +107,16 @@ def measure(
     provider: Provider, case: Case, mode: str, inputs: Inputs, settings: Settings
 ) -> Measurement:
     """Check, then time, one provider on one case in one mode. Never raises for the provider."""
-    with warnings.catch_warnings(record=True) as caught, provider.context():
+    with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as stack:
         warnings.simplefilter("always")
-        result = _measure(provider, case, mode, inputs, settings)
+        try:
+            stack.enter_context(provider.context())
+        except Exception as e:  # e.g. a backend this torch does not have
+            result = Measurement(
+                provider.name, case, inputs.q.dtype, mode, "refused", _describe("backend", e)
+            )
+        else:
+            result = _measure(provider, case, mode, inputs, settings)
     # Keep what providers say about themselves (SDPA explains refusals in UserWarnings); drop
     # library deprecation noise such as numpy's from Triton's interpreter.
     kept = [w for w in caught if not issubclass(w.category, DeprecationWarning | FutureWarning)]
