@@ -31,6 +31,59 @@ def causal_mask(seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu"
     return j <= i + (seqlen_k - seqlen_q)
 
 
+class ProbsResult(NamedTuple):
+    probs: torch.Tensor
+    """(B, H, Sq, Sk) normalised softmax of the scores in the compute dtype; 0 for hidden keys and
+    for every key of a row that sees none."""
+    lse: torch.Tensor
+    """(B, H, Sq) natural-log logsumexp of the scaled scores; -inf for rows that see no key."""
+
+
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """GQA: repeat each kv head over its ``heads // Hkv`` query heads."""
+    kv_heads = t.shape[1]
+    return t if kv_heads == heads else t.repeat_interleave(heads // kv_heads, dim=1)
+
+
+def scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """``scale * q @ k^T`` in ``dtype``, ``(B, H, Sq, Sk)``; -inf where the causal mask hides a key.
+
+    q is ``(B, H, Sq, D)``, k is ``(B, Hkv, Sk, D)``; scale defaults to ``1 / sqrt(D)``.
+    """
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    k = _repeat_kv(k.to(dtype), q.shape[1])
+    s = torch.matmul(q.to(dtype), k.transpose(-1, -2)) * scale
+    if causal:
+        mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
+        s = s.masked_fill(~mask, float("-inf"))
+    return s
+
+
+def probs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> ProbsResult:
+    """Softmax of :func:`scores` along the keys, and its logsumexp, in ``dtype``."""
+    s = scores(q, k, causal=causal, scale=scale, dtype=dtype)
+    lse = torch.logsumexp(s, dim=-1)
+    # exp(s - lse) is 0 for masked keys; a row with no visible key has lse = -inf: keep it at 0.
+    empty = (lse == float("-inf")).unsqueeze(-1)
+    p = torch.exp(s - lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
+    return ProbsResult(p, lse)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -45,20 +98,6 @@ def attention(
     Same semantics as ``flashcore.attention``: GQA by repeating each kv head over its ``H // Hkv``
     query heads, bottom-right causal, rows that see no key give out 0 and lse -inf.
     """
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    if kv_heads != heads:
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
-        scores = scores.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    # exp(s - lse) is 0 for masked keys; a row with no visible key has lse = -inf: keep it at 0.
-    empty = (lse == float("-inf")).unsqueeze(-1)
-    probs = torch.exp(scores - lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
-    out = torch.matmul(probs, v)
+    p, lse = probs(q, k, causal=causal, scale=scale, dtype=dtype)
+    out = torch.matmul(p, _repeat_kv(v.to(dtype), q.shape[1]))
     return RefResult(out, lse)

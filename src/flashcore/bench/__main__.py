@@ -1,0 +1,3 @@
+from flashcore.bench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""Benchmark cases: shapes, presets and the ``--shape`` syntax.
+
+A case is one attention problem: q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``, causal or not.
+Presets list shapes and the causal settings each is run with; ``--causal on|off`` narrows them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+SHAPE_SYNTAX = "B,H,S,D[,Hkv[,Sk]]"
+
+
+class Shape(NamedTuple):
+    batch: int
+    heads: int
+    seqlen_q: int
+    head_dim: int
+    kv_heads: int
+    seqlen_k: int
+
+    @property
+    def spec(self) -> str:
+        """The shape in ``--shape`` syntax (optional fields only when they differ)."""
+        text = f"{self.batch},{self.heads},{self.seqlen_q},{self.head_dim}"
+        if self.seqlen_k != self.seqlen_q:
+            return f"{text},{self.kv_heads},{self.seqlen_k}"
+        if self.kv_heads != self.heads:
+            return f"{text},{self.kv_heads}"
+        return text
+
+
+class Case(NamedTuple):
+    shape: Shape
+    causal: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.shape.spec} {'causal' if self.causal else 'full'}"
+
+
+def shape(b: int, h: int, s: int, d: int, hkv: int | None = None, sk: int | None = None) -> Shape:
+    return Shape(b, h, s, d, h if hkv is None else hkv, s if sk is None else sk)
+
+
+def parse_shape(text: str) -> Shape:
+    """Parse ``B,H,S,D[,Hkv[,Sk]]``; raises ValueError with a message for the command line."""
+    parts = [p.strip() for p in text.split(",")]
+    if not 4 <= len(parts) <= 6:
+        raise ValueError(f"expected {SHAPE_SYNTAX} (4 to 6 integers), got {text!r}")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"expected {SHAPE_SYNTAX} with integers, got {text!r}") from None
+    names = ["B", "H", "S", "D", "Hkv", "Sk"]
+    for name, value in zip(names, values, strict=False):
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value} in {text!r}")
+    result = shape(*values)
+    if result.heads % result.kv_heads:
+        raise ValueError(
+            f"H ({result.heads}) must be a multiple of Hkv ({result.kv_heads}) in {text!r}"
+        )
+    if result.head_dim > 256:
+        raise ValueError(f"D must be at most 256 (flashcore's limit), got {result.head_dim}")
+    return result
+
+
+BOTH = (False, True)
+
+
+def _seed() -> list[tuple[Shape, tuple[bool, ...]]]:
+    return [
+        (shape(1, 8, 512, 64), BOTH),
+        (shape(2, 8, 2048, 64), BOTH),
+        (shape(2, 8, 2048, 128), (False,)),
+    ]
+
+
+def _sweep() -> list[tuple[Shape, tuple[bool, ...]]]:
+    # The FlashAttention papers' sweep: H * D = 2048 and B * S = 16384 (constant total tokens and
+    # model width), S from 512 to 16k, D 64 and 128, causal and not.
+    cases = []
+    for head_dim in (64, 128):
+        for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
+            cases.append((shape(16384 // seqlen, 2048 // head_dim, seqlen, head_dim), BOTH))
+    return cases
+
+
+def _smoke() -> list[tuple[Shape, tuple[bool, ...]]]:
+    # Tiny, for the CPU interpreter: block multiples; GQA with ragged Sq < Sk (SDPA gets an
+    # explicit bottom-right mask when causal); decode-like single query.
+    return [
+        (shape(1, 2, 128, 64), BOTH),
+        (shape(1, 4, 97, 32, 2, 160), BOTH),
+        (shape(2, 2, 1, 64, 1, 203), (False,)),
+    ]
+
+
+PRESETS = {
+    "seed": (
+        _seed,
+        "(1,8,512,64), (2,8,2048,64) causal and not; (2,8,2048,128) non-causal",
+    ),
+    "sweep": (_sweep, "FlashAttention papers' sweep: H*D=2048, B*S=16384, S 512..16k, D 64/128"),
+    "smoke": (_smoke, "tiny shapes for the CPU interpreter (correctness; no performance)"),
+}
+
+
+def preset_cases(name: str) -> list[Case]:
+    return [Case(s, c) for s, causals in PRESETS[name][0]() for c in causals]
+
+
+def select_cases(presets: list[str], shapes: list[Shape], causal: str) -> list[Case]:
+    """Cases of the presets, then of the one-off shapes (both causal settings), filtered by
+    ``causal`` ("both", "on", "off"); duplicates removed, order kept."""
+    cases = [c for name in presets for c in preset_cases(name)]
+    cases += [Case(s, c) for s in shapes for c in BOTH]
+    keep = {"both": BOTH, "on": (True,), "off": (False,)}[causal]
+    return list(dict.fromkeys(c for c in cases if c.causal in keep))

@@ -1,0 +1,131 @@
+"""Correctness of every provider against ``flashcore.reference``, before it is timed.
+
+The reference runs once per (case, dtype) and serves every provider and mode: in float64 on the
+CPU, in float32 on a GPU (float64 would double the memory of the ``Sq x Sk`` scores for no
+visible gain against fp16/bf16 errors). It is computed in chunks of heads so that the scores of a
+chunk stay under a memory budget (a 16k x 16k fp32 score matrix is 1 GiB per head).
+
+The verdict is FlashAttention's rule, as in the tests: ``max|x - ref| <= 2 * max|pt - ref| + floor``
+where ``pt`` is the same reference math in the inputs' dtype and ``floor`` one unit roundoff of the
+dtype at the reference's scale. The reported relative error is ``max|x - ref| / max|ref|``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import torch
+
+from flashcore import reference
+
+GRAD_NAMES = ("dq", "dk", "dv")
+
+
+class Reference(NamedTuple):
+    """Reference results for one (case, dtype); ``ref`` in the reference dtype, ``pt`` in the
+    inputs' dtype. Gradients are present when a backward mode is benchmarked."""
+
+    out: torch.Tensor
+    pt_out: torch.Tensor
+    grads: tuple[torch.Tensor, ...] | None
+    pt_grads: tuple[torch.Tensor, ...] | None
+
+
+class TensorError(NamedTuple):
+    err: float
+    """max|x - ref| (inf when x has NaN or a wrong shape)."""
+    pt_err: float
+    """max|pt - ref|: what plain PyTorch math in the inputs' dtype gets."""
+    ref_max: float
+    floor: float
+    """One unit roundoff of the checked dtype at the reference's scale."""
+
+    @property
+    def bound(self) -> float:
+        return 2 * self.pt_err + self.floor
+
+    @property
+    def ok(self) -> bool:
+        return self.err <= self.bound
+
+    @property
+    def rel(self) -> float:
+        return self.err / self.ref_max if self.ref_max > 0 else self.err
+
+
+def head_chunks(
+    batch: int, heads: int, kv_heads: int, per_head_bytes: int, budget_bytes: int
+) -> Iterator[tuple[int, slice, slice]]:
+    """``(b, q_heads, kv_heads)`` slices covering every head, each under the budget.
+
+    A chunk never splits a GQA group across two kv slices: it holds whole groups, or a divisor of
+    one group (then its kv slice is that group's single head).
+    """
+    group = heads // kv_heads
+    n = max(1, budget_bytes // max(per_head_bytes, 1))
+    if n >= group:
+        n = min(heads, n - n % group)
+    else:
+        n = max(d for d in range(1, n + 1) if group % d == 0)
+    for b in range(batch):
+        for h0 in range(0, heads, n):
+            h1 = min(h0 + n, heads)
+            yield b, slice(h0, h1), slice(h0 // group, (h1 - 1) // group + 1)
+
+
+def compute_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor | None,
+    *,
+    causal: bool,
+    ref_dtype: torch.dtype,
+    budget_bytes: int = 1 << 30,
+) -> Reference:
+    """Reference output (and gradients for the upstream gradient ``do``, when given)."""
+    batch, heads, seqlen_q, _ = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    per_head = seqlen_q * seqlen_k * torch.finfo(ref_dtype).bits // 8
+    results = {}
+    for dtype in (ref_dtype, q.dtype):
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        grads = None
+        if do is not None:
+            grads = (
+                torch.empty(q.shape, dtype=dtype, device=q.device),
+                torch.zeros(k.shape, dtype=dtype, device=q.device),
+                torch.zeros(v.shape, dtype=dtype, device=q.device),
+            )
+        for b, hq, hkv in head_chunks(batch, heads, kv_heads, per_head, budget_bytes):
+            qc, kc, vc = q[b : b + 1, hq], k[b : b + 1, hkv], v[b : b + 1, hkv]
+            if do is None:
+                with torch.no_grad():
+                    out[b : b + 1, hq] = reference.attention(
+                        qc, kc, vc, causal=causal, dtype=dtype
+                    ).out
+                continue
+            leaves = [t.detach().to(dtype).requires_grad_() for t in (qc, kc, vc)]
+            oc = reference.attention(*leaves, causal=causal, dtype=dtype).out
+            oc.backward(do[b : b + 1, hq].to(dtype))
+            out[b : b + 1, hq] = oc.detach()
+            grads[0][b : b + 1, hq] = leaves[0].grad
+            # Several chunks share a kv head when a chunk holds part of a GQA group.
+            grads[1][b : b + 1, hkv] += leaves[1].grad
+            grads[2][b : b + 1, hkv] += leaves[2].grad
+        results[dtype] = (out, grads)
+    (out, grads), (pt_out, pt_grads) = results[ref_dtype], results[q.dtype]
+    return Reference(out, pt_out, grads, pt_grads)
+
+
+def compare(x: torch.Tensor, ref: torch.Tensor, pt: torch.Tensor) -> TensorError:
+    """FlashAttention's rule for one tensor of a provider (x) against the reference."""
+    ref_max = ref.abs().max().item() if ref.numel() else 0.0
+    pt_err = (pt.to(ref.dtype) - ref).abs().max().item() if ref.numel() else 0.0
+    floor = torch.finfo(pt.dtype).eps * max(ref_max, 1.0)
+    if x.shape != ref.shape:
+        return TensorError(math.inf, pt_err, ref_max, floor)
+    err = (x.detach().to(ref.dtype) - ref).abs().max().item() if ref.numel() else 0.0
+    return TensorError(math.inf if math.isnan(err) else err, pt_err, ref_max, floor)

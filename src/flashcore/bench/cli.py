@@ -1,0 +1,280 @@
+"""``flashcore-bench``: flashcore against PyTorch's attention backends, checked, then timed.
+
+Every provider's result is checked against ``flashcore.reference`` before it is timed (relative
+error printed beside the time; a result outside FlashAttention's error rule is marked WRONG but
+kept). On a GPU, times come from ``triton.testing.do_bench``, TFLOP/s follow the FlashAttention
+papers' FLOP count, and each row gives the speed-up over ``sdpa`` and the share of the bf16 matmul
+rate measured in the same run. Without a GPU the kernels run through Triton's interpreter on the
+smoke preset: the correctness check is real, the times are not performance.
+
+Exit status: 0, or 1 when a flashcore result is outside the error rule; 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Callable
+
+import torch
+
+from flashcore.bench import cases as cases_mod
+from flashcore.bench.providers import BASELINE, DEFAULT_CPU, DEFAULT_GPU, PROVIDERS
+from flashcore.bench.runner import MODES
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+EPILOG = """\
+examples (GPU):
+  flashcore-bench --preset seed --out seed.jsonl
+  flashcore-bench --preset sweep --mode fwd --out sweep.jsonl --plot sweep.png
+  flashcore-bench --shape 4,32,4096,128,8 --causal on --mode fwd,bwd --providers flashcore,sdpa
+  flashcore-bench --preset seed --resources
+without a GPU (Triton interpreter, correctness only):
+  flashcore-bench --preset smoke --out smoke.jsonl
+"""
+
+
+def _csv(choices: list[str] | tuple[str, ...], *, extra: tuple[str, ...] = ()) -> Callable:
+    """argparse type: a comma-separated list of choices, duplicates dropped, order kept."""
+
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [t for t in items if t not in choices and t not in extra]
+        if bad or not items:
+            allowed = ", ".join([*choices, *extra])
+            raise argparse.ArgumentTypeError(
+                f"{', '.join(bad) or 'nothing'} not in {{{allowed}}} (got {text!r})"
+            )
+        return list(dict.fromkeys(items))
+
+    return parse
+
+
+def _shape(text: str) -> cases_mod.Shape:
+    try:
+        return cases_mod.parse_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="flashcore-bench",
+        description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    what = parser.add_argument_group("what to run")
+    what.add_argument(
+        "--preset",
+        choices=list(cases_mod.PRESETS),
+        help="shape set: "
+        + "; ".join(f"{k}: {v[1]}" for k, v in cases_mod.PRESETS.items())
+        + ". Default: seed on a GPU, smoke without one (none when --shape is given).",
+    )
+    what.add_argument(
+        "--shape",
+        action="append",
+        type=_shape,
+        default=[],
+        metavar=cases_mod.SHAPE_SYNTAX,
+        help="a one-off shape (repeatable): q (B,H,S,D), k/v (B,Hkv,Sk,D); Hkv defaults to H, "
+        "Sk to S",
+    )
+    what.add_argument(
+        "--providers",
+        type=_csv(list(PROVIDERS), extra=("all",)),
+        metavar="LIST",
+        help=f"comma-separated, from {', '.join(PROVIDERS)} or 'all'. Default on a GPU: "
+        f"{','.join(DEFAULT_GPU)}; without one: {','.join(DEFAULT_CPU)}",
+    )
+    what.add_argument(
+        "--mode",
+        type=_csv(MODES),
+        default=["fwd"],
+        metavar="LIST",
+        help="comma-separated from fwd, bwd (backward alone), fwdbwd (default: fwd)",
+    )
+    what.add_argument(
+        "--dtype",
+        type=_csv(list(DTYPES)),
+        default=["bf16"],
+        metavar="LIST",
+        help="comma-separated from fp16, bf16 (default: bf16)",
+    )
+    what.add_argument("--causal", choices=["both", "on", "off"], default="both")
+    what.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run on the CPU through Triton's interpreter even with a GPU",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", metavar="FILE.jsonl", help="write one JSON row per measurement")
+    out.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="TFLOP/s vs sequence length per provider, one panel per (D, causal, mode); "
+        "needs matplotlib and a GPU run",
+    )
+    out.add_argument(
+        "--resources",
+        action="store_true",
+        help="after the run, list each compiled flashcore kernel variant: block sizes, warps, "
+        "stages, registers, spills, shared memory",
+    )
+    timing = parser.add_argument_group("timing")
+    timing.add_argument(
+        "--warmup", type=_positive_int, default=25, metavar="MS", help="do_bench warm-up (ms)"
+    )
+    timing.add_argument(
+        "--rep", type=_positive_int, default=100, metavar="MS", help="do_bench repetition (ms)"
+    )
+    return parser
+
+
+def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: bool) -> None:
+    if not on_gpu and args.preset in ("seed", "sweep"):
+        why = "--cpu was given" if args.cpu else "no CUDA device is available"
+        parser.error(
+            f"--preset {args.preset} needs a GPU ({why}); the Triton interpreter runs "
+            "--preset smoke or small --shape cases"
+        )
+    if args.plot:
+        if not on_gpu:
+            parser.error("--plot draws TFLOP/s, which only a GPU run measures; drop --plot")
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install 'flashcore[bench]'")
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    # disable=None: no bar when stderr is not a terminal (CI logs, redirected runs).
+    return tqdm(total=total, file=sys.stderr, disable=None, leave=False, unit="run")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    on_gpu = torch.cuda.is_available() and not args.cpu
+    if not on_gpu:
+        # Read when flashcore defines its kernels, at its first call: early enough here.
+        os.environ["TRITON_INTERPRET"] = "1"
+    _validate(parser, args, on_gpu)
+
+    presets = (
+        [args.preset] if args.preset else [] if args.shape else ["seed" if on_gpu else "smoke"]
+    )
+    cases = cases_mod.select_cases(presets, args.shape, args.causal)
+    if not cases:
+        parser.error("no case left to run (check --causal against the preset)")
+    names = args.providers or (DEFAULT_GPU if on_gpu else DEFAULT_CPU)
+    if "all" in names:
+        names = list(PROVIDERS)
+    providers = [PROVIDERS[n] for n in names]
+    argv_text = shlex.join(sys.argv[1:] if argv is None else argv)
+    return _run(args, on_gpu, cases, providers, command=f"flashcore-bench {argv_text}".strip())
+
+
+def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
+    # Imported here, after the interpreter switch: these pull in triton.
+    from flashcore.bench import metrics, report, resources, runner
+
+    env = report.environment(on_gpu, command)
+    settings = runner.Settings(
+        device=torch.device("cuda" if on_gpu else "cpu"),
+        on_gpu=on_gpu,
+        warmup=args.warmup,
+        rep=args.rep,
+    )
+    print(
+        f"flashcore-bench: {env['device']}; torch {env['torch']}, triton {env['triton']}, "
+        f"flashcore {env['flashcore']} ({env['git_sha'] or 'no git sha'})"
+    )
+    peak = None
+    if on_gpu:
+        peak = metrics.peak_matmul_tflops(warmup=args.warmup, rep=args.rep)
+        print(f"bf16 matmul peak measured now (cuBLAS {metrics.PEAK_N}^3): {peak:.0f} TFLOP/s")
+    else:
+        print("No GPU: kernels run through Triton's interpreter. Correctness is checked for real;")
+        print("times are interpreter wall times, not performance.")
+    print()
+    print(report.table_header(not on_gpu))
+
+    out_file = open(args.out, "w") if args.out else None  # noqa: SIM115 (rows stream as they come)
+    total = len(cases) * len(args.dtype) * len(args.mode) * len(providers)
+    bar = _progress(total)
+    emit = bar.write if bar is not None else print
+    rows: list[dict] = []
+    try:
+        for case in cases:
+            for dtype_name in args.dtype:
+                if bar is not None:
+                    bar.set_postfix_str(f"{case.label} {dtype_name}")
+                inputs = runner.Inputs(case, DTYPES[dtype_name], args.mode, settings)
+                for mode in args.mode:
+                    results = runner.run_group(providers, case, mode, inputs, settings)
+                    base = next(
+                        (r for r in results if r.provider == BASELINE and r.timing is not None),
+                        None,
+                    )
+                    group = []
+                    for r in results:
+                        speedup = base.timing.p50 / r.timing.p50 if base and r.timing else None
+                        group.append(report.measurement_row(r, env=env, peak=peak, speedup=speedup))
+                    for row in group:
+                        emit(report.table_row(row))
+                    if out_file:
+                        report.write_jsonl(out_file, group)
+                    rows += group
+                    if bar is not None:
+                        bar.update(len(results))
+                del inputs
+                if on_gpu:
+                    torch.cuda.empty_cache()
+    finally:
+        if bar is not None:
+            bar.close()
+        if out_file:
+            out_file.close()
+    print()
+    print(report.table_footer(not on_gpu, peak))
+
+    if args.resources:
+        found = resources.collect() if on_gpu else None
+        text, spill_warnings = resources.format_report(found)
+        print()
+        print(text)
+        for w in spill_warnings:
+            print(w, file=sys.stderr)
+        if args.out and found:
+            with open(args.out, "a") as f:
+                report.write_jsonl(f, [{**r.as_row(), **env} for r in found])
+
+    if args.plot:
+        report.plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+    if args.out:
+        print(f"rows: {args.out}")
+
+    counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "wrong", "refused")}
+    print(f"{counts['ok']} ok, {counts['wrong']} wrong, {counts['refused']} refused")
+    flashcore_wrong = [r for r in rows if r["provider"] == "flashcore" and r["status"] == "wrong"]
+    return 1 if flashcore_wrong else 0

@@ -1,0 +1,100 @@
+"""FLOP counts, timing and the matmul ceiling.
+
+FLOPs follow the FlashAttention papers so that TFLOP/s compare with theirs: the forward is the two
+matmuls, ``4 * B * H * Sq * Sk * D``, halved for causal; the backward counts 2.5x the forward (five
+matmuls instead of two), forward+backward 3.5x. Softmax work is not counted. For causal with
+Sq != Sk, where "halved" has no meaning (Sq = 1 sees every key), the exact number of visible
+(query, key) pairs replaces ``Sq * Sk / 2``.
+
+Timing on a GPU is ``triton.testing.do_bench`` (L2 flushed between calls, CUDA events), reported as
+the 20th, 50th and 80th percentiles in milliseconds. Under Triton's interpreter nothing runs on a
+GPU and do_bench cannot time; there the wall time of a few calls (``time.perf_counter``) is kept
+only to show how long the interpreter took, labelled ``interpreter-wall``, and never turned into
+TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from flashcore.bench.cases import Case
+
+MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+QUANTILES = (0.2, 0.5, 0.8)
+TIMER_GPU = "do_bench"
+TIMER_INTERPRETER = "interpreter-wall"
+PEAK_N = 8192
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> float:
+    """(query, key) pairs the FLOP rule counts; see the module docstring."""
+    if not causal:
+        return float(seqlen_q * seqlen_k)
+    if seqlen_q == seqlen_k:
+        return seqlen_q * seqlen_k / 2
+    # Bottom-right: query i sees min(Sk, max(0, i + Sk - Sq + 1)) keys.
+    diag = seqlen_k - seqlen_q
+    return float(sum(min(seqlen_k, max(0, i + diag + 1)) for i in range(seqlen_q)))
+
+
+def attention_flops(case: Case, mode: str) -> float:
+    s = case.shape
+    fwd = 4 * s.batch * s.heads * visible_pairs(s.seqlen_q, s.seqlen_k, case.causal) * s.head_dim
+    return fwd * MODE_FACTOR[mode]
+
+
+def tflops(flops: float, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 else flops / ms / 1e9
+
+
+class Timing(NamedTuple):
+    p20: float
+    p50: float
+    p80: float
+    timer: str
+
+
+def time_gpu(
+    fn: Callable[[], object],
+    *,
+    warmup: int,
+    rep: int,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> Timing:
+    """do_bench quantiles (ms) of ``fn`` on the current CUDA device."""
+    from triton.testing import do_bench
+
+    p20, p50, p80 = do_bench(
+        fn, warmup=warmup, rep=rep, grad_to_none=grad_to_none, quantiles=list(QUANTILES)
+    )
+    return Timing(p20, p50, p80, TIMER_GPU)
+
+
+def time_interpreter(
+    fn: Callable[[], object], *, reps: int, grad_to_none: Sequence[torch.Tensor] | None = None
+) -> Timing:
+    """Wall time (ms) of ``reps`` CPU calls: how long the interpreter took, NOT performance."""
+    times = []
+    for _ in range(reps):
+        for t in grad_to_none or ():
+            t.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    if len(times) == 1:
+        return Timing(times[0], times[0], times[0], TIMER_INTERPRETER)
+    p20, _, _, p80 = statistics.quantiles(times, n=5, method="inclusive")[:4]
+    return Timing(p20, statistics.median(times), p80, TIMER_INTERPRETER)
+
+
+def peak_matmul_tflops(*, warmup: int, rep: int) -> float:
+    """The bf16 matmul rate this GPU reaches in this run: cuBLAS ``8192^3`` via torch.matmul."""
+    a = torch.randn(PEAK_N, PEAK_N, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(PEAK_N, PEAK_N, device="cuda", dtype=torch.bfloat16)
+    timing = time_gpu(lambda: torch.matmul(a, b), warmup=warmup, rep=rep)
+    return 2 * PEAK_N**3 / timing.p50 / 1e9

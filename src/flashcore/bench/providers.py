@@ -1,0 +1,124 @@
+"""Attention implementations the benchmark compares, under one calling convention.
+
+A provider prepares, per case, a function ``fn(q, k, v) -> out`` with flashcore's semantics
+(q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``, scale ``1/sqrt(D)``, bottom-right causal), and a
+context to run it in (the SDPA backend selection). Anything a provider raises while preparing,
+running or differentiating is reported as "refused" with the reason; it never stops the run.
+
+Mapping to PyTorch:
+- ``sdpa``: ``F.scaled_dot_product_attention`` with PyTorch's default backend choice; ``sdpa-*``
+  force one backend with ``torch.nn.attention.sdpa_kernel``.
+- GQA (Hkv < H) passes ``enable_gqa=True``; a backend without GQA refuses.
+- Causal: SDPA's ``is_causal`` is top-left aligned, flashcore's bottom-right; they agree only when
+  Sq == Sk. For causal Sq != Sk SDPA gets an explicit bottom-right boolean ``attn_mask``
+  (``flashcore.reference.causal_mask``); backends that take no mask (flash) refuse.
+- ``flex``: FlexAttention compiled with ``torch.compile`` (one compiled function; a block mask per
+  causal case, built outside the timed region), ``enable_gqa`` for GQA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from flashcore import reference
+from flashcore.bench.cases import Case
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Refused(Exception):
+    """A provider cannot run a case (unavailable, unsupported shape); the message says why."""
+
+
+@dataclass(frozen=True)
+class Provider:
+    name: str
+    doc: str
+    prepare: Callable[[Case, torch.device], AttnFn]
+    backend: str | None = None
+    """SDPBackend member to force, or None."""
+
+    def context(self) -> contextlib.AbstractContextManager:
+        if self.backend is None:
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel(getattr(SDPBackend, self.backend))
+
+
+def _flashcore(case: Case, device: torch.device) -> AttnFn:
+    import flashcore
+
+    causal = case.causal
+    return lambda q, k, v: flashcore.attention(q, k, v, causal=causal)
+
+
+def _sdpa(case: Case, device: torch.device) -> AttnFn:
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    s = case.shape
+    kwargs = {"enable_gqa": True} if s.kv_heads != s.heads else {}
+    if case.causal and s.seqlen_q != s.seqlen_k:
+        mask = reference.causal_mask(s.seqlen_q, s.seqlen_k, device=device)
+        return lambda q, k, v: sdpa(q, k, v, attn_mask=mask, **kwargs)
+    causal = case.causal
+    return lambda q, k, v: sdpa(q, k, v, is_causal=causal, **kwargs)
+
+
+@functools.cache
+def _compiled_flex() -> Callable:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError as e:
+        raise Refused(f"FlexAttention is unavailable in torch {torch.__version__}: {e}") from None
+    # One compiled function serves every shape (dynamic=False: a graph per shape, as FlexAttention
+    # is meant to be used); a sweep needs more recompiles than dynamo's default limit of 8.
+    from torch._dynamo import config
+
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), 256))
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex(case: Case, device: torch.device) -> AttnFn:
+    flex = _compiled_flex()
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    s = case.shape
+    block_mask = None
+    if case.causal:
+        diag = s.seqlen_k - s.seqlen_q
+
+        def bottom_right(b, h, q_idx, kv_idx):
+            return kv_idx <= q_idx + diag
+
+        block_mask = create_block_mask(
+            bottom_right, None, None, s.seqlen_q, s.seqlen_k, device=device
+        )
+    gqa = s.kv_heads != s.heads
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+PROVIDERS: dict[str, Provider] = {
+    p.name: p
+    for p in [
+        Provider("flashcore", "flashcore.attention (Triton)", _flashcore),
+        Provider("sdpa", "F.scaled_dot_product_attention, PyTorch's backend choice", _sdpa),
+        Provider("sdpa-flash", "SDPA forced to FLASH_ATTENTION", _sdpa, "FLASH_ATTENTION"),
+        Provider("sdpa-cudnn", "SDPA forced to CUDNN_ATTENTION", _sdpa, "CUDNN_ATTENTION"),
+        Provider(
+            "sdpa-efficient", "SDPA forced to EFFICIENT_ATTENTION", _sdpa, "EFFICIENT_ATTENTION"
+        ),
+        Provider("sdpa-math", "SDPA forced to MATH (materialises Sq x Sk)", _sdpa, "MATH"),
+        Provider("flex", "FlexAttention under torch.compile", _flex),
+    ]
+}
+
+DEFAULT_GPU = ["flashcore", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]
+DEFAULT_CPU = ["flashcore", "sdpa", "sdpa-math"]
+BASELINE = "sdpa"

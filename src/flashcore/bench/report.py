@@ -1,0 +1,268 @@
+"""Output: JSONL rows, the fixed-width table, the plot, and the run's environment."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import platform
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from flashcore.bench import metrics
+from flashcore.bench.runner import Measurement
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def git_sha() -> str | None:
+    """HEAD of the checkout flashcore is imported from (``-dirty`` with local changes), if any."""
+    where = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(where), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha or None
+
+
+def environment(on_gpu: bool, command: str) -> dict:
+    """What every row records about where and how it was measured."""
+    import triton
+
+    import flashcore
+
+    return {
+        "device": torch.cuda.get_device_name() if on_gpu else "CPU (Triton interpreter)",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": triton.__version__,
+        "flashcore": flashcore.__version__,
+        "python": platform.python_version(),
+        "git_sha": git_sha(),
+        "command": command,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _num(x: float | None) -> float | None:
+    """JSON has no inf/NaN: those become null (the status and reason say what happened)."""
+    return None if x is None or not math.isfinite(x) else x
+
+
+def measurement_row(
+    m: Measurement, *, env: dict, peak: float | None, speedup: float | None
+) -> dict:
+    s = m.case.shape
+    flops = metrics.attention_flops(m.case, m.mode)
+    t = m.timing
+    gpu_time = t is not None and t.timer == metrics.TIMER_GPU
+    rate = metrics.tflops(flops, t.p50) if gpu_time else None
+    errors = m.errors or {}
+    return {
+        "record": "measurement",
+        "provider": m.provider,
+        "mode": m.mode,
+        "dtype": DTYPE_NAMES[m.dtype],
+        "shape": s.spec,
+        "batch": s.batch,
+        "heads": s.heads,
+        "kv_heads": s.kv_heads,
+        "seqlen_q": s.seqlen_q,
+        "seqlen_k": s.seqlen_k,
+        "head_dim": s.head_dim,
+        "causal": m.case.causal,
+        "status": m.status,
+        "reason": m.reason,
+        "ms_p20": t.p20 if t else None,
+        "ms_p50": t.p50 if t else None,
+        "ms_p80": t.p80 if t else None,
+        "timer": t.timer if t else None,
+        "flops": flops,
+        "tflops": rate,
+        "pct_peak": 100 * rate / peak if rate and peak else None,
+        "speedup_vs_sdpa": speedup if gpu_time else None,
+        "rel_err": _num(m.rel_err),
+        "max_abs_err": _num(max(e.err for e in errors.values())) if errors else None,
+        "errors": {
+            name: {
+                "err": _num(e.err),
+                "pt_err": _num(e.pt_err),
+                "ref_max": _num(e.ref_max),
+                "bound": _num(e.bound),
+                "ok": e.ok,
+            }
+            for name, e in errors.items()
+        },
+        "warnings": list(m.warnings),
+        "peak_bf16_tflops": peak,
+        **env,
+    }
+
+
+def write_jsonl(stream: IO[str], rows: Iterable[dict]) -> None:
+    for row in rows:
+        stream.write(json.dumps(row) + "\n")
+    stream.flush()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+# name, width, alignment
+_COLUMNS = [
+    ("provider", 15, "<"),
+    ("shape", 17, "<"),
+    ("causal", 7, "<"),
+    ("mode", 7, "<"),
+    ("dtype", 5, "<"),
+    ("p50 ms", 10, ">"),
+    ("p20-p80 ms", 18, ">"),
+    ("TFLOP/s", 8, ">"),
+    ("%peak", 6, ">"),
+    ("vs sdpa", 8, ">"),
+    ("rel err", 9, ">"),
+]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_header(interpreted: bool) -> str:
+    names = [("wall ms*" if interpreted and n == "p50 ms" else n) for n, _, _ in _COLUMNS]
+    cells = [f"{n:{a}{w}}" for n, (_, w, a) in zip(names, _COLUMNS, strict=True)]
+    head = " ".join(cells) + "  status"
+    return head + "\n" + "-" * len(head)
+
+
+def table_row(row: dict) -> str:
+    p20, p50, p80 = row["ms_p20"], row["ms_p50"], row["ms_p80"]
+    single = p50 is None or row["timer"] != metrics.TIMER_GPU
+    spread = "-" if single else f"{p20:.4g}-{p80:.4g}"
+    values = [
+        row["provider"],
+        row["shape"],
+        "causal" if row["causal"] else "full",
+        row["mode"],
+        row["dtype"],
+        _fmt(p50, ".4g"),
+        spread,
+        _fmt(row["tflops"], ".1f"),
+        _fmt(row["pct_peak"], ".0f"),
+        _fmt(row["speedup_vs_sdpa"], ".2f"),
+        _fmt(row["rel_err"], ".1e"),
+    ]
+    cells = [f"{v!s:{a}{w}}" for v, (_, w, a) in zip(values, _COLUMNS, strict=True)]
+    status = {"ok": "ok", "wrong": "WRONG", "refused": "refused"}[row["status"]]
+    text = " ".join(cells) + f"  {status}"
+    if row["reason"]:
+        reason = row["reason"]
+        text += f" ({reason[:97] + '...' if len(reason) > 100 else reason})"
+    return text
+
+
+def table_footer(interpreted: bool, peak: float | None) -> str:
+    lines = [
+        "rel err = max|x - ref| / max|ref| over out (and dq, dk, dv in backward modes); WRONG = "
+        "outside FlashAttention's rule max|x - ref| <= 2 max|pt - ref| + eps."
+    ]
+    if interpreted:
+        lines.append(
+            "* Triton interpreter on the CPU: wall time (time.perf_counter) of one call, "
+            "recorded only to show how long the interpreter took. NOT performance."
+        )
+    else:
+        lines.append(
+            "Times: triton.testing.do_bench, median and 20th-80th percentiles. TFLOP/s: fwd "
+            "4*B*H*Sq*Sk*D (causal: half), bwd 2.5x, fwd+bwd 3.5x."
+        )
+        if peak:
+            lines.append(
+                f"%peak: of the bf16 matmul rate measured in this run "
+                f"(cuBLAS {metrics.PEAK_N}^3, torch.matmul): {peak:.0f} TFLOP/s."
+            )
+    return "\n".join(lines)
+
+
+def _seq_label(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def plot(rows: list[dict], path: str | Path) -> None:
+    """TFLOP/s against sequence length (Sq) per provider, one panel per (D, causal, mode).
+
+    Points outside the error rule are circled in red. Only rows timed on a GPU have TFLOP/s.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r.get("record") == "measurement" and r.get("tflops") is not None]
+    if not timed:
+        raise ValueError(
+            "nothing to plot: no row has TFLOP/s (only GPU runs timed with do_bench have them)"
+        )
+    panels = sorted({(r["head_dim"], r["causal"], r["mode"]) for r in timed})
+    providers = list(dict.fromkeys(r["provider"] for r in timed))
+    dtypes = sorted({r["dtype"] for r in timed})
+    # The sweep's four panels (D 64/128 x causal or not) read best as 2 x 2: a row per D.
+    ncols = 2 if len(panels) in (2, 4) else min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.8 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (head_dim, causal, mode) in zip(axes.flat, panels, strict=False):
+        panel = [
+            r for r in timed if (r["head_dim"], r["causal"], r["mode"]) == (head_dim, causal, mode)
+        ]
+        for provider in providers:
+            for dtype in dtypes:
+                pts = sorted(
+                    (r["seqlen_q"], r["tflops"], r["status"])
+                    for r in panel
+                    if r["provider"] == provider and r["dtype"] == dtype
+                )
+                if not pts:
+                    continue
+                label = provider if len(dtypes) == 1 else f"{provider} {dtype}"
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+                bad = [p for p in pts if p[2] != "ok"]
+                if bad:
+                    ax.scatter(
+                        [p[0] for p in bad], [p[1] for p in bad],
+                        s=150, facecolors="none", edgecolors="red", zorder=3,
+                        label=f"{label}: WRONG",
+                    )  # fmt: skip
+        seqlens = sorted({r["seqlen_q"] for r in panel})
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqlens, [_seq_label(n) for n in seqlens])
+        ax.set_title(f"D={head_dim}, {'causal' if causal else 'non-causal'}, {mode}")
+        ax.set_xlabel("sequence length (Sq)")
+        ax.set_ylabel("TFLOP/s")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    first = timed[0]
+    sha = first.get("git_sha") or "no git sha"
+    fig.suptitle(
+        f"flashcore-bench on {first.get('device')}, {', '.join(dtypes)} "
+        f"(torch {first.get('torch')}, triton {first.get('triton')}, {sha})",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

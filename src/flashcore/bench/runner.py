@@ -1,0 +1,214 @@
+"""One measurement: prepare a provider, check it against the reference, then time it.
+
+Modes (what is timed):
+- ``fwd``: ``fn(q, k, v)`` on inputs that do not require grad.
+- ``bwd``: the backward alone, ``out.backward(do, retain_graph=True)`` on one retained forward graph
+  (FlashAttention's benchmarks do the same), gradients reset to None between calls.
+- ``fwdbwd``: a fresh forward and its backward per call.
+
+Backward goes through torch autograd only, so any differentiable provider works; one that cannot
+differentiate (no autograd formula registered) is "refused" with PyTorch's message.
+
+Every measurement is checked before it is timed: ``out`` for fwd, ``out`` and ``dq, dk, dv`` for
+the backward modes. A provider outside FlashAttention's error rule is still timed and its status is
+"wrong". Only calls into the provider are guarded: an exception there makes the row "refused" (the
+stage and message are kept); a bug in the benchmark itself still stops the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flashcore.bench import check, metrics
+from flashcore.bench.cases import Case
+from flashcore.bench.providers import Provider
+
+MODES = ("fwd", "bwd", "fwdbwd")
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    on_gpu: bool
+    warmup: int = 25
+    rep: int = 100
+    interpreter_reps: int = 1
+    ref_budget_bytes: int = 1 << 30
+
+    @property
+    def ref_dtype(self) -> torch.dtype:
+        return torch.float32 if self.on_gpu else torch.float64
+
+
+@dataclass
+class Measurement:
+    provider: str
+    case: Case
+    dtype: torch.dtype
+    mode: str
+    status: str
+    """"ok", "wrong" (outside the error rule; still timed) or "refused" (raised)."""
+    reason: str | None = None
+    timing: metrics.Timing | None = None
+    errors: dict[str, check.TensorError] | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def rel_err(self) -> float | None:
+        return max(e.rel for e in self.errors.values()) if self.errors else None
+
+
+class Inputs:
+    """Random inputs of one (case, dtype), the same for every provider, and their reference."""
+
+    def __init__(self, case: Case, dtype: torch.dtype, modes: Sequence[str], settings: Settings):
+        s = case.shape
+        gen = torch.Generator(device=settings.device).manual_seed(0)
+
+        def randn(*shape: int) -> torch.Tensor:
+            return torch.randn(shape, generator=gen, dtype=dtype, device=settings.device)
+
+        self.q = randn(s.batch, s.heads, s.seqlen_q, s.head_dim)
+        self.k = randn(s.batch, s.kv_heads, s.seqlen_k, s.head_dim)
+        self.v = randn(s.batch, s.kv_heads, s.seqlen_k, s.head_dim)
+        backward = any(m != "fwd" for m in modes)
+        self.do = randn(s.batch, s.heads, s.seqlen_q, s.head_dim) if backward else None
+        self.ref = check.compute_reference(
+            self.q,
+            self.k,
+            self.v,
+            self.do,
+            causal=case.causal,
+            ref_dtype=settings.ref_dtype,
+            budget_bytes=settings.ref_budget_bytes,
+        )
+
+
+def _sync(settings: Settings) -> None:
+    if settings.on_gpu:
+        torch.cuda.synchronize()
+
+
+def _first_line(obj: object) -> str:
+    lines = str(obj).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def _describe(stage: str, exc: BaseException) -> str:
+    return f"{stage}: {type(exc).__name__}: {_first_line(exc)}"[:300]
+
+
+def measure(
+    provider: Provider, case: Case, mode: str, inputs: Inputs, settings: Settings
+) -> Measurement:
+    """Check, then time, one provider on one case in one mode. Never raises for the provider."""
+    with warnings.catch_warnings(record=True) as caught, contextlib.ExitStack() as stack:
+        warnings.simplefilter("always")
+        try:
+            stack.enter_context(provider.context())
+        except Exception as e:  # e.g. a backend this torch does not have
+            result = Measurement(
+                provider.name, case, inputs.q.dtype, mode, "refused", _describe("backend", e)
+            )
+        else:
+            result = _measure(provider, case, mode, inputs, settings)
+    # Keep what providers say about themselves (SDPA explains refusals in UserWarnings); drop
+    # library deprecation noise such as numpy's from Triton's interpreter.
+    kept = [w for w in caught if not issubclass(w.category, DeprecationWarning | FutureWarning)]
+    messages = tuple(dict.fromkeys(_first_line(w.message)[:200] for w in kept))
+    result.warnings = messages
+    if result.status == "refused" and messages:
+        result.reason = f"{result.reason} [warnings: {'; '.join(messages[:3])}]"
+    if result.status == "refused" and settings.on_gpu:
+        torch.cuda.empty_cache()
+    return result
+
+
+def _measure(
+    provider: Provider, case: Case, mode: str, inputs: Inputs, settings: Settings
+) -> Measurement:
+    def refuse(stage: str, exc: Exception, errors=None) -> Measurement:
+        return Measurement(
+            provider.name, case, inputs.q.dtype, mode, "refused", _describe(stage, exc),
+            errors=errors,
+        )  # fmt: skip
+
+    q, k, v, do, ref = inputs.q, inputs.k, inputs.v, inputs.do, inputs.ref
+    try:
+        fn = provider.prepare(case, settings.device)
+    except Exception as e:
+        return refuse("prepare", e)
+
+    if mode == "fwd":
+        try:
+            out = fn(q, k, v)
+            _sync(settings)
+        except Exception as e:
+            return refuse("forward", e)
+        errors = {"out": check.compare(out, ref.out, ref.pt_out)}
+        del out
+
+        def bench() -> object:
+            return fn(q, k, v)
+
+        grad_to_none = None
+    else:
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        try:
+            out = fn(*leaves)
+            _sync(settings)
+        except Exception as e:
+            return refuse("forward", e)
+        try:
+            out.backward(do, retain_graph=mode == "bwd")
+            _sync(settings)
+        except Exception as e:
+            return refuse("backward", e)
+        errors = {"out": check.compare(out, ref.out, ref.pt_out)}
+        for name, leaf, r, pt in zip(
+            check.GRAD_NAMES, leaves, ref.grads, ref.pt_grads, strict=True
+        ):
+            grad = leaf.grad if leaf.grad is not None else torch.full_like(leaf, float("nan"))
+            errors[name] = check.compare(grad, r, pt)
+        for leaf in leaves:
+            leaf.grad = None
+        if mode == "bwd":
+            retained = out
+
+            def bench() -> object:
+                return retained.backward(do, retain_graph=True)
+
+        else:
+            del out
+
+            def bench() -> object:
+                return fn(*leaves).backward(do)
+
+        grad_to_none = leaves
+
+    try:
+        if settings.on_gpu:
+            timing = metrics.time_gpu(
+                bench, warmup=settings.warmup, rep=settings.rep, grad_to_none=grad_to_none
+            )
+        else:
+            timing = metrics.time_interpreter(
+                bench, reps=settings.interpreter_reps, grad_to_none=grad_to_none
+            )
+    except Exception as e:
+        return refuse("timing", e, errors)
+    wrong = [f"{n}: err {e.err:.2e} > bound {e.bound:.2e}" for n, e in errors.items() if not e.ok]
+    status, reason = ("wrong", "; ".join(wrong)) if wrong else ("ok", None)
+    return Measurement(provider.name, case, q.dtype, mode, status, reason, timing, errors)
+
+
+def run_group(
+    providers: Sequence[Provider], case: Case, mode: str, inputs: Inputs, settings: Settings
+) -> list[Measurement]:
+    """Every provider on one (case, dtype, mode), in order."""
+    return [measure(provider, case, mode, inputs, settings) for provider in providers]

@@ -1,0 +1,280 @@
+"""The flashcore-bench CLI: the smoke run end to end, argument errors, and its building blocks.
+
+Without CUDA everything runs through Triton's interpreter (conftest sets it); with CUDA the smoke
+run is timed with do_bench, and the assertions below hold either way.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashcore.bench import cases, check, metrics, providers
+from flashcore.bench.cli import main
+from flashcore.bench.report import read_jsonl
+
+HAS_CUDA = torch.cuda.is_available()
+KEYS = {
+    "provider", "mode", "dtype", "shape", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k",
+    "head_dim", "causal", "status", "reason", "ms_p20", "ms_p50", "ms_p80", "timer", "tflops",
+    "pct_peak", "speedup_vs_sdpa", "rel_err", "errors", "device", "torch", "triton", "git_sha",
+}  # fmt: skip
+
+
+def measurements(path) -> list[dict]:
+    return [r for r in read_jsonl(path) if r["record"] == "measurement"]
+
+
+def test_smoke_preset(tmp_path, capsys):
+    out = tmp_path / "smoke.jsonl"
+    argv = ["--preset", "smoke", "--providers", "flashcore,sdpa,sdpa-math", "--out", str(out)]
+    assert main([*argv, "--resources"]) == 0
+    stdout = capsys.readouterr().out
+    rows = measurements(out)
+    expected = cases.select_cases(["smoke"], [], "both")
+    assert len(rows) == 3 * len(expected)
+    assert {(r["shape"], r["causal"]) for r in rows} == {(c.shape.spec, c.causal) for c in expected}
+    for row in rows:
+        assert row.keys() >= KEYS, KEYS - row.keys()
+        assert row["mode"] == "fwd" and row["dtype"] == "bf16"
+        assert row["status"] == "ok", row
+        assert row["ms_p20"] <= row["ms_p50"] <= row["ms_p80"]
+        if HAS_CUDA:
+            assert row["timer"] == metrics.TIMER_GPU and row["tflops"] > 0
+        else:
+            assert row["timer"] == metrics.TIMER_INTERPRETER
+            assert row["tflops"] is None and row["speedup_vs_sdpa"] is None
+    for row in (r for r in rows if r["provider"] == "flashcore"):
+        err = row["errors"]["out"]
+        assert err["ok"] and err["err"] <= err["bound"]
+        assert row["rel_err"] < 2e-2  # bf16: a few units of 2^-8
+    if HAS_CUDA:
+        assert "Compiled flashcore kernels" in stdout
+    else:
+        assert "NOT performance" in stdout
+        assert "unavailable under the Triton interpreter" in stdout
+
+
+def test_backward_modes(tmp_path):
+    out = tmp_path / "bwd.jsonl"
+    argv = ["--shape", "1,4,40,32,2,56", "--mode", "bwd,fwdbwd", "--dtype", "fp16"]
+    assert main([*argv, "--providers", "flashcore,sdpa", "--out", str(out)]) == 0
+    rows = measurements(out)
+    assert len(rows) == 2 * 2 * 2  # causal x mode x provider
+    for row in rows:
+        if row["provider"] == "sdpa":
+            assert row["status"] == "ok", row
+            assert set(row["errors"]) == {"out", "dq", "dk", "dv"}
+            assert row["flops"] == metrics.attention_flops(
+                cases.Case(cases.parse_shape(row["shape"]), row["causal"]), row["mode"]
+            )
+        else:
+            # Differentiable once flashcore registers autograd; until then refused, never a crash.
+            assert row["status"] in ("ok", "refused"), row
+            if row["status"] == "refused":
+                assert row["reason"].startswith("backward:")
+
+
+def _register(monkeypatch, name, prepare):
+    monkeypatch.setitem(providers.PROVIDERS, name, providers.Provider(name, "test", prepare))
+
+
+def test_wrong_and_refusing_providers(tmp_path, monkeypatch):
+    sdpa = providers.PROVIDERS["sdpa"].prepare
+
+    def off_by_5_percent(case, device):
+        fn = sdpa(case, device)
+        return lambda q, k, v: fn(q, k, v) * 1.05
+
+    def refuses(case, device):
+        raise providers.Refused("no such kernel here")
+
+    _register(monkeypatch, "broken", off_by_5_percent)
+    _register(monkeypatch, "refuses", refuses)
+    out = tmp_path / "rows.jsonl"
+    argv = ["--shape", "1,2,32,16", "--causal", "off", "--providers", "sdpa,broken,refuses"]
+    assert main([*argv, "--out", str(out)]) == 0  # only a wrong flashcore fails the run
+    rows = {r["provider"]: r for r in measurements(out)}
+    assert rows["sdpa"]["status"] == "ok"
+    assert rows["broken"]["status"] == "wrong"
+    assert rows["broken"]["ms_p50"] is not None  # still timed, but marked
+    assert "out: err" in rows["broken"]["reason"]
+    assert rows["refuses"]["status"] == "refused"
+    assert rows["refuses"]["reason"] == "prepare: Refused: no such kernel here"
+    assert rows["refuses"]["ms_p50"] is None
+
+    _register(monkeypatch, "flashcore", off_by_5_percent)
+    assert main([*argv[:-1], "flashcore", "--out", str(out)]) == 1
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ("1,2,3", "expected B,H,S,D[,Hkv[,Sk]] (4 to 6 integers)"),
+        ("1,2,x,64", "with integers"),
+        ("1,0,128,64", "H must be a positive integer"),
+        ("1,6,128,64,4", "H (6) must be a multiple of Hkv (4)"),
+        ("1,2,128,512", "D must be at most 256"),
+    ],
+)
+def test_bad_shape(shape, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--shape", shape])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --shape" in err and message in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--providers", "sdpa,nope"], "nope not in"),
+        (["--mode", "fwd,back"], "back not in"),
+        (["--dtype", "fp8"], "fp8 not in"),
+        (["--causal", "maybe"], "invalid choice"),
+        (["--preset", "smoke", "--causal", "on", "--shape", "1,1,8,16", "--warmup", "0"], "warmup"),
+    ],
+)
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the GPU-only errors need a machine without CUDA")
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "seed"], "--preset seed needs a GPU"),
+        (["--preset", "smoke", "--plot", "x.png"], "--plot draws TFLOP/s"),
+    ],
+)
+def test_gpu_only_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    result = subprocess.run(
+        [sys.executable, "-m", "flashcore.bench", "--help"], capture_output=True, text=True
+    )
+    assert result.returncode == 0
+    assert "--preset" in result.stdout and "flashcore-bench" in result.stdout
+
+
+def test_shape_syntax_round_trip():
+    for text in ["1,8,512,64", "2,16,1024,128,4", "1,8,1,64,8,4096", "1,8,100,64,2,300"]:
+        assert cases.parse_shape(text).spec == text
+    assert cases.parse_shape("1,8,512,64,8,512").spec == "1,8,512,64"
+
+
+def test_presets():
+    sweep = cases.preset_cases("sweep")
+    assert len(sweep) == 6 * 2 * 2
+    for c in sweep:
+        s = c.shape
+        assert s.heads * s.head_dim == 2048 and s.batch * s.seqlen_q == 16384
+        assert s.seqlen_k == s.seqlen_q and s.kv_heads == s.heads
+    assert {c.shape.seqlen_q for c in sweep} == {512, 1024, 2048, 4096, 8192, 16384}
+    seed = cases.select_cases(["seed"], [], "on")
+    assert all(c.causal for c in seed) and len(seed) == 2
+    extra = cases.parse_shape("1,2,64,32")
+    assert cases.select_cases(["seed"], [extra], "off")[-1] == cases.Case(extra, False)
+
+
+def test_flop_rule():
+    full = cases.Case(cases.shape(2, 8, 1024, 64), False)
+    causal = full._replace(causal=True)
+    assert metrics.attention_flops(full, "fwd") == 4 * 2 * 8 * 1024 * 1024 * 64
+    assert metrics.attention_flops(causal, "fwd") == metrics.attention_flops(full, "fwd") / 2
+    assert metrics.attention_flops(full, "bwd") == 2.5 * metrics.attention_flops(full, "fwd")
+    assert metrics.attention_flops(full, "fwdbwd") == 3.5 * metrics.attention_flops(full, "fwd")
+    # Sq != Sk causal counts the visible pairs exactly: a single query sees every key.
+    decode = cases.Case(cases.shape(1, 1, 1, 64, 1, 4096), True)
+    assert metrics.attention_flops(decode, "fwd") == 4 * 4096 * 64
+    # Sq > Sk: the first Sq - Sk queries see nothing, then 1, 2, ..., Sk keys.
+    tall = cases.Case(cases.shape(1, 1, 10, 16, 1, 4), True)
+    assert metrics.attention_flops(tall, "fwd") == 4 * (1 + 2 + 3 + 4) * 16
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 2), (12, 1), (6, 3)])
+@pytest.mark.parametrize("budget_heads", [1, 2, 3, 5, 100])
+def test_head_chunks_cover_every_head_once(heads, kv_heads, budget_heads):
+    group = heads // kv_heads
+    seen = []
+    for b, hq, hkv in check.head_chunks(2, heads, kv_heads, 10, 10 * budget_heads):
+        for h in range(hq.start, hq.stop):
+            assert hkv.start <= h // group < hkv.stop
+        assert (hq.stop - hq.start) <= max(budget_heads, 1) or hkv.stop - hkv.start == 1
+        # The chunk's q heads divide evenly over its kv heads (what the reference's GQA needs).
+        assert (hq.stop - hq.start) % (hkv.stop - hkv.start) == 0
+        seen += [(b, h) for h in range(hq.start, hq.stop)]
+    assert sorted(seen) == [(b, h) for b in range(2) for h in range(heads)]
+
+
+def test_chunked_reference_matches_whole():
+    q = torch.randn(2, 6, 33, 16, dtype=torch.float16)
+    k = torch.randn(2, 2, 40, 16, dtype=torch.float16)
+    v = torch.randn(2, 2, 40, 16, dtype=torch.float16)
+    do = torch.randn(2, 6, 33, 16, dtype=torch.float16)
+    whole = check.compute_reference(q, k, v, do, causal=True, ref_dtype=torch.float64)
+    # A budget of one head's scores forces chunks smaller than a GQA group (group = 3).
+    chunked = check.compute_reference(
+        q, k, v, do, causal=True, ref_dtype=torch.float64, budget_bytes=33 * 40 * 8
+    )
+    torch.testing.assert_close(chunked.out, whole.out)
+    for a, b in zip(chunked.grads, whole.grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_compare_flags_nan_and_shape():
+    ref = torch.ones(2, 3, dtype=torch.float64)
+    pt = ref.half()
+    assert check.compare(ref.half(), ref, pt).ok
+    bad = ref.half().clone()
+    bad[0, 0] = float("nan")
+    assert not check.compare(bad, ref, pt).ok and math.isinf(check.compare(bad, ref, pt).err)
+    assert not check.compare(torch.ones(3, 2, dtype=torch.float16), ref, pt).ok
+
+
+def _synthetic_rows():
+    rows = []
+    for provider, rate in [("flashcore", 300.0), ("sdpa", 250.0)]:
+        for causal in (False, True):
+            for s in (512, 1024, 2048):
+                rows.append(
+                    {"record": "measurement", "provider": provider, "mode": "fwd",
+                     "dtype": "bf16", "head_dim": 64, "causal": causal, "seqlen_q": s,
+                     "tflops": rate * (1 + s / 4096), "status": "ok", "device": "test",
+                     "torch": "x", "triton": "y", "git_sha": None}
+                )  # fmt: skip
+    rows[-1]["status"] = "wrong"
+    return rows
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    from flashcore.bench.report import plot
+
+    path = tmp_path / "plot.png"
+    plot(_synthetic_rows(), path)
+    assert path.stat().st_size > 1000
+    with pytest.raises(ValueError, match="nothing to plot"):
+        plot([{**r, "tflops": None} for r in _synthetic_rows()], path)
+
+
+def test_rows_are_strict_json(tmp_path):
+    # NaN/inf never reach the file: json.loads with strict constants must accept every row.
+    out = tmp_path / "rows.jsonl"
+    assert (
+        main(["--shape", "1,1,16,16", "--causal", "off", "--providers", "sdpa", "--out", str(out)])
+        == 0
+    )
+    for line in out.read_text().splitlines():
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
