@@ -7,17 +7,23 @@ runs without a GPU. Run without TRITON_INTERPRET (tests/test_compile_sm90.py sta
 from __future__ import annotations
 
 import json
+import os
 import sys
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
 
-from flashcore.ops.fwd import kernels
-from flashcore.tuning import fwd_config, head_block
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from flashcore.kernels import fwd, probes  # noqa: E402
+from flashcore.tuning import fwd_config, head_block  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ELEM_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
+FP32_POINTERS = {"LSE", "S", "P"}
+# Integer arguments that are sizes, not strides: no divisibility is promised for them.
+SIZES = {"num_heads", "kv_group", "seqlen_q", "seqlen_k"}
 
 # (head_dim, dtype, causal, even)
 FWD_VARIANTS = [
@@ -33,34 +39,36 @@ FWD_VARIANTS = [
     (128, "fp32", False, True),
     (256, "fp32", True, False),
 ]
+PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
+PROBES = ("probe_scores_kernel", "probe_probs_kernel", "probe_uniform_pv_kernel")
 
 
-def aligned(kernel, consts: dict, sizes: tuple[str, ...] = ()) -> dict:
-    """The specialisation a real launch gets: 16-byte aligned pointers, strides divisible by 16.
+def compile_kernel(fn, consts: dict, dtype: str, options: dict):
+    """Compile ``fn`` with the specialisation a real launch of contiguous tensors gets.
 
-    Triton 3.6 specialises only divisibility by 16 (no longer ``== 1``), so this is what the GPU
-    compiles for contiguous fp16 tensors with head dims that are multiples of 8.
+    Triton 3.6 specialises integer and pointer arguments only on divisibility by 16 (no longer on
+    ``== 1``): pointers are 16-byte aligned and strides of fp16 tensors with head dims that are
+    multiples of 8 are divisible by 16.
     """
-    names = [n for n in kernel.arg_names if n not in consts and n not in sizes]
-    return {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in names}
-
-
-def signature(kernel, consts: dict, pointers: dict, floats: tuple[str, ...]) -> dict:
-    sig = {}
-    for name in kernel.arg_names:
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
         if name in consts:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name] = pointers[name]
-        elif name in floats:
-            sig[name] = "fp32"
+            signature[name] = "constexpr"
+            continue
+        if name.isupper():
+            signature[name] = "*fp32" if name in FP32_POINTERS else f"*{dtype}"
+        elif "scale" in name:
+            signature[name] = "fp32"
+            continue
         else:
-            sig[name] = "i32"
-    return sig
+            signature[name] = "i32"
+        if name not in SIZES:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    consts = {k: v for k, v in consts.items() if k in fn.arg_names}
+    return triton.compile(ASTSource(fn, signature, consts, attrs), target=HOPPER, options=options)
 
 
-def compile_fwd(head_dim: int, dtype: str, causal: bool, even: bool) -> dict:
-    kernel = kernels().attn_fwd_kernel
+def fwd_consts(head_dim: int, dtype: str, causal: bool, even: bool):
     cfg = fwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
     consts = {
         "HEAD_DIM": head_dim,
@@ -73,26 +81,32 @@ def compile_fwd(head_dim: int, dtype: str, causal: bool, even: bool) -> dict:
         "UPCAST": False,
         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
     }
-    ptrs = {"Q": f"*{dtype}", "K": f"*{dtype}", "V": f"*{dtype}", "O": f"*{dtype}", "LSE": "*fp32"}
-    sizes = ("num_heads", "kv_group", "seqlen_q", "seqlen_k", "qk_scale")
-    attrs = aligned(kernel, consts, sizes)
-    src = ASTSource(kernel, signature(kernel, consts, ptrs, ("qk_scale",)), consts, attrs)
-    compiled = triton.compile(
-        src, target=HOPPER, options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    )
+    return consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def report(name: str, variant: tuple, compiled) -> dict:
+    head_dim, dtype, causal, even = variant
+    ptx = compiled.asm["ptx"]
     return {
-        "kernel": "attn_fwd",
+        "kernel": name,
         "variant": f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}",
-        "shared": compiled.metadata.shared,
-        "has_wgmma": "wgmma" in compiled.asm["ptx"],
-        "async_copies": "cp.async" in compiled.asm["ptx"],
         "dtype": dtype,
+        "shared": compiled.metadata.shared,
+        "has_wgmma": "wgmma" in ptx,
+        "async_copies": "cp.async" in ptx,
     }
 
 
 def main() -> int:
     for variant in FWD_VARIANTS:
-        print(json.dumps(compile_fwd(*variant)), flush=True)
+        consts, options = fwd_consts(*variant)
+        compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options)
+        print(json.dumps(report("attn_fwd", variant, compiled)), flush=True)
+    for name in PROBES:
+        for variant in PROBE_VARIANTS:
+            consts, options = fwd_consts(*variant)
+            compiled = compile_kernel(getattr(probes, name), consts, variant[1], options)
+            print(json.dumps(report(name, variant, compiled)), flush=True)
     return 0
 
 
