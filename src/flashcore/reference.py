@@ -21,14 +21,18 @@ class RefResult(NamedTuple):
     that see no key."""
 
 
-def causal_mask(seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bottom-right aligned causal mask: ``mask[i, j]`` is True iff query i sees key j.
+def causal_mask(
+    seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu", *, top_left: bool = False
+) -> torch.Tensor:
+    """Causal mask: ``mask[i, j]`` is True iff query i sees key j.
 
-    Query i sees key j iff ``j <= i + seqlen_k - seqlen_q`` (FlashAttention-2's convention).
+    Bottom-right aligned by default: query i sees key j iff ``j <= i + seqlen_k - seqlen_q``
+    (FlashAttention-2's convention, ``flashcore.attention``). With ``top_left``: iff ``j <= i``
+    (PyTorch's ``scaled_dot_product_attention(is_causal=True)``).
     """
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    return j <= i + (0 if top_left else seqlen_k - seqlen_q)
 
 
 def attention(
@@ -39,11 +43,13 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
+    top_left: bool = False,
 ) -> RefResult:
     """Attention computed in ``dtype`` from q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``.
 
     Same semantics as ``flashcore.attention``: GQA by repeating each kv head over its ``H // Hkv``
-    query heads, bottom-right causal, rows that see no key give out 0 and lse -inf.
+    query heads, bottom-right causal, rows that see no key give out 0 and lse -inf. ``top_left``
+    aligns the causal mask as ``flashcore.scaled_dot_product_attention`` does (see ``causal_mask``).
     """
     heads, kv_heads = q.shape[1], k.shape[1]
     if scale is None:
@@ -54,7 +60,7 @@ def attention(
         v = v.repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
-        mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
+        mask = causal_mask(q.shape[2], k.shape[2], device=q.device, top_left=top_left)
         scores = scores.masked_fill(~mask, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # exp(s - lse) is 0 for masked keys; a row with no visible key has lse = -inf: keep it at 0.

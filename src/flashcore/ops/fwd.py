@@ -45,6 +45,9 @@ def attn_fwd(
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    if seqlen_k == 0:
+        # Every row sees no key. Filled here rather than launched: k and v have no storage.
+        return out.zero_(), lse.fill_(float("-inf"))
     interpreted = is_interpreted()
     cfg = fwd_config(head_dim, q.element_size(), interpreted=interpreted)
     grid = (cdiv(seqlen_q, cfg.block_m), batch * heads)
