@@ -49,14 +49,16 @@ class _RecordCalls(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _record(case, dtype, causal, layout, device, *, backward: bool) -> list:
+def _record(case, dtype, causal, layout, device, *, backward: bool) -> tuple[list, list]:
+    """The flashcore op calls of a forward, and of its backward (empty unless ``backward``)."""
     q, k, v = (t.requires_grad_(backward) for t in make_qkv(case, dtype, device, layout=layout))
-    with _RecordCalls() as rec:
+    with _RecordCalls() as fwd_calls:
         out = flashcore.attention(q, k, v, causal=causal)
+    with _RecordCalls() as bwd_calls:
         if backward:
             out.backward(torch.randn_like(out))
-    assert rec.calls, "no flashcore op was called"
-    return rec.calls
+    assert fwd_calls.calls, "no flashcore op was called"
+    return fwd_calls.calls, bwd_calls.calls
 
 
 def _fresh(arg, requires_grad: bool):
@@ -68,11 +70,14 @@ def _fresh(arg, requires_grad: bool):
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
 @pytest.mark.parametrize(("case", "dtype", "causal", "layout"), OPCHECK, ids=["gqa", "plain"])
 def test_opcheck(case, dtype, causal, layout, backward, device):
+    """With ``fwd+bwd`` the forward ops get their recorded requires_grad (so opcheck runs their
+    autograd formula) and the backward ops none (double backward is not offered)."""
     if backward and not has_backward(device):
         pytest.skip(NO_BACKWARD)
-    for op, args, kwargs in _record(case, dtype, causal, layout, device, backward=backward):
-        args = tuple(_fresh(a, backward) for a in args)
-        torch.library.opcheck(op, args, kwargs)
+    fwd_calls, bwd_calls = _record(case, dtype, causal, layout, device, backward=backward)
+    for calls, grad in ((fwd_calls, backward), (bwd_calls, False)):
+        for op, args, kwargs in calls:
+            torch.library.opcheck(op, tuple(_fresh(a, grad) for a in args), kwargs)
 
 
 def test_every_op_is_exercised(device):
@@ -81,8 +86,10 @@ def test_every_op_is_exercised(device):
     registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("flashcore::")}
     assert "flashcore::attn_fwd" in registered
     case, dtype, causal, layout = OPCHECK[0]
-    calls = _record(case, dtype, causal, layout, device, backward=has_backward(device))
-    called = {op._schema.name for op, _, _ in calls}
+    fwd_calls, bwd_calls = _record(
+        case, dtype, causal, layout, device, backward=has_backward(device)
+    )
+    called = {op._schema.name for op, _, _ in fwd_calls + bwd_calls}
     missing = registered - called
     assert not missing, f"ops never called by the forward/backward, so never opchecked: {missing}"
 
