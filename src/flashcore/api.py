@@ -142,9 +142,9 @@ def attention(
 
     Empty sizes are fine: B, H (with Hkv = 0 too) or Sq of 0 give empty results without a launch;
     Sk = 0 gives ``out = 0`` and ``lse = -inf`` (every row sees no key), also without a launch.
-    NaN and Inf propagate as in PyTorch's math: a NaN in query row i makes output row i NaN; a NaN
-    in key j makes NaN every row that sees j (rows that do not see j, being causally masked from
-    it, stay exact); a NaN in ``v[j, d]`` makes column d NaN in every row that sees j (and may
+    NaN and Inf propagate as in PyTorch's fused SDPA backends: a NaN in query row i makes output
+    row i NaN (and only it); a NaN in key j makes NaN every row that sees j (rows causally masked
+    from j stay exact); a NaN in ``v[j, d]`` makes column d NaN in every row that sees j (and may
     reach rows that share a key tile with j, as ``0 * NaN`` in the P @ V product).
 
     Raises:
