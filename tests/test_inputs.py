@@ -53,6 +53,24 @@ def test_empty(name, causal, device, launches):
     check_forward(out, lse, q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("name", list(EMPTY))
+def test_empty_backward(name, device):
+    """Zero gradients of the inputs' shapes. Skipped until the backward is registered."""
+    if not has_backward(device):
+        pytest.skip(
+            "flashcore::attn_fwd has no autograd formula yet (the backward is not registered)"
+        )
+    b, h, hkv, sq, sk = EMPTY[name]
+    q, k, v = (
+        t.requires_grad_() for t in make_qkv(Case(b, h, hkv, sq, sk, 32), torch.float16, device)
+    )
+    out = flashcore.attention(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), torch.randn_like(out), allow_unused=True)
+    for arg, t, g in zip("qkv", (q, k, v), grads, strict=True):
+        assert g is not None and g.shape == t.shape and g.dtype == t.dtype, f"d{arg}"
+        assert torch.all(g == 0), f"d{arg} is not zero"
+
+
 def test_nonempty_launches_once(device, launches):
     q, k, v = make_qkv(Case(1, 2, 1, 40, 9, 16), torch.float16, device)
     flashcore.attention(q, k, v)
