@@ -16,10 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashcore
-from helpers import check_forward, check_grads, has_backward, make_qkv
+from helpers import check_forward, check_grads, has_backward, make_qkv, skip_without_backward
 from shapes import Case
-
-NO_BACKWARD = "flashcore::attn_fwd has no autograd formula yet (the backward is not registered)"
 
 # (case, dtype, causal, layout): GQA with Sq != Sk and (B, S, H, D) strides; a plain fp16 one.
 OPCHECK = [
@@ -72,8 +70,8 @@ def _fresh(arg, requires_grad: bool):
 def test_opcheck(case, dtype, causal, layout, backward, device):
     """With ``fwd+bwd`` the forward ops get their recorded requires_grad (so opcheck runs their
     autograd formula) and the backward ops none (double backward is not offered)."""
-    if backward and not has_backward(device):
-        pytest.skip(NO_BACKWARD)
+    if backward:
+        skip_without_backward(device)
     fwd_calls, bwd_calls = _record(case, dtype, causal, layout, device, backward=backward)
     for calls, grad in ((fwd_calls, backward), (bwd_calls, False)):
         for op, args, kwargs in calls:
@@ -123,8 +121,7 @@ def test_compile_forward(backend, dynamic, device):
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_backward(backend, device):
     """Skipped until the backward is registered (detected by running one, see module docstring)."""
-    if not has_backward(device):
-        pytest.skip(NO_BACKWARD)
+    skip_without_backward(device)
 
     def fn(q, k, v):
         return flashcore.attention(q, k, v, causal=True)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashcore
-from helpers import has_backward, make_qkv
+from helpers import make_qkv, skip_without_backward
 from shapes import DETERMINISM
 
 REPEATS = 100
@@ -31,10 +31,7 @@ def test_forward_deterministic(case, causal):
 @pytest.mark.parametrize("case", DETERMINISM, ids=[c.id for c in DETERMINISM])
 def test_backward_deterministic(case, causal):
     """Skipped until the backward is registered (``helpers.has_backward`` runs one to find out)."""
-    if not has_backward("cuda"):
-        pytest.skip(
-            "flashcore::attn_fwd has no autograd formula yet (the backward is not registered)"
-        )
+    skip_without_backward("cuda")
     q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.bfloat16, "cuda"))
     dout = torch.randn_like(q)
 

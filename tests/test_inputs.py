@@ -7,7 +7,7 @@ import torch
 import flashcore
 from flashcore import reference
 from flashcore.ops import fwd
-from helpers import check_forward, check_grads, has_backward, make_qkv
+from helpers import check_forward, check_grads, has_backward, make_qkv, skip_without_backward
 from numerics import assert_fa_rule
 from shapes import HUGE, Case
 
@@ -56,10 +56,7 @@ def test_empty(name, causal, device, launches):
 @pytest.mark.parametrize("name", list(EMPTY))
 def test_empty_backward(name, device):
     """Zero gradients of the inputs' shapes. Skipped until the backward is registered."""
-    if not has_backward(device):
-        pytest.skip(
-            "flashcore::attn_fwd has no autograd formula yet (the backward is not registered)"
-        )
+    skip_without_backward(device)
     b, h, hkv, sq, sk = EMPTY[name]
     q, k, v = (
         t.requires_grad_() for t in make_qkv(Case(b, h, hkv, sq, sk, 32), torch.float16, device)
