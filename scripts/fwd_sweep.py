@@ -43,7 +43,7 @@ def main() -> None:
     shapes = [(4, 16, 4096, 128), (4, 32, 4096, 64), (2, 8, 4096, 256), (16, 16, 1024, 128)]
     small_d = [
         FwdConfig(bm, bn, w, s)
-        for bm, bn, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4))
+        for bm, bn, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))
     ]
     big_d = [
         FwdConfig(bm, bn, 8, s) for bm, bn, s in itertools.product((64, 128), (32, 64), (1, 2))

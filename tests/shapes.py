@@ -2,7 +2,11 @@
 
 A case is (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim).
 - INTERP: tiny and odd, run through the interpreter in CI (and compiled on a GPU).
+- SDPA: the SDPA drop-in's top-left causal mapping (Sq < Sk, Sq > Sk, Sq = Sk), interpreter.
 - GPU: real sizes, compiled kernels only.
+- DETERMINISM: repeated runs must be bit-identical (GPU).
+- HUGE: q with more than 2**31 elements (GPU, ~9 GB each in fp16).
+- SANITIZE: small shapes for scripts/sanitize.sh (compute-sanitizer).
 """
 
 from __future__ import annotations
@@ -41,6 +45,13 @@ INTERP = [
     Case(1, 2, 2, 47, 47, 96),  # head dim 96 (padded to 128)
 ]
 
+SDPA = [
+    Case(1, 2, 2, 5, 37, 16),  # Sq < Sk: top-left sees only the first Sq keys
+    Case(2, 4, 2, 37, 5, 32),  # Sq > Sk, GQA: a causal square plus full rows
+    Case(1, 2, 1, 40, 40, 64),  # Sq = Sk: both alignments agree
+    Case(1, 1, 1, 1, 17, 80),  # single query sees key 0 only
+]
+
 GPU = [
     Case(2, 16, 16, 4096, 4096, 128),
     Case(2, 16, 4, 2048, 2048, 64),
@@ -49,4 +60,23 @@ GPU = [
     Case(4, 8, 2, 1000, 3001, 80),
     Case(2, 4, 4, 777, 777, 192),
     Case(2, 32, 8, 513, 513, 32),
+]
+
+DETERMINISM = [
+    Case(2, 8, 2, 1000, 1500, 128),
+    Case(1, 4, 4, 777, 513, 80),
+]
+
+# q.numel() > 2**31 = 2_147_483_648: across batch x heads (read as (B, S, H, D)), and in one head.
+HUGE = [
+    Case(2, 32, 8, 2**18 + 17, 300, 128),
+    Case(1, 1, 1, 2**24 + 33, 256, 128),
+]
+
+# The interpreter tier (ragged edges, Sq != Sk both ways, GQA/MQA, head dims 16 to 256) plus
+# block multiples of the GPU tiles and a ragged head dim 256.
+SANITIZE = [
+    *INTERP,
+    Case(1, 2, 2, 128, 128, 128),
+    Case(1, 2, 1, 200, 333, 256),
 ]

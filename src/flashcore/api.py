@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 
@@ -12,6 +13,14 @@ from flashcore.ops.fwd import is_interpreted
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
+
+
+@torch.compiler.assume_constant_result
+def _interpreted() -> bool:
+    # Fixed for the life of the process once the kernels are defined. Under torch.compile the
+    # answer is taken once at trace time and baked in, instead of tracing the import and the
+    # functools.cache inside (which dynamo only traces through with a warning).
+    return is_interpreted()
 
 
 def _check_tensor(name: str, t: object) -> torch.Tensor:
@@ -47,7 +56,8 @@ def _check_inputs(q: object, k: object, v: object) -> None:
     if k.shape[3] != head_dim:
         raise ValueError(f"k/v head_dim must equal q's ({head_dim}), got {k.shape[3]}")
     kv_heads = k.shape[1]
-    if kv_heads == 0 or heads % kv_heads != 0:
+    # H = Hkv = 0 is an empty problem, not a GQA ratio.
+    if heads != kv_heads and (kv_heads == 0 or heads % kv_heads != 0):
         raise ValueError(
             f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads}) for GQA/MQA"
         )
@@ -57,7 +67,7 @@ def _check_inputs(q: object, k: object, v: object) -> None:
         )
     if head_dim == 0:
         raise ValueError("head_dim (q.shape[-1]) must be at least 1, got 0")
-    if q.device.type == "cpu" and not is_interpreted():
+    if q.device.type == "cpu" and not _interpreted():
         raise ValueError(
             "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
             "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
@@ -124,6 +134,13 @@ def attention(
     and float32; any Sq, Sk; head dims 1 to 256. Tensors must be on a CUDA device, or on the CPU
     with ``TRITON_INTERPRET=1`` set before the first call (Triton's interpreter; slow, for tests).
 
+    Empty sizes are fine: B, H (with Hkv = 0 too) or Sq of 0 give empty results without a launch;
+    Sk = 0 gives ``out = 0`` and ``lse = -inf`` (every row sees no key), also without a launch.
+    NaN and Inf propagate as in PyTorch's fused SDPA backends: a NaN in query row i makes output
+    row i NaN (and only it); a NaN in key j makes NaN every row that sees j (rows causally masked
+    from j stay exact); a NaN in ``v[j, d]`` makes column d NaN in every row that sees j (and may
+    reach rows that share a key tile with j, as ``0 * NaN`` in the P @ V product).
+
     Raises:
         TypeError: an input is not a tensor, has an unsupported or mismatched dtype, or an option
             has the wrong type.
@@ -136,3 +153,155 @@ def attention(
     scale = _check_scale(scale, q.shape[-1])
     out, lse = _ops.attn_fwd(q, k, v, causal, scale)
     return (out, lse) if return_lse else out
+
+
+# Fallback reasons already warned about; one warning per reason per process.
+_sdpa_warned: set[str] = set()
+
+
+def _sdpa_unsupported(
+    query: object,
+    key: object,
+    value: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: object,
+) -> tuple[str, str] | None:
+    """``(reason, detail)`` when FlashCore does not run this SDPA call itself, else None.
+
+    The reason keys the once-per-reason warning; the detail says what about this call it was.
+    Calls PyTorch rejects land here too, so that PyTorch raises its own error for them.
+    """
+    tensors = {"query": query, "key": key, "value": value}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            return "argument types", f"{name} is a {type(t).__name__}"
+    if not isinstance(is_causal, bool) or not isinstance(enable_gqa, bool):
+        return "argument types", "is_causal or enable_gqa is not a bool"
+    if attn_mask is not None:
+        return "attn_mask", "an attn_mask was given (FlashCore's kernels take no mask)"
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
+        return "dropout_p", f"dropout_p = {dropout_p!r} (FlashCore has no dropout)"
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale)
+    ):
+        return "scale", f"scale = {scale!r} is not a finite real number"
+    for name, t in tensors.items():
+        if t.is_nested or t.layout != torch.strided:
+            return "layout", f"{name} is nested or not strided ({t.layout})"
+        if t.dtype not in SUPPORTED_DTYPES or t.dtype != query.dtype:
+            return "dtype", f"{name}.dtype is {t.dtype} (query.dtype {query.dtype})"
+        if t.device != query.device:
+            return "device", f"{name} is on {t.device}, query on {query.device}"
+    if query.device.type != "cuda" and not (query.device.type == "cpu" and _interpreted()):
+        return "device", f"the inputs are on {query.device} (CUDA, or the CPU interpreter, only)"
+    if not query.dim() == key.dim() == value.dim() >= 2 or (enable_gqa and query.dim() < 3):
+        dims = f"{query.dim()}, {key.dim()}, {value.dim()}"
+        return "shape", f"query, key, value have {dims} dims"
+    head_dim = query.shape[-1]
+    if not (key.shape[-1] == value.shape[-1] == head_dim and 1 <= head_dim <= MAX_HEAD_DIM):
+        return "head dim", (
+            f"head dims (query {head_dim}, key {key.shape[-1]}, value {value.shape[-1]}) are not "
+            f"one size from 1 to {MAX_HEAD_DIM}"
+        )
+    if query.shape[:-3] != key.shape[:-3] or key.shape[:-1] != value.shape[:-1]:
+        return "shape", "batch dims differ (broadcast) or key and value shapes differ"
+    if query.dim() > 2:
+        heads, kv_heads = query.shape[-3], key.shape[-3]
+        grouped = enable_gqa and kv_heads > 0 and heads % kv_heads == 0
+        # kv_heads = 1 without enable_gqa broadcasts in PyTorch: the same numbers as MQA.
+        if heads != kv_heads and kv_heads != 1 and not grouped:
+            return "shape", f"query has {heads} heads, key/value {kv_heads}"
+    return None
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    """``(..., H, S, E)`` as ``(B, H, S, E)``: a view, unless > 4 dims that cannot be merged."""
+    if t.dim() == 2:
+        return t[None, None]
+    if t.dim() == 3:
+        return t[None]
+    return t.flatten(0, -4)
+
+
+def scaled_dot_product_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``, same semantics.
+
+    Shapes as PyTorch's: query ``(..., H, L, E)``, key/value ``(..., Hkv, S, E)`` with the same
+    leading dims (2-D ``(L, E)`` and 3-D ``(H, L, E)`` inputs too; more than 4 dims are flattened
+    into one batch dim, a view for any tensor whose batch dims can be merged, else a copy).
+    ``Hkv`` must equal ``H``, or be 1 (PyTorch broadcasts it), or divide ``H`` with
+    ``enable_gqa=True``. Returns ``(..., H, L, E)`` in query's dtype.
+
+    ``is_causal`` is PyTorch's TOP-LEFT aligned mask, query i sees key j iff ``j <= i``, unlike
+    ``flashcore.attention(causal=True)``, which is bottom-right aligned. They agree when
+    ``L == S``; otherwise (``x`` = sees)::
+
+        L=2, S=4:  top-left         L=4, S=2:  top-left
+              k0 k1 k2 k3                 k0 k1
+          q0   x  .  .  .             q0   x  .
+          q1   x  x  .  .             q1   x  x
+                                      q2   x  x   <- rows past S see every key
+                                      q3   x  x
+
+    FlashCore runs it on its bottom-right kernel: for ``L < S`` on the first L keys (keys past L
+    are hidden from every row), for ``L > S`` as a causal ``S x S`` block plus a non-causal block
+    for the last ``L - S`` rows (two launches and a concatenation).
+
+    Falls back to ``torch.nn.functional.scaled_dot_product_attention``, with a ``UserWarning``
+    once per reason, for what FlashCore does not run: an ``attn_mask``, ``dropout_p > 0`` (in this
+    functional form dropout applies whatever the module's training mode), dtypes other than
+    float16/bfloat16/float32, tensors not on CUDA (or on the CPU without ``TRITON_INTERPRET=1``),
+    head dims outside 1..256 or a value head dim other than the query's, batch broadcasting, key
+    and value with different head counts, a non-finite scale, nested tensors. Inputs PyTorch
+    rejects (for example ``H != Hkv`` without ``enable_gqa``) raise PyTorch's own error.
+    """
+    unsupported = _sdpa_unsupported(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+    )
+    if unsupported is not None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
+        )
+        # Only after PyTorch accepted the call: an error needs no extra warning.
+        reason, detail = unsupported
+        if reason not in _sdpa_warned:
+            _sdpa_warned.add(reason)
+            warnings.warn(
+                f"flashcore.scaled_dot_product_attention ran PyTorch's SDPA instead: {detail}. "
+                f"Shown once per reason ({reason}).",
+                stacklevel=2,
+            )
+        return out
+
+    q, k, v = _as_4d(query), _as_4d(key), _as_4d(value)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    if not is_causal or seqlen_q == seqlen_k:
+        out = attention(q, k, v, causal=is_causal, scale=scale)
+    elif seqlen_q < seqlen_k:
+        k, v = k[:, :, :seqlen_q], v[:, :, :seqlen_q]
+        out = attention(q, k, v, causal=True, scale=scale)
+    else:
+        square = attention(q[:, :, :seqlen_k], k, v, causal=True, scale=scale)
+        rest = attention(q[:, :, seqlen_k:], k, v, causal=False, scale=scale)
+        out = torch.cat((square, rest), dim=2)
+    return out.reshape(query.shape)

@@ -38,9 +38,9 @@ from flashcore.api import (
     _check_inputs,
     _check_scale,
     _check_tensor,
-    _last_dim_contiguous,
 )
 from flashcore.ops.fwd import cdiv
+from flashcore.ops.fwd import unit_stride_last_dim as _last_dim_contiguous
 from flashcore.tuning import FwdConfig, fwd_config, head_block
 
 __all__ = ["ProbeProbs", "probe_probs", "probe_scores", "probe_uniform_pv"]

@@ -21,14 +21,18 @@ class RefResult(NamedTuple):
     that see no key."""
 
 
-def causal_mask(seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Bottom-right aligned causal mask: ``mask[i, j]`` is True iff query i sees key j.
+def causal_mask(
+    seqlen_q: int, seqlen_k: int, device: torch.device | str = "cpu", *, top_left: bool = False
+) -> torch.Tensor:
+    """Causal mask: ``mask[i, j]`` is True iff query i sees key j.
 
-    Query i sees key j iff ``j <= i + seqlen_k - seqlen_q`` (FlashAttention-2's convention).
+    Bottom-right aligned by default: query i sees key j iff ``j <= i + seqlen_k - seqlen_q``
+    (FlashAttention-2's convention, ``flashcore.attention``). With ``top_left``: iff ``j <= i``
+    (PyTorch's ``scaled_dot_product_attention(is_causal=True)``).
     """
     i = torch.arange(seqlen_q, device=device)[:, None]
     j = torch.arange(seqlen_k, device=device)[None, :]
-    return j <= i + (seqlen_k - seqlen_q)
+    return j <= i + (0 if top_left else seqlen_k - seqlen_q)
 
 
 class ProbsResult(NamedTuple):
@@ -52,6 +56,7 @@ def scores(
     causal: bool = False,
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
+    top_left: bool = False,
 ) -> torch.Tensor:
     """``scale * q @ k^T`` in ``dtype``, ``(B, H, Sq, Sk)``; -inf where the causal mask hides a key.
 
@@ -62,7 +67,7 @@ def scores(
     k = _repeat_kv(k.to(dtype), q.shape[1])
     s = torch.matmul(q.to(dtype), k.transpose(-1, -2)) * scale
     if causal:
-        mask = causal_mask(q.shape[2], k.shape[2], device=q.device)
+        mask = causal_mask(q.shape[2], k.shape[2], device=q.device, top_left=top_left)
         s = s.masked_fill(~mask, float("-inf"))
     return s
 
@@ -74,9 +79,10 @@ def probs(
     causal: bool = False,
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
+    top_left: bool = False,
 ) -> ProbsResult:
     """Softmax of :func:`scores` along the keys, and its logsumexp, in ``dtype``."""
-    s = scores(q, k, causal=causal, scale=scale, dtype=dtype)
+    s = scores(q, k, causal=causal, scale=scale, dtype=dtype, top_left=top_left)
     lse = torch.logsumexp(s, dim=-1)
     # exp(s - lse) is 0 for masked keys; a row with no visible key has lse = -inf: keep it at 0.
     empty = (lse == float("-inf")).unsqueeze(-1)
@@ -92,12 +98,14 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
+    top_left: bool = False,
 ) -> RefResult:
     """Attention computed in ``dtype`` from q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``.
 
     Same semantics as ``flashcore.attention``: GQA by repeating each kv head over its ``H // Hkv``
-    query heads, bottom-right causal, rows that see no key give out 0 and lse -inf.
+    query heads, bottom-right causal, rows that see no key give out 0 and lse -inf. ``top_left``
+    aligns the causal mask as ``flashcore.scaled_dot_product_attention`` does (see ``causal_mask``).
     """
-    p, lse = probs(q, k, causal=causal, scale=scale, dtype=dtype)
+    p, lse = probs(q, k, causal=causal, scale=scale, dtype=dtype, top_left=top_left)
     out = torch.matmul(p, _repeat_kv(v.to(dtype), q.shape[1]))
     return RefResult(out, lse)

@@ -52,26 +52,31 @@ def attn_fwd(
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
+    if seqlen_k == 0:
+        # Every row sees no key. Filled here rather than launched: k and v have no storage.
+        return out.zero_(), lse.fill_(float("-inf"))
     interpreted = is_interpreted()
     cfg = config or fwd_config(head_dim, q.element_size(), interpreted=interpreted)
     grid = (cdiv(seqlen_q, cfg.block_m), batch * heads)
-    kernels().attn_fwd_kernel[grid](
-        q, k, v, out, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        lse.stride(0), lse.stride(1),
-        heads, heads // kv_heads, seqlen_q, seqlen_k, scale * _LOG2E,
-        HEAD_DIM=head_dim,
-        BLOCK_D=head_block(head_dim),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        IS_CAUSAL=causal,
-        EVEN_M=seqlen_q % cfg.block_m == 0,
-        EVEN_N=seqlen_k % cfg.block_n == 0,
-        UPCAST=interpreted and q.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )  # fmt: skip
+    # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
+    with torch.cuda.device_of(q):
+        kernels().attn_fwd_kernel[grid](
+            q, k, v, out, lse,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+            lse.stride(0), lse.stride(1),
+            heads, heads // kv_heads, seqlen_q, seqlen_k, scale * _LOG2E,
+            HEAD_DIM=head_dim,
+            BLOCK_D=head_block(head_dim),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            IS_CAUSAL=causal,
+            EVEN_M=seqlen_q % cfg.block_m == 0,
+            EVEN_N=seqlen_k % cfg.block_n == 0,
+            UPCAST=interpreted and q.dtype == torch.bfloat16,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
     return out, lse
 
 
