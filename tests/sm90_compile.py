@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashcore.kernels import fwd, probes  # noqa: E402
@@ -80,14 +84,33 @@ def fwd_consts(head_dim: int, dtype: str, causal: bool, even: bool):
         "EVEN_N": even,
         "UPCAST": False,
         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+        "EXP_E": dtype == "fp32",
     }
     return consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def ptxas_resources(ptx: str) -> dict:
+    """Registers per thread and spill bytes, as ptxas reports them for sm_90a (no driver needed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")]
+        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return {
+        "registers": int(regs.group(1)) if regs else None,
+        "spill_bytes": int(spills.group(1)) + int(spills.group(2)) if spills else None,
+        "wgmma_serialized": "C7515" in log,
+    }
 
 
 def report(name: str, variant: tuple, compiled) -> dict:
     head_dim, dtype, causal, even = variant
     ptx = compiled.asm["ptx"]
     return {
+        **ptxas_resources(ptx),
         "kernel": name,
         "variant": f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}",
         "dtype": dtype,

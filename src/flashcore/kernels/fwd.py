@@ -23,6 +23,8 @@ Flags (``tl.constexpr``, compiled away when off):
   which does bf16 arithmetic on the raw bit patterns; always off on the GPU.
 - DOT_PRECISION: "ieee" for fp32 inputs (full fp32 products, matching PyTorch's default matmul),
   ignored for fp16/bf16.
+- EXP_E: fp32 inputs on the GPU: scores in natural units and libdevice's exp instead of the
+  folded log2(e) and exp2 (see ``common.softmax_exp``); ``qk_scale`` is then just ``scale``.
 Later features are meant to join as more flags on the same kernel: a sliding window adds a masked
 head part to ``kv_tile_range``; softcap, ALiBi transform ``S`` next to ``mask_scores``; varlen and
 paged KV change only how the base pointers and sequence lengths are found.
@@ -43,10 +45,9 @@ from flashcore.kernels.common import (
     load_tile,
     mask_scores,
     online_softmax_step,
+    row_lse,
     store_tile,
 )
-
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -55,8 +56,8 @@ def _fwd_kv_loop(
     m_i,
     l_i,
     q,
-    k_ptrs,
-    v_ptrs,
+    k_base,
+    v_base,
     offs_m,
     offs_n,
     offs_d,
@@ -75,14 +76,22 @@ def _fwd_kv_loop(
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EXP_E: tl.constexpr,
 ):
-    """Visit key tiles ``[start_n, end_n)`` with k/v pointers already at ``start_n``.
+    """Visit key tiles ``[start_n, end_n)``; MASKED selects the masked-tail variant.
 
-    MASKED selects the masked-tail variant. Returns the state and the pointers advanced past the
-    last tile, so consecutive ranges chain without recomputing 64-bit offsets.
+    ``k_base``/``v_base`` are scalar pointers at row ``start_n`` of this (batch, kv head); they
+    advance by one tile per step and come back advanced, so the next range chains on. Tile pointers
+    are rebuilt each step from them: carrying two (BLOCK_N, BLOCK_D) pointer tensors through the
+    loop instead cost 128 registers per thread at 128x64x128 and made the kernel spill
+    (docs/performance.md).
     """
+    tile_k = offs_n[:, None] * stride_kn + offs_d[None, :]
+    tile_v = offs_n[:, None] * stride_vn + offs_d[None, :]
     for tile_n in range(start_n, end_n, BLOCK_N):
         cols = tile_n + offs_n
+        k_ptrs = k_base + tile_k
+        v_ptrs = v_base + tile_v
         # Full tiles lie inside Sk by construction; only the masked tail can run past it.
         k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N or not MASKED, EVEN_D)
         v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N or not MASKED, EVEN_D)
@@ -92,12 +101,12 @@ def _fwd_kv_loop(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
             s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
-        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
-    return acc, m_i, l_i, k_ptrs, v_ptrs
+        k_base += BLOCK_N * stride_kn
+        v_base += BLOCK_N * stride_vn
+    return acc, m_i, l_i, k_base, v_base
 
 
 @triton.jit
@@ -135,6 +144,7 @@ def attn_fwd_kernel(
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EXP_E: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
@@ -155,12 +165,8 @@ def attn_fwd_kernel(
         + start_m.to(tl.int64) * stride_qm
         + (offs_tm[:, None] * stride_qm + offs_d[None, :])
     )
-    k_ptrs = (
-        K + off_b * stride_kb + off_hk * stride_kh + (offs_n[:, None] * stride_kn + offs_d[None, :])
-    )
-    v_ptrs = (
-        V + off_b * stride_vb + off_hk * stride_vh + (offs_n[:, None] * stride_vn + offs_d[None, :])
-    )
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
 
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
     if UPCAST:
@@ -171,21 +177,19 @@ def attn_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    acc, m_i, l_i, k_ptrs, v_ptrs = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, full_hi,
+    acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
+        acc, m_i, l_i, q, k_base, v_base, offs_m, offs_n, offs_d, 0, full_hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION,
+        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
     )  # fmt: skip
-    acc, m_i, l_i, k_ptrs, v_ptrs = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, full_hi, hi,
+    acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
+        acc, m_i, l_i, q, k_base, v_base, offs_m, offs_n, offs_d, full_hi, hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION,
+        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
     )  # fmt: skip
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    acc = acc / l_safe[:, None]
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * LN2)
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = row_lse(m_i, l_i, EXP_E)
 
     o_ptrs = (
         O

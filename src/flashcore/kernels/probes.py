@@ -35,10 +35,9 @@ from flashcore.kernels.common import (
     load_tile,
     mask_scores,
     online_softmax_step,
+    row_lse,
     store_tile,
 )
-
-LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
@@ -249,7 +248,7 @@ def probe_probs_kernel(
             q, k_ptrs, cols, offs_m, offs_d, seqlen_q, seqlen_k, qk_scale,
             HEAD_DIM, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION,
         )  # fmt: skip
-        _, _, m_i, l_i = online_softmax_step(s, m_i, l_i, False)
+        _, _, m_i, l_i = online_softmax_step(s, m_i, l_i, False, False)
     for start_n in range(full_hi, hi, BLOCK_N):
         cols = start_n + offs_n
         k_ptrs = k_base + (cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)
@@ -257,12 +256,12 @@ def probe_probs_kernel(
             q, k_ptrs, cols, offs_m, offs_d, seqlen_q, seqlen_k, qk_scale,
             HEAD_DIM, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION,
         )  # fmt: skip
-        _, _, m_i, l_i = online_softmax_step(s, m_i, l_i, True)
+        _, _, m_i, l_i = online_softmax_step(s, m_i, l_i, True, False)
 
     empty = l_i == 0.0
     m_ref = tl.where(empty, 0.0, m_i)
     inv_l = 1.0 / tl.where(empty, 1.0, l_i)
-    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(tl.where(empty, 1.0, l_i))) * LN2)
+    lse = row_lse(m_i, l_i, False)
 
     # Pass 2: normalised probabilities from the final m and l.
     for start_n in range(0, full_hi, BLOCK_N):
@@ -358,7 +357,7 @@ def probe_uniform_pv_kernel(
         v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, True, EVEN_D)
         if UPCAST:
             v = v.to(tl.float32)
-        p, alpha, m_i, l_i = online_softmax_step(zeros, m_i, l_i, False)
+        p, alpha, m_i, l_i = online_softmax_step(zeros, m_i, l_i, False, False)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     for start_n in range(full_hi, hi, BLOCK_N):
@@ -368,7 +367,7 @@ def probe_uniform_pv_kernel(
         if UPCAST:
             v = v.to(tl.float32)
         s = mask_scores(zeros, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
-        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, True)
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, True, False)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
 

@@ -56,6 +56,8 @@ def attn_fwd(
         # Every row sees no key. Filled here rather than launched: k and v have no storage.
         return out.zero_(), lse.fill_(float("-inf"))
     interpreted = is_interpreted()
+    # fp32 on the GPU takes the exact-exp path (kernels/common.py: softmax_exp).
+    exp_e = q.dtype == torch.float32 and not interpreted
     cfg = config or fwd_config(head_dim, q.element_size(), interpreted=interpreted)
     grid = (cdiv(seqlen_q, cfg.block_m), batch * heads)
     # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
@@ -64,7 +66,7 @@ def attn_fwd(
             q, k, v, out, lse,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             lse.stride(0), lse.stride(1),
-            heads, heads // kv_heads, seqlen_q, seqlen_k, scale * _LOG2E,
+            heads, heads // kv_heads, seqlen_q, seqlen_k, scale if exp_e else scale * _LOG2E,
             HEAD_DIM=head_dim,
             BLOCK_D=head_block(head_dim),
             BLOCK_M=cfg.block_m,
@@ -74,6 +76,7 @@ def attn_fwd(
             EVEN_N=seqlen_k % cfg.block_n == 0,
             UPCAST=interpreted and q.dtype == torch.bfloat16,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            EXP_E=exp_e,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
