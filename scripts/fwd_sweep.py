@@ -42,11 +42,17 @@ def main() -> None:
     ceilings()
     shapes = [(4, 16, 4096, 128), (4, 32, 4096, 64), (2, 8, 4096, 256), (16, 16, 1024, 128)]
     small_d = [
-        FwdConfig(bm, bn, w, s)
-        for bm, bn, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))
+        FwdConfig(bm, bn, w, st, tma)
+        for (bm, bn, w, st), tma in itertools.product(
+            [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)],
+            (True, False),
+        )
     ]
     big_d = [
-        FwdConfig(bm, bn, 8, s) for bm, bn, s in itertools.product((64, 128), (32, 64), (1, 2))
+        FwdConfig(bm, bn, w, st, tma)
+        for (bm, bn, w, st), tma in itertools.product(
+            [(128, 64, 8, 2), (128, 64, 8, 1), (64, 64, 4, 2), (128, 32, 8, 2)], (True, False)
+        )
     ]
     for (b, h, s, d), causal in itertools.product(shapes, (False, True)):
         dtype = torch.float16
@@ -75,10 +81,11 @@ def main() -> None:
         rows.sort(key=lambda r: r[0])
         tag = f"B{b} H{h} S{s} D{d} causal={causal}"
         print(f"{tag}: sdpa {ms_sdpa:.3f} ms {tflops(b, h, s, s, d, causal, ms_sdpa):.0f} TF/s")
-        for ms, cfg, note in rows[:4] + [r for r in rows if r[1] == default]:
+        for ms, cfg, note in rows[:6] + [r for r in rows if r[1] == default]:
             mark = "*" if cfg == default else " "
             print(
-                f"  {mark}{cfg.block_m:4d}x{cfg.block_n:<4d} w{cfg.num_warps} s{cfg.num_stages}: "
+                f"  {mark}{cfg.block_m:4d}x{cfg.block_n:<4d} w{cfg.num_warps} s{cfg.num_stages} "
+                f"{'tma' if cfg.use_tma else 'ptr'}: "
                 f"{ms:.3f} ms {tflops(b, h, s, s, d, causal, ms):.0f} TF/s "
                 f"({ms_sdpa / ms:.2f}x sdpa) {note}"
             )

@@ -6,6 +6,7 @@ runs without a GPU. Run without TRITON_INTERPRET (tests/test_compile_sm90.py sta
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -29,7 +30,8 @@ FP32_POINTERS = {"LSE", "S", "P"}
 # Integer arguments that are sizes, not strides: no divisibility is promised for them.
 SIZES = {"num_heads", "kv_group", "seqlen_q", "seqlen_k"}
 
-# (head_dim, dtype, causal, even)
+# (head_dim, dtype, causal, even); every forward variant is compiled with tensor descriptors and
+# with plain pointers.
 FWD_VARIANTS = [
     (64, "fp16", False, True),
     (64, "fp16", True, False),
@@ -47,17 +49,22 @@ PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
 PROBES = ("probe_scores_kernel", "probe_probs_kernel", "probe_uniform_pv_kernel")
 
 
-def compile_kernel(fn, consts: dict, dtype: str, options: dict):
+def compile_kernel(fn, consts: dict, dtype: str, options: dict, descriptors: dict | None = None):
     """Compile ``fn`` with the specialisation a real launch of contiguous tensors gets.
 
     Triton 3.6 specialises integer and pointer arguments only on divisibility by 16 (no longer on
     ``== 1``): pointers are 16-byte aligned and strides of fp16 tensors with head dims that are
-    multiples of 8 are divisible by 16.
+    multiples of 8 are divisible by 16. ``descriptors`` maps argument names to the tile shape of
+    the tensor descriptor passed there instead of a pointer.
     """
+    descriptors = descriptors or {}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
             signature[name] = "constexpr"
+            continue
+        if name in descriptors:
+            signature[name] = f"tensordesc<{dtype}{list(descriptors[name])}>"
             continue
         if name.isupper():
             signature[name] = "*fp32" if name in FP32_POINTERS else f"*{dtype}"
@@ -72,7 +79,7 @@ def compile_kernel(fn, consts: dict, dtype: str, options: dict):
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=HOPPER, options=options)
 
 
-def fwd_consts(head_dim: int, dtype: str, causal: bool, even: bool):
+def fwd_consts(head_dim: int, dtype: str, causal: bool, even: bool, tma: bool = False):
     cfg = fwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
     consts = {
         "HEAD_DIM": head_dim,
@@ -85,6 +92,7 @@ def fwd_consts(head_dim: int, dtype: str, causal: bool, even: bool):
         "UPCAST": False,
         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
         "EXP_E": dtype == "fp32",
+        "USE_TMA": tma,
     }
     return consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
@@ -106,25 +114,30 @@ def ptxas_resources(ptx: str) -> dict:
     }
 
 
-def report(name: str, variant: tuple, compiled) -> dict:
+def report(name: str, variant: tuple, compiled, tma: bool = False) -> dict:
     head_dim, dtype, causal, even = variant
     ptx = compiled.asm["ptx"]
     return {
         **ptxas_resources(ptx),
         "kernel": name,
-        "variant": f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}",
+        "variant": f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}-tma{int(tma)}",
+        "tma": tma,
         "dtype": dtype,
         "shared": compiled.metadata.shared,
         "has_wgmma": "wgmma" in ptx,
         "async_copies": "cp.async" in ptx,
+        "bulk_tensor_copies": "cp.async.bulk.tensor" in ptx,
     }
 
 
 def main() -> int:
-    for variant in FWD_VARIANTS:
-        consts, options = fwd_consts(*variant)
-        compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options)
-        print(json.dumps(report("attn_fwd", variant, compiled)), flush=True)
+    for variant, tma in itertools.product(FWD_VARIANTS, (True, False)):
+        consts, options = fwd_consts(*variant, tma=tma)
+        rows, cols = (consts["BLOCK_M"], consts["BLOCK_N"]), consts["BLOCK_D"]
+        descs = {"Q": rows[0], "K": rows[1], "V": rows[1], "O": rows[0]} if tma else {}
+        descs = {name: (1, 1, r, cols) for name, r in descs.items()}
+        compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options, descs)
+        print(json.dumps(report("attn_fwd", variant, compiled, tma)), flush=True)
     for name in PROBES:
         for variant in PROBE_VARIANTS:
             consts, options = fwd_consts(*variant)

@@ -23,6 +23,11 @@ Flags (``tl.constexpr``, compiled away when off):
   which does bf16 arithmetic on the raw bit patterns; always off on the GPU.
 - DOT_PRECISION: "ieee" for fp32 inputs (full fp32 products, matching PyTorch's default matmul),
   ignored for fp16/bf16.
+- USE_TMA: Q, K, V and O arrive as 4-D tensor descriptors (B, heads, S, D) with blocks of
+  (1, 1, rows, BLOCK_D): tiles move through Hopper's bulk-copy engine, which also zero-fills
+  out-of-range rows and columns, so the masked loads disappear. The launcher takes it whenever
+  the tensors meet the engine's alignment rules (16-byte base and strides); otherwise plain
+  pointers with masked loads.
 - EXP_E: fp32 inputs on the GPU: scores in natural units and libdevice's exp instead of the
   folded log2(e) and exp2 (see ``common.softmax_exp``); ``qk_scale`` is then just ``scale``.
 Later features are meant to join as more flags on the same kernel: a sliding window adds a masked
@@ -58,6 +63,8 @@ def _fwd_kv_loop(
     q,
     k_base,
     v_base,
+    tma_b,
+    tma_h,
     offs_m,
     offs_n,
     offs_d,
@@ -69,6 +76,7 @@ def _fwd_kv_loop(
     seqlen_k,
     qk_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -77,6 +85,7 @@ def _fwd_kv_loop(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EXP_E: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     """Visit key tiles ``[start_n, end_n)``; MASKED selects the masked-tail variant.
 
@@ -84,17 +93,21 @@ def _fwd_kv_loop(
     advance by one tile per step and come back advanced, so the next range chains on. Tile pointers
     are rebuilt each step from them: carrying two (BLOCK_N, BLOCK_D) pointer tensors through the
     loop instead cost 128 registers per thread at 128x64x128 and made the kernel spill
-    (docs/performance.md).
+    (docs/performance.md). With USE_TMA they are 4-D tensor descriptors instead, indexed by
+    ``(tma_b, tma_h, tile_n, 0)``; the copy engine zero-fills rows past Sk and columns past D.
     """
     tile_k = offs_n[:, None] * stride_kn + offs_d[None, :]
     tile_v = offs_n[:, None] * stride_vn + offs_d[None, :]
     for tile_n in range(start_n, end_n, BLOCK_N):
         cols = tile_n + offs_n
-        k_ptrs = k_base + tile_k
-        v_ptrs = v_base + tile_v
-        # Full tiles lie inside Sk by construction; only the masked tail can run past it.
-        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N or not MASKED, EVEN_D)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N or not MASKED, EVEN_D)
+        if USE_TMA:
+            k = k_base.load([tma_b, tma_h, tile_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = v_base.load([tma_b, tma_h, tile_n, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            # Full tiles lie inside Sk by construction; only the masked tail can run past it.
+            rows_even = EVEN_N or not MASKED
+            k = load_tile(k_base + tile_k, cols, seqlen_k, offs_d, HEAD_DIM, rows_even, EVEN_D)
+            v = load_tile(v_base + tile_v, cols, seqlen_k, offs_d, HEAD_DIM, rows_even, EVEN_D)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -104,8 +117,9 @@ def _fwd_kv_loop(
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        k_base += BLOCK_N * stride_kn
-        v_base += BLOCK_N * stride_vn
+        if not USE_TMA:
+            k_base += BLOCK_N * stride_kn
+            v_base += BLOCK_N * stride_vn
     return acc, m_i, l_i, k_base, v_base
 
 
@@ -145,12 +159,16 @@ def attn_fwd_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EXP_E: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
-    off_b = (off_bh // num_heads).to(tl.int64)
-    off_h = (off_bh % num_heads).to(tl.int64)
-    off_hk = off_h // kv_group
+    tma_b = off_bh // num_heads
+    tma_h = off_bh % num_heads
+    tma_hk = tma_h // kv_group
+    off_b = tma_b.to(tl.int64)
+    off_h = tma_h.to(tl.int64)
+    off_hk = tma_hk.to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -158,17 +176,21 @@ def attn_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_tm = tl.arange(0, BLOCK_M)
 
-    q_ptrs = (
-        Q
-        + off_b * stride_qb
-        + off_h * stride_qh
-        + start_m.to(tl.int64) * stride_qm
-        + (offs_tm[:, None] * stride_qm + offs_d[None, :])
-    )
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
-
-    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    if USE_TMA:
+        q = Q.load([tma_b, tma_h, start_m, 0]).reshape(BLOCK_M, BLOCK_D)
+        k_base = K
+        v_base = V
+    else:
+        q_ptrs = (
+            Q
+            + off_b * stride_qb
+            + off_h * stride_qh
+            + start_m.to(tl.int64) * stride_qm
+            + (offs_tm[:, None] * stride_qm + offs_d[None, :])
+        )
+        q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+        k_base = K + off_b * stride_kb + off_hk * stride_kh
+        v_base = V + off_b * stride_vb + off_hk * stride_vh
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -178,29 +200,34 @@ def attn_fwd_kernel(
 
     full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_base, v_base, offs_m, offs_n, offs_d, 0, full_hi,
+        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, 0, full_hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
+        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
+        USE_TMA,
     )  # fmt: skip
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_base, v_base, offs_m, offs_n, offs_d, full_hi, hi,
+        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, full_hi, hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
+        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
+        USE_TMA,
     )  # fmt: skip
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     lse = row_lse(m_i, l_i, EXP_E)
 
-    o_ptrs = (
-        O
-        + off_b * stride_ob
-        + off_h * stride_oh
-        + start_m.to(tl.int64) * stride_om
-        + (offs_tm[:, None] * stride_om + offs_d[None, :])
-    )
-    store_tile(
-        o_ptrs, acc.to(O.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D
-    )
+    if USE_TMA:
+        # The copy engine drops rows past Sq and columns past D.
+        O.store([tma_b, tma_h, start_m, 0], acc.to(O.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
+    else:
+        o_ptrs = (
+            O
+            + off_b * stride_ob
+            + off_h * stride_oh
+            + start_m.to(tl.int64) * stride_om
+            + (offs_tm[:, None] * stride_om + offs_d[None, :])
+        )
+        o = acc.to(O.dtype.element_ty)
+        store_tile(o_ptrs, o, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m
     if EVEN_M:
         tl.store(lse_ptrs, lse)

@@ -60,15 +60,28 @@ def attn_fwd(
     exp_e = q.dtype == torch.float32 and not interpreted
     cfg = config or fwd_config(head_dim, q.element_size(), interpreted=interpreted)
     grid = (cdiv(seqlen_q, cfg.block_m), batch * heads)
+    block_d = head_block(head_dim)
+    use_tma = (
+        cfg.use_tma
+        and (interpreted or has_tma(q.device))
+        and all(tma_compatible(t) for t in (q, k, v, out))
+    )
+    if use_tma:
+        q_arg = descriptor(q, cfg.block_m, block_d)
+        k_arg = descriptor(k, cfg.block_n, block_d)
+        v_arg = descriptor(v, cfg.block_n, block_d)
+        o_arg = descriptor(out, cfg.block_m, block_d)
+    else:
+        q_arg, k_arg, v_arg, o_arg = q, k, v, out
     # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
     with torch.cuda.device_of(q):
         kernels().attn_fwd_kernel[grid](
-            q, k, v, out, lse,
+            q_arg, k_arg, v_arg, o_arg, lse,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             lse.stride(0), lse.stride(1),
             heads, heads // kv_heads, seqlen_q, seqlen_k, scale if exp_e else scale * _LOG2E,
             HEAD_DIM=head_dim,
-            BLOCK_D=head_block(head_dim),
+            BLOCK_D=block_d,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             IS_CAUSAL=causal,
@@ -77,10 +90,34 @@ def attn_fwd(
             UPCAST=interpreted and q.dtype == torch.bfloat16,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             EXP_E=exp_e,
+            USE_TMA=use_tma,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
     return out, lse
+
+
+@functools.cache
+def has_tma(device: torch.device) -> bool:
+    """Tensor descriptors need the bulk-copy engine of Hopper (sm_90) or newer."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def tma_compatible(t: torch.Tensor) -> bool:
+    """Whether the bulk-copy engine can address ``t``: 16-byte aligned base and strides."""
+    size = t.element_size()
+    return (
+        t.data_ptr() % 16 == 0
+        and t.stride(-1) == 1
+        and all(st * size % 16 == 0 for st in t.stride()[:-1])
+    )
+
+
+def descriptor(t: torch.Tensor, rows: int, block_d: int):
+    """A 4-D tensor descriptor over ``(B, heads, S, D)`` moving ``(1, 1, rows, block_d)`` tiles."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
 
 
 def unit_stride_last_dim(t: torch.Tensor) -> torch.Tensor:
