@@ -51,3 +51,51 @@ def fwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> FwdConfig
     if block_d <= 128:
         return FwdConfig(128, 64, 8, 3)
     return FwdConfig(64, 64, 8, 2)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Launch configuration of the backward kernels.
+
+    ``block_m1 x block_n1``: the dK/dV kernel holds a block_n1-row K/V tile and streams block_m1-row
+    query tiles. ``block_m2 x block_n2``: the dQ kernel (and the delta preprocess) holds a
+    block_m2-row query tile and streams block_n2-row key tiles. The held tile is the larger one, as
+    in FlashAttention-2: it amortises the streamed loads, while the fp32 accumulators
+    (2 x block_n1 x D for dK/dV, block_m2 x D for dQ) bound it from above.
+    """
+
+    block_m1: int
+    block_n1: int
+    block_m2: int
+    block_n2: int
+    num_warps: int
+    num_stages: int
+
+
+# Non-square tiles in both kernels so that odd lengths (17, 113, 203) span several tiles both ways
+# and the causal diagonal crosses tile borders; each kernel holds the larger tile, as on the GPU.
+INTERPRETER_BWD = BwdConfig(block_m1=16, block_n1=32, block_m2=32, block_n2=16, num_warps=4,
+                            num_stages=1)  # fmt: skip
+
+
+def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig:
+    """Backward config for a padded head dim and element size in bytes.
+
+    Unmeasured starting points (no GPU run yet; to be tuned in docs/performance.md): the Triton
+    fused-attention tutorial's 32x128 / 128x32 split for head dims up to 64, then smaller held
+    tiles as the fp32 accumulators grow with the head dim, and half-size tiles for fp32 inputs.
+    """
+    if interpreted:
+        return INTERPRETER_BWD
+    block_d = head_block(head_dim)
+    if elem_size >= 4:
+        if block_d <= 64:
+            return BwdConfig(32, 64, 64, 32, 4, 2)
+        if block_d <= 128:
+            return BwdConfig(16, 64, 64, 16, 4, 1)
+        return BwdConfig(16, 32, 32, 16, 4, 1)
+    if block_d <= 64:
+        return BwdConfig(32, 128, 128, 32, 4, 3)
+    if block_d <= 128:
+        return BwdConfig(64, 128, 128, 64, 8, 2)
+    return BwdConfig(32, 64, 64, 32, 8, 1)
