@@ -1,9 +1,10 @@
-"""Input construction and the forward check shared by the test modules."""
+"""Input construction and the forward and backward checks shared by the test modules."""
 
 from __future__ import annotations
 
 import torch
 
+import flashcore
 from flashcore import reference
 from numerics import assert_fa_rule
 from shapes import Case
@@ -33,3 +34,41 @@ def check_forward(out, lse, q, k, v, *, causal: bool, scale=None) -> None:
     assert lse.dtype == torch.float32
     assert_fa_rule("out", out, pt.out, ref.out)
     assert_fa_rule("lse", lse, pt.lse, ref.lse)
+
+
+def reference_grads(q, k, v, dout, dlse, *, causal: bool, scale=None, dtype: torch.dtype):
+    """``(dq, dk, dv)`` by autograd through the reference computed in ``dtype``.
+
+    Fresh leaves are made in ``dtype`` so a float64 gradient is not rounded back to q's dtype.
+    ``dlse`` may be None (the LSE output is not differentiated).
+    """
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, causal=causal, scale=scale, dtype=dtype)
+    outputs, grads = [ref.out], [dout.to(dtype)]
+    if dlse is not None:
+        outputs.append(ref.lse)
+        grads.append(dlse.to(dtype))
+    return torch.autograd.grad(outputs, leaves, grads)
+
+
+def check_backward(q, k, v, *, causal: bool, scale=None, dout=None, dlse=None):
+    """Run flashcore.attention forward and backward and check dq, dk, dv with the FA rule.
+
+    ``dout`` defaults to a random tensor shaped like the output; ``dlse`` (the gradient reaching
+    the LSE) defaults to none. Returns the kernel's gradients.
+    """
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = flashcore.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    if dout is None:
+        dout = torch.randn_like(out)
+    outputs, grads = [out], [dout]
+    if dlse is not None:
+        outputs.append(lse)
+        grads.append(dlse)
+    got = torch.autograd.grad(outputs, (q, k, v), grads)
+    ref = reference_grads(q, k, v, dout, dlse, causal=causal, scale=scale, dtype=torch.float64)
+    pt = reference_grads(q, k, v, dout, dlse, causal=causal, scale=scale, dtype=q.dtype)
+    for name, g, t, p, r in zip(("dq", "dk", "dv"), got, (q, k, v), pt, ref, strict=True):
+        assert g.dtype == t.dtype, f"{name}: dtype {g.dtype} != {t.dtype}"
+        assert_fa_rule(name, g, p, r)
+    return got

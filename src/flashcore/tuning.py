@@ -81,21 +81,24 @@ INTERPRETER_BWD = BwdConfig(block_m1=16, block_n1=32, block_m2=32, block_n2=16, 
 def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig:
     """Backward config for a padded head dim and element size in bytes.
 
-    Unmeasured starting points (no GPU run yet; to be tuned in docs/performance.md): the Triton
-    fused-attention tutorial's 32x128 / 128x32 split for head dims up to 64, then smaller held
-    tiles as the fp32 accumulators grow with the head dim, and half-size tiles for fp32 inputs.
+    Not timed yet (no GPU run so far; tune in docs/performance.md). The only measurement behind
+    these picks is ptxas's resource report for sm_90a (Triton 3.6, causal with ragged lengths,
+    ``python scripts/ptxas_report.py``): among configs whose dK/dV kernel holds at least 64 keys
+    (the smallest K/V tile that feeds a wgmma), the fewest spilled bytes. 8 warps throughout:
+    with 4, every fp16 config at D >= 128 spilled several KB. Spill bytes (dK/dV, dQ):
+    fp16 D<=64 0, 0; D<=128 ~350, 0; D<=256 ~2.5K, ~1.8K (every D=256 config measured spills);
+    fp32 D<=64 0, 0; D<=128 0, ~850; D<=256 ~24, ~700.
     """
     if interpreted:
         return INTERPRETER_BWD
     block_d = head_block(head_dim)
     if elem_size >= 4:
-        if block_d <= 64:
-            return BwdConfig(32, 64, 64, 32, 4, 2)
+        # IEEE fp32 dots run on the FMA units: small tiles, one stage.
         if block_d <= 128:
-            return BwdConfig(16, 64, 64, 16, 4, 1)
-        return BwdConfig(16, 32, 32, 16, 4, 1)
+            return BwdConfig(16, 64, 64, 16, 8, 1)
+        return BwdConfig(16, 32, 16, 16, 8, 1)
     if block_d <= 64:
-        return BwdConfig(32, 128, 128, 32, 4, 3)
+        return BwdConfig(32, 128, 128, 64, 8, 3)
     if block_d <= 128:
-        return BwdConfig(64, 128, 128, 64, 8, 2)
-    return BwdConfig(32, 64, 64, 32, 8, 1)
+        return BwdConfig(16, 64, 128, 32, 8, 2)
+    return BwdConfig(16, 64, 64, 32, 8, 2)

@@ -63,6 +63,7 @@ from flashcore.kernels.common import (
     load_row_stats,
     load_tile,
     mask_scores,
+    mask_scores_t,
     q_tile_range,
     store_tile,
 )
@@ -181,14 +182,16 @@ def _bwd_dkdv_q_loop(
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        # Transposed products (S^T = K Q^T): K, V and P^T, dS^T are the register operands, Q and
+        # dO the freshly loaded ones, so no register tile needs a transpose.
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
         if MASKED:
-            s = mask_scores(s, rows, offs_n, seqlen_q, seqlen_k, IS_CAUSAL, False)
-        p = tl.math.exp2(s - lse2[:, None])
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv, input_precision=DOT_PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        dk = tl.dot(tl.trans(ds.to(q.dtype)), q, dk, input_precision=DOT_PRECISION)
+            st = mask_scores_t(st, offs_n, rows, seqlen_q, seqlen_k, IS_CAUSAL, False)
+        pt = tl.math.exp2(st - lse2[None, :])
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_qm
         do_ptrs += BLOCK_M * stride_dom
         lse_ptrs += BLOCK_M

@@ -6,7 +6,8 @@ Each helper owns one concern so that a bug shows in one place and a probe kernel
 - ``load_tile``: a (rows, BLOCK_D) tile, masked only where constexpr flags say an edge is ragged.
 - ``kv_tile_range``: which key tiles a query block visits, split into an unmasked and a masked part.
 - ``q_tile_range``: its mirror for the backward's dK/dV kernel: which query tiles see a key block.
-- ``mask_scores``: -inf where a key is out of range or hidden by the causal mask.
+- ``mask_scores`` / ``mask_scores_t``: -inf where a key is out of range or hidden by the causal
+  mask, on a (queries, keys) tile or its transpose; both defer to ``mask_by_index``.
 - ``online_softmax_step``: one step of the streaming softmax in base 2.
 - ``load_row_stats``: the backward's per-row LSE (converted to base 2) and delta.
 
@@ -18,7 +19,7 @@ and all softmax state (m, l) is fp32.
 import triton
 import triton.language as tl
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -134,6 +135,28 @@ def q_tile_range(
 
 
 @triton.jit
+def mask_by_index(
+    s,
+    rows,
+    cols,
+    seqlen_q,
+    seqlen_k,
+    IS_CAUSAL: tl.constexpr,
+    CHECK_N: tl.constexpr,
+):
+    """-inf where query ``rows`` may not see key ``cols`` (keys past seqlen_k; causal future).
+
+    ``rows`` and ``cols`` are index tensors that broadcast against ``s`` in either orientation
+    (queries along dim 0 or dim 1): the one place that decides visibility, for every kernel.
+    """
+    if CHECK_N:
+        s = tl.where(cols < seqlen_k, s, float("-inf"))
+    if IS_CAUSAL:
+        s = tl.where(cols <= rows + (seqlen_k - seqlen_q), s, float("-inf"))
+    return s
+
+
+@triton.jit
 def mask_scores(
     s,
     offs_m,
@@ -143,13 +166,27 @@ def mask_scores(
     IS_CAUSAL: tl.constexpr,
     CHECK_N: tl.constexpr,
 ):
-    """Set scores of keys a row may not see to -inf (keys past seqlen_k; causal future)."""
-    if CHECK_N:
-        s = tl.where(offs_n[None, :] < seqlen_k, s, float("-inf"))
-    if IS_CAUSAL:
-        visible = offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q)
-        s = tl.where(visible, s, float("-inf"))
-    return s
+    """Set scores of keys a row may not see to -inf on a (BLOCK_M, BLOCK_N) tile (rows: queries)."""
+    return mask_by_index(
+        s, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, CHECK_N
+    )
+
+
+@triton.jit
+def mask_scores_t(
+    st,
+    offs_n,
+    offs_m,
+    seqlen_q,
+    seqlen_k,
+    IS_CAUSAL: tl.constexpr,
+    CHECK_N: tl.constexpr,
+):
+    """``mask_scores`` on a transposed (BLOCK_N, BLOCK_M) tile (rows: keys), as the dK/dV kernel
+    computes ``S^T = K Q^T`` so that K, V stay the register operand of its products."""
+    return mask_by_index(
+        st, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, IS_CAUSAL, CHECK_N
+    )
 
 
 @triton.jit

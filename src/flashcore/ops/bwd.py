@@ -64,6 +64,7 @@ def attn_bwd(
         BLOCK_M=cfg.block_m2,
         HAS_DLSE=dlse is not None,
         EVEN_M=seqlen_q % cfg.block_m2 == 0,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     bwd.attn_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.block_n1), batch * kv_heads)](
         q, k, v, dout, lse, delta, dk, dv,
