@@ -43,7 +43,10 @@ from flashcore.kernels.common import (
     store_tile,
 )
 
-LN2: tl.constexpr = 0.6931471805599453
+# A tl.constexpr instance, not an annotated float: Triton 3.6's compiler only reads module globals
+# that are constexpr objects (the annotation form raises NameError on the GPU; the interpreter
+# accepts both).
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
