@@ -1,13 +1,15 @@
-"""Compile the backward kernels for an sm_90a target offline and print ptxas's resource report.
+"""Compile the kernels for an sm_90a target offline and print ptxas's resource report.
 
-No GPU is needed: Triton lowers to PTX and runs the ptxas it ships. Registers, spill bytes and
-shared memory per config are compile-time facts, not timings; they are the evidence behind the
-first backward configs in ``flashcore.tuning`` until a device run times them.
+No GPU is needed: Triton lowers to PTX and runs the ptxas it ships. This catches what the
+interpreter accepts but the compiler rejects (tests/test_compile.py runs it), and the registers,
+spill bytes and shared memory per config are the evidence behind the first backward configs in
+``flashcore.tuning`` until a device run times them (compile-time facts, not timings).
 
-    python scripts/ptxas_report.py                      # the configs bwd_config picks
+    python scripts/ptxas_report.py                      # the configs fwd_config/bwd_config pick
     python scripts/ptxas_report.py --dtype fp16 --head-dim 128 --blocks 16,64,128,32 --warps 8
 
 Each line is one kernel compiled for the worst case (causal, Sq and Sk not block multiples).
+Run it with TRITON_INTERPRET unset: interpreted kernels cannot be compiled.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from flashcore.kernels import bwd
-from flashcore.tuning import BwdConfig, bwd_config, head_block
+from flashcore.kernels import bwd, fwd
+from flashcore.tuning import BwdConfig, bwd_config, fwd_config, head_block
 
 POINTERS = {"LSE": "*fp32", "DELTA": "*fp32", "DLSE": "*fp32"}
-SCALARS = {"sm_scale": "fp32"}
+SCALARS = {"sm_scale": "fp32", "qk_scale": "fp32"}
 
 
 def compile_report(fn, dtype: str, head_dim: int, constexprs: dict, warps: int, stages: int):
@@ -62,7 +64,7 @@ def compile_report(fn, dtype: str, head_dim: int, constexprs: dict, warps: int, 
     return regs, spill, kernel.metadata.shared
 
 
-def report(dtype: str, head_dim: int, cfg: BwdConfig) -> None:
+def report(dtype: str, head_dim: int, cfg: BwdConfig, *, forward: bool = True) -> None:
     flags = {
         "HEAD_DIM": head_dim,
         "BLOCK_D": head_block(head_dim),
@@ -72,20 +74,24 @@ def report(dtype: str, head_dim: int, cfg: BwdConfig) -> None:
         "UPCAST": False,
         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
     }
-    for name, fn, bm, bn in (
-        ("delta", bwd.attn_bwd_preprocess_kernel, cfg.block_m2, 0),
-        ("dkdv", bwd.attn_bwd_dkdv_kernel, cfg.block_m1, cfg.block_n1),
-        ("dq", bwd.attn_bwd_dq_kernel, cfg.block_m2, cfg.block_n2),
-    ):
+    kernels = [
+        ("delta", bwd.attn_bwd_preprocess_kernel, cfg.block_m2, 0, cfg.num_warps, cfg.num_stages),
+        ("dkdv", bwd.attn_bwd_dkdv_kernel, cfg.block_m1, cfg.block_n1, cfg.num_warps,
+         cfg.num_stages),
+        ("dq", bwd.attn_bwd_dq_kernel, cfg.block_m2, cfg.block_n2, cfg.num_warps, cfg.num_stages),
+    ]  # fmt: skip
+    if forward:
+        f = fwd_config(head_dim, 4 if dtype == "fp32" else 2, interpreted=False)
+        kernels.insert(0, ("fwd", fwd.attn_fwd_kernel, f.block_m, f.block_n, f.num_warps,
+                           f.num_stages))  # fmt: skip
+    for name, fn, bm, bn, warps, stages in kernels:
         constexprs = {**flags, "HAS_DLSE": True, "BLOCK_M": bm, "BLOCK_N": bn}
         constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
-        regs, spill, smem = compile_report(
-            fn, dtype, head_dim, constexprs, cfg.num_warps, cfg.num_stages
-        )
+        regs, spill, smem = compile_report(fn, dtype, head_dim, constexprs, warps, stages)
         tile = f"{bm:>3}x{bn:<3}" if bn else f"{bm:>3}    "
         print(
-            f"{dtype:5} D={head_dim:<4} {name:5} {tile} warps={cfg.num_warps} "
-            f"stages={cfg.num_stages}  regs={regs:<4} spill_bytes={spill:<6} smem={smem}",
+            f"{dtype:5} D={head_dim:<4} {name:5} {tile} warps={warps} stages={stages}  "
+            f"regs={regs:<4} spill_bytes={spill:<6} smem={smem}",
             flush=True,
         )
 
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 elem_size = 4 if dtype == "fp32" else 2
                 cfg = bwd_config(head_dim, elem_size, interpreted=False)
-            report(dtype, head_dim, cfg)
+            report(dtype, head_dim, cfg, forward=not args.blocks)
     return 0
 
 

@@ -19,6 +19,7 @@ and all softmax state (m, l) is fp32.
 import triton
 import triton.language as tl
 
+# A tl.constexpr instance: Triton 3.6 compiles only module globals that are constexpr objects.
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
