@@ -66,7 +66,7 @@ BWD_INTERP = [
 
 # Backward, GPU tier: real sizes, fp16 and bf16, full and causal.
 BWD_GPU = [
-    Case(2, 16, 16, 4096, 4096, 128),
+    Case(1, 16, 16, 4096, 4096, 128),  # batch 1: the float64 reference keeps ~6 score-sized tensors
     Case(2, 16, 4, 2048, 2048, 64),
     Case(1, 8, 8, 1024, 4096, 256),
     Case(1, 8, 1, 4096, 1024, 128),

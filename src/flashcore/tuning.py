@@ -74,8 +74,9 @@ class BwdConfig:
 
 # Non-square tiles in both kernels so that odd lengths (17, 113, 203) span several tiles both ways
 # and the causal diagonal crosses tile borders; each kernel holds the larger tile, as on the GPU.
-INTERPRETER_BWD = BwdConfig(block_m1=16, block_n1=32, block_m2=32, block_n2=16, num_warps=4,
-                            num_stages=1)  # fmt: skip
+INTERPRETER_BWD = BwdConfig(
+    block_m1=16, block_n1=32, block_m2=32, block_n2=16, num_warps=4, num_stages=1
+)
 
 
 def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig:
@@ -85,7 +86,8 @@ def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig
     these picks is ptxas's resource report for sm_90a (Triton 3.6, causal with ragged lengths,
     ``python scripts/ptxas_report.py``): among configs whose dK/dV kernel holds at least 64 keys
     (the smallest K/V tile that feeds a wgmma), the fewest spilled bytes. 8 warps throughout:
-    with 4, every fp16 config at D >= 128 spilled several KB. Spill bytes (dK/dV, dQ):
+    the 4-warp versions spilled more (dK/dV 16x64 at fp16 D=128: 1160 bytes against 364).
+    Spill bytes (dK/dV, dQ):
     fp16 D<=64 0, 0; D<=128 ~350, 0; D<=256 ~2.5K, ~1.8K (every D=256 config measured spills);
     fp32 D<=64 0, 0; D<=128 0, ~850; D<=256 ~24, ~700.
     """

@@ -43,8 +43,12 @@ varlen changes only how base pointers and sequence lengths are found.
 
 LSE base. The forward stores the natural-log LSE (fp32, ``(B, H, Sq)``, unit stride along Sq).
 ``load_row_stats`` converts it to base 2 and the scores are scaled by ``scale * log2(e)``, so the
-probabilities are one ``exp2``. ``dS`` is the gradient with respect to the natural-unit scores; the
-``scale`` factor of ``S = scale * Q K^T`` is applied once to the dQ and dK accumulators.
+probabilities are one ``exp2``. Recomputing the base-2 scores exactly as the forward did matters:
+the rounding of the row maximum then cancels against the LSE. Forming the exponent in natural units
+instead (``(S * scale - lse) * log2(e)``) was tried and doubled the fp32 dK error with scores near
+-470 (interpreter, exactly rounded dots). ``dS`` is the gradient with respect to the natural-unit
+scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied once to the dQ and dK
+accumulators.
 
 Invariants. A row that sees no key (LSE -inf) and a padding row past Sq get ``lse2 = +inf``: their
 P is exactly 0, so they contribute nothing and their dQ is 0, never NaN. Masked scores are -inf
