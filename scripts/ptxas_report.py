@@ -8,7 +8,8 @@ spill bytes and shared memory per config are the evidence behind the first backw
     python scripts/ptxas_report.py                      # the configs fwd_config/bwd_config pick
     python scripts/ptxas_report.py --dtype fp16 --head-dim 128 --blocks 16,64,128,32 --warps 8
 
-Each line is one kernel compiled for the worst case (causal, Sq and Sk not block multiples).
+Each line is one kernel compiled for the worst case (causal, Sq and Sk not block multiples), or
+with ``--full-even`` for the other end (no mask, lengths multiples of the blocks).
 Run it with TRITON_INTERPRET unset: interpreted kernels cannot be compiled.
 """
 
@@ -64,13 +65,15 @@ def compile_report(fn, dtype: str, head_dim: int, constexprs: dict, warps: int, 
     return regs, spill, kernel.metadata.shared
 
 
-def report(dtype: str, head_dim: int, cfg: BwdConfig, *, forward: bool = True) -> None:
+def report(
+    dtype: str, head_dim: int, cfg: BwdConfig, *, forward: bool = True, full_even: bool = False
+) -> None:
     flags = {
         "HEAD_DIM": head_dim,
         "BLOCK_D": head_block(head_dim),
-        "IS_CAUSAL": True,
-        "EVEN_M": False,
-        "EVEN_N": False,
+        "IS_CAUSAL": not full_even,
+        "EVEN_M": full_even,
+        "EVEN_N": full_even,
         "UPCAST": False,
         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
     }
@@ -103,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", help="block_m1,block_n1,block_m2,block_n2 (default: tuning)")
     parser.add_argument("--warps", type=int, default=8)
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument(
+        "--full-even", action="store_true", help="compile the non-causal, block-multiple variant"
+    )
     args = parser.parse_args(argv)
     for dtype in args.dtype or ["fp16", "fp32"]:
         for head_dim in args.head_dim or [64, 128, 256]:
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 elem_size = 4 if dtype == "fp32" else 2
                 cfg = bwd_config(head_dim, elem_size, interpreted=False)
-            report(dtype, head_dim, cfg, forward=not args.blocks)
+            report(dtype, head_dim, cfg, forward=not args.blocks, full_even=args.full_even)
     return 0
 
 
