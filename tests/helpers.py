@@ -1,4 +1,4 @@
-"""Input construction and the forward check shared by the test modules."""
+"""Input construction and the forward and backward checks shared by the test modules."""
 
 from __future__ import annotations
 
@@ -67,14 +67,47 @@ def skip_without_backward(device: str) -> None:
 
 def check_grads(grads: dict, q, k, v, dout, *, causal: bool, scale=None) -> None:
     """Assert gradients ``{"q": dq, ...}`` (any subset of q, k, v) with FlashAttention's rule."""
-
-    def reference_grads(dtype: torch.dtype) -> dict:
-        leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-        out = reference.attention(*leaves, causal=causal, scale=scale, dtype=dtype).out
-        out.backward(dout.to(dtype))
-        return {name: t.grad for name, t in zip("qkv", leaves, strict=True)}
-
-    ref, pt = reference_grads(torch.float64), reference_grads(q.dtype)
+    ref = reference_grads(q, k, v, dout, None, causal=causal, scale=scale, dtype=torch.float64)
+    pt = reference_grads(q, k, v, dout, None, causal=causal, scale=scale, dtype=q.dtype)
     for name, grad in grads.items():
         assert grad is not None, f"d{name} is None"
-        assert_fa_rule(f"d{name}", grad, pt[name], ref[name])
+        i = "qkv".index(name)
+        assert_fa_rule(f"d{name}", grad, pt[i], ref[i])
+
+
+def reference_grads(q, k, v, dout, dlse, *, causal: bool, scale=None, dtype: torch.dtype):
+    """``(dq, dk, dv)`` by autograd through the reference computed in ``dtype``.
+
+    Fresh leaves are made in ``dtype`` so a float64 gradient is not rounded back to q's dtype.
+    ``dlse`` may be None (the LSE output is not differentiated).
+    """
+    leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*leaves, causal=causal, scale=scale, dtype=dtype)
+    outputs, grads = [ref.out], [dout.to(dtype)]
+    if dlse is not None:
+        outputs.append(ref.lse)
+        grads.append(dlse.to(dtype))
+    return torch.autograd.grad(outputs, leaves, grads)
+
+
+def check_backward(q, k, v, *, causal: bool, scale=None, dout=None, dlse=None):
+    """Run flashcore.attention forward and backward and check dq, dk, dv with the FA rule.
+
+    ``dout`` defaults to a random tensor shaped like the output; ``dlse`` (the gradient reaching
+    the LSE) defaults to none. Returns the kernel's gradients.
+    """
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = flashcore.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    if dout is None:
+        dout = torch.randn_like(out)
+    outputs, grads = [out], [dout]
+    if dlse is not None:
+        outputs.append(lse)
+        grads.append(dlse)
+    got = torch.autograd.grad(outputs, (q, k, v), grads)
+    ref = reference_grads(q, k, v, dout, dlse, causal=causal, scale=scale, dtype=torch.float64)
+    pt = reference_grads(q, k, v, dout, dlse, causal=causal, scale=scale, dtype=q.dtype)
+    for name, g, t, p, r in zip(("dq", "dk", "dv"), got, (q, k, v), pt, ref, strict=True):
+        assert g.dtype == t.dtype, f"{name}: dtype {g.dtype} != {t.dtype}"
+        assert_fa_rule(name, g, p, r)
+    return got

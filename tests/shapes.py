@@ -80,3 +80,28 @@ SANITIZE = [
     Case(1, 2, 2, 128, 128, 128),
     Case(1, 2, 1, 200, 333, 256),
 ]
+
+# Backward, interpreter tier: every case runs in fp16, bf16 and fp32, full and causal. Lengths are
+# odd against both backward configs (16x32 for dK/dV, 32x16 for dQ) so every tile edge is ragged
+# somewhere, and the features the backward treats specially are all here.
+BWD_INTERP = [
+    Case(1, 1, 1, 2, 3, 16),  # one tile each way, smallest head dim
+    Case(2, 2, 1, 1, 203, 64),  # Sq=1 (decode-like), MQA: one dK/dV program sums 2 heads
+    Case(1, 4, 2, 113, 203, 80),  # GQA, Sq < Sk, head dim padded to 128
+    Case(1, 2, 2, 203, 113, 64),  # Sq > Sk: causal leaves 90 rows with no key (zero dQ)
+    Case(1, 3, 1, 17, 17, 128),  # MQA over 3 heads, one ragged tile each way
+    Case(1, 1, 1, 64, 96, 256),  # block multiples (EVEN_M/EVEN_N), largest head dim
+    Case(2, 3, 3, 33, 17, 16),  # Sq > Sk, ragged, smallest head dim
+]
+
+# Backward, GPU tier: real sizes, fp16 and bf16, full and causal.
+BWD_GPU = [
+    Case(1, 16, 16, 4096, 4096, 128),  # batch 1: the float64 reference keeps ~6 score-sized tensors
+    Case(2, 16, 4, 2048, 2048, 64),
+    Case(1, 8, 8, 1024, 4096, 256),
+    Case(1, 8, 1, 4096, 1024, 128),
+    Case(4, 8, 2, 1000, 3001, 80),
+    Case(2, 4, 4, 777, 777, 192),
+    Case(2, 32, 8, 513, 513, 32),
+    Case(4, 8, 8, 1, 4096, 96),
+]

@@ -21,14 +21,14 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashcore.kernels import fwd, probes  # noqa: E402
-from flashcore.tuning import fwd_config, head_block  # noqa: E402
+from flashcore.kernels import bwd, fwd, probes  # noqa: E402
+from flashcore.tuning import bwd_config, fwd_config, head_block  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ELEM_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
-FP32_POINTERS = {"LSE", "S", "P"}
+FP32_POINTERS = {"LSE", "S", "P", "DELTA", "DLSE"}
 # Integer arguments that are sizes, not strides: no divisibility is promised for them.
-SIZES = {"num_heads", "kv_group", "seqlen_q", "seqlen_k"}
+SIZES = {"num_heads", "kv_heads", "kv_group", "seqlen_q", "seqlen_k"}
 
 # (head_dim, dtype, causal, even); every forward variant is compiled with tensor descriptors and
 # with plain pointers.
@@ -44,6 +44,14 @@ FWD_VARIANTS = [
     (32, "fp32", True, False),
     (128, "fp32", False, True),
     (256, "fp32", True, False),
+]
+BWD_VARIANTS = [
+    (64, "fp16", True, False),
+    (80, "bf16", True, False),
+    (128, "fp16", False, True),
+    (128, "bf16", True, False),
+    (256, "bf16", True, False),
+    (128, "fp32", True, False),
 ]
 PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
 PROBES = ("probe_scores_kernel", "probe_probs_kernel", "probe_uniform_pv_kernel")
@@ -138,6 +146,20 @@ def main() -> int:
         descs = {name: (1, 1, r, cols) for name, r in descs.items()}
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options, descs)
         print(json.dumps(report("attn_fwd", variant, compiled, tma)), flush=True)
+    for variant in BWD_VARIANTS:
+        head_dim, dtype = variant[:2]
+        cfg = bwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
+        flags, _ = fwd_consts(*variant)
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        blocks = {
+            "attn_bwd_preprocess_kernel": (cfg.block_m2, None),
+            "attn_bwd_dkdv_kernel": (cfg.block_m1, cfg.block_n1),
+            "attn_bwd_dq_kernel": (cfg.block_m2, cfg.block_n2),
+        }
+        for name, (bm, bn) in blocks.items():
+            consts = {**flags, "HAS_DLSE": True, "BLOCK_M": bm, "BLOCK_N": bn}
+            compiled = compile_kernel(getattr(bwd, name), consts, dtype, options)
+            print(json.dumps(report(name, variant, compiled)), flush=True)
     for name in PROBES:
         for variant in PROBE_VARIANTS:
             consts, options = fwd_consts(*variant)

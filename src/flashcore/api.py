@@ -129,6 +129,16 @@ def attention(
         ``(out, lse)`` with ``lse`` float32 ``(B, H, Sq)``: the natural-log logsumexp of the scaled
         (and masked) scores. Rows that see no key have ``out = 0`` and ``lse = -inf``.
 
+    Autograd: ``out`` (and ``lse``) are differentiable with respect to q, k and v, for every
+    option above. The backward is FlashAttention-2's: it recomputes the probabilities from the
+    saved LSE (only q, k, v, out and lse are kept for it), accumulates in fp32, writes every
+    gradient from exactly one program (deterministic, no atomics) and returns dq, dk, dv in the
+    dtype and, when dense, the memory layout of q, k, v (GQA/MQA gradients are summed over each
+    kv head's query heads). A gradient reaching ``lse`` is supported too: it adds
+    ``dlse_i * softmax_ij`` to the score gradients (the kernels fold it into the per-row term
+    ``delta_i = rowsum(dout * out)_i - dlse_i``). Rows that see no key get zero gradients. The
+    gradient of ``out`` may have any strides (one whose last dim is not unit-stride is copied).
+
     Inputs may have any strides (a ``(B, S, H, D)`` tensor passed as ``.transpose(1, 2)`` is read
     in place); only a last dim with a stride other than 1 is copied. Supported: float16, bfloat16
     and float32; any Sq, Sk; head dims 1 to 256. Tensors must be on a CUDA device, or on the CPU

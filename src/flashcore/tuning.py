@@ -54,3 +54,56 @@ def fwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> FwdConfig
     if block_d <= 128:
         return FwdConfig(128, 128, 8, 3)  # 463 / 407 TF/s (D=128)
     return FwdConfig(128, 64, 8, 2)  # 482 / 391 TF/s (D=256)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Launch configuration of the backward kernels.
+
+    ``block_m1 x block_n1``: the dK/dV kernel holds a block_n1-row K/V tile and streams block_m1-row
+    query tiles. ``block_m2 x block_n2``: the dQ kernel (and the delta preprocess) holds a
+    block_m2-row query tile and streams block_n2-row key tiles. The held tile is the larger one, as
+    in FlashAttention-2: it amortises the streamed loads, while the fp32 accumulators
+    (2 x block_n1 x D for dK/dV, block_m2 x D for dQ) bound it from above.
+    """
+
+    block_m1: int
+    block_n1: int
+    block_m2: int
+    block_n2: int
+    num_warps: int
+    num_stages: int
+
+
+# Non-square tiles in both kernels so that odd lengths (17, 113, 203) span several tiles both ways
+# and the causal diagonal crosses tile borders; each kernel holds the larger tile, as on the GPU.
+INTERPRETER_BWD = BwdConfig(
+    block_m1=16, block_n1=32, block_m2=32, block_n2=16, num_warps=4, num_stages=1
+)
+
+
+def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig:
+    """Backward config for a padded head dim and element size in bytes.
+
+    Not timed yet (no GPU run so far; tune in docs/performance.md). The only measurement behind
+    these picks is ptxas's resource report for sm_90a (Triton 3.6, causal with ragged lengths,
+    ``python scripts/ptxas_report.py``): among configs whose dK/dV kernel holds at least 64 keys
+    (the smallest K/V tile that feeds a wgmma), the fewest spilled bytes. 8 warps throughout:
+    the 4-warp versions spilled more (dK/dV 16x64 at fp16 D=128: 1160 bytes against 364).
+    Spill bytes (dK/dV, dQ):
+    fp16 D<=64 0, 0; D<=128 ~350, 0; D<=256 ~2.5K, ~1.8K (every D=256 config measured spills);
+    fp32 D<=64 0, 0; D<=128 0, ~850; D<=256 ~24, ~700.
+    """
+    if interpreted:
+        return INTERPRETER_BWD
+    block_d = head_block(head_dim)
+    if elem_size >= 4:
+        # IEEE fp32 dots run on the FMA units: small tiles, one stage.
+        if block_d <= 128:
+            return BwdConfig(16, 64, 64, 16, 8, 1)
+        return BwdConfig(16, 32, 16, 16, 8, 1)
+    if block_d <= 64:
+        return BwdConfig(32, 128, 128, 64, 8, 3)
+    if block_d <= 128:
+        return BwdConfig(16, 64, 128, 32, 8, 2)
+    return BwdConfig(16, 64, 64, 32, 8, 2)

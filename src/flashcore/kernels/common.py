@@ -5,9 +5,12 @@ Each helper owns one concern so that a bug shows in one place and a probe kernel
 
 - ``load_tile``: a (rows, BLOCK_D) tile, masked only where constexpr flags say an edge is ragged.
 - ``kv_tile_range``: which key tiles a query block visits, split into an unmasked and a masked part.
-- ``mask_scores``: -inf where a key is out of range or hidden by the causal mask.
+- ``q_tile_range``: its mirror for the backward's dK/dV kernel: which query tiles see a key block.
+- ``mask_scores`` / ``mask_scores_t``: -inf where a key is out of range or hidden by the causal
+  mask, on a (queries, keys) tile or its transpose; both defer to ``mask_by_index``.
 - ``online_softmax_step``: one step of the streaming softmax in base 2 (base e with EXP_E).
 - ``row_lse``: the natural-log logsumexp of a finished row, -inf for a row that saw no key.
+- ``load_row_stats``: the backward's per-row LSE (converted to base 2) and delta.
 
 Conventions: scores arrive in log2 units (``scale * log2(e)`` folded into one multiply), a masked
 score is ``-inf`` (never a large finite number, so a row that sees no key ends with l = 0 exactly),
@@ -19,6 +22,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 LN2 = tl.constexpr(0.6931471805599453)
+
+# A tl.constexpr instance: Triton 3.6 compiles only module globals that are constexpr objects.
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -99,6 +105,63 @@ def kv_tile_range(
 
 
 @triton.jit
+def q_tile_range(
+    start_n,
+    seqlen_q,
+    seqlen_k,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+):
+    """Query rows ``[lo, hi)`` that can see keys ``[start_n, start_n + BLOCK_N)``.
+
+    The mirror of ``kv_tile_range``, for programs that own a key block. Returns ``(lo, mid, hi)``:
+    query tiles starting in ``[lo, mid)`` cross the causal diagonal and need ``mask_scores``; tiles
+    starting in ``[mid, hi)`` see every key of the block (no mask work); rows before ``lo`` see none
+    of it. ``lo`` and ``mid`` are multiples of BLOCK_M or equal to ``hi = seqlen_q``. Row i sees
+    key j iff ``i >= j - (seqlen_k - seqlen_q)``, so later rows see more. Neither rows past
+    seqlen_q nor keys past seqlen_k are masked here: the caller makes padded rows contribute
+    nothing (``load_row_stats``) and never stores the rows of padded keys.
+    """
+    if IS_CAUSAL:
+        diag = seqlen_k - seqlen_q
+        # The block's first key is seen from row start_n - diag on, its last from
+        # start_n + BLOCK_N - 1 - diag on (a ragged last block is masked a little more than needed).
+        lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
+        full = (tl.maximum(start_n + BLOCK_N - 1 - diag + BLOCK_M - 1, 0) // BLOCK_M) * BLOCK_M
+        hi = seqlen_q
+        mid = tl.minimum(full, hi)
+        lo = tl.minimum(lo, mid)
+    else:
+        lo = 0
+        mid = 0
+        hi = seqlen_q
+    return lo, mid, hi
+
+
+@triton.jit
+def mask_by_index(
+    s,
+    rows,
+    cols,
+    seqlen_q,
+    seqlen_k,
+    IS_CAUSAL: tl.constexpr,
+    CHECK_N: tl.constexpr,
+):
+    """-inf where query ``rows`` may not see key ``cols`` (keys past seqlen_k; causal future).
+
+    ``rows`` and ``cols`` are index tensors that broadcast against ``s`` in either orientation
+    (queries along dim 0 or dim 1): the one place that decides visibility, for every kernel.
+    """
+    if CHECK_N:
+        s = tl.where(cols < seqlen_k, s, float("-inf"))
+    if IS_CAUSAL:
+        s = tl.where(cols <= rows + (seqlen_k - seqlen_q), s, float("-inf"))
+    return s
+
+
+@triton.jit
 def mask_scores(
     s,
     offs_m,
@@ -108,13 +171,27 @@ def mask_scores(
     IS_CAUSAL: tl.constexpr,
     CHECK_N: tl.constexpr,
 ):
-    """Set scores of keys a row may not see to -inf (keys past seqlen_k; causal future)."""
-    if CHECK_N:
-        s = tl.where(offs_n[None, :] < seqlen_k, s, float("-inf"))
-    if IS_CAUSAL:
-        visible = offs_n[None, :] <= offs_m[:, None] + (seqlen_k - seqlen_q)
-        s = tl.where(visible, s, float("-inf"))
-    return s
+    """Set scores of keys a row may not see to -inf on a (BLOCK_M, BLOCK_N) tile (rows: queries)."""
+    return mask_by_index(
+        s, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, CHECK_N
+    )
+
+
+@triton.jit
+def mask_scores_t(
+    st,
+    offs_n,
+    offs_m,
+    seqlen_q,
+    seqlen_k,
+    IS_CAUSAL: tl.constexpr,
+    CHECK_N: tl.constexpr,
+):
+    """``mask_scores`` on a transposed (BLOCK_N, BLOCK_M) tile (rows: keys), as the dK/dV kernel
+    computes ``S^T = K Q^T`` so that K, V stay the register operand of its products."""
+    return mask_by_index(
+        st, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, IS_CAUSAL, CHECK_N
+    )
 
 
 @triton.jit
@@ -164,3 +241,22 @@ def online_softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr, EXP_E: tl.const
     alpha = softmax_exp(m_i - m_ref, EXP_E)
     l_new = l_i * alpha + tl.sum(p, 1)
     return p, alpha, m_new, l_new
+
+
+@triton.jit
+def load_row_stats(lse_ptrs, delta_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr):
+    """Per-row ``(lse2, delta)`` for the backward, with ``lse2`` the forward's LSE in base 2.
+
+    ``exp2(s - lse2)`` recomputes the normalised probabilities. Rows that see no key (LSE -inf)
+    and rows past seqlen_q get ``lse2 = +inf``, so their probabilities are exactly 0 (also where
+    s is -inf) and they contribute nothing to any gradient, instead of ``-inf - -inf = NaN``.
+    """
+    if EVEN_M:
+        lse = tl.load(lse_ptrs)
+        delta = tl.load(delta_ptrs)
+    else:
+        in_range = offs_m < seqlen_q
+        lse = tl.load(lse_ptrs, mask=in_range, other=float("-inf"))
+        delta = tl.load(delta_ptrs, mask=in_range, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return lse2, delta

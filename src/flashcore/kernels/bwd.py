@@ -1,0 +1,518 @@
+"""FlashAttention-2 backward: dQ, dK, dV without atomics, in three kernels.
+
+Algorithm. With ``P = softmax(scale * Q K^T)`` recomputed tile by tile from the forward's LSE
+(``P = exp2(S - lse2)``, nothing of size Sq x Sk is stored) and ``dO`` the output gradient:
+
+    dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dQ = scale * dS K,   dK = scale * dS^T Q
+
+where ``delta_i = rowsum(dO * O)_i - dlse_i``; ``dlse`` is the gradient reaching the LSE output
+(0 when the LSE is not used), since ``d lse_i / d s_ij = P_ij`` adds ``dlse_i * P_ij`` to dS.
+
+1. ``attn_bwd_preprocess_kernel`` computes ``delta`` (fp32, laid out like the LSE).
+   Grid ``(cdiv(Sq, BLOCK_M), B * H)``.
+2. ``attn_bwd_dkdv_kernel`` keeps one (BLOCK_N, BLOCK_D) tile of K and V on chip, streams the
+   query tiles that can see it and accumulates dK and dV in fp32 registers. GQA/MQA: the program
+   of kv head hk loops over the ``H // Hkv`` query heads of its group and sums their contributions
+   in the same registers, so repeated K/V are never materialised and no two programs write the
+   same dK/dV rows. Grid ``(cdiv(Sk, BLOCK_N), B * Hkv)``.
+3. ``attn_bwd_dq_kernel`` keeps one (BLOCK_M, BLOCK_D) tile of Q, dO, LSE and delta on chip and
+   streams the key tiles it can see, like the forward, accumulating dQ in fp32.
+   Grid ``(cdiv(Sq, BLOCK_M), B * H)``.
+Every gradient element is written by exactly one program with a fixed summation order: the result
+is deterministic by construction (no atomics). ``P`` and ``dS`` are cast to the input dtype for
+their products, with fp32 accumulation, as in FlashAttention-2.
+
+Tile ranges. The dQ kernel visits key tiles with the forward's ``kv_tile_range`` (unmasked tiles,
+then the masked diagonal band and ragged end of Sk). The dK/dV kernel uses its mirror,
+``q_tile_range``: query tiles before the diagonal see none of the key block and are skipped, tiles
+crossing it are masked, later tiles see every key and need no mask work.
+
+Flags (``tl.constexpr``, compiled away when off):
+- IS_CAUSAL: bottom-right aligned causal mask (row i sees key j iff ``j <= i + Sk - Sq``).
+- EVEN_M / EVEN_N: Sq / Sk are multiples of the kernel's BLOCK_M / BLOCK_N: loads and stores skip
+  row masks.
+- HEAD_DIM < BLOCK_D: head dims that are not powers of two are padded with masked loads.
+- HAS_DLSE (preprocess): subtract the LSE gradient from delta.
+- UPCAST: compute in fp32 from fp32 copies of the tiles (so P and dS are not rounded to bf16
+  either). Needed only by Triton 3.6's interpreter, which does bf16 arithmetic on the raw bit
+  patterns; always off on the GPU.
+- DOT_PRECISION: "ieee" for fp32 inputs (matches PyTorch's default fp32 matmul), ignored for
+  fp16/bf16.
+Later masks (window, softcap, ALiBi) join through ``mask_scores`` and the two tile-range helpers;
+varlen changes only how base pointers and sequence lengths are found.
+
+LSE base. The forward stores the natural-log LSE (fp32, ``(B, H, Sq)``, unit stride along Sq).
+``load_row_stats`` converts it to base 2 and the scores are scaled by ``scale * log2(e)``, so the
+probabilities are one ``exp2``. Recomputing the base-2 scores exactly as the forward did matters:
+the rounding of the row maximum then cancels against the LSE. Forming the exponent in natural units
+instead (``(S * scale - lse) * log2(e)``) was tried and doubled the fp32 dK error with scores near
+-470 (interpreter, exactly rounded dots). ``dS`` is the gradient with respect to the natural-unit
+scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied once to the dQ and dK
+accumulators.
+
+Invariants. A row that sees no key (LSE -inf) and a padding row past Sq get ``lse2 = +inf``: their
+P is exactly 0, so they contribute nothing and their dQ is 0, never NaN. Masked scores are -inf
+(P = 0, dS = 0). In the dK/dV kernel, rows of the K/V block past Sk load as 0 and compute values
+that only reach their own dK/dV rows, which are never stored, so keys need no mask outside the
+causal band. Delta shares the LSE's strides. Batch/head offsets and the first row offset of each
+tile walk are int64; in-tile offsets are int32.
+"""
+
+import triton
+import triton.language as tl
+
+from flashcore.kernels.common import (
+    LOG2E,
+    kv_tile_range,
+    load_row_stats,
+    load_tile,
+    mask_scores,
+    mask_scores_t,
+    q_tile_range,
+    store_tile,
+)
+
+
+@triton.jit
+def attn_bwd_preprocess_kernel(
+    O,
+    DO,
+    DLSE,
+    DELTA,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dlb,
+    stride_dlh,
+    stride_dlm,
+    stride_lb,
+    stride_lh,
+    num_heads,
+    seqlen_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    EVEN_M: tl.constexpr,
+):
+    """``delta = rowsum(dO * O) [- dlse]`` in fp32, written with the LSE's strides."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // num_heads).to(tl.int64)
+    off_h = (off_bh % num_heads).to(tl.int64)
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tm
+    offs_d = tl.arange(0, BLOCK_D)
+    row0 = start_m.to(tl.int64)
+    o_ptrs = (
+        O
+        + off_b * stride_ob
+        + off_h * stride_oh
+        + row0 * stride_om
+        + (offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od)
+    )
+    do_ptrs = (
+        DO
+        + off_b * stride_dob
+        + off_h * stride_doh
+        + row0 * stride_dom
+        + (offs_tm[:, None] * stride_dom + offs_d[None, :] * stride_dod)
+    )
+    o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        # The LSE gradient may be a broadcast (stride 0) or any other view: read it by strides.
+        dlse_ptrs = DLSE + off_b * stride_dlb + off_h * stride_dlh + row0 * stride_dlm
+        dlse_ptrs += offs_tm * stride_dlm
+        if EVEN_M:
+            dlse = tl.load(dlse_ptrs)
+        else:
+            dlse = tl.load(dlse_ptrs, mask=offs_m < seqlen_q, other=0.0)
+        delta -= dlse.to(tl.float32)
+    delta_ptrs = DELTA + off_b * stride_lb + off_h * stride_lh + offs_m
+    if EVEN_M:
+        tl.store(delta_ptrs, delta)
+    else:
+        tl.store(delta_ptrs, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _bwd_dkdv_q_loop(
+    dk,
+    dv,
+    k,
+    v,
+    q_ptrs,
+    do_ptrs,
+    lse_ptrs,
+    delta_ptrs,
+    offs_tm,
+    offs_n,
+    offs_d,
+    start_m,
+    end_m,
+    stride_qm,
+    stride_dom,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Visit query tiles ``[start_m, end_m)`` of one head, pointers already at ``start_m``.
+
+    MASKED selects the causal-diagonal variant. Returns the accumulators and the pointers advanced
+    past the last tile, so consecutive ranges chain.
+    """
+    for tile_m in range(start_m, end_m, BLOCK_M):
+        rows = tile_m + offs_tm
+        q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+        do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+        lse2, delta = load_row_stats(lse_ptrs, delta_ptrs, rows, seqlen_q, EVEN_M)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        # Transposed products (S^T = K Q^T): K, V and P^T, dS^T are the register operands, Q and
+        # dO the freshly loaded ones, so no register tile needs a transpose.
+        st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            st = mask_scores_t(st, offs_n, rows, seqlen_q, seqlen_k, IS_CAUSAL, False)
+        pt = tl.math.exp2(st - lse2[None, :])
+        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dst = pt * (dpt - delta[None, :])
+        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        q_ptrs += BLOCK_M * stride_qm
+        do_ptrs += BLOCK_M * stride_dom
+        lse_ptrs += BLOCK_M
+        delta_ptrs += BLOCK_M
+    return dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    stride_lb,
+    stride_lh,
+    kv_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // kv_heads).to(tl.int64)
+    off_hk = (off_bh % kv_heads).to(tl.int64)
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    qk_scale = sm_scale * LOG2E
+
+    offs_tn = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_tn
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    col0 = start_n.to(tl.int64)
+    k_ptrs = (
+        K
+        + off_b * stride_kb
+        + off_hk * stride_kh
+        + col0 * stride_kn
+        + (offs_tn[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+    )
+    v_ptrs = (
+        V
+        + off_b * stride_vb
+        + off_hk * stride_vh
+        + col0 * stride_vn
+        + (offs_tn[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+    )
+    k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    lo, mid, hi = q_tile_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    row0 = tl.cast(lo, tl.int64)
+    # GQA/MQA: the query heads sharing this kv head, summed in registers (no atomics, no repeat).
+    for g in range(kv_group):
+        off_h = off_hk * kv_group + g
+        q_ptrs = (
+            Q
+            + off_b * stride_qb
+            + off_h * stride_qh
+            + row0 * stride_qm
+            + (offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+        )
+        do_ptrs = (
+            DO
+            + off_b * stride_dob
+            + off_h * stride_doh
+            + row0 * stride_dom
+            + (offs_tm[:, None] * stride_dom + offs_d[None, :] * stride_dod)
+        )
+        stats_off = off_b * stride_lb + off_h * stride_lh + row0
+        lse_ptrs = LSE + stats_off + offs_tm
+        delta_ptrs = DELTA + stats_off + offs_tm
+        dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, lo, mid,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
+            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, True, EVEN_M, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+        dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, mid, hi,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
+            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, False, EVEN_M, UPCAST, DOT_PRECISION,
+        )  # fmt: skip
+
+    dk *= sm_scale
+    dk_ptrs = (
+        DK
+        + off_b * stride_dkb
+        + off_hk * stride_dkh
+        + col0 * stride_dkn
+        + (offs_tn[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
+    )
+    dv_ptrs = (
+        DV
+        + off_b * stride_dvb
+        + off_hk * stride_dvh
+        + col0 * stride_dvn
+        + (offs_tn[:, None] * stride_dvn + offs_d[None, :] * stride_dvd)
+    )
+    store_tile(
+        dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D
+    )
+    store_tile(
+        dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D
+    )
+
+
+@triton.jit
+def _bwd_dq_kv_loop(
+    dq,
+    q,
+    do,
+    lse2,
+    delta,
+    k_ptrs,
+    v_ptrs,
+    offs_m,
+    offs_n,
+    offs_d,
+    start_n,
+    end_n,
+    stride_kn,
+    stride_vn,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Visit key tiles ``[start_n, end_n)`` with k/v pointers already at ``start_n``.
+
+    MASKED selects the masked-tail variant (causal band, ragged end of Sk).
+    """
+    for tile_n in range(start_n, end_n, BLOCK_N):
+        cols = tile_n + offs_n
+        # Full tiles lie inside Sk by construction; only the masked tail can run past it.
+        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N or not MASKED, EVEN_D)
+        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N or not MASKED, EVEN_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+    return dq, k_ptrs, v_ptrs
+
+
+@triton.jit
+def attn_bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    stride_lb,
+    stride_lh,
+    num_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    sm_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    EVEN_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // num_heads).to(tl.int64)
+    off_h = (off_bh % num_heads).to(tl.int64)
+    off_hk = off_h // kv_group
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    qk_scale = sm_scale * LOG2E
+
+    offs_tm = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_tm
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row0 = start_m.to(tl.int64)
+    q_ptrs = (
+        Q
+        + off_b * stride_qb
+        + off_h * stride_qh
+        + row0 * stride_qm
+        + (offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+    )
+    do_ptrs = (
+        DO
+        + off_b * stride_dob
+        + off_h * stride_doh
+        + row0 * stride_dom
+        + (offs_tm[:, None] * stride_dom + offs_d[None, :] * stride_dod)
+    )
+    k_ptrs = (
+        K
+        + off_b * stride_kb
+        + off_hk * stride_kh
+        + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+    )
+    v_ptrs = (
+        V
+        + off_b * stride_vb
+        + off_hk * stride_vh
+        + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+    )
+    stats_off = off_b * stride_lb + off_h * stride_lh
+    lse2, delta = load_row_stats(
+        LSE + stats_off + offs_m, DELTA + stats_off + offs_m, offs_m, seqlen_q, EVEN_M
+    )
+    q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    dq, k_ptrs, v_ptrs = _bwd_dq_kv_loop(
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, full_hi,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
+        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+    dq, k_ptrs, v_ptrs = _bwd_dq_kv_loop(
+        dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, full_hi, hi,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
+        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION,
+    )  # fmt: skip
+
+    dq *= sm_scale
+    dq_ptrs = (
+        DQ
+        + off_b * stride_dqb
+        + off_h * stride_dqh
+        + row0 * stride_dqm
+        + (offs_tm[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
+    )
+    store_tile(
+        dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D
+    )

@@ -1,0 +1,186 @@
+"""Gradients of flashcore.attention (dq, dk, dv) against autograd through the float64 reference."""
+
+import pytest
+import torch
+
+import flashcore
+from flashcore.ops import attention as ops
+from helpers import check_backward, make_qkv
+from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case
+
+pytestmark = pytest.mark.usefixtures("exact_fp32_dot")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", BWD_INTERP, ids=[c.id for c in BWD_INTERP])
+def test_backward(case, dtype, causal, device):
+    q, k, v = make_qkv(case, dtype, device)
+    check_backward(q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "sliced"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_strided(layout, causal, device):
+    q, k, v = make_qkv(Case(2, 4, 2, 77, 93, 64), torch.float16, device, layout=layout)
+    assert not q.is_contiguous()
+    dq, dk, dv = check_backward(q, k, v, causal=causal)
+    if layout == "bshd":
+        # Gradients come back in their inputs' (B, S, H, D) memory layout.
+        assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
+
+
+@pytest.mark.parametrize("kind", ["bshd", "sliced", "strided_last_dim", "broadcast"])
+def test_backward_dout_layouts(kind, device):
+    case = Case(1, 4, 2, 50, 70, 32)
+    q, k, v = make_qkv(case, torch.float32, device)
+    shape = (case.batch, case.heads, case.seqlen_q, case.head_dim)
+    if kind == "bshd":
+        dout = torch.randn(shape[0], shape[2], shape[1], shape[3], device=device).transpose(1, 2)
+    elif kind == "sliced":
+        dout = torch.randn(shape[0], shape[1] + 1, shape[2] + 5, shape[3] + 3, device=device)
+        dout = dout[:, 1:, 3 : shape[2] + 3, 2 : shape[3] + 2]
+    elif kind == "strided_last_dim":
+        dout = torch.randn(shape, device=device).transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert dout.stride(-1) != 1
+    else:
+        # What out.sum().backward() hands over: a stride-0 expanded scalar.
+        dout = torch.randn((), device=device).expand(shape)
+    assert not dout.is_contiguous()
+    check_backward(q, k, v, causal=True, dout=dout)
+
+
+@pytest.mark.parametrize("with_dout", [True, False], ids=["out+lse", "lse_only"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_backward_lse_grad(dtype, with_dout, device):
+    # Sq > Sk causal, so some rows see no key: their LSE is -inf and their gradients must be 0.
+    case = Case(1, 4, 2, 45, 30, 64)
+    q, k, v = make_qkv(case, dtype, device)
+    dlse = torch.randn(case.batch, case.heads, case.seqlen_q, device=device)
+    if with_dout:
+        dq, _, _ = check_backward(q, k, v, causal=True, dlse=dlse)
+    else:
+        dout = torch.zeros(case.batch, case.heads, case.seqlen_q, case.head_dim, dtype=dtype)
+        dq, dk, dv = check_backward(q, k, v, causal=True, dout=dout.to(device), dlse=dlse)
+        # Differentiating lse alone (out's gradient arrives as None) gives the same gradients.
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        _, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+        got = torch.autograd.grad(lse, (q, k, v), dlse)
+        assert all(torch.equal(a, b) for a, b in zip(got, (dq, dk, dv), strict=True))
+        assert torch.all(dv == 0)
+    assert torch.all(dq[:, :, :15] == 0)
+
+
+def test_backward_broadcast_grads(device):
+    # out.sum() and lse.sum() hand the backward stride-0 (expanded) gradients.
+    q, k, v = make_qkv(Case(2, 2, 1, 40, 50, 16), torch.float16, device)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+    (out.sum() + lse.sum()).backward()
+    expected = check_backward(
+        q, k, v, causal=True, dout=torch.ones_like(out), dlse=torch.ones_like(lse)
+    )
+    assert all(torch.equal(t.grad, e) for t, e in zip((q, k, v), expected, strict=True))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+def test_backward_large_negative_scores(device):
+    # Every score near -470, so the LSE is too: exp(s - lse) of a padding key past Sk (which
+    # loads as 0 and scores 0) overflows. The dQ kernel masks such keys; in the dK/dV kernel they
+    # are the rows of its own K/V block that are never stored, whence the interpreter's overflow
+    # warnings. Every stored gradient must be finite and accurate.
+    case = Case(1, 2, 1, 37, 45, 16)
+    q, k, v = make_qkv(case, torch.float16, device)
+    q = q.abs() + 10.0
+    k = -(k.abs() + 10.0)
+    check_backward(q, k, v, causal=False)
+
+
+@pytest.mark.parametrize("scale", [0.05, 2.5])
+def test_backward_scale(scale, device):
+    q, k, v = make_qkv(Case(1, 2, 1, 50, 70, 64), torch.float16, device)
+    check_backward(q, k, v, causal=True, scale=scale)
+
+
+def test_backward_fully_masked_rows(device):
+    q, k, v = make_qkv(Case(1, 2, 2, 70, 20, 64), torch.bfloat16, device)
+    dq, dk, dv = check_backward(q, k, v, causal=True)
+    assert torch.all(dq[:, :, :50] == 0)
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+def test_backward_deterministic(device):
+    case = Case(1, 4, 1, 77, 93, 32)
+    q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.float16, device))
+    dout = torch.randn(case.batch, case.heads, case.seqlen_q, case.head_dim, dtype=q.dtype)
+    dout = dout.to(device)
+
+    def grads():
+        out = flashcore.attention(q, k, v, causal=True)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    first, second = grads(), grads()
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("needs", ["q", "k", "v"])
+def test_backward_partial_requires_grad(needs, device):
+    q, k, v = make_qkv(Case(1, 2, 1, 30, 40, 16), torch.float16, device)
+    inputs = {"q": q, "k": k, "v": v}
+    inputs[needs].requires_grad_()
+    out = flashcore.attention(inputs["q"], inputs["k"], inputs["v"], causal=True)
+    (grad,) = torch.autograd.grad(out, inputs[needs], torch.ones_like(out))
+    assert grad.shape == inputs[needs].shape
+    assert torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case(1, 2, 1, 0, 5, 16), Case(1, 2, 1, 5, 0, 16), Case(0, 2, 2, 5, 5, 16)],
+    ids=["no_query", "no_key", "no_batch"],
+)
+def test_backward_zero_size(case, device, monkeypatch):
+    from flashcore.ops import bwd
+
+    monkeypatch.setattr(bwd, "kernels", lambda: pytest.fail("kernel launched on empty input"))
+    q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.float16, device))
+    out = flashcore.attention(q, k, v, causal=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+    assert all(torch.all(g == 0) for g in (dq, dk, dv))
+
+
+def test_opcheck(device):
+    q, k, v = make_qkv(Case(1, 2, 1, 20, 33, 16), torch.float32, device)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(ops.attn_fwd, (q, k, v, True, 0.25))
+    out, lse = ops.attn_fwd(q, k, v, True, 0.25)
+    args = (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), True, 0.25)
+    torch.library.opcheck(
+        ops.attn_bwd, tuple(a.detach() if torch.is_tensor(a) else a for a in args)
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", BWD_GPU, ids=[c.id for c in BWD_GPU])
+def test_backward_gpu(case, dtype, causal):
+    q, k, v = make_qkv(case, dtype, "cuda", layout="bshd" if case.head_dim == 80 else "bhsd")
+    check_backward(q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128, 192, 256])
+def test_backward_gpu_fp32(head_dim):
+    q, k, v = make_qkv(Case(1, 4, 2, 300, 517, head_dim), torch.float32, "cuda")
+    check_backward(q, k, v, causal=True)
+
+
+@pytest.mark.gpu
+def test_backward_gpu_lse_grad():
+    case = Case(2, 8, 2, 1500, 1000, 128)
+    q, k, v = make_qkv(case, torch.bfloat16, "cuda")
+    dlse = torch.randn(case.batch, case.heads, case.seqlen_q, device="cuda")
+    check_backward(q, k, v, causal=True, dlse=dlse)
