@@ -72,11 +72,6 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _last_dim_unit_stride(t: torch.Tensor) -> torch.Tensor:
-    # Tiles load whole rows of head_dim; a strided (or broadcast) last dim is copied once.
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
 def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None and dlse is None:
@@ -84,7 +79,7 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     if dout is None:
         # Only the LSE is differentiated: delta = -dlse and dV = 0 (dO = 0).
         dout = torch.zeros_like(out)
-    dout = _last_dim_unit_stride(dout)
+    dout = fwd.unit_stride_last_dim(dout)
     dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None
 
