@@ -82,11 +82,9 @@ def attn_bwd_preprocess_kernel(
     stride_ob,
     stride_oh,
     stride_om,
-    stride_od,
     stride_dob,
     stride_doh,
     stride_dom,
-    stride_dod,
     stride_dlb,
     stride_dlh,
     stride_dlm,
@@ -116,14 +114,14 @@ def attn_bwd_preprocess_kernel(
         + off_b * stride_ob
         + off_h * stride_oh
         + row0 * stride_om
-        + (offs_tm[:, None] * stride_om + offs_d[None, :] * stride_od)
+        + (offs_tm[:, None] * stride_om + offs_d[None, :])
     )
     do_ptrs = (
         DO
         + off_b * stride_dob
         + off_h * stride_doh
         + row0 * stride_dom
-        + (offs_tm[:, None] * stride_dom + offs_d[None, :] * stride_dod)
+        + (offs_tm[:, None] * stride_dom + offs_d[None, :])
     )
     o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
@@ -150,8 +148,8 @@ def _bwd_dkdv_q_loop(
     dv,
     k,
     v,
-    q_ptrs,
-    do_ptrs,
+    q_base,
+    do_base,
     lse_ptrs,
     delta_ptrs,
     offs_tm,
@@ -173,15 +171,19 @@ def _bwd_dkdv_q_loop(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Visit query tiles ``[start_m, end_m)`` of one head, pointers already at ``start_m``.
+    """Visit query tiles ``[start_m, end_m)`` of one head, bases already at row ``start_m``.
 
-    MASKED selects the causal-diagonal variant. Returns the accumulators and the pointers advanced
-    past the last tile, so consecutive ranges chain.
+    MASKED selects the causal-diagonal variant. ``q_base``/``do_base`` are scalar pointers; tile
+    pointers are rebuilt from them each step (carrying (BLOCK_M, D) pointer tensors through the loop
+    made the kernel spill, as it did the forward's). Returns the accumulators and the bases and
+    row-stat pointers advanced past the last tile, so consecutive ranges chain.
     """
+    tile_q = offs_tm[:, None] * stride_qm + offs_d[None, :]
+    tile_do = offs_tm[:, None] * stride_dom + offs_d[None, :]
     for tile_m in range(start_m, end_m, BLOCK_M):
         rows = tile_m + offs_tm
-        q = load_tile(q_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
-        do = load_tile(do_ptrs, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+        q = load_tile(q_base + tile_q, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+        do = load_tile(do_base + tile_do, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
         lse2, delta = load_row_stats(lse_ptrs, delta_ptrs, rows, seqlen_q, EVEN_M)
         if UPCAST:
             q = q.to(tl.float32)
@@ -196,11 +198,11 @@ def _bwd_dkdv_q_loop(
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
-        q_ptrs += BLOCK_M * stride_qm
-        do_ptrs += BLOCK_M * stride_dom
+        q_base += BLOCK_M * stride_qm
+        do_base += BLOCK_M * stride_dom
         lse_ptrs += BLOCK_M
         delta_ptrs += BLOCK_M
-    return dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs
+    return dk, dv, q_base, do_base, lse_ptrs, delta_ptrs
 
 
 @triton.jit
@@ -216,27 +218,21 @@ def attn_bwd_dkdv_kernel(
     stride_qb,
     stride_qh,
     stride_qm,
-    stride_qd,
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_kd,
     stride_vb,
     stride_vh,
     stride_vn,
-    stride_vd,
     stride_dob,
     stride_doh,
     stride_dom,
-    stride_dod,
     stride_dkb,
     stride_dkh,
     stride_dkn,
-    stride_dkd,
     stride_dvb,
     stride_dvh,
     stride_dvn,
-    stride_dvd,
     stride_lb,
     stride_lh,
     kv_heads,
@@ -271,14 +267,14 @@ def attn_bwd_dkdv_kernel(
         + off_b * stride_kb
         + off_hk * stride_kh
         + col0 * stride_kn
-        + (offs_tn[:, None] * stride_kn + offs_d[None, :] * stride_kd)
+        + (offs_tn[:, None] * stride_kn + offs_d[None, :])
     )
     v_ptrs = (
         V
         + off_b * stride_vb
         + off_hk * stride_vh
         + col0 * stride_vn
-        + (offs_tn[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+        + (offs_tn[:, None] * stride_vn + offs_d[None, :])
     )
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
     v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
@@ -294,30 +290,18 @@ def attn_bwd_dkdv_kernel(
     # GQA/MQA: the query heads sharing this kv head, summed in registers (no atomics, no repeat).
     for g in range(kv_group):
         off_h = off_hk * kv_group + g
-        q_ptrs = (
-            Q
-            + off_b * stride_qb
-            + off_h * stride_qh
-            + row0 * stride_qm
-            + (offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd)
-        )
-        do_ptrs = (
-            DO
-            + off_b * stride_dob
-            + off_h * stride_doh
-            + row0 * stride_dom
-            + (offs_tm[:, None] * stride_dom + offs_d[None, :] * stride_dod)
-        )
+        q_base = Q + off_b * stride_qb + off_h * stride_qh + row0 * stride_qm
+        do_base = DO + off_b * stride_dob + off_h * stride_doh + row0 * stride_dom
         stats_off = off_b * stride_lb + off_h * stride_lh + row0
         lse_ptrs = LSE + stats_off + offs_tm
         delta_ptrs = DELTA + stats_off + offs_tm
-        dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, lo, mid,
+        dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
+            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, lo, mid,
             stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
             HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, True, EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
-        dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, mid, hi,
+        dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
+            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, mid, hi,
             stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
             HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, False, EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
@@ -328,14 +312,14 @@ def attn_bwd_dkdv_kernel(
         + off_b * stride_dkb
         + off_hk * stride_dkh
         + col0 * stride_dkn
-        + (offs_tn[:, None] * stride_dkn + offs_d[None, :] * stride_dkd)
+        + (offs_tn[:, None] * stride_dkn + offs_d[None, :])
     )
     dv_ptrs = (
         DV
         + off_b * stride_dvb
         + off_hk * stride_dvh
         + col0 * stride_dvn
-        + (offs_tn[:, None] * stride_dvn + offs_d[None, :] * stride_dvd)
+        + (offs_tn[:, None] * stride_dvn + offs_d[None, :])
     )
     store_tile(
         dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D
@@ -352,8 +336,8 @@ def _bwd_dq_kv_loop(
     do,
     lse2,
     delta,
-    k_ptrs,
-    v_ptrs,
+    k_base,
+    v_base,
     offs_m,
     offs_n,
     offs_d,
@@ -375,13 +359,18 @@ def _bwd_dq_kv_loop(
 ):
     """Visit key tiles ``[start_n, end_n)`` with k/v pointers already at ``start_n``.
 
-    MASKED selects the masked-tail variant (causal band, ragged end of Sk).
+    MASKED selects the masked-tail variant (causal band, ragged end of Sk). ``k_base``/``v_base``
+    are scalar pointers; tile pointers are rebuilt from them each step (no loop-carried pointer
+    tensors, see the forward's ``_fwd_kv_loop``).
     """
+    tile_k = offs_n[:, None] * stride_kn + offs_d[None, :]
+    tile_v = offs_n[:, None] * stride_vn + offs_d[None, :]
     for tile_n in range(start_n, end_n, BLOCK_N):
         cols = tile_n + offs_n
         # Full tiles lie inside Sk by construction; only the masked tail can run past it.
-        k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N or not MASKED, EVEN_D)
-        v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N or not MASKED, EVEN_D)
+        rows_even = EVEN_N or not MASKED
+        k = load_tile(k_base + tile_k, cols, seqlen_k, offs_d, HEAD_DIM, rows_even, EVEN_D)
+        v = load_tile(v_base + tile_v, cols, seqlen_k, offs_d, HEAD_DIM, rows_even, EVEN_D)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -392,9 +381,9 @@ def _bwd_dq_kv_loop(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
-        k_ptrs += BLOCK_N * stride_kn
-        v_ptrs += BLOCK_N * stride_vn
-    return dq, k_ptrs, v_ptrs
+        k_base += BLOCK_N * stride_kn
+        v_base += BLOCK_N * stride_vn
+    return dq, k_base, v_base
 
 
 @triton.jit
@@ -409,23 +398,18 @@ def attn_bwd_dq_kernel(
     stride_qb,
     stride_qh,
     stride_qm,
-    stride_qd,
     stride_kb,
     stride_kh,
     stride_kn,
-    stride_kd,
     stride_vb,
     stride_vh,
     stride_vn,
-    stride_vd,
     stride_dob,
     stride_doh,
     stride_dom,
-    stride_dod,
     stride_dqb,
     stride_dqh,
     stride_dqm,
-    stride_dqd,
     stride_lb,
     stride_lh,
     num_heads,
@@ -461,27 +445,17 @@ def attn_bwd_dq_kernel(
         + off_b * stride_qb
         + off_h * stride_qh
         + row0 * stride_qm
-        + (offs_tm[:, None] * stride_qm + offs_d[None, :] * stride_qd)
+        + (offs_tm[:, None] * stride_qm + offs_d[None, :])
     )
     do_ptrs = (
         DO
         + off_b * stride_dob
         + off_h * stride_doh
         + row0 * stride_dom
-        + (offs_tm[:, None] * stride_dom + offs_d[None, :] * stride_dod)
+        + (offs_tm[:, None] * stride_dom + offs_d[None, :])
     )
-    k_ptrs = (
-        K
-        + off_b * stride_kb
-        + off_hk * stride_kh
-        + (offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd)
-    )
-    v_ptrs = (
-        V
-        + off_b * stride_vb
-        + off_hk * stride_vh
-        + (offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd)
-    )
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
     stats_off = off_b * stride_lb + off_h * stride_lh
     lse2, delta = load_row_stats(
         LSE + stats_off + offs_m, DELTA + stats_off + offs_m, offs_m, seqlen_q, EVEN_M
@@ -494,13 +468,13 @@ def attn_bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    dq, k_ptrs, v_ptrs = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, 0, full_hi,
+    dq, k_base, v_base = _bwd_dq_kv_loop(
+        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, 0, full_hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
         HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION,
     )  # fmt: skip
-    dq, k_ptrs, v_ptrs = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, k_ptrs, v_ptrs, offs_m, offs_n, offs_d, full_hi, hi,
+    dq, k_base, v_base = _bwd_dq_kv_loop(
+        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, full_hi, hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
         HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION,
     )  # fmt: skip
@@ -511,7 +485,7 @@ def attn_bwd_dq_kernel(
         + off_b * stride_dqb
         + off_h * stride_dqh
         + row0 * stride_dqm
-        + (offs_tm[:, None] * stride_dqm + offs_d[None, :] * stride_dqd)
+        + (offs_tm[:, None] * stride_dqm + offs_d[None, :])
     )
     store_tile(
         dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D

@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-from flashcore.ops.fwd import cdiv, is_interpreted
+from flashcore.ops.fwd import cdiv, is_interpreted, unit_stride_last_dim
 from flashcore.tuning import bwd_config, head_block
 
 
@@ -36,6 +36,8 @@ def attn_bwd(
     ``dout`` is the gradient of ``out`` (any strides with a unit-stride last dim), ``dlse`` that of
     ``lse`` or None. Each gradient has its input's memory layout when the input is dense.
     """
+    # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
+    q, k, v, out, dout = (unit_stride_last_dim(t) for t in (q, k, v, out, dout))
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     if q.numel() == 0 or k.numel() == 0:
@@ -57,7 +59,7 @@ def attn_bwd(
     with torch.cuda.device_of(q):
         bwd.attn_bwd_preprocess_kernel[(cdiv(seqlen_q, cfg.block_m2), batch * heads)](
             out, dout, dlse if dlse is not None else lse, delta,
-            *out.stride(), *dout.stride(),
+            *out.stride()[:3], *dout.stride()[:3],
             *(dlse.stride() if dlse is not None else (0, 0, 0)),
             lse.stride(0), lse.stride(1),
             heads, seqlen_q,
@@ -70,7 +72,8 @@ def attn_bwd(
         )  # fmt: skip
         bwd.attn_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.block_n1), batch * kv_heads)](
             q, k, v, dout, lse, delta, dk, dv,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+            *dk.stride()[:3], *dv.stride()[:3],
             lse.stride(0), lse.stride(1),
             kv_heads, heads // kv_heads, seqlen_q, seqlen_k, scale,
             HEAD_DIM=head_dim,
@@ -87,7 +90,8 @@ def attn_bwd(
         )  # fmt: skip
         bwd.attn_bwd_dq_kernel[(cdiv(seqlen_q, cfg.block_m2), batch * heads)](
             q, k, v, dout, lse, delta, dq,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+            *dq.stride()[:3],
             lse.stride(0), lse.stride(1),
             heads, heads // kv_heads, seqlen_q, seqlen_k, scale,
             HEAD_DIM=head_dim,
