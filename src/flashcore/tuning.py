@@ -85,14 +85,12 @@ INTERPRETER_BWD = BwdConfig(
 def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig:
     """Backward config for a padded head dim and element size in bytes.
 
-    Not timed yet (no GPU run so far; tune in docs/performance.md). The only measurement behind
-    these picks is ptxas's resource report for sm_90a (Triton 3.6, causal with ragged lengths,
-    ``python scripts/ptxas_report.py``): among configs whose dK/dV kernel holds at least 64 keys
-    (the smallest K/V tile that feeds a wgmma), the fewest spilled bytes. 8 warps throughout:
-    the 4-warp versions spilled more (dK/dV 16x64 at fp16 D=128: 1160 bytes against 364).
-    Spill bytes (dK/dV, dQ):
-    fp16 D<=64 0, 0; D<=128 ~350, 0; D<=256 ~2.5K, ~1.8K (every D=256 config measured spills);
-    fp32 D<=64 0, 0; D<=128 0, ~850; D<=256 ~24, ~700.
+    Not tuned by timing yet (docs/performance.md has the backward runs of these picks). They
+    were chosen from ptxas's resource report for sm_90a (Triton 3.6, causal with ragged lengths,
+    kernels as they were before the tile pointers were rebuilt from scalar bases): among configs
+    whose dK/dV kernel holds at least 64 keys (the smallest K/V tile that feeds a wgmma), the
+    fewest spilled bytes; 8 warps throughout (4 warps spilled more). tests/sm90_compile.py prints
+    the current registers and spills of each pick.
     """
     if interpreted:
         return INTERPRETER_BWD
