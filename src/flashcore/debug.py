@@ -39,13 +39,10 @@ from flashcore.api import (
     _check_scale,
     _check_tensor,
 )
-from flashcore.ops.fwd import cdiv
-from flashcore.ops.fwd import unit_stride_last_dim as _last_dim_contiguous
+from flashcore.ops.fwd import LOG2E, cdiv, unit_stride_last_dim
 from flashcore.tuning import FwdConfig, fwd_config, head_block
 
 __all__ = ["ProbeProbs", "probe_probs", "probe_scores", "probe_uniform_pv"]
-
-_LOG2E = 1.4426950408889634
 
 
 class ProbeProbs(NamedTuple):
@@ -105,7 +102,7 @@ def probe_scores(
     _check_inputs(q, k, k)
     causal = _check_flag("causal", causal)
     scale = _check_scale(scale, q.shape[-1])
-    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    q, k = unit_stride_last_dim(q), unit_stride_last_dim(k)
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     s = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
@@ -132,7 +129,7 @@ def probe_probs(
     _check_inputs(q, k, k)
     causal = _check_flag("causal", causal)
     scale = _check_scale(scale, q.shape[-1])
-    q, k = _last_dim_contiguous(q), _last_dim_contiguous(k)
+    q, k = unit_stride_last_dim(q), unit_stride_last_dim(k)
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     p = torch.empty((batch, heads, seqlen_q, seqlen_k), dtype=torch.float32, device=q.device)
@@ -144,7 +141,7 @@ def probe_probs(
     cfg, interpreted = _config(q, head_dim)
     kernels().probe_probs_kernel[(cdiv(seqlen_q, cfg.block_m), batch * heads)](
         q, k, p, lse, *q.stride(), *k.stride(), *p.stride(), lse.stride(0), lse.stride(1),
-        heads, heads // kv_heads, seqlen_q, seqlen_k, scale * _LOG2E,
+        heads, heads // kv_heads, seqlen_q, seqlen_k, scale * LOG2E,
         **_flags(q, cfg, interpreted, seqlen_q, seqlen_k, causal),
     )  # fmt: skip
     return ProbeProbs(p, lse)
@@ -178,7 +175,7 @@ def probe_uniform_pv(
     # With q of the output's shape, flashcore's own checks cover head dim and device rules.
     _check_inputs(out, v, v)
     causal = _check_flag("causal", causal)
-    v = _last_dim_contiguous(v)
+    v = unit_stride_last_dim(v)
     if out.numel() == 0:
         return out
     if seqlen_k == 0:

@@ -9,7 +9,7 @@ import torch
 
 from flashcore.tuning import FwdConfig, fwd_config, head_block
 
-_LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634  # log2(e): folds the softmax's exp into exp2
 
 
 @functools.cache
@@ -79,7 +79,7 @@ def attn_fwd(
             q_arg, k_arg, v_arg, o_arg, lse,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
             lse.stride(0), lse.stride(1),
-            heads, heads // kv_heads, seqlen_q, seqlen_k, scale if exp_e else scale * _LOG2E,
+            heads, heads // kv_heads, seqlen_q, seqlen_k, scale if exp_e else scale * LOG2E,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_M=cfg.block_m,
