@@ -9,15 +9,15 @@ where ``delta_i = rowsum(dO * O)_i - dlse_i``; ``dlse`` is the gradient reaching
 (0 when the LSE is not used), since ``d lse_i / d s_ij = P_ij`` adds ``dlse_i * P_ij`` to dS.
 
 1. ``attn_bwd_preprocess_kernel`` computes ``delta`` (fp32, laid out like the LSE).
-   Grid ``(cdiv(Sq, BLOCK_M), B * H)``.
+   Grid: ``cdiv(Sq, BLOCK_M) * B * H`` programs.
 2. ``attn_bwd_dkdv_kernel`` keeps one (BLOCK_N, BLOCK_D) tile of K and V on chip, streams the
    query tiles that can see it and accumulates dK and dV in fp32 registers. GQA/MQA: the program
    of kv head hk loops over the ``H // Hkv`` query heads of its group and sums their contributions
    in the same registers, so repeated K/V are never materialised and no two programs write the
-   same dK/dV rows. Grid ``(cdiv(Sk, BLOCK_N), B * Hkv)``.
+   same dK/dV rows. Grid: ``cdiv(Sk, BLOCK_N) * B * Hkv`` programs.
 3. ``attn_bwd_dq_kernel`` keeps one (BLOCK_M, BLOCK_D) tile of Q, dO, LSE and delta on chip and
    streams the key tiles it can see, like the forward, accumulating dQ in fp32.
-   Grid ``(cdiv(Sq, BLOCK_M), B * H)``.
+   Grid: ``cdiv(Sq, BLOCK_M) * B * H`` programs, causal heaviest first.
 Every gradient element is written by exactly one program with a fixed summation order: the result
 is deterministic by construction (no atomics). ``P`` and ``dS`` are cast to the input dtype for
 their products, with fp32 accumulation, as in FlashAttention-2.
@@ -68,6 +68,7 @@ from flashcore.kernels.common import (
     load_tile,
     mask_scores,
     mask_scores_t,
+    program_tile,
     q_tile_range,
     store_tile,
 )
@@ -99,8 +100,8 @@ def attn_bwd_preprocess_kernel(
     EVEN_M: tl.constexpr,
 ):
     """``delta = rowsum(dO * O) [- dlse]`` in fp32, written with the LSE's strides."""
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
+    tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), False)
+    start_m = tile_m * BLOCK_M
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -250,8 +251,9 @@ def attn_bwd_dkdv_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bh = tl.program_id(1)
+    # Causal key tiles are seen by fewer query rows the later they start: in order, heaviest first.
+    tile_n, off_bh = program_tile(tl.cdiv(seqlen_k, BLOCK_N), False)
+    start_n = tile_n * BLOCK_N
     off_b = (off_bh // kv_heads).to(tl.int64)
     off_hk = (off_bh % kv_heads).to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -427,8 +429,8 @@ def attn_bwd_dq_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
+    tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
+    start_m = tile_m * BLOCK_M
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)
     off_hk = off_h // kv_group

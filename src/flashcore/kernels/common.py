@@ -11,6 +11,7 @@ Each helper owns one concern so that a bug shows in one place and a probe kernel
 - ``online_softmax_step``: one step of the streaming softmax in base 2 (base e with EXP_E).
 - ``row_lse``: the natural-log logsumexp of a finished row, -inf for a row that saw no key.
 - ``load_row_stats``: the backward's per-row LSE (converted to base 2) and delta.
+- ``program_tile``: which (tile, batch x head) a program of a 1-D grid owns.
 
 Conventions: scores arrive in log2 units (``scale * log2(e)`` folded into one multiply), a masked
 score is ``-inf`` (never a large finite number, so a row that sees no key ends with l = 0 exactly),
@@ -260,3 +261,21 @@ def load_row_stats(lse_ptrs, delta_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr)
         delta = tl.load(delta_ptrs, mask=in_range, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
     return lse2, delta
+
+
+@triton.jit
+def program_tile(n_tiles, REVERSE: tl.constexpr):
+    """``(tile, off_bh)`` of this program on a 1-D grid of ``n_tiles * B * heads`` programs.
+
+    One grid axis because CUDA caps axes 1 and 2 at 65535, which B * H (or the number of query
+    tiles of a 16M-row sequence) can pass; axis 0 allows 2**31 - 1. Tiles of one (batch, head)
+    are consecutive, so programs running together share its K/V in L2. REVERSE hands out a head's
+    tiles last-first: for causal query tiles the last ones see the most keys, so the heavy
+    programs start first and the light ones fill the tail of the launch.
+    """
+    pid = tl.program_id(0)
+    off_bh = pid // n_tiles
+    tile = pid % n_tiles
+    if REVERSE:
+        tile = n_tiles - 1 - tile
+    return tile, off_bh

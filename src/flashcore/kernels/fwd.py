@@ -7,8 +7,9 @@ the running row max ``m`` and row sum ``l`` in fp32 and rescales the output accu
 grows; ``P`` is cast to the value dtype for the second product ``acc += P @ V``. Nothing of size
 Sq x Sk ever reaches memory. At the end ``out = acc / l`` and ``lse = (m + log2(l)) * ln(2)``.
 
-Grid. ``(cdiv(Sq, BLOCK_M), B * H)``; query head h reads kv head ``h // (H // Hkv)`` (GQA/MQA
-without repeating K/V in memory).
+Grid. 1-D, ``cdiv(Sq, BLOCK_M) * B * H`` programs (``common.program_tile``: the query tiles of
+one head are consecutive; causal hands them out last-first, heaviest first). Query head h reads
+kv head ``h // (H // Hkv)`` (GQA/MQA without repeating K/V in memory).
 
 Key loop. ``kv_tile_range`` splits the keys a block may see into full tiles (every row sees every
 key: no mask work at all) and a tail that needs masking (the causal diagonal band, the ragged end
@@ -50,6 +51,7 @@ from flashcore.kernels.common import (
     load_tile,
     mask_scores,
     online_softmax_step,
+    program_tile,
     row_lse,
     store_tile,
 )
@@ -161,8 +163,8 @@ def attn_fwd_kernel(
     EXP_E: tl.constexpr,
     USE_TMA: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
+    tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
+    start_m = tile_m * BLOCK_M
     tma_b = off_bh // num_heads
     tma_h = off_bh % num_heads
     tma_hk = tma_h // kv_group

@@ -57,7 +57,7 @@ def attn_bwd(
 
     # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
     with torch.cuda.device_of(q):
-        bwd.attn_bwd_preprocess_kernel[(cdiv(seqlen_q, cfg.block_m2), batch * heads)](
+        bwd.attn_bwd_preprocess_kernel[(cdiv(seqlen_q, cfg.block_m2) * batch * heads,)](
             out, dout, dlse if dlse is not None else lse, delta,
             *out.stride()[:3], *dout.stride()[:3],
             *(dlse.stride() if dlse is not None else (0, 0, 0)),
@@ -70,7 +70,7 @@ def attn_bwd(
             EVEN_M=seqlen_q % cfg.block_m2 == 0,
             num_warps=cfg.num_warps,
         )  # fmt: skip
-        bwd.attn_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.block_n1), batch * kv_heads)](
+        bwd.attn_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,)](
             q, k, v, dout, lse, delta, dk, dv,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3],
@@ -88,7 +88,7 @@ def attn_bwd(
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
-        bwd.attn_bwd_dq_kernel[(cdiv(seqlen_q, cfg.block_m2), batch * heads)](
+        bwd.attn_bwd_dq_kernel[(cdiv(seqlen_q, cfg.block_m2) * batch * heads,)](
             q, k, v, dout, lse, delta, dq,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
             *dq.stride()[:3],

@@ -59,7 +59,7 @@ def attn_fwd(
     # fp32 on the GPU takes the exact-exp path (kernels/common.py: softmax_exp).
     exp_e = q.dtype == torch.float32 and not interpreted
     cfg = config or fwd_config(head_dim, q.element_size(), interpreted=interpreted)
-    grid = (cdiv(seqlen_q, cfg.block_m), batch * heads)
+    grid = (cdiv(seqlen_q, cfg.block_m) * batch * heads,)
     block_d = head_block(head_dim)
     use_tma = (
         cfg.use_tma
