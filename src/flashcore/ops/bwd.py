@@ -9,7 +9,7 @@ from types import ModuleType
 import torch
 
 from flashcore.ops.fwd import cdiv, is_interpreted, unit_stride_last_dim
-from flashcore.tuning import bwd_config, head_block
+from flashcore.tuning import BwdConfig, bwd_config, head_block
 
 
 @functools.cache
@@ -30,11 +30,13 @@ def attn_bwd(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
+    config: BwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of the forward ``(out, lse) = attn_fwd(q, k, v, causal, scale)``.
 
     ``dout`` is the gradient of ``out`` (any strides with a unit-stride last dim), ``dlse`` that of
     ``lse`` or None. Each gradient has its input's memory layout when the input is dense.
+    ``config`` overrides the tuned launch config (for tuning scripts).
     """
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
     q, k, v, out, dout = (unit_stride_last_dim(t) for t in (q, k, v, out, dout))
@@ -49,7 +51,7 @@ def attn_bwd(
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     interpreted = is_interpreted()
-    cfg = bwd_config(head_dim, q.element_size(), interpreted=interpreted)
+    cfg = config or bwd_config(head_dim, q.element_size(), interpreted=interpreted)
     block_d = head_block(head_dim)
     upcast = interpreted and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"

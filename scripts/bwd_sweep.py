@@ -1,0 +1,106 @@
+"""Device-side: backward configs and SDPA's backward side by side (medians of do_bench).
+
+Times the three backward kernels (``ops.bwd.attn_bwd``: delta preprocess, dK/dV, dQ) for each
+candidate ``BwdConfig`` against ``out.backward`` through PyTorch's SDPA on the same inputs. Each
+config's gradients are checked against SDPA's before it is timed.
+
+Usage: python scripts/bwd_sweep.py [--quick] [--causal on|off|both] [--compile-only]
+       [--shape B,H,S,D ...]
+``--compile-only`` runs each config once without timing: several such processes in parallel fill
+Triton's cache, so the timed run (one process, alone on the GPU) does not wait on compiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from flashcore.ops.bwd import attn_bwd
+from flashcore.ops.fwd import attn_fwd
+from flashcore.tuning import BwdConfig, bwd_config
+
+CANDIDATES = [
+    BwdConfig(*c)
+    for c in [
+        (16, 64, 128, 32, 8, 2),
+        (32, 128, 128, 64, 8, 3),
+        (32, 128, 128, 32, 4, 5),
+        (32, 128, 128, 32, 8, 3),
+        (64, 128, 128, 64, 8, 2),
+        (64, 128, 128, 32, 8, 2),
+        (32, 64, 64, 32, 4, 3),
+        (64, 64, 64, 64, 4, 2),
+        (32, 128, 64, 32, 4, 3),
+        (64, 128, 64, 64, 8, 2),
+    ]
+]
+
+
+def tflops(b, h, s, d, causal, ms):
+    return 2.5 * 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shape", action="append", default=[])
+    ap.add_argument("--causal", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--compile-only", action="store_true")
+    args = ap.parse_args()
+    print(torch.cuda.get_device_name(), torch.__version__)
+    shapes = [tuple(map(int, s.split(","))) for s in args.shape] or [
+        (4, 16, 4096, 128),
+        (4, 32, 4096, 64),
+    ]
+    causals = {"on": (True,), "off": (False,), "both": (False, True)}[args.causal]
+    for (b, h, s, d), causal in itertools.product(shapes, causals):
+        q, k, v = (
+            torch.randn(b, h, s, d, device="cuda", dtype=torch.float16, requires_grad=True)
+            for _ in range(3)
+        )
+        do = torch.randn_like(q)
+        scale = d**-0.5
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        ms_sdpa = do_bench(
+            functools.partial(out.backward, do, retain_graph=True), return_mode="median"
+        )
+        ref = torch.autograd.grad(out, (q, k, v), do)
+        o, lse = attn_fwd(q.detach(), k.detach(), v.detach(), causal, scale)
+        default = bwd_config(d, 2, interpreted=False)
+        rows = []
+        for cfg in [default] if args.quick else dict.fromkeys([default, *CANDIDATES]):
+            try:
+                grads = attn_bwd(do, q, k, v, o, lse, None, causal, scale, cfg)
+                if args.compile_only:
+                    continue
+                err = max(
+                    ((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                    for g, r in zip(grads, ref, strict=True)
+                )
+                run = functools.partial(attn_bwd, do, q, k, v, o, lse, None, causal, scale, cfg)
+                ms = do_bench(run, return_mode="median")
+            except Exception as e:  # out of shared memory etc.
+                rows.append((float("inf"), cfg, type(e).__name__))
+                continue
+            rows.append((ms, cfg, f"rel err vs sdpa {err:.1e}"))
+        if args.compile_only:
+            continue
+        rows.sort(key=lambda r: r[0])
+        tag = f"B{b} H{h} S{s} D{d} causal={causal}"
+        print(f"{tag}: sdpa bwd {ms_sdpa:.3f} ms {tflops(b, h, s, d, causal, ms_sdpa):.0f} TF/s")
+        for ms, cfg, note in rows[:6] + [r for r in rows[6:] if r[1] == default]:
+            mark = "*" if cfg == default else " "
+            print(
+                f"  {mark}{cfg.block_m1}x{cfg.block_n1}/{cfg.block_m2}x{cfg.block_n2} "
+                f"w{cfg.num_warps} s{cfg.num_stages}: {ms:.3f} ms "
+                f"{tflops(b, h, s, d, causal, ms):.0f} TF/s ({ms_sdpa / ms:.2f}x sdpa) {note}"
+            )
+
+
+if __name__ == "__main__":
+    main()
