@@ -37,32 +37,3 @@ def device() -> str:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-
-
-@pytest.fixture
-def exact_fp32_dot(monkeypatch):
-    """Round each fp32 ``tl.dot`` of the interpreter once, from a float64 accumulation.
-
-    Triton 3.6's interpreter runs ``tl.dot`` as ``np.matmul`` in the accumulator dtype, so an fp32
-    product is rounded the way the host BLAS happens to order its sums, which changes with the
-    operands' shapes and transposition. A kernel that recomputes ``Q @ K^T`` in another orientation
-    (the backward's dK/dV kernel computes ``K @ Q^T``) then sees scores rounded differently from
-    the forward's, an error no GPU dot has (each output element accumulates in the same order
-    whatever the tile shape), and fp32 gradients land near 2x PyTorch's error. Rounding once
-    makes the fp32 interpreter runs measure the kernels' own arithmetic. fp16/bf16 are untouched;
-    no-op on a GPU.
-    """
-    if HAS_CUDA:
-        return
-    import numpy as np
-    from triton.runtime import interpreter
-
-    create_dot = interpreter.InterpreterBuilder.create_dot
-
-    def exact_create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.data.dtype != np.float32 or b.data.dtype != np.float32:
-            return create_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
-        exact = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)) + d.data
-        return interpreter.TensorHandle(exact.astype(d.data.dtype), d.dtype.scalar)
-
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", exact_create_dot)

@@ -8,8 +8,6 @@ from flashcore.ops import attention as ops
 from helpers import check_backward, make_qkv
 from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case
 
-pytestmark = pytest.mark.usefixtures("exact_fp32_dot")
-
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))

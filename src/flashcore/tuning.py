@@ -85,12 +85,8 @@ INTERPRETER_BWD = BwdConfig(
 def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig:
     """Backward config for a padded head dim and element size in bytes.
 
-    Not tuned by timing yet (docs/performance.md has the backward runs of these picks). They
-    were chosen from ptxas's resource report for sm_90a (Triton 3.6, causal with ragged lengths,
-    kernels as they were before the tile pointers were rebuilt from scalar bases): among configs
-    whose dK/dV kernel holds at least 64 keys (the smallest K/V tile that feeds a wgmma), the
-    fewest spilled bytes; 8 warps throughout (4 warps spilled more). tests/sm90_compile.py prints
-    the current registers and spills of each pick.
+    Half precision: picked by timing on the H100 (``scripts/bwd_sweep.py``, fp16, (4, 16, 4096,
+    128) and (4, 32, 4096, 64), causal and not, the three kernels together; docs/performance.md).
     """
     if interpreted:
         return INTERPRETER_BWD
@@ -100,8 +96,10 @@ def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig
         if block_d <= 128:
             return BwdConfig(16, 64, 64, 16, 8, 1)
         return BwdConfig(16, 32, 16, 16, 8, 1)
-    if block_d <= 64:
-        return BwdConfig(32, 128, 128, 64, 8, 3)
     if block_d <= 128:
-        return BwdConfig(16, 64, 128, 32, 8, 2)
+        # 64x64 tiles, 4 warps, 2 stages in both kernels. D=128: 388 TF/s non-causal (best of 10
+        # configs; the previous 16x64/128x32 8-warp pick ran 168), 331 causal (best: 336).
+        # D=64: 342 non-causal (best: 360 with 32x128/64x32), 320 causal (best of 10).
+        return BwdConfig(64, 64, 64, 64, 4, 2)
+    # Untimed: ptxas's pick (fewest spills among dK/dV tiles of >= 64 keys, 8 warps).
     return BwdConfig(16, 64, 64, 32, 8, 2)

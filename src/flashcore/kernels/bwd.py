@@ -63,6 +63,7 @@ import triton.language as tl
 
 from flashcore.kernels.common import (
     LOG2E,
+    dot_nt,
     kv_tile_range,
     load_row_stats,
     load_tile,
@@ -191,12 +192,12 @@ def _bwd_dkdv_q_loop(
             do = do.to(tl.float32)
         # Transposed products (S^T = K Q^T): K, V and P^T, dS^T are the register operands, Q and
         # dO the freshly loaded ones, so no register tile needs a transpose.
-        st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        st = dot_nt(k, q, DOT_PRECISION) * qk_scale
         if MASKED:
             st = mask_scores_t(st, offs_n, rows, seqlen_q, seqlen_k, IS_CAUSAL, False)
         pt = tl.math.exp2(st - lse2[None, :])
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-        dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        dpt = dot_nt(v, do, DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         q_base += BLOCK_M * stride_qm
@@ -376,11 +377,11 @@ def _bwd_dq_kv_loop(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = dot_nt(q, k, DOT_PRECISION) * qk_scale
         if MASKED:
             s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
         p = tl.math.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        dp = dot_nt(do, v, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         k_base += BLOCK_N * stride_kn

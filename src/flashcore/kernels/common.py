@@ -12,6 +12,7 @@ Each helper owns one concern so that a bug shows in one place and a probe kernel
 - ``row_lse``: the natural-log logsumexp of a finished row, -inf for a row that saw no key.
 - ``load_row_stats``: the backward's per-row LSE (converted to base 2) and delta.
 - ``program_tile``: which (tile, batch x head) a program of a 1-D grid owns.
+- ``dot_nt``: ``a @ b^T`` for the score-like products (Q K^T and dO V^T), widened for fp32 inputs.
 
 Conventions: scores arrive in log2 units (``scale * log2(e)`` folded into one multiply), a masked
 score is ``-inf`` (never a large finite number, so a row that sees no key ends with l = 0 exactly),
@@ -279,3 +280,22 @@ def program_tile(n_tiles, REVERSE: tl.constexpr):
     if REVERSE:
         tile = n_tiles - 1 - tile
     return tile, off_bh
+
+
+@triton.jit
+def dot_nt(a, b, DOT_PRECISION: tl.constexpr):
+    """``a @ b^T`` in fp32 for the score-like products ``Q K^T`` and ``dO V^T``.
+
+    Half-precision tiles go to the tensor cores with fp32 accumulation. fp32 tiles
+    (DOT_PRECISION "ieee") are multiplied in fp64 and rounded once: a sequential fp32 FMA chain
+    over D put the scores far enough from float64 that fp32 outputs came out at ~1.9x PyTorch's
+    fp32 error on average (H100, Sq=1, Sk=17, D=80: 8% of random inputs outside FlashAttention's
+    rule, whatever the exp or division used; scratch measurement in docs/performance.md). Errors in
+    the scores are what the softmax amplifies; the P @ V and gradient products stay in fp32. The
+    fp64 product runs on Hopper's fp64 tensor cores (``mma ... f64``) and, in the interpreter, as
+    a float64 numpy matmul.
+    """
+    if DOT_PRECISION == "ieee":
+        return tl.dot(a.to(tl.float64), tl.trans(b.to(tl.float64))).to(tl.float32)
+    else:
+        return tl.dot(a, tl.trans(b), input_precision=DOT_PRECISION)

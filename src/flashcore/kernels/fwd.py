@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from flashcore.kernels.common import (
+    dot_nt,
     kv_tile_range,
     load_tile,
     mask_scores,
@@ -113,7 +114,7 @@ def _fwd_kv_loop(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = dot_nt(q, k, DOT_PRECISION) * qk_scale
         if MASKED:
             s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)

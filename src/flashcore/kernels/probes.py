@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from flashcore.kernels.common import (
+    dot_nt,
     kv_tile_range,
     load_tile,
     mask_scores,
@@ -63,7 +64,7 @@ def _score_tile(
     k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N or not MASKED, EVEN_D)
     if UPCAST:
         k = k.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = dot_nt(q, k, DOT_PRECISION) * qk_scale
     if MASKED:
         s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
     return s
