@@ -127,7 +127,13 @@ def attn_bwd_preprocess_kernel(
     )
     o = load_tile(o_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if o.dtype == tl.float32:
+        # fp32 inputs: dP comes from an fp64 product rounded once (common.dot_nt); delta must be
+        # rounded the same way, or dP - delta keeps a rounding residue where the two are equal
+        # (one visible key: dS must be exactly 0, and was ~1 ulp).
+        delta = tl.sum(o.to(tl.float64) * do.to(tl.float64), 1).to(tl.float32)
+    else:
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     if HAS_DLSE:
         # The LSE gradient may be a broadcast (stride 0) or any other view: read it by strides.
         dlse_ptrs = DLSE + off_b * stride_dlb + off_h * stride_dlh + row0 * stride_dlm
