@@ -75,14 +75,16 @@ def main() -> None:
         rows = []
         for cfg in [default] if args.quick else dict.fromkeys([default, *CANDIDATES]):
             try:
-                grads = attn_bwd(do, q, k, v, o, lse, None, causal, scale, cfg)
+                grads = attn_bwd(do, q, k, v, o, lse, None, causal, scale, config=cfg)
                 if args.compile_only:
                     continue
                 err = max(
                     ((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
                     for g, r in zip(grads, ref, strict=True)
                 )
-                run = functools.partial(attn_bwd, do, q, k, v, o, lse, None, causal, scale, cfg)
+                run = functools.partial(
+                    attn_bwd, do, q, k, v, o, lse, None, causal, scale, config=cfg
+                )
                 ms = do_bench(run, return_mode="median")
             except Exception as e:  # out of shared memory etc.
                 rows.append((float("inf"), cfg, type(e).__name__))

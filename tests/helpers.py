@@ -10,7 +10,7 @@ import torch
 import flashcore
 from flashcore import reference
 from numerics import assert_fa_rule
-from shapes import Case
+from shapes import Case, VarlenCase
 
 
 def make_qkv(case: Case, dtype: torch.dtype, device: str, *, layout: str = "bhsd"):
@@ -111,3 +111,47 @@ def check_backward(q, k, v, *, causal: bool, scale=None, dout=None, dlse=None):
         assert g.dtype == t.dtype, f"{name}: dtype {g.dtype} != {t.dtype}"
         assert_fa_rule(name, g, p, r)
     return got
+
+
+def cu_seqlens(seqlens: tuple[int, ...], device: str) -> torch.Tensor:
+    """int32 ``[0, s_0, s_0 + s_1, ...]``, as ``attention_varlen`` takes it."""
+    return torch.tensor((0, *seqlens), device=device).cumsum(0).to(torch.int32)
+
+
+def make_varlen(case: VarlenCase, dtype: torch.dtype, device: str):
+    """Packed ``(q, k, v, cu_seqlens_q, cu_seqlens_k)`` for a varlen case."""
+    total_q, total_k = sum(case.seqlens_q), sum(case.seqlens_k)
+    q = torch.randn(total_q, case.heads, case.head_dim, dtype=dtype, device=device)
+    k = torch.randn(total_k, case.kv_heads, case.head_dim, dtype=dtype, device=device)
+    v = torch.randn(total_k, case.kv_heads, case.head_dim, dtype=dtype, device=device)
+    return q, k, v, cu_seqlens(case.seqlens_q, device), cu_seqlens(case.seqlens_k, device)
+
+
+def check_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, *, causal: bool, backward: bool):
+    """``attention_varlen`` forward (and with ``backward``, dq, dk, dv through out and lse)
+    against the per-sequence reference, concatenated, with FlashAttention's rule."""
+    q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    maxima = max(case.seqlens_q), max(case.seqlens_k)
+    out, lse = flashcore.attention_varlen(
+        q, k, v, cu_q, cu_k, *maxima, causal=causal, return_lse=True
+    )
+    assert (out.shape, out.dtype) == (q.shape, q.dtype)
+    assert (lse.shape, lse.dtype) == ((case.heads, q.shape[0]), torch.float32)
+
+    def ref(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_(backward) for t in (q, k, v)]
+        return leaves, reference.attention_varlen(*leaves, cu_q, cu_k, causal=causal, dtype=dtype)
+
+    (leaves64, ref64), (leaves_pt, pt) = ref(torch.float64), ref(q.dtype)
+    assert_fa_rule("out", out, pt.out, ref64.out)
+    assert_fa_rule("lse", lse, pt.lse, ref64.lse)
+    if not backward:
+        return out, lse, None
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    want64 = torch.autograd.grad((ref64.out, ref64.lse), leaves64, (dout.double(), dlse.double()))
+    want_pt = torch.autograd.grad((pt.out, pt.lse), leaves_pt, (dout, dlse.to(q.dtype)))
+    for name, g, p, r in zip(("dq", "dk", "dv"), got, want_pt, want64, strict=True):
+        assert g.dtype == q.dtype, f"{name}: dtype {g.dtype} != {q.dtype}"
+        assert_fa_rule(name, g, p, r)
+    return out, lse, got

@@ -7,6 +7,7 @@ A case is (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim).
 - DETERMINISM: repeated runs must be bit-identical (GPU).
 - HUGE: q with more than 2**31 elements (GPU, ~9 GB each in fp16).
 - SANITIZE: small shapes for scripts/sanitize.sh (compute-sanitizer).
+- VARLEN / VARLEN_GPU: packed variable-length batches (``attention_varlen``), as VarlenCase.
 """
 
 from __future__ import annotations
@@ -104,4 +105,43 @@ BWD_GPU = [
     Case(2, 4, 4, 777, 777, 192),
     Case(2, 32, 8, 513, 513, 32),
     Case(4, 8, 8, 1, 4096, 96),
+]
+
+
+class VarlenCase(NamedTuple):
+    """A packed batch: sequence b has ``seqlens_q[b]`` queries and ``seqlens_k[b]`` keys."""
+
+    heads: int
+    kv_heads: int
+    seqlens_q: tuple[int, ...]
+    seqlens_k: tuple[int, ...]
+    head_dim: int
+
+    @property
+    def id(self) -> str:
+        q = "_".join(map(str, self.seqlens_q))
+        k = "_".join(map(str, self.seqlens_k))
+        return f"h{self.heads}kv{self.kv_heads}-q{q}-k{k}-d{self.head_dim}"
+
+
+# Interpreter tier, forward and backward, every dtype, full and causal. In one batch: Sq < Sk,
+# Sq = Sk, a sequence with no query (its dK/dV must be 0) and one with no key (out 0, lse -inf);
+# Sq > Sk (causal rows that see no key); lengths ragged against every interpreter block size.
+VARLEN = [
+    VarlenCase(2, 1, (1, 37, 0, 64), (5, 37, 3, 0), 32),  # MQA
+    VarlenCase(4, 2, (50, 3, 17), (20, 40, 17), 80),  # GQA, padded head dim
+]
+
+# GPU tier: 8 sequences of mixed lengths up to 4096 (fixed, so failures reproduce).
+VARLEN_GPU = [
+    VarlenCase(
+        16,
+        4,
+        (4096, 1, 777, 2048, 0, 3001, 130, 1500),
+        (4096, 513, 777, 1000, 64, 3001, 0, 2500),
+        128,
+    ),
+    VarlenCase(
+        8, 8, (1023, 4096, 17, 2500, 999, 64, 3333, 1), (1023, 4096, 17, 2500, 999, 64, 3333, 1), 64
+    ),
 ]

@@ -27,6 +27,7 @@ from flashcore.tuning import bwd_config, fwd_config, head_block  # noqa: E402
 HOPPER = GPUTarget("cuda", 90, 32)
 ELEM_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 FP32_POINTERS = {"LSE", "S", "P", "DELTA", "DLSE"}
+INT32_POINTERS = {"CU_Q", "CU_K"}
 # Integer arguments that are sizes, not strides: no divisibility is promised for them.
 SIZES = {"num_heads", "kv_heads", "kv_group", "seqlen_q", "seqlen_k"}
 
@@ -53,6 +54,9 @@ BWD_VARIANTS = [
     (256, "bf16", True, False),
     (128, "fp32", True, False),
 ]
+# Packed variable-length batches (IS_VARLEN): plain pointers, never EVEN_M/EVEN_N.
+FWD_VARLEN_VARIANTS = [(64, "bf16", False, False), (128, "fp16", True, False)]
+BWD_VARLEN_VARIANTS = [(128, "bf16", True, False)]
 PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
 PROBES = ("probe_scores_kernel", "probe_probs_kernel", "probe_uniform_pv_kernel")
 
@@ -74,7 +78,9 @@ def compile_kernel(fn, consts: dict, dtype: str, options: dict, descriptors: dic
         if name in descriptors:
             signature[name] = f"tensordesc<{dtype}{list(descriptors[name])}>"
             continue
-        if name.isupper():
+        if name in INT32_POINTERS:
+            signature[name] = "*i32"
+        elif name.isupper():
             signature[name] = "*fp32" if name in FP32_POINTERS else f"*{dtype}"
         elif "scale" in name:
             signature[name] = "fp32"
@@ -87,7 +93,11 @@ def compile_kernel(fn, consts: dict, dtype: str, options: dict, descriptors: dic
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=HOPPER, options=options)
 
 
-def fwd_consts(head_dim: int, dtype: str, causal: bool, even: bool, tma: bool = False):
+def fwd_consts(
+    head_dim: int, dtype: str, causal: bool, even: bool, tma: bool = False, varlen: bool = False
+):
+    """Constexprs of a launch; without varlen the cu_seqlens pointers are None, as the launchers
+    pass them (Triton specialises a None argument into a constexpr)."""
     cfg = fwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
     consts = {
         "HEAD_DIM": head_dim,
@@ -101,6 +111,8 @@ def fwd_consts(head_dim: int, dtype: str, causal: bool, even: bool, tma: bool = 
         "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
         "EXP_E": dtype == "fp32",
         "USE_TMA": tma,
+        "IS_VARLEN": varlen,
+        **({} if varlen else {"CU_Q": None, "CU_K": None}),
     }
     return consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
@@ -122,14 +134,16 @@ def ptxas_resources(ptx: str) -> dict:
     }
 
 
-def report(name: str, variant: tuple, compiled, tma: bool = False) -> dict:
+def report(name: str, variant: tuple, compiled, tma: bool = False, varlen: bool = False) -> dict:
     head_dim, dtype, causal, even = variant
     ptx = compiled.asm["ptx"]
     return {
         **ptxas_resources(ptx),
         "kernel": name,
-        "variant": f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}-tma{int(tma)}",
+        "variant": f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}-tma{int(tma)}"
+        + ("-varlen" if varlen else ""),
         "tma": tma,
+        "varlen": varlen,
         "dtype": dtype,
         "shared": compiled.metadata.shared,
         "has_wgmma": "wgmma" in ptx,
@@ -146,10 +160,15 @@ def main() -> int:
         descs = {name: (1, 1, r, cols) for name, r in descs.items()}
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options, descs)
         print(json.dumps(report("attn_fwd", variant, compiled, tma)), flush=True)
-    for variant in BWD_VARIANTS:
+    for variant in FWD_VARLEN_VARIANTS:
+        consts, options = fwd_consts(*variant, varlen=True)
+        compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options)
+        print(json.dumps(report("attn_fwd", variant, compiled, varlen=True)), flush=True)
+    bwd_variants = [(v, False) for v in BWD_VARIANTS] + [(v, True) for v in BWD_VARLEN_VARIANTS]
+    for variant, varlen in bwd_variants:
         head_dim, dtype = variant[:2]
         cfg = bwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
-        flags, _ = fwd_consts(*variant)
+        flags, _ = fwd_consts(*variant, varlen=varlen)
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         blocks = {
             "attn_bwd_preprocess_kernel": (cfg.block_m2, None),
@@ -159,7 +178,7 @@ def main() -> int:
         for name, (bm, bn) in blocks.items():
             consts = {**flags, "HAS_DLSE": True, "BLOCK_M": bm, "BLOCK_N": bn}
             compiled = compile_kernel(getattr(bwd, name), consts, dtype, options)
-            print(json.dumps(report(name, variant, compiled)), flush=True)
+            print(json.dumps(report(name, variant, compiled, varlen=varlen)), flush=True)
     for name in PROBES:
         for variant in PROBE_VARIANTS:
             consts, options = fwd_consts(*variant)

@@ -63,3 +63,14 @@ def test_half_precision_kernels_do_not_spill(compiled):
     for row in compiled:
         if row["dtype"] != "fp32" and row["kernel"] == "attn_fwd":
             assert row["spill_bytes"] == 0, f"{row['kernel']} {row['variant']}: spills"
+
+
+def test_varlen_variants_compile(compiled):
+    # IS_VARLEN adds a prologue and an early exit to every kernel; each must still compile.
+    kernels = {row["kernel"] for row in compiled if row["varlen"]}
+    assert kernels == {
+        "attn_fwd",
+        "attn_bwd_preprocess_kernel",
+        "attn_bwd_dkdv_kernel",
+        "attn_bwd_dq_kernel",
+    }

@@ -123,3 +123,74 @@ def test_device_mismatch(no_launch):
         meta_k = torch.empty_like(k, device="meta")
         with pytest.raises(ValueError, match=r"^k must be on q's device"):
             flashcore.attention(q, meta_k, v)
+
+
+def varlen_args(device, *, h=4, hkv=2, d=16):
+    """Packed q, k, v and cu_seqlens for sequences of (3, 5) queries and (4, 6) keys."""
+    return {
+        "q": torch.randn(8, h, d, dtype=torch.float16, device=device),
+        "k": torch.randn(10, hkv, d, dtype=torch.float16, device=device),
+        "v": torch.randn(10, hkv, d, dtype=torch.float16, device=device),
+        "cu_seqlens_q": torch.tensor([0, 3, 8], dtype=torch.int32, device=device),
+        "cu_seqlens_k": torch.tensor([0, 4, 10], dtype=torch.int32, device=device),
+        "max_seqlen_q": 5,
+        "max_seqlen_k": 6,
+    }
+
+
+@pytest.fixture
+def no_varlen_launch(monkeypatch):
+    from flashcore.ops import attention
+
+    def boom(*args, **kwargs):
+        raise AssertionError("kernel launched despite invalid input")
+
+    monkeypatch.setattr(attention, "attn_varlen_fwd", boom)
+
+
+# (argument, replacement built from the valid arguments, error, message)
+VARLEN_INVALID = {
+    "q_rank": ("q", lambda a: a["q"][None], ValueError, r"^q must have 3 dims \(total, heads,"),
+    "k_dtype": ("k", lambda a: a["k"].float(), TypeError, r"^k.dtype must equal q.dtype"),
+    "v_rows": ("v", lambda a: a["v"][:9], ValueError, r"^k and v must have the same shape \(to"),
+    "kv_head_dim": ("k", lambda a: a["k"][..., :8], ValueError, r"^k and v must have the same"),
+    "heads": ("q", lambda a: a["q"][:, :3], ValueError, r"^q's heads \(3\) must be"),
+    "cu_list": ("cu_seqlens_q", lambda a: [0, 3, 8], TypeError, r"^cu_seqlens_q must be a torch"),
+    "cu_int64": ("cu_seqlens_k", lambda a: a["cu_seqlens_k"].long(), TypeError, r"be int32"),
+    "cu_rank": ("cu_seqlens_q", lambda a: a["cu_seqlens_q"][None], ValueError, r"\(batch \+ 1,\)"),
+    "cu_empty": ("cu_seqlens_q", lambda a: a["cu_seqlens_q"][:0], ValueError, r"\(batch \+ 1,\)"),
+    "cu_batch": ("cu_seqlens_k", lambda a: a["cu_seqlens_k"][:2], ValueError, r"^cu_seqlens_k mu"),
+    "cu_device": (
+        "cu_seqlens_k",
+        lambda a: torch.empty_like(a["cu_seqlens_k"], device="meta"),
+        ValueError,
+        r"^cu_seqlens_k must be on q's device",
+    ),
+    "max_float": ("max_seqlen_q", lambda a: 5.0, TypeError, r"^max_seqlen_q must be an int, got f"),
+    "max_bool": ("max_seqlen_k", lambda a: True, TypeError, r"^max_seqlen_k must be an int, got b"),
+    "max_tensor": ("max_seqlen_q", lambda a: torch.tensor(5), TypeError, r"^max_seqlen_q must be"),
+    "max_negative": ("max_seqlen_q", lambda a: -1, ValueError, r"from 1 to total_q \(8\).* got -1"),
+    "max_over_total": ("max_seqlen_k", lambda a: 11, ValueError, r"total_k \(10\).* got 11"),
+    "max_zero": ("max_seqlen_q", lambda a: 0, ValueError, r"^max_seqlen_q must be .* got 0"),
+}
+
+
+@pytest.mark.parametrize(
+    ("arg", "value", "error", "message"), VARLEN_INVALID.values(), ids=VARLEN_INVALID.keys()
+)
+def test_varlen_invalid(arg, value, error, message, device, no_varlen_launch):
+    args = varlen_args(device)
+    args[arg] = value(args)
+    with pytest.raises(error, match=message):
+        flashcore.attention_varlen(**args)
+
+
+def test_varlen_options(device, no_varlen_launch):
+    with pytest.raises(TypeError, match=r"^causal must be a bool"):
+        flashcore.attention_varlen(**varlen_args(device), causal=1)
+    with pytest.raises(ValueError, match=r"^scale must be finite"):
+        flashcore.attention_varlen(**varlen_args(device), scale=math.inf)
+    with pytest.raises(NotImplementedError, match=r"head_dim up to 256"):
+        flashcore.attention_varlen(**varlen_args(device, d=320))
+    with pytest.raises(TypeError):
+        flashcore.attention_varlen(*varlen_args(device).values(), True)  # type: ignore[misc]

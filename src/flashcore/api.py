@@ -23,38 +23,44 @@ def _interpreted() -> bool:
     return is_interpreted()
 
 
-def _check_tensor(name: str, t: object) -> torch.Tensor:
+def _check_tensor(name: str, t: object, packed: bool = False) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
+    dims, layout = (
+        (3, "(total, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
+    )
+    if t.dim() != dims:
         raise ValueError(
-            f"{name} must have 4 dims (batch, heads, seqlen, head_dim), got {t.dim()} dims "
-            f"with shape {tuple(t.shape)}"
+            f"{name} must have {dims} dims {layout}, got {t.dim()} dims with shape {tuple(t.shape)}"
         )
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
     return t
 
 
-def _check_inputs(q: object, k: object, v: object) -> None:
-    q = _check_tensor("q", q)
-    k = _check_tensor("k", k)
-    v = _check_tensor("v", v)
+def _check_inputs(q: object, k: object, v: object, packed: bool = False) -> None:
+    """q, k, v as ``attention`` takes them, or packed ``(total, heads, head_dim)`` ones."""
+    q = _check_tensor("q", q, packed)
+    k = _check_tensor("k", k, packed)
+    v = _check_tensor("v", v, packed)
     for name, t in (("k", k), ("v", v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-    batch, heads, _, head_dim = q.shape
+    heads, head_dim = q.shape[1], q.shape[-1]
     if k.shape != v.shape:
+        layout = (
+            "(total_k, kv_heads, head_dim)" if packed else "(batch, kv_heads, seqlen_k, head_dim)"
+        )
         raise ValueError(
-            f"k and v must have the same shape (batch, kv_heads, seqlen_k, head_dim), "
+            f"k and v must have the same shape {layout}, "
             f"got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
-    if k.shape[0] != batch:
-        raise ValueError(f"k/v batch size must equal q's ({batch}), got {k.shape[0]}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k/v head_dim must equal q's ({head_dim}), got {k.shape[3]}")
+    if not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k/v batch size must equal q's ({q.shape[0]}), got {k.shape[0]}")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k/v head_dim must equal q's ({head_dim}), got {k.shape[-1]}")
     kv_heads = k.shape[1]
     # H = Hkv = 0 is an empty problem, not a GQA ratio.
     if heads != kv_heads and (kv_heads == 0 or heads % kv_heads != 0):
@@ -89,6 +95,37 @@ def _check_scale(scale: object, head_dim: int) -> float:
 def _check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: object, cu_seqlens_k: object) -> None:
+    """Type, shape and device only: reading the offsets would sync with the device."""
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(
+            f"cu_seqlens_k must have cu_seqlens_q's shape {tuple(cu_seqlens_q.shape)} (one "
+            f"offset per sequence, plus one), got {tuple(cu_seqlens_k.shape)}"
+        )
+
+
+def _check_max_seqlen(name: str, value: object, total: int, total_name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    # Without reading cu_seqlens, what the packed size alone rules out: a sequence longer than
+    # the pack, or rows to attend with no sequence longer than 0 (the grid would be empty).
+    if value < 0 or value > total or (total > 0 and value == 0):
+        raise ValueError(
+            f"{name} must be the longest sequence's length, from 1 to {total_name} ({total}) "
+            f"(0 when {total_name} is 0), got {value}"
+        )
     return value
 
 
@@ -162,6 +199,86 @@ def attention(
     return_lse = _check_flag("return_lse", return_lse)
     scale = _check_scale(scale, q.shape[-1])
     out, lse = _ops.attn_fwd(q, k, v, causal, scale)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention` on a packed batch of variable-length sequences (FlashAttention-2's varlen).
+
+    Sequence b is ``q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]]`` against
+    ``k/v[cu_seqlens_k[b]:cu_seqlens_k[b + 1]]``, and its rows of the result are exactly what
+    :func:`attention` gives on that slice alone (viewed as ``(1, H, S, D)``): the causal mask is
+    bottom-right aligned per sequence (query i of the sequence sees key j iff
+    ``j <= i + Sk_b - Sq_b``), and query and key lengths may differ per sequence::
+
+        cu_seqlens_q = [0, 2, 5], cu_seqlens_k = [0, 3, 5], causal (x = sees)
+                 k0 k1 k2 | k3 k4
+            q0    x  x  . |  .  .      sequence 0: Sq=2, Sk=3
+            q1    x  x  x |  .  .
+            ------------------------
+            q2    .  .  . |  .  .      sequence 1: Sq=3, Sk=2; q2 sees no key
+            q3    .  .  . |  x  .
+            q4    .  .  . |  x  x
+
+    Args:
+        q: ``(total_q, H, D)`` queries of every sequence, back to back.
+        k: ``(total_k, Hkv, D)`` keys; ``H % Hkv == 0`` (GQA/MQA as in :func:`attention`).
+        v: ``(total_k, Hkv, D)`` values.
+        cu_seqlens_q: int32 ``(B + 1,)`` on q's device: ``[0, Sq_0, Sq_0 + Sq_1, ..., total_q]``,
+            non-decreasing. Empty sequences are allowed.
+        cu_seqlens_k: int32 ``(B + 1,)``, the same for the keys (``..., total_k]``).
+        max_seqlen_q: the longest query sequence, a Python int (it sizes the launch grid).
+        max_seqlen_k: the longest key sequence, a Python int.
+        causal, scale, return_lse: as in :func:`attention`.
+
+    The contents of ``cu_seqlens_q``/``cu_seqlens_k`` and the maxima are trusted, as in
+    FlashAttention: checking them would read device memory on the host and stall the stream.
+    Offsets that are not as described (not starting at 0, decreasing, not ending at the totals,
+    a maximum smaller than a sequence) give undefined results, including out-of-bounds reads.
+    Only types, dtypes, shapes and devices are validated (and that each maximum is between 1 and
+    its total, or 0 for an empty total).
+
+    Returns:
+        ``out`` ``(total_q, H, D)`` in q's dtype (q's memory layout when q is dense), or
+        ``(out, lse)`` with ``lse`` float32 ``(H, total_q)``. Rows that see no key (every row of a
+        sequence with ``Sk_b = 0``) have ``out = 0`` and ``lse = -inf``.
+
+    Autograd: differentiable in q, k and v (and through ``lse``), as :func:`attention`; a
+    sequence with no query gets zero dk, dv. Inputs may have any strides (a last dim with a
+    stride other than 1 is copied). Tensors on CUDA, or on the CPU with ``TRITON_INTERPRET=1``.
+    The kernels run each sequence through masked pointer loads (never Hopper's tensor
+    descriptors, which zero-fill only at the end of the packed tensor, not of a sequence).
+
+    Raises:
+        TypeError: a tensor argument is not a tensor or has the wrong dtype (q, k, v as in
+            :func:`attention`; cu_seqlens must be int32), or an option or maximum has the wrong
+            type.
+        ValueError: wrong rank, mismatched shapes or devices, heads not divisible, non-finite
+            scale, cu_seqlens not ``(B + 1,)`` alike, a maximum out of range.
+        NotImplementedError: head_dim above 256.
+    """
+    _check_inputs(q, k, v, packed=True)
+    _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
+    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0], "total_q")
+    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0], "total_k")
+    causal = _check_flag("causal", causal)
+    return_lse = _check_flag("return_lse", return_lse)
+    scale = _check_scale(scale, q.shape[-1])
+    out, lse = _ops.attn_varlen_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
+    )
     return (out, lse) if return_lse else out
 
 

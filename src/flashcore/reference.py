@@ -109,3 +109,36 @@ def attention(
     p, lse = probs(q, k, causal=causal, scale=scale, dtype=dtype, top_left=top_left)
     out = torch.matmul(p, _repeat_kv(v.to(dtype), q.shape[1]))
     return RefResult(out, lse)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> RefResult:
+    """:func:`attention` on each sequence of a packed batch, concatenated.
+
+    q is ``(total_q, H, D)``, k/v ``(total_k, Hkv, D)``, sequence b their rows
+    ``cu_seqlens_*[b]:cu_seqlens_*[b + 1]`` (as ``flashcore.attention_varlen``). Returns out
+    ``(total_q, H, D)`` and lse ``(H, total_q)`` in ``dtype``. Reads the offsets on the host.
+    """
+    bounds_q, bounds_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs, lses = [], []
+    for b in range(len(bounds_q) - 1):
+        # (S, H, D) slices as (1, H, S, D) problems.
+        q_b, k_b, v_b = (
+            t[bounds[b] : bounds[b + 1]].transpose(0, 1)[None]
+            for t, bounds in ((q, bounds_q), (k, bounds_k), (v, bounds_k))
+        )
+        ref = attention(q_b, k_b, v_b, causal=causal, scale=scale, dtype=dtype)
+        outs.append(ref.out[0].transpose(0, 1))
+        lses.append(ref.lse[0])
+    out = torch.cat(outs) if outs else q.new_empty(q.shape, dtype=dtype)
+    lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0), dtype=dtype)
+    return RefResult(out, lse)

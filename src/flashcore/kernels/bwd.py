@@ -38,6 +38,12 @@ Flags (``tl.constexpr``, compiled away when off):
   patterns; always off on the GPU.
 - DOT_PRECISION: "ieee" for fp32 inputs (matches PyTorch's default fp32 matmul), ignored for
   fp16/bf16.
+- IS_VARLEN: packed variable-length batches, as in the forward (see its docstring): the prologue
+  reads the sequence's rows from CU_Q/CU_K, moves every base pointer there (batch strides are 0)
+  and replaces seqlen_q/seqlen_k, which size the grid as the longest sequences, by the sequence's
+  own lengths; blocks past its end return at once. Row stats are ``(H, total_q)``. EVEN_M/EVEN_N
+  are False. A sequence without queries leaves its dK/dV programs with no query tile: they store
+  zeros.
 Later masks (window, softcap, ALiBi) join through ``mask_scores`` and the two tile-range helpers;
 varlen changes only how base pointers and sequence lengths are found.
 
@@ -73,6 +79,7 @@ from flashcore.kernels.common import (
     q_tile_range,
     store_tile,
 )
+from flashcore.kernels.varlen import seq_bounds
 
 
 @triton.jit
@@ -81,6 +88,7 @@ def attn_bwd_preprocess_kernel(
     DO,
     DLSE,
     DELTA,
+    CU_Q,
     stride_ob,
     stride_oh,
     stride_om,
@@ -99,6 +107,7 @@ def attn_bwd_preprocess_kernel(
     BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     EVEN_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     """``delta = rowsum(dO * O) [- dlse]`` in fp32, written with the LSE's strides."""
     tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), False)
@@ -106,6 +115,15 @@ def attn_bwd_preprocess_kernel(
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    if IS_VARLEN:
+        # Packed sequences (see the forward): move the bases to this sequence's first row.
+        row_q, seqlen_q = seq_bounds(CU_Q, off_b)
+        if start_m >= seqlen_q:
+            return
+        O += row_q * stride_om
+        DO += row_q * stride_dom
+        DLSE += row_q * stride_dlm
+        DELTA += row_q
 
     offs_tm = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tm
@@ -223,6 +241,8 @@ def attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -257,6 +277,7 @@ def attn_bwd_dkdv_kernel(
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     # Causal key tiles are seen by fewer query rows the later they start: in order, heaviest first.
     tile_n, off_bh = program_tile(tl.cdiv(seqlen_k, BLOCK_N), False)
@@ -265,6 +286,20 @@ def attn_bwd_dkdv_kernel(
     off_hk = (off_bh % kv_heads).to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     qk_scale = sm_scale * LOG2E
+    if IS_VARLEN:
+        # Packed sequences (see the forward): move the bases to this sequence's first rows.
+        row_q, seqlen_q = seq_bounds(CU_Q, off_b)
+        row_k, seqlen_k = seq_bounds(CU_K, off_b)
+        if start_n >= seqlen_k:
+            return
+        Q += row_q * stride_qm
+        DO += row_q * stride_dom
+        LSE += row_q
+        DELTA += row_q
+        K += row_k * stride_kn
+        V += row_k * stride_vn
+        DK += row_k * stride_dkn
+        DV += row_k * stride_dvn
 
     offs_tn = tl.arange(0, BLOCK_N)
     offs_n = start_n + offs_tn
@@ -404,6 +439,8 @@ def attn_bwd_dq_kernel(
     LSE,
     DELTA,
     DQ,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -435,6 +472,7 @@ def attn_bwd_dq_kernel(
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
@@ -443,6 +481,19 @@ def attn_bwd_dq_kernel(
     off_hk = off_h // kv_group
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     qk_scale = sm_scale * LOG2E
+    if IS_VARLEN:
+        # Packed sequences (see the forward): move the bases to this sequence's first rows.
+        row_q, seqlen_q = seq_bounds(CU_Q, off_b)
+        row_k, seqlen_k = seq_bounds(CU_K, off_b)
+        if start_m >= seqlen_q:
+            return
+        Q += row_q * stride_qm
+        DO += row_q * stride_dom
+        DQ += row_q * stride_dqm
+        LSE += row_q
+        DELTA += row_q
+        K += row_k * stride_kn
+        V += row_k * stride_vn
 
     offs_tm = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_tm

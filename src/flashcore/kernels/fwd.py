@@ -7,9 +7,10 @@ the running row max ``m`` and row sum ``l`` in fp32 and rescales the output accu
 grows; ``P`` is cast to the value dtype for the second product ``acc += P @ V``. Nothing of size
 Sq x Sk ever reaches memory. At the end ``out = acc / l`` and ``lse = (m + log2(l)) * ln(2)``.
 
-Grid. 1-D, ``cdiv(Sq, BLOCK_M) * B * H`` programs (``common.program_tile``: the query tiles of
-one head are consecutive; causal hands them out last-first, heaviest first). Query head h reads
-kv head ``h // (H // Hkv)`` (GQA/MQA without repeating K/V in memory).
+Grid. 1-D, ``cdiv(Sq, BLOCK_M) * B * H`` programs, Sq the longest query sequence with IS_VARLEN
+(``common.program_tile``: the query tiles of one head are consecutive; causal hands them out
+last-first, heaviest first). Query head h reads kv head ``h // (H // Hkv)`` (GQA/MQA without
+repeating K/V in memory).
 
 Key loop. ``kv_tile_range`` splits the keys a block may see into full tiles (every row sees every
 key: no mask work at all) and a tail that needs masking (the causal diagonal band, the ragged end
@@ -31,9 +32,20 @@ Flags (``tl.constexpr``, compiled away when off):
   pointers with masked loads.
 - EXP_E: fp32 inputs on the GPU: scores in natural units and libdevice's exp instead of the
   folded log2(e) and exp2 (see ``common.softmax_exp``); ``qk_scale`` is then just ``scale``.
+- IS_VARLEN: packed variable-length batches (FlashAttention-2's varlen). Q and O are
+  ``(total_q, H, D)``, K and V ``(total_k, Hkv, D)``, passed with batch stride 0; sequence b is
+  rows ``[CU_Q[b], CU_Q[b+1])`` against rows ``[CU_K[b], CU_K[b+1])`` (int32 offsets). The
+  prologue reads them, moves the base pointers to the sequence's first row and replaces
+  ``seqlen_q``/``seqlen_k`` (the launcher's maxima, which only size the grid) by the sequence's
+  own lengths; query blocks past its end return at once. Everything after the prologue (tile
+  ranges, masks, softmax) sees one ordinary (Sq, Sk) problem, so later masks compose unchanged.
+  EVEN_M/EVEN_N are False (lengths differ per sequence) and USE_TMA is False: descriptors
+  zero-fill only at the end of the packed tensor, so a tile crossing a sequence end would read
+  the next sequence's rows; masked pointer loads stop at the sequence end. The LSE is
+  ``(H, total_q)``: batch stride 0, unit stride along the packed rows.
 Later features are meant to join as more flags on the same kernel: a sliding window adds a masked
-head part to ``kv_tile_range``; softcap, ALiBi transform ``S`` next to ``mask_scores``; varlen and
-paged KV change only how the base pointers and sequence lengths are found.
+head part to ``kv_tile_range``; softcap, ALiBi transform ``S`` next to ``mask_scores``; paged KV,
+like varlen, changes only how the base pointers and sequence lengths are found.
 
 Invariants. The head dim is contiguous (unit stride, guaranteed by the launcher): Triton 3.6 no
 longer specialises integer arguments equal to 1, so a runtime last-dim stride would turn every tile
@@ -56,6 +68,7 @@ from flashcore.kernels.common import (
     row_lse,
     store_tile,
 )
+from flashcore.kernels.varlen import seq_bounds
 
 
 @triton.jit
@@ -133,6 +146,8 @@ def attn_fwd_kernel(
     V,
     O,
     LSE,
+    CU_Q,
+    CU_K,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -163,6 +178,7 @@ def attn_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     EXP_E: tl.constexpr,
     USE_TMA: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
 ):
     tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
@@ -173,6 +189,20 @@ def attn_fwd_kernel(
     off_h = tma_h.to(tl.int64)
     off_hk = tma_hk.to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    if IS_VARLEN:
+        # Packed sequences: batch b is rows [CU_Q[b], CU_Q[b+1]) of Q and O (and of the LSE's
+        # last dim) and rows [CU_K[b], CU_K[b+1]) of K and V. Moving the bases to the first row
+        # makes the rest of the kernel see one (Sq, Sk) problem; the batch strides are 0.
+        tl.static_assert(not USE_TMA, "varlen reads through masked pointers, not descriptors")
+        row_q, seqlen_q = seq_bounds(CU_Q, off_b)
+        row_k, seqlen_k = seq_bounds(CU_K, off_b)
+        if start_m >= seqlen_q:
+            return
+        Q += row_q * stride_qm
+        O += row_q * stride_om
+        LSE += row_q
+        K += row_k * stride_kn
+        V += row_k * stride_vn
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

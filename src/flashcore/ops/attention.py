@@ -4,7 +4,10 @@
 ``torch.library.opcheck`` run them through Triton's interpreter on the CPU.
 
 Autograd: ``attn_fwd`` saves only its inputs q, k, v and its outputs out, lse; its backward is the
-``attn_bwd`` op, which recomputes the probabilities from the LSE.
+``attn_bwd`` op, which recomputes the probabilities from the LSE. ``attn_varlen_fwd`` and
+``attn_varlen_bwd`` are the same pair on packed variable-length batches; they also save the
+cu_seqlens offsets, whose contents are never read on the host (the fake kernels derive every
+shape from q alone).
 """
 
 from __future__ import annotations
@@ -72,16 +75,120 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
+def _out_grad(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    if dout is None:
+        # Only the LSE is differentiated: delta = -dlse and dV = 0 (dO = 0).
+        dout = torch.zeros_like(out)
+    return fwd.unit_stride_last_dim(dout)
+
+
 def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None and dlse is None:
         return None, None, None, None, None
-    if dout is None:
-        # Only the LSE is differentiated: delta = -dlse and dV = 0 (dO = 0).
-        dout = torch.zeros_like(out)
-    dout = fwd.unit_stride_last_dim(dout)
+    dout = _out_grad(dout, out)
     dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale)
     return dq, dk, dv, None, None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("flashcore::attn_varlen_fwd", mutates_args=())
+def attn_varlen_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward on packed ``(total_q, H, D)`` / ``(total_k, Hkv, D)``: ``(out, lse)``, with lse
+    ``(H, total_q)``."""
+    varlen = fwd.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return fwd.attn_fwd(q, k, v, causal, scale, varlen=varlen)
+
+
+@attn_varlen_fwd.register_fake
+def _attn_varlen_fwd_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    total_q, heads, _ = q.shape
+    return torch.empty_like(q), q.new_empty((heads, total_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashcore::attn_varlen_bwd", mutates_args=())
+def attn_varlen_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``attn_varlen_fwd``: ``(dq, dk, dv)`` from ``dout`` and ``dlse`` (or None)."""
+    varlen = fwd.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return bwd.attn_bwd(dout, q, k, v, out, lse, dlse, causal, scale, varlen=varlen)
+
+
+@attn_varlen_bwd.register_fake
+def _attn_varlen_bwd_fake(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _varlen_setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
+    ctx.causal = causal
+    ctx.scale = scale
+    ctx.set_materialize_grads(False)
+
+
+def _varlen_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    none = (None,) * 6  # cu_seqlens_q/k, max_seqlen_q/k, causal, scale
+    if dout is None and dlse is None:
+        return None, None, None, *none
+    dout = _out_grad(dout, out)
+    dq, dk, dv = attn_varlen_bwd(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
+        ctx.causal, ctx.scale,
+    )  # fmt: skip
+    return dq, dk, dv, *none
+
+
+attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)

@@ -8,7 +8,14 @@ from types import ModuleType
 
 import torch
 
-from flashcore.ops.fwd import cdiv, is_interpreted, unit_stride_last_dim
+from flashcore.ops.fwd import (
+    Varlen,
+    cdiv,
+    is_interpreted,
+    row_strides,
+    stats_strides,
+    unit_stride_last_dim,
+)
 from flashcore.tuning import BwdConfig, bwd_config, head_block
 
 
@@ -30,19 +37,28 @@ def attn_bwd(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
+    varlen: Varlen | None = None,
     config: BwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients ``(dq, dk, dv)`` of the forward ``(out, lse) = attn_fwd(q, k, v, causal, scale)``.
 
     ``dout`` is the gradient of ``out`` (any strides with a unit-stride last dim), ``dlse`` that of
-    ``lse`` or None. Each gradient has its input's memory layout when the input is dense.
-    ``config`` overrides the tuned launch config (for tuning scripts).
+    ``lse`` or None. Each gradient has its input's memory layout when the input is dense. With
+    ``varlen`` the tensors are packed as in ``attn_fwd``. ``config`` overrides the tuned launch
+    config (for tuning scripts).
     """
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
     q, k, v, out, dout = (unit_stride_last_dim(t) for t in (q, k, v, out, dout))
-    batch, heads, seqlen_q, head_dim = q.shape
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    if q.numel() == 0 or k.numel() == 0:
+    head_dim = q.shape[-1]
+    if varlen is None:
+        batch, heads, seqlen_q = q.shape[:3]
+        kv_heads, seqlen_k = k.shape[1], k.shape[2]
+        cu_q, cu_k = None, None
+    else:
+        batch, heads, kv_heads = varlen.batch, q.shape[1], k.shape[1]
+        seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
+        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
+    if q.numel() == 0 or k.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
         # No query or no key: nothing depends on the other inputs.
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dq = torch.empty_like(q)
@@ -55,56 +71,70 @@ def attn_bwd(
     block_d = head_block(head_dim)
     upcast = interpreted and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
+
+    def even(seqlen: int, block: int) -> bool:
+        # Packed sequences have lengths of their own: every edge may be ragged.
+        return varlen is None and seqlen % block == 0
+
+    strides = functools.partial(row_strides, varlen=varlen)
+    if dlse is None:
+        dlse_strides = (0, 0, 0)
+    else:
+        dlse_strides = dlse.stride() if varlen is None else (0, *dlse.stride())
     bwd = kernels()
 
     # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
     with torch.cuda.device_of(q):
         bwd.attn_bwd_preprocess_kernel[(cdiv(seqlen_q, cfg.block_m2) * batch * heads,)](
             out, dout, dlse if dlse is not None else lse, delta,
-            *out.stride()[:3], *dout.stride()[:3],
-            *(dlse.stride() if dlse is not None else (0, 0, 0)),
-            lse.stride(0), lse.stride(1),
+            cu_q,
+            *strides(out), *strides(dout),
+            *dlse_strides,
+            *stats_strides(lse, varlen),
             heads, seqlen_q,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_M=cfg.block_m2,
             HAS_DLSE=dlse is not None,
-            EVEN_M=seqlen_q % cfg.block_m2 == 0,
+            EVEN_M=even(seqlen_q, cfg.block_m2),
+            IS_VARLEN=varlen is not None,
             num_warps=cfg.num_warps,
         )  # fmt: skip
         bwd.attn_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,)](
             q, k, v, dout, lse, delta, dk, dv,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-            *dk.stride()[:3], *dv.stride()[:3],
-            lse.stride(0), lse.stride(1),
+            cu_q, cu_k,
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
+            *stats_strides(lse, varlen),
             kv_heads, heads // kv_heads, seqlen_q, seqlen_k, scale,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_M=cfg.block_m1,
             BLOCK_N=cfg.block_n1,
             IS_CAUSAL=causal,
-            EVEN_M=seqlen_q % cfg.block_m1 == 0,
-            EVEN_N=seqlen_k % cfg.block_n1 == 0,
+            EVEN_M=even(seqlen_q, cfg.block_m1),
+            EVEN_N=even(seqlen_k, cfg.block_n1),
             UPCAST=upcast,
             DOT_PRECISION=precision,
+            IS_VARLEN=varlen is not None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
         bwd.attn_bwd_dq_kernel[(cdiv(seqlen_q, cfg.block_m2) * batch * heads,)](
             q, k, v, dout, lse, delta, dq,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-            *dq.stride()[:3],
-            lse.stride(0), lse.stride(1),
+            cu_q, cu_k,
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
+            *stats_strides(lse, varlen),
             heads, heads // kv_heads, seqlen_q, seqlen_k, scale,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_M=cfg.block_m2,
             BLOCK_N=cfg.block_n2,
             IS_CAUSAL=causal,
-            EVEN_M=seqlen_q % cfg.block_m2 == 0,
-            EVEN_N=seqlen_k % cfg.block_n2 == 0,
+            EVEN_M=even(seqlen_q, cfg.block_m2),
+            EVEN_N=even(seqlen_k, cfg.block_n2),
             UPCAST=upcast,
             DOT_PRECISION=precision,
+            IS_VARLEN=varlen is not None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip

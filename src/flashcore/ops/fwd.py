@@ -4,12 +4,41 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 from flashcore.tuning import FwdConfig, fwd_config, head_block
 
 LOG2E = 1.4426950408889634  # log2(e): folds the softmax's exp into exp2
+
+
+class Varlen(NamedTuple):
+    """A packed batch: q/out ``(total_q, H, D)``, k/v ``(total_k, Hkv, D)`` (kernels/varlen.py).
+
+    The contents of the int32 offsets are trusted (reading them would sync with the device); the
+    maxima only size the grid.
+    """
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    @property
+    def batch(self) -> int:
+        return self.cu_seqlens_q.shape[0] - 1
+
+
+def row_strides(t: torch.Tensor, varlen: Varlen | None) -> tuple[int, int, int]:
+    """(batch, head, row) strides of a ``(B, heads, S, D)`` tensor; of a packed ``(total, heads,
+    D)`` one with batch stride 0 (its kernels find each sequence's first row in cu_seqlens)."""
+    return t.stride()[:3] if varlen is None else (0, t.stride(1), t.stride(0))
+
+
+def stats_strides(t: torch.Tensor, varlen: Varlen | None) -> tuple[int, ...]:
+    """(batch, head) strides of row stats ``(B, H, Sq)``, or of packed ones ``(H, total_q)``."""
+    return t.stride()[:-1] if varlen is None else (0, *t.stride()[:-1])
 
 
 @functools.cache
@@ -38,21 +67,29 @@ def attn_fwd(
     causal: bool,
     scale: float,
     config: FwdConfig | None = None,
+    varlen: Varlen | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel on validated inputs; returns ``(out, lse)``.
 
     ``out`` keeps q's memory layout when q is dense (so a ``(B, S, H, D)`` view in gives one out);
     ``lse`` is fp32 ``(B, H, Sq)``, contiguous. ``config`` overrides the tuned launch config
-    (for tuning scripts).
+    (for tuning scripts). With ``varlen`` the inputs are packed, ``(total, heads, D)``, and
+    ``lse`` is ``(H, total_q)``.
     """
     q, k, v = (unit_stride_last_dim(t) for t in (q, k, v))
-    batch, heads, seqlen_q, head_dim = q.shape
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    head_dim = q.shape[-1]
+    if varlen is None:
+        batch, heads, seqlen_q = q.shape[:3]
+        kv_heads, seqlen_k = k.shape[1], k.shape[2]
+        lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    else:
+        batch, heads, kv_heads = varlen.batch, q.shape[1], k.shape[1]
+        seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
+        lse = torch.empty((heads, q.shape[0]), dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    if out.numel() == 0 or seqlen_q == 0:
         return out, lse
-    if seqlen_k == 0:
+    if k.numel() == 0:
         # Every row sees no key. Filled here rather than launched: k and v have no storage.
         return out.zero_(), lse.fill_(float("-inf"))
     interpreted = is_interpreted()
@@ -63,6 +100,7 @@ def attn_fwd(
     block_d = head_block(head_dim)
     use_tma = (
         cfg.use_tma
+        and varlen is None
         and (interpreted or has_tma(q.device))
         and all(tma_compatible(t) for t in (q, k, v, out))
     )
@@ -77,20 +115,22 @@ def attn_fwd(
     with torch.cuda.device_of(q):
         kernels().attn_fwd_kernel[grid](
             q_arg, k_arg, v_arg, o_arg, lse,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-            lse.stride(0), lse.stride(1),
+            *((None, None) if varlen is None else varlen[:2]),
+            *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen),
+            *row_strides(out, varlen), *stats_strides(lse, varlen),
             heads, heads // kv_heads, seqlen_q, seqlen_k, scale if exp_e else scale * LOG2E,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             IS_CAUSAL=causal,
-            EVEN_M=seqlen_q % cfg.block_m == 0,
-            EVEN_N=seqlen_k % cfg.block_n == 0,
+            EVEN_M=varlen is None and seqlen_q % cfg.block_m == 0,
+            EVEN_N=varlen is None and seqlen_k % cfg.block_n == 0,
             UPCAST=interpreted and q.dtype == torch.bfloat16,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             EXP_E=exp_e,
             USE_TMA=use_tma,
+            IS_VARLEN=varlen is not None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip

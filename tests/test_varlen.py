@@ -1,0 +1,89 @@
+"""``attention_varlen`` on packed variable-length batches against the per-sequence reference."""
+
+import pytest
+import torch
+
+import flashcore
+from helpers import check_varlen, cu_seqlens, make_varlen
+from shapes import DTYPES, VARLEN, VARLEN_GPU, VarlenCase
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", VARLEN, ids=[c.id for c in VARLEN])
+def test_varlen(case, dtype, causal, device):
+    """Forward, then dq, dk, dv through out and lse."""
+    check_varlen(case, *make_varlen(case, dtype, device), causal=causal, backward=True)
+
+
+def test_varlen_empty_sequences(device):
+    # Sequence 1 has no key: out 0, lse -inf, zero dq. Sequence 2 has no query: zero dk, dv.
+    case = VarlenCase(2, 2, (20, 30, 0), (25, 0, 7), 16)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.float16, device)
+    out, lse, (dq, dk, dv) = check_varlen(case, q, k, v, cu_q, cu_k, causal=True, backward=True)
+    assert torch.all(out[20:] == 0) and torch.all(lse[:, 20:] == float("-inf"))
+    assert torch.all(dq[20:] == 0)
+    assert torch.all(dk[25:] == 0) and torch.all(dv[25:] == 0)
+
+
+def test_varlen_matches_attention(device):
+    # One sequence is exactly attention on (1, H, S, D): same kernels, same tiles, same bits.
+    case = VarlenCase(4, 2, (45,), (70,), 64)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, device)
+    out, lse = flashcore.attention_varlen(q, k, v, cu_q, cu_k, 45, 70, causal=True, return_lse=True)
+    as_4d = [t.transpose(0, 1)[None] for t in (q, k, v)]
+    want_out, want_lse = flashcore.attention(*as_4d, causal=True, return_lse=True)
+    assert torch.equal(out, want_out[0].transpose(0, 1))
+    assert torch.equal(lse, want_lse[0])
+
+
+def test_varlen_strided(device):
+    # (total, H, D) views with a row stride that is not H * D, and a sliced head dim.
+    case = VarlenCase(2, 1, (9, 33), (40, 12), 32)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.float16, device)
+    q, k, v = (torch.cat([t, t], dim=-1)[..., 32:] for t in (q, k, v))
+    assert not q.is_contiguous()
+    check_varlen(case, q, k, v, cu_q, cu_k, causal=True, backward=True)
+
+
+def test_varlen_zero_size(device, monkeypatch):
+    from flashcore.ops import bwd
+
+    monkeypatch.setattr(bwd, "kernels", lambda: pytest.fail("kernel launched on empty input"))
+    # No key at all: out 0, lse -inf; no query at all: empty results.
+    case = VarlenCase(2, 2, (3, 4), (0, 0), 16)
+    q, k, v, cu_q, cu_k = (
+        t.requires_grad_(t.is_floating_point()) for t in make_varlen(case, torch.float16, device)
+    )
+    out, lse = flashcore.attention_varlen(q, k, v, cu_q, cu_k, 4, 0, return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert torch.all(dq == 0) and dk.shape == k.shape and dv.shape == v.shape
+    empty = torch.zeros(0, 2, 16, device=device)
+    cu = cu_seqlens((0,), device)
+    out = flashcore.attention_varlen(empty, empty, empty, cu, cu, 0, 0)
+    assert out.shape == empty.shape
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", VARLEN_GPU, ids=[c.id for c in VARLEN_GPU])
+def test_varlen_gpu(case, dtype, causal):
+    check_varlen(case, *make_varlen(case, dtype, "cuda"), causal=causal, backward=True)
+
+
+@pytest.mark.gpu
+def test_varlen_gpu_no_sync():
+    # max_seqlen_* are host ints and cu_seqlens is never read on the host: no device sync.
+    case = VARLEN_GPU[0]
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+    q.requires_grad_()
+    maxima = max(case.seqlens_q), max(case.seqlens_k)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = flashcore.attention_varlen(q, k, v, cu_q, cu_k, *maxima, causal=True)
+        out.backward(torch.ones_like(out))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
