@@ -495,8 +495,8 @@ def attention_with_kvcache(
         alibi_slopes: float32 ``(H,)`` or ``(B, H)``: adds ``-slope * |pos_i - j|`` to the scores
             (after the softcap).
         num_splits: how many parts each sequence's keys are split into (flash-decoding); None
-            chooses from the SM count and the cache capacity. Any value gives the same result up
-            to rounding.
+            chooses from the SM count and the cache capacity. At most 64 (or one per key tile of
+            the capacity) are used; any value gives the same result up to rounding.
         return_lse: also return the logsumexp of each row.
 
     Returns:

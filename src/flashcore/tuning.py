@@ -127,7 +127,7 @@ INTERPRETER_SMS = 2
 # A split streams at least this many tiles: below that the combine pass and the per-program
 # setup outweigh the extra parallelism (FlashAttention's num_splits_heuristic reasons the same way).
 MIN_TILES_PER_SPLIT = 4
-MAX_SPLITS = 64
+MAX_SPLITS = 64  # also caps an explicit num_splits: the combine holds (splits, D) in registers
 
 
 def decode_block_m(kv_group: int, seqlen_q: int) -> int:

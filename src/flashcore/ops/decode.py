@@ -14,6 +14,7 @@ import torch
 from flashcore.ops.fwd import LOG2E, cdiv, is_interpreted, unit_stride_last_dim
 from flashcore.tuning import (
     INTERPRETER_SMS,
+    MAX_SPLITS,
     decode_block_m,
     decode_config,
     decode_num_splits,
@@ -84,8 +85,9 @@ def attn_decode(
         num_splits = choose_num_splits(
             batch, kv_heads, capacity, head_dim, q.element_size(), q.device
         )
-    # Splits past the longest possible sequence would only write empty partials.
-    num_splits = max(1, min(num_splits, cdiv(capacity, cfg.block_n)))
+    # Splits past the longest possible sequence would only write empty partials; more than
+    # MAX_SPLITS would make the combine's (splits, D) tile spill.
+    num_splits = max(1, min(num_splits, cdiv(capacity, cfg.block_n), MAX_SPLITS))
     kv_group = heads // kv_heads
     exp_e = q.dtype == torch.float32 and not interpreted
     unit = 1.0 if exp_e else LOG2E
