@@ -145,3 +145,46 @@ VARLEN_GPU = [
         8, 8, (1023, 4096, 17, 2500, 999, 64, 3333, 1), (1023, 4096, 17, 2500, 999, 64, 3333, 1), 64
     ),
 ]
+
+
+class DecodeCase(NamedTuple):
+    """A KV-cache decoding problem: q ``(B, H, Sq, D)`` against a cache of capacity ``s_max``
+    holding ``seqlens[b]`` valid keys per sequence; ``block_size`` 0 is a contiguous
+    ``(B, Hkv, s_max, D)`` cache, otherwise a paged one with a shuffled block table."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    s_max: int
+    head_dim: int
+    seqlens: tuple[int, ...]
+    block_size: int
+
+    @property
+    def id(self) -> str:
+        cache = f"paged{self.block_size}" if self.block_size else "dense"
+        lens = "_".join(map(str, self.seqlens))
+        return (
+            f"b{self.batch}h{self.heads}kv{self.kv_heads}-q{self.seqlen_q}-{cache}"
+            f"{self.s_max}-L{lens}-d{self.head_dim}"
+        )
+
+
+# Decoding, interpreter tier (the interpreter's decode tiles hold 16 keys). Lengths 0 (no key),
+# 1, full capacity and ragged ones; Sq = 3 makes rows of short sequences see no key.
+DECODE = [
+    DecodeCase(3, 4, 2, 1, 96, 64, (96, 0, 37), 0),  # GQA, dense, empty and full sequences
+    DecodeCase(3, 4, 1, 3, 80, 32, (1, 80, 49), 16),  # MQA, speculative Sq=3, paged 16
+    DecodeCase(2, 2, 2, 1, 64, 80, (64, 17), 32),  # MHA, paged 32, padded head dim
+    DecodeCase(2, 8, 2, 3, 100, 16, (2, 97), 0),  # G*Sq = 12 padded to 16 rows, ragged
+]
+
+# Decoding, GPU tier: Llama-style GQA (32 query heads on 8 kv heads), D=128, bf16, long caches.
+DECODE_GPU = [
+    DecodeCase(1, 32, 8, 1, 32768, 128, (32768,), 0),
+    DecodeCase(8, 32, 8, 1, 4096, 128, (4096, 1, 4000, 2049, 17, 4096, 3000, 128), 0),
+    DecodeCase(8, 32, 8, 1, 8192, 128, (8192, 5000, 1, 8191, 4096, 333, 7000, 16), 16),
+    DecodeCase(1, 32, 8, 1, 16384, 128, (16000,), 256),
+    DecodeCase(8, 32, 8, 1, 32768, 128, (32768,) * 4 + (20000, 9, 30000, 12345), 256),
+]

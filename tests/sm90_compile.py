@@ -21,15 +21,24 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from flashcore.kernels import bwd, fwd, probes  # noqa: E402
-from flashcore.tuning import bwd_config, fwd_config, head_block  # noqa: E402
+from flashcore.kernels import bwd, decode, fwd, probes  # noqa: E402
+from flashcore.tuning import (  # noqa: E402
+    bwd_config,
+    decode_block_m,
+    decode_config,
+    fwd_config,
+    head_block,
+)
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ELEM_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
-FP32_POINTERS = {"LSE", "S", "P", "DELTA", "DLSE"}
-INT32_POINTERS = {"CU_Q", "CU_K"}
+FP32_POINTERS = {"LSE", "S", "P", "DELTA", "DLSE", "ALIBI", "O_PART", "LSE_PART"}
+INT32_POINTERS = {"CU_Q", "CU_K", "SEQLENS", "BLOCK_TABLE"}
 # Integer arguments that are sizes, not strides: no divisibility is promised for them.
-SIZES = {"num_heads", "kv_heads", "kv_group", "seqlen_q", "seqlen_k"}
+SIZES = {
+    "num_heads", "kv_heads", "kv_group", "seqlen_q", "seqlen_k", "seqlen_cap", "block_size",
+    "num_splits", "window_left", "window_right",
+}  # fmt: skip
 
 # (head_dim, dtype, causal, even); every forward variant is compiled with tensor descriptors and
 # with plain pointers.
@@ -58,18 +67,37 @@ BWD_VARIANTS = [
 FWD_VARLEN_VARIANTS = [(64, "bf16", False, False), (128, "fp16", True, False)]
 BWD_VARLEN_VARIANTS = [(128, "bf16", True, False)]
 PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
+# Decode: (head_dim, dtype, kv_group * Sq, paged, split). Every variant is causal; the paged ones
+# also compile the sliding window, softcap and ALiBi.
+DECODE_VARIANTS = [
+    (128, "bf16", 4, False, True),
+    (128, "bf16", 4, True, True),
+    (128, "fp16", 8, True, False),
+    (64, "fp16", 1, False, False),
+    (256, "bf16", 4, True, True),
+    (128, "fp32", 4, True, True),
+]
 PROBES = ("probe_scores_kernel", "probe_probs_kernel", "probe_uniform_pv_kernel")
 
 
-def compile_kernel(fn, consts: dict, dtype: str, options: dict, descriptors: dict | None = None):
+def compile_kernel(
+    fn,
+    consts: dict,
+    dtype: str,
+    options: dict,
+    descriptors: dict | None = None,
+    pointers: dict | None = None,
+):
     """Compile ``fn`` with the specialisation a real launch of contiguous tensors gets.
 
     Triton 3.6 specialises integer and pointer arguments only on divisibility by 16 (no longer on
     ``== 1``): pointers are 16-byte aligned and strides of fp16 tensors with head dims that are
     multiples of 8 are divisible by 16. ``descriptors`` maps argument names to the tile shape of
-    the tensor descriptor passed there instead of a pointer.
+    the tensor descriptor passed there instead of a pointer. ``pointers`` overrides the element
+    type of pointer arguments (``{"O": "fp32"}``).
     """
     descriptors = descriptors or {}
+    pointers = pointers or {}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -78,7 +106,9 @@ def compile_kernel(fn, consts: dict, dtype: str, options: dict, descriptors: dic
         if name in descriptors:
             signature[name] = f"tensordesc<{dtype}{list(descriptors[name])}>"
             continue
-        if name in INT32_POINTERS:
+        if name in pointers:
+            signature[name] = f"*{pointers[name]}"
+        elif name in INT32_POINTERS:
             signature[name] = "*i32"
         elif name.isupper():
             signature[name] = "*fp32" if name in FP32_POINTERS else f"*{dtype}"
@@ -134,19 +164,28 @@ def ptxas_resources(ptx: str) -> dict:
     }
 
 
-def report(name: str, variant: tuple, compiled, tma: bool = False, varlen: bool = False) -> dict:
+def report(
+    name: str,
+    variant: tuple,
+    compiled,
+    tma: bool = False,
+    varlen: bool = False,
+    label: str | None = None,
+) -> dict:
     head_dim, dtype, causal, even = variant
     ptx = compiled.asm["ptx"]
     return {
         **ptxas_resources(ptx),
         "kernel": name,
-        "variant": f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}-tma{int(tma)}"
+        "variant": label
+        or f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}-tma{int(tma)}"
         + ("-varlen" if varlen else ""),
         "tma": tma,
         "varlen": varlen,
         "dtype": dtype,
         "shared": compiled.metadata.shared,
         "has_wgmma": "wgmma" in ptx,
+        "has_mma": "wgmma" in ptx or "mma.sync" in ptx,
         "async_copies": "cp.async" in ptx,
         "bulk_tensor_copies": "cp.async.bulk.tensor" in ptx,
     }
@@ -184,6 +223,39 @@ def main() -> int:
             consts, options = fwd_consts(*variant)
             compiled = compile_kernel(getattr(probes, name), consts, variant[1], options)
             print(json.dumps(report(name, variant, compiled)), flush=True)
+    for variant in DECODE_VARIANTS:
+        head_dim, dtype, rows, paged, split = variant
+        cfg = decode_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
+        block_m = decode_block_m(rows, 1)
+        consts = {
+            "HEAD_DIM": head_dim,
+            "BLOCK_D": head_block(head_dim),
+            "BLOCK_M": block_m,
+            "BLOCK_N": cfg.block_n,
+            "EVEN_M": rows == block_m,
+            "PAGED": paged,
+            "MASK_LEFT": paged,
+            "MASK_RIGHT": True,
+            "SOFTCAP": paged,
+            "HAS_ALIBI": paged,
+            "UPCAST": False,
+            "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+            "EXP_E": dtype == "fp32",
+        }
+        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        # The split path writes fp32 partials; one split writes the output dtype directly.
+        pointers = {"O": "fp32"} if split else {}
+        compiled = compile_kernel(decode.attn_decode_kernel, consts, dtype, options, None, pointers)
+        label = f"d{head_dim}-{dtype}-rows{rows}-paged{int(paged)}-split{int(split)}"
+        fields = (head_dim, dtype, True, rows == block_m)
+        print(json.dumps(report("attn_decode", fields, compiled, label=label)), flush=True)
+        if split:
+            consts = {"HEAD_DIM": head_dim, "BLOCK_D": head_block(head_dim), "BLOCK_S": 64}
+            compiled = compile_kernel(
+                decode.attn_decode_combine_kernel, consts, dtype, {"num_warps": 4}
+            )
+            row = report("attn_decode_combine", fields, compiled, label=label)
+            print(json.dumps(row), flush=True)
     return 0
 
 

@@ -58,6 +58,38 @@ def test_smoke_preset(tmp_path, capsys):
         assert "unavailable under the Triton interpreter" in stdout
 
 
+def test_decode_preset(tmp_path):
+    out = tmp_path / "decode.jsonl"
+    assert main(["--preset", "decode-smoke", "--out", str(out)]) == 0
+    rows = measurements(out)
+    expected = cases.select_cases(["decode-smoke"], [], "both")
+    assert len(rows) == len(providers.DECODE_CPU) * len(expected)
+    assert {r["provider"] for r in rows} == set(providers.DECODE_CPU)
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["seqlen_q"] == 1
+        case = cases.Case(cases.parse_shape(row["shape"]), row["causal"])
+        assert row["bytes"] == metrics.attention_bytes(case, 2)
+        if not HAS_CUDA:
+            assert row["gbps"] is None and row["pct_copy_bw"] is None
+
+
+def test_decode_bytes_and_paged_copy():
+    decode = cases.Case(cases.shape(2, 8, 1, 64, 2, 100), False)
+    # q and out: 2 * 8 * 1 rows; K and V: 2 * 2 * 100 rows; 64 fp16 values each.
+    assert metrics.attention_bytes(decode, 2) == 2 * 2 * (2 * 8 * 1 + 2 * 2 * 100) * 64
+    k = torch.randn(2, 3, 40, 16)
+    v = torch.randn(2, 3, 40, 16)
+    k_paged, v_paged, table = providers.to_paged(k, v, 16)
+    assert table.dtype == torch.int32 and table.shape == (2, 3)
+    assert sorted(table.flatten().tolist()) == list(range(6))
+    for b in range(2):
+        for j in range(40):
+            blk, row = table[b, j // 16], j % 16
+            assert torch.equal(k_paged[blk, :, row], k[b, :, j])
+            assert torch.equal(v_paged[blk, :, row], v[b, :, j])
+
+
 def test_backward_modes(tmp_path):
     out = tmp_path / "bwd.jsonl"
     argv = ["--shape", "1,4,40,32,2,56", "--mode", "bwd,fwdbwd", "--dtype", "fp16"]
@@ -150,6 +182,7 @@ def test_bad_arguments(argv, message, capsys):
     ("argv", "message"),
     [
         (["--preset", "seed"], "--preset seed needs a GPU"),
+        (["--preset", "decode"], "--preset decode needs a GPU"),
         (["--preset", "smoke", "--plot", "x.png"], "--plot draws TFLOP/s"),
     ],
 )
@@ -172,6 +205,17 @@ def test_shape_syntax_round_trip():
     for text in ["1,8,512,64", "2,16,1024,128,4", "1,8,1,64,8,4096", "1,8,100,64,2,300"]:
         assert cases.parse_shape(text).spec == text
     assert cases.parse_shape("1,8,512,64,8,512").spec == "1,8,512,64"
+
+
+def test_decode_presets():
+    for name in cases.DECODE_PRESETS:
+        for c in cases.preset_cases(name):
+            s = c.shape
+            assert s.seqlen_q == 1 and s.seqlen_k > 1 and s.heads % s.kv_heads == 0
+    gpu = cases.preset_cases("decode")
+    assert {(c.shape.batch, c.shape.seqlen_k) for c in gpu} == {
+        (b, sk) for b in (1, 8) for sk in (4096, 16384, 32768)
+    }
 
 
 def test_presets():

@@ -124,10 +124,54 @@ def test_every_op_is_exercised(device):
         case, dtype, causal, layout, device, backward=has_backward(device)
     )
     varlen_fwd_calls, varlen_bwd_calls = _record_varlen(device, backward=has_backward(device))
-    calls = fwd_calls + bwd_calls + varlen_fwd_calls + varlen_bwd_calls
+    with _RecordCalls() as decode_calls:
+        _decode_call(device)
+    calls = fwd_calls + bwd_calls + varlen_fwd_calls + varlen_bwd_calls + decode_calls.calls
     called = {op._schema.name for op, _, _ in calls}
     missing = registered - called
     assert not missing, f"ops never called by the forward/backward, so never opchecked: {missing}"
+
+
+def _decode_inputs(device: str) -> tuple:
+    """A paged GQA cache with Sq=2 queries and per-head ALiBi slopes."""
+    q = torch.randn(2, 4, 2, 32, device=device)
+    k = torch.randn(5, 2, 16, 32, device=device)
+    v = torch.randn(5, 2, 16, 32, device=device)
+    lens = torch.tensor([20, 7], dtype=torch.int32, device=device)
+    table = torch.tensor([[3, 0], [4, 1]], dtype=torch.int32, device=device)
+    return q, k, v, lens, table, torch.rand(4, device=device)
+
+
+def _decode(q, k, v, lens, table, slopes, **options):
+    return flashcore.attention_with_kvcache(
+        q, k, v, cache_seqlens=lens, block_table=table, alibi_slopes=slopes, num_splits=2,
+        return_lse=True, **options,
+    )  # fmt: skip
+
+
+def _decode_call(device: str, **options):
+    return _decode(*_decode_inputs(device), **options)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+def test_opcheck_kvcache(softcap, device):
+    with _RecordCalls() as rec:
+        _decode_call(device, softcap=softcap, window=(9, -1))
+    assert [op._schema.name for op, _, _ in rec.calls] == ["flashcore::attn_kvcache"]
+    for op, args, kwargs in rec.calls:
+        torch.library.opcheck(op, tuple(_fresh(a, False) for a in args), kwargs)
+
+
+def test_compile_kvcache(device):
+    inputs = _decode_inputs(device)
+    compiled = torch.compile(_decode, backend="aot_eager", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, lse = compiled(*inputs)
+    _assert_no_dynamo_warnings(caught)
+    want_out, want_lse = _decode(*inputs)
+    assert torch.equal(out, want_out)
+    assert torch.equal(lse, want_lse)
 
 
 def _assert_no_dynamo_warnings(caught) -> None:

@@ -1,6 +1,17 @@
 """FlashCore: fused exact attention for PyTorch, written in Triton."""
 
-from flashcore.api import attention, attention_varlen, scaled_dot_product_attention
+from flashcore.api import (
+    attention,
+    attention_varlen,
+    attention_with_kvcache,
+    scaled_dot_product_attention,
+)
 
-__all__ = ["__version__", "attention", "attention_varlen", "scaled_dot_product_attention"]
+__all__ = [
+    "__version__",
+    "attention",
+    "attention_varlen",
+    "attention_with_kvcache",
+    "scaled_dot_product_attention",
+]
 __version__ = "0.1.0"

@@ -432,3 +432,217 @@ def scaled_dot_product_attention(
         rest = attention(q[:, :, seqlen_k:], k, v, causal=False, scale=scale)
         out = torch.cat((square, rest), dim=2)
     return out.reshape(query.shape)
+
+
+# Rows of the decode kernel's tile: (H // Hkv) query heads x Sq queries of one kv head.
+MAX_DECODE_ROWS = 128
+
+
+def _check_int_tensor(name: str, t: object, shape: tuple[int, ...], device: torch.device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != len(shape) or any(e >= 0 and e != g for e, g in zip(shape, t.shape, strict=True)):
+        want = ", ".join("*" if e < 0 else str(e) for e in shape)
+        raise ValueError(f"{name} must have shape ({want}), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    return t
+
+
+def _check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> None:
+    q = _check_tensor("q", q)
+    k_cache = _check_tensor("k_cache", k_cache)
+    v_cache = _check_tensor("v_cache", v_cache)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape, got k_cache {tuple(k_cache.shape)} "
+            f"and v_cache {tuple(v_cache.shape)}"
+        )
+    batch, heads, seqlen_q, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    _check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(
+                f"k_cache/v_cache batch size must equal q's ({batch}) for a contiguous cache "
+                f"(B, Hkv, S_max, D), got {k_cache.shape[0]}"
+            )
+    else:
+        _check_int_tensor("block_table", block_table, (batch, -1), q.device)
+        block_size = k_cache.shape[2]
+        if block_size == 0 or block_size % 16:
+            raise ValueError(
+                f"block_size (k_cache.shape[2] of a paged cache) must be a positive multiple of "
+                f"16, got {block_size}"
+            )
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"k_cache/v_cache head_dim must equal q's ({head_dim}), got {k_cache.shape[3]}"
+        )
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(
+            f"q's heads ({heads}) must be a multiple of k_cache/v_cache's heads ({kv_heads}) "
+            "for GQA/MQA"
+        )
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"head_dim up to {MAX_HEAD_DIM} is supported, got q.shape[-1] = {head_dim}"
+        )
+    if head_dim == 0:
+        raise ValueError("head_dim (q.shape[-1]) must be at least 1, got 0")
+    if seqlen_q * (heads // kv_heads) > MAX_DECODE_ROWS:
+        raise ValueError(
+            f"q.shape[2] * (H // Hkv) must be at most {MAX_DECODE_ROWS} (the decode kernel keeps "
+            f"every query of a kv head in one tile), got {seqlen_q} * {heads // kv_heads}; use "
+            "flashcore.attention for prefill"
+        )
+    if q.device.type == "cpu" and not _interpreted():
+        raise ValueError(
+            "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
+            "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
+            "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
+        )
+
+
+def _check_window(window: object) -> tuple[int, int]:
+    if window is None:
+        return -1, -1
+    if (
+        not isinstance(window, tuple | list)
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    ):
+        raise TypeError(f"window must be None or a (left, right) pair of ints, got {window!r}")
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    return left, right
+
+
+def _check_softcap(softcap: object) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0 (or None for none), got {softcap}")
+    return float(softcap)
+
+
+def _check_alibi(alibi_slopes: object, batch: int, heads: int, device: torch.device):
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), "
+            f"got {tuple(alibi_slopes.shape)}"
+        )
+    if alibi_slopes.device != device:
+        raise ValueError(
+            f"alibi_slopes must be on q's device ({device}), got {alibi_slopes.device}"
+        )
+    return alibi_slopes.expand(batch, heads)
+
+
+def _check_num_splits(num_splits: object) -> int:
+    if num_splits is None:
+        return 0
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
+    return num_splits
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a few new queries against a KV cache (decoding), split-KV. Inference only.
+
+    Args:
+        q: ``(B, H, Sq, D)``: Sq = 1 for decoding, a few for speculative decoding
+            (``Sq * H // Hkv <= 128``). Any strides.
+        k_cache, v_cache: either contiguous ``(B, Hkv, S_max, D)`` (sequence b's key j at
+            ``[b, :, j]``), or paged ``(num_blocks, Hkv, block_size, D)`` with ``block_table``.
+            ``H % Hkv == 0`` (GQA/MQA). Any strides.
+        cache_seqlens: int32 ``(B,)``: sequence b has ``L_b`` valid keys, the first ``L_b`` of its
+            cache; the queries are its LAST Sq positions (query i at ``pos_i = i + L_b - Sq``;
+            the new tokens' keys must already be in the cache). Values must lie in
+            ``[0, capacity]``; they are not checked (that would synchronise with the device), the
+            kernel clamps them to that range so that it never reads outside the cache.
+        block_table: int32 ``(B, max_blocks)``: key j of sequence b is row ``j % block_size`` of
+            cache block ``block_table[b, j // block_size]``; block_size a multiple of 16.
+            Entries past ``L_b`` are never read.
+        causal: bottom-right causal: query i sees key j iff ``j <= pos_i``::
+
+                L=5, Sq=2 (x = sees)       L=1, Sq=3
+                    k0 k1 k2 k3 k4             k0
+                q0   x  x  x  x  .         q0   .   <- sees no key: out 0, lse -inf
+                q1   x  x  x  x  x         q1   .
+                                           q2   x
+
+            With ``causal=False`` every valid key ``j < L_b`` is seen.
+        scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(D)``.
+        window: ``(left, right)`` sliding window, -1 for an unbounded side: query i sees key j
+            iff ``pos_i - left <= j <= pos_i + right`` (with causal, ``right`` is 0).
+        softcap: ``c > 0``: scores become ``c * tanh(scores / c)`` after scaling.
+        alibi_slopes: float32 ``(H,)`` or ``(B, H)``: adds ``-slope * |pos_i - j|`` to the scores
+            (after the softcap).
+        num_splits: how many parts each sequence's keys are split into (flash-decoding); None
+            chooses from the SM count and the cache capacity. At most 64 (or one per key tile of
+            the capacity) are used; any value gives the same result up to rounding.
+        return_lse: also return the logsumexp of each row.
+
+    Returns:
+        ``out`` ``(B, H, Sq, D)`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
+        float32 ``(B, H, Sq)``, the natural-log logsumexp of the scaled, capped, biased, masked
+        scores. Rows that see no key have ``out = 0`` and ``lse = -inf``.
+
+    Forward only: there is no backward; differentiating through the result raises PyTorch's
+    "no autograd formula" error at ``backward()``.
+
+    Raises:
+        TypeError: a tensor argument is not a tensor or has the wrong dtype (q/k_cache/v_cache:
+            float16, bfloat16 or float32, all alike; cache_seqlens/block_table: int32;
+            alibi_slopes: float32), or an option has the wrong type.
+        ValueError: wrong ranks or shapes, mismatched devices, heads not divisible, a block_size
+            that is not a multiple of 16, ``Sq * H // Hkv`` above 128, bad window/softcap/scale/
+            num_splits values.
+        NotImplementedError: head_dim above 256.
+    """
+    _check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
+    causal = _check_flag("causal", causal)
+    return_lse = _check_flag("return_lse", return_lse)
+    scale = _check_scale(scale, q.shape[-1])
+    window_left, window_right = _check_window(window)
+    softcap_value = _check_softcap(softcap)
+    slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
+    splits = _check_num_splits(num_splits)
+    out, lse = _ops.attn_kvcache(
+        q, k_cache, v_cache, cache_seqlens, block_table, slopes, causal, scale,
+        window_left, window_right, softcap_value, splits,
+    )  # fmt: skip
+    return (out, lse) if return_lse else out

@@ -142,3 +142,108 @@ def attention_varlen(
     out = torch.cat(outs) if outs else q.new_empty(q.shape, dtype=dtype)
     lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0), dtype=dtype)
     return RefResult(out, lse)
+
+
+# ---- KV-cache decoding (flashcore.attention_with_kvcache) ----------------------------------------
+# Self-contained on purpose: window, softcap and ALiBi semantics live in ``kvcache_scores`` until
+# the main attention reference grows the same options.
+
+
+def kvcache_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Scores of one sequence's queries against its L valid keys, ``(H, Sq, L)`` in ``dtype``.
+
+    q is ``(H, Sq, D)``, k ``(Hkv, L, D)``. The queries are the LAST Sq positions: query i sits
+    at ``pos_i = i + L - Sq``. In order: ``s = scale * q @ k^T``; softcap ``s = c * tanh(s / c)``;
+    ALiBi ``s -= slope_h * |pos_i - j|`` (``alibi_slopes`` ``(H,)``); then -inf where key j is
+    hidden: causal hides ``j > pos_i``; ``window = (left, right)`` (-1: unbounded side) hides
+    ``j < pos_i - left`` and ``j > pos_i + right`` (causal makes ``right = 0``).
+    """
+    heads, seqlen_q = q.shape[0], q.shape[1]
+    seqlen = k.shape[1]
+    k = _repeat_kv(k.to(dtype)[None], heads)[0]
+    s = torch.matmul(q.to(dtype), k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen - seqlen_q)
+    j = torch.arange(seqlen, device=q.device)[None, :]
+    if alibi_slopes is not None:
+        dist = (pos - j).abs().to(dtype)
+        s = s - alibi_slopes.to(dtype)[:, None, None] * dist
+    visible = torch.ones(seqlen_q, seqlen, dtype=torch.bool, device=q.device)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    if right >= 0:
+        visible &= j <= pos + right
+    if left >= 0:
+        visible &= j >= pos - left
+    return s.masked_fill(~visible, float("-inf"))
+
+
+def gather_kvcache(
+    cache: torch.Tensor, b: int, seqlen: int, block_table: torch.Tensor | None
+) -> torch.Tensor:
+    """Sequence b's first ``seqlen`` keys (or values) as a dense ``(Hkv, seqlen, D)`` tensor.
+
+    Contiguous cache ``(B, Hkv, S_max, D)``, or paged ``(num_blocks, Hkv, block_size, D)`` with key
+    j in block ``block_table[b, j // block_size]``, row ``j % block_size``.
+    """
+    if block_table is None:
+        return cache[b, :, :seqlen]
+    block_size = cache.shape[2]
+    j = torch.arange(seqlen, device=cache.device)
+    blocks = block_table[b].long()[j // block_size]
+    return cache[blocks, :, j % block_size].transpose(0, 1)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    dtype: torch.dtype = torch.float64,
+) -> RefResult:
+    """``flashcore.attention_with_kvcache`` in ``dtype``: each sequence gathered dense, then
+    :func:`kvcache_scores` and a softmax (rows that see no key: out 0, lse -inf).
+
+    ``alibi_slopes`` is ``(H,)`` or ``(B, H)``.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    if scale is None:
+        scale = 1.0 / math.sqrt(head_dim)
+    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=dtype, device=q.device)
+    for b in range(batch):
+        seqlen = int(cache_seqlens[b])
+        k = gather_kvcache(k_cache, b, seqlen, block_table)
+        v = gather_kvcache(v_cache, b, seqlen, block_table)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
+        s = kvcache_scores(
+            q[b], k, causal=causal, scale=scale, window=window, softcap=softcap,
+            alibi_slopes=slopes, dtype=dtype,
+        )  # fmt: skip
+        row_lse = torch.logsumexp(s, dim=-1)
+        empty = (row_lse == float("-inf")).unsqueeze(-1)
+        p = torch.exp(s - row_lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
+        out[b] = torch.matmul(p, _repeat_kv(v.to(dtype)[None], heads)[0])
+        lse[b] = row_lse
+    return RefResult(out, lse)

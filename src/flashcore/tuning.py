@@ -103,3 +103,61 @@ def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig
         return BwdConfig(64, 64, 64, 64, 4, 2)
     # Untimed: ptxas's pick (fewest spills among dK/dV tiles of >= 64 keys, 8 warps).
     return BwdConfig(16, 64, 64, 32, 8, 2)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch configuration of the split-KV decode kernel (``kernels/decode.py``).
+
+    ``block_n``: keys per tile. The M dimension is not configured: it is the GQA group times Sq,
+    padded to a power of two >= 16 (``decode_block_m``).
+    """
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Several tiles per split at the test tier's cache lengths (<= ~100), and ragged ends everywhere.
+INTERPRETER_DECODE = DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+# Splits the interpreter aims for with num_splits=None: enough for the split path to run.
+INTERPRETER_SMS = 2
+# A split streams at least this many tiles: below that the combine pass and the per-program
+# setup outweigh the extra parallelism (FlashAttention's num_splits_heuristic reasons the same way).
+MIN_TILES_PER_SPLIT = 4
+MAX_SPLITS = 64  # also caps an explicit num_splits: the combine holds (splits, D) in registers
+
+
+def decode_block_m(kv_group: int, seqlen_q: int) -> int:
+    """Rows of the decode tile: every query head of one kv head x every query, >= 16 for tl.dot."""
+    return max(16, 1 << (kv_group * seqlen_q - 1).bit_length())
+
+
+def decode_config(head_dim: int, elem_size: int, *, interpreted: bool) -> DecodeConfig:
+    """Decode config for a padded head dim and element size in bytes.
+
+    Not tuned by timing yet (no GPU run of the decode kernel so far): decoding is bound by
+    reading the cache, so tiles of 64 keys with 3 pipeline stages keep a few K/V tiles in flight
+    per program at D <= 128 (64 x 128 x 2 B = 16 KiB per tile and stage); larger head dims halve
+    the tile. tests/sm90_compile.py reports registers and spills of each pick.
+    """
+    if interpreted:
+        return INTERPRETER_DECODE
+    block_d = head_block(head_dim)
+    if elem_size >= 4:
+        return DecodeConfig(32, 4, 1)
+    if block_d <= 128:
+        return DecodeConfig(64, 4, 3)
+    return DecodeConfig(32, 4, 2)
+
+
+def decode_num_splits(batch_kv_heads: int, max_seqlen: int, block_n: int, num_sms: int) -> int:
+    """Splits per (batch, kv head) so that the grid covers the GPU 2-4 times over.
+
+    ``max_seqlen`` is the cache capacity (the true lengths live on the device; reading them would
+    synchronise). Fewer splits when each would stream fewer than MIN_TILES_PER_SPLIT tiles.
+    A starting point, not measured yet (docs/performance.md will carry the decode runs).
+    """
+    want = -(-3 * num_sms // max(batch_kv_heads, 1))
+    by_length = max(1, max_seqlen // (block_n * MIN_TILES_PER_SPLIT))
+    return max(1, min(want, by_length, MAX_SPLITS))

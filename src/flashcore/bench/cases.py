@@ -97,6 +97,22 @@ def _smoke() -> list[tuple[Shape, tuple[bool, ...]]]:
     ]
 
 
+def _decode() -> list[tuple[Shape, tuple[bool, ...]]]:
+    # KV-cache decoding, Llama-style GQA (32 query heads on 8 kv heads, D=128): one new query
+    # against 4k to 32k cached keys, batch 1 and 8. Sq=1 sees every key, so causal or not is the
+    # same problem; it runs as "full" so that SDPA takes its mask-free kernels.
+    return [
+        (shape(batch, 32, 1, 128, 8, cache), (False,))
+        for batch in (1, 8)
+        for cache in (4096, 16384, 32768)
+    ]
+
+
+def _decode_smoke() -> list[tuple[Shape, tuple[bool, ...]]]:
+    # The decode preset's structure at interpreter sizes: GQA, cache lengths not tile multiples.
+    return [(shape(2, 4, 1, 32, 2, 80), (False,)), (shape(1, 2, 1, 64, 1, 48), (False,))]
+
+
 PRESETS = {
     "seed": (
         _seed,
@@ -104,7 +120,15 @@ PRESETS = {
     ),
     "sweep": (_sweep, "FlashAttention papers' sweep: H*D=2048, B*S=16384, S 512..16k, D 64/128"),
     "smoke": (_smoke, "tiny shapes for the CPU interpreter (correctness; no performance)"),
+    "decode": (
+        _decode,
+        "KV-cache decoding: Sq=1, H=32, Hkv=8, D=128, cache 4k/16k/32k, batch 1 and 8 "
+        "(default providers: the flashcore-kvcache* ones, sdpa, flex)",
+    ),
+    "decode-smoke": (_decode_smoke, "the decode preset at CPU-interpreter sizes"),
 }
+DECODE_PRESETS = ("decode", "decode-smoke")
+GPU_PRESETS = ("seed", "sweep", "decode")
 
 
 def preset_cases(name: str) -> list[Case]:

@@ -7,6 +7,10 @@ papers' FLOP count, and each row gives the speed-up over ``sdpa`` and the share 
 rate measured in the same run. Without a GPU the kernels run through Triton's interpreter on the
 smoke preset: the correctness check is real, the times are not performance.
 
+``--preset decode`` benchmarks KV-cache decoding (``flashcore.attention_with_kvcache`` on a dense
+and a paged cache against SDPA and FlexAttention on the dense cache) and reports GB/s beside the
+device-to-device copy bandwidth measured in the same run.
+
 Exit status: 0, or 1 when a flashcore result is outside the error rule; 2 for bad arguments.
 """
 
@@ -21,7 +25,14 @@ from collections.abc import Callable
 import torch
 
 from flashcore.bench import cases as cases_mod
-from flashcore.bench.providers import BASELINE, DEFAULT_CPU, DEFAULT_GPU, PROVIDERS
+from flashcore.bench.providers import (
+    BASELINE,
+    DECODE_CPU,
+    DECODE_GPU,
+    DEFAULT_CPU,
+    DEFAULT_GPU,
+    PROVIDERS,
+)
 from flashcore.bench.runner import MODES
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -32,8 +43,10 @@ examples (GPU):
   flashcore-bench --preset sweep --mode fwd --out sweep.jsonl --plot sweep.png
   flashcore-bench --shape 4,32,4096,128,8 --causal on --mode fwd,bwd --providers flashcore,sdpa
   flashcore-bench --preset seed --resources
+  flashcore-bench --preset decode --out decode.jsonl
 without a GPU (Triton interpreter, correctness only):
   flashcore-bench --preset smoke --out smoke.jsonl
+  flashcore-bench --preset decode-smoke
 """
 
 
@@ -99,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_csv(list(PROVIDERS), extra=("all",)),
         metavar="LIST",
         help=f"comma-separated, from {', '.join(PROVIDERS)} or 'all'. Default on a GPU: "
-        f"{','.join(DEFAULT_GPU)}; without one: {','.join(DEFAULT_CPU)}",
+        f"{','.join(DEFAULT_GPU)}; without one: {','.join(DEFAULT_CPU)}. With a decode preset: "
+        f"{','.join(DECODE_GPU)}; without a GPU: {','.join(DECODE_CPU)}",
     )
     what.add_argument(
         "--mode",
@@ -146,11 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: bool) -> None:
-    if not on_gpu and args.preset in ("seed", "sweep"):
+    if not on_gpu and args.preset in cases_mod.GPU_PRESETS:
         why = "--cpu was given" if args.cpu else "no CUDA device is available"
         parser.error(
             f"--preset {args.preset} needs a GPU ({why}); the Triton interpreter runs "
-            "--preset smoke or small --shape cases"
+            "--preset smoke, --preset decode-smoke or small --shape cases"
         )
     if args.plot:
         if not on_gpu:
@@ -185,7 +199,11 @@ def main(argv: list[str] | None = None) -> int:
     cases = cases_mod.select_cases(presets, args.shape, args.causal)
     if not cases:
         parser.error("no case left to run (check --causal against the preset)")
-    names = args.providers or (DEFAULT_GPU if on_gpu else DEFAULT_CPU)
+    if args.preset in cases_mod.DECODE_PRESETS:
+        defaults = DECODE_GPU if on_gpu else DECODE_CPU
+    else:
+        defaults = DEFAULT_GPU if on_gpu else DEFAULT_CPU
+    names = args.providers or defaults
     if "all" in names:
         names = list(PROVIDERS)
     providers = [PROVIDERS[n] for n in names]
@@ -208,10 +226,12 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
         f"flashcore-bench: {env['device']}; torch {env['torch']}, triton {env['triton']}, "
         f"flashcore {env['flashcore']} ({env['git_sha'] or 'no git sha'})"
     )
-    peak = None
+    peak = copy_bw = None
     if on_gpu:
         peak = metrics.peak_matmul_tflops(warmup=args.warmup, rep=args.rep)
         print(f"bf16 matmul peak measured now (cuBLAS {metrics.PEAK_N}^3): {peak:.0f} TFLOP/s")
+        copy_bw = metrics.peak_copy_gbps(warmup=args.warmup, rep=args.rep)
+        print(f"device-to-device copy measured now (1 GiB, read + write): {copy_bw:.0f} GB/s")
     else:
         print("No GPU: kernels run through Triton's interpreter. Correctness is checked for real;")
         print("times are interpreter wall times, not performance.")
@@ -238,7 +258,10 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
                     group = []
                     for r in results:
                         speedup = base.timing.p50 / r.timing.p50 if base and r.timing else None
-                        group.append(report.measurement_row(r, env=env, peak=peak, speedup=speedup))
+                        row = report.measurement_row(
+                            r, env=env, peak=peak, speedup=speedup, copy_gbps=copy_bw
+                        )
+                        group.append(row)
                     for row in group:
                         emit(report.table_row(row))
                     if out_file:
@@ -255,7 +278,7 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
         if out_file:
             out_file.close()
     print()
-    print(report.table_footer(not on_gpu, peak))
+    print(report.table_footer(not on_gpu, peak, copy_bw))
 
     if args.resources:
         found = resources.collect() if on_gpu else None
@@ -276,5 +299,7 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
 
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "wrong", "refused")}
     print(f"{counts['ok']} ok, {counts['wrong']} wrong, {counts['refused']} refused")
-    flashcore_wrong = [r for r in rows if r["provider"] == "flashcore" and r["status"] == "wrong"]
+    flashcore_wrong = [
+        r for r in rows if r["provider"].startswith("flashcore") and r["status"] == "wrong"
+    ]
     return 1 if flashcore_wrong else 0

@@ -6,6 +6,11 @@ matmuls instead of two), forward+backward 3.5x. Softmax work is not counted. For
 Sq != Sk, where "halved" has no meaning (Sq = 1 sees every key), the exact number of visible
 (query, key) pairs replaces ``Sq * Sk / 2``.
 
+Bytes are the least traffic a forward must move: q and out once, K and V once per kv head
+(``elem * (2 * B * H * Sq * D + 2 * B * Hkv * Sk * D)``). Decoding is bound by them, not by FLOPs,
+so each row also reports GB/s and its share of the device-to-device copy bandwidth measured in the
+same run (``torch.Tensor.copy_`` of 1 GiB, counted as read plus write).
+
 Timing on a GPU is ``triton.testing.do_bench`` (L2 flushed between calls, CUDA events), reported as
 the 20th, 50th and 80th percentiles in milliseconds. Under Triton's interpreter nothing runs on a
 GPU and do_bench cannot time; there the wall time of a few calls (``time.perf_counter``) is kept
@@ -29,6 +34,7 @@ QUANTILES = (0.2, 0.5, 0.8)
 TIMER_GPU = "do_bench"
 TIMER_INTERPRETER = "interpreter-wall"
 PEAK_N = 8192
+COPY_BYTES = 1 << 30
 
 
 def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> float:
@@ -50,6 +56,17 @@ def attention_flops(case: Case, mode: str) -> float:
 
 def tflops(flops: float, ms: float | None) -> float | None:
     return None if ms is None or ms <= 0 else flops / ms / 1e9
+
+
+def attention_bytes(case: Case, elem_size: int) -> float:
+    """Least bytes a forward moves (fwd only): q, out, and K, V once; see the module docstring."""
+    s = case.shape
+    rows = s.batch * s.heads * s.seqlen_q + s.batch * s.kv_heads * s.seqlen_k
+    return 2.0 * elem_size * rows * s.head_dim
+
+
+def gbps(nbytes: float, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 else nbytes / ms / 1e6
 
 
 class Timing(NamedTuple):
@@ -98,3 +115,11 @@ def peak_matmul_tflops(*, warmup: int, rep: int) -> float:
     b = torch.randn(PEAK_N, PEAK_N, device="cuda", dtype=torch.bfloat16)
     timing = time_gpu(lambda: torch.matmul(a, b), warmup=warmup, rep=rep)
     return 2 * PEAK_N**3 / timing.p50 / 1e9
+
+
+def peak_copy_gbps(*, warmup: int, rep: int) -> float:
+    """Device-to-device copy bandwidth this GPU reaches in this run (read + write bytes)."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    timing = time_gpu(lambda: dst.copy_(src), warmup=warmup, rep=rep)
+    return 2 * COPY_BYTES / timing.p50 / 1e6

@@ -12,6 +12,11 @@ Mapping to PyTorch:
 - Causal: SDPA's ``is_causal`` is top-left aligned, flashcore's bottom-right; they agree only when
   Sq == Sk. For causal Sq != Sk SDPA gets an explicit bottom-right boolean ``attn_mask``
   (``flashcore.reference.causal_mask``); backends that take no mask (flash) refuse.
+- ``flashcore-kvcache``: ``flashcore.attention_with_kvcache`` reading k/v as a dense cache
+  ``(B, Hkv, S_max, D)`` with every ``cache_seqlens`` equal to Sk (the queries are the last Sq
+  positions: the same bottom-right semantics as ``flashcore.attention``). ``flashcore-paged16`` /
+  ``-paged256`` read a paged copy (blocks of 16 / 256 keys, in shuffled order), built at the first
+  call, which is the untimed correctness check, and reused by the timed calls.
 - ``flex``: FlexAttention compiled with ``torch.compile`` (one compiled function; a block mask per
   causal case, built outside the timed region), ``enable_gqa`` for GQA.
 """
@@ -56,6 +61,53 @@ def _flashcore(case: Case, device: torch.device) -> AttnFn:
 
     causal = case.causal
     return lambda q, k, v: flashcore.attention(q, k, v, causal=causal)
+
+
+def _flashcore_kvcache(case: Case, device: torch.device, *, block_size: int = 0) -> AttnFn:
+    import flashcore
+
+    s = case.shape
+    causal = case.causal
+    lens = torch.full((s.batch,), s.seqlen_k, dtype=torch.int32, device=device)
+    paged: dict = {}
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        table = None
+        if block_size:
+            key = (k.data_ptr(), v.data_ptr())
+            if key not in paged:
+                paged.clear()
+                paged[key] = to_paged(k, v, block_size)
+            k, v, table = paged[key]
+        return flashcore.attention_with_kvcache(
+            q, k, v, cache_seqlens=lens, block_table=table, causal=causal
+        )
+
+    return fn
+
+
+def to_paged(k: torch.Tensor, v: torch.Tensor, block_size: int):
+    """A paged copy of dense ``(B, Hkv, S, D)`` k/v: ``(k_blocks, v_blocks, block_table)``.
+
+    Blocks are laid out in a fixed shuffled order, as a cache allocator hands them out over time.
+    """
+    batch, kv_heads, seqlen, head_dim = k.shape
+    per_seq = -(-seqlen // block_size)
+    padded = per_seq * block_size
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    order = torch.randperm(batch * per_seq, generator=gen).to(k.device)
+    table = order.view(batch, per_seq).to(torch.int32)
+
+    def page(t: torch.Tensor) -> torch.Tensor:
+        t = torch.nn.functional.pad(t, (0, 0, 0, padded - seqlen))
+        blocks = t.view(batch, kv_heads, per_seq, block_size, head_dim).transpose(1, 2)
+        out = torch.empty(
+            (batch * per_seq, kv_heads, block_size, head_dim), dtype=t.dtype, device=t.device
+        )
+        out[order] = blocks.reshape(batch * per_seq, kv_heads, block_size, head_dim)
+        return out
+
+    return page(k), page(v), table
 
 
 def _sdpa(case: Case, device: torch.device) -> AttnFn:
@@ -108,6 +160,21 @@ PROVIDERS: dict[str, Provider] = {
     p.name: p
     for p in [
         Provider("flashcore", "flashcore.attention (Triton)", _flashcore),
+        Provider(
+            "flashcore-kvcache",
+            "flashcore.attention_with_kvcache, dense cache (split-KV decoding)",
+            _flashcore_kvcache,
+        ),
+        Provider(
+            "flashcore-paged16",
+            "flashcore.attention_with_kvcache, paged cache of 16-key blocks",
+            functools.partial(_flashcore_kvcache, block_size=16),
+        ),
+        Provider(
+            "flashcore-paged256",
+            "flashcore.attention_with_kvcache, paged cache of 256-key blocks",
+            functools.partial(_flashcore_kvcache, block_size=256),
+        ),
         Provider("sdpa", "F.scaled_dot_product_attention, PyTorch's backend choice", _sdpa),
         Provider("sdpa-flash", "SDPA forced to FLASH_ATTENTION", _sdpa, "FLASH_ATTENTION"),
         Provider("sdpa-cudnn", "SDPA forced to CUDNN_ATTENTION", _sdpa, "CUDNN_ATTENTION"),
@@ -121,4 +188,6 @@ PROVIDERS: dict[str, Provider] = {
 
 DEFAULT_GPU = ["flashcore", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"]
 DEFAULT_CPU = ["flashcore", "sdpa", "sdpa-math"]
+DECODE_GPU = ["flashcore-kvcache", "flashcore-paged16", "flashcore-paged256", "sdpa", "flex"]
+DECODE_CPU = ["flashcore-kvcache", "flashcore-paged16", "sdpa"]
 BASELINE = "sdpa"

@@ -61,13 +61,20 @@ def _num(x: float | None) -> float | None:
 
 
 def measurement_row(
-    m: Measurement, *, env: dict, peak: float | None, speedup: float | None
+    m: Measurement,
+    *,
+    env: dict,
+    peak: float | None,
+    speedup: float | None,
+    copy_gbps: float | None = None,
 ) -> dict:
     s = m.case.shape
     flops = metrics.attention_flops(m.case, m.mode)
     t = m.timing
     gpu_time = t is not None and t.timer == metrics.TIMER_GPU
     rate = metrics.tflops(flops, t.p50) if gpu_time else None
+    nbytes = metrics.attention_bytes(m.case, m.dtype.itemsize) if m.mode == "fwd" else None
+    bandwidth = metrics.gbps(nbytes, t.p50) if gpu_time and nbytes else None
     errors = m.errors or {}
     return {
         "record": "measurement",
@@ -91,6 +98,10 @@ def measurement_row(
         "flops": flops,
         "tflops": rate,
         "pct_peak": 100 * rate / peak if rate and peak else None,
+        "bytes": nbytes,
+        "gbps": bandwidth,
+        "pct_copy_bw": 100 * bandwidth / copy_gbps if bandwidth and copy_gbps else None,
+        "copy_gbps": copy_gbps,
         "speedup_vs_sdpa": speedup if gpu_time else None,
         "rel_err": _num(m.rel_err),
         "max_abs_err": _num(max(e.err for e in errors.values())) if errors else None,
@@ -123,7 +134,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 # name, width, alignment
 _COLUMNS = [
-    ("provider", 15, "<"),
+    ("provider", 18, "<"),
     ("shape", 17, "<"),
     ("causal", 7, "<"),
     ("mode", 7, "<"),
@@ -132,6 +143,8 @@ _COLUMNS = [
     ("p20-p80 ms", 18, ">"),
     ("TFLOP/s", 8, ">"),
     ("%peak", 6, ">"),
+    ("GB/s", 7, ">"),
+    ("%copy", 6, ">"),
     ("vs sdpa", 8, ">"),
     ("rel err", 9, ">"),
 ]
@@ -162,6 +175,8 @@ def table_row(row: dict) -> str:
         spread,
         _fmt(row["tflops"], ".1f"),
         _fmt(row["pct_peak"], ".0f"),
+        _fmt(row.get("gbps"), ".0f"),
+        _fmt(row.get("pct_copy_bw"), ".0f"),
         _fmt(row["speedup_vs_sdpa"], ".2f"),
         _fmt(row["rel_err"], ".1e"),
     ]
@@ -174,7 +189,7 @@ def table_row(row: dict) -> str:
     return text
 
 
-def table_footer(interpreted: bool, peak: float | None) -> str:
+def table_footer(interpreted: bool, peak: float | None, copy_gbps: float | None = None) -> str:
     lines = [
         "rel err = max|x - ref| / max|ref| over out (and dq, dk, dv in backward modes); WRONG = "
         "outside FlashAttention's rule max|x - ref| <= 2 max|pt - ref| + eps."
@@ -194,6 +209,11 @@ def table_footer(interpreted: bool, peak: float | None) -> str:
                 f"%peak: of the bf16 matmul rate measured in this run "
                 f"(cuBLAS {metrics.PEAK_N}^3, torch.matmul): {peak:.0f} TFLOP/s."
             )
+        lines.append(
+            "GB/s (fwd): least bytes moved (q, out, K and V once) per second; %copy: of the "
+            "device-to-device copy bandwidth measured in this run"
+            + (f" ({copy_gbps:.0f} GB/s)." if copy_gbps else ".")
+        )
     return "\n".join(lines)
 
 

@@ -7,14 +7,15 @@ Autograd: ``attn_fwd`` saves only its inputs q, k, v and its outputs out, lse; i
 ``attn_bwd`` op, which recomputes the probabilities from the LSE. ``attn_varlen_fwd`` and
 ``attn_varlen_bwd`` are the same pair on packed variable-length batches; they also save the
 cu_seqlens offsets, whose contents are never read on the host (the fake kernels derive every
-shape from q alone).
+shape from q alone). ``attn_kvcache`` (decoding from a KV cache) is inference-only: it registers no
+autograd formula, so a backward through it raises PyTorch's "no autograd formula" error.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashcore.ops import bwd, fwd
+from flashcore.ops import bwd, decode, fwd
 
 
 @torch.library.custom_op("flashcore::attn_fwd", mutates_args=())
@@ -192,3 +193,45 @@ def _varlen_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
 
 
 attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+@torch.library.custom_op("flashcore::attn_kvcache", mutates_args=())
+def attn_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoding from a KV cache: ``(out, lse)`` for validated inputs (see ``ops.decode``)."""
+    return decode.attn_decode(
+        q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, causal, scale,
+        window_left, window_right, softcap, num_splits,
+    )  # fmt: skip
+
+
+@attn_kvcache.register_fake
+def _attn_kvcache_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, seqlen_q, _ = q.shape
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)

@@ -1,0 +1,398 @@
+"""Split-KV decoding (flash-decoding) over a contiguous or paged KV cache, forward only.
+
+Algorithm. Decoding has few queries (Sq = 1, or a few for speculative decoding) against a long
+cache, so the forward kernel's grid (one program per query block) would leave the GPU idle and
+read K/V once per query head. Here one program owns one (batch, kv head) and one split of its
+keys, and keeps ALL the query rows that read that kv head on chip: the ``H // Hkv`` query heads x
+``Sq`` queries are packed into the M dimension of one (BLOCK_M, BLOCK_D) tile (row
+``r = g * Sq + i``: head ``kv_head * G + g``, query i; BLOCK_M is padded to a power of two >= 16
+for ``tl.dot``). Each K/V tile is then read once per kv head per split, whatever the GQA ratio.
+Within a split the key loop is the forward's: ``S = Q @ K^T`` in fp32, an online softmax in base
+2 (``scale * log2(e)`` folded into one multiply), ``P`` cast to the value dtype for ``P @ V``.
+
+``attn_decode_kernel`` writes, per row and split, the normalised partial output and its LSE.
+``attn_decode_combine_kernel`` merges the splits of a row with the LSE trick:
+``lse = log(sum_s exp(lse_s))``, ``out = sum_s exp(lse_s - lse) * out_s``. With one split the
+launcher points the first kernel at the final ``out``/``lse`` (split stride 0) and skips the
+combine.
+
+Grid. ``attn_decode_kernel``: ``(B * Hkv, num_splits)``. The visible key range of a sequence
+``[lo, L)`` is cut into ``num_splits`` runs of whole BLOCK_N tiles (sized from that sequence's own
+length L, so a short sequence's later splits are empty). ``attn_decode_combine_kernel``:
+``(B * H * Sq,)``, one program per output row.
+
+Positions. Sequence b holds ``L = cache_seqlens[b]`` valid keys (clamped to ``[0, capacity]`` so
+that no load leaves the cache); its queries are the LAST Sq positions: query i sits at
+``pos_i = i + L - Sq``. Row i sees key j iff ``j < L`` and (MASK_RIGHT) ``j <= pos_i + right``
+and (MASK_LEFT) ``j >= pos_i - left``. Causal is MASK_RIGHT with ``right = 0`` (bottom-right).
+
+Key loop. The split's keys are visited in up to three runs: a masked head (keys below what the
+window lets every row see), an unmasked middle (every real row sees every key: no mask work), a
+masked tail (the causal/window diagonal and the ragged end at L). Padded rows (r >= G * Sq) are
+never stored; they may compute anything finite or not without touching real rows.
+
+Flags (``tl.constexpr``, compiled away when off):
+- PAGED: K/V are ``(num_blocks, Hkv, block_size, D)``; logical key j of sequence b is row
+  ``j % block_size`` of block ``BLOCK_TABLE[b, j // block_size]``, gathered per key row (any
+  block_size, independent of BLOCK_N). Otherwise K/V are ``(B, Hkv, S_max, D)``.
+- MASK_LEFT / MASK_RIGHT: the window bounds above (``window_left`` / ``window_right`` scalars).
+- SOFTCAP: ``s = c * tanh(scale * q.k / c)``; the launcher passes ``qk_scale = scale / c`` and
+  ``softcap_scale = c`` (times log2(e) unless EXP_E).
+- HAS_ALIBI: adds ``-slope[b, h] * |pos_i - j|`` after the softcap (ALIBI is ``(B, H)`` fp32,
+  batch stride 0 for per-head slopes).
+- EVEN_M: ``G * Sq == BLOCK_M`` (no padded rows: loads skip the row mask).
+- HEAD_DIM < BLOCK_D: padded head dims, as in the forward.
+- UPCAST, DOT_PRECISION, EXP_E: as in the forward kernel (interpreter bf16 upcast; IEEE fp32
+  dots; fp32 on the GPU in natural units with libdevice's exp).
+
+LSE base. Partial and final LSE are natural-log, fp32. A row (or a split of it) that sees no key
+has ``l = 0``: its output is written as 0 and its LSE as -inf; the combine weights such splits by
+exactly 0 and gives a row with no key at all ``out = 0``, ``lse = -inf`` (never NaN).
+
+Invariants. Unit-stride head dim (the launcher copies otherwise). Batch/head/block offsets are
+int64. Masked scores are -inf, never a large finite number.
+"""
+
+import triton
+import triton.language as tl
+
+from flashcore.kernels.common import LOG2E, load_tile, online_softmax_step, row_lse, store_tile
+
+
+@triton.jit
+def tanh_exp2(x):
+    """``tanh(x)`` from exp2 of ``-2|x|`` (no overflow; absolute error a few ulp of 1).
+
+    Written out because Triton 3.6's interpreter has no libdevice ``tanh``.
+    """
+    e = tl.math.exp2(-2.0 * LOG2E * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def decode_visibility(
+    s,
+    pos,
+    cols,
+    seqlen,
+    window_left,
+    window_right,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+):
+    """-inf where the query at absolute position ``pos`` (rows) may not see key ``cols``."""
+    s = tl.where(cols[None, :] < seqlen, s, float("-inf"))
+    if MASK_RIGHT:
+        s = tl.where(cols[None, :] <= pos[:, None] + window_right, s, float("-inf"))
+    if MASK_LEFT:
+        s = tl.where(cols[None, :] >= pos[:, None] - window_left, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _decode_kv_loop(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k_head,
+    v_head,
+    bt_row,
+    pos,
+    slope,
+    offs_n,
+    offs_d,
+    start_n,
+    end_n,
+    stride_kb,
+    stride_kn,
+    stride_vb,
+    stride_vn,
+    seqlen,
+    block_size,
+    qk_scale,
+    softcap_scale,
+    window_left,
+    window_right,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    MASKED: tl.constexpr,
+    PAGED: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EXP_E: tl.constexpr,
+):
+    """Visit key tiles ``[start_n, end_n)``; MASKED selects the masked variant.
+
+    ``k_head``/``v_head`` point at this kv head: of sequence b (contiguous) or of block 0 (PAGED,
+    rows found through ``bt_row``, the sequence's block-table row). Unmasked tiles lie inside L
+    by construction, so only masked tiles mask their loads (and their block-table reads).
+    """
+    for tile_n in range(start_n, end_n, BLOCK_N):
+        cols = tile_n + offs_n
+        if PAGED:
+            if MASKED:
+                page = tl.load(bt_row + cols // block_size, mask=cols < seqlen, other=0)
+            else:
+                page = tl.load(bt_row + cols // block_size)
+            page = page.to(tl.int64)
+            row = cols % block_size
+            k_ptrs = k_head + (page * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
+            v_ptrs = v_head + (page * stride_vb + row * stride_vn)[:, None] + offs_d[None, :]
+        else:
+            k_ptrs = k_head + (cols * stride_kn)[:, None] + offs_d[None, :]
+            v_ptrs = v_head + (cols * stride_vn)[:, None] + offs_d[None, :]
+        k = load_tile(k_ptrs, cols, seqlen, offs_d, HEAD_DIM, not MASKED, EVEN_D)
+        v = load_tile(v_ptrs, cols, seqlen, offs_d, HEAD_DIM, not MASKED, EVEN_D)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            s = tanh_exp2(s) * softcap_scale
+        if HAS_ALIBI:
+            dist = tl.abs(pos[:, None] - cols[None, :]).to(tl.float32)
+            if EXP_E:
+                s -= slope[:, None] * dist
+            else:
+                s -= (slope * LOG2E)[:, None] * dist
+        if MASKED:
+            s = decode_visibility(
+                s, pos, cols, seqlen, window_left, window_right, MASK_LEFT, MASK_RIGHT
+            )
+        p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def attn_decode_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    SEQLENS,
+    BLOCK_TABLE,
+    ALIBI,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_os,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_ls,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_btb,
+    stride_ab,
+    stride_ah,
+    kv_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_cap,
+    block_size,
+    num_splits,
+    qk_scale,
+    softcap_scale,
+    window_left,
+    window_right,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr,
+    PAGED: tl.constexpr,
+    MASK_LEFT: tl.constexpr,
+    MASK_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EXP_E: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    off_b = (pid_bh // kv_heads).to(tl.int64)
+    off_hk = (pid_bh % kv_heads).to(tl.int64)
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+
+    seqlen = tl.minimum(tl.maximum(tl.load(SEQLENS + off_b), 0), seqlen_cap)
+    n_rows = kv_group * seqlen_q
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    # Row r packs query head g = r // Sq of this kv head's group and query i = r % Sq.
+    g = offs_r // seqlen_q
+    qi = offs_r % seqlen_q
+    pos = qi + (seqlen - seqlen_q)
+    head0 = off_hk * kv_group
+
+    q_ptrs = (
+        Q
+        + off_b * stride_qb
+        + head0 * stride_qh
+        + (g * stride_qh + qi * stride_qm)[:, None]
+        + offs_d[None, :]
+    )
+    q = load_tile(q_ptrs, offs_r, n_rows, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope_ptrs = ALIBI + off_b * stride_ab + (head0 + g) * stride_ah
+        slope = tl.load(slope_ptrs, mask=offs_r < n_rows, other=0.0)
+
+    # Keys some real row sees: [lo, L); keys every real row sees: [full_lo, full_hi).
+    lo = seqlen * 0
+    full_lo = seqlen * 0
+    full_hi = seqlen
+    if MASK_LEFT:
+        lo = tl.maximum(seqlen - seqlen_q - window_left, 0)
+        full_lo = tl.maximum(seqlen - 1 - window_left, 0)
+    if MASK_RIGHT:
+        full_hi = tl.minimum(seqlen - seqlen_q + window_right + 1, seqlen)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    # This split's whole tiles.
+    per_split = tl.cdiv(tl.cdiv(seqlen - lo, BLOCK_N), num_splits) * BLOCK_N
+    start = tl.minimum(lo + split * per_split, seqlen)
+    end = tl.minimum(start + per_split, seqlen)
+    mid_lo = tl.minimum(tl.maximum(full_lo, start), end)
+    mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), end)
+
+    if PAGED:
+        k_head = K + off_hk * stride_kh
+        v_head = V + off_hk * stride_vh
+        bt_row = BLOCK_TABLE + off_b * stride_btb
+    else:
+        k_head = K + off_b * stride_kb + off_hk * stride_kh
+        v_head = V + off_b * stride_vb + off_hk * stride_vh
+        bt_row = BLOCK_TABLE
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc, m_i, l_i = _decode_kv_loop(
+        acc, m_i, l_i, q, k_head, v_head, bt_row, pos, slope, offs_n, offs_d, start, mid_lo,
+        stride_kb, stride_kn, stride_vb, stride_vn, seqlen, block_size, qk_scale, softcap_scale,
+        window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, PAGED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, UPCAST,
+        DOT_PRECISION, EXP_E,
+    )  # fmt: skip
+    acc, m_i, l_i = _decode_kv_loop(
+        acc, m_i, l_i, q, k_head, v_head, bt_row, pos, slope, offs_n, offs_d, mid_lo, mid_hi,
+        stride_kb, stride_kn, stride_vb, stride_vn, seqlen, block_size, qk_scale, softcap_scale,
+        window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, False, PAGED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, UPCAST,
+        DOT_PRECISION, EXP_E,
+    )  # fmt: skip
+    acc, m_i, l_i = _decode_kv_loop(
+        acc, m_i, l_i, q, k_head, v_head, bt_row, pos, slope, offs_n, offs_d, mid_hi, end,
+        stride_kb, stride_kn, stride_vb, stride_vn, seqlen, block_size, qk_scale, softcap_scale,
+        window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, PAGED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, UPCAST,
+        DOT_PRECISION, EXP_E,
+    )  # fmt: skip
+
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = row_lse(m_i, l_i, EXP_E)
+
+    split_off = split.to(tl.int64)
+    o_ptrs = (
+        O
+        + split_off * stride_os
+        + off_b * stride_ob
+        + head0 * stride_oh
+        + (g * stride_oh + qi * stride_om)[:, None]
+        + offs_d[None, :]
+    )
+    store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_r, n_rows, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    lse_ptrs = (
+        LSE + split_off * stride_ls + off_b * stride_lb + (head0 + g) * stride_lh + qi * stride_lm
+    )
+    if EVEN_M:
+        tl.store(lse_ptrs, lse)
+    else:
+        tl.store(lse_ptrs, lse, mask=offs_r < n_rows)
+
+
+@triton.jit
+def attn_decode_combine_kernel(
+    O_PART,
+    LSE_PART,
+    O,
+    LSE,
+    stride_ps,
+    stride_pb,
+    stride_ph,
+    stride_pm,
+    stride_qs,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    num_heads,
+    seqlen_q,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Merge the ``num_splits`` partial (out, lse) of one row; see the module docstring."""
+    row = tl.program_id(0)
+    off_b = (row // (num_heads * seqlen_q)).to(tl.int64)
+    off_h = ((row // seqlen_q) % num_heads).to(tl.int64)
+    off_m = (row % seqlen_q).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_split = offs_s < num_splits
+
+    lse_part = tl.load(
+        LSE_PART + off_b * stride_qb + off_h * stride_qh + off_m * stride_qm + offs_s * stride_qs,
+        mask=in_split,
+        other=float("-inf"),
+    )
+    m = tl.max(lse_part, 0)
+    # Every split empty: weights 0 instead of exp(-inf - -inf) = NaN.
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2((lse_part - m_ref) * LOG2E)
+    total = tl.sum(w, 0)
+    o_ptrs = (
+        O_PART
+        + off_b * stride_pb
+        + off_h * stride_ph
+        + off_m * stride_pm
+        + (offs_s.to(tl.int64) * stride_ps)[:, None]
+        + offs_d[None, :]
+    )
+    part = tl.load(o_ptrs, mask=in_split[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(part * w[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    lse = tl.where(total == 0.0, float("-inf"), m_ref + tl.log(tl.where(total == 0.0, 1.0, total)))
+    tl.store(
+        O + off_b * stride_ob + off_h * stride_oh + off_m * stride_om + offs_d,
+        out.to(O.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + off_m * stride_lm, lse)

@@ -1,0 +1,158 @@
+"""Decode launcher: picks the config and split count, allocates the workspace, launches.
+
+The split-KV kernel and its combine live in ``flashcore.kernels.decode``. With one split the
+first kernel writes ``out``/``lse`` directly (its split stride is 0) and the combine is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from flashcore.ops.fwd import LOG2E, cdiv, is_interpreted, unit_stride_last_dim
+from flashcore.tuning import (
+    INTERPRETER_SMS,
+    MAX_SPLITS,
+    decode_block_m,
+    decode_config,
+    decode_num_splits,
+    head_block,
+)
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """The decode kernel module, imported (with triton) at the first launch."""
+    from flashcore.kernels import decode
+
+    return decode
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(
+    batch: int, kv_heads: int, capacity: int, head_dim: int, elem_size: int, device: torch.device
+) -> int:
+    """The split count ``num_splits=None`` resolves to (see ``tuning.decode_num_splits``)."""
+    interpreted = is_interpreted()
+    cfg = decode_config(head_dim, elem_size, interpreted=interpreted)
+    sms = INTERPRETER_SMS if interpreted or device.type != "cuda" else _num_sms(device)
+    return decode_num_splits(batch * kv_heads, capacity, cfg.block_n, sms)
+
+
+def attn_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the decode kernels on validated inputs; returns ``(out, lse)``.
+
+    ``window_left``/``window_right``: -1 is unbounded; ``softcap`` 0 is off; ``num_splits`` 0
+    chooses. ``alibi_slopes`` is None or fp32 ``(B, H)`` (a per-head ``(H,)`` is expanded by the
+    API with batch stride 0). ``out`` is contiguous ``(B, H, Sq, D)`` in q's dtype, ``lse`` fp32
+    ``(B, H, Sq)``.
+    """
+    q, k_cache, v_cache = (unit_stride_last_dim(t) for t in (q, k_cache, v_cache))
+    batch, heads, seqlen_q, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    paged = block_table is not None
+    capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if capacity == 0 or k_cache.shape[0] == 0:
+        # No key anywhere; the cache has no storage to launch on.
+        return out.zero_(), lse.fill_(float("-inf"))
+
+    interpreted = is_interpreted()
+    cfg = decode_config(head_dim, q.element_size(), interpreted=interpreted)
+    if num_splits == 0:
+        num_splits = choose_num_splits(
+            batch, kv_heads, capacity, head_dim, q.element_size(), q.device
+        )
+    # Splits past the longest possible sequence would only write empty partials; more than
+    # MAX_SPLITS would make the combine's (splits, D) tile spill.
+    num_splits = max(1, min(num_splits, cdiv(capacity, cfg.block_n), MAX_SPLITS))
+    kv_group = heads // kv_heads
+    exp_e = q.dtype == torch.float32 and not interpreted
+    unit = 1.0 if exp_e else LOG2E
+    if softcap > 0:
+        qk_scale, softcap_scale = scale / softcap, softcap * unit
+    else:
+        qk_scale, softcap_scale = scale * unit, 1.0
+    mask_right = causal or window_right >= 0
+    window_right = 0 if causal else window_right
+    mask_left = window_left >= 0
+
+    if num_splits == 1:
+        o_part, lse_part = out, lse
+        part_strides = (0, *out.stride()[:3]), (0, *lse.stride())
+    else:
+        o_part = torch.empty(
+            (num_splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device
+        )
+        lse_part = torch.empty(
+            (num_splits, batch, heads, seqlen_q), dtype=torch.float32, device=q.device
+        )
+        part_strides = o_part.stride()[:4], lse_part.stride()
+    # Unused pointer arguments get a real tensor: the flags compile their loads away.
+    table = block_table if paged else cache_seqlens
+    slopes = alibi_slopes if alibi_slopes is not None else lse
+    block_m = decode_block_m(kv_group, seqlen_q)
+    block_d = head_block(head_dim)
+    with torch.cuda.device_of(q):
+        kernels().attn_decode_kernel[(batch * kv_heads, num_splits)](
+            q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes,
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+            *part_strides[0], *part_strides[1],
+            table.stride(0),
+            slopes.stride(0), slopes.stride(1) if slopes.dim() > 1 else 0,
+            kv_heads, kv_group, seqlen_q, capacity, k_cache.shape[2] if paged else 1,
+            num_splits, qk_scale, softcap_scale,
+            max(window_left, 0), max(window_right, 0),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=block_m,
+            BLOCK_N=cfg.block_n,
+            EVEN_M=kv_group * seqlen_q == block_m,
+            PAGED=paged,
+            MASK_LEFT=mask_left,
+            MASK_RIGHT=mask_right,
+            SOFTCAP=softcap > 0,
+            HAS_ALIBI=alibi_slopes is not None,
+            UPCAST=interpreted and q.dtype == torch.bfloat16,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            EXP_E=exp_e,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+        if num_splits > 1:
+            kernels().attn_decode_combine_kernel[(batch * heads * seqlen_q,)](
+                o_part, lse_part, out, lse,
+                *o_part.stride()[:4], *lse_part.stride(), *out.stride()[:3], *lse.stride(),
+                heads, seqlen_q, num_splits,
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_S=max(2, triton_next_pow2(num_splits)),
+                num_warps=4,
+            )  # fmt: skip
+    return out, lse
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()

@@ -1,0 +1,241 @@
+"""``flashcore.attention_with_kvcache``: split-KV decoding from a contiguous or paged KV cache.
+
+Cache slots past each sequence's length (and cache blocks no sequence owns) hold NaN, and the
+block-table entries past a sequence's length are -1: a kernel that reads or uses any of them
+fails the NaN check of the error rule.
+"""
+
+import pytest
+import torch
+
+import flashcore
+from flashcore import reference
+from numerics import assert_fa_rule
+from shapes import DECODE, DECODE_GPU, DTYPES, DecodeCase
+
+
+def make_kvcache(case: DecodeCase, dtype: torch.dtype, device: str, *, layout: str = "bhsd"):
+    """``(q, k_cache, v_cache, cache_seqlens, block_table)`` for a case (block_table None when
+    dense). ``layout='bshd'`` gives q and a dense cache as ``(B, S, H, D)`` storage viewed as
+    ``(B, H, S, D)``."""
+    b, h, hkv, sq, s_max, d, seqlens, block_size = case
+    if layout == "bshd":
+        q = torch.randn(b, sq, h, d, dtype=dtype, device=device).transpose(1, 2)
+    else:
+        q = torch.randn(b, h, sq, d, dtype=dtype, device=device)
+    n_blocks = -(-s_max // block_size) if block_size else 1
+    capacity = n_blocks * block_size if block_size else s_max
+    lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
+
+    def dense() -> torch.Tensor:
+        t = torch.randn(b, capacity, hkv, d, dtype=dtype, device=device).transpose(1, 2)
+        t = t if layout == "bshd" else t.contiguous()
+        for i, n in enumerate(seqlens):
+            t[i, :, n:] = float("nan")
+        return t
+
+    k, v = dense(), dense()
+    if not block_size:
+        return q, k, v, lens, None
+    # Blocks in a random order, two of them owned by nobody.
+    perm = torch.randperm(b * n_blocks + 2, device=device).to(torch.int32)
+    table = torch.full((b, n_blocks), -1, dtype=torch.int32, device=device)
+    shape = (b * n_blocks + 2, hkv, block_size, d)
+    k_paged = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_paged = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    for i, n in enumerate(seqlens):
+        for j in range(-(-n // block_size)):
+            blk = int(perm[i * n_blocks + j])
+            table[i, j] = blk
+            rows = slice(j * block_size, (j + 1) * block_size)
+            k_paged[blk] = k[i, :, rows]
+            v_paged[blk] = v[i, :, rows]
+    return q, k_paged, v_paged, lens, table
+
+
+def check_decode(q, k_cache, v_cache, lens, table, **options):
+    out, lse = flashcore.attention_with_kvcache(
+        q, k_cache, v_cache, cache_seqlens=lens, block_table=table, return_lse=True, **options
+    )
+    options.pop("num_splits", None)
+    args = (q, k_cache, v_cache)
+    ref = reference.attention_with_kvcache(*args, cache_seqlens=lens, block_table=table, **options)
+    pt = reference.attention_with_kvcache(
+        *args, cache_seqlens=lens, block_table=table, dtype=q.dtype, **options
+    )
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == torch.float32
+    assert_fa_rule("out", out, pt.out, ref.out)
+    assert_fa_rule("lse", lse, pt.lse, ref.lse)
+    return out, lse
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("case", DECODE, ids=[c.id for c in DECODE])
+def test_decode(case, dtype, causal, device):
+    # Three splits: more than some sequences have tiles, so empty splits reach the combine.
+    check_decode(*make_kvcache(case, dtype, device), causal=causal, num_splits=3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, None, 64], ids=lambda n: f"splits{n}")
+@pytest.mark.parametrize("case", DECODE[:2], ids=[c.id for c in DECODE[:2]])
+def test_decode_num_splits(case, num_splits, device):
+    check_decode(*make_kvcache(case, torch.float16, device), causal=True, num_splits=num_splits)
+
+
+FEATURES = {
+    "window-causal": {"window": (20, -1)},
+    "window-both-sides": {"window": (9, 4), "causal": False},
+    "window-right-only": {"window": (-1, 2), "causal": False},
+    "softcap": {"softcap": 2.0, "scale": 1.0},
+    "alibi-per-head": {"alibi": (), "causal": False},
+    "alibi-per-batch": {"alibi": ("batch",)},
+    "all": {"window": (30, 0), "softcap": 5.0, "alibi": ()},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("case", [DECODE[0], DECODE[1]], ids=["dense", "paged"])
+def test_decode_features(case, feature, dtype, device):
+    options = dict(FEATURES[feature])
+    if "alibi" in options:
+        shape = (case.batch, case.heads) if options.pop("alibi") else (case.heads,)
+        options["alibi_slopes"] = torch.rand(shape, device=device) * 0.5
+    check_decode(*make_kvcache(case, dtype, device), num_splits=2, **options)
+
+
+def test_decode_strided(device):
+    case = DECODE[3]._replace(block_size=0)
+    q, k, v, lens, _ = make_kvcache(case, torch.float16, device, layout="bshd")
+    assert not q.is_contiguous() and not k.is_contiguous()
+    check_decode(q, k, v, lens, None, causal=True)
+    # A last dim without unit stride is copied.
+    q2 = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert q2.stride(-1) != 1
+    check_decode(q2, k, v, lens, None, causal=False, num_splits=2)
+
+
+def test_decode_rows_without_keys(device):
+    # Sq=3 against L=1 (causal): queries 0 and 1 sit before the cache start; L=0 sees nothing.
+    case = DecodeCase(2, 2, 1, 3, 32, 16, (1, 0), 16)
+    out, lse = check_decode(*make_kvcache(case, torch.float16, device), num_splits=3)
+    assert torch.all(out[0, :, :2] == 0) and torch.all(lse[0, :, :2] == float("-inf"))
+    assert torch.isfinite(lse[0, :, 2]).all()
+    assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
+
+
+def test_decode_default_returns_tensor(device):
+    q, k, v, lens, _ = make_kvcache(DECODE[0], torch.float16, device)
+    out = flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+
+
+def test_decode_is_inference_only(device):
+    q, k, v, lens, _ = make_kvcache(DecodeCase(1, 2, 1, 1, 16, 16, (16,), 0), torch.float32, device)
+    q.requires_grad_()
+    out = flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens)
+    with pytest.raises(RuntimeError, match="autograd"):
+        out.sum().backward()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", DECODE_GPU, ids=[c.id for c in DECODE_GPU])
+def test_decode_gpu(case):
+    check_decode(*make_kvcache(case, torch.bfloat16, "cuda"), causal=True)
+
+
+# ---- validation --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    from flashcore.ops import decode
+
+    def boom(*args, **kwargs):
+        raise AssertionError("kernel launched despite invalid input")
+
+    monkeypatch.setattr(decode, "attn_decode", boom)
+
+
+def _args(device, **overrides):
+    q, k, v, lens, table = make_kvcache(
+        DecodeCase(2, 4, 2, 1, 32, 16, (5, 32), 16), torch.float16, device
+    )
+    args = {"q": q, "k_cache": k, "v_cache": v, "cache_seqlens": lens, "block_table": table}
+    args.update(overrides)
+    return args
+
+
+def _call(args):
+    args = dict(args)
+    q, k, v = args.pop("q"), args.pop("k_cache"), args.pop("v_cache")
+    return flashcore.attention_with_kvcache(q, k, v, **args)
+
+
+def _bad(device, name):
+    a = _args(device)
+    q, k, lens, table = a["q"], a["k_cache"], a["cache_seqlens"], a["block_table"]
+    dense = torch.zeros(2, 2, 32, 16, dtype=torch.float16, device=device)
+    return {
+        "q-rank": ({"q": q[0]}, ValueError, r"^q must have 4 dims"),
+        "q-dtype": ({"q": q.double()}, TypeError, r"^q must be float16"),
+        "k-not-tensor": ({"k_cache": 1.0}, TypeError, r"^k_cache must be a torch.Tensor"),
+        "v-dtype": ({"v_cache": a["v_cache"].float()}, TypeError, r"^v_cache.dtype must equal"),
+        "v-shape": ({"v_cache": a["v_cache"][:, :1]}, ValueError, r"same shape"),
+        "head-dim": ({"q": q[..., :8]}, ValueError, r"head_dim must equal q's"),
+        "heads": ({"q": q[:, :3]}, ValueError, r"multiple of k_cache/v_cache's heads"),
+        "seqlens-dtype": ({"cache_seqlens": lens.long()}, TypeError, r"^cache_seqlens must be int"),
+        "seqlens-shape": ({"cache_seqlens": lens[:1]}, ValueError, r"^cache_seqlens must have"),
+        "seqlens-list": ({"cache_seqlens": [5, 32]}, TypeError, r"^cache_seqlens must be a torch"),
+        "table-dtype": ({"block_table": table.long()}, TypeError, r"^block_table must be int32"),
+        "table-shape": ({"block_table": table[0]}, ValueError, r"^block_table must have shape"),
+        "block-size": (
+            {"k_cache": k[:, :, :8], "v_cache": a["v_cache"][:, :, :8]},
+            ValueError,
+            r"block_size .* multiple of 16, got 8",
+        ),
+        "dense-batch": (
+            {"k_cache": dense[:1], "v_cache": dense[:1], "block_table": None},
+            ValueError,
+            r"k_cache/v_cache batch size must equal q's",
+        ),
+        "too-many-rows": (
+            {"q": torch.zeros(2, 4, 65, 16, dtype=torch.float16, device=device)},
+            ValueError,
+            r"q.shape\[2\] \* \(H // Hkv\) must be at most 128",
+        ),
+        "window-type": ({"window": 3}, TypeError, r"^window must be None or a \(left, right\)"),
+        "window-value": ({"window": (-2, 0)}, ValueError, r"^window sizes must be >= 0"),
+        "softcap": ({"softcap": 0.0}, ValueError, r"^softcap must be finite and > 0"),
+        "alibi-dtype": (
+            {"alibi_slopes": torch.ones(4, dtype=torch.float16, device=device)},
+            TypeError,
+            r"^alibi_slopes must be float32",
+        ),
+        "alibi-shape": (
+            {"alibi_slopes": torch.ones(2, device=device)},
+            ValueError,
+            r"^alibi_slopes must have shape \(4,\) or \(2, 4\)",
+        ),
+        "splits": ({"num_splits": 0}, ValueError, r"^num_splits must be >= 1"),
+        "splits-type": ({"num_splits": 2.0}, TypeError, r"^num_splits must be an int"),
+        "causal-type": ({"causal": 1}, TypeError, r"^causal must be a bool"),
+        "scale": ({"scale": float("inf")}, ValueError, r"^scale must be finite"),
+    }[name]
+
+
+BAD = [
+    "q-rank", "q-dtype", "k-not-tensor", "v-dtype", "v-shape", "head-dim", "heads",
+    "seqlens-dtype", "seqlens-shape", "seqlens-list", "table-dtype", "table-shape", "block-size",
+    "dense-batch", "too-many-rows", "window-type", "window-value", "softcap", "alibi-dtype",
+    "alibi-shape", "splits", "splits-type", "causal-type", "scale",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_decode_validation(name, device, no_launch):
+    overrides, error, message = _bad(device, name)
+    with pytest.raises(error, match=message):
+        _call(_args(device, **overrides))
