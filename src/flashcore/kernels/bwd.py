@@ -70,7 +70,30 @@ from flashcore.kernels.common import (
     mask_scores_t,
     q_tile_range,
     store_tile,
+    transform_scores,
 )
+
+
+@triton.jit
+def _softcap_scales(qk_scale, sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """``(qk_scale, cap)``: with SOFTCAP the dot is scaled to ``scale * q.k / c`` in natural units
+    and ``tanh`` of it multiplied by ``cap = c * log2(e)`` (``common.transform_scores``), as in the
+    forward; without it the scale is unchanged and ``cap`` unused."""
+    if SOFTCAP:
+        return sm_scale / softcap, softcap * LOG2E
+    else:
+        return qk_scale, softcap
+
+
+@triton.jit
+def _alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of head ``off_h`` of batch ``off_b`` in base-2 units (0.0 without ALiBi).
+
+    Slopes are (B, H) with unit stride along H, or (H,) with ``stride_ab = 0``."""
+    if HAS_ALIBI:
+        return tl.load(ALIBI + off_b * stride_ab + off_h) * LOG2E
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -162,10 +185,17 @@ def _bwd_dkdv_q_loop(
     seqlen_q,
     seqlen_k,
     qk_scale,
+    window_left,
+    window_right,
+    cap,
+    slope,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_M: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -191,12 +221,21 @@ def _bwd_dkdv_q_loop(
         # Transposed products (S^T = K Q^T): K, V and P^T, dS^T are the register operands, Q and
         # dO the freshly loaded ones, so no register tile needs a transpose.
         st = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale
+        st, tt = transform_scores(
+            st, rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI
+        )
         if MASKED:
-            st = mask_scores_t(st, offs_n, rows, seqlen_q, seqlen_k, IS_CAUSAL, False)
+            st = mask_scores_t(
+                st, offs_n, rows, seqlen_q, seqlen_k, window_left, window_right,
+                IS_CAUSAL, HAS_WINDOW, False,
+            )  # fmt: skip
         pt = tl.math.exp2(st - lse2[None, :])
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:
+            # d(c * tanh(x / c)) / dx = 1 - tanh^2: dS with respect to the uncapped scores.
+            dst = dst * (1.0 - tt * tt)
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         q_base += BLOCK_M * stride_qm
         do_base += BLOCK_M * stride_dom
@@ -215,6 +254,7 @@ def attn_bwd_dkdv_kernel(
     DELTA,
     DK,
     DV,
+    ALIBI,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -235,16 +275,23 @@ def attn_bwd_dkdv_kernel(
     stride_dvn,
     stride_lb,
     stride_lh,
+    stride_ab,
     kv_heads,
     kv_group,
     seqlen_q,
     seqlen_k,
     sm_scale,
+    window_left,
+    window_right,
+    softcap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -285,7 +332,11 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    lo, mid, hi = q_tile_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    qk_scale, cap = _softcap_scales(qk_scale, sm_scale, softcap, SOFTCAP)
+    lo, mid, full_hi, hi = q_tile_range(
+        start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
     row0 = tl.cast(lo, tl.int64)
     # GQA/MQA: the query heads sharing this kv head, summed in registers (no atomics, no repeat).
     for g in range(kv_group):
@@ -295,16 +346,30 @@ def attn_bwd_dkdv_kernel(
         stats_off = off_b * stride_lb + off_h * stride_lh + row0
         lse_ptrs = LSE + stats_off + offs_tm
         delta_ptrs = DELTA + stats_off + offs_tm
+        slope = _alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI)
         dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, lo, mid,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
-            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, True, EVEN_M, UPCAST, DOT_PRECISION,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+            cap, slope,
+            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+            EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
         dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, mid, hi,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
-            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, False, EVEN_M, UPCAST, DOT_PRECISION,
+            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, mid,
+            full_hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
+            window_right, cap, slope,
+            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False,
+            EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
+        if HAS_WINDOW:
+            # Query rows past the window's left edge of the block's first key: masked again.
+            dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
+                dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d,
+                full_hi, hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
+                window_right, cap, slope,
+                HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+                EVEN_M, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
 
     dk *= sm_scale
     dk_ptrs = (
@@ -348,10 +413,17 @@ def _bwd_dq_kv_loop(
     seqlen_q,
     seqlen_k,
     qk_scale,
+    window_left,
+    window_right,
+    cap,
+    slope,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -375,11 +447,19 @@ def _bwd_dq_kv_loop(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s, t = transform_scores(
+            s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI
+        )
         if MASKED:
-            s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
+            s = mask_scores(
+                s, offs_m, cols, seqlen_q, seqlen_k, window_left, window_right,
+                IS_CAUSAL, HAS_WINDOW, not EVEN_N,
+            )  # fmt: skip
         p = tl.math.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         k_base += BLOCK_N * stride_kn
         v_base += BLOCK_N * stride_vn
@@ -395,6 +475,7 @@ def attn_bwd_dq_kernel(
     LSE,
     DELTA,
     DQ,
+    ALIBI,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -412,16 +493,23 @@ def attn_bwd_dq_kernel(
     stride_dqm,
     stride_lb,
     stride_lh,
+    stride_ab,
     num_heads,
     kv_group,
     seqlen_q,
     seqlen_k,
     sm_scale,
+    window_left,
+    window_right,
+    softcap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -467,16 +555,35 @@ def attn_bwd_dq_kernel(
         do = do.to(tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    qk_scale, cap = _softcap_scales(qk_scale, sm_scale, softcap, SOFTCAP)
+    slope = _alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI)
+    lo, full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
+    if HAS_WINDOW:
+        k_base += lo.to(tl.int64) * stride_kn
+        v_base += lo.to(tl.int64) * stride_vn
+        dq, k_base, v_base = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, lo, full_lo,
+            stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+            cap, slope,
+            HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True, EVEN_N,
+            UPCAST, DOT_PRECISION,
+        )  # fmt: skip
     dq, k_base, v_base = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, 0, full_hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION,
+        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, full_lo, full_hi,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        cap, slope,
+        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False, EVEN_N,
+        UPCAST, DOT_PRECISION,
     )  # fmt: skip
     dq, k_base, v_base = _bwd_dq_kv_loop(
         dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, full_hi, hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        cap, slope,
+        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True, EVEN_N,
+        UPCAST, DOT_PRECISION,
     )  # fmt: skip
 
     dq *= sm_scale

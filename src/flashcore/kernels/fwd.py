@@ -46,12 +46,14 @@ import triton
 import triton.language as tl
 
 from flashcore.kernels.common import (
+    LOG2E,
     kv_tile_range,
     load_tile,
     mask_scores,
     online_softmax_step,
     row_lse,
     store_tile,
+    transform_scores,
 )
 
 
@@ -75,11 +77,18 @@ def _fwd_kv_loop(
     seqlen_q,
     seqlen_k,
     qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    slope,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -112,8 +121,15 @@ def _fwd_kv_loop(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s, _ = transform_scores(
+            s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, softcap, slope,
+            SOFTCAP, HAS_ALIBI,
+        )  # fmt: skip
         if MASKED:
-            s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
+            s = mask_scores(
+                s, offs_m, cols, seqlen_q, seqlen_k, window_left, window_right,
+                IS_CAUSAL, HAS_WINDOW, not EVEN_N,
+            )  # fmt: skip
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -130,6 +146,7 @@ def attn_fwd_kernel(
     V,
     O,
     LSE,
+    ALIBI,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -144,16 +161,23 @@ def attn_fwd_kernel(
     stride_om,
     stride_lb,
     stride_lh,
+    stride_ab,
     num_heads,
     kv_group,
     seqlen_q,
     seqlen_k,
     qk_scale,
+    window_left,
+    window_right,
+    softcap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -198,18 +222,43 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    if HAS_ALIBI:
+        # Slopes are (B, H) with unit stride along H, or (H,) with stride_ab = 0.
+        slope = tl.load(ALIBI + off_b * stride_ab + off_h)
+        if not EXP_E:
+            slope = slope * LOG2E
+    else:
+        slope = 0.0
+
+    lo, full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
+    if HAS_WINDOW:
+        # The window's left edge: skip the keys before it, mask the band that crosses it.
+        if not USE_TMA:
+            k_base += lo.to(tl.int64) * stride_kn
+            v_base += lo.to(tl.int64) * stride_vn
+        acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
+            acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, lo, full_lo,
+            stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+            softcap, slope,
+            HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+            EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
+        )  # fmt: skip
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, 0, full_hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
-        USE_TMA,
+        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, full_lo, full_hi,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        softcap, slope,
+        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False,
+        EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
     )  # fmt: skip
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
         acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, full_hi, hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
-        USE_TMA,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        softcap, slope,
+        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+        EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
     )  # fmt: skip
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
