@@ -137,12 +137,12 @@ MASKS = [
     MaskCase(Case(1, 2, 1, 45, 70, 32), window=(8, 3)),  # both sides, Sq < Sk, MQA
     MaskCase(Case(1, 2, 2, 70, 45, 64), window=(3, 2)),  # Sq > Sk: rows 0..22 see no key
     MaskCase(Case(1, 2, 1, 33, 113, 32), window=(40, -1)),  # left only
-    MaskCase(Case(2, 2, 1, 57, 57, 16), window=(-1, 5)),  # right only
-    MaskCase(Case(1, 4, 2, 61, 77, 32), causal=True, window=(20, 7)),  # causal: right side 0
+    MaskCase(Case(1, 2, 1, 57, 57, 16), window=(-1, 5)),  # right only
+    MaskCase(Case(1, 2, 1, 61, 77, 32), causal=True, window=(20, 7)),  # causal: right side 0
     MaskCase(Case(1, 2, 2, 50, 20, 32), window=(0, 1)),  # <= 2 keys a row, 29 rows with none
     MaskCase(Case(1, 2, 1, 45, 70, 32), softcap=1.0),  # saturated: most scores near +-1
     MaskCase(Case(1, 2, 2, 37, 37, 64), causal=True, softcap=50.0),  # tanh near 0 (small x)
-    MaskCase(Case(1, 4, 2, 37, 53, 32), alibi="h"),
+    MaskCase(Case(1, 4, 2, 29, 45, 16), alibi="h"),  # GQA: per-head slopes in one dK/dV program
     MaskCase(Case(2, 2, 2, 29, 41, 64), causal=True, alibi="bh"),
     MaskCase(Case(1, 2, 1, 65, 47, 32), window=(12, 4), softcap=10.0, alibi="bh"),  # all at once
 ]
