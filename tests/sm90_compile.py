@@ -26,12 +26,24 @@ from flashcore.tuning import bwd_config, fwd_config, head_block  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ELEM_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
-FP32_POINTERS = {"LSE", "S", "P", "DELTA", "DLSE"}
-# Integer arguments that are sizes, not strides: no divisibility is promised for them.
-SIZES = {"num_heads", "kv_heads", "kv_group", "seqlen_q", "seqlen_k"}
+FP32_POINTERS = {"LSE", "S", "P", "DELTA", "DLSE", "ALIBI"}
+# Integer arguments that are sizes (or window sides, or the ALiBi slopes' batch stride, which is
+# 0 or H), not strides: no divisibility is promised for them.
+SIZES = {
+    "num_heads",
+    "kv_heads",
+    "kv_group",
+    "seqlen_q",
+    "seqlen_k",
+    "window_left",
+    "window_right",
+    "stride_ab",
+}
+# Float scalar arguments.
+FLOATS = {"softcap"}
 
-# (head_dim, dtype, causal, even); every forward variant is compiled with tensor descriptors and
-# with plain pointers.
+# (head_dim, dtype, causal, even[, masks]); every forward variant is compiled with tensor
+# descriptors and with plain pointers. ``masks`` turns on HAS_WINDOW, SOFTCAP and HAS_ALIBI.
 FWD_VARIANTS = [
     (64, "fp16", False, True),
     (64, "fp16", True, False),
@@ -44,6 +56,9 @@ FWD_VARIANTS = [
     (32, "fp32", True, False),
     (128, "fp32", False, True),
     (256, "fp32", True, False),
+    (128, "bf16", True, False, True),
+    (64, "fp16", False, True, True),
+    (128, "fp32", False, False, True),
 ]
 BWD_VARIANTS = [
     (64, "fp16", True, False),
@@ -52,6 +67,8 @@ BWD_VARIANTS = [
     (128, "bf16", True, False),
     (256, "bf16", True, False),
     (128, "fp32", True, False),
+    (128, "bf16", True, False, True),
+    (64, "fp16", False, True, True),
 ]
 PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
 PROBES = ("probe_scores_kernel", "probe_probs_kernel", "probe_uniform_pv_kernel")
@@ -76,7 +93,7 @@ def compile_kernel(fn, consts: dict, dtype: str, options: dict, descriptors: dic
             continue
         if name.isupper():
             signature[name] = "*fp32" if name in FP32_POINTERS else f"*{dtype}"
-        elif "scale" in name:
+        elif "scale" in name or name in FLOATS:
             signature[name] = "fp32"
             continue
         else:
@@ -87,7 +104,9 @@ def compile_kernel(fn, consts: dict, dtype: str, options: dict, descriptors: dic
     return triton.compile(ASTSource(fn, signature, consts, attrs), target=HOPPER, options=options)
 
 
-def fwd_consts(head_dim: int, dtype: str, causal: bool, even: bool, tma: bool = False):
+def fwd_consts(
+    head_dim: int, dtype: str, causal: bool, even: bool, masks: bool = False, tma: bool = False
+):
     cfg = fwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
     consts = {
         "HEAD_DIM": head_dim,
@@ -95,6 +114,9 @@ def fwd_consts(head_dim: int, dtype: str, causal: bool, even: bool, tma: bool = 
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "IS_CAUSAL": causal,
+        "HAS_WINDOW": masks,
+        "SOFTCAP": masks,
+        "HAS_ALIBI": masks,
         "EVEN_M": even,
         "EVEN_N": even,
         "UPCAST": False,
@@ -123,12 +145,16 @@ def ptxas_resources(ptx: str) -> dict:
 
 
 def report(name: str, variant: tuple, compiled, tma: bool = False) -> dict:
-    head_dim, dtype, causal, even = variant
+    head_dim, dtype, causal, even, *masks = variant
     ptx = compiled.asm["ptx"]
+    masked = "-masks" if any(masks) else ""
     return {
         **ptxas_resources(ptx),
         "kernel": name,
-        "variant": f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}-tma{int(tma)}",
+        "variant": (
+            f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}-tma{int(tma)}{masked}"
+        ),
+        "masks": any(masks),
         "tma": tma,
         "dtype": dtype,
         "shared": compiled.metadata.shared,

@@ -1,13 +1,13 @@
-"""Sliding window, softcap and ALiBi: forward, backward and op registration against the reference.
+"""Sliding window, softcap and ALiBi: forward and backward against the reference.
 
-Cases are ``shapes.MASKS`` (interpreter) and ``shapes.MASKS_GPU``; each runs in fp16, bf16, fp32.
+Cases are ``shapes.MASKS`` (interpreter) and ``shapes.MASKS_GPU``. The ops' registration with
+these options is opchecked in test_compile.py.
 """
 
 import pytest
 import torch
 
 import flashcore
-from flashcore.ops import attention as ops
 from helpers import check_backward, check_forward, make_qkv, mask_options
 from shapes import DTYPES, MASKS, MASKS_GPU, Case, MaskCase
 
@@ -83,19 +83,6 @@ def test_alibi_slopes_get_no_grad(device):
     out.sum().backward()
     assert slopes.grad is None
     assert q.grad is not None and torch.isfinite(q.grad).all()
-
-
-def test_masks_opcheck(device):
-    q, k, v = make_qkv(Case(1, 2, 1, 20, 33, 16), torch.float32, device)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    slopes = torch.tensor([0.5, 0.125], device=device)
-    options = (False, 0.25, 6, 2, 5.0, slopes)
-    torch.library.opcheck(ops.attn_fwd, (q, k, v, *options))
-    out, lse = ops.attn_fwd(q, k, v, *options)
-    args = (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), *options)
-    torch.library.opcheck(
-        ops.attn_bwd, tuple(a.detach() if torch.is_tensor(a) else a for a in args)
-    )
 
 
 def test_masks_compile(device):

@@ -22,13 +22,19 @@ Every gradient element is written by exactly one program with a fixed summation 
 is deterministic by construction (no atomics). ``P`` and ``dS`` are cast to the input dtype for
 their products, with fp32 accumulation, as in FlashAttention-2.
 
-Tile ranges. The dQ kernel visits key tiles with the forward's ``kv_tile_range`` (unmasked tiles,
-then the masked diagonal band and ragged end of Sk). The dK/dV kernel uses its mirror,
-``q_tile_range``: query tiles before the diagonal see none of the key block and are skipped, tiles
-crossing it are masked, later tiles see every key and need no mask work.
+Tile ranges. The dQ kernel visits key tiles with the forward's ``kv_tile_range`` (the masked band
+across a window's left edge, unmasked tiles, then the masked diagonal band and ragged end of Sk).
+The dK/dV kernel uses its mirror, ``q_tile_range``: query tiles before the diagonal (or the
+window's right edge) see none of the key block and are skipped, tiles crossing it are masked,
+later tiles see every key and need no mask work, until the window's left edge: tiles crossing it
+are masked again and later ones skipped.
 
 Flags (``tl.constexpr``, compiled away when off):
 - IS_CAUSAL: bottom-right aligned causal mask (row i sees key j iff ``j <= i + Sk - Sq``).
+- HAS_WINDOW, SOFTCAP, HAS_ALIBI: as in the forward (kernels/fwd.py), recomputed identically.
+  With SOFTCAP, ``dS`` (with respect to the capped scores) is multiplied by ``1 - tanh^2`` of the
+  recomputed uncapped scores, giving the gradient with respect to ``scale * Q K^T``. The ALiBi
+  slopes get no gradient.
 - EVEN_M / EVEN_N: Sq / Sk are multiples of the kernel's BLOCK_M / BLOCK_N: loads and stores skip
   row masks.
 - HEAD_DIM < BLOCK_D: head dims that are not powers of two are padded with masked loads.
@@ -38,8 +44,7 @@ Flags (``tl.constexpr``, compiled away when off):
   patterns; always off on the GPU.
 - DOT_PRECISION: "ieee" for fp32 inputs (matches PyTorch's default fp32 matmul), ignored for
   fp16/bf16.
-Later masks (window, softcap, ALiBi) join through ``mask_scores`` and the two tile-range helpers;
-varlen changes only how base pointers and sequence lengths are found.
+Varlen changes only how base pointers and sequence lengths are found.
 
 LSE base. The forward stores the natural-log LSE (fp32, ``(B, H, Sq)``, unit stride along Sq).
 ``load_row_stats`` converts it to base 2 and the scores are scaled by ``scale * log2(e)``, so the

@@ -11,11 +11,22 @@ Grid. ``(cdiv(Sq, BLOCK_M), B * H)``; query head h reads kv head ``h // (H // Hk
 without repeating K/V in memory).
 
 Key loop. ``kv_tile_range`` splits the keys a block may see into full tiles (every row sees every
-key: no mask work at all) and a tail that needs masking (the causal diagonal band, the ragged end
-of Sk). Tiles past the diagonal are never visited, so causal costs about half.
+key: no mask work at all) and a tail that needs masking (the causal diagonal band or the window's
+right edge, the ragged end of Sk); with a sliding window also a masked head band across the
+window's left edge, after skipping the keys left of it. Tiles outside every row's reach are never
+visited, so causal costs about half and a window ``(left, right)`` about
+``(left + right + BLOCK_M + BLOCK_N) / Sk``.
 
 Flags (``tl.constexpr``, compiled away when off):
 - IS_CAUSAL: bottom-right aligned causal mask (row i sees key j iff ``j <= i + Sk - Sq``).
+- HAS_WINDOW: sliding window, row i sees key j iff ``i + d - window_left <= j`` and (unless
+  IS_CAUSAL, which sets the right side to 0) ``j <= i + d + window_right``, ``d = Sk - Sq``. The
+  launcher passes an unbounded side as ``Sq + Sk`` and turns the flag off when no side binds.
+- SOFTCAP: ``qk_scale`` is ``scale / c`` in natural units and the scores become
+  ``tanh(s) * softcap`` (``softcap`` = c, times log2(e) unless EXP_E): ``c * tanh(scale q.k / c)``.
+- HAS_ALIBI: adds ``-slope * |i + d - j|`` to every score, with the slope of this (batch, head)
+  loaded from ALIBI (``stride_ab`` = 0 for per-head slopes). Softcap and ALiBi apply to full and
+  masked tiles alike (``common.transform_scores``); only the window changes which tiles are masked.
 - EVEN_M / EVEN_N: Sq / Sk are multiples of the block sizes, so loads skip row masks.
 - HEAD_DIM < BLOCK_D: head dims that are not powers of two (80, 96, 192) are padded to BLOCK_D
   with masked loads; the padding reads 0 and contributes nothing.
@@ -30,9 +41,8 @@ Flags (``tl.constexpr``, compiled away when off):
   pointers with masked loads.
 - EXP_E: fp32 inputs on the GPU: scores in natural units and libdevice's exp instead of the
   folded log2(e) and exp2 (see ``common.softmax_exp``); ``qk_scale`` is then just ``scale``.
-Later features are meant to join as more flags on the same kernel: a sliding window adds a masked
-head part to ``kv_tile_range``; softcap, ALiBi transform ``S`` next to ``mask_scores``; varlen and
-paged KV change only how the base pointers and sequence lengths are found.
+Later features are meant to join as more flags on the same kernel: varlen and paged KV change
+only how the base pointers and sequence lengths are found.
 
 Invariants. The head dim is contiguous (unit stride, guaranteed by the launcher): Triton 3.6 no
 longer specialises integer arguments equal to 1, so a runtime last-dim stride would turn every tile
