@@ -131,7 +131,7 @@ def _fwd_kv_loop(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s, _ = transform_scores(
+        s, _t = transform_scores(
             s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, softcap, slope,
             SOFTCAP, HAS_ALIBI,
         )  # fmt: skip

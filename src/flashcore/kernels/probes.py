@@ -142,7 +142,7 @@ def probe_scores_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    _, _, full_hi, hi = kv_tile_range(
+    _lo, _full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, 0, 0, BLOCK_M, BLOCK_N, IS_CAUSAL, False
     )
     for start_n in range(0, full_hi, BLOCK_N):
@@ -242,7 +242,7 @@ def probe_probs_kernel(
     # Pass 1: row max and row sum, with the forward kernel's split and calls.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    _, _, full_hi, hi = kv_tile_range(
+    _lo, _full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, 0, 0, BLOCK_M, BLOCK_N, IS_CAUSAL, False
     )
     for start_n in range(0, full_hi, BLOCK_N):
@@ -354,7 +354,7 @@ def probe_uniform_pv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
-    _, _, full_hi, hi = kv_tile_range(
+    _lo, _full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, 0, 0, BLOCK_M, BLOCK_N, IS_CAUSAL, False
     )
     for start_n in range(0, full_hi, BLOCK_N):
