@@ -173,16 +173,19 @@ def q_tile_range(
         lo = (tl.maximum(start_n - diag - window_right, 0) // BLOCK_M) * BLOCK_M
         last = start_n + BLOCK_N - 1 - diag - window_right
         full = (tl.maximum(last + BLOCK_M - 1, 0) // BLOCK_M) * BLOCK_M
-    else:
-        lo = 0
-        full = 0
-    hi = seqlen_q
     if HAS_WINDOW:
         # The block's last key is seen up to row start_n + BLOCK_N - 1 - diag + window_left, its
         # first up to start_n - diag + window_left.
         hi = tl.minimum(seqlen_q, tl.maximum(start_n + BLOCK_N - diag + window_left, 0))
-    mid = tl.minimum(full, hi)
-    lo = tl.minimum(lo, mid)
+    else:
+        hi = seqlen_q
+    if IS_CAUSAL or HAS_WINDOW:
+        mid = tl.minimum(full, hi)
+        lo = tl.minimum(lo, mid)
+    else:
+        # Compile-time zeros: the masked loop over [lo, mid) disappears.
+        lo = 0
+        mid = 0
     if HAS_WINDOW:
         full_hi = (tl.maximum(start_n - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M
         full_hi = tl.maximum(tl.minimum(full_hi, hi), mid)
