@@ -10,7 +10,7 @@ import torch
 import flashcore
 from flashcore import reference
 from numerics import assert_fa_rule
-from shapes import Case, VarlenCase
+from shapes import Case, MaskCase, VarlenCase
 
 
 def make_qkv(case: Case, dtype: torch.dtype, device: str, *, layout: str = "bhsd"):
@@ -30,9 +30,23 @@ def make_qkv(case: Case, dtype: torch.dtype, device: str, *, layout: str = "bhsd
     return rand(h, sq), rand(hkv, sk), rand(hkv, sk)
 
 
-def check_forward(out, lse, q, k, v, *, causal: bool, scale=None) -> None:
-    ref = reference.attention(q, k, v, causal=causal, scale=scale, dtype=torch.float64)
-    pt = reference.attention(q, k, v, causal=causal, scale=scale, dtype=q.dtype)
+def mask_options(mc: MaskCase, device: str) -> dict:
+    """``flashcore.attention``'s keyword options for a MaskCase (ALiBi slopes made here)."""
+    b, h = mc.case.batch, mc.case.heads
+    opts = {"causal": mc.causal, "window": mc.window, "softcap": mc.softcap}
+    if mc.alibi is not None:
+        # The usual geometric slopes of ALiBi, 2^(-8 (i + 1) / H), per batch perturbed for "bh".
+        slopes = torch.exp2(-8.0 * torch.arange(1, h + 1, dtype=torch.float32) / h)
+        if mc.alibi == "bh":
+            slopes = slopes * torch.linspace(0.5, 1.5, b)[:, None]
+        opts["alibi_slopes"] = slopes.to(device)
+    return opts
+
+
+def check_forward(out, lse, q, k, v, *, causal: bool, scale=None, **masks) -> None:
+    """``masks``: window, softcap, alibi_slopes, as ``flashcore.attention`` takes them."""
+    ref = reference.attention(q, k, v, causal=causal, scale=scale, dtype=torch.float64, **masks)
+    pt = reference.attention(q, k, v, causal=causal, scale=scale, dtype=q.dtype, **masks)
     assert out.dtype == q.dtype
     assert lse.dtype == torch.float32
     assert_fa_rule("out", out, pt.out, ref.out)
@@ -65,24 +79,26 @@ def skip_without_backward(device: str) -> None:
         )
 
 
-def check_grads(grads: dict, q, k, v, dout, *, causal: bool, scale=None) -> None:
+def check_grads(grads: dict, q, k, v, dout, *, causal: bool, scale=None, **masks) -> None:
     """Assert gradients ``{"q": dq, ...}`` (any subset of q, k, v) with FlashAttention's rule."""
-    ref = reference_grads(q, k, v, dout, None, causal=causal, scale=scale, dtype=torch.float64)
-    pt = reference_grads(q, k, v, dout, None, causal=causal, scale=scale, dtype=q.dtype)
+    ref = reference_grads(
+        q, k, v, dout, None, causal=causal, scale=scale, dtype=torch.float64, **masks
+    )
+    pt = reference_grads(q, k, v, dout, None, causal=causal, scale=scale, dtype=q.dtype, **masks)
     for name, grad in grads.items():
         assert grad is not None, f"d{name} is None"
         i = "qkv".index(name)
         assert_fa_rule(f"d{name}", grad, pt[i], ref[i])
 
 
-def reference_grads(q, k, v, dout, dlse, *, causal: bool, scale=None, dtype: torch.dtype):
+def reference_grads(q, k, v, dout, dlse, *, causal: bool, scale=None, dtype: torch.dtype, **masks):
     """``(dq, dk, dv)`` by autograd through the reference computed in ``dtype``.
 
     Fresh leaves are made in ``dtype`` so a float64 gradient is not rounded back to q's dtype.
-    ``dlse`` may be None (the LSE output is not differentiated).
+    ``dlse`` may be None (the LSE output is not differentiated). ``masks`` as in check_forward.
     """
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
-    ref = reference.attention(*leaves, causal=causal, scale=scale, dtype=dtype)
+    ref = reference.attention(*leaves, causal=causal, scale=scale, dtype=dtype, **masks)
     outputs, grads = [ref.out], [dout.to(dtype)]
     if dlse is not None:
         outputs.append(ref.lse)
@@ -90,14 +106,14 @@ def reference_grads(q, k, v, dout, dlse, *, causal: bool, scale=None, dtype: tor
     return torch.autograd.grad(outputs, leaves, grads)
 
 
-def check_backward(q, k, v, *, causal: bool, scale=None, dout=None, dlse=None):
+def check_backward(q, k, v, *, causal: bool, scale=None, dout=None, dlse=None, **masks):
     """Run flashcore.attention forward and backward and check dq, dk, dv with the FA rule.
 
     ``dout`` defaults to a random tensor shaped like the output; ``dlse`` (the gradient reaching
-    the LSE) defaults to none. Returns the kernel's gradients.
+    the LSE) defaults to none; ``masks`` as in check_forward. Returns the kernel's gradients.
     """
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out, lse = flashcore.attention(q, k, v, causal=causal, scale=scale, return_lse=True)
+    out, lse = flashcore.attention(q, k, v, causal=causal, scale=scale, return_lse=True, **masks)
     if dout is None:
         dout = torch.randn_like(out)
     outputs, grads = [out], [dout]
@@ -105,8 +121,10 @@ def check_backward(q, k, v, *, causal: bool, scale=None, dout=None, dlse=None):
         outputs.append(lse)
         grads.append(dlse)
     got = torch.autograd.grad(outputs, (q, k, v), grads)
-    ref = reference_grads(q, k, v, dout, dlse, causal=causal, scale=scale, dtype=torch.float64)
-    pt = reference_grads(q, k, v, dout, dlse, causal=causal, scale=scale, dtype=q.dtype)
+    ref = reference_grads(
+        q, k, v, dout, dlse, causal=causal, scale=scale, dtype=torch.float64, **masks
+    )
+    pt = reference_grads(q, k, v, dout, dlse, causal=causal, scale=scale, dtype=q.dtype, **masks)
     for name, g, t, p, r in zip(("dq", "dk", "dv"), got, (q, k, v), pt, ref, strict=True):
         assert g.dtype == t.dtype, f"{name}: dtype {g.dtype} != {t.dtype}"
         assert_fa_rule(name, g, p, r)

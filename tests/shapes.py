@@ -8,6 +8,7 @@ A case is (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim).
 - HUGE: q with more than 2**31 elements (GPU, ~9 GB each in fp16).
 - SANITIZE: small shapes for scripts/sanitize.sh (compute-sanitizer).
 - VARLEN / VARLEN_GPU: packed variable-length batches (``attention_varlen``), as VarlenCase.
+- MASKS / MASKS_GPU: sliding window, softcap and ALiBi (``MaskCase``), interpreter and GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +32,28 @@ class Case(NamedTuple):
             f"b{self.batch}h{self.heads}kv{self.kv_heads}"
             f"-q{self.seqlen_q}k{self.seqlen_k}-d{self.head_dim}"
         )
+
+
+class MaskCase(NamedTuple):
+    """A case with the score modifiers of ``flashcore.attention``; ``alibi`` is the slopes' shape,
+    ``"h"`` for ``(H,)`` or ``"bh"`` for ``(B, H)`` (made by ``helpers.mask_options``)."""
+
+    case: Case
+    causal: bool = False
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+    alibi: str | None = None
+
+    @property
+    def id(self) -> str:
+        parts = [self.case.id, "causal" if self.causal else "full"]
+        if self.window is not None:
+            parts.append(f"win{self.window[0]}_{self.window[1]}")
+        if self.softcap is not None:
+            parts.append(f"cap{self.softcap:g}")
+        if self.alibi is not None:
+            parts.append(f"alibi_{self.alibi}")
+        return "-".join(parts)
 
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -187,4 +210,35 @@ DECODE_GPU = [
     DecodeCase(8, 32, 8, 1, 8192, 128, (8192, 5000, 1, 8191, 4096, 333, 7000, 16), 16),
     DecodeCase(1, 32, 8, 1, 16384, 128, (16000,), 256),
     DecodeCase(8, 32, 8, 1, 32768, 128, (32768,) * 4 + (20000, 9, 30000, 12345), 256),
+]
+
+# Score modifiers, interpreter tier: forward and backward in fp16, bf16 and fp32. Lengths are odd
+# against the interpreter tiles (32x16 forward; 16x32 and 32x16 backward), windows narrower and
+# wider than a tile, so every part of the tile ranges (masked head band, full middle, masked tail,
+# no full tile at all) is visited; Sq > Sk windows leave rows with no key.
+MASKS = [
+    MaskCase(Case(1, 2, 1, 45, 70, 32), window=(8, 3)),  # both sides, Sq < Sk, MQA
+    MaskCase(Case(1, 2, 2, 70, 45, 64), window=(3, 2)),  # Sq > Sk: rows 0..22 see no key
+    MaskCase(Case(1, 2, 1, 33, 113, 32), window=(40, -1)),  # left only
+    MaskCase(Case(1, 2, 1, 57, 57, 16), window=(-1, 5)),  # right only
+    MaskCase(Case(1, 2, 1, 61, 77, 32), causal=True, window=(20, 7)),  # causal: right side 0
+    MaskCase(Case(1, 2, 2, 50, 20, 32), window=(0, 1)),  # <= 2 keys a row, 29 rows with none
+    MaskCase(Case(1, 2, 1, 45, 70, 32), softcap=1.0),  # saturated: most scores near +-1
+    MaskCase(Case(1, 2, 2, 37, 37, 64), causal=True, softcap=50.0),  # tanh near 0 (small x)
+    MaskCase(Case(1, 4, 2, 29, 45, 16), alibi="h"),  # GQA: per-head slopes in one dK/dV program
+    MaskCase(Case(2, 2, 2, 29, 41, 64), causal=True, alibi="bh"),
+    MaskCase(Case(1, 2, 1, 65, 47, 32), window=(12, 4), softcap=10.0, alibi="bh"),  # all at once
+]
+
+# Score modifiers, GPU tier: real sizes, fp16 and bf16 (a few in fp32 via the forward tests).
+MASKS_GPU = [
+    MaskCase(Case(2, 8, 2, 2048, 2048, 128), causal=True, window=(256, 0)),
+    MaskCase(Case(1, 8, 8, 4096, 4096, 64), window=(512, 512)),
+    MaskCase(Case(2, 4, 4, 1000, 3001, 80), window=(300, -1)),
+    MaskCase(Case(1, 8, 1, 3001, 1000, 128), window=(100, 37)),  # Sq > Sk: rows with no key
+    MaskCase(Case(2, 16, 16, 2048, 2048, 128), causal=True, softcap=30.0),
+    MaskCase(Case(1, 8, 8, 1024, 4096, 256), softcap=50.0),
+    MaskCase(Case(2, 8, 8, 1024, 3000, 128), causal=True, alibi="bh"),
+    MaskCase(Case(2, 16, 4, 2048, 2048, 64), alibi="h"),
+    MaskCase(Case(2, 8, 2, 2048, 2048, 128), causal=True, window=(511, 0), softcap=20, alibi="h"),
 ]

@@ -34,14 +34,17 @@ HOPPER = GPUTarget("cuda", 90, 32)
 ELEM_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
 FP32_POINTERS = {"LSE", "S", "P", "DELTA", "DLSE", "ALIBI", "O_PART", "LSE_PART"}
 INT32_POINTERS = {"CU_Q", "CU_K", "SEQLENS", "BLOCK_TABLE"}
-# Integer arguments that are sizes, not strides: no divisibility is promised for them.
+# Integer arguments that are sizes (or window sides, or the ALiBi slopes' batch stride, which is
+# 0 or H), not strides: no divisibility is promised for them.
 SIZES = {
     "num_heads", "kv_heads", "kv_group", "seqlen_q", "seqlen_k", "seqlen_cap", "block_size",
-    "num_splits", "window_left", "window_right",
+    "num_splits", "window_left", "window_right", "stride_ab",
 }  # fmt: skip
+# Float scalar arguments.
+FLOATS = {"softcap"}
 
-# (head_dim, dtype, causal, even); every forward variant is compiled with tensor descriptors and
-# with plain pointers.
+# (head_dim, dtype, causal, even[, masks]); every forward variant is compiled with tensor
+# descriptors and with plain pointers. ``masks`` turns on HAS_WINDOW, SOFTCAP and HAS_ALIBI.
 FWD_VARIANTS = [
     (64, "fp16", False, True),
     (64, "fp16", True, False),
@@ -54,6 +57,9 @@ FWD_VARIANTS = [
     (32, "fp32", True, False),
     (128, "fp32", False, True),
     (256, "fp32", True, False),
+    (128, "bf16", True, False, True),
+    (64, "fp16", False, True, True),
+    (128, "fp32", False, False, True),
 ]
 BWD_VARIANTS = [
     (64, "fp16", True, False),
@@ -62,6 +68,8 @@ BWD_VARIANTS = [
     (128, "bf16", True, False),
     (256, "bf16", True, False),
     (128, "fp32", True, False),
+    (128, "bf16", True, False, True),
+    (64, "fp16", False, True, True),
 ]
 # Packed variable-length batches (IS_VARLEN): plain pointers, never EVEN_M/EVEN_N.
 FWD_VARLEN_VARIANTS = [(64, "bf16", False, False), (128, "fp16", True, False)]
@@ -112,7 +120,7 @@ def compile_kernel(
             signature[name] = "*i32"
         elif name.isupper():
             signature[name] = "*fp32" if name in FP32_POINTERS else f"*{dtype}"
-        elif "scale" in name:
+        elif "scale" in name or name in FLOATS:
             signature[name] = "fp32"
             continue
         else:
@@ -124,7 +132,13 @@ def compile_kernel(
 
 
 def fwd_consts(
-    head_dim: int, dtype: str, causal: bool, even: bool, tma: bool = False, varlen: bool = False
+    head_dim: int,
+    dtype: str,
+    causal: bool,
+    even: bool,
+    masks: bool = False,
+    tma: bool = False,
+    varlen: bool = False,
 ):
     """Constexprs of a launch; without varlen the cu_seqlens pointers are None, as the launchers
     pass them (Triton specialises a None argument into a constexpr)."""
@@ -135,6 +149,9 @@ def fwd_consts(
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "IS_CAUSAL": causal,
+        "HAS_WINDOW": masks,
+        "SOFTCAP": masks,
+        "HAS_ALIBI": masks,
         "EVEN_M": even,
         "EVEN_N": even,
         "UPCAST": False,
@@ -172,14 +189,16 @@ def report(
     varlen: bool = False,
     label: str | None = None,
 ) -> dict:
-    head_dim, dtype, causal, even = variant
+    head_dim, dtype, causal, even, *masks = variant
     ptx = compiled.asm["ptx"]
+    masked = "-masks" if any(masks) else ""
     return {
         **ptxas_resources(ptx),
         "kernel": name,
         "variant": label
-        or f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}-tma{int(tma)}"
+        or f"d{head_dim}-{dtype}-causal{int(causal)}-even{int(even)}-tma{int(tma)}{masked}"
         + ("-varlen" if varlen else ""),
+        "masks": any(masks),
         "tma": tma,
         "varlen": varlen,
         "dtype": dtype,

@@ -26,11 +26,20 @@ from helpers import (
 )
 from shapes import Case, VarlenCase
 
-# (case, dtype, causal, layout): GQA with Sq != Sk and (B, S, H, D) strides; a plain fp16 one.
+# (case, dtype, causal, layout, masks): GQA with Sq != Sk and (B, S, H, D) strides; a plain fp16
+# one; one with a window, softcap and (B, H) ALiBi slopes (a tensor argument without gradient).
 OPCHECK = [
-    (Case(1, 4, 2, 37, 53, 32), torch.float32, True, "bshd"),
-    (Case(2, 2, 2, 16, 16, 16), torch.float16, False, "bhsd"),
+    (Case(1, 4, 2, 37, 53, 32), torch.float32, True, "bshd", None),
+    (Case(2, 2, 2, 16, 16, 16), torch.float16, False, "bhsd", None),
+    (Case(2, 2, 1, 21, 30, 16), torch.float32, False, "bhsd", "masks"),
 ]
+
+
+def _masks(kind, case: Case, device) -> dict:
+    if kind is None:
+        return {}
+    slopes = torch.rand(case.batch, case.heads, device=device)
+    return {"window": (5, 2), "softcap": 4.0, "alibi_slopes": slopes}
 
 
 @pytest.fixture(autouse=True)
@@ -58,11 +67,12 @@ class _RecordCalls(TorchDispatchMode):
 VARLEN_OPCHECK = VarlenCase(2, 1, (9, 20, 0, 5), (14, 0, 3, 5), 16)
 
 
-def _record(case, dtype, causal, layout, device, *, backward: bool) -> tuple[list, list]:
+def _record(case, dtype, causal, layout, masks, device, *, backward: bool) -> tuple[list, list]:
     """The flashcore op calls of a forward, and of its backward (empty unless ``backward``)."""
     q, k, v = (t.requires_grad_(backward) for t in make_qkv(case, dtype, device, layout=layout))
+    options = _masks(masks, case, device)
     with _RecordCalls() as fwd_calls:
-        out = flashcore.attention(q, k, v, causal=causal)
+        out = flashcore.attention(q, k, v, causal=causal, **options)
     return _record_backward(out, fwd_calls, backward)
 
 
@@ -92,13 +102,15 @@ def _fresh(arg, requires_grad: bool):
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd+bwd"])
-@pytest.mark.parametrize(("case", "dtype", "causal", "layout"), OPCHECK, ids=["gqa", "plain"])
-def test_opcheck(case, dtype, causal, layout, backward, device):
+@pytest.mark.parametrize(
+    ("case", "dtype", "causal", "layout", "masks"), OPCHECK, ids=["gqa", "plain", "masks"]
+)
+def test_opcheck(case, dtype, causal, layout, masks, backward, device):
     """With ``fwd+bwd`` the forward ops get their recorded requires_grad (so opcheck runs their
     autograd formula) and the backward ops none (double backward is not offered)."""
     if backward:
         skip_without_backward(device)
-    fwd_calls, bwd_calls = _record(case, dtype, causal, layout, device, backward=backward)
+    fwd_calls, bwd_calls = _record(case, dtype, causal, layout, masks, device, backward=backward)
     _opcheck(fwd_calls, bwd_calls, backward)
 
 
@@ -119,9 +131,9 @@ def test_every_op_is_exercised(device):
     # torch.ops.<namespace> lists only the ops looked up so far; the dispatcher knows all of them.
     registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("flashcore::")}
     assert "flashcore::attn_fwd" in registered
-    case, dtype, causal, layout = OPCHECK[0]
+    case, dtype, causal, layout, masks = OPCHECK[0]
     fwd_calls, bwd_calls = _record(
-        case, dtype, causal, layout, device, backward=has_backward(device)
+        case, dtype, causal, layout, masks, device, backward=has_backward(device)
     )
     varlen_fwd_calls, varlen_bwd_calls = _record_varlen(device, backward=has_backward(device))
     with _RecordCalls() as decode_calls:

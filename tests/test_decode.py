@@ -206,9 +206,9 @@ def _bad(device, name):
             ValueError,
             r"q.shape\[2\] \* \(H // Hkv\) must be at most 128",
         ),
-        "window-type": ({"window": 3}, TypeError, r"^window must be None or a \(left, right\)"),
-        "window-value": ({"window": (-2, 0)}, ValueError, r"^window sizes must be >= 0"),
-        "softcap": ({"softcap": 0.0}, ValueError, r"^softcap must be finite and > 0"),
+        "window-type": ({"window": 3}, TypeError, r"^window must be a \(left, right\) tuple"),
+        "window-value": ({"window": (-2, 0)}, ValueError, r"^window left must be >= -1"),
+        "softcap": ({"softcap": -1.0}, ValueError, r"^softcap must be finite and >= 0"),
         "alibi-dtype": (
             {"alibi_slopes": torch.ones(4, dtype=torch.float16, device=device)},
             TypeError,
@@ -217,7 +217,7 @@ def _bad(device, name):
         "alibi-shape": (
             {"alibi_slopes": torch.ones(2, device=device)},
             ValueError,
-            r"^alibi_slopes must have shape \(4,\) or \(2, 4\)",
+            r"^alibi_slopes must have shape \(heads,\) = \(4,\) or \(batch, heads\) = \(2, 4\)",
         ),
         "splits": ({"num_splits": 0}, ValueError, r"^num_splits must be >= 1"),
         "splits-type": ({"num_splits": 2.0}, TypeError, r"^num_splits must be an int"),

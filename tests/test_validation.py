@@ -194,3 +194,60 @@ def test_varlen_options(device, no_varlen_launch):
         flashcore.attention_varlen(**varlen_args(device, d=320))
     with pytest.raises(TypeError):
         flashcore.attention_varlen(*varlen_args(device).values(), True)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("window", "error", "match"),
+    [
+        (5, TypeError, r"^window must be a \(left, right\) tuple"),
+        ((1, 2, 3), TypeError, r"^window must be a \(left, right\) tuple"),
+        ("ab", TypeError, r"^window must be a \(left, right\) tuple"),
+        ((1.5, 0), TypeError, r"^window left must be an int, got float"),
+        ((0, True), TypeError, r"^window right must be an int, got bool"),
+        ((-2, 0), ValueError, r"^window left must be >= -1 \(-1: unbounded\), got -2"),
+        ((4, -5), ValueError, r"^window right must be >= -1 \(-1: unbounded\), got -5"),
+    ],
+)
+def test_bad_window(window, error, match, device, no_launch):
+    with pytest.raises(error, match=match):
+        flashcore.attention(*qkv(device), window=window)
+
+
+@pytest.mark.parametrize("softcap", [-1.0, math.inf, math.nan])
+def test_bad_softcap_value(softcap, device, no_launch):
+    with pytest.raises(ValueError, match=r"^softcap must be finite and >= 0 \(0: off\), got"):
+        flashcore.attention(*qkv(device), softcap=softcap)
+
+
+@pytest.mark.parametrize("softcap", ["1.0", True, torch.tensor(1.0)])
+def test_bad_softcap_type(softcap, device, no_launch):
+    with pytest.raises(TypeError, match=r"^softcap must be a real number or None"):
+        flashcore.attention(*qkv(device), softcap=softcap)
+
+
+def test_alibi_slopes_not_a_tensor(device, no_launch):
+    with pytest.raises(TypeError, match=r"^alibi_slopes must be a torch.Tensor or None, got list"):
+        flashcore.attention(*qkv(device), alibi_slopes=[0.5, 0.25])
+
+
+@pytest.mark.parametrize("shape", [(3,), (1, 3), (2, 2), (1, 2, 1), ()])
+def test_alibi_slopes_shape(shape, device, no_launch):
+    slopes = torch.ones(shape, device=device)
+    match = r"^alibi_slopes must have shape \(heads,\) = \(2,\) or \(batch, heads\) = \(1, 2\), got"
+    with pytest.raises(ValueError, match=match):
+        flashcore.attention(*qkv(device), alibi_slopes=slopes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+def test_alibi_slopes_dtype(dtype, device, no_launch):
+    slopes = torch.ones(2, dtype=dtype, device=device)
+    with pytest.raises(TypeError, match=rf"^alibi_slopes must be float32, got {dtype}"):
+        flashcore.attention(*qkv(device), alibi_slopes=slopes)
+
+
+def test_alibi_slopes_device(device, no_launch):
+    # On a GPU machine: cuda inputs, CPU slopes; on the interpreter: CPU inputs, meta slopes.
+    q, k, v = qkv(device)
+    slopes = torch.ones(2, device="cpu" if device == "cuda" else "meta")
+    with pytest.raises(ValueError, match=r"^alibi_slopes must be on q's device \(.*\), got"):
+        flashcore.attention(q, k, v, alibi_slopes=slopes)

@@ -129,6 +129,48 @@ def _check_max_seqlen(name: str, value: object, total: int, total_name: str) -> 
     return value
 
 
+def _check_window(window: object) -> tuple[int, int]:
+    if window is None:
+        return -1, -1
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) tuple of two ints or None, got {window!r}")
+    for side, value in zip(("left", "right"), window, strict=True):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"window {side} must be an int, got {type(value).__name__}")
+        if value < -1:
+            raise ValueError(f"window {side} must be >= -1 (-1: unbounded), got {value}")
+    return int(window[0]), int(window[1])
+
+
+def _check_softcap(softcap: object) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    return softcap
+
+
+def _check_alibi(slopes: object, q: torch.Tensor) -> torch.Tensor | None:
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
+    batch, heads = q.shape[0], q.shape[1]
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = "
+            f"({batch}, {heads}), got {tuple(slopes.shape)}"
+        )
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on q's device ({q.device}), got {slopes.device}")
+    return slopes
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,8 +179,15 @@ def attention(
     causal: bool = False,
     scale: float | None = None,
     return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention, fused: ``softmax(scale * q @ k^T [+ mask]) @ v``.
+
+    The scores, in order: ``s = scale * q @ k^T``; ``softcap * tanh(s / softcap)``; ``+ ALiBi``;
+    ``-inf`` where the causal mask or the window hides a key. FlashAttention-2's semantics
+    throughout.
 
     Args:
         q: ``(B, H, Sq, D)`` queries.
@@ -160,6 +209,26 @@ def attention(
             top-left aligned instead (query i sees key j iff ``j <= i``); both agree when Sq = Sk.
         scale: multiplies ``q @ k^T``; defaults to ``1 / sqrt(D)``. Must be finite.
         return_lse: also return the logsumexp of each row.
+        window: ``(left, right)`` sliding window, bottom-right aligned like ``causal``: query i
+            sees key j iff ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``; ``-1`` leaves
+            that side unbounded; None (the default) is ``(-1, -1)``. With ``causal=True`` the
+            right side is 0 whatever it says (``(left, 0)`` and ``causal`` are the same mask)::
+
+                window=(2, 1), Sq=Sk=6       window=(1, 0) = window=(1, -1), causal=True
+                    k0 k1 k2 k3 k4 k5              k0 k1 k2 k3 k4 k5
+                q0   x  x  .  .  .  .          q0   x  .  .  .  .  .
+                q1   x  x  x  .  .  .          q1   x  x  .  .  .  .
+                q2   x  x  x  x  .  .          q2   .  x  x  .  .  .
+                q3   .  x  x  x  x  .          q3   .  .  x  x  .  .
+                q4   .  .  x  x  x  x          q4   .  .  .  x  x  .
+                q5   .  .  .  x  x  x          q5   .  .  .  .  x  x
+
+            With Sq > Sk the first rows may see no key (out 0, lse -inf), as with ``causal``.
+        softcap: ``c > 0`` caps the scaled scores as ``c * tanh(s / c)`` (Gemma 2, Grok) before
+            ALiBi, the mask and the softmax. None or 0 is off. Must be finite and >= 0.
+        alibi_slopes: float32 ``(H,)`` or ``(B, H)`` on q's device: adds
+            ``-slope[b, h] * |i + Sk - Sq - j|`` to the (scaled, softcapped) score of query i and
+            key j. The slopes get no gradient (they are constants in every ALiBi model).
 
     Returns:
         ``out`` ``(B, H, Sq, D)`` in q's dtype (and in q's memory layout when q is dense), or
@@ -167,14 +236,15 @@ def attention(
         (and masked) scores. Rows that see no key have ``out = 0`` and ``lse = -inf``.
 
     Autograd: ``out`` (and ``lse``) are differentiable with respect to q, k and v, for every
-    option above. The backward is FlashAttention-2's: it recomputes the probabilities from the
-    saved LSE (only q, k, v, out and lse are kept for it), accumulates in fp32, writes every
-    gradient from exactly one program (deterministic, no atomics) and returns dq, dk, dv in the
-    dtype and, when dense, the memory layout of q, k, v (GQA/MQA gradients are summed over each
-    kv head's query heads). A gradient reaching ``lse`` is supported too: it adds
-    ``dlse_i * softmax_ij`` to the score gradients (the kernels fold it into the per-row term
-    ``delta_i = rowsum(dout * out)_i - dlse_i``). Rows that see no key get zero gradients. The
-    gradient of ``out`` may have any strides (one whose last dim is not unit-stride is copied).
+    option above (not with respect to ``alibi_slopes``, which get no gradient). The backward is
+    FlashAttention-2's: it recomputes the probabilities from the saved LSE (only q, k, v, out, lse
+    and the slopes are kept for it), accumulates in fp32, writes every gradient from exactly one
+    program (deterministic, no atomics) and returns dq, dk, dv in the dtype and, when dense, the
+    memory layout of q, k, v (GQA/MQA gradients are summed over each kv head's query heads). A
+    gradient reaching ``lse`` is supported too: it adds ``dlse_i * softmax_ij`` to the score
+    gradients (the kernels fold it into the per-row term ``delta_i = rowsum(dout * out)_i -
+    dlse_i``). Rows that see no key get zero gradients. The gradient of ``out`` may have any
+    strides (one whose last dim is not unit-stride is copied).
 
     Inputs may have any strides (a ``(B, S, H, D)`` tensor passed as ``.transpose(1, 2)`` is read
     in place); only a last dim with a stride other than 1 is copied. Supported: float16, bfloat16
@@ -190,15 +260,22 @@ def attention(
 
     Raises:
         TypeError: an input is not a tensor, has an unsupported or mismatched dtype, or an option
-            has the wrong type.
-        ValueError: wrong rank, mismatched shapes or devices, heads not divisible, non-finite scale.
+            has the wrong type (``window`` not a pair of ints, ``alibi_slopes`` not float32).
+        ValueError: wrong rank, mismatched shapes or devices, heads not divisible, non-finite scale,
+            a window side below -1, a negative or non-finite softcap, ``alibi_slopes`` of the wrong
+            shape or device.
         NotImplementedError: head_dim above 256.
     """
     _check_inputs(q, k, v)
     causal = _check_flag("causal", causal)
     return_lse = _check_flag("return_lse", return_lse)
     scale = _check_scale(scale, q.shape[-1])
-    out, lse = _ops.attn_fwd(q, k, v, causal, scale)
+    window_left, window_right = _check_window(window)
+    softcap = _check_softcap(softcap)
+    alibi_slopes = _check_alibi(alibi_slopes, q)
+    out, lse = _ops.attn_fwd(
+        q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes
+    )
     return (out, lse) if return_lse else out
 
 
@@ -511,50 +588,6 @@ def _check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> No
         )
 
 
-def _check_window(window: object) -> tuple[int, int]:
-    if window is None:
-        return -1, -1
-    if (
-        not isinstance(window, tuple | list)
-        or len(window) != 2
-        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
-    ):
-        raise TypeError(f"window must be None or a (left, right) pair of ints, got {window!r}")
-    left, right = window
-    if left < -1 or right < -1:
-        raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
-    return left, right
-
-
-def _check_softcap(softcap: object) -> float:
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
-    if not (math.isfinite(softcap) and softcap > 0):
-        raise ValueError(f"softcap must be finite and > 0 (or None for none), got {softcap}")
-    return float(softcap)
-
-
-def _check_alibi(alibi_slopes: object, batch: int, heads: int, device: torch.device):
-    if alibi_slopes is None:
-        return None
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}")
-    if alibi_slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
-    if tuple(alibi_slopes.shape) not in ((heads,), (batch, heads)):
-        raise ValueError(
-            f"alibi_slopes must have shape ({heads},) or ({batch}, {heads}), "
-            f"got {tuple(alibi_slopes.shape)}"
-        )
-    if alibi_slopes.device != device:
-        raise ValueError(
-            f"alibi_slopes must be on q's device ({device}), got {alibi_slopes.device}"
-        )
-    return alibi_slopes.expand(batch, heads)
-
-
 def _check_num_splits(num_splits: object) -> int:
     if num_splits is None:
         return 0
@@ -639,7 +672,9 @@ def attention_with_kvcache(
     scale = _check_scale(scale, q.shape[-1])
     window_left, window_right = _check_window(window)
     softcap_value = _check_softcap(softcap)
-    slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
+    slopes = _check_alibi(alibi_slopes, q)
+    if slopes is not None:
+        slopes = slopes.expand(q.shape[0], q.shape[1])
     splits = _check_num_splits(num_splits)
     out, lse = _ops.attn_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, slopes, causal, scale,

@@ -49,6 +49,53 @@ def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if kv_heads == heads else t.repeat_interleave(heads // kv_heads, dim=1)
 
 
+def visible_mask(
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device | str = "cpu",
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    top_left: bool = False,
+) -> torch.Tensor:
+    """``mask[i, j]`` is True iff query i sees key j under the causal mask and the window.
+
+    With ``d = seqlen_k - seqlen_q`` (0 with ``top_left``): causal hides ``j > i + d``; a window
+    ``(left, right)`` hides ``j < i + d - left`` and ``j > i + d + right``, -1 meaning unbounded
+    on that side; with ``causal`` the right side is 0 whatever the window says (FlashAttention-2).
+    """
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    diag = 0 if top_left else seqlen_k - seqlen_q
+    mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    left, right = window if window is not None else (-1, -1)
+    if causal:
+        right = 0
+    if left >= 0:
+        mask &= j >= i + diag - left
+    if right >= 0:
+        mask &= j <= i + diag + right
+    return mask
+
+
+def alibi_bias(
+    slopes: torch.Tensor,
+    batch: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    *,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """ALiBi's ``-slope * |i + Sk - Sq - j|`` as ``(B, H, Sq, Sk)`` (broadcast over B for ``(H,)``
+    slopes), in ``dtype``."""
+    device = slopes.device
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    dist = (i + (seqlen_k - seqlen_q) - j).abs().to(dtype)
+    slopes = slopes.to(dtype).expand(batch, slopes.shape[-1])
+    return -slopes[:, :, None, None] * dist
+
+
 def scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -57,17 +104,31 @@ def scores(
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
     top_left: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``scale * q @ k^T`` in ``dtype``, ``(B, H, Sq, Sk)``; -inf where the causal mask hides a key.
+    """The scores the softmax sees, in ``dtype``, ``(B, H, Sq, Sk)``.
 
-    q is ``(B, H, Sq, D)``, k is ``(B, Hkv, Sk, D)``; scale defaults to ``1 / sqrt(D)``.
+    ``s = scale * q @ k^T``; with ``softcap`` c > 0 then ``c * tanh(s / c)``; with
+    ``alibi_slopes`` then ``- slope * |i + Sk - Sq - j|`` (``alibi_bias``); finally -inf where the
+    causal mask or the window (``visible_mask``) hides a key. q is ``(B, H, Sq, D)``, k is
+    ``(B, Hkv, Sk, D)``; scale defaults to ``1 / sqrt(D)``; softcap None or 0 is off.
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     k = _repeat_kv(k.to(dtype), q.shape[1])
     s = torch.matmul(q.to(dtype), k.transpose(-1, -2)) * scale
-    if causal:
-        mask = causal_mask(q.shape[2], k.shape[2], device=q.device, top_left=top_left)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes, q.shape[0], seqlen_q, seqlen_k, dtype=dtype)
+        s = s + bias.to(s.device)
+    if causal or window is not None:
+        mask = visible_mask(
+            seqlen_q, seqlen_k, q.device, causal=causal, window=window, top_left=top_left
+        )
         s = s.masked_fill(~mask, float("-inf"))
     return s
 
@@ -80,9 +141,22 @@ def probs(
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
     top_left: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> ProbsResult:
     """Softmax of :func:`scores` along the keys, and its logsumexp, in ``dtype``."""
-    s = scores(q, k, causal=causal, scale=scale, dtype=dtype, top_left=top_left)
+    s = scores(
+        q,
+        k,
+        causal=causal,
+        scale=scale,
+        dtype=dtype,
+        top_left=top_left,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+    )
     lse = torch.logsumexp(s, dim=-1)
     # exp(s - lse) is 0 for masked keys; a row with no visible key has lse = -inf: keep it at 0.
     empty = (lse == float("-inf")).unsqueeze(-1)
@@ -99,14 +173,28 @@ def attention(
     scale: float | None = None,
     dtype: torch.dtype = torch.float64,
     top_left: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> RefResult:
     """Attention computed in ``dtype`` from q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``.
 
     Same semantics as ``flashcore.attention``: GQA by repeating each kv head over its ``H // Hkv``
-    query heads, bottom-right causal, rows that see no key give out 0 and lse -inf. ``top_left``
-    aligns the causal mask as ``flashcore.scaled_dot_product_attention`` does (see ``causal_mask``).
+    query heads, bottom-right causal, sliding window, softcap, ALiBi (see ``scores``), rows that
+    see no key give out 0 and lse -inf. ``top_left`` aligns the causal mask as
+    ``flashcore.scaled_dot_product_attention`` does (see ``causal_mask``).
     """
-    p, lse = probs(q, k, causal=causal, scale=scale, dtype=dtype, top_left=top_left)
+    p, lse = probs(
+        q,
+        k,
+        causal=causal,
+        scale=scale,
+        dtype=dtype,
+        top_left=top_left,
+        window=window,
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+    )
     out = torch.matmul(p, _repeat_kv(v.to(dtype), q.shape[1]))
     return RefResult(out, lse)
 

@@ -22,13 +22,19 @@ Every gradient element is written by exactly one program with a fixed summation 
 is deterministic by construction (no atomics). ``P`` and ``dS`` are cast to the input dtype for
 their products, with fp32 accumulation, as in FlashAttention-2.
 
-Tile ranges. The dQ kernel visits key tiles with the forward's ``kv_tile_range`` (unmasked tiles,
-then the masked diagonal band and ragged end of Sk). The dK/dV kernel uses its mirror,
-``q_tile_range``: query tiles before the diagonal see none of the key block and are skipped, tiles
-crossing it are masked, later tiles see every key and need no mask work.
+Tile ranges. The dQ kernel visits key tiles with the forward's ``kv_tile_range`` (the masked band
+across a window's left edge, unmasked tiles, then the masked diagonal band and ragged end of Sk).
+The dK/dV kernel uses its mirror, ``q_tile_range``: query tiles before the diagonal (or the
+window's right edge) see none of the key block and are skipped, tiles crossing it are masked,
+later tiles see every key and need no mask work, until the window's left edge: tiles crossing it
+are masked again and later ones skipped.
 
 Flags (``tl.constexpr``, compiled away when off):
 - IS_CAUSAL: bottom-right aligned causal mask (row i sees key j iff ``j <= i + Sk - Sq``).
+- HAS_WINDOW, SOFTCAP, HAS_ALIBI: as in the forward (kernels/fwd.py), recomputed identically.
+  With SOFTCAP, ``dS`` (with respect to the capped scores) is multiplied by ``1 - tanh^2`` of the
+  recomputed uncapped scores, giving the gradient with respect to ``scale * Q K^T``. The ALiBi
+  slopes get no gradient.
 - EVEN_M / EVEN_N: Sq / Sk are multiples of the kernel's BLOCK_M / BLOCK_N: loads and stores skip
   row masks.
 - HEAD_DIM < BLOCK_D: head dims that are not powers of two are padded with masked loads.
@@ -44,8 +50,7 @@ Flags (``tl.constexpr``, compiled away when off):
   own lengths; blocks past its end return at once. Row stats are ``(H, total_q)``. EVEN_M/EVEN_N
   are False. A sequence without queries leaves its dK/dV programs with no query tile: they store
   zeros.
-Later masks (window, softcap, ALiBi) join through ``mask_scores`` and the two tile-range helpers;
-varlen changes only how base pointers and sequence lengths are found.
+Varlen changes only how base pointers and sequence lengths are found.
 
 LSE base. The forward stores the natural-log LSE (fp32, ``(B, H, Sq)``, unit stride along Sq).
 ``load_row_stats`` converts it to base 2 and the scores are scaled by ``scale * log2(e)``, so the
@@ -78,8 +83,31 @@ from flashcore.kernels.common import (
     program_tile,
     q_tile_range,
     store_tile,
+    transform_scores,
 )
 from flashcore.kernels.varlen import seq_bounds
+
+
+@triton.jit
+def _softcap_scales(qk_scale, sm_scale, softcap, SOFTCAP: tl.constexpr):
+    """``(qk_scale, cap)``: with SOFTCAP the dot is scaled to ``scale * q.k / c`` in natural units
+    and ``tanh`` of it multiplied by ``cap = c * log2(e)`` (``common.transform_scores``), as in the
+    forward; without it the scale is unchanged and ``cap`` unused."""
+    if SOFTCAP:
+        return sm_scale / softcap, softcap * LOG2E
+    else:
+        return qk_scale, softcap
+
+
+@triton.jit
+def _alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of head ``off_h`` of batch ``off_b`` in base-2 units (0.0 without ALiBi).
+
+    Slopes are (B, H) with unit stride along H, or (H,) with ``stride_ab = 0``."""
+    if HAS_ALIBI:
+        return tl.load(ALIBI + off_b * stride_ab + off_h) * LOG2E
+    else:
+        return 0.0
 
 
 @triton.jit
@@ -188,10 +216,17 @@ def _bwd_dkdv_q_loop(
     seqlen_q,
     seqlen_k,
     qk_scale,
+    window_left,
+    window_right,
+    cap,
+    slope,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_M: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -217,12 +252,21 @@ def _bwd_dkdv_q_loop(
         # Transposed products (S^T = K Q^T): K, V and P^T, dS^T are the register operands, Q and
         # dO the freshly loaded ones, so no register tile needs a transpose.
         st = dot_nt(k, q, DOT_PRECISION) * qk_scale
+        st, tt = transform_scores(
+            st, rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI
+        )
         if MASKED:
-            st = mask_scores_t(st, offs_n, rows, seqlen_q, seqlen_k, IS_CAUSAL, False)
+            st = mask_scores_t(
+                st, offs_n, rows, seqlen_q, seqlen_k, window_left, window_right,
+                IS_CAUSAL, HAS_WINDOW, False,
+            )  # fmt: skip
         pt = tl.math.exp2(st - lse2[None, :])
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpt = dot_nt(v, do, DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
+        if SOFTCAP:
+            # d(c * tanh(x / c)) / dx = 1 - tanh^2: dS with respect to the uncapped scores.
+            dst = dst * (1.0 - tt * tt)
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
         q_base += BLOCK_M * stride_qm
         do_base += BLOCK_M * stride_dom
@@ -243,6 +287,7 @@ def attn_bwd_dkdv_kernel(
     DV,
     CU_Q,
     CU_K,
+    ALIBI,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -263,16 +308,23 @@ def attn_bwd_dkdv_kernel(
     stride_dvn,
     stride_lb,
     stride_lh,
+    stride_ab,
     kv_heads,
     kv_group,
     seqlen_q,
     seqlen_k,
     sm_scale,
+    window_left,
+    window_right,
+    softcap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -329,7 +381,11 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    lo, mid, hi = q_tile_range(start_n, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    qk_scale, cap = _softcap_scales(qk_scale, sm_scale, softcap, SOFTCAP)
+    lo, mid, full_hi, hi = q_tile_range(
+        start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
     row0 = tl.cast(lo, tl.int64)
     # GQA/MQA: the query heads sharing this kv head, summed in registers (no atomics, no repeat).
     for g in range(kv_group):
@@ -339,16 +395,30 @@ def attn_bwd_dkdv_kernel(
         stats_off = off_b * stride_lb + off_h * stride_lh + row0
         lse_ptrs = LSE + stats_off + offs_tm
         delta_ptrs = DELTA + stats_off + offs_tm
+        slope = _alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI)
         dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, lo, mid,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
-            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, True, EVEN_M, UPCAST, DOT_PRECISION,
+            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+            cap, slope,
+            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+            EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
         dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, mid, hi,
-            stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
-            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, False, EVEN_M, UPCAST, DOT_PRECISION,
+            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, mid,
+            full_hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
+            window_right, cap, slope,
+            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False,
+            EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
+        if HAS_WINDOW:
+            # Query rows past the window's left edge of the block's first key: masked again.
+            dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
+                dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d,
+                full_hi, hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
+                window_right, cap, slope,
+                HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+                EVEN_M, UPCAST, DOT_PRECISION,
+            )  # fmt: skip
 
     dk *= sm_scale
     dk_ptrs = (
@@ -392,10 +462,17 @@ def _bwd_dq_kv_loop(
     seqlen_q,
     seqlen_k,
     qk_scale,
+    window_left,
+    window_right,
+    cap,
+    slope,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -419,11 +496,19 @@ def _bwd_dq_kv_loop(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = dot_nt(q, k, DOT_PRECISION) * qk_scale
+        s, t = transform_scores(
+            s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI
+        )
         if MASKED:
-            s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
+            s = mask_scores(
+                s, offs_m, cols, seqlen_q, seqlen_k, window_left, window_right,
+                IS_CAUSAL, HAS_WINDOW, not EVEN_N,
+            )  # fmt: skip
         p = tl.math.exp2(s - lse2[:, None])
         dp = dot_nt(do, v, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
         k_base += BLOCK_N * stride_kn
         v_base += BLOCK_N * stride_vn
@@ -441,6 +526,7 @@ def attn_bwd_dq_kernel(
     DQ,
     CU_Q,
     CU_K,
+    ALIBI,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -458,16 +544,23 @@ def attn_bwd_dq_kernel(
     stride_dqm,
     stride_lb,
     stride_lh,
+    stride_ab,
     num_heads,
     kv_group,
     seqlen_q,
     seqlen_k,
     sm_scale,
+    window_left,
+    window_right,
+    softcap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -527,16 +620,35 @@ def attn_bwd_dq_kernel(
         do = do.to(tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    qk_scale, cap = _softcap_scales(qk_scale, sm_scale, softcap, SOFTCAP)
+    slope = _alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI)
+    lo, full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
+    if HAS_WINDOW:
+        k_base += lo.to(tl.int64) * stride_kn
+        v_base += lo.to(tl.int64) * stride_vn
+        dq, k_base, v_base = _bwd_dq_kv_loop(
+            dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, lo, full_lo,
+            stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+            cap, slope,
+            HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True, EVEN_N,
+            UPCAST, DOT_PRECISION,
+        )  # fmt: skip
     dq, k_base, v_base = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, 0, full_hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION,
+        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, full_lo, full_hi,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        cap, slope,
+        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False, EVEN_N,
+        UPCAST, DOT_PRECISION,
     )  # fmt: skip
     dq, k_base, v_base = _bwd_dq_kv_loop(
         dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, full_hi, hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        cap, slope,
+        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True, EVEN_N,
+        UPCAST, DOT_PRECISION,
     )  # fmt: skip
 
     dq *= sm_scale

@@ -4,10 +4,15 @@ Each helper owns one concern so that a bug shows in one place and a probe kernel
 (``flashcore.debug``) can run the very same code on its own:
 
 - ``load_tile``: a (rows, BLOCK_D) tile, masked only where constexpr flags say an edge is ragged.
-- ``kv_tile_range``: which key tiles a query block visits, split into an unmasked and a masked part.
+- ``kv_tile_range``: which key tiles a query block visits, split into a masked head (the sliding
+  window's left edge), an unmasked middle and a masked tail (causal diagonal, window's right
+  edge, ragged end of Sk).
 - ``q_tile_range``: its mirror for the backward's dK/dV kernel: which query tiles see a key block.
 - ``mask_scores`` / ``mask_scores_t``: -inf where a key is out of range or hidden by the causal
-  mask, on a (queries, keys) tile or its transpose; both defer to ``mask_by_index``.
+  mask or the sliding window, on a (queries, keys) tile or its transpose; both defer to
+  ``mask_by_index``.
+- ``transform_scores``: softcap (``c * tanh(s / c)``) and ALiBi (``-slope * |i + Sk - Sq - j|``),
+  on every tile; ``tanh`` is a portable fp32 tanh.
 - ``online_softmax_step``: one step of the streaming softmax in base 2 (base e with EXP_E).
 - ``row_lse``: the natural-log logsumexp of a finished row, -inf for a row that saw no key.
 - ``load_row_stats``: the backward's per-row LSE (converted to base 2) and delta.
@@ -84,26 +89,54 @@ def kv_tile_range(
     start_m,
     seqlen_q,
     seqlen_k,
+    window_left,
+    window_right,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
-    """Key range ``[0, hi)`` that query rows ``[start_m, start_m + BLOCK_M)`` can see.
+    """Key tiles that query rows ``[start_m, start_m + BLOCK_M)`` can see, in three parts.
 
-    Returns ``(full_hi, hi)``: tiles starting in ``[0, full_hi)`` are complete and visible to every
-    row of the block (no mask work), tiles in ``[full_hi, hi)`` need ``mask_scores``. ``full_hi`` is
-    a multiple of BLOCK_N. Causal is bottom-right aligned: row i sees key j iff
-    ``j <= i + seqlen_k - seqlen_q``, so a block whose rows all precede the diagonal: ``hi = 0``.
+    Returns ``(lo, full_lo, full_hi, hi)``, multiples of BLOCK_N except ``hi``: tiles starting in
+    ``[lo, full_lo)`` cross the window's left edge and need ``mask_scores``; tiles in
+    ``[full_lo, full_hi)`` are complete and visible to every row of the block (no mask work);
+    tiles in ``[full_hi, hi)`` cross the causal diagonal or the window's right edge, or run past
+    Sk, and need ``mask_scores``. Keys before ``lo`` and from ``hi`` on are seen by no row.
+
+    Visibility is bottom-right aligned (``d = seqlen_k - seqlen_q``): causal, row i sees key j iff
+    ``j <= i + d``; with HAS_WINDOW also iff ``i + d - window_left <= j`` and (unless causal)
+    ``j <= i + d + window_right``. The launcher passes an unbounded side as a value of at least
+    ``seqlen_q + seqlen_k``. Without HAS_WINDOW ``lo = full_lo = 0`` (compile-time), and the
+    ranges are exactly the causal/full ones.
     """
+    diag = seqlen_k - seqlen_q
     if IS_CAUSAL:
-        diag = seqlen_k - seqlen_q
         hi = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + diag, 0))
         # The first row of the block sees keys [0, start_m + diag]; every later row sees more.
         full_hi = (tl.maximum(start_m + diag + 1, 0) // BLOCK_N) * BLOCK_N
+    elif HAS_WINDOW:
+        # The right edge as the causal diagonal, shifted by window_right (and capped by Sk).
+        hi = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + diag + window_right, 0))
+        edge = tl.minimum(tl.maximum(start_m + diag + window_right + 1, 0), seqlen_k)
+        full_hi = (edge // BLOCK_N) * BLOCK_N
     else:
         hi = seqlen_k
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
-    return full_hi, hi
+    if HAS_WINDOW:
+        # The first row of the block sees keys from start_m + d - window_left on, the last row
+        # (padding rows included: a little more masking than needed) from BLOCK_M - 1 later.
+        lo = (tl.maximum(start_m + diag - window_left, 0) // BLOCK_N) * BLOCK_N
+        last = tl.maximum(start_m + BLOCK_M - 1 + diag - window_left, 0)
+        full_lo = tl.minimum(((last + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi)
+        # Narrow windows: no full tile, the two masked parts meet. Keep the parts ordered, as the
+        # loops chain their pointers from one part to the next.
+        lo = tl.minimum(lo, full_lo)
+        full_hi = tl.maximum(full_hi, full_lo)
+    else:
+        lo = 0
+        full_lo = 0
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
@@ -111,34 +144,56 @@ def q_tile_range(
     start_n,
     seqlen_q,
     seqlen_k,
+    window_left,
+    window_right,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
-    """Query rows ``[lo, hi)`` that can see keys ``[start_n, start_n + BLOCK_N)``.
+    """Query rows that can see keys ``[start_n, start_n + BLOCK_N)``, in three parts.
 
-    The mirror of ``kv_tile_range``, for programs that own a key block. Returns ``(lo, mid, hi)``:
-    query tiles starting in ``[lo, mid)`` cross the causal diagonal and need ``mask_scores``; tiles
-    starting in ``[mid, hi)`` see every key of the block (no mask work); rows before ``lo`` see none
-    of it. ``lo`` and ``mid`` are multiples of BLOCK_M or equal to ``hi = seqlen_q``. Row i sees
-    key j iff ``i >= j - (seqlen_k - seqlen_q)``, so later rows see more. Neither rows past
-    seqlen_q nor keys past seqlen_k are masked here: the caller makes padded rows contribute
-    nothing (``load_row_stats``) and never stores the rows of padded keys.
+    The mirror of ``kv_tile_range``, for programs that own a key block. Returns
+    ``(lo, mid, full_hi, hi)``: query tiles starting in ``[lo, mid)`` cross the causal diagonal
+    (or the window's right edge) and need ``mask_scores``; tiles in ``[mid, full_hi)`` see every
+    key of the block (no mask work); tiles in ``[full_hi, hi)`` cross the window's left edge and
+    need masking again; rows outside ``[lo, hi)`` see none of the block. ``lo``, ``mid`` and
+    ``full_hi`` are multiples of BLOCK_M or equal to ``hi <= seqlen_q``. Row i sees key j iff
+    ``j - d - right <= i <= j - d + window_left`` (``d = seqlen_k - seqlen_q``, right = 0 when
+    causal), so later rows see more on the right edge and less on the left. Without HAS_WINDOW
+    ``full_hi = hi = seqlen_q``. Neither rows past seqlen_q nor keys past seqlen_k are masked here:
+    the caller makes padded rows contribute nothing (``load_row_stats``) and never stores the rows
+    of padded keys.
     """
+    diag = seqlen_k - seqlen_q
     if IS_CAUSAL:
-        diag = seqlen_k - seqlen_q
         # The block's first key is seen from row start_n - diag on, its last from
         # start_n + BLOCK_N - 1 - diag on (a ragged last block is masked a little more than needed).
         lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
         full = (tl.maximum(start_n + BLOCK_N - 1 - diag + BLOCK_M - 1, 0) // BLOCK_M) * BLOCK_M
+    elif HAS_WINDOW:
+        lo = (tl.maximum(start_n - diag - window_right, 0) // BLOCK_M) * BLOCK_M
+        last = start_n + BLOCK_N - 1 - diag - window_right
+        full = (tl.maximum(last + BLOCK_M - 1, 0) // BLOCK_M) * BLOCK_M
+    if HAS_WINDOW:
+        # The block's last key is seen up to row start_n + BLOCK_N - 1 - diag + window_left, its
+        # first up to start_n - diag + window_left.
+        hi = tl.minimum(seqlen_q, tl.maximum(start_n + BLOCK_N - diag + window_left, 0))
+    else:
         hi = seqlen_q
+    if IS_CAUSAL or HAS_WINDOW:
         mid = tl.minimum(full, hi)
         lo = tl.minimum(lo, mid)
     else:
+        # Compile-time zeros: the masked loop over [lo, mid) disappears.
         lo = 0
         mid = 0
-        hi = seqlen_q
-    return lo, mid, hi
+    if HAS_WINDOW:
+        full_hi = (tl.maximum(start_n - diag + window_left + 1, 0) // BLOCK_M) * BLOCK_M
+        full_hi = tl.maximum(tl.minimum(full_hi, hi), mid)
+    else:
+        full_hi = hi
+    return lo, mid, full_hi, hi
 
 
 @triton.jit
@@ -148,10 +203,14 @@ def mask_by_index(
     cols,
     seqlen_q,
     seqlen_k,
+    window_left,
+    window_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     CHECK_N: tl.constexpr,
 ):
-    """-inf where query ``rows`` may not see key ``cols`` (keys past seqlen_k; causal future).
+    """-inf where query ``rows`` may not see key ``cols`` (keys past seqlen_k; causal future;
+    outside the sliding window ``[i + d - window_left, i + d + window_right]``, d = Sk - Sq).
 
     ``rows`` and ``cols`` are index tensors that broadcast against ``s`` in either orientation
     (queries along dim 0 or dim 1): the one place that decides visibility, for every kernel.
@@ -160,6 +219,10 @@ def mask_by_index(
         s = tl.where(cols < seqlen_k, s, float("-inf"))
     if IS_CAUSAL:
         s = tl.where(cols <= rows + (seqlen_k - seqlen_q), s, float("-inf"))
+    if HAS_WINDOW:
+        s = tl.where(cols >= rows + (seqlen_k - seqlen_q - window_left), s, float("-inf"))
+        if not IS_CAUSAL:
+            s = tl.where(cols <= rows + (seqlen_k - seqlen_q + window_right), s, float("-inf"))
     return s
 
 
@@ -170,13 +233,17 @@ def mask_scores(
     offs_n,
     seqlen_q,
     seqlen_k,
+    window_left,
+    window_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     CHECK_N: tl.constexpr,
 ):
     """Set scores of keys a row may not see to -inf on a (BLOCK_M, BLOCK_N) tile (rows: queries)."""
     return mask_by_index(
-        s, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, IS_CAUSAL, CHECK_N
-    )
+        s, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, window_left, window_right,
+        IS_CAUSAL, HAS_WINDOW, CHECK_N,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -186,14 +253,71 @@ def mask_scores_t(
     offs_m,
     seqlen_q,
     seqlen_k,
+    window_left,
+    window_right,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     CHECK_N: tl.constexpr,
 ):
     """``mask_scores`` on a transposed (BLOCK_N, BLOCK_M) tile (rows: keys), as the dK/dV kernel
     computes ``S^T = K Q^T`` so that K, V stay the register operand of its products."""
     return mask_by_index(
-        st, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, IS_CAUSAL, CHECK_N
-    )
+        st, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, window_left, window_right,
+        IS_CAUSAL, HAS_WINDOW, CHECK_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def tanh(x):
+    """``tanh(x)`` in fp32 to a few ulp from ``exp2`` alone (the interpreter has no libdevice).
+
+    Cephes' tanhf: an odd polynomial below |x| = 0.625, where ``1 - 2 / (exp(2|x|) + 1)`` would
+    lose the low bits of small results to cancellation (10x PyTorch's fp32 error on softcapped
+    scores with c = 50), and that formula above, which saturates to exactly +-1 when exp overflows.
+    """
+    ax = tl.abs(x)
+    z = x * x
+    poly = -5.70498872745e-3 * z + 2.06390887954e-2
+    poly = poly * z - 5.37397155531e-2
+    poly = poly * z + 1.33314422036e-1
+    poly = poly * z - 3.33332819422e-1
+    small = poly * z * x + x
+    big = 1.0 - 2.0 / (tl.math.exp2(ax * (2.0 * LOG2E)) + 1.0)
+    big = tl.where(x < 0, -big, big)
+    return tl.where(ax < 0.625, small, big)
+
+
+@triton.jit
+def transform_scores(
+    s,
+    rows,
+    cols,
+    seqlen_q,
+    seqlen_k,
+    softcap,
+    slope,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
+):
+    """Softcap, then ALiBi, on scores ``s`` in the kernel's units (log2, or natural with EXP_E).
+
+    With SOFTCAP ``s`` arrives as ``scale * q.k / c`` (``1 / c`` is folded into the scale) and
+    leaves as ``tanh(s) * softcap``, where ``softcap`` is ``c`` in the scores' units
+    (``c * log2(e)`` for base 2). ALiBi adds ``-slope * |i + Sk - Sq - j|``, ``slope`` again in the
+    scores' units. ``rows``/``cols`` broadcast as in ``mask_by_index``. Applied on every tile, full
+    or masked, before the mask; the identity when both flags are off.
+
+    Returns ``(s, t)``: the transformed scores and ``t = tanh(.)``, which the backward needs for
+    the softcap's derivative ``1 - t^2`` (``t`` is unused, and compiled away, elsewhere).
+    """
+    t = s
+    if SOFTCAP:
+        t = tanh(s)
+        s = t * softcap
+    if HAS_ALIBI:
+        dist = rows + (seqlen_k - seqlen_q) - cols
+        s = s - slope * tl.abs(dist).to(tl.float32)
+    return s, t
 
 
 @triton.jit

@@ -13,11 +13,22 @@ last-first, heaviest first). Query head h reads kv head ``h // (H // Hkv)`` (GQA
 repeating K/V in memory).
 
 Key loop. ``kv_tile_range`` splits the keys a block may see into full tiles (every row sees every
-key: no mask work at all) and a tail that needs masking (the causal diagonal band, the ragged end
-of Sk). Tiles past the diagonal are never visited, so causal costs about half.
+key: no mask work at all) and a tail that needs masking (the causal diagonal band or the window's
+right edge, the ragged end of Sk); with a sliding window also a masked head band across the
+window's left edge, after skipping the keys left of it. Tiles outside every row's reach are never
+visited, so causal costs about half and a window ``(left, right)`` about
+``(left + right + BLOCK_M + BLOCK_N) / Sk``.
 
 Flags (``tl.constexpr``, compiled away when off):
 - IS_CAUSAL: bottom-right aligned causal mask (row i sees key j iff ``j <= i + Sk - Sq``).
+- HAS_WINDOW: sliding window, row i sees key j iff ``i + d - window_left <= j`` and (unless
+  IS_CAUSAL, which sets the right side to 0) ``j <= i + d + window_right``, ``d = Sk - Sq``. The
+  launcher passes an unbounded side as ``Sq + Sk`` and turns the flag off when no side binds.
+- SOFTCAP: ``qk_scale`` is ``scale / c`` in natural units and the scores become
+  ``tanh(s) * softcap`` (``softcap`` = c, times log2(e) unless EXP_E): ``c * tanh(scale q.k / c)``.
+- HAS_ALIBI: adds ``-slope * |i + d - j|`` to every score, with the slope of this (batch, head)
+  loaded from ALIBI (``stride_ab`` = 0 for per-head slopes). Softcap and ALiBi apply to full and
+  masked tiles alike (``common.transform_scores``); only the window changes which tiles are masked.
 - EVEN_M / EVEN_N: Sq / Sk are multiples of the block sizes, so loads skip row masks.
 - HEAD_DIM < BLOCK_D: head dims that are not powers of two (80, 96, 192) are padded to BLOCK_D
   with masked loads; the padding reads 0 and contributes nothing.
@@ -43,9 +54,8 @@ Flags (``tl.constexpr``, compiled away when off):
   zero-fill only at the end of the packed tensor, so a tile crossing a sequence end would read
   the next sequence's rows; masked pointer loads stop at the sequence end. The LSE is
   ``(H, total_q)``: batch stride 0, unit stride along the packed rows.
-Later features are meant to join as more flags on the same kernel: a sliding window adds a masked
-head part to ``kv_tile_range``; softcap, ALiBi transform ``S`` next to ``mask_scores``; paged KV,
-like varlen, changes only how the base pointers and sequence lengths are found.
+Later features are meant to join as more flags on the same kernel: paged KV, like varlen, changes
+only how the base pointers and sequence lengths are found.
 
 Invariants. The head dim is contiguous (unit stride, guaranteed by the launcher): Triton 3.6 no
 longer specialises integer arguments equal to 1, so a runtime last-dim stride would turn every tile
@@ -59,6 +69,7 @@ import triton
 import triton.language as tl
 
 from flashcore.kernels.common import (
+    LOG2E,
     dot_nt,
     kv_tile_range,
     load_tile,
@@ -67,6 +78,7 @@ from flashcore.kernels.common import (
     program_tile,
     row_lse,
     store_tile,
+    transform_scores,
 )
 from flashcore.kernels.varlen import seq_bounds
 
@@ -91,11 +103,18 @@ def _fwd_kv_loop(
     seqlen_q,
     seqlen_k,
     qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    slope,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     MASKED: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -128,8 +147,15 @@ def _fwd_kv_loop(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = dot_nt(q, k, DOT_PRECISION) * qk_scale
+        s, _t = transform_scores(
+            s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, softcap, slope,
+            SOFTCAP, HAS_ALIBI,
+        )  # fmt: skip
         if MASKED:
-            s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
+            s = mask_scores(
+                s, offs_m, cols, seqlen_q, seqlen_k, window_left, window_right,
+                IS_CAUSAL, HAS_WINDOW, not EVEN_N,
+            )  # fmt: skip
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -148,6 +174,7 @@ def attn_fwd_kernel(
     LSE,
     CU_Q,
     CU_K,
+    ALIBI,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -162,16 +189,23 @@ def attn_fwd_kernel(
     stride_om,
     stride_lb,
     stride_lh,
+    stride_ab,
     num_heads,
     kv_group,
     seqlen_q,
     seqlen_k,
     qk_scale,
+    window_left,
+    window_right,
+    softcap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     EVEN_M: tl.constexpr,
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -231,18 +265,43 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    if HAS_ALIBI:
+        # Slopes are (B, H) with unit stride along H, or (H,) with stride_ab = 0.
+        slope = tl.load(ALIBI + off_b * stride_ab + off_h)
+        if not EXP_E:
+            slope = slope * LOG2E
+    else:
+        slope = 0.0
+
+    lo, full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
+    if HAS_WINDOW:
+        # The window's left edge: skip the keys before it, mask the band that crosses it.
+        if not USE_TMA:
+            k_base += lo.to(tl.int64) * stride_kn
+            v_base += lo.to(tl.int64) * stride_vn
+        acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
+            acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, lo, full_lo,
+            stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+            softcap, slope,
+            HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+            EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
+        )  # fmt: skip
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, 0, full_hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, False, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
-        USE_TMA,
+        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, full_lo, full_hi,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        softcap, slope,
+        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False,
+        EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
     )  # fmt: skip
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
         acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, full_hi, hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale,
-        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, True, EVEN_N, UPCAST, DOT_PRECISION, EXP_E,
-        USE_TMA,
+        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        softcap, slope,
+        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+        EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
     )  # fmt: skip
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

@@ -66,7 +66,7 @@ def _score_tile(
         k = k.to(tl.float32)
     s = dot_nt(q, k, DOT_PRECISION) * qk_scale
     if MASKED:
-        s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
+        s = mask_scores(s, offs_m, cols, seqlen_q, seqlen_k, 0, 0, IS_CAUSAL, False, not EVEN_N)
     return s
 
 
@@ -143,7 +143,9 @@ def probe_scores_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    _lo, _full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, 0, 0, BLOCK_M, BLOCK_N, IS_CAUSAL, False
+    )
     for start_n in range(0, full_hi, BLOCK_N):
         cols = start_n + offs_n
         k_ptrs = k_base + (cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)
@@ -241,7 +243,9 @@ def probe_probs_kernel(
     # Pass 1: row max and row sum, with the forward kernel's split and calls.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    _lo, _full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, 0, 0, BLOCK_M, BLOCK_N, IS_CAUSAL, False
+    )
     for start_n in range(0, full_hi, BLOCK_N):
         cols = start_n + offs_n
         k_ptrs = k_base + (cols[:, None] * stride_kn + offs_d[None, :] * stride_kd)
@@ -351,7 +355,9 @@ def probe_uniform_pv_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
-    full_hi, hi = kv_tile_range(start_m, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    _lo, _full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, 0, 0, BLOCK_M, BLOCK_N, IS_CAUSAL, False
+    )
     for start_n in range(0, full_hi, BLOCK_N):
         cols = start_n + offs_n
         v_ptrs = v_base + (cols[:, None] * stride_vn + offs_d[None, :] * stride_vd)
@@ -367,7 +373,7 @@ def probe_uniform_pv_kernel(
         v = load_tile(v_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
         if UPCAST:
             v = v.to(tl.float32)
-        s = mask_scores(zeros, offs_m, cols, seqlen_q, seqlen_k, IS_CAUSAL, not EVEN_N)
+        s = mask_scores(zeros, offs_m, cols, seqlen_q, seqlen_k, 0, 0, IS_CAUSAL, False, not EVEN_N)
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, True, False)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)

@@ -3,12 +3,15 @@
 ``custom_op`` (not ``triton_op``) keeps the ops opaque to ``torch.compile`` and lets
 ``torch.library.opcheck`` run them through Triton's interpreter on the CPU.
 
-Autograd: ``attn_fwd`` saves only its inputs q, k, v and its outputs out, lse; its backward is the
-``attn_bwd`` op, which recomputes the probabilities from the LSE. ``attn_varlen_fwd`` and
-``attn_varlen_bwd`` are the same pair on packed variable-length batches; they also save the
-cu_seqlens offsets, whose contents are never read on the host (the fake kernels derive every
-shape from q alone). ``attn_kvcache`` (decoding from a KV cache) is inference-only: it registers no
-autograd formula, so a backward through it raises PyTorch's "no autograd formula" error.
+Autograd: ``attn_fwd`` saves only its inputs q, k, v (and the ALiBi slopes, which get no
+gradient) and its outputs out, lse; its backward is the ``attn_bwd`` op, which recomputes the
+probabilities from the LSE. The mask options (``window_left``, ``window_right``, ``softcap``,
+``alibi_slopes``) are ``flashcore.attention``'s, validated; their defaults are off.
+``attn_varlen_fwd`` and ``attn_varlen_bwd`` are the same pair on packed variable-length batches;
+they also save the cu_seqlens offsets, whose contents are never read on the host (the fake kernels
+derive every shape from q alone). ``attn_kvcache`` (decoding from a KV cache) is inference-only: it
+registers no autograd formula, so a backward through it raises PyTorch's "no autograd formula"
+error.
 """
 
 from __future__ import annotations
@@ -20,15 +23,40 @@ from flashcore.ops import bwd, decode, fwd
 
 @torch.library.custom_op("flashcore::attn_fwd", mutates_args=())
 def attn_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out, lse)`` for validated ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` inputs."""
-    return fwd.attn_fwd(q, k, v, causal, scale)
+    return fwd.attn_fwd(
+        q,
+        k,
+        v,
+        causal,
+        scale,
+        window=(window_left, window_right),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+    )
 
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, seqlen_q, _ = q.shape
     return torch.empty_like(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
@@ -45,9 +73,26 @@ def attn_bwd(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``attn_fwd``: ``(dq, dk, dv)`` from ``dout`` and, if not None, ``dlse``."""
-    return bwd.attn_bwd(dout, q, k, v, out, lse, dlse, causal, scale)
+    return bwd.attn_bwd(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dlse,
+        causal,
+        scale,
+        window=(window_left, window_right),
+        softcap=softcap,
+        alibi_slopes=alibi_slopes,
+    )
 
 
 @attn_bwd.register_fake
@@ -61,16 +106,25 @@ def _attn_bwd_fake(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+# window_left, window_right, softcap, alibi_slopes: off.
+_MASK_DEFAULTS = (-1, -1, 0.0, None)
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, *masks = inputs
+    # Trailing arguments left at their defaults may be missing from ``inputs``.
+    *options, alibi_slopes = (causal, scale, *masks, *_MASK_DEFAULTS[len(masks) :])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal = causal
-    ctx.scale = scale
+    ctx.save_for_backward(q, k, v, out, lse, alibi_slopes)
+    ctx.options = tuple(options)
     # An output whose gradient is not needed (usually lse) then arrives as None instead of a
     # materialised tensor of zeros.
     ctx.set_materialize_grads(False)
@@ -84,12 +138,14 @@ def _out_grad(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
+    # No gradient for the options, the ALiBi slopes included.
+    no_grads = (None,) * (len(ctx.options) + 1)
     if dout is None and dlse is None:
-        return None, None, None, None, None
+        return None, None, None, *no_grads
     dout = _out_grad(dout, out)
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options, alibi_slopes)
+    return dq, dk, dv, *no_grads
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -10,11 +10,13 @@ import torch
 
 from flashcore.ops.fwd import (
     Varlen,
+    alibi_arg,
     cdiv,
     is_interpreted,
     row_strides,
     stats_strides,
     unit_stride_last_dim,
+    window_bounds,
 )
 from flashcore.tuning import BwdConfig, bwd_config, head_block
 
@@ -39,13 +41,18 @@ def attn_bwd(
     scale: float,
     varlen: Varlen | None = None,
     config: BwdConfig | None = None,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` of the forward ``(out, lse) = attn_fwd(q, k, v, causal, scale)``.
+    """Gradients ``(dq, dk, dv)`` of the forward ``(out, lse) = attn_fwd(q, k, v, causal, scale,
+    window=..., softcap=..., alibi_slopes=...)`` (same options).
 
     ``dout`` is the gradient of ``out`` (any strides with a unit-stride last dim), ``dlse`` that of
     ``lse`` or None. Each gradient has its input's memory layout when the input is dense. With
     ``varlen`` the tensors are packed as in ``attn_fwd``. ``config`` overrides the tuned launch
-    config (for tuning scripts).
+    config (for tuning scripts). The slopes get no gradient.
     """
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
     q, k, v, out, dout = (unit_stride_last_dim(t) for t in (q, k, v, out, dout))
@@ -82,6 +89,16 @@ def attn_bwd(
     else:
         dlse_strides = dlse.stride() if varlen is None else (0, *dlse.stride())
     bwd = kernels()
+    is_causal, has_window, window_left, window_right = window_bounds(
+        causal, *window, seqlen_q, seqlen_k
+    )
+    alibi, stride_ab = alibi_arg(alibi_slopes, lse)
+    masks = dict(
+        IS_CAUSAL=is_causal,
+        HAS_WINDOW=has_window,
+        SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None,
+    )
 
     # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
     with torch.cuda.device_of(q):
@@ -102,15 +119,16 @@ def attn_bwd(
         )  # fmt: skip
         bwd.attn_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,)](
             q, k, v, dout, lse, delta, dk, dv,
-            cu_q, cu_k,
+            cu_q, cu_k, alibi,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
-            *stats_strides(lse, varlen),
+            *stats_strides(lse, varlen), stride_ab,
             kv_heads, heads // kv_heads, seqlen_q, seqlen_k, scale,
+            window_left, window_right, softcap,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_M=cfg.block_m1,
             BLOCK_N=cfg.block_n1,
-            IS_CAUSAL=causal,
+            **masks,
             EVEN_M=even(seqlen_q, cfg.block_m1),
             EVEN_N=even(seqlen_k, cfg.block_n1),
             UPCAST=upcast,
@@ -121,15 +139,16 @@ def attn_bwd(
         )  # fmt: skip
         bwd.attn_bwd_dq_kernel[(cdiv(seqlen_q, cfg.block_m2) * batch * heads,)](
             q, k, v, dout, lse, delta, dq,
-            cu_q, cu_k,
+            cu_q, cu_k, alibi,
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
-            *stats_strides(lse, varlen),
+            *stats_strides(lse, varlen), stride_ab,
             heads, heads // kv_heads, seqlen_q, seqlen_k, scale,
+            window_left, window_right, softcap,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_M=cfg.block_m2,
             BLOCK_N=cfg.block_n2,
-            IS_CAUSAL=causal,
+            **masks,
             EVEN_M=even(seqlen_q, cfg.block_m2),
             EVEN_N=even(seqlen_k, cfg.block_n2),
             UPCAST=upcast,

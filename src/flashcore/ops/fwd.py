@@ -68,13 +68,18 @@ def attn_fwd(
     scale: float,
     config: FwdConfig | None = None,
     varlen: Varlen | None = None,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel on validated inputs; returns ``(out, lse)``.
 
     ``out`` keeps q's memory layout when q is dense (so a ``(B, S, H, D)`` view in gives one out);
     ``lse`` is fp32 ``(B, H, Sq)``, contiguous. ``config`` overrides the tuned launch config
     (for tuning scripts). With ``varlen`` the inputs are packed, ``(total, heads, D)``, and
-    ``lse`` is ``(H, total_q)``.
+    ``lse`` is ``(H, total_q)``. ``window``, ``softcap`` and ``alibi_slopes`` as in
+    ``flashcore.attention`` (validated; ``(-1, -1)``, 0.0 and None are off).
     """
     q, k, v = (unit_stride_last_dim(t) for t in (q, k, v))
     head_dim = q.shape[-1]
@@ -98,6 +103,14 @@ def attn_fwd(
     cfg = config or fwd_config(head_dim, q.element_size(), interpreted=interpreted)
     grid = (cdiv(seqlen_q, cfg.block_m) * batch * heads,)
     block_d = head_block(head_dim)
+    is_causal, has_window, window_left, window_right = window_bounds(
+        causal, *window, seqlen_q, seqlen_k
+    )
+    qk_scale = scale if exp_e else scale * LOG2E
+    if softcap > 0:
+        # The kernel takes tanh of scale * q.k / c in natural units and scales it back by c.
+        qk_scale, softcap = scale / softcap, softcap if exp_e else softcap * LOG2E
+    alibi, stride_ab = alibi_arg(alibi_slopes, lse)
     use_tma = (
         cfg.use_tma
         and varlen is None
@@ -116,14 +129,19 @@ def attn_fwd(
         kernels().attn_fwd_kernel[grid](
             q_arg, k_arg, v_arg, o_arg, lse,
             *((None, None) if varlen is None else varlen[:2]),
+            alibi,
             *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen),
-            *row_strides(out, varlen), *stats_strides(lse, varlen),
-            heads, heads // kv_heads, seqlen_q, seqlen_k, scale if exp_e else scale * LOG2E,
+            *row_strides(out, varlen), *stats_strides(lse, varlen), stride_ab,
+            heads, heads // kv_heads, seqlen_q, seqlen_k, qk_scale,
+            window_left, window_right, softcap,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
-            IS_CAUSAL=causal,
+            IS_CAUSAL=is_causal,
+            HAS_WINDOW=has_window,
+            SOFTCAP=softcap > 0,
+            HAS_ALIBI=alibi_slopes is not None,
             EVEN_M=varlen is None and seqlen_q % cfg.block_m == 0,
             EVEN_N=varlen is None and seqlen_k % cfg.block_n == 0,
             UPCAST=interpreted and q.dtype == torch.bfloat16,
@@ -135,6 +153,36 @@ def attn_fwd(
             num_stages=cfg.num_stages,
         )  # fmt: skip
     return out, lse
+
+
+def window_bounds(
+    causal: bool, left: int, right: int, seqlen_q: int, seqlen_k: int
+) -> tuple[bool, bool, int, int]:
+    """``(IS_CAUSAL, HAS_WINDOW, window_left, window_right)`` as the kernels take a window.
+
+    ``left``/``right`` are ``flashcore.attention``'s (-1: unbounded). A right side of 0 is the
+    causal mask, which has its own flag (and causal overrides any right side). A side that no row
+    can reach (left >= Sk, right >= Sq) is unbounded, and an unbounded side is passed as
+    ``seqlen_q + seqlen_k``, so the kernels' index arithmetic needs no case for it and stays in
+    int32. HAS_WINDOW is off when neither side binds: the kernels are then the plain ones.
+    """
+    unbounded = seqlen_q + seqlen_k
+    causal = causal or right == 0
+    left = unbounded if left < 0 or left >= seqlen_k else left
+    right = unbounded if causal or right < 0 or right >= seqlen_q else right
+    return causal, left < unbounded or right < unbounded, left, right
+
+
+def alibi_arg(slopes: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """ALiBi slopes as the kernels read them: ``(pointer, batch stride)``, unit stride over heads.
+
+    ``(H,)`` slopes get a batch stride of 0. Without slopes, ``dummy`` stands in for the pointer
+    (never read: HAS_ALIBI is off).
+    """
+    if slopes is None:
+        return dummy, 0
+    slopes = slopes.contiguous()
+    return slopes, (slopes.stride(0) if slopes.dim() == 2 else 0)
 
 
 @functools.cache
