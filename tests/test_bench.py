@@ -12,11 +12,13 @@ import sys
 import pytest
 import torch
 
+from flashcore import reference
 from flashcore.bench import cases, check, metrics, providers
 from flashcore.bench.cli import main
 from flashcore.bench.report import read_jsonl
 
 HAS_CUDA = torch.cuda.is_available()
+GRADS = ("out", *check.GRAD_NAMES)
 KEYS = {
     "provider", "mode", "dtype", "shape", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k",
     "head_dim", "causal", "status", "reason", "ms_p20", "ms_p50", "ms_p80", "timer", "tflops",
@@ -72,6 +74,52 @@ def test_decode_preset(tmp_path):
         assert row["bytes"] == metrics.attention_bytes(case, 2)
         if not HAS_CUDA:
             assert row["gbps"] is None and row["pct_copy_bw"] is None
+
+
+def test_varlen_preset(tmp_path, capsys):
+    out = tmp_path / "varlen.jsonl"
+    assert main(["--preset", "varlen-smoke", "--mode", "fwd,bwd", "--out", str(out)]) == 0
+    assert "sdpa-padded uses no mask" in capsys.readouterr().out
+    rows = measurements(out)
+    expected = cases.select_cases(["varlen-smoke"], [], "both")
+    assert len(rows) == 2 * len(providers.VARLEN_CPU) * len(expected)
+    for row in rows:
+        case = next(
+            c for c in expected if [list(c.seqlens), c.causal] == [row["seqlens"], row["causal"]]
+        )
+        assert row["padding"] == pytest.approx(case.padding) and 0.3 < row["padding"] < 0.5
+        assert row["flops"] == metrics.attention_flops(case, row["mode"])
+        name, causal = row["provider"], row["causal"]
+        if name == "flashcore-varlen" or name == "sdpa-padded-mask" or causal:
+            assert row["status"] == "ok", row
+            assert set(row["errors"]) == ({"out"} if row["mode"] == "fwd" else set(GRADS))
+        elif name == "sdpa-padded":
+            # No mask, non-causal: the real queries also attend to the padding keys.
+            assert row["status"] == "wrong" and row["ms_p50"] is not None, row
+        else:
+            assert row["status"] == "refused" and "key-padding mask" in row["reason"], row
+
+
+def test_varlen_building_blocks():
+    for case in cases.preset_cases("varlen"):
+        assert 0.4 < case.padding < 0.5 and max(case.seqlens) == case.shape.seqlen_q
+    # FLOPs of the real tokens only: sum of 4 * H * S_b^2 * D, halved for causal.
+    case = cases.Case(cases.shape(3, 2, 10, 16), True, (10, 4, 7))
+    assert metrics.attention_flops(case, "fwd") == 4 * 2 * (100 + 16 + 49) / 2 * 16
+    assert metrics.attention_bytes(case, 2) == 2 * 2 * 21 * (2 + 2) * 16
+    assert case.padding == 1 - 21 / 30
+    packed = torch.randn(21, 2, 16, dtype=torch.float64)
+    padded = providers.unpack(packed, case.seqlens, 10)
+    assert padded.shape == (3, 2, 10, 16) and torch.all(padded[1, :, 4:] == 0)
+    assert torch.equal(providers.pack(padded, case.seqlens), packed)
+    # The chunked per-sequence reference is reference.attention_varlen.
+    q, k, v = (torch.randn(21, 2, 16, dtype=torch.float16) for _ in range(3))
+    got = check.compute_reference_varlen(
+        q, k, v, None, case.seqlens, causal=True, ref_dtype=torch.float64, budget_bytes=1
+    )
+    cu = providers.cu_seqlens(case.seqlens, torch.device("cpu"))
+    want = reference.attention_varlen(q, k, v, cu, cu, causal=True)
+    torch.testing.assert_close(got.out, want.out)
 
 
 def test_decode_bytes_and_paged_copy():
@@ -183,6 +231,7 @@ def test_bad_arguments(argv, message, capsys):
     [
         (["--preset", "seed"], "--preset seed needs a GPU"),
         (["--preset", "decode"], "--preset decode needs a GPU"),
+        (["--preset", "varlen"], "--preset varlen needs a GPU"),
         (["--preset", "smoke", "--plot", "x.png"], "--plot draws TFLOP/s"),
     ],
 )

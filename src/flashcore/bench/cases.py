@@ -2,10 +2,15 @@
 
 A case is one attention problem: q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``, causal or not.
 Presets list shapes and the causal settings each is run with; ``--causal on|off`` narrows them.
+
+A varlen case also has per-sequence lengths (``seqlens``, the same for queries and keys): sequence
+b holds ``seqlens[b]`` real tokens and its shape's ``S`` is the padded length (the longest), so
+``(B, H, S, D)`` is the zero-padded batch and the packed one holds ``sum(seqlens)`` tokens.
 """
 
 from __future__ import annotations
 
+import random
 from typing import NamedTuple
 
 SHAPE_SYNTAX = "B,H,S,D[,Hkv[,Sk]]"
@@ -33,10 +38,20 @@ class Shape(NamedTuple):
 class Case(NamedTuple):
     shape: Shape
     causal: bool
+    seqlens: tuple[int, ...] | None = None
+    """Varlen: the real length of each sequence (queries and keys); None for a dense case."""
+
+    @property
+    def padding(self) -> float:
+        """Share of the padded ``(B, S)`` tokens that are padding (0 for a dense case)."""
+        if self.seqlens is None:
+            return 0.0
+        return 1 - sum(self.seqlens) / (self.shape.batch * self.shape.seqlen_q)
 
     @property
     def label(self) -> str:
-        return f"{self.shape.spec} {'causal' if self.causal else 'full'}"
+        text = f"{self.shape.spec} {'causal' if self.causal else 'full'}"
+        return text if self.seqlens is None else f"{text} varlen pad {self.padding:.0%}"
 
 
 def shape(b: int, h: int, s: int, d: int, hkv: int | None = None, sk: int | None = None) -> Shape:
@@ -67,6 +82,25 @@ def parse_shape(text: str) -> Shape:
 
 
 BOTH = (False, True)
+VARLEN_MIN_FRACTION = 0.1
+
+
+def draw_seqlens(batch: int, max_seqlen: int, *, seed: int = 0) -> tuple[int, ...]:
+    """Sequence lengths for a varlen case, fixed by ``seed``: about 45% of the padded batch is
+    padding.
+
+    Fractions of ``max_seqlen`` are drawn uniformly on [0.1, 1], one per equal slice of that range
+    (stratified, so that a batch of 16 already has a mean close to 0.55), and shuffled; the longest
+    sequence is set to ``max_seqlen`` so that the padded length is tight (no all-padding columns,
+    the most favourable padding for the padded providers).
+    """
+    rng = random.Random(seed)
+    span = 1 - VARLEN_MIN_FRACTION
+    fractions = [VARLEN_MIN_FRACTION + span * (b + rng.random()) / batch for b in range(batch)]
+    rng.shuffle(fractions)
+    lens = [max(1, round(f * max_seqlen)) for f in fractions]
+    lens[lens.index(max(lens))] = max_seqlen
+    return tuple(lens)
 
 
 def _seed() -> list[tuple[Shape, tuple[bool, ...]]]:
@@ -113,6 +147,21 @@ def _decode_smoke() -> list[tuple[Shape, tuple[bool, ...]]]:
     return [(shape(2, 4, 1, 32, 2, 80), (False,)), (shape(1, 2, 1, 64, 1, 48), (False,))]
 
 
+def _varlen() -> list[tuple[Shape, tuple[bool, ...], tuple[int, ...]]]:
+    # Packed training batches: 16 sequences of seeded lengths (~45% of the padded batch is
+    # padding), H=16 at D=128 with padded lengths 1k and 4k; H=32 at D=64 (the same width).
+    shapes = [shape(16, 16, 1024, 128), shape(16, 16, 4096, 128), shape(16, 32, 4096, 64)]
+    return [(s, BOTH, draw_seqlens(s.batch, s.seqlen_q)) for s in shapes]
+
+
+def _varlen_smoke() -> list[tuple[Shape, tuple[bool, ...], tuple[int, ...]]]:
+    # The varlen preset's structure at interpreter sizes; GQA and odd lengths in the second case.
+    return [
+        (shape(3, 2, 48, 32), BOTH, draw_seqlens(3, 48)),
+        (shape(4, 4, 37, 16, 2), (False,), draw_seqlens(4, 37, seed=1)),
+    ]
+
+
 PRESETS = {
     "seed": (
         _seed,
@@ -126,13 +175,22 @@ PRESETS = {
         "(default providers: the flashcore-kvcache* ones, sdpa, flex)",
     ),
     "decode-smoke": (_decode_smoke, "the decode preset at CPU-interpreter sizes"),
+    "varlen": (
+        _varlen,
+        "packed variable-length batches: B=16, seeded lengths, about 45 percent padding, "
+        "H=16 D=128 at S_max 1k/4k, H=32 D=64 at 4k, causal and not (default providers: "
+        "flashcore-varlen and the padded ones)",
+    ),
+    "varlen-smoke": (_varlen_smoke, "the varlen preset at CPU-interpreter sizes"),
 }
 DECODE_PRESETS = ("decode", "decode-smoke")
-GPU_PRESETS = ("seed", "sweep", "decode")
+VARLEN_PRESETS = ("varlen", "varlen-smoke")
+GPU_PRESETS = ("seed", "sweep", "decode", "varlen")
 
 
 def preset_cases(name: str) -> list[Case]:
-    return [Case(s, c) for s, causals in PRESETS[name][0]() for c in causals]
+    """A preset's entries are ``(shape, causal settings[, seqlens])``."""
+    return [Case(s, c, *varlen) for s, causals, *varlen in PRESETS[name][0]() for c in causals]
 
 
 def select_cases(presets: list[str], shapes: list[Shape], causal: str) -> list[Case]:

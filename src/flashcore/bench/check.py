@@ -8,6 +8,10 @@ chunk stay under a memory budget (a 16k x 16k fp32 score matrix is 1 GiB per hea
 The verdict is FlashAttention's rule, as in the tests: ``max|x - ref| <= 2 * max|pt - ref| + floor``
 where ``pt`` is the same reference math in the inputs' dtype and ``floor`` one unit roundoff of the
 dtype at the reference's scale. The reported relative error is ``max|x - ref| / max|ref|``.
+
+A varlen case's reference is on its packed tokens: each sequence as its own ``(1, H, S_b, D)``
+problem (``flashcore.reference.attention_varlen``'s definition, here under the memory budget),
+concatenated. Providers on the padded batch are checked on the real tokens only.
 """
 
 from __future__ import annotations
@@ -117,6 +121,43 @@ def compute_reference(
             grads[2][b : b + 1, hkv] += leaves[2].grad
         results[dtype] = (out, grads)
     (out, grads), (pt_out, pt_grads) = results[ref_dtype], results[q.dtype]
+    return Reference(out, pt_out, grads, pt_grads)
+
+
+def compute_reference_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor | None,
+    seqlens: tuple[int, ...],
+    *,
+    causal: bool,
+    ref_dtype: torch.dtype,
+    budget_bytes: int = 1 << 30,
+) -> Reference:
+    """:func:`compute_reference` of packed q ``(total, H, D)``, k/v ``(total, Hkv, D)`` whose
+    sequence b has ``seqlens[b]`` tokens (queries and keys); results packed the same way."""
+    parts = []
+    start = 0
+    for n in seqlens:
+        q_b, k_b, v_b, do_b = (
+            None if t is None else t[start : start + n].transpose(0, 1)[None] for t in (q, k, v, do)
+        )
+        parts.append(
+            compute_reference(
+                q_b, k_b, v_b, do_b, causal=causal, ref_dtype=ref_dtype, budget_bytes=budget_bytes
+            )
+        )
+        start += n
+
+    def packed(pick) -> torch.Tensor:
+        return torch.cat([pick(p)[0].transpose(0, 1) for p in parts])
+
+    out, pt_out = packed(lambda p: p.out), packed(lambda p: p.pt_out)
+    if do is None:
+        return Reference(out, pt_out, None, None)
+    grads = tuple(packed(lambda p, i=i: p.grads[i]) for i in range(3))
+    pt_grads = tuple(packed(lambda p, i=i: p.pt_grads[i]) for i in range(3))
     return Reference(out, pt_out, grads, pt_grads)
 
 

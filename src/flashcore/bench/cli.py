@@ -11,6 +11,10 @@ smoke preset: the correctness check is real, the times are not performance.
 and a paged cache against SDPA and FlexAttention on the dense cache) and reports GB/s beside the
 device-to-device copy bandwidth measured in the same run.
 
+``--preset varlen`` benchmarks packed variable-length batches (about 45% padding):
+``flashcore.attention_varlen`` on the packed tokens against flashcore and SDPA on the zero-padded
+batch; TFLOP/s count the real tokens only and ``vs sdpa`` compares with ``sdpa-padded`` (no mask).
+
 Exit status: 0, or 1 when a flashcore result is outside the error rule; 2 for bad arguments.
 """
 
@@ -26,12 +30,14 @@ import torch
 
 from flashcore.bench import cases as cases_mod
 from flashcore.bench.providers import (
-    BASELINE,
     DECODE_CPU,
     DECODE_GPU,
     DEFAULT_CPU,
     DEFAULT_GPU,
     PROVIDERS,
+    VARLEN_CPU,
+    VARLEN_GPU,
+    baseline,
 )
 from flashcore.bench.runner import MODES
 
@@ -44,9 +50,11 @@ examples (GPU):
   flashcore-bench --shape 4,32,4096,128,8 --causal on --mode fwd,bwd --providers flashcore,sdpa
   flashcore-bench --preset seed --resources
   flashcore-bench --preset decode --out decode.jsonl
+  flashcore-bench --preset varlen --mode fwd,bwd,fwdbwd --dtype fp16,bf16 --out varlen.jsonl
 without a GPU (Triton interpreter, correctness only):
   flashcore-bench --preset smoke --out smoke.jsonl
   flashcore-bench --preset decode-smoke
+  flashcore-bench --preset varlen-smoke --mode fwd,bwd
 """
 
 
@@ -113,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help=f"comma-separated, from {', '.join(PROVIDERS)} or 'all'. Default on a GPU: "
         f"{','.join(DEFAULT_GPU)}; without one: {','.join(DEFAULT_CPU)}. With a decode preset: "
-        f"{','.join(DECODE_GPU)}; without a GPU: {','.join(DECODE_CPU)}",
+        f"{','.join(DECODE_GPU)}; without a GPU: {','.join(DECODE_CPU)}. With a varlen preset: "
+        f"{','.join(VARLEN_GPU)}; without a GPU: {','.join(VARLEN_CPU)}",
     )
     what.add_argument(
         "--mode",
@@ -164,7 +173,7 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu:
         why = "--cpu was given" if args.cpu else "no CUDA device is available"
         parser.error(
             f"--preset {args.preset} needs a GPU ({why}); the Triton interpreter runs "
-            "--preset smoke, --preset decode-smoke or small --shape cases"
+            "--preset smoke, decode-smoke, varlen-smoke or small --shape cases"
         )
     if args.plot:
         if not on_gpu:
@@ -201,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no case left to run (check --causal against the preset)")
     if args.preset in cases_mod.DECODE_PRESETS:
         defaults = DECODE_GPU if on_gpu else DECODE_CPU
+    elif args.preset in cases_mod.VARLEN_PRESETS:
+        defaults = VARLEN_GPU if on_gpu else VARLEN_CPU
     else:
         defaults = DEFAULT_GPU if on_gpu else DEFAULT_CPU
     names = args.providers or defaults
@@ -252,7 +263,11 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
                 for mode in args.mode:
                     results = runner.run_group(providers, case, mode, inputs, settings)
                     base = next(
-                        (r for r in results if r.provider == BASELINE and r.timing is not None),
+                        (
+                            r
+                            for r in results
+                            if r.provider == baseline(case) and r.timing is not None
+                        ),
                         None,
                     )
                     group = []
@@ -278,7 +293,8 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
         if out_file:
             out_file.close()
     print()
-    print(report.table_footer(not on_gpu, peak, copy_bw))
+    varlen = any(c.seqlens is not None for c in cases)
+    print(report.table_footer(not on_gpu, peak, copy_bw, varlen=varlen))
 
     if args.resources:
         found = resources.collect() if on_gpu else None

@@ -4,12 +4,14 @@ FLOPs follow the FlashAttention papers so that TFLOP/s compare with theirs: the 
 matmuls, ``4 * B * H * Sq * Sk * D``, halved for causal; the backward counts 2.5x the forward (five
 matmuls instead of two), forward+backward 3.5x. Softmax work is not counted. For causal with
 Sq != Sk, where "halved" has no meaning (Sq = 1 sees every key), the exact number of visible
-(query, key) pairs replaces ``Sq * Sk / 2``.
+(query, key) pairs replaces ``Sq * Sk / 2``. A varlen case counts its real tokens only: the sum
+over sequences of the same count (``4 * H * S_b * S_b * D``, halved for causal), never the padding.
 
 Bytes are the least traffic a forward must move: q and out once, K and V once per kv head
-(``elem * (2 * B * H * Sq * D + 2 * B * Hkv * Sk * D)``). Decoding is bound by them, not by FLOPs,
-so each row also reports GB/s and its share of the device-to-device copy bandwidth measured in the
-same run (``torch.Tensor.copy_`` of 1 GiB, counted as read plus write).
+(``elem * (2 * B * H * Sq * D + 2 * B * Hkv * Sk * D)``; varlen: of the real tokens). Decoding is
+bound by them, not by FLOPs, so each row also reports GB/s and its share of the device-to-device
+copy bandwidth measured in the same run (``torch.Tensor.copy_`` of 1 GiB, counted as read plus
+write).
 
 Timing on a GPU is ``triton.testing.do_bench`` (L2 flushed between calls, CUDA events), reported as
 the 20th, 50th and 80th percentiles in milliseconds. Under Triton's interpreter nothing runs on a
@@ -50,8 +52,11 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> float:
 
 def attention_flops(case: Case, mode: str) -> float:
     s = case.shape
-    fwd = 4 * s.batch * s.heads * visible_pairs(s.seqlen_q, s.seqlen_k, case.causal) * s.head_dim
-    return fwd * MODE_FACTOR[mode]
+    if case.seqlens is None:
+        pairs = s.batch * visible_pairs(s.seqlen_q, s.seqlen_k, case.causal)
+    else:
+        pairs = sum(visible_pairs(n, n, case.causal) for n in case.seqlens)
+    return 4 * s.heads * pairs * s.head_dim * MODE_FACTOR[mode]
 
 
 def tflops(flops: float, ms: float | None) -> float | None:
@@ -61,7 +66,10 @@ def tflops(flops: float, ms: float | None) -> float | None:
 def attention_bytes(case: Case, elem_size: int) -> float:
     """Least bytes a forward moves (fwd only): q, out, and K, V once; see the module docstring."""
     s = case.shape
-    rows = s.batch * s.heads * s.seqlen_q + s.batch * s.kv_heads * s.seqlen_k
+    if case.seqlens is None:
+        rows = s.batch * s.heads * s.seqlen_q + s.batch * s.kv_heads * s.seqlen_k
+    else:
+        rows = sum(case.seqlens) * (s.heads + s.kv_heads)
     return 2.0 * elem_size * rows * s.head_dim
 
 

@@ -19,6 +19,20 @@ Mapping to PyTorch:
   call, which is the untimed correctness check, and reused by the timed calls.
 - ``flex``: FlexAttention compiled with ``torch.compile`` (one compiled function; a block mask per
   causal case, built outside the timed region), ``enable_gqa`` for GQA.
+
+Varlen cases (``Case.seqlens``): a ``packed`` provider gets q ``(total, H, D)``, k/v
+``(total, Hkv, D)`` (the real tokens of each sequence back to back) and returns out in that layout;
+every other provider gets the zero-padded ``(B, H, S_max, D)`` batch.
+- ``flashcore-varlen``: ``flashcore.attention_varlen`` on the packed batch (dense cases refused).
+- ``sdpa-padded``: ``sdpa`` on the padded batch with no mask, the most favourable case for SDPA: no
+  mask work, only extra work on padding. Causal, with the padding at the end of each sequence and
+  Sq = Sk, top-left equals bottom-right on the real rows, which are exact. Non-causal, the real
+  queries also attend to the zero padding keys, so the result is wrong by construction (checked and
+  marked so) and its time is a lower bound for SDPA on the padded batch.
+- ``sdpa-padded-mask``: SDPA on the padded batch with a boolean key-padding mask (and the causal
+  mask when causal): the correct padded computation, causal or not.
+- ``flashcore-padded``: ``flashcore.attention`` on the padded batch (the ``flashcore`` provider
+  under its varlen name). flashcore takes no mask, so the non-causal varlen cases are refused.
 """
 
 from __future__ import annotations
@@ -47,6 +61,8 @@ class Provider:
     prepare: Callable[[Case, torch.device], AttnFn]
     backend: str | None = None
     """SDPBackend member to force, or None."""
+    packed: bool = False
+    """Takes a varlen case's packed tokens ``(total, H, D)`` instead of the padded batch."""
 
     def context(self) -> contextlib.AbstractContextManager:
         if self.backend is None:
@@ -56,16 +72,39 @@ class Provider:
         return sdpa_kernel(getattr(SDPBackend, self.backend))
 
 
+def _refuse_unmasked_padding(case: Case, what: str) -> None:
+    if case.seqlens is not None and not case.causal:
+        raise Refused(
+            f"{what} takes no key-padding mask: on the padded batch without one, non-causal, the "
+            "real queries would also attend to the padding keys"
+        )
+
+
 def _flashcore(case: Case, device: torch.device) -> AttnFn:
     import flashcore
 
+    _refuse_unmasked_padding(case, "flashcore.attention")
     causal = case.causal
     return lambda q, k, v: flashcore.attention(q, k, v, causal=causal)
+
+
+def _flashcore_varlen(case: Case, device: torch.device) -> AttnFn:
+    import flashcore
+
+    if case.seqlens is None:
+        raise Refused("flashcore-varlen runs varlen cases only (--preset varlen, varlen-smoke)")
+    cu = cu_seqlens(case.seqlens, device)
+    longest = max(case.seqlens)
+    causal = case.causal
+    return lambda q, k, v: flashcore.attention_varlen(
+        q, k, v, cu, cu, longest, longest, causal=causal
+    )
 
 
 def _flashcore_kvcache(case: Case, device: torch.device, *, block_size: int = 0) -> AttnFn:
     import flashcore
 
+    _refuse_unmasked_padding(case, "flashcore.attention_with_kvcache")
     s = case.shape
     causal = case.causal
     lens = torch.full((s.batch,), s.seqlen_k, dtype=torch.int32, device=device)
@@ -108,6 +147,43 @@ def to_paged(k: torch.Tensor, v: torch.Tensor, block_size: int):
         return out
 
     return page(k), page(v), table
+
+
+def cu_seqlens(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 ``[0, s_0, s_0 + s_1, ...]``, as ``attention_varlen`` takes it."""
+    return torch.tensor((0, *seqlens), device=device).cumsum(0).to(torch.int32)
+
+
+def real_tokens(seqlens: tuple[int, ...], padded_len: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``(B, S_max)``: True at the real tokens of the padded batch (padding at the end)."""
+    lens = torch.tensor(seqlens, device=device)
+    return torch.arange(padded_len, device=device)[None] < lens[:, None]
+
+
+def pack(x: torch.Tensor, seqlens: tuple[int, ...]) -> torch.Tensor:
+    """The real tokens of a padded ``(B, H, S_max, D)`` batch as ``(total, H, D)``."""
+    return x.transpose(1, 2)[real_tokens(seqlens, x.shape[2], x.device)]
+
+
+def unpack(x: torch.Tensor, seqlens: tuple[int, ...], padded_len: int) -> torch.Tensor:
+    """Packed ``(total, H, D)`` as the zero-padded batch ``(B, H, S_max, D)`` (contiguous)."""
+    out = x.new_zeros((len(seqlens), padded_len, *x.shape[1:]))
+    out[real_tokens(seqlens, padded_len, x.device)] = x
+    return out.transpose(1, 2).contiguous()
+
+
+def _sdpa_padded_mask(case: Case, device: torch.device) -> AttnFn:
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    s = case.shape
+    if case.seqlens is None:
+        return _sdpa(case, device)
+    # (B, 1, 1 or S, S): real keys only; causal as well (Sq = Sk, so top-left is bottom-right).
+    mask = real_tokens(case.seqlens, s.seqlen_k, device)[:, None, None, :]
+    if case.causal:
+        mask = mask & reference.causal_mask(s.seqlen_q, s.seqlen_k, device=device)
+    kwargs = {"enable_gqa": True} if s.kv_heads != s.heads else {}
+    return lambda q, k, v: sdpa(q, k, v, attn_mask=mask, **kwargs)
 
 
 def _sdpa(case: Case, device: torch.device) -> AttnFn:
@@ -161,6 +237,17 @@ PROVIDERS: dict[str, Provider] = {
     for p in [
         Provider("flashcore", "flashcore.attention (Triton)", _flashcore),
         Provider(
+            "flashcore-varlen",
+            "flashcore.attention_varlen on the packed tokens (varlen cases)",
+            _flashcore_varlen,
+            packed=True,
+        ),
+        Provider(
+            "flashcore-padded",
+            "flashcore.attention on the zero-padded batch (varlen cases; causal only)",
+            _flashcore,
+        ),
+        Provider(
             "flashcore-kvcache",
             "flashcore.attention_with_kvcache, dense cache (split-KV decoding)",
             _flashcore_kvcache,
@@ -182,6 +269,16 @@ PROVIDERS: dict[str, Provider] = {
             "sdpa-efficient", "SDPA forced to EFFICIENT_ATTENTION", _sdpa, "EFFICIENT_ATTENTION"
         ),
         Provider("sdpa-math", "SDPA forced to MATH (materialises Sq x Sk)", _sdpa, "MATH"),
+        Provider(
+            "sdpa-padded",
+            "SDPA on the zero-padded batch, no mask (varlen cases; wrong when non-causal)",
+            _sdpa,
+        ),
+        Provider(
+            "sdpa-padded-mask",
+            "SDPA on the zero-padded batch with a key-padding mask (varlen cases)",
+            _sdpa_padded_mask,
+        ),
         Provider("flex", "FlexAttention under torch.compile", _flex),
     ]
 }
@@ -190,4 +287,12 @@ DEFAULT_GPU = ["flashcore", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"
 DEFAULT_CPU = ["flashcore", "sdpa", "sdpa-math"]
 DECODE_GPU = ["flashcore-kvcache", "flashcore-paged16", "flashcore-paged256", "sdpa", "flex"]
 DECODE_CPU = ["flashcore-kvcache", "flashcore-paged16", "sdpa"]
+VARLEN_GPU = ["flashcore-varlen", "flashcore-padded", "sdpa-padded", "sdpa-padded-mask"]
+VARLEN_CPU = VARLEN_GPU
 BASELINE = "sdpa"
+VARLEN_BASELINE = "sdpa-padded"
+
+
+def baseline(case: Case) -> str:
+    """The provider whose time the ``vs sdpa`` column divides by."""
+    return BASELINE if case.seqlens is None else VARLEN_BASELINE

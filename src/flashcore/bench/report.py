@@ -89,6 +89,8 @@ def measurement_row(
         "seqlen_k": s.seqlen_k,
         "head_dim": s.head_dim,
         "causal": m.case.causal,
+        "seqlens": list(m.case.seqlens) if m.case.seqlens is not None else None,
+        "padding": m.case.padding,
         "status": m.status,
         "reason": m.reason,
         "ms_p20": t.p20 if t else None,
@@ -136,6 +138,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 _COLUMNS = [
     ("provider", 18, "<"),
     ("shape", 17, "<"),
+    ("pad", 4, ">"),
     ("causal", 7, "<"),
     ("mode", 7, "<"),
     ("dtype", 5, "<"),
@@ -168,6 +171,7 @@ def table_row(row: dict) -> str:
     values = [
         row["provider"],
         row["shape"],
+        f"{row['padding']:.0%}" if row.get("seqlens") else "-",
         "causal" if row["causal"] else "full",
         row["mode"],
         row["dtype"],
@@ -189,11 +193,26 @@ def table_row(row: dict) -> str:
     return text
 
 
-def table_footer(interpreted: bool, peak: float | None, copy_gbps: float | None = None) -> str:
+VARLEN_NOTE = (
+    "Varlen (pad = padding share of the padded (B, S_max) batch): flashcore-varlen runs the packed "
+    "tokens; the other providers the zero-padded (B, H, S_max, D) batch, checked on the real "
+    "tokens only. sdpa-padded uses no mask: the most favourable case for SDPA (no masking; its "
+    "extra work is on padding), exact when causal; non-causal its real queries also attend to the "
+    "padding keys, so it is WRONG by construction and its time a lower bound for padded SDPA. "
+    "sdpa-padded-mask: with a key-padding mask (correct). TFLOP/s count the real tokens only; "
+    "vs sdpa compares with sdpa-padded."
+)
+
+
+def table_footer(
+    interpreted: bool, peak: float | None, copy_gbps: float | None = None, *, varlen: bool = False
+) -> str:
     lines = [
         "rel err = max|x - ref| / max|ref| over out (and dq, dk, dv in backward modes); WRONG = "
         "outside FlashAttention's rule max|x - ref| <= 2 max|pt - ref| + eps."
     ]
+    if varlen:
+        lines.append(VARLEN_NOTE)
     if interpreted:
         lines.append(
             "* Triton interpreter on the CPU: wall time (time.perf_counter) of one call, "

@@ -9,6 +9,10 @@ Modes (what is timed):
 Backward goes through torch autograd only, so any differentiable provider works; one that cannot
 differentiate (no autograd formula registered) is "refused" with PyTorch's message.
 
+Varlen cases: a packed provider gets the packed tokens, every other provider the zero-padded batch
+(``Inputs.tensors``); the reference is on the packed tokens, and a padded provider's results are
+checked on the real tokens only (``Inputs.checked``).
+
 Every measurement is checked before it is timed: ``out`` for fwd, ``out`` and ``dq, dk, dv`` for
 the backward modes. A provider outside FlashAttention's error rule is still timed and its status is
 "wrong". Only calls into the provider are guarded: an exception there makes the row "refused" (the
@@ -26,7 +30,7 @@ import torch
 
 from flashcore.bench import check, metrics
 from flashcore.bench.cases import Case
-from flashcore.bench.providers import Provider
+from flashcore.bench.providers import Provider, pack, unpack
 
 MODES = ("fwd", "bwd", "fwdbwd")
 
@@ -64,29 +68,60 @@ class Measurement:
 
 
 class Inputs:
-    """Random inputs of one (case, dtype), the same for every provider, and their reference."""
+    """Random inputs of one (case, dtype), the same for every provider, and their reference.
+
+    ``q, k, v, do`` are the ``(B, H, S, D)`` batch; for a varlen case, ``packed`` holds the real
+    tokens ``(total, H, D)``, ``q, k, v, do`` are them zero-padded, and ``ref`` is packed.
+    """
 
     def __init__(self, case: Case, dtype: torch.dtype, modes: Sequence[str], settings: Settings):
         s = case.shape
+        self.case = case
         gen = torch.Generator(device=settings.device).manual_seed(0)
 
         def randn(*shape: int) -> torch.Tensor:
             return torch.randn(shape, generator=gen, dtype=dtype, device=settings.device)
 
-        self.q = randn(s.batch, s.heads, s.seqlen_q, s.head_dim)
-        self.k = randn(s.batch, s.kv_heads, s.seqlen_k, s.head_dim)
-        self.v = randn(s.batch, s.kv_heads, s.seqlen_k, s.head_dim)
         backward = any(m != "fwd" for m in modes)
-        self.do = randn(s.batch, s.heads, s.seqlen_q, s.head_dim) if backward else None
-        self.ref = check.compute_reference(
-            self.q,
-            self.k,
-            self.v,
-            self.do,
-            causal=case.causal,
-            ref_dtype=settings.ref_dtype,
-            budget_bytes=settings.ref_budget_bytes,
+        ref_options = {
+            "causal": case.causal,
+            "ref_dtype": settings.ref_dtype,
+            "budget_bytes": settings.ref_budget_bytes,
+        }
+        self.packed: tuple[torch.Tensor | None, ...] | None = None
+        if case.seqlens is None:
+            self.q = randn(s.batch, s.heads, s.seqlen_q, s.head_dim)
+            self.k = randn(s.batch, s.kv_heads, s.seqlen_k, s.head_dim)
+            self.v = randn(s.batch, s.kv_heads, s.seqlen_k, s.head_dim)
+            self.do = randn(s.batch, s.heads, s.seqlen_q, s.head_dim) if backward else None
+            self.ref = check.compute_reference(self.q, self.k, self.v, self.do, **ref_options)
+            return
+        total = sum(case.seqlens)
+        self.packed = (
+            randn(total, s.heads, s.head_dim),
+            randn(total, s.kv_heads, s.head_dim),
+            randn(total, s.kv_heads, s.head_dim),
+            randn(total, s.heads, s.head_dim) if backward else None,
         )
+        # Zero padding, do included: padding rows then add nothing to the real rows' dk, dv.
+        self.q, self.k, self.v, self.do = (
+            None if t is None else unpack(t, case.seqlens, s.seqlen_q) for t in self.packed
+        )
+        self.ref = check.compute_reference_varlen(*self.packed, case.seqlens, **ref_options)
+
+    def tensors(self, provider: Provider) -> tuple[torch.Tensor | None, ...]:
+        """``q, k, v, do`` in the provider's layout."""
+        if provider.packed and self.packed is not None:
+            return self.packed
+        return self.q, self.k, self.v, self.do
+
+    def checked(self, x: torch.Tensor, provider: Provider) -> torch.Tensor:
+        """A provider's result in the reference's layout: a padded batch loses its padding."""
+        s = self.case.shape
+        padded = x.dim() == 4 and (x.shape[0], x.shape[2]) == (s.batch, s.seqlen_q)
+        if self.packed is None or provider.packed or not padded:
+            return x  # (a wrong shape is reported by check.compare)
+        return pack(x, self.case.seqlens)
 
 
 def _sync(settings: Settings) -> None:
@@ -138,11 +173,12 @@ def _measure(
             errors=errors,
         )  # fmt: skip
 
-    q, k, v, do, ref = inputs.q, inputs.k, inputs.v, inputs.do, inputs.ref
     try:
         fn = provider.prepare(case, settings.device)
     except Exception as e:
         return refuse("prepare", e)
+    q, k, v, do = inputs.tensors(provider)
+    ref = inputs.ref
 
     if mode == "fwd":
         try:
@@ -150,7 +186,7 @@ def _measure(
             _sync(settings)
         except Exception as e:
             return refuse("forward", e)
-        errors = {"out": check.compare(out, ref.out, ref.pt_out)}
+        errors = {"out": check.compare(inputs.checked(out, provider), ref.out, ref.pt_out)}
         del out
 
         def bench() -> object:
@@ -169,12 +205,12 @@ def _measure(
             _sync(settings)
         except Exception as e:
             return refuse("backward", e)
-        errors = {"out": check.compare(out, ref.out, ref.pt_out)}
+        errors = {"out": check.compare(inputs.checked(out, provider), ref.out, ref.pt_out)}
         for name, leaf, r, pt in zip(
             check.GRAD_NAMES, leaves, ref.grads, ref.pt_grads, strict=True
         ):
             grad = leaf.grad if leaf.grad is not None else torch.full_like(leaf, float("nan"))
-            errors[name] = check.compare(grad, r, pt)
+            errors[name] = check.compare(inputs.checked(grad, provider), r, pt)
         for leaf in leaves:
             leaf.grad = None
         if mode == "bwd":
