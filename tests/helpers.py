@@ -145,20 +145,22 @@ def make_varlen(case: VarlenCase, dtype: torch.dtype, device: str):
     return q, k, v, cu_seqlens(case.seqlens_q, device), cu_seqlens(case.seqlens_k, device)
 
 
-def check_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, *, causal: bool, backward: bool):
+def check_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, *, causal: bool, backward: bool, **masks):
     """``attention_varlen`` forward (and with ``backward``, dq, dk, dv through out and lse)
-    against the per-sequence reference, concatenated, with FlashAttention's rule."""
+    against the per-sequence reference, concatenated, with FlashAttention's rule. ``masks``:
+    ``window``, ``softcap``, ``alibi_slopes``, passed to both."""
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
     maxima = max(case.seqlens_q), max(case.seqlens_k)
     out, lse = flashcore.attention_varlen(
-        q, k, v, cu_q, cu_k, *maxima, causal=causal, return_lse=True
+        q, k, v, cu_q, cu_k, *maxima, causal=causal, return_lse=True, **masks
     )
     assert (out.shape, out.dtype) == (q.shape, q.dtype)
     assert (lse.shape, lse.dtype) == ((case.heads, q.shape[0]), torch.float32)
 
     def ref(dtype):
         leaves = [t.detach().to(dtype).requires_grad_(backward) for t in (q, k, v)]
-        return leaves, reference.attention_varlen(*leaves, cu_q, cu_k, causal=causal, dtype=dtype)
+        ref = reference.attention_varlen(*leaves, cu_q, cu_k, causal=causal, dtype=dtype, **masks)
+        return leaves, ref
 
     (leaves64, ref64), (leaves_pt, pt) = ref(torch.float64), ref(q.dtype)
     assert_fa_rule("out", out, pt.out, ref64.out)

@@ -172,6 +172,13 @@ VARLEN_INVALID = {
     "max_negative": ("max_seqlen_q", lambda a: -1, ValueError, r"from 1 to total_q \(8\).* got -1"),
     "max_over_total": ("max_seqlen_k", lambda a: 11, ValueError, r"total_k \(10\).* got 11"),
     "max_zero": ("max_seqlen_q", lambda a: 0, ValueError, r"^max_seqlen_q must be .* got 0"),
+    "alibi_batch": (
+        "alibi_slopes",
+        lambda a: torch.ones(3, 4, device=a["q"].device),
+        ValueError,
+        r"^alibi_slopes must have shape \(heads,\) = \(4,\) or \(batch, heads\) = \(2, 4\)",
+    ),
+    "window": ("window", lambda a: (-3, 0), ValueError, r"^window left must be >= -1"),
 }
 
 

@@ -16,6 +16,25 @@ def test_varlen(case, dtype, causal, device):
     check_varlen(case, *make_varlen(case, dtype, device), causal=causal, backward=True)
 
 
+@pytest.mark.parametrize(
+    "masks",
+    [{"window": (6, 2)}, {"softcap": 3.0, "alibi": "bh"}, {"window": (9, -1), "alibi": "h"}],
+    ids=["window", "softcap-alibi_bh", "left_window-alibi_h"],
+)
+def test_varlen_masks(masks, device):
+    """Window, softcap and ALiBi per sequence: each sequence's own bottom-right alignment and
+    positions, ALiBi ``(B, H)`` slopes row b for sequence b; forward and backward, bf16."""
+    case = VARLEN[0]
+    options = dict(masks)
+    alibi = options.pop("alibi", None)
+    if alibi is not None:
+        shape = (len(case.seqlens_q), case.heads) if alibi == "bh" else (case.heads,)
+        options["alibi_slopes"] = torch.rand(shape, device=device)
+    check_varlen(
+        case, *make_varlen(case, torch.bfloat16, device), causal=False, backward=True, **options
+    )
+
+
 def test_varlen_empty_sequences(device):
     # Sequence 1 has no key: out 0, lse -inf, zero dq. Sequence 2 has no query: zero dk, dv.
     case = VarlenCase(2, 2, (20, 30, 0), (25, 0, 7), 16)

@@ -153,12 +153,13 @@ def _check_softcap(softcap: object) -> float:
     return softcap
 
 
-def _check_alibi(slopes: object, q: torch.Tensor) -> torch.Tensor | None:
+def _check_alibi(
+    slopes: object, batch: int, heads: int, device: torch.device
+) -> torch.Tensor | None:
     if slopes is None:
         return None
     if not isinstance(slopes, torch.Tensor):
         raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
-    batch, heads = q.shape[0], q.shape[1]
     if tuple(slopes.shape) not in ((heads,), (batch, heads)):
         raise ValueError(
             f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = "
@@ -166,8 +167,8 @@ def _check_alibi(slopes: object, q: torch.Tensor) -> torch.Tensor | None:
         )
     if slopes.dtype != torch.float32:
         raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
-    if slopes.device != q.device:
-        raise ValueError(f"alibi_slopes must be on q's device ({q.device}), got {slopes.device}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on q's device ({device}), got {slopes.device}")
     return slopes
 
 
@@ -272,7 +273,7 @@ def attention(
     scale = _check_scale(scale, q.shape[-1])
     window_left, window_right = _check_window(window)
     softcap = _check_softcap(softcap)
-    alibi_slopes = _check_alibi(alibi_slopes, q)
+    alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
     out, lse = _ops.attn_fwd(
         q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes
     )
@@ -291,6 +292,9 @@ def attention_varlen(
     causal: bool = False,
     scale: float | None = None,
     return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` on a packed batch of variable-length sequences (FlashAttention-2's varlen).
 
@@ -318,7 +322,10 @@ def attention_varlen(
         cu_seqlens_k: int32 ``(B + 1,)``, the same for the keys (``..., total_k]``).
         max_seqlen_q: the longest query sequence, a Python int (it sizes the launch grid).
         max_seqlen_k: the longest key sequence, a Python int.
-        causal, scale, return_lse: as in :func:`attention`.
+        causal, scale, return_lse, window, softcap: as in :func:`attention`, per sequence (the
+            window is aligned to each sequence's own bottom-right corner).
+        alibi_slopes: float32 ``(H,)`` or ``(B, H)`` (B = number of sequences), as in
+            :func:`attention`, with positions counted within each sequence.
 
     The contents of ``cu_seqlens_q``/``cu_seqlens_k`` and the maxima are trusted, as in
     FlashAttention: checking them would read device memory on the host and stall the stream.
@@ -353,9 +360,14 @@ def attention_varlen(
     causal = _check_flag("causal", causal)
     return_lse = _check_flag("return_lse", return_lse)
     scale = _check_scale(scale, q.shape[-1])
+    window_left, window_right = _check_window(window)
+    softcap = _check_softcap(softcap)
+    batch = cu_seqlens_q.shape[0] - 1
+    alibi_slopes = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     out, lse = _ops.attn_varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
-    )
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+        window_left, window_right, softcap, alibi_slopes,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
 
 
@@ -672,7 +684,7 @@ def attention_with_kvcache(
     scale = _check_scale(scale, q.shape[-1])
     window_left, window_right = _check_window(window)
     softcap_value = _check_softcap(softcap)
-    slopes = _check_alibi(alibi_slopes, q)
+    slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
     if slopes is not None:
         slopes = slopes.expand(q.shape[0], q.shape[1])
     splits = _check_num_splits(num_splits)

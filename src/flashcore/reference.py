@@ -208,9 +208,15 @@ def attention_varlen(
     *,
     causal: bool = False,
     scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> RefResult:
     """:func:`attention` on each sequence of a packed batch, concatenated.
+
+    ``window``, ``softcap`` as in :func:`attention`, per sequence; ``alibi_slopes`` ``(H,)`` or
+    ``(B, H)`` with B the number of sequences (row b for sequence b).
 
     q is ``(total_q, H, D)``, k/v ``(total_k, Hkv, D)``, sequence b their rows
     ``cu_seqlens_*[b]:cu_seqlens_*[b + 1]`` (as ``flashcore.attention_varlen``). Returns out
@@ -224,7 +230,13 @@ def attention_varlen(
             t[bounds[b] : bounds[b + 1]].transpose(0, 1)[None]
             for t, bounds in ((q, bounds_q), (k, bounds_k), (v, bounds_k))
         )
-        ref = attention(q_b, k_b, v_b, causal=causal, scale=scale, dtype=dtype)
+        slopes = alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[b]
+        ref = attention(
+            q_b, k_b, v_b, causal=causal, scale=scale, window=window, softcap=softcap,
+            alibi_slopes=slopes, dtype=dtype,
+        )  # fmt: skip
         outs.append(ref.out[0].transpose(0, 1))
         lses.append(ref.lse[0])
     out = torch.cat(outs) if outs else q.new_empty(q.shape, dtype=dtype)

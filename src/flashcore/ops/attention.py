@@ -162,11 +162,18 @@ def attn_varlen_fwd(
     max_seqlen_k: int,
     causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward on packed ``(total_q, H, D)`` / ``(total_k, Hkv, D)``: ``(out, lse)``, with lse
     ``(H, total_q)``."""
     varlen = fwd.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return fwd.attn_fwd(q, k, v, causal, scale, varlen=varlen)
+    return fwd.attn_fwd(
+        q, k, v, causal, scale, varlen=varlen, window=(window_left, window_right),
+        softcap=softcap, alibi_slopes=alibi_slopes,
+    )  # fmt: skip
 
 
 @attn_varlen_fwd.register_fake
@@ -180,6 +187,10 @@ def _attn_varlen_fwd_fake(
     max_seqlen_k: int,
     causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     total_q, heads, _ = q.shape
     return torch.empty_like(q), q.new_empty((heads, total_q), dtype=torch.float32)
@@ -200,10 +211,17 @@ def attn_varlen_bwd(
     max_seqlen_k: int,
     causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``attn_varlen_fwd``: ``(dq, dk, dv)`` from ``dout`` and ``dlse`` (or None)."""
     varlen = fwd.Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return bwd.attn_bwd(dout, q, k, v, out, lse, dlse, causal, scale, varlen=varlen)
+    return bwd.attn_bwd(
+        dout, q, k, v, out, lse, dlse, causal, scale, varlen=varlen,
+        window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+    )  # fmt: skip
 
 
 @attn_varlen_bwd.register_fake
@@ -221,29 +239,35 @@ def _attn_varlen_bwd_fake(
     max_seqlen_k: int,
     causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _varlen_setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, *masks = inputs
+    # Trailing arguments left at their defaults may be missing from ``inputs``.
+    *options, alibi_slopes = (causal, scale, *masks, *_MASK_DEFAULTS[len(masks) :])
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
     ctx.max_seqlens = (max_seqlen_q, max_seqlen_k)
-    ctx.causal = causal
-    ctx.scale = scale
+    ctx.options = tuple(options)
     ctx.set_materialize_grads(False)
 
 
 def _varlen_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
-    none = (None,) * 6  # cu_seqlens_q/k, max_seqlen_q/k, causal, scale
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    # cu_seqlens_q/k, max_seqlen_q/k, then the options and the ALiBi slopes: no gradient.
+    none = (None,) * (4 + len(ctx.options) + 1)
     if dout is None and dlse is None:
         return None, None, None, *none
     dout = _out_grad(dout, out)
     dq, dk, dv = attn_varlen_bwd(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
-        ctx.causal, ctx.scale,
+        *ctx.options, alibi_slopes,
     )  # fmt: skip
     return dq, dk, dv, *none
 
