@@ -244,7 +244,7 @@ def main() -> int:
             print(json.dumps(report(name, variant, compiled)), flush=True)
     for variant in DECODE_VARIANTS:
         head_dim, dtype, rows, paged, split = variant
-        cfg = decode_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
+        cfg = decode_config(head_dim, ELEM_SIZE[dtype], interpreted=False, paged=paged)
         block_m = decode_block_m(rows, 1)
         consts = {
             "HEAD_DIM": head_dim,

@@ -80,7 +80,7 @@ def attn_decode(
         return out.zero_(), lse.fill_(float("-inf"))
 
     interpreted = is_interpreted()
-    cfg = decode_config(head_dim, q.element_size(), interpreted=interpreted)
+    cfg = decode_config(head_dim, q.element_size(), interpreted=interpreted, paged=paged)
     if num_splits == 0:
         num_splits = choose_num_splits(
             batch, kv_heads, capacity, head_dim, q.element_size(), q.device
