@@ -45,9 +45,14 @@ for tool in "${tools[@]}"; do
     opts=(--tool "$tool" --error-exitcode 86 --print-limit 100 --show-backtrace device)
     [ -n "${SANITIZE_KERNELS:-}" ] && opts+=(--kernel-name "$SANITIZE_KERNELS")
     no_cache=0
+    tool_args=()
     case "$tool" in
         memcheck) opts+=(--leak-check full); no_cache=1 ;;
-        initcheck) no_cache=1 ;;
+        # initcheck does not see stores made by the bulk-copy engine (TMA): every read of an
+        # output the forward wrote through a tensor descriptor is reported as uninitialised
+        # (H100, compute-sanitizer 2025.3.1: 3200 reports for a 200x2x64 bf16 output, 0 with
+        # pointer stores). It checks the pointer path; memcheck and racecheck cover the TMA one.
+        initcheck) no_cache=1; tool_args=(--no-tma) ;;
         racecheck) opts+=(--racecheck-report all) ;;
         synccheck) ;;
         *) echo "sanitize.sh: unknown tool '$tool'" >&2; exit 2 ;;
@@ -55,7 +60,7 @@ for tool in "${tools[@]}"; do
     log="$logdir/$tool.log"
     (
         [ "$no_cache" = 1 ] && export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-        "$sanitizer" "${opts[@]}" "${driver[@]}"
+        "$sanitizer" "${opts[@]}" "${driver[@]}" "${tool_args[@]}"
     ) >"$log" 2>&1
     rc=$?
     # "ERROR SUMMARY: N errors" (every tool); racecheck adds "RACECHECK SUMMARY: ... (E errors, W

@@ -55,7 +55,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to smoke-test")
+    parser.add_argument(
+        "--no-tma",
+        action="store_true",
+        help="forward through plain pointers, not tensor descriptors (for initcheck, which does "
+        "not see the bulk-copy engine's stores and reports every later read of them)",
+    )
     args = parser.parse_args(argv)
+    if args.no_tma:
+        from flashcore.ops import fwd
+
+        fwd.has_tma = lambda device: False
     if args.device != "cpu" and not torch.cuda.is_available():
         print("sanitize_cases: needs a CUDA device", file=sys.stderr)
         return 2
