@@ -245,49 +245,6 @@ def attention_varlen(
 
 
 # ---- KV-cache decoding (flashcore.attention_with_kvcache) ----------------------------------------
-# Self-contained on purpose: window, softcap and ALiBi semantics live in ``kvcache_scores`` until
-# the main attention reference grows the same options.
-
-
-def kvcache_scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    *,
-    causal: bool,
-    scale: float,
-    window: tuple[int, int] | None = None,
-    softcap: float | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
-    """Scores of one sequence's queries against its L valid keys, ``(H, Sq, L)`` in ``dtype``.
-
-    q is ``(H, Sq, D)``, k ``(Hkv, L, D)``. The queries are the LAST Sq positions: query i sits
-    at ``pos_i = i + L - Sq``. In order: ``s = scale * q @ k^T``; softcap ``s = c * tanh(s / c)``;
-    ALiBi ``s -= slope_h * |pos_i - j|`` (``alibi_slopes`` ``(H,)``); then -inf where key j is
-    hidden: causal hides ``j > pos_i``; ``window = (left, right)`` (-1: unbounded side) hides
-    ``j < pos_i - left`` and ``j > pos_i + right`` (causal makes ``right = 0``).
-    """
-    heads, seqlen_q = q.shape[0], q.shape[1]
-    seqlen = k.shape[1]
-    k = _repeat_kv(k.to(dtype)[None], heads)[0]
-    s = torch.matmul(q.to(dtype), k.transpose(-1, -2)) * scale
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    pos = torch.arange(seqlen_q, device=q.device)[:, None] + (seqlen - seqlen_q)
-    j = torch.arange(seqlen, device=q.device)[None, :]
-    if alibi_slopes is not None:
-        dist = (pos - j).abs().to(dtype)
-        s = s - alibi_slopes.to(dtype)[:, None, None] * dist
-    visible = torch.ones(seqlen_q, seqlen, dtype=torch.bool, device=q.device)
-    left, right = window if window is not None else (-1, -1)
-    if causal:
-        right = 0
-    if right >= 0:
-        visible &= j <= pos + right
-    if left >= 0:
-        visible &= j >= pos - left
-    return s.masked_fill(~visible, float("-inf"))
 
 
 def gather_kvcache(
@@ -320,14 +277,12 @@ def attention_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> RefResult:
-    """``flashcore.attention_with_kvcache`` in ``dtype``: each sequence gathered dense, then
-    :func:`kvcache_scores` and a softmax (rows that see no key: out 0, lse -inf).
-
-    ``alibi_slopes`` is ``(H,)`` or ``(B, H)``.
+    """``flashcore.attention_with_kvcache`` in ``dtype``: each sequence's valid keys gathered
+    dense, then :func:`attention` on them (the queries are the last Sq positions of a sequence of
+    ``cache_seqlens[b]`` keys: bottom-right alignment, as there). ``alibi_slopes`` is ``(H,)`` or
+    ``(B, H)``.
     """
-    batch, heads, seqlen_q, head_dim = q.shape
-    if scale is None:
-        scale = 1.0 / math.sqrt(head_dim)
+    batch, heads, seqlen_q, _ = q.shape
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
     lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=dtype, device=q.device)
     for b in range(batch):
@@ -337,13 +292,9 @@ def attention_with_kvcache(
         slopes = None
         if alibi_slopes is not None:
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
-        s = kvcache_scores(
-            q[b], k, causal=causal, scale=scale, window=window, softcap=softcap,
-            alibi_slopes=slopes, dtype=dtype,
+        ref = attention(
+            q[b][None], k[None], v[None], causal=causal, scale=scale, window=window,
+            softcap=softcap, alibi_slopes=slopes, dtype=dtype,
         )  # fmt: skip
-        row_lse = torch.logsumexp(s, dim=-1)
-        empty = (row_lse == float("-inf")).unsqueeze(-1)
-        p = torch.exp(s - row_lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
-        out[b] = torch.matmul(p, _repeat_kv(v.to(dtype)[None], heads)[0])
-        lse[b] = row_lse
+        out[b], lse[b] = ref.out[0], ref.lse[0]
     return RefResult(out, lse)
