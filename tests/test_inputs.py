@@ -1,6 +1,8 @@
 """Unusual but valid inputs: empty sizes, requires_grad mixes, strides, NaN/Inf, many devices,
 more than 2**31 elements, many heads."""
 
+import os
+
 import pytest
 import torch
 
@@ -312,3 +314,23 @@ def test_batch_times_heads_above_65535():
     torch.cuda.synchronize()
     check_forward(out, lse, q, k, v, causal=False)
     check_backward(q, k, v, causal=True)
+
+
+def test_import_leaves_triton_unimported():
+    """``import flashcore`` must not import triton: the interpreter flag is read when triton's own
+    jit helpers are defined, so a user (or flashcore-bench) may set TRITON_INTERPRET=1 after
+    importing flashcore and before the first call."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys, torch, flashcore\n"
+        "assert 'triton' not in sys.modules, 'import flashcore imported triton'\n"
+        "if not torch.cuda.is_available():\n"
+        "    os.environ['TRITON_INTERPRET'] = '1'\n"
+        "    q = torch.randn(1, 1, 8, 16)\n"
+        "    assert flashcore.attention(q, q, q).shape == q.shape\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

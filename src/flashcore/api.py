@@ -15,12 +15,19 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-@torch.compiler.assume_constant_result
 def _interpreted() -> bool:
     # Fixed for the life of the process once the kernels are defined. Under torch.compile the
     # answer is taken once at trace time and baked in, instead of tracing the import and the
     # functools.cache inside (which dynamo only traces through with a warning).
     return is_interpreted()
+
+
+# What ``torch.compiler.assume_constant_result`` does (torch 2.6 to 2.13: it sets this attribute),
+# without its ``import torch._dynamo``: that imports triton, and triton's own jit helpers are then
+# compiled-mode objects even if TRITON_INTERPRET=1 is set later, so ``import flashcore`` before
+# setting the flag broke every interpreted call ("Cannot call @triton.jit'd outside of the scope
+# of a kernel"). tests/test_compile.py checks that dynamo still traces this without a break.
+_interpreted._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _check_tensor(name: str, t: object, packed: bool = False) -> torch.Tensor:
