@@ -1,4 +1,5 @@
-"""Public functions: validation, defaults and documentation. Launches nothing itself."""
+"""Public functions: defaults and documentation; the input checks of ``flashcore.checks`` run
+first. Launches nothing itself."""
 
 from __future__ import annotations
 
@@ -8,175 +9,22 @@ import warnings
 
 import torch
 
+from flashcore.checks import (
+    MAX_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    check_alibi,
+    check_cu_seqlens,
+    check_flag,
+    check_inputs,
+    check_kvcache_inputs,
+    check_max_seqlen,
+    check_num_splits,
+    check_scale,
+    check_softcap,
+    check_window,
+    interpreted,
+)
 from flashcore.ops import attention as _ops
-from flashcore.ops.fwd import is_interpreted
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-MAX_HEAD_DIM = 256
-
-
-def _interpreted() -> bool:
-    # Fixed for the life of the process once the kernels are defined. Under torch.compile the
-    # answer is taken once at trace time and baked in, instead of tracing the import and the
-    # functools.cache inside (which dynamo only traces through with a warning).
-    return is_interpreted()
-
-
-# What ``torch.compiler.assume_constant_result`` does (torch 2.6 to 2.13: it sets this attribute),
-# without its ``import torch._dynamo``: that imports triton, and triton's own jit helpers are then
-# compiled-mode objects even if TRITON_INTERPRET=1 is set later, so ``import flashcore`` before
-# setting the flag broke every interpreted call ("Cannot call @triton.jit'd outside of the scope
-# of a kernel"). tests/test_compile.py checks that dynamo still traces this without a break.
-_interpreted._dynamo_marked_constant = True  # type: ignore[attr-defined]
-
-
-def _check_tensor(name: str, t: object, packed: bool = False) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    dims, layout = (
-        (3, "(total, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
-    )
-    if t.dim() != dims:
-        raise ValueError(
-            f"{name} must have {dims} dims {layout}, got {t.dim()} dims with shape {tuple(t.shape)}"
-        )
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-    return t
-
-
-def _check_inputs(q: object, k: object, v: object, packed: bool = False) -> None:
-    """q, k, v as ``attention`` takes them, or packed ``(total, heads, head_dim)`` ones."""
-    q = _check_tensor("q", q, packed)
-    k = _check_tensor("k", k, packed)
-    v = _check_tensor("v", v, packed)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-    heads, head_dim = q.shape[1], q.shape[-1]
-    if k.shape != v.shape:
-        layout = (
-            "(total_k, kv_heads, head_dim)" if packed else "(batch, kv_heads, seqlen_k, head_dim)"
-        )
-        raise ValueError(
-            f"k and v must have the same shape {layout}, "
-            f"got k {tuple(k.shape)} and v {tuple(v.shape)}"
-        )
-    if not packed and k.shape[0] != q.shape[0]:
-        raise ValueError(f"k/v batch size must equal q's ({q.shape[0]}), got {k.shape[0]}")
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k/v head_dim must equal q's ({head_dim}), got {k.shape[-1]}")
-    kv_heads = k.shape[1]
-    # H = Hkv = 0 is an empty problem, not a GQA ratio.
-    if heads != kv_heads and (kv_heads == 0 or heads % kv_heads != 0):
-        raise ValueError(
-            f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads}) for GQA/MQA"
-        )
-    if head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(
-            f"head_dim up to {MAX_HEAD_DIM} is supported, got q.shape[-1] = {head_dim}"
-        )
-    if head_dim == 0:
-        raise ValueError("head_dim (q.shape[-1]) must be at least 1, got 0")
-    if q.device.type == "cpu" and not _interpreted():
-        raise ValueError(
-            "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
-            "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
-            "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
-        )
-
-
-def _check_scale(scale: object, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return scale
-
-
-def _check_flag(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
-
-
-def _check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: object, cu_seqlens_k: object) -> None:
-    """Type, shape and device only: reading the offsets would sync with the device."""
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must be int32, got {t.dtype}")
-        if t.dim() != 1 or t.shape[0] < 1:
-            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(t.shape)}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-    if cu_seqlens_k.shape != cu_seqlens_q.shape:
-        raise ValueError(
-            f"cu_seqlens_k must have cu_seqlens_q's shape {tuple(cu_seqlens_q.shape)} (one "
-            f"offset per sequence, plus one), got {tuple(cu_seqlens_k.shape)}"
-        )
-
-
-def _check_max_seqlen(name: str, value: object, total: int, total_name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    # Without reading cu_seqlens, what the packed size alone rules out: a sequence longer than
-    # the pack, or rows to attend with no sequence longer than 0 (the grid would be empty).
-    if value < 0 or value > total or (total > 0 and value == 0):
-        raise ValueError(
-            f"{name} must be the longest sequence's length, from 1 to {total_name} ({total}) "
-            f"(0 when {total_name} is 0), got {value}"
-        )
-    return value
-
-
-def _check_window(window: object) -> tuple[int, int]:
-    if window is None:
-        return -1, -1
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise TypeError(f"window must be a (left, right) tuple of two ints or None, got {window!r}")
-    for side, value in zip(("left", "right"), window, strict=True):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"window {side} must be an int, got {type(value).__name__}")
-        if value < -1:
-            raise ValueError(f"window {side} must be >= -1 (-1: unbounded), got {value}")
-    return int(window[0]), int(window[1])
-
-
-def _check_softcap(softcap: object) -> float:
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
-    softcap = float(softcap)
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
-    return softcap
-
-
-def _check_alibi(
-    slopes: object, batch: int, heads: int, device: torch.device
-) -> torch.Tensor | None:
-    if slopes is None:
-        return None
-    if not isinstance(slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
-    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
-        raise ValueError(
-            f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = "
-            f"({batch}, {heads}), got {tuple(slopes.shape)}"
-        )
-    if slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
-    if slopes.device != device:
-        raise ValueError(f"alibi_slopes must be on q's device ({device}), got {slopes.device}")
-    return slopes
 
 
 def attention(
@@ -274,13 +122,13 @@ def attention(
             shape or device.
         NotImplementedError: head_dim above 256.
     """
-    _check_inputs(q, k, v)
-    causal = _check_flag("causal", causal)
-    return_lse = _check_flag("return_lse", return_lse)
-    scale = _check_scale(scale, q.shape[-1])
-    window_left, window_right = _check_window(window)
-    softcap = _check_softcap(softcap)
-    alibi_slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
+    check_inputs(q, k, v)
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    scale = check_scale(scale, q.shape[-1])
+    window_left, window_right = check_window(window)
+    softcap = check_softcap(softcap)
+    alibi_slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
     out, lse = _ops.attn_fwd(
         q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes
     )
@@ -360,17 +208,17 @@ def attention_varlen(
             scale, cu_seqlens not ``(B + 1,)`` alike, a maximum out of range.
         NotImplementedError: head_dim above 256.
     """
-    _check_inputs(q, k, v, packed=True)
-    _check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
-    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0], "total_q")
-    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0], "total_k")
-    causal = _check_flag("causal", causal)
-    return_lse = _check_flag("return_lse", return_lse)
-    scale = _check_scale(scale, q.shape[-1])
-    window_left, window_right = _check_window(window)
-    softcap = _check_softcap(softcap)
+    check_inputs(q, k, v, packed=True)
+    check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
+    max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0], "total_q")
+    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0], "total_k")
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    scale = check_scale(scale, q.shape[-1])
+    window_left, window_right = check_window(window)
+    softcap = check_softcap(softcap)
     batch = cu_seqlens_q.shape[0] - 1
-    alibi_slopes = _check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    alibi_slopes = check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     out, lse = _ops.attn_varlen_fwd(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
         window_left, window_right, softcap, alibi_slopes,
@@ -418,7 +266,7 @@ def _sdpa_unsupported(
             return "dtype", f"{name}.dtype is {t.dtype} (query.dtype {query.dtype})"
         if t.device != query.device:
             return "device", f"{name} is on {t.device}, query on {query.device}"
-    if query.device.type != "cuda" and not (query.device.type == "cpu" and _interpreted()):
+    if query.device.type != "cuda" and not (query.device.type == "cpu" and interpreted()):
         return "device", f"the inputs are on {query.device} (CUDA, or the CPU interpreter, only)"
     if not query.dim() == key.dim() == value.dim() >= 2 or (enable_gqa and query.dim() < 3):
         dims = f"{query.dim()}, {key.dim()}, {value.dim()}"
@@ -530,93 +378,6 @@ def scaled_dot_product_attention(
     return out.reshape(query.shape)
 
 
-# Rows of the decode kernel's tile: (H // Hkv) query heads x Sq queries of one kv head.
-MAX_DECODE_ROWS = 128
-
-
-def _check_int_tensor(name: str, t: object, shape: tuple[int, ...], device: torch.device):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if t.dim() != len(shape) or any(e >= 0 and e != g for e, g in zip(shape, t.shape, strict=True)):
-        want = ", ".join("*" if e < 0 else str(e) for e in shape)
-        raise ValueError(f"{name} must have shape ({want}), got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
-    return t
-
-
-def _check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> None:
-    q = _check_tensor("q", q)
-    k_cache = _check_tensor("k_cache", k_cache)
-    v_cache = _check_tensor("v_cache", v_cache)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must have the same shape, got k_cache {tuple(k_cache.shape)} "
-            f"and v_cache {tuple(v_cache.shape)}"
-        )
-    batch, heads, seqlen_q, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
-    _check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
-    if block_table is None:
-        if k_cache.shape[0] != batch:
-            raise ValueError(
-                f"k_cache/v_cache batch size must equal q's ({batch}) for a contiguous cache "
-                f"(B, Hkv, S_max, D), got {k_cache.shape[0]}"
-            )
-    else:
-        _check_int_tensor("block_table", block_table, (batch, -1), q.device)
-        block_size = k_cache.shape[2]
-        if block_size == 0 or block_size % 16:
-            raise ValueError(
-                f"block_size (k_cache.shape[2] of a paged cache) must be a positive multiple of "
-                f"16, got {block_size}"
-            )
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(
-            f"k_cache/v_cache head_dim must equal q's ({head_dim}), got {k_cache.shape[3]}"
-        )
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(
-            f"q's heads ({heads}) must be a multiple of k_cache/v_cache's heads ({kv_heads}) "
-            "for GQA/MQA"
-        )
-    if head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(
-            f"head_dim up to {MAX_HEAD_DIM} is supported, got q.shape[-1] = {head_dim}"
-        )
-    if head_dim == 0:
-        raise ValueError("head_dim (q.shape[-1]) must be at least 1, got 0")
-    if seqlen_q * (heads // kv_heads) > MAX_DECODE_ROWS:
-        raise ValueError(
-            f"q.shape[2] * (H // Hkv) must be at most {MAX_DECODE_ROWS} (the decode kernel keeps "
-            f"every query of a kv head in one tile), got {seqlen_q} * {heads // kv_heads}; use "
-            "flashcore.attention for prefill"
-        )
-    if q.device.type == "cpu" and not _interpreted():
-        raise ValueError(
-            "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
-            "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
-            "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
-        )
-
-
-def _check_num_splits(num_splits: object) -> int:
-    if num_splits is None:
-        return 0
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
-    return num_splits
-
-
 def attention_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -685,16 +446,16 @@ def attention_with_kvcache(
             num_splits values.
         NotImplementedError: head_dim above 256.
     """
-    _check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
-    causal = _check_flag("causal", causal)
-    return_lse = _check_flag("return_lse", return_lse)
-    scale = _check_scale(scale, q.shape[-1])
-    window_left, window_right = _check_window(window)
-    softcap_value = _check_softcap(softcap)
-    slopes = _check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
+    check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
+    scale = check_scale(scale, q.shape[-1])
+    window_left, window_right = check_window(window)
+    softcap_value = check_softcap(softcap)
+    slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
     if slopes is not None:
         slopes = slopes.expand(q.shape[0], q.shape[1])
-    splits = _check_num_splits(num_splits)
+    splits = check_num_splits(num_splits)
     out, lse = _ops.attn_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, slopes, causal, scale,
         window_left, window_right, softcap_value, splits,

@@ -33,11 +33,11 @@ from typing import NamedTuple
 
 import torch
 
-from flashcore.api import (
-    _check_flag,
-    _check_inputs,
-    _check_scale,
-    _check_tensor,
+from flashcore.checks import (
+    check_flag,
+    check_inputs,
+    check_scale,
+    check_tensor,
 )
 from flashcore.ops.fwd import LOG2E, cdiv, unit_stride_last_dim
 from flashcore.tuning import FwdConfig, fwd_config, head_block
@@ -99,9 +99,9 @@ def probe_scores(
     Keys a query may not see (causal, bottom-right aligned) are -inf. Validation and errors as in
     ``flashcore.attention`` (k stands in for v).
     """
-    _check_inputs(q, k, k)
-    causal = _check_flag("causal", causal)
-    scale = _check_scale(scale, q.shape[-1])
+    check_inputs(q, k, k)
+    causal = check_flag("causal", causal)
+    scale = check_scale(scale, q.shape[-1])
     q, k = unit_stride_last_dim(q), unit_stride_last_dim(k)
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -126,9 +126,9 @@ def probe_probs(
     over the keys: the first runs ``online_softmax_step`` to get each row's max and sum, the second
     writes ``exp(s - max) / sum``.
     """
-    _check_inputs(q, k, k)
-    causal = _check_flag("causal", causal)
-    scale = _check_scale(scale, q.shape[-1])
+    check_inputs(q, k, k)
+    causal = check_flag("causal", causal)
+    scale = check_scale(scale, q.shape[-1])
     q, k = unit_stride_last_dim(q), unit_stride_last_dim(k)
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -161,7 +161,7 @@ def probe_uniform_pv(
     Returns:
         ``(B, H, Sq, D)`` in v's dtype; rows that see no key are 0.
     """
-    v = _check_tensor("v", v)
+    v = check_tensor("v", v)
     if isinstance(seqlen_q, bool) or not isinstance(seqlen_q, int) or seqlen_q < 0:
         raise ValueError(f"seqlen_q must be a non-negative int, got {seqlen_q!r}")
     batch, kv_heads, seqlen_k, head_dim = v.shape
@@ -173,8 +173,8 @@ def probe_uniform_pv(
         )
     out = torch.empty((batch, heads, seqlen_q, head_dim), dtype=v.dtype, device=v.device)
     # With q of the output's shape, flashcore's own checks cover head dim and device rules.
-    _check_inputs(out, v, v)
-    causal = _check_flag("causal", causal)
+    check_inputs(out, v, v)
+    causal = check_flag("causal", causal)
     v = unit_stride_last_dim(v)
     if out.numel() == 0:
         return out

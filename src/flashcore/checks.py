@@ -1,0 +1,266 @@
+"""Input validation for the public functions: one check per argument kind, each raising with the
+argument's name, what was expected and what was got. Runs before anything is launched."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from flashcore.ops.fwd import is_interpreted
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def interpreted() -> bool:
+    """Whether the kernels run through Triton's interpreter (fixed once they are defined)."""
+    # Fixed for the life of the process once the kernels are defined. Under torch.compile the
+    # answer is taken once at trace time and baked in, instead of tracing the import and the
+    # functools.cache inside (which dynamo only traces through with a warning).
+    return is_interpreted()
+
+
+# What ``torch.compiler.assume_constant_result`` does (torch 2.6 to 2.13: it sets this attribute),
+# without its ``import torch._dynamo``: that imports triton, and triton's own jit helpers are then
+# compiled-mode objects even if TRITON_INTERPRET=1 is set later, so ``import flashcore`` before
+# setting the flag broke every interpreted call ("Cannot call @triton.jit'd outside of the scope
+# of a kernel"). tests/test_compile.py checks that dynamo still traces this without a break.
+interpreted._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def check_tensor(name: str, t: object, packed: bool = False) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dims, layout = (
+        (3, "(total, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
+    )
+    if t.dim() != dims:
+        raise ValueError(
+            f"{name} must have {dims} dims {layout}, got {t.dim()} dims with shape {tuple(t.shape)}"
+        )
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    return t
+
+
+def check_inputs(q: object, k: object, v: object, packed: bool = False) -> None:
+    """q, k, v as ``attention`` takes them, or packed ``(total, heads, head_dim)`` ones."""
+    q = check_tensor("q", q, packed)
+    k = check_tensor("k", k, packed)
+    v = check_tensor("v", v, packed)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    heads, head_dim = q.shape[1], q.shape[-1]
+    if k.shape != v.shape:
+        layout = (
+            "(total_k, kv_heads, head_dim)" if packed else "(batch, kv_heads, seqlen_k, head_dim)"
+        )
+        raise ValueError(
+            f"k and v must have the same shape {layout}, "
+            f"got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    if not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k/v batch size must equal q's ({q.shape[0]}), got {k.shape[0]}")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k/v head_dim must equal q's ({head_dim}), got {k.shape[-1]}")
+    kv_heads = k.shape[1]
+    # H = Hkv = 0 is an empty problem, not a GQA ratio.
+    if heads != kv_heads and (kv_heads == 0 or heads % kv_heads != 0):
+        raise ValueError(
+            f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads}) for GQA/MQA"
+        )
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"head_dim up to {MAX_HEAD_DIM} is supported, got q.shape[-1] = {head_dim}"
+        )
+    if head_dim == 0:
+        raise ValueError("head_dim (q.shape[-1]) must be at least 1, got 0")
+    if q.device.type == "cpu" and not interpreted():
+        raise ValueError(
+            "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
+            "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
+            "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
+        )
+
+
+def check_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: object, cu_seqlens_k: object) -> None:
+    """Type, shape and device only: reading the offsets would sync with the device."""
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.dim() != 1 or t.shape[0] < 1:
+            raise ValueError(f"{name} must have shape (batch + 1,), got {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    if cu_seqlens_k.shape != cu_seqlens_q.shape:
+        raise ValueError(
+            f"cu_seqlens_k must have cu_seqlens_q's shape {tuple(cu_seqlens_q.shape)} (one "
+            f"offset per sequence, plus one), got {tuple(cu_seqlens_k.shape)}"
+        )
+
+
+def check_max_seqlen(name: str, value: object, total: int, total_name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    # Without reading cu_seqlens, what the packed size alone rules out: a sequence longer than
+    # the pack, or rows to attend with no sequence longer than 0 (the grid would be empty).
+    if value < 0 or value > total or (total > 0 and value == 0):
+        raise ValueError(
+            f"{name} must be the longest sequence's length, from 1 to {total_name} ({total}) "
+            f"(0 when {total_name} is 0), got {value}"
+        )
+    return value
+
+
+def check_window(window: object) -> tuple[int, int]:
+    if window is None:
+        return -1, -1
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window must be a (left, right) tuple of two ints or None, got {window!r}")
+    for side, value in zip(("left", "right"), window, strict=True):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"window {side} must be an int, got {type(value).__name__}")
+        if value < -1:
+            raise ValueError(f"window {side} must be >= -1 (-1: unbounded), got {value}")
+    return int(window[0]), int(window[1])
+
+
+def check_softcap(softcap: object) -> float:
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number or None, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    return softcap
+
+
+def check_alibi(
+    slopes: object, batch: int, heads: int, device: torch.device
+) -> torch.Tensor | None:
+    if slopes is None:
+        return None
+    if not isinstance(slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(
+            f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = "
+            f"({batch}, {heads}), got {tuple(slopes.shape)}"
+        )
+    if slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes must be on q's device ({device}), got {slopes.device}")
+    return slopes
+
+
+# Rows of the decode kernel's tile: (H // Hkv) query heads x Sq queries of one kv head.
+MAX_DECODE_ROWS = 128
+
+
+def check_int_tensor(name: str, t: object, shape: tuple[int, ...], device: torch.device):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != len(shape) or any(e >= 0 and e != g for e, g in zip(shape, t.shape, strict=True)):
+        want = ", ".join("*" if e < 0 else str(e) for e in shape)
+        raise ValueError(f"{name} must have shape ({want}), got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+    return t
+
+
+def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> None:
+    q = check_tensor("q", q)
+    k_cache = check_tensor("k_cache", k_cache)
+    v_cache = check_tensor("v_cache", v_cache)
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape, got k_cache {tuple(k_cache.shape)} "
+            f"and v_cache {tuple(v_cache.shape)}"
+        )
+    batch, heads, seqlen_q, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(
+                f"k_cache/v_cache batch size must equal q's ({batch}) for a contiguous cache "
+                f"(B, Hkv, S_max, D), got {k_cache.shape[0]}"
+            )
+    else:
+        check_int_tensor("block_table", block_table, (batch, -1), q.device)
+        block_size = k_cache.shape[2]
+        if block_size == 0 or block_size % 16:
+            raise ValueError(
+                f"block_size (k_cache.shape[2] of a paged cache) must be a positive multiple of "
+                f"16, got {block_size}"
+            )
+    if k_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"k_cache/v_cache head_dim must equal q's ({head_dim}), got {k_cache.shape[3]}"
+        )
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(
+            f"q's heads ({heads}) must be a multiple of k_cache/v_cache's heads ({kv_heads}) "
+            "for GQA/MQA"
+        )
+    if head_dim > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"head_dim up to {MAX_HEAD_DIM} is supported, got q.shape[-1] = {head_dim}"
+        )
+    if head_dim == 0:
+        raise ValueError("head_dim (q.shape[-1]) must be at least 1, got 0")
+    if seqlen_q * (heads // kv_heads) > MAX_DECODE_ROWS:
+        raise ValueError(
+            f"q.shape[2] * (H // Hkv) must be at most {MAX_DECODE_ROWS} (the decode kernel keeps "
+            f"every query of a kv head in one tile), got {seqlen_q} * {heads // kv_heads}; use "
+            "flashcore.attention for prefill"
+        )
+    if q.device.type == "cpu" and not interpreted():
+        raise ValueError(
+            "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
+            "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
+            "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
+        )
+
+
+def check_num_splits(num_splits: object) -> int:
+    if num_splits is None:
+        return 0
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int or None, got {type(num_splits).__name__}")
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None to choose), got {num_splits}")
+    return num_splits
