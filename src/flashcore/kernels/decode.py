@@ -39,11 +39,13 @@ Flags (``tl.constexpr``, compiled away when off):
 - SOFTCAP: ``s = c * tanh(scale * q.k / c)``; the launcher passes ``qk_scale = scale / c`` and
   ``softcap_scale = c`` (times log2(e) unless EXP_E).
 - HAS_ALIBI: adds ``-slope[b, h] * |pos_i - j|`` after the softcap (ALIBI is ``(B, H)`` fp32,
-  batch stride 0 for per-head slopes).
+  batch stride 0 for per-head slopes). Softcap and ALiBi are the main kernels'
+  ``common.transform_scores``, with each row's absolute position ``pos_i`` as its index.
 - EVEN_M: ``G * Sq == BLOCK_M`` (no padded rows: loads skip the row mask).
 - HEAD_DIM < BLOCK_D: padded head dims, as in the forward.
 - UPCAST, DOT_PRECISION, EXP_E: as in the forward kernel (interpreter bf16 upcast; IEEE fp32
-  dots; fp32 on the GPU in natural units with libdevice's exp).
+  dots, with the score product in fp64 as in ``common.dot_nt``; fp32 on the GPU in natural units
+  with libdevice's exp).
 
 LSE base. Partial and final LSE are natural-log, fp32. A row (or a split of it) that sees no key
 has ``l = 0``: its output is written as 0 and its LSE as -inf; the combine weights such splits by
@@ -56,18 +58,15 @@ int64. Masked scores are -inf, never a large finite number.
 import triton
 import triton.language as tl
 
-from flashcore.kernels.common import LOG2E, load_tile, online_softmax_step, row_lse, store_tile
-
-
-@triton.jit
-def tanh_exp2(x):
-    """``tanh(x)`` from exp2 of ``-2|x|`` (no overflow; absolute error a few ulp of 1).
-
-    Written out because Triton 3.6's interpreter has no libdevice ``tanh``.
-    """
-    e = tl.math.exp2(-2.0 * LOG2E * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
+from flashcore.kernels.common import (
+    LOG2E,
+    dot_nt,
+    load_tile,
+    online_softmax_step,
+    row_lse,
+    store_tile,
+    transform_scores,
+)
 
 
 @triton.jit
@@ -153,15 +152,11 @@ def _decode_kv_loop(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if SOFTCAP:
-            s = tanh_exp2(s) * softcap_scale
-        if HAS_ALIBI:
-            dist = tl.abs(pos[:, None] - cols[None, :]).to(tl.float32)
-            if EXP_E:
-                s -= slope[:, None] * dist
-            else:
-                s -= (slope * LOG2E)[:, None] * dist
+        s = dot_nt(q, k, DOT_PRECISION) * qk_scale
+        # Rows sit at absolute positions ``pos``: no further offset (seqlen_q = seqlen_k = 0).
+        s, _t = transform_scores(
+            s, pos[:, None], cols[None, :], 0, 0, softcap_scale, slope[:, None], SOFTCAP, HAS_ALIBI
+        )
         if MASKED:
             s = decode_visibility(
                 s, pos, cols, seqlen, window_left, window_right, MASK_LEFT, MASK_RIGHT
@@ -257,6 +252,8 @@ def attn_decode_kernel(
     if HAS_ALIBI:
         slope_ptrs = ALIBI + off_b * stride_ab + (head0 + g) * stride_ah
         slope = tl.load(slope_ptrs, mask=offs_r < n_rows, other=0.0)
+        if not EXP_E:
+            slope = slope * LOG2E  # in the scores' units (base 2)
 
     # Keys some real row sees: [lo, L); keys every real row sees: [full_lo, full_hi).
     lo = seqlen * 0
