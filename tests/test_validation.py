@@ -146,6 +146,7 @@ def no_varlen_launch(monkeypatch):
         raise AssertionError("kernel launched despite invalid input")
 
     monkeypatch.setattr(attention, "attn_varlen_fwd", boom)
+    monkeypatch.setattr(attention, "_attn_varlen_fwd", boom)
 
 
 # (argument, replacement built from the valid arguments, error, message)

@@ -12,17 +12,39 @@ they also save the cu_seqlens offsets, whose contents are never read on the host
 derive every shape from q alone). ``attn_kvcache`` (decoding from a KV cache) is inference-only: it
 registers no autograd formula, so a backward through it raises PyTorch's "no autograd formula"
 error.
+
+Eager calls on plain tensors skip the op dispatch (``attention``, ``attention_varlen``,
+``kvcache``): the ``torch.library`` layer costs about 80 us per call on the H100 machine's host,
+several times a small kernel (docs/performance.md, "Host overhead"). They run the same launchers
+directly, through a ``torch.autograd.Function`` with the ops' context and backward when a gradient
+is needed. Anything that needs the ops themselves (torch.compile and export tracing, FakeTensor
+and other dispatch modes such as FlopCounterMode, functorch transforms, tensor subclasses) gets
+them.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from flashcore.ops import bwd, decode, fwd
 
 
-@torch.library.custom_op("flashcore::attn_fwd", mutates_args=())
-def attn_fwd(
+def direct(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call may run the launchers directly rather than through the registered op."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._are_functorch_transforms_active()
+        and all(t is None or type(t) is torch.Tensor for t in tensors)
+    )
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _attn_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -46,6 +68,9 @@ def attn_fwd(
     )
 
 
+attn_fwd = torch.library.custom_op("flashcore::attn_fwd", mutates_args=())(_attn_fwd)
+
+
 @attn_fwd.register_fake
 def _attn_fwd_fake(
     q: torch.Tensor,
@@ -62,8 +87,7 @@ def _attn_fwd_fake(
     return torch.empty_like(q), q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashcore::attn_bwd", mutates_args=())
-def attn_bwd(
+def _attn_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -93,6 +117,9 @@ def attn_bwd(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
     )
+
+
+attn_bwd = torch.library.custom_op("flashcore::attn_bwd", mutates_args=())(_attn_bwd)
 
 
 @attn_bwd.register_fake
@@ -137,22 +164,53 @@ def _out_grad(dout: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     return fwd.unit_stride_last_dim(dout)
 
 
-def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, op=attn_bwd):
     q, k, v, out, lse, alibi_slopes = ctx.saved_tensors
     # No gradient for the options, the ALiBi slopes included.
     no_grads = (None,) * (len(ctx.options) + 1)
     if dout is None and dlse is None:
         return None, None, None, *no_grads
     dout = _out_grad(dout, out)
-    dq, dk, dv = attn_bwd(dout, q, k, v, out, lse, dlse, *ctx.options, alibi_slopes)
+    dq, dk, dv = op(dout, q, k, v, out, lse, dlse, *ctx.options, alibi_slopes)
     return dq, dk, dv, *no_grads
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-@torch.library.custom_op("flashcore::attn_varlen_fwd", mutates_args=())
-def attn_varlen_fwd(
+class _Attention(torch.autograd.Function):
+    """``attn_fwd`` with its autograd formula, without the op dispatch (eager calls)."""
+
+    forward = staticmethod(_attn_fwd)
+    setup_context = staticmethod(_setup_context)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, op=_attn_bwd)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn_fwd`` (differentiable), called directly when ``direct`` allows."""
+    args = (q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes)
+    if not direct(q, k, v, alibi_slopes):
+        return attn_fwd(*args)
+    if needs_grad(q, k, v):
+        return _Attention.apply(*args)
+    return _attn_fwd(*args)
+
+
+def _attn_varlen_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -176,6 +234,11 @@ def attn_varlen_fwd(
     )  # fmt: skip
 
 
+attn_varlen_fwd = torch.library.custom_op("flashcore::attn_varlen_fwd", mutates_args=())(
+    _attn_varlen_fwd
+)
+
+
 @attn_varlen_fwd.register_fake
 def _attn_varlen_fwd_fake(
     q: torch.Tensor,
@@ -196,8 +259,7 @@ def _attn_varlen_fwd_fake(
     return torch.empty_like(q), q.new_empty((heads, total_q), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashcore::attn_varlen_bwd", mutates_args=())
-def attn_varlen_bwd(
+def _attn_varlen_bwd(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -222,6 +284,11 @@ def attn_varlen_bwd(
         dout, q, k, v, out, lse, dlse, causal, scale, varlen=varlen,
         window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
     )  # fmt: skip
+
+
+attn_varlen_bwd = torch.library.custom_op("flashcore::attn_varlen_bwd", mutates_args=())(
+    _attn_varlen_bwd
+)
 
 
 @attn_varlen_bwd.register_fake
@@ -258,14 +325,14 @@ def _varlen_setup_context(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-def _varlen_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+def _varlen_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, op=attn_varlen_bwd):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
     # cu_seqlens_q/k, max_seqlen_q/k, then the options and the ALiBi slopes: no gradient.
     none = (None,) * (4 + len(ctx.options) + 1)
     if dout is None and dlse is None:
         return None, None, None, *none
     dout = _out_grad(dout, out)
-    dq, dk, dv = attn_varlen_bwd(
+    dq, dk, dv = op(
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens,
         *ctx.options, alibi_slopes,
     )  # fmt: skip
@@ -275,8 +342,46 @@ def _varlen_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
 attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
-@torch.library.custom_op("flashcore::attn_kvcache", mutates_args=())
-def attn_kvcache(
+class _VarlenAttention(torch.autograd.Function):
+    """``attn_varlen_fwd`` with its autograd formula, without the op dispatch (eager calls)."""
+
+    forward = staticmethod(_attn_varlen_fwd)
+    setup_context = staticmethod(_varlen_setup_context)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dlse):
+        return _varlen_backward(ctx, dout, dlse, op=_attn_varlen_bwd)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn_varlen_fwd`` (differentiable), called directly when ``direct`` allows."""
+    args = (
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+        window_left, window_right, softcap, alibi_slopes,
+    )  # fmt: skip
+    if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        return attn_varlen_fwd(*args)
+    if needs_grad(q, k, v):
+        return _VarlenAttention.apply(*args)
+    return _attn_varlen_fwd(*args)
+
+
+def _attn_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -297,6 +402,9 @@ def attn_kvcache(
     )  # fmt: skip
 
 
+attn_kvcache = torch.library.custom_op("flashcore::attn_kvcache", mutates_args=())(_attn_kvcache)
+
+
 @attn_kvcache.register_fake
 def _attn_kvcache_fake(
     q: torch.Tensor,
@@ -315,3 +423,29 @@ def _attn_kvcache_fake(
     batch, heads, seqlen_q, _ = q.shape
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     return out, q.new_empty((batch, heads, seqlen_q), dtype=torch.float32)
+
+
+def kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn_kvcache``, called directly when ``direct`` allows and no gradient is asked for
+    (the op has no autograd formula, so such a call goes through it to raise PyTorch's error)."""
+    args = (
+        q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, causal, scale,
+        window_left, window_right, softcap, num_splits,
+    )  # fmt: skip
+    tensors = (q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes)
+    if direct(*tensors) and not needs_grad(q, k_cache, v_cache):
+        return _attn_kvcache(*args)
+    return attn_kvcache(*args)

@@ -18,6 +18,7 @@ from flashcore.ops.fwd import (
     unit_stride_last_dim,
     window_bounds,
 )
+from flashcore.ops.launch import Launcher
 from flashcore.tuning import BwdConfig, bwd_config, head_block
 
 
@@ -27,6 +28,17 @@ def kernels() -> ModuleType:
     from flashcore.kernels import bwd
 
     return bwd
+
+
+@functools.cache
+def launchers() -> tuple[Launcher, Launcher, Launcher]:
+    """Launchers (``ops.launch``) of the delta preprocess, dK/dV and dQ kernels."""
+    bwd = kernels()
+    return (
+        Launcher(bwd.attn_bwd_preprocess_kernel, num_pointers=5),
+        Launcher(bwd.attn_bwd_dkdv_kernel, num_pointers=11),
+        Launcher(bwd.attn_bwd_dq_kernel, num_pointers=10),
+    )
 
 
 def attn_bwd(
@@ -88,7 +100,6 @@ def attn_bwd(
         dlse_strides = (0, 0, 0)
     else:
         dlse_strides = dlse.stride() if varlen is None else (0, *dlse.stride())
-    bwd = kernels()
     is_causal, has_window, window_left, window_right = window_bounds(
         causal, *window, seqlen_q, seqlen_k
     )
@@ -100,61 +111,76 @@ def attn_bwd(
         HAS_ALIBI=alibi_slopes is not None,
     )
 
+    pre, dkdv, dq_kernel = launchers()
+    even_m2 = even(seqlen_q, cfg.block_m2)
     # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
     with torch.cuda.device_of(q):
-        bwd.attn_bwd_preprocess_kernel[(cdiv(seqlen_q, cfg.block_m2) * batch * heads,)](
-            out, dout, dlse if dlse is not None else lse, delta,
-            cu_q,
-            *strides(out), *strides(dout),
-            *dlse_strides,
-            *stats_strides(lse, varlen),
-            heads, seqlen_q,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m2,
-            HAS_DLSE=dlse is not None,
-            EVEN_M=even(seqlen_q, cfg.block_m2),
-            IS_VARLEN=varlen is not None,
-            num_warps=cfg.num_warps,
+        pre(
+            (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
+            (
+                out, dout, dlse if dlse is not None else lse, delta, cu_q,
+                *strides(out), *strides(dout), *dlse_strides, *stats_strides(lse, varlen),
+                heads, seqlen_q,
+            ),
+            dict(
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_M=cfg.block_m2,
+                HAS_DLSE=dlse is not None,
+                EVEN_M=even_m2,
+                IS_VARLEN=varlen is not None,
+                num_warps=cfg.num_warps,
+            ),
         )  # fmt: skip
-        bwd.attn_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,)](
-            q, k, v, dout, lse, delta, dk, dv,
-            cu_q, cu_k, alibi,
-            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
+        common = (
             *stats_strides(lse, varlen), stride_ab,
-            kv_heads, heads // kv_heads, seqlen_q, seqlen_k, scale,
-            window_left, window_right, softcap,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m1,
-            BLOCK_N=cfg.block_n1,
-            **masks,
-            EVEN_M=even(seqlen_q, cfg.block_m1),
-            EVEN_N=even(seqlen_k, cfg.block_n1),
-            UPCAST=upcast,
-            DOT_PRECISION=precision,
-            IS_VARLEN=varlen is not None,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
         )  # fmt: skip
-        bwd.attn_bwd_dq_kernel[(cdiv(seqlen_q, cfg.block_m2) * batch * heads,)](
-            q, k, v, dout, lse, delta, dq,
-            cu_q, cu_k, alibi,
-            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
-            *stats_strides(lse, varlen), stride_ab,
-            heads, heads // kv_heads, seqlen_q, seqlen_k, scale,
-            window_left, window_right, softcap,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m2,
-            BLOCK_N=cfg.block_n2,
-            **masks,
-            EVEN_M=even(seqlen_q, cfg.block_m2),
-            EVEN_N=even(seqlen_k, cfg.block_n2),
-            UPCAST=upcast,
-            DOT_PRECISION=precision,
-            IS_VARLEN=varlen is not None,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+        scalars = (
+            heads // kv_heads, seqlen_q, seqlen_k, float(scale),
+            window_left, window_right, float(softcap),
+        )  # fmt: skip
+        dkdv(
+            (cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,),
+            (
+                q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi,
+                *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
+                *common, kv_heads, *scalars,
+            ),
+            dict(
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_M=cfg.block_m1,
+                BLOCK_N=cfg.block_n1,
+                **masks,
+                EVEN_M=even(seqlen_q, cfg.block_m1),
+                EVEN_N=even(seqlen_k, cfg.block_n1),
+                UPCAST=upcast,
+                DOT_PRECISION=precision,
+                IS_VARLEN=varlen is not None,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            ),
+        )  # fmt: skip
+        dq_kernel(
+            (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
+            (
+                q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi,
+                *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
+                *common, heads, *scalars,
+            ),
+            dict(
+                HEAD_DIM=head_dim,
+                BLOCK_D=block_d,
+                BLOCK_M=cfg.block_m2,
+                BLOCK_N=cfg.block_n2,
+                **masks,
+                EVEN_M=even_m2,
+                EVEN_N=even(seqlen_k, cfg.block_n2),
+                UPCAST=upcast,
+                DOT_PRECISION=precision,
+                IS_VARLEN=varlen is not None,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            ),
         )  # fmt: skip
     return dq, dk, dv

@@ -12,6 +12,7 @@ from types import ModuleType
 import torch
 
 from flashcore.ops.fwd import LOG2E, cdiv, is_interpreted, unit_stride_last_dim
+from flashcore.ops.launch import Launcher
 from flashcore.tuning import (
     INTERPRETER_SMS,
     MAX_SPLITS,
@@ -28,6 +29,16 @@ def kernels() -> ModuleType:
     from flashcore.kernels import decode
 
     return decode
+
+
+@functools.cache
+def launchers() -> tuple[Launcher, Launcher]:
+    """Launchers (``ops.launch``) of the split-KV kernel and of its combine."""
+    decode = kernels()
+    return (
+        Launcher(decode.attn_decode_kernel, num_pointers=8),
+        Launcher(decode.attn_decode_combine_kernel, num_pointers=4),
+    )
 
 
 @functools.cache
@@ -115,41 +126,52 @@ def attn_decode(
     slopes = alibi_slopes if alibi_slopes is not None else lse
     block_m = decode_block_m(kv_group, seqlen_q)
     block_d = head_block(head_dim)
+    split_kernel, combine_kernel = launchers()
     with torch.cuda.device_of(q):
-        kernels().attn_decode_kernel[(batch * kv_heads, num_splits)](
-            q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes,
-            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-            *part_strides[0], *part_strides[1],
-            table.stride(0),
-            slopes.stride(0), slopes.stride(1) if slopes.dim() > 1 else 0,
-            kv_heads, kv_group, seqlen_q, capacity, k_cache.shape[2] if paged else 1,
-            num_splits, qk_scale, softcap_scale,
-            max(window_left, 0), max(window_right, 0),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=block_m,
-            BLOCK_N=cfg.block_n,
-            EVEN_M=kv_group * seqlen_q == block_m,
-            PAGED=paged,
-            MASK_LEFT=mask_left,
-            MASK_RIGHT=mask_right,
-            SOFTCAP=softcap > 0,
-            HAS_ALIBI=alibi_slopes is not None,
-            UPCAST=interpreted and q.dtype == torch.bfloat16,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            EXP_E=exp_e,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )  # fmt: skip
-        if num_splits > 1:
-            kernels().attn_decode_combine_kernel[(batch * heads * seqlen_q,)](
-                o_part, lse_part, out, lse,
-                *o_part.stride()[:4], *lse_part.stride(), *out.stride()[:3], *lse.stride(),
-                heads, seqlen_q, num_splits,
+        split_kernel(
+            (batch * kv_heads, num_splits),
+            (
+                q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes,
+                *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
+                *part_strides[0], *part_strides[1],
+                table.stride(0),
+                slopes.stride(0), slopes.stride(1) if slopes.dim() > 1 else 0,
+                kv_heads, kv_group, seqlen_q, capacity, k_cache.shape[2] if paged else 1,
+                num_splits, float(qk_scale), float(softcap_scale),
+                max(window_left, 0), max(window_right, 0),
+            ),
+            dict(
                 HEAD_DIM=head_dim,
                 BLOCK_D=block_d,
-                BLOCK_S=max(2, triton_next_pow2(num_splits)),
-                num_warps=4,
+                BLOCK_M=block_m,
+                BLOCK_N=cfg.block_n,
+                EVEN_M=kv_group * seqlen_q == block_m,
+                PAGED=paged,
+                MASK_LEFT=mask_left,
+                MASK_RIGHT=mask_right,
+                SOFTCAP=softcap > 0,
+                HAS_ALIBI=alibi_slopes is not None,
+                UPCAST=interpreted and q.dtype == torch.bfloat16,
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                EXP_E=exp_e,
+                num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages,
+            ),
+        )  # fmt: skip
+        if num_splits > 1:
+            combine_kernel(
+                (batch * heads * seqlen_q,),
+                (
+                    o_part, lse_part, out, lse,
+                    *o_part.stride()[:4], *lse_part.stride(), *out.stride()[:3], *lse.stride(),
+                    heads, seqlen_q, num_splits,
+                ),
+                dict(
+                    HEAD_DIM=head_dim,
+                    BLOCK_D=block_d,
+                    BLOCK_S=max(2, triton_next_pow2(num_splits)),
+                    num_warps=4,
+                ),
             )  # fmt: skip
     return out, lse
 

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashcore.ops.launch import Launcher
 from flashcore.tuning import FwdConfig, fwd_config, head_block
 
 LOG2E = 1.4426950408889634  # log2(e): folds the softmax's exp into exp2
@@ -53,8 +54,16 @@ def kernels() -> ModuleType:
     return fwd
 
 
+@functools.cache
+def launcher() -> Launcher:
+    """The forward kernel's launcher (``ops.launch``): Q, K, V, O, LSE, CU_Q, CU_K, ALIBI first."""
+    return Launcher(kernels().attn_fwd_kernel, num_pointers=8)
+
+
+@functools.cache
 def is_interpreted() -> bool:
-    """True when the kernels were defined under Triton's interpreter (TRITON_INTERPRET=1)."""
+    """True when the kernels were defined under Triton's interpreter (TRITON_INTERPRET=1); fixed
+    for the process once they are."""
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(kernels().attn_fwd_kernel, InterpretedFunction)
@@ -101,7 +110,6 @@ def attn_fwd(
     # fp32 on the GPU takes the exact-exp path (kernels/common.py: softmax_exp).
     exp_e = q.dtype == torch.float32 and not interpreted
     cfg = config or fwd_config(head_dim, q.element_size(), interpreted=interpreted)
-    grid = (cdiv(seqlen_q, cfg.block_m) * batch * heads,)
     block_d = head_block(head_dim)
     is_causal, has_window, window_left, window_right = window_bounds(
         causal, *window, seqlen_q, seqlen_k
@@ -124,34 +132,37 @@ def attn_fwd(
         o_arg = descriptor(out, cfg.block_m, block_d)
     else:
         q_arg, k_arg, v_arg, o_arg = q, k, v, out
+    args = (
+        q_arg, k_arg, v_arg, o_arg, lse,
+        *((None, None) if varlen is None else varlen[:2]),
+        alibi,
+        *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen),
+        *row_strides(out, varlen), *stats_strides(lse, varlen), stride_ab,
+        heads, heads // kv_heads, seqlen_q, seqlen_k, float(qk_scale),
+        window_left, window_right, float(softcap),
+    )  # fmt: skip
+    meta = dict(
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        IS_CAUSAL=is_causal,
+        HAS_WINDOW=has_window,
+        SOFTCAP=softcap > 0,
+        HAS_ALIBI=alibi_slopes is not None,
+        EVEN_M=varlen is None and seqlen_q % cfg.block_m == 0,
+        EVEN_N=varlen is None and seqlen_k % cfg.block_n == 0,
+        UPCAST=interpreted and q.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        EXP_E=exp_e,
+        USE_TMA=use_tma,
+        IS_VARLEN=varlen is not None,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
     # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
     with torch.cuda.device_of(q):
-        kernels().attn_fwd_kernel[grid](
-            q_arg, k_arg, v_arg, o_arg, lse,
-            *((None, None) if varlen is None else varlen[:2]),
-            alibi,
-            *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen),
-            *row_strides(out, varlen), *stats_strides(lse, varlen), stride_ab,
-            heads, heads // kv_heads, seqlen_q, seqlen_k, qk_scale,
-            window_left, window_right, softcap,
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            IS_CAUSAL=is_causal,
-            HAS_WINDOW=has_window,
-            SOFTCAP=softcap > 0,
-            HAS_ALIBI=alibi_slopes is not None,
-            EVEN_M=varlen is None and seqlen_q % cfg.block_m == 0,
-            EVEN_N=varlen is None and seqlen_k % cfg.block_n == 0,
-            UPCAST=interpreted and q.dtype == torch.bfloat16,
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            EXP_E=exp_e,
-            USE_TMA=use_tma,
-            IS_VARLEN=varlen is not None,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        )  # fmt: skip
+        launcher()((cdiv(seqlen_q, cfg.block_m) * batch * heads,), args, meta)
     return out, lse
 
 

@@ -1,0 +1,74 @@
+"""Kernel launches that skip Triton's per-call argument binding once a kernel is compiled.
+
+``JITFunction[grid](...)`` re-derives on every call what it specialises on (each integer's
+type, divisibility by 16 and equality with 1, each pointer's dtype and 16-byte alignment, each
+descriptor's dtype and block shape), builds its cache key from that and the options, and only then
+launches: about 40 us per launch on the H100 machine's host, more than the whole kernel at small
+shapes (docs/performance.md, "Host overhead"). ``Launcher`` keeps its own map to the compiled
+kernels, keyed on a superset of that information:
+
+- the exact value of every scalar argument (so divisibility, ``== 1`` and int32/int64 range are
+  covered; the call sites pass float parameters as Python floats, ints as ints),
+- per pointer argument: None, or the dtype and 16-byte alignment of the tensor, or the dtype of a
+  tensor descriptor's base (its block shape is a function of the constexprs),
+- the constexprs and launch options, and the CUDA device.
+
+Equal keys therefore select the kernel Triton itself would have selected, which is then launched
+through ``CompiledKernel[grid]`` (Triton's own launcher, with its stream and hook handling). A miss
+launches through ``JITFunction`` (compiling if needed) and remembers what it returned. Under the
+interpreter every launch goes through ``JITFunction``: there is nothing compiled to keep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# Distinct shapes seen by one process; past this the map starts over (a miss costs only the
+# ordinary Triton launch).
+MAX_ENTRIES = 4096
+
+
+class Launcher:
+    """Launches one ``@triton.jit`` kernel whose pointer arguments come first (house style)."""
+
+    def __init__(self, fn: Any, num_pointers: int) -> None:
+        self.fn = fn
+        self.num_pointers = num_pointers
+        self.compiled: dict[tuple, tuple[Any, tuple]] = {}
+        self.interpreted = not hasattr(fn, "device_caches")
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None:
+        """``fn[grid](*args, **meta)``; ``args`` are the runtime arguments in order, ``meta`` the
+        constexprs in the kernel's parameter order, then ``num_warps``/``num_stages``."""
+        if self.interpreted:
+            self.fn[grid](*args, **meta)
+            return
+        pointers = args[: self.num_pointers]
+        key = (
+            args[self.num_pointers :],
+            tuple(pointer_key(p) for p in pointers),
+            tuple(meta.values()),
+            torch.cuda.current_device(),
+        )
+        hit = self.compiled.get(key)
+        if hit is None:
+            kernel = self.fn[grid](*args, **meta)
+            if len(self.compiled) >= MAX_ENTRIES:
+                self.compiled.clear()
+            names = self.fn.arg_names[len(args) :]
+            self.compiled[key] = (kernel, tuple(meta[n] for n in names))
+            return
+        kernel, constexprs = hit
+        kernel[grid + (1,) * (3 - len(grid))](*args, *constexprs)
+
+
+def pointer_key(arg: Any) -> Any:
+    """What Triton specialises a pointer-position argument on (see the module docstring)."""
+    if arg is None:
+        return None
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    # A TensorDescriptor: its block shape follows from the constexprs, which are in the key.
+    return arg.base.dtype

@@ -1,0 +1,137 @@
+"""The lean eager path (ops.attention.direct) and the launch cache (ops.launch).
+
+Eager calls on plain tensors run the launchers without the torch.library dispatch; everything
+else must still see the registered ops. Both paths run the same kernels, so they must agree bit
+for bit. The launch cache must pick exactly the kernel Triton would pick: a repeated launch reuses
+one entry, a change in anything Triton specialises on (alignment, sizes) makes a new one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flashcore
+from flashcore.ops import attention as ops
+from helpers import check_backward, check_forward
+
+
+def _qkv(device, dtype=torch.float32, b=1, h=2, s=37, d=16, grad=False):
+    return [
+        torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=grad) for _ in range(3)
+    ]
+
+
+def _boom(*args, **kwargs):
+    raise AssertionError("the registered op was dispatched on a plain eager call")
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_eager_call_skips_op_dispatch(grad, device, monkeypatch):
+    monkeypatch.setattr(ops, "attn_fwd", _boom)
+    monkeypatch.setattr(ops, "attn_bwd", _boom)
+    q, k, v = _qkv(device, grad=grad)
+    out = flashcore.attention(q, k, v, causal=True)
+    if grad:
+        out.sum().backward()
+        assert all(t.grad is not None for t in (q, k, v))
+
+
+def test_dispatch_mode_sees_the_op(device):
+    q, k, v = _qkv(device)
+    with _Recorder() as rec:
+        flashcore.attention(q, k, v)
+    assert any("flashcore.attn_fwd" in op for op in rec.ops), rec.ops
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_direct_and_op_paths_agree(causal, device, monkeypatch):
+    q, k, v = _qkv(device, grad=True)
+    dout = torch.randn_like(q)
+
+    def run():
+        out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+        grads = torch.autograd.grad((out, lse), (q, k, v), (dout, torch.randn_like(lse)))
+        return out, lse, *grads
+
+    direct = run()
+    monkeypatch.setattr(ops, "direct", lambda *tensors: False)
+    via_op = run()
+    for a, b in zip(direct, via_op, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_double_backward_raises(device):
+    q, k, v = _qkv(device, grad=True)
+    out = flashcore.attention(q, k, v)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):
+        dq.sum().backward()
+
+
+def test_kvcache_eager_skips_op_dispatch(device, monkeypatch):
+    monkeypatch.setattr(ops, "attn_kvcache", _boom)
+    q = torch.randn(2, 4, 1, 16, device=device)
+    k_cache, v_cache = (torch.randn(2, 2, 40, 16, device=device) for _ in range(2))
+    seqlens = torch.tensor([40, 17], dtype=torch.int32, device=device)
+    out = flashcore.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens)
+    assert out.shape == q.shape
+
+
+@pytest.mark.gpu
+def test_launch_cache_reuses_and_respecialises():
+    from flashcore.ops import fwd
+
+    launcher = fwd.launcher()
+    q, k, v = _qkv("cuda", torch.float16, b=2, h=4, s=200, d=64)
+    first = flashcore.attention(q, k, v)
+    entries = len(launcher.compiled)
+    again = flashcore.attention(q, k, v)
+    assert len(launcher.compiled) == entries
+    assert torch.equal(first, again)
+
+    # The same sizes and strides from a base that is not 16-byte aligned: Triton specialises
+    # pointers on alignment (and this layout also rules out tensor descriptors).
+    flat = torch.randn(q.numel() + 1, device="cuda", dtype=torch.float16)
+    q_off = flat[1:].view_as(q).copy_(q)
+    assert q_off.data_ptr() % 16 != 0
+    shifted = flashcore.attention(q_off, k, v)
+    assert len(launcher.compiled) == entries + 1
+    assert torch.equal(shifted, first)
+
+    # Another sequence length: new sizes in the key, and the kernel is right for them.
+    q2, k2, v2 = (t[:, :, :113] for t in (q, k, v))
+    out2, lse2 = flashcore.attention(q2, k2, v2, return_lse=True)
+    assert len(launcher.compiled) >= entries + 2
+    check_forward(out2, lse2, q2, k2, v2, causal=False)
+
+
+@pytest.mark.gpu
+def test_launch_cache_backward_and_decode():
+    q, k, v = _qkv("cuda", torch.bfloat16, b=2, h=4, s=150, d=64, grad=True)
+    dout = torch.randn_like(q)
+    grads = [torch.autograd.grad(flashcore.attention(q, k, v, causal=True), (q, k, v), dout)]
+    grads.append(torch.autograd.grad(flashcore.attention(q, k, v, causal=True), (q, k, v), dout))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    check_backward(q, k, v, causal=True, dout=dout)
+
+    qd = torch.randn(3, 8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (
+        torch.randn(3, 2, 300, 64, device="cuda", dtype=torch.bfloat16) for _ in "kv"
+    )
+    seqlens = torch.tensor([300, 17, 129], dtype=torch.int32, device="cuda")
+    outs = [flashcore.attention_with_kvcache(qd, k_cache, v_cache, cache_seqlens=seqlens)]
+    outs.append(flashcore.attention_with_kvcache(qd, k_cache, v_cache, cache_seqlens=seqlens))
+    assert torch.equal(outs[0], outs[1])
