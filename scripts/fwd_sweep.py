@@ -1,6 +1,6 @@
 """Device-side: ceilings, then forward configs and SDPA side by side (medians of do_bench).
 
-Usage: python scripts/fwd_sweep.py [--quick]
+Usage: python scripts/fwd_sweep.py [--quick] [--shape B,H,S,D ...] [--no-ceilings]
 """
 
 from __future__ import annotations
@@ -36,16 +36,37 @@ def tflops(b, h, sq, sk, d, causal, ms):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="time the default config only")
+    ap.add_argument(
+        "--shape",
+        action="append",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        help="B,H,S,D (repeatable); default: four shapes of S 1024-4096, D 64-256",
+    )
+    ap.add_argument("--no-ceilings", action="store_true", help="skip the matmul/copy ceilings")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
-    ceilings()
-    shapes = [(4, 16, 4096, 128), (4, 32, 4096, 64), (2, 8, 4096, 256), (16, 16, 1024, 128)]
+    if not args.no_ceilings:
+        ceilings()
+    shapes = args.shape or [
+        (4, 16, 4096, 128), (4, 32, 4096, 64), (2, 8, 4096, 256), (16, 16, 1024, 128),
+    ]  # fmt: skip
     small_d = [
         FwdConfig(bm, bn, w, st, tma)
         for (bm, bn, w, st), tma in itertools.product(
-            [(128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)],
-            (True, False),
+            [
+                (128, 128, 8, 3),
+                (128, 128, 8, 2),
+                (128, 64, 8, 3),
+                (128, 64, 8, 2),
+                (128, 64, 4, 3),
+                (128, 32, 8, 3),
+                (64, 64, 4, 3),
+                (64, 128, 4, 3),
+                (64, 64, 4, 2),
+                (64, 32, 4, 3),
+            ],
+            (True,),
         )
     ]
     big_d = [
@@ -65,7 +86,7 @@ def main() -> None:
             functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal),
             return_mode="median",
         )
-        default = fwd_config(d, 2, interpreted=False)
+        default = fwd_config(d, 2, interpreted=False, seqlen_q=s, causal=causal)
         rows = []
         cands = big_d if d > 128 else small_d
         for cfg in [default] if args.quick else dict.fromkeys([default, *cands]):

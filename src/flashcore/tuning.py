@@ -32,11 +32,19 @@ def head_block(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
-def fwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> FwdConfig:
-    """Forward config for a padded head dim and element size in bytes.
+def fwd_config(
+    head_dim: int,
+    elem_size: int,
+    *,
+    interpreted: bool,
+    seqlen_q: int = 1 << 30,
+    causal: bool = False,
+) -> FwdConfig:
+    """Forward config for a padded head dim, element size in bytes, query length and mask.
 
     Starting points from the Triton Hopper flash-attention tutorial's search space; tuned per
-    shape class in docs/performance.md.
+    shape class in docs/performance.md. ``seqlen_q`` (the longest query sequence) and ``causal``
+    pick smaller tiles for short causal problems; the defaults give the long-sequence config.
     """
     if interpreted:
         return INTERPRETER_FWD
@@ -47,12 +55,21 @@ def fwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> FwdConfig
         if block_d <= 64:
             return FwdConfig(64, 32, 4, 2)
         return FwdConfig(32, 32, 4, 1)
-    # Picked from scripts/fwd_sweep.py on the H100 (fp16, S=1024..4096, causal and not; the
-    # table is in docs/performance.md): the fastest config of each head-dim class at S=4096.
+    # Picked from scripts/fwd_sweep.py on the H100 (fp16, the table is in docs/performance.md):
+    # the fastest config of each head-dim class at S=4096, and for short causal problems (and
+    # D=128 at S=512) the fastest at S=512 and 1024: with 128-row tiles a 512-long causal
+    # sequence has 4 query tiles, 4 of its 10 tile pairs on the masked diagonal, and the grid
+    # fills the GPU with few, unequal programs.
+    short_causal = causal and seqlen_q <= 1024
     if block_d <= 64:
-        return FwdConfig(128, 64, 8, 3)  # 404 TF/s non-causal, 376 causal (D=64)
+        if short_causal:
+            return FwdConfig(64, 64, 4, 3)  # S=512: 215 vs 203 TF/s; S=1024: 290 vs 280
+        return FwdConfig(128, 64, 8, 3)  # 404 TF/s non-causal, 376 causal (D=64, S=4096)
     if block_d <= 128:
-        return FwdConfig(128, 128, 8, 3)  # 463 / 407 TF/s (D=128)
+        if short_causal or seqlen_q <= 512:
+            # causal S=512: 249 vs 210 TF/s, S=1024: 344 vs 310; non-causal S=512: 371 vs 353.
+            return FwdConfig(64, 64, 4, 3)
+        return FwdConfig(128, 128, 8, 3)  # 463 / 407 TF/s (D=128, S=4096)
     return FwdConfig(128, 64, 8, 2)  # 482 / 391 TF/s (D=256)
 
 
