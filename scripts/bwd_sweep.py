@@ -93,15 +93,30 @@ def main() -> None:
         if args.compile_only:
             continue
         rows.sort(key=lambda r: r[0])
+        print_resources()
         tag = f"B{b} H{h} S{s} D{d} causal={causal}"
         print(f"{tag}: sdpa bwd {ms_sdpa:.3f} ms {tflops(b, h, s, d, causal, ms_sdpa):.0f} TF/s")
         for ms, cfg, note in rows[:6] + [r for r in rows[6:] if r[1] == default]:
             mark = "*" if cfg == default else " "
             print(
                 f"  {mark}{cfg.block_m1}x{cfg.block_n1}/{cfg.block_m2}x{cfg.block_n2} "
-                f"w{cfg.num_warps} s{cfg.num_stages}: {ms:.3f} ms "
+                f"w{cfg.num_warps} s{cfg.num_stages}: "
+                f"{ms:.3f} ms "
                 f"{tflops(b, h, s, d, causal, ms):.0f} TF/s ({ms_sdpa / ms:.2f}x sdpa) {note}"
             )
+
+
+def print_resources() -> None:
+    """Registers and spills of every dK/dV and dQ kernel compiled so far (ptxas's report)."""
+    from flashcore.ops.bwd import launchers
+
+    for launcher in launchers()[1:]:
+        for key, (kernel, _) in launcher.compiled.items():
+            # key[2]: the constexprs in parameter order, then num_warps and num_stages.
+            name, regs, spills = launcher.fn.__name__, kernel.n_regs, kernel.n_spills
+            print(f"    {name} {key[2]}: {regs} regs, {spills} spills")
+    for launcher in launchers()[1:]:
+        launcher.compiled.clear()
 
 
 if __name__ == "__main__":

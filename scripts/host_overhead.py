@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import flashcore
 from flashcore.ops import attention as ops
+from flashcore.ops import bwd as bwd_mod
 from flashcore.ops import fwd as fwd_mod
 
 dev = "cuda"
@@ -63,6 +64,12 @@ def profile_shape(shape: tuple[int, int, int, int], dt: torch.dtype) -> None:
 
     report("sdpa fwd+bwd", fb_sdpa)
     report("flashcore fwd+bwd", fb_fc)
+    out, lse = fwd_mod.attn_fwd(q, k, v, False, scale)
+    report(
+        "bwd.attn_bwd (launcher)",
+        lambda: bwd_mod.attn_bwd(do, q, k, v, out, lse, None, False, scale),
+    )
+    report("torch.empty_like x4", lambda: [torch.empty_like(t) for t in (q, k, v, lse)])
 
     for name, fn in [
         ("flashcore.attention", lambda: flashcore.attention(q, k, v)),
@@ -74,10 +81,11 @@ def profile_shape(shape: tuple[int, int, int, int], dt: torch.dtype) -> None:
             fn()
         pr.disable()
         torch.cuda.synchronize()
-        s = io.StringIO()
-        pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-        print("---- cProfile", name, "(200 calls)")
-        print("\n".join(s.getvalue().splitlines()[:50]))
+        for order in ("tottime", "cumulative"):
+            s = io.StringIO()
+            pstats.Stats(pr, stream=s).sort_stats(order).print_stats(30)
+            print("---- cProfile", name, "(200 calls), by", order)
+            print("\n".join(s.getvalue().splitlines()[:50]))
 
 
 if __name__ == "__main__":

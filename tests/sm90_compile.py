@@ -224,16 +224,17 @@ def main() -> int:
         print(json.dumps(report("attn_fwd", variant, compiled, varlen=True)), flush=True)
     bwd_variants = [(v, False) for v in BWD_VARIANTS] + [(v, True) for v in BWD_VARLEN_VARIANTS]
     for variant, varlen in bwd_variants:
-        head_dim, dtype = variant[:2]
-        cfg = bwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
+        head_dim, dtype, causal = variant[:3]
+        cfg = bwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False, causal=causal)
         flags, _ = fwd_consts(*variant, varlen=varlen)
-        options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        dkdv_options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+        dq_options = {"num_warps": cfg.dq_warps, "num_stages": cfg.dq_stages}
         blocks = {
-            "attn_bwd_preprocess_kernel": (cfg.block_m2, None),
-            "attn_bwd_dkdv_kernel": (cfg.block_m1, cfg.block_n1),
-            "attn_bwd_dq_kernel": (cfg.block_m2, cfg.block_n2),
+            "attn_bwd_preprocess_kernel": (cfg.block_m2, None, dq_options),
+            "attn_bwd_dkdv_kernel": (cfg.block_m1, cfg.block_n1, dkdv_options),
+            "attn_bwd_dq_kernel": (cfg.block_m2, cfg.block_n2, dq_options),
         }
-        for name, (bm, bn) in blocks.items():
+        for name, (bm, bn, options) in blocks.items():
             consts = {**flags, "HAS_DLSE": True, "BLOCK_M": bm, "BLOCK_N": bn}
             compiled = compile_kernel(getattr(bwd, name), consts, dtype, options)
             print(json.dumps(report(name, variant, compiled, varlen=varlen)), flush=True)

@@ -77,9 +77,10 @@ def fwd_config(
 class BwdConfig:
     """Launch configuration of the backward kernels.
 
-    ``block_m1 x block_n1``: the dK/dV kernel holds a block_n1-row K/V tile and streams block_m1-row
-    query tiles. ``block_m2 x block_n2``: the dQ kernel (and the delta preprocess) holds a
-    block_m2-row query tile and streams block_n2-row key tiles. The held tile is the larger one, as
+    ``block_m1 x block_n1``: the dK/dV kernel (``num_warps``, ``num_stages``) holds a block_n1-row
+    K/V tile and streams block_m1-row query tiles. ``block_m2 x block_n2``: the dQ kernel (and the
+    delta preprocess; ``dq_warps``, ``dq_stages``) holds a block_m2-row query tile and streams
+    block_n2-row key tiles. The held tile is the larger one, as
     in FlashAttention-2: it amortises the streamed loads, while the fp32 accumulators
     (2 x block_n1 x D for dK/dV, block_m2 x D for dQ) bound it from above.
     """
@@ -90,6 +91,18 @@ class BwdConfig:
     block_n2: int
     num_warps: int
     num_stages: int
+    num_warps2: int | None = None
+    """Warps of the dQ kernel and the delta preprocess (None: ``num_warps``)."""
+    num_stages2: int | None = None
+    """Pipeline stages of the dQ kernel (None: ``num_stages``)."""
+
+    @property
+    def dq_warps(self) -> int:
+        return self.num_warps if self.num_warps2 is None else self.num_warps2
+
+    @property
+    def dq_stages(self) -> int:
+        return self.num_stages if self.num_stages2 is None else self.num_stages2
 
 
 # Non-square tiles in both kernels so that odd lengths (17, 113, 203) span several tiles both ways
@@ -99,11 +112,14 @@ INTERPRETER_BWD = BwdConfig(
 )
 
 
-def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig:
-    """Backward config for a padded head dim and element size in bytes.
+def bwd_config(
+    head_dim: int, elem_size: int, *, interpreted: bool, causal: bool = False
+) -> BwdConfig:
+    """Backward config for a padded head dim, element size in bytes and mask.
 
-    Half precision: picked by timing on the H100 (``scripts/bwd_sweep.py``, fp16, (4, 16, 4096,
-    128) and (4, 32, 4096, 64), causal and not, the three kernels together; docs/performance.md).
+    Half precision: each kernel's config picked on its own (the two are separate launches, so the
+    fastest pair is the fastest of each) by ``scripts/bwd_kernel_sweep.py`` on the H100, fp16,
+    S = 1024, 4096 and 8192, causal and not (docs/performance.md, "Backward configs per kernel").
     """
     if interpreted:
         return INTERPRETER_BWD
@@ -113,13 +129,22 @@ def bwd_config(head_dim: int, elem_size: int, *, interpreted: bool) -> BwdConfig
         if block_d <= 128:
             return BwdConfig(16, 64, 64, 16, 8, 1)
         return BwdConfig(16, 32, 16, 16, 8, 1)
+    if block_d <= 64:
+        # dK/dV 64x64, 4 warps (3 stages: 2.38 vs 2.66 ms non-causal at S=4096; causal 2 stages
+        # by 5%); dQ 128x64, 8 warps, 3 stages: 0.85 vs 0.96 ms (causal S=4096) for the 64x64
+        # 4-warp tile both kernels used before.
+        return BwdConfig(64, 64, 128, 64, 4, 2 if causal else 3, 8, 3)
     if block_d <= 128:
-        # 64x64 tiles, 4 warps, 2 stages in both kernels. D=128: 388 TF/s non-causal (best of 10
-        # configs; the previous 16x64/128x32 8-warp pick ran 168), 331 causal (best: 336).
-        # D=64: 342 non-causal (best: 360 with 32x128/64x32), 320 causal (best of 10).
-        return BwdConfig(64, 64, 64, 64, 4, 2)
-    # Untimed: ptxas's pick (fewest spills among dK/dV tiles of >= 64 keys, 8 warps).
-    return BwdConfig(16, 64, 64, 32, 8, 2)
+        if causal:
+            # 64x64, 4 warps, 2 stages stayed the fastest dQ tile at S <= 4096 and the dK/dV tile
+            # within 3% everywhere.
+            return BwdConfig(64, 64, 64, 64, 4, 2)
+        # dQ 128x32, 8 warps: 124 registers instead of 193, 3.05 vs 3.09 ms at S=8192, and the
+        # fastest dQ tile at S=1024 and 4096.
+        return BwdConfig(64, 64, 128, 32, 4, 2, 8, 2)
+    # D=256: dK/dV 32x32, 4 warps: 4.98 vs 8.19 ms (16x64, 8 warps, the earlier untimed pick;
+    # S=4096 non-causal); dQ 128x32, 8 warps: 1.98 vs 4.39 ms. Backward 1.8x faster.
+    return BwdConfig(32, 32, 128, 32, 4, 2, 8, 2)
 
 
 @dataclass(frozen=True)

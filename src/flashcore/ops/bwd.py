@@ -86,7 +86,7 @@ def attn_bwd(
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     interpreted = is_interpreted()
-    cfg = config or bwd_config(head_dim, q.element_size(), interpreted=interpreted)
+    cfg = config or bwd_config(head_dim, q.element_size(), interpreted=interpreted, causal=causal)
     block_d = head_block(head_dim)
     upcast = interpreted and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -129,7 +129,7 @@ def attn_bwd(
                 HAS_DLSE=dlse is not None,
                 EVEN_M=even_m2,
                 IS_VARLEN=varlen is not None,
-                num_warps=cfg.num_warps,
+                num_warps=cfg.dq_warps,
             ),
         )  # fmt: skip
         common = (
@@ -179,8 +179,8 @@ def attn_bwd(
                 UPCAST=upcast,
                 DOT_PRECISION=precision,
                 IS_VARLEN=varlen is not None,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
+                num_warps=cfg.dq_warps,
+                num_stages=cfg.dq_stages,
             ),
         )  # fmt: skip
     return dq, dk, dv
