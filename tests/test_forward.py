@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import flashcore
+from flashcore import tuning
 from helpers import check_forward, make_qkv
 from shapes import DTYPES, GPU, INTERP, Case
 
@@ -64,10 +65,15 @@ def test_default_returns_tensor(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["auto", "tma"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", GPU, ids=[c.id for c in GPU])
-def test_forward_gpu(case, dtype, causal):
+def test_forward_gpu(case, dtype, causal, path, monkeypatch):
+    # "auto" moves small problems' tiles with pointers (tuning.TMA_MIN_FLOPS); "tma" forces
+    # tensor descriptors at every size.
+    if path == "tma":
+        monkeypatch.setattr(tuning, "TMA_MIN_FLOPS", 0)
     q, k, v = make_qkv(case, dtype, "cuda", layout="bshd" if case.head_dim == 80 else "bhsd")
     out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
     check_forward(out, lse, q, k, v, causal=causal)
@@ -79,3 +85,14 @@ def test_forward_gpu_fp32(head_dim):
     q, k, v = make_qkv(Case(1, 4, 2, 300, 517, head_dim), torch.float32, "cuda")
     out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
     check_forward(out, lse, q, k, v, causal=True)
+
+
+def test_small_problems_skip_descriptors():
+    # Decided on the host alone: no GPU needed.
+    small = tuning.fwd_config(64, 2, interpreted=False, seqlen_q=512, flops=2**30)
+    large = tuning.fwd_config(64, 2, interpreted=False, seqlen_q=512, flops=2**36)
+    assert not small.use_tma
+    assert large.use_tma
+    assert (small.block_m, small.block_n) == (large.block_m, large.block_n)
+    # The interpreter keeps its own config (descriptors on) at every size.
+    assert tuning.fwd_config(64, 2, interpreted=True, flops=1).use_tma

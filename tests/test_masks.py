@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flashcore
+from flashcore import tuning
 from helpers import check_backward, check_forward, make_qkv, mask_options
 from shapes import DTYPES, MASKS, MASKS_GPU, Case, MaskCase
 
@@ -111,9 +112,12 @@ def test_masks_compile(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("path", ["auto", "tma"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("mc", MASKS_GPU, ids=[m.id for m in MASKS_GPU])
-def test_masks_forward_gpu(mc: MaskCase, dtype):
+def test_masks_forward_gpu(mc: MaskCase, dtype, path, monkeypatch):
+    if path == "tma":  # descriptors at every size (see test_forward_gpu)
+        monkeypatch.setattr(tuning, "TMA_MIN_FLOPS", 0)
     q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd" if mc.case.head_dim == 80 else "bhsd")
     opts = mask_options(mc, "cuda")
     out, lse = flashcore.attention(q, k, v, return_lse=True, **opts)

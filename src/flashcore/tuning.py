@@ -6,7 +6,7 @@ a config say, next to the choice, which measurement justifies it (docs/performan
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,16 @@ def head_block(head_dim: int) -> int:
     return max(16, 1 << (head_dim - 1).bit_length())
 
 
+# Below this many FLOPs a forward moves its tiles with plain pointers, not tensor descriptors.
+# Descriptors make the kernel 3-20% faster on the GPU (D=64: 3-6%, D=128: 10-20%) but cost the
+# host 55-70 us a call on the H100 machine (four TensorDescriptor objects, and Triton encoding
+# each into a tensor map at launch): (1, 8, 512, 64) causal took 28.4 us a call with them, 12.7
+# without (do_bench). 2**34 FLOPs is about 40 us of kernel time, under the ~50-70 us the host
+# needs for a call even without descriptors, so below it the host sets the pace either way
+# (docs/performance.md, "Descriptors or pointers").
+TMA_MIN_FLOPS = 2**34
+
+
 def fwd_config(
     head_dim: int,
     elem_size: int,
@@ -39,16 +49,23 @@ def fwd_config(
     interpreted: bool,
     seqlen_q: int = 1 << 30,
     causal: bool = False,
+    flops: float = float("inf"),
 ) -> FwdConfig:
     """Forward config for a padded head dim, element size in bytes, query length and mask.
 
     Starting points from the Triton Hopper flash-attention tutorial's search space; tuned per
     shape class in docs/performance.md. ``seqlen_q`` (the longest query sequence) and ``causal``
     pick smaller tiles for short causal problems; the defaults give the long-sequence config.
+    ``flops`` (``4 * B * H * Sq * Sk * D``, halved when causal) at or below ``TMA_MIN_FLOPS``
+    turns tensor descriptors off.
     """
     if interpreted:
         return INTERPRETER_FWD
-    block_d = head_block(head_dim)
+    cfg = _fwd_tiles(head_block(head_dim), elem_size, seqlen_q, causal)
+    return cfg if flops > TMA_MIN_FLOPS else replace(cfg, use_tma=False)
+
+
+def _fwd_tiles(block_d: int, elem_size: int, seqlen_q: int, causal: bool) -> FwdConfig:
     if elem_size >= 4:
         # fp32 tiles are twice the bytes and the IEEE dot is FMAs, not wgmma: keep tiles small.
         # At 64x32 with D=128 ptxas spilled 11.8 KB per thread (tests/sm90_compile.py).
@@ -130,18 +147,19 @@ def bwd_config(
             return BwdConfig(16, 64, 64, 16, 8, 1)
         return BwdConfig(16, 32, 16, 16, 8, 1)
     if block_d <= 64:
-        # dK/dV 64x64, 4 warps (3 stages: 2.38 vs 2.66 ms non-causal at S=4096; causal 2 stages
-        # by 5%); dQ 128x64, 8 warps, 3 stages: 0.85 vs 0.96 ms (causal S=4096) for the 64x64
-        # 4-warp tile both kernels used before.
+        # dK/dV 64x64, 4 warps (non-causal 3 stages); dQ 128x64, 8 warps, 3 stages. Interleaved
+        # A/B against 64x64, 4 warps, 2 stages in both kernels, bf16, 16k tokens: 2.03 vs 2.16 ms
+        # (S=2048), 7.91 vs 8.47 (8192), 15.6 vs 17.1 (16384); causal 1.22 vs 1.25, 4.36 vs
+        # 4.43, 8.58 vs 8.74.
         return BwdConfig(64, 64, 128, 64, 4, 2 if causal else 3, 8, 3)
     if block_d <= 128:
+        # dQ 128x128, 8 warps (249 registers, no spills): interleaved A/B against the 64x64 4-warp
+        # tile both kernels used before, bf16, 16k tokens: 1.88 vs 1.90 ms (S=2048), 6.97 vs
+        # 7.23 (8192), 14.47 vs 14.47 (16384). Causal also takes dK/dV 64x128, 8 warps:
+        # 1.16 vs 1.21, 3.85 vs 4.04, 7.59 vs 7.90 ms.
         if causal:
-            # 64x64, 4 warps, 2 stages stayed the fastest dQ tile at S <= 4096 and the dK/dV tile
-            # within 3% everywhere.
-            return BwdConfig(64, 64, 64, 64, 4, 2)
-        # dQ 128x32, 8 warps: 124 registers instead of 193, 3.05 vs 3.09 ms at S=8192, and the
-        # fastest dQ tile at S=1024 and 4096.
-        return BwdConfig(64, 64, 128, 32, 4, 2, 8, 2)
+            return BwdConfig(64, 128, 128, 128, 8, 2, 8, 2)
+        return BwdConfig(64, 64, 128, 128, 4, 2, 8, 2)
     # D=256: dK/dV 32x32, 4 warps: 4.98 vs 8.19 ms (16x64, 8 warps, the earlier untimed pick;
     # S=4096 non-causal); dQ 128x32, 8 warps: 1.98 vs 4.39 ms. Backward 1.8x faster.
     return BwdConfig(32, 32, 128, 32, 4, 2, 8, 2)

@@ -109,8 +109,14 @@ def attn_fwd(
     interpreted = is_interpreted()
     # fp32 on the GPU takes the exact-exp path (kernels/common.py: softmax_exp).
     exp_e = q.dtype == torch.float32 and not interpreted
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim / (2 if causal else 1)
     cfg = config or fwd_config(
-        head_dim, q.element_size(), interpreted=interpreted, seqlen_q=seqlen_q, causal=causal
+        head_dim,
+        q.element_size(),
+        interpreted=interpreted,
+        seqlen_q=seqlen_q,
+        causal=causal,
+        flops=flops,
     )
     block_d = head_block(head_dim)
     is_causal, has_window, window_left, window_right = window_bounds(
