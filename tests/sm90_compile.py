@@ -237,7 +237,11 @@ def main() -> int:
         for name, (bm, bn, options) in blocks.items():
             consts = {**flags, "HAS_DLSE": True, "BLOCK_M": bm, "BLOCK_N": bn}
             compiled = compile_kernel(getattr(bwd, name), consts, dtype, options)
-            print(json.dumps(report(name, variant, compiled, varlen=varlen)), flush=True)
+            row = report(name, variant, compiled, varlen=varlen)
+            # Rows of the tile the kernel holds, the M of its products (wgmma takes 64 per
+            # warpgroup; fewer go to mma.sync).
+            row["tile_rows"] = bn if name == "attn_bwd_dkdv_kernel" else bm
+            print(json.dumps(row), flush=True)
     for name in PROBES:
         for variant in PROBE_VARIANTS:
             consts, options = fwd_consts(*variant)

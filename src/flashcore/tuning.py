@@ -130,9 +130,15 @@ INTERPRETER_BWD = BwdConfig(
 
 
 def bwd_config(
-    head_dim: int, elem_size: int, *, interpreted: bool, causal: bool = False
+    head_dim: int,
+    elem_size: int,
+    *,
+    interpreted: bool,
+    causal: bool = False,
+    seqlen_q: int = 1 << 30,
 ) -> BwdConfig:
-    """Backward config for a padded head dim, element size in bytes and mask.
+    """Backward config for a padded head dim, element size in bytes, mask and (longest) query
+    length.
 
     Half precision: each kernel's config picked on its own (the two are separate launches, so the
     fastest pair is the fastest of each) by ``scripts/bwd_kernel_sweep.py`` on the H100, fp16,
@@ -157,6 +163,11 @@ def bwd_config(
         # tile both kernels used before, bf16, 16k tokens: 1.88 vs 1.90 ms (S=2048), 6.97 vs
         # 7.23 (8192), 14.47 vs 14.47 (16384). Causal also takes dK/dV 64x128, 8 warps:
         # 1.16 vs 1.21, 3.85 vs 4.04, 7.59 vs 7.90 ms.
+        # Causal up to 1024 queries keeps 64x64 tiles, 4 warps in both kernels: the FA sweep's
+        # S=512 point ran 0.97-0.98x SDPA with the larger tiles, 1.03-1.04x with these (fewer,
+        # larger programs leave SMs idle), and the dQ 64x64 tile was the fastest at S=1024.
+        if causal and seqlen_q <= 1024:
+            return BwdConfig(64, 64, 64, 64, 4, 2)
         if causal:
             return BwdConfig(64, 128, 128, 128, 8, 2, 8, 2)
         return BwdConfig(64, 64, 128, 128, 4, 2, 8, 2)

@@ -86,7 +86,9 @@ def attn_bwd(
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     interpreted = is_interpreted()
-    cfg = config or bwd_config(head_dim, q.element_size(), interpreted=interpreted, causal=causal)
+    cfg = config or bwd_config(
+        head_dim, q.element_size(), interpreted=interpreted, causal=causal, seqlen_q=seqlen_q
+    )
     block_d = head_block(head_dim)
     upcast = interpreted and q.dtype == torch.bfloat16
     precision = "ieee" if q.dtype == torch.float32 else "tf32"

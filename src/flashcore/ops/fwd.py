@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashcore.ops.launch import Launcher
+from flashcore.ops.launch import Descriptor, Launcher
 from flashcore.tuning import FwdConfig, fwd_config, head_block
 
 LOG2E = 1.4426950408889634  # log2(e): folds the softmax's exp into exp2
@@ -220,11 +220,10 @@ def tma_compatible(t: torch.Tensor) -> bool:
     )
 
 
-def descriptor(t: torch.Tensor, rows: int, block_d: int):
-    """A 4-D tensor descriptor over ``(B, heads, S, D)`` moving ``(1, 1, rows, block_d)`` tiles."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
+def descriptor(t: torch.Tensor, rows: int, block_d: int) -> Descriptor:
+    """A 4-D tensor descriptor over ``(B, heads, S, D)`` moving ``(1, 1, rows, block_d)`` tiles
+    (``t`` passed ``tma_compatible``)."""
+    return Descriptor(t, [1, 1, rows, block_d])
 
 
 def unit_stride_last_dim(t: torch.Tensor) -> torch.Tensor:
