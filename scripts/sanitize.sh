@@ -63,9 +63,14 @@ for tool in "${tools[@]}"; do
         "$sanitizer" "${opts[@]}" "${driver[@]}" "${tool_args[@]}"
     ) >"$log" 2>&1
     rc=$?
-    # "ERROR SUMMARY: N errors" (every tool); racecheck adds "RACECHECK SUMMARY: ... (E errors, W
-    # warnings)". A missing summary means the run died early: count it as an error.
+    # "ERROR SUMMARY: N errors" (memcheck, initcheck, synccheck); racecheck prints only
+    # "RACECHECK SUMMARY: H hazards displayed (E errors, W warnings)" (compute-sanitizer
+    # 2025.3.1). A missing summary means the run died early: count it as an error.
     errors=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$log" | tail -n 1 | grep -oE '[0-9]+$')
+    if [ -z "$errors" ] && [ "$tool" = racecheck ]; then
+        errors=$(grep -oE 'RACECHECK SUMMARY: .*\(([0-9]+) errors' "$log" | tail -n 1 |
+            grep -oE '[0-9]+ errors' | grep -oE '[0-9]+')
+    fi
     summary=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|LEAK SUMMARY' "$log" | sed 's/^=* *//' | paste -sd ';' - | sed 's/;/; /g')
     cases=$(grep -E '^sanitize_cases:' "$log" | tail -n 1)
     if [ "$rc" -ne 0 ] || [ -z "$errors" ] || [ "$errors" -ne 0 ]; then

@@ -66,6 +66,13 @@ def main(argv: list[str] | None = None) -> int:
         from flashcore.ops import fwd
 
         fwd.has_tma = lambda device: False
+    else:
+        # These shapes are small enough that the forward would take plain pointers
+        # (tuning.TMA_MIN_FLOPS): force descriptors wherever the layout allows, so memcheck and
+        # racecheck see the descriptor path (the "sliced" layout still takes pointers).
+        from flashcore import tuning
+
+        tuning.TMA_MIN_FLOPS = 0
     if args.device != "cpu" and not torch.cuda.is_available():
         print("sanitize_cases: needs a CUDA device", file=sys.stderr)
         return 2
