@@ -22,10 +22,9 @@ splits the candidates) fill Triton's cache before the timed run (one process, al
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
-import torch.nn.functional as F
+from bwd_sweep import problems, tflops  # scripts/ is on sys.path when run as a script
 from triton.testing import do_bench
 
 from flashcore.ops import bwd as bwd_mod
@@ -54,10 +53,6 @@ DQ = {
         (32, 32, 4, 2), (64, 32, 8, 1),
     ],
 }  # fmt: skip
-
-
-def tflops(b, h, s, d, causal, ms):
-    return 2.5 * 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
 
 
 def noop(*args, **kwargs) -> None:
@@ -97,16 +92,8 @@ def main() -> None:
     args = ap.parse_args()
     part, parts = map(int, args.part.split("/"))
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    shapes = [tuple(map(int, s.split(","))) for s in args.shape] or [(4, 16, 4096, 128)]
-    causals = {"on": (True,), "off": (False,), "both": (False, True)}[args.causal]
-    for (b, h, s, d), causal in itertools.product(shapes, causals):
-        q, k, v = (
-            torch.randn(b, h, s, d, device="cuda", dtype=torch.float16, requires_grad=True)
-            for _ in range(3)
-        )
-        do = torch.randn_like(q)
+    for (b, h, s, d), causal, (q, k, v, do, out) in problems(args, [(4, 16, 4096, 128)]):
         scale = d**-0.5
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         ref = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
 
         def sdpa_bwd(out=out, q=q, k=k, v=v, do=do):

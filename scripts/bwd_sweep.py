@@ -45,6 +45,21 @@ def tflops(b, h, s, d, causal, ms):
     return 2.5 * 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
 
 
+def problems(args: argparse.Namespace, default_shapes: list[tuple[int, ...]]):
+    """For each ``--shape`` (or default) and ``--causal`` choice: ``(shape, causal, (q, k, v,
+    do, out))`` with fp16 leaves that need gradients and SDPA's output on them."""
+    shapes = [tuple(map(int, s.split(","))) for s in args.shape] or default_shapes
+    causals = {"on": (True,), "off": (False,), "both": (False, True)}[args.causal]
+    for (b, h, s, d), causal in itertools.product(shapes, causals):
+        q, k, v = (
+            torch.randn(b, h, s, d, device="cuda", dtype=torch.float16, requires_grad=True)
+            for _ in range(3)
+        )
+        do = torch.randn_like(q)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        yield (b, h, s, d), causal, (q, k, v, do, out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -53,19 +68,9 @@ def main() -> None:
     ap.add_argument("--compile-only", action="store_true")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__)
-    shapes = [tuple(map(int, s.split(","))) for s in args.shape] or [
-        (4, 16, 4096, 128),
-        (4, 32, 4096, 64),
-    ]
-    causals = {"on": (True,), "off": (False,), "both": (False, True)}[args.causal]
-    for (b, h, s, d), causal in itertools.product(shapes, causals):
-        q, k, v = (
-            torch.randn(b, h, s, d, device="cuda", dtype=torch.float16, requires_grad=True)
-            for _ in range(3)
-        )
-        do = torch.randn_like(q)
+    default_shapes = [(4, 16, 4096, 128), (4, 32, 4096, 64)]
+    for (b, h, s, d), causal, (q, k, v, do, out) in problems(args, default_shapes):
         scale = d**-0.5
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         ms_sdpa = do_bench(
             functools.partial(out.backward, do, retain_graph=True), return_mode="median"
         )
