@@ -10,8 +10,9 @@ fastest dQ config. For each shape this times, with ``do_bench`` medians:
 - the default config, the best pair and SDPA's backward (``torch.autograd.grad``), whole.
 
 Every candidate's full gradients are checked against SDPA's first (relative max error); a
-candidate that fails to compile (shared memory) is listed as such. Registers and spills come from
-ptxas through the compiled kernels.
+candidate that fails to compile (shared memory) is listed as such. Registers and local memory
+(spills) per thread come from the driver through the compiled kernels: ``255r/64B`` is 255
+registers and 64 bytes of local memory (Triton's ``n_spills`` counts 4-byte words).
 
 Usage: python scripts/bwd_kernel_sweep.py [--shape B,H,S,D ...] [--causal on|off|both]
        [--compile-only [--part I/N]]
@@ -66,7 +67,7 @@ def only(kernel: str):
 
 
 def resources(cfg: BwdConfig) -> str:
-    """ptxas's registers/spills of the dK/dV and dQ kernels last compiled for ``cfg``."""
+    """Registers/local memory of the dK/dV and dQ kernels last compiled for ``cfg``."""
     out = []
     dkdv, dq = bwd_mod.launchers()[1:]
     wanted = (
@@ -78,7 +79,7 @@ def resources(cfg: BwdConfig) -> str:
         for key, (kernel, _) in reversed(launcher.compiled.items()):
             consts = key[2]  # the constexprs in parameter order, then num_warps, num_stages
             if consts[2:4] == blocks and consts[-2:] == options:
-                out.append(f"{kernel.n_regs}r/{kernel.n_spills}sp")
+                out.append(f"{kernel.n_regs}r/{4 * kernel.n_spills}B")
                 break
     return " ".join(out)
 

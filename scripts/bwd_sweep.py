@@ -112,14 +112,15 @@ def main() -> None:
 
 
 def print_resources() -> None:
-    """Registers and spills of every dK/dV and dQ kernel compiled so far (ptxas's report)."""
+    """Registers and local memory (spills) per thread of every dK/dV and dQ kernel compiled so far,
+    as the driver reports them (Triton's ``n_spills`` is the local memory in 4-byte words)."""
     from flashcore.ops.bwd import launchers
 
     for launcher in launchers()[1:]:
         for key, (kernel, _) in launcher.compiled.items():
             # key[2]: the constexprs in parameter order, then num_warps and num_stages.
-            name, regs, spills = launcher.fn.__name__, kernel.n_regs, kernel.n_spills
-            print(f"    {name} {key[2]}: {regs} regs, {spills} spills")
+            name, regs, local = launcher.fn.__name__, kernel.n_regs, 4 * kernel.n_spills
+            print(f"    {name} {key[2]}: {regs} regs, {local} B local memory")
     for launcher in launchers()[1:]:
         launcher.compiled.clear()
 

@@ -71,6 +71,15 @@ BWD_VARIANTS = [
     (128, "bf16", True, False, True),
     (64, "fp16", False, True, True),
 ]
+# Short sequences (tuning picks other tiles up to 1024 queries): compiled with seqlen_q = 512, the
+# forward both ways like FWD_VARIANTS.
+SHORT_SEQLEN = 512
+FWD_SHORT_VARIANTS = [
+    (64, "fp16", True, True),
+    (128, "bf16", True, False),
+    (128, "fp16", False, True),
+]
+BWD_SHORT_VARIANTS = [(128, "bf16", True, False)]
 # Packed variable-length batches (IS_VARLEN): plain pointers, never EVEN_M/EVEN_N.
 FWD_VARLEN_VARIANTS = [(64, "bf16", False, False), (128, "fp16", True, False)]
 BWD_VARLEN_VARIANTS = [(128, "bf16", True, False)]
@@ -139,10 +148,14 @@ def fwd_consts(
     masks: bool = False,
     tma: bool = False,
     varlen: bool = False,
+    seqlen_q: int = 1 << 30,
 ):
     """Constexprs of a launch; without varlen the cu_seqlens pointers are None, as the launchers
-    pass them (Triton specialises a None argument into a constexpr)."""
-    cfg = fwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False)
+    pass them (Triton specialises a None argument into a constexpr). ``seqlen_q`` picks the
+    config as the launcher would for that query length."""
+    cfg = fwd_config(
+        head_dim, ELEM_SIZE[dtype], interpreted=False, seqlen_q=seqlen_q, causal=causal
+    )
     consts = {
         "HEAD_DIM": head_dim,
         "BLOCK_D": head_block(head_dim),
@@ -188,10 +201,12 @@ def report(
     tma: bool = False,
     varlen: bool = False,
     label: str | None = None,
+    short: bool = False,
 ) -> dict:
     head_dim, dtype, causal, even, *masks = variant
     ptx = compiled.asm["ptx"]
     masked = "-masks" if any(masks) else ""
+    masked += f"-sq{SHORT_SEQLEN}" if short else ""
     return {
         **ptxas_resources(ptx),
         "kernel": name,
@@ -218,14 +233,28 @@ def main() -> int:
         descs = {name: (1, 1, r, cols) for name, r in descs.items()}
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options, descs)
         print(json.dumps(report("attn_fwd", variant, compiled, tma)), flush=True)
+    for variant, tma in itertools.product(FWD_SHORT_VARIANTS, (True, False)):
+        consts, options = fwd_consts(*variant, tma=tma, seqlen_q=SHORT_SEQLEN)
+        rows, cols = (consts["BLOCK_M"], consts["BLOCK_N"]), consts["BLOCK_D"]
+        descs = {"Q": rows[0], "K": rows[1], "V": rows[1], "O": rows[0]} if tma else {}
+        descs = {name: (1, 1, r, cols) for name, r in descs.items()}
+        compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options, descs)
+        print(json.dumps(report("attn_fwd", variant, compiled, tma, short=True)), flush=True)
     for variant in FWD_VARLEN_VARIANTS:
         consts, options = fwd_consts(*variant, varlen=True)
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options)
         print(json.dumps(report("attn_fwd", variant, compiled, varlen=True)), flush=True)
-    bwd_variants = [(v, False) for v in BWD_VARIANTS] + [(v, True) for v in BWD_VARLEN_VARIANTS]
-    for variant, varlen in bwd_variants:
+    bwd_variants = (
+        [(v, False, False) for v in BWD_VARIANTS]
+        + [(v, True, False) for v in BWD_VARLEN_VARIANTS]
+        + [(v, False, True) for v in BWD_SHORT_VARIANTS]
+    )
+    for variant, varlen, short in bwd_variants:
         head_dim, dtype, causal = variant[:3]
-        cfg = bwd_config(head_dim, ELEM_SIZE[dtype], interpreted=False, causal=causal)
+        seqlen_q = SHORT_SEQLEN if short else 1 << 30
+        cfg = bwd_config(
+            head_dim, ELEM_SIZE[dtype], interpreted=False, causal=causal, seqlen_q=seqlen_q
+        )
         flags, _ = fwd_consts(*variant, varlen=varlen)
         dkdv_options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         dq_options = {"num_warps": cfg.dq_warps, "num_stages": cfg.dq_stages}
@@ -237,7 +266,7 @@ def main() -> int:
         for name, (bm, bn, options) in blocks.items():
             consts = {**flags, "HAS_DLSE": True, "BLOCK_M": bm, "BLOCK_N": bn}
             compiled = compile_kernel(getattr(bwd, name), consts, dtype, options)
-            row = report(name, variant, compiled, varlen=varlen)
+            row = report(name, variant, compiled, varlen=varlen, short=short)
             # Rows of the tile the kernel holds, the M of its products (wgmma takes 64 per
             # warpgroup; fewer go to mma.sync).
             row["tile_rows"] = bn if name == "attn_bwd_dkdv_kernel" else bm
