@@ -14,7 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashcore
 from flashcore.ops import attention as ops
-from helpers import check_backward, check_forward
+from helpers import check_backward, check_forward, make_qkv
+from shapes import Case
 
 
 def _qkv(device, dtype=torch.float32, b=1, h=2, s=37, d=16, grad=False):
@@ -136,3 +137,43 @@ def test_launch_cache_backward_and_decode():
     outs = [flashcore.attention_with_kvcache(qd, k_cache, v_cache, cache_seqlens=seqlens)]
     outs.append(flashcore.attention_with_kvcache(qd, k_cache, v_cache, cache_seqlens=seqlens))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_launch_plans_follow_the_layout(causal, device):
+    # ops.fwd/ops.bwd build the launch arguments once per problem signature; the same shape in
+    # another memory layout (so other strides) or another mask must get its own plan, and a
+    # repeated call must reuse one and still be right.
+    from flashcore.ops import bwd as bwd_mod
+    from flashcore.ops import fwd as fwd_mod
+
+    case = Case(1, 2, 1, 45, 61, 32)
+    for i, layout in enumerate(("bhsd", "bshd", "sliced", "bhsd")):
+        q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.float16, device, layout=layout))
+        before = (len(fwd_mod._PLANS), len(bwd_mod._PLANS))
+        out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+        check_forward(out, lse, q, k, v, causal=causal)
+        check_backward(q, k, v, causal=causal)
+        new = (len(fwd_mod._PLANS) - before[0], len(bwd_mod._PLANS) - before[1])
+        if i == 3:  # the first layout again: both plans reused
+            assert new == (0, 0)
+        else:
+            assert all(n in (0, 1) for n in new), (layout, new)
+
+
+def test_launch_plan_sees_the_descriptor_threshold(monkeypatch):
+    # The plan holds the pointers-or-descriptors choice, so the threshold is part of its key.
+    from flashcore import tuning
+    from flashcore.ops import fwd as fwd_mod
+
+    fwd_mod._PLANS.clear()
+    monkeypatch.setattr(fwd_mod, "is_interpreted", lambda: False)
+    monkeypatch.setattr(fwd_mod, "has_tma", lambda device: True)
+    launches = []
+    monkeypatch.setattr(fwd_mod, "launcher", lambda: lambda grid, args, meta: launches.append(meta))
+    q, k, v = _qkv("cpu", torch.float16)
+    fwd_mod.attn_fwd(q, k, v, False, 0.25)
+    monkeypatch.setattr(tuning, "TMA_MIN_FLOPS", 0)
+    fwd_mod.attn_fwd(q, k, v, False, 0.25)
+    fwd_mod._PLANS.clear()
+    assert [m["USE_TMA"] for m in launches] == [False, True]

@@ -68,7 +68,6 @@ def attn_bwd(
     """
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
     q, k, v, out, dout = (unit_stride_last_dim(t) for t in (q, k, v, out, dout))
-    head_dim = q.shape[-1]
     if varlen is None:
         batch, heads, seqlen_q = q.shape[:3]
         kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -85,6 +84,68 @@ def attn_bwd(
     dv = torch.empty_like(v)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
+    alibi, stride_ab = alibi_arg(alibi_slopes, lse)
+    # Everything but the pointers follows from this key (the gradients' and delta's strides from
+    # their inputs' shapes and strides): the grids, scalars and constexprs are built once per
+    # problem signature (about 40 us of Python a call on the H100 machine's host otherwise).
+    key = (
+        q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
+        None if dlse is None else dlse.stride(), q.dtype, causal, scale, window, softcap,
+        None if alibi_slopes is None else stride_ab,
+        None if varlen is None else (varlen.batch, seqlen_q, seqlen_k),
+        config,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(
+            q, k, v, out, dout, lse, dlse, dq, dk, dv, causal, scale, varlen, config,
+            window, softcap, alibi_slopes, stride_ab, batch, heads, kv_heads, seqlen_q, seqlen_k,
+        )  # fmt: skip
+    (pre_grid, pre_tail, pre_meta), (kv_grid, kv_tail, kv_meta), (q_grid, q_tail, q_meta) = plan
+    pre, dkdv, dq_kernel = launchers()
+    # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
+    with torch.cuda.device_of(q):
+        pre(pre_grid, (out, dout, lse if dlse is None else dlse, delta, cu_q, *pre_tail), pre_meta)
+        dkdv(kv_grid, (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail), kv_meta)
+        dq_kernel(q_grid, (q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_tail), q_meta)
+    return dq, dk, dv
+
+
+# Launch plans by problem signature (see attn_bwd); past MAX_PLANS signatures the map starts over.
+_PLANS: dict[tuple, tuple] = {}
+MAX_PLANS = 4096
+
+
+def _plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    scale: float,
+    varlen: Varlen | None,
+    config: BwdConfig | None,
+    window: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    stride_ab: int,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+) -> tuple:
+    """``(grid, arguments after the pointers, constexprs)`` of the preprocess, dK/dV and dQ
+    launches of ``attn_bwd``."""
+    head_dim = q.shape[-1]
     interpreted = is_interpreted()
     cfg = config or bwd_config(
         head_dim, q.element_size(), interpreted=interpreted, causal=causal, seqlen_q=seqlen_q
@@ -105,84 +166,74 @@ def attn_bwd(
     is_causal, has_window, window_left, window_right = window_bounds(
         causal, *window, seqlen_q, seqlen_k
     )
-    alibi, stride_ab = alibi_arg(alibi_slopes, lse)
     masks = dict(
         IS_CAUSAL=is_causal,
         HAS_WINDOW=has_window,
         SOFTCAP=softcap > 0,
         HAS_ALIBI=alibi_slopes is not None,
     )
-
-    pre, dkdv, dq_kernel = launchers()
     even_m2 = even(seqlen_q, cfg.block_m2)
-    # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
-    with torch.cuda.device_of(q):
-        pre(
-            (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
-            (
-                out, dout, dlse if dlse is not None else lse, delta, cu_q,
-                *strides(out), *strides(dout), *dlse_strides, *stats_strides(lse, varlen),
-                heads, seqlen_q,
-            ),
-            dict(
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                BLOCK_M=cfg.block_m2,
-                HAS_DLSE=dlse is not None,
-                EVEN_M=even_m2,
-                IS_VARLEN=varlen is not None,
-                num_warps=cfg.dq_warps,
-            ),
-        )  # fmt: skip
-        common = (
-            *stats_strides(lse, varlen), stride_ab,
-        )  # fmt: skip
-        scalars = (
-            heads // kv_heads, seqlen_q, seqlen_k, float(scale),
-            window_left, window_right, float(softcap),
-        )  # fmt: skip
-        dkdv(
-            (cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,),
-            (
-                q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi,
-                *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
-                *common, kv_heads, *scalars,
-            ),
-            dict(
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                BLOCK_M=cfg.block_m1,
-                BLOCK_N=cfg.block_n1,
-                **masks,
-                EVEN_M=even(seqlen_q, cfg.block_m1),
-                EVEN_N=even(seqlen_k, cfg.block_n1),
-                UPCAST=upcast,
-                DOT_PRECISION=precision,
-                IS_VARLEN=varlen is not None,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-            ),
-        )  # fmt: skip
-        dq_kernel(
-            (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
-            (
-                q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi,
-                *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
-                *common, heads, *scalars,
-            ),
-            dict(
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
-                BLOCK_M=cfg.block_m2,
-                BLOCK_N=cfg.block_n2,
-                **masks,
-                EVEN_M=even_m2,
-                EVEN_N=even(seqlen_k, cfg.block_n2),
-                UPCAST=upcast,
-                DOT_PRECISION=precision,
-                IS_VARLEN=varlen is not None,
-                num_warps=cfg.dq_warps,
-                num_stages=cfg.dq_stages,
-            ),
-        )  # fmt: skip
-    return dq, dk, dv
+    pre = (
+        (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
+        (
+            *strides(out), *strides(dout), *dlse_strides, *stats_strides(lse, varlen),
+            heads, seqlen_q,
+        ),
+        dict(
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=cfg.block_m2,
+            HAS_DLSE=dlse is not None,
+            EVEN_M=even_m2,
+            IS_VARLEN=varlen is not None,
+            num_warps=cfg.dq_warps,
+        ),
+    )  # fmt: skip
+    common = (*stats_strides(lse, varlen), stride_ab)
+    scalars = (
+        heads // kv_heads, seqlen_q, seqlen_k, float(scale),
+        window_left, window_right, float(softcap),
+    )  # fmt: skip
+    dkdv = (
+        (cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,),
+        (
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
+            *common, kv_heads, *scalars,
+        ),
+        dict(
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=cfg.block_m1,
+            BLOCK_N=cfg.block_n1,
+            **masks,
+            EVEN_M=even(seqlen_q, cfg.block_m1),
+            EVEN_N=even(seqlen_k, cfg.block_n1),
+            UPCAST=upcast,
+            DOT_PRECISION=precision,
+            IS_VARLEN=varlen is not None,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        ),
+    )  # fmt: skip
+    dq_launch = (
+        (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
+        (
+            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
+            *common, heads, *scalars,
+        ),
+        dict(
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=cfg.block_m2,
+            BLOCK_N=cfg.block_n2,
+            **masks,
+            EVEN_M=even_m2,
+            EVEN_N=even(seqlen_k, cfg.block_n2),
+            UPCAST=upcast,
+            DOT_PRECISION=precision,
+            IS_VARLEN=varlen is not None,
+            num_warps=cfg.dq_warps,
+            num_stages=cfg.dq_stages,
+        ),
+    )  # fmt: skip
+    return pre, dkdv, dq_launch

@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashcore import tuning
 from flashcore.ops.launch import Descriptor, Launcher
 from flashcore.tuning import FwdConfig, fwd_config, head_block
 
@@ -91,7 +92,6 @@ def attn_fwd(
     ``flashcore.attention`` (validated; ``(-1, -1)``, 0.0 and None are off).
     """
     q, k, v = (unit_stride_last_dim(t) for t in (q, k, v))
-    head_dim = q.shape[-1]
     if varlen is None:
         batch, heads, seqlen_q = q.shape[:3]
         kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -106,6 +106,68 @@ def attn_fwd(
     if k.numel() == 0:
         # Every row sees no key. Filled here rather than launched: k and v have no storage.
         return out.zero_(), lse.fill_(float("-inf"))
+    alibi, stride_ab = alibi_arg(alibi_slopes, lse)
+    # Everything but the pointers follows from this key (out's strides from q's shape and
+    # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
+    # and constexprs are built once per problem signature.
+    key = (
+        q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, scale,
+        window, softcap, None if alibi_slopes is None else stride_ab,
+        None if varlen is None else (batch, seqlen_q, seqlen_k), config,
+        all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)), tuning.TMA_MIN_FLOPS,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(
+            q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
+            stride_ab, batch, heads, kv_heads, seqlen_q, seqlen_k,
+        )  # fmt: skip
+    grid, tail, meta, tiles = plan
+    if tiles is None:
+        pointers = (q, k, v, out)
+    else:
+        rows_q, rows_k, block_d = tiles
+        pointers = (
+            descriptor(q, rows_q, block_d), descriptor(k, rows_k, block_d),
+            descriptor(v, rows_k, block_d), descriptor(out, rows_q, block_d),
+        )  # fmt: skip
+    cu = (None, None) if varlen is None else varlen[:2]
+    # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
+    with torch.cuda.device_of(q):
+        launcher()(grid, (*pointers, lse, *cu, alibi, *tail), meta)
+    return out, lse
+
+
+# Launch plans by problem signature (see attn_fwd); past MAX_PLANS signatures the map starts over.
+_PLANS: dict[tuple, tuple] = {}
+MAX_PLANS = 4096
+
+
+def _plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    config: FwdConfig | None,
+    varlen: Varlen | None,
+    window: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    stride_ab: int,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+) -> tuple:
+    """``(grid, arguments after the pointers, constexprs, descriptor tiles or None)`` of the
+    forward launch of ``attn_fwd``."""
+    head_dim = q.shape[-1]
     interpreted = is_interpreted()
     # fp32 on the GPU takes the exact-exp path (kernels/common.py: softmax_exp).
     exp_e = q.dtype == torch.float32 and not interpreted
@@ -126,24 +188,14 @@ def attn_fwd(
     if softcap > 0:
         # The kernel takes tanh of scale * q.k / c in natural units and scales it back by c.
         qk_scale, softcap = scale / softcap, softcap if exp_e else softcap * LOG2E
-    alibi, stride_ab = alibi_arg(alibi_slopes, lse)
     use_tma = (
         cfg.use_tma
         and varlen is None
         and (interpreted or has_tma(q.device))
         and all(tma_compatible(t) for t in (q, k, v, out))
     )
-    if use_tma:
-        q_arg = descriptor(q, cfg.block_m, block_d)
-        k_arg = descriptor(k, cfg.block_n, block_d)
-        v_arg = descriptor(v, cfg.block_n, block_d)
-        o_arg = descriptor(out, cfg.block_m, block_d)
-    else:
-        q_arg, k_arg, v_arg, o_arg = q, k, v, out
-    args = (
-        q_arg, k_arg, v_arg, o_arg, lse,
-        *((None, None) if varlen is None else varlen[:2]),
-        alibi,
+    tiles = (cfg.block_m, cfg.block_n, block_d) if use_tma else None
+    tail = (
         *row_strides(q, varlen), *row_strides(k, varlen), *row_strides(v, varlen),
         *row_strides(out, varlen), *stats_strides(lse, varlen), stride_ab,
         heads, heads // kv_heads, seqlen_q, seqlen_k, float(qk_scale),
@@ -168,10 +220,7 @@ def attn_fwd(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
-    with torch.cuda.device_of(q):
-        launcher()((cdiv(seqlen_q, cfg.block_m) * batch * heads,), args, meta)
-    return out, lse
+    return (cdiv(seqlen_q, cfg.block_m) * batch * heads,), tail, meta, tiles
 
 
 def window_bounds(
