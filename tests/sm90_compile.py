@@ -226,20 +226,15 @@ def report(
 
 
 def main() -> int:
-    for variant, tma in itertools.product(FWD_VARIANTS, (True, False)):
-        consts, options = fwd_consts(*variant, tma=tma)
+    fwd_variants = [(v, False) for v in FWD_VARIANTS] + [(v, True) for v in FWD_SHORT_VARIANTS]
+    for (variant, short), tma in itertools.product(fwd_variants, (True, False)):
+        seqlen_q = SHORT_SEQLEN if short else 1 << 30
+        consts, options = fwd_consts(*variant, tma=tma, seqlen_q=seqlen_q)
         rows, cols = (consts["BLOCK_M"], consts["BLOCK_N"]), consts["BLOCK_D"]
         descs = {"Q": rows[0], "K": rows[1], "V": rows[1], "O": rows[0]} if tma else {}
         descs = {name: (1, 1, r, cols) for name, r in descs.items()}
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options, descs)
-        print(json.dumps(report("attn_fwd", variant, compiled, tma)), flush=True)
-    for variant, tma in itertools.product(FWD_SHORT_VARIANTS, (True, False)):
-        consts, options = fwd_consts(*variant, tma=tma, seqlen_q=SHORT_SEQLEN)
-        rows, cols = (consts["BLOCK_M"], consts["BLOCK_N"]), consts["BLOCK_D"]
-        descs = {"Q": rows[0], "K": rows[1], "V": rows[1], "O": rows[0]} if tma else {}
-        descs = {name: (1, 1, r, cols) for name, r in descs.items()}
-        compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options, descs)
-        print(json.dumps(report("attn_fwd", variant, compiled, tma, short=True)), flush=True)
+        print(json.dumps(report("attn_fwd", variant, compiled, tma, short=short)), flush=True)
     for variant in FWD_VARLEN_VARIANTS:
         consts, options = fwd_consts(*variant, varlen=True)
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options)

@@ -9,16 +9,18 @@ from types import ModuleType
 import torch
 
 from flashcore.ops.fwd import (
+    Dims,
     Varlen,
     alibi_arg,
     cdiv,
     is_interpreted,
+    problem_dims,
     row_strides,
     stats_strides,
     unit_stride_last_dim,
     window_bounds,
 )
-from flashcore.ops.launch import Launcher
+from flashcore.ops.launch import Launcher, cached
 from flashcore.tuning import BwdConfig, bwd_config, head_block
 
 
@@ -68,15 +70,9 @@ def attn_bwd(
     """
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
     q, k, v, out, dout = (unit_stride_last_dim(t) for t in (q, k, v, out, dout))
-    if varlen is None:
-        batch, heads, seqlen_q = q.shape[:3]
-        kv_heads, seqlen_k = k.shape[1], k.shape[2]
-        cu_q, cu_k = None, None
-    else:
-        batch, heads, kv_heads = varlen.batch, q.shape[1], k.shape[1]
-        seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
-        cu_q, cu_k = varlen.cu_seqlens_q, varlen.cu_seqlens_k
-    if q.numel() == 0 or k.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
+    dims = problem_dims(q, k, varlen)
+    cu_q, cu_k = (None, None) if varlen is None else varlen[:2]
+    if q.numel() == 0 or k.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
         # No query or no key: nothing depends on the other inputs.
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dq = torch.empty_like(q)
@@ -92,17 +88,13 @@ def attn_bwd(
         q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
         None if dlse is None else dlse.stride(), q.dtype, causal, scale, window, softcap,
         None if alibi_slopes is None else stride_ab,
-        None if varlen is None else (varlen.batch, seqlen_q, seqlen_k),
+        None if varlen is None else dims,
         config,
     )  # fmt: skip
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(
-            q, k, v, out, dout, lse, dlse, dq, dk, dv, causal, scale, varlen, config,
-            window, softcap, alibi_slopes, stride_ab, batch, heads, kv_heads, seqlen_q, seqlen_k,
-        )  # fmt: skip
+    plan = cached(_PLANS, key, lambda: _plan(
+        q, k, v, out, dout, lse, dlse, dq, dk, dv, causal, scale, varlen, config,
+        window, softcap, alibi_slopes, stride_ab, dims,
+    ))  # fmt: skip
     (pre_grid, pre_tail, pre_meta), (kv_grid, kv_tail, kv_meta), (q_grid, q_tail, q_meta) = plan
     pre, dkdv, dq_kernel = launchers()
     # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
@@ -113,9 +105,8 @@ def attn_bwd(
     return dq, dk, dv
 
 
-# Launch plans by problem signature (see attn_bwd); past MAX_PLANS signatures the map starts over.
+# Launch plans by problem signature (see attn_bwd; bounded by ops.launch.cached).
 _PLANS: dict[tuple, tuple] = {}
-MAX_PLANS = 4096
 
 
 def _plan(
@@ -137,14 +128,11 @@ def _plan(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     stride_ab: int,
-    batch: int,
-    heads: int,
-    kv_heads: int,
-    seqlen_q: int,
-    seqlen_k: int,
+    dims: Dims,
 ) -> tuple:
     """``(grid, arguments after the pointers, constexprs)`` of the preprocess, dK/dV and dQ
     launches of ``attn_bwd``."""
+    batch, heads, kv_heads, seqlen_q, seqlen_k = dims
     head_dim = q.shape[-1]
     interpreted = is_interpreted()
     cfg = config or bwd_config(
@@ -166,13 +154,27 @@ def _plan(
     is_causal, has_window, window_left, window_right = window_bounds(
         causal, *window, seqlen_q, seqlen_k
     )
-    masks = dict(
-        IS_CAUSAL=is_causal,
-        HAS_WINDOW=has_window,
-        SOFTCAP=softcap > 0,
-        HAS_ALIBI=alibi_slopes is not None,
-    )
-    even_m2 = even(seqlen_q, cfg.block_m2)
+
+    def meta(block_m: int, block_n: int, warps: int, stages: int) -> dict:
+        """Constexprs of the dK/dV or dQ kernel (same parameters, in their order)."""
+        return dict(
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            IS_CAUSAL=is_causal,
+            HAS_WINDOW=has_window,
+            SOFTCAP=softcap > 0,
+            HAS_ALIBI=alibi_slopes is not None,
+            EVEN_M=even(seqlen_q, block_m),
+            EVEN_N=even(seqlen_k, block_n),
+            UPCAST=upcast,
+            DOT_PRECISION=precision,
+            IS_VARLEN=varlen is not None,
+            num_warps=warps,
+            num_stages=stages,
+        )
+
     pre = (
         (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
         (
@@ -184,7 +186,7 @@ def _plan(
             BLOCK_D=block_d,
             BLOCK_M=cfg.block_m2,
             HAS_DLSE=dlse is not None,
-            EVEN_M=even_m2,
+            EVEN_M=even(seqlen_q, cfg.block_m2),
             IS_VARLEN=varlen is not None,
             num_warps=cfg.dq_warps,
         ),
@@ -200,20 +202,7 @@ def _plan(
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
             *common, kv_heads, *scalars,
         ),
-        dict(
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m1,
-            BLOCK_N=cfg.block_n1,
-            **masks,
-            EVEN_M=even(seqlen_q, cfg.block_m1),
-            EVEN_N=even(seqlen_k, cfg.block_n1),
-            UPCAST=upcast,
-            DOT_PRECISION=precision,
-            IS_VARLEN=varlen is not None,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-        ),
+        meta(cfg.block_m1, cfg.block_n1, cfg.num_warps, cfg.num_stages),
     )  # fmt: skip
     dq_launch = (
         (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
@@ -221,19 +210,6 @@ def _plan(
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
             *common, heads, *scalars,
         ),
-        dict(
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m2,
-            BLOCK_N=cfg.block_n2,
-            **masks,
-            EVEN_M=even_m2,
-            EVEN_N=even(seqlen_k, cfg.block_n2),
-            UPCAST=upcast,
-            DOT_PRECISION=precision,
-            IS_VARLEN=varlen is not None,
-            num_warps=cfg.dq_warps,
-            num_stages=cfg.dq_stages,
-        ),
+        meta(cfg.block_m2, cfg.block_n2, cfg.dq_warps, cfg.dq_stages),
     )  # fmt: skip
     return pre, dkdv, dq_launch

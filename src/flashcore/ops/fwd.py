@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 
 from flashcore import tuning
-from flashcore.ops.launch import Descriptor, Launcher
+from flashcore.ops.launch import Descriptor, Launcher, cached
 from flashcore.tuning import FwdConfig, fwd_config, head_block
 
 LOG2E = 1.4426950408889634  # log2(e): folds the softmax's exp into exp2
@@ -30,6 +30,23 @@ class Varlen(NamedTuple):
     @property
     def batch(self) -> int:
         return self.cu_seqlens_q.shape[0] - 1
+
+
+class Dims(NamedTuple):
+    """Sizes of a problem; with varlen, the sequence lengths are the longest ones."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+
+
+def problem_dims(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> Dims:
+    """Sizes of ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` inputs, or of packed ones."""
+    if varlen is None:
+        return Dims(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+    return Dims(varlen.batch, q.shape[1], k.shape[1], varlen.max_seqlen_q, varlen.max_seqlen_k)
 
 
 def row_strides(t: torch.Tensor, varlen: Varlen | None) -> tuple[int, int, int]:
@@ -92,16 +109,13 @@ def attn_fwd(
     ``flashcore.attention`` (validated; ``(-1, -1)``, 0.0 and None are off).
     """
     q, k, v = (unit_stride_last_dim(t) for t in (q, k, v))
-    if varlen is None:
-        batch, heads, seqlen_q = q.shape[:3]
-        kv_heads, seqlen_k = k.shape[1], k.shape[2]
-        lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    else:
-        batch, heads, kv_heads = varlen.batch, q.shape[1], k.shape[1]
-        seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
-        lse = torch.empty((heads, q.shape[0]), dtype=torch.float32, device=q.device)
+    dims = problem_dims(q, k, varlen)
+    lse_shape = (
+        (dims.batch, dims.heads, dims.seqlen_q) if varlen is None else (dims.heads, q.shape[0])
+    )
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
-    if out.numel() == 0 or seqlen_q == 0:
+    if out.numel() == 0 or dims.seqlen_q == 0:
         return out, lse
     if k.numel() == 0:
         # Every row sees no key. Filled here rather than launched: k and v have no storage.
@@ -113,18 +127,13 @@ def attn_fwd(
     key = (
         q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, scale,
         window, softcap, None if alibi_slopes is None else stride_ab,
-        None if varlen is None else (batch, seqlen_q, seqlen_k), config,
+        None if varlen is None else dims, config,
         all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)), tuning.TMA_MIN_FLOPS,
     )  # fmt: skip
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _plan(
-            q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
-            stride_ab, batch, heads, kv_heads, seqlen_q, seqlen_k,
-        )  # fmt: skip
-    grid, tail, meta, tiles = plan
+    grid, tail, meta, tiles = cached(_PLANS, key, lambda: _plan(
+        q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
+        stride_ab, dims,
+    ))  # fmt: skip
     if tiles is None:
         pointers = (q, k, v, out)
     else:
@@ -140,9 +149,8 @@ def attn_fwd(
     return out, lse
 
 
-# Launch plans by problem signature (see attn_fwd); past MAX_PLANS signatures the map starts over.
+# Launch plans by problem signature (see attn_fwd; bounded by ops.launch.cached).
 _PLANS: dict[tuple, tuple] = {}
-MAX_PLANS = 4096
 
 
 def _plan(
@@ -159,14 +167,11 @@ def _plan(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     stride_ab: int,
-    batch: int,
-    heads: int,
-    kv_heads: int,
-    seqlen_q: int,
-    seqlen_k: int,
+    dims: Dims,
 ) -> tuple:
     """``(grid, arguments after the pointers, constexprs, descriptor tiles or None)`` of the
     forward launch of ``attn_fwd``."""
+    batch, heads, kv_heads, seqlen_q, seqlen_k = dims
     head_dim = q.shape[-1]
     interpreted = is_interpreted()
     # fp32 on the GPU takes the exact-exp path (kernels/common.py: softmax_exp).

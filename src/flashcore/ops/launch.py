@@ -21,6 +21,7 @@ interpreter every launch goes through ``JITFunction``: there is nothing compiled
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -87,6 +88,17 @@ class Descriptor:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return TensorDescriptor(self.base, list(self.shape), list(self.strides), self.block_shape)
+
+
+def cached(cache: dict, key: Any, build: Callable[[], Any]) -> Any:
+    """``cache[key]``, built by ``build()`` on a miss; past MAX_ENTRIES keys the map starts over
+    (a miss costs only the work ``build`` does)."""
+    value = cache.get(key)
+    if value is None:
+        if len(cache) >= MAX_ENTRIES:
+            cache.clear()
+        value = cache[key] = build()
+    return value
 
 
 def full_descriptors(args: tuple) -> tuple:
