@@ -61,15 +61,17 @@ def noop(*args, **kwargs) -> None:
 
 
 def only(kernel: str):
-    """``ops.bwd.launchers()`` with one of the two main launches replaced by nothing."""
-    pre, dkdv, dq = bwd_mod.launchers()
-    return (pre, dkdv, noop) if kernel == "dkdv" else (pre, noop, dq)
+    """``ops.bwd.launchers()`` with one of the two launches replaced by nothing. Without the dQ
+    launch delta is left unwritten (its values do not change the dK/dV kernel's time); the dQ
+    launch includes writing delta."""
+    dq, dkdv = bwd_mod.launchers()
+    return (dq, noop) if kernel == "dq" else (noop, dkdv)
 
 
 def resources(cfg: BwdConfig) -> str:
     """Registers/local memory of the dK/dV and dQ kernels last compiled for ``cfg``."""
     out = []
-    dkdv, dq = bwd_mod.launchers()[1:]
+    dq, dkdv = bwd_mod.launchers()
     wanted = (
         (dkdv, (cfg.block_m1, cfg.block_n1), (cfg.num_warps, cfg.num_stages)),
         (dq, (cfg.block_m2, cfg.block_n2), (cfg.dq_warps, cfg.dq_stages)),

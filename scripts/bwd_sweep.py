@@ -1,6 +1,6 @@
 """Device-side: backward configs and SDPA's backward side by side (medians of do_bench).
 
-Times the three backward kernels (``ops.bwd.attn_bwd``: delta preprocess, dK/dV, dQ) for each
+Times the two backward kernels (``ops.bwd.attn_bwd``: dQ with delta, then dK/dV) for each
 candidate ``BwdConfig`` against ``out.backward`` through PyTorch's SDPA on the same inputs. Each
 config's gradients are checked against SDPA's before it is timed.
 
@@ -116,12 +116,12 @@ def print_resources() -> None:
     as the driver reports them (Triton's ``n_spills`` is the local memory in 4-byte words)."""
     from flashcore.ops.bwd import launchers
 
-    for launcher in launchers()[1:]:
+    for launcher in launchers():
         for key, (kernel, _) in launcher.compiled.items():
             # key[2]: the constexprs in parameter order, then num_warps and num_stages.
             name, regs, local = launcher.fn.__name__, kernel.n_regs, 4 * kernel.n_spills
             print(f"    {name} {key[2]}: {regs} regs, {local} B local memory")
-    for launcher in launchers()[1:]:
+    for launcher in launchers():
         launcher.compiled.clear()
 
 

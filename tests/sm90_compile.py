@@ -254,7 +254,6 @@ def main() -> int:
         dkdv_options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         dq_options = {"num_warps": cfg.dq_warps, "num_stages": cfg.dq_stages}
         blocks = {
-            "attn_bwd_preprocess_kernel": (cfg.block_m2, None, dq_options),
             "attn_bwd_dkdv_kernel": (cfg.block_m1, cfg.block_n1, dkdv_options),
             "attn_bwd_dq_kernel": (cfg.block_m2, cfg.block_n2, dq_options),
         }

@@ -40,9 +40,8 @@ def test_all_variants_compile_within_shared_memory(compiled):
         assert row["shared"] <= SMEM_LIMIT, f"{row['kernel']} {row['variant']}: {row['shared']} B"
 
 
-# Kernels with no product to put on tensor cores: the backward's delta preprocess (a row sum) and
-# the decode combine (a weighted sum over splits).
-NO_DOTS = {"attn_bwd_preprocess_kernel", "attn_decode_combine"}
+# Kernels with no product to put on tensor cores: the decode combine (a weighted sum over splits).
+NO_DOTS = {"attn_decode_combine"}
 
 
 def test_half_precision_dots_use_wgmma(compiled):
@@ -82,7 +81,6 @@ def test_varlen_variants_compile(compiled):
     kernels = {row["kernel"] for row in compiled if row["varlen"]}
     assert kernels == {
         "attn_fwd",
-        "attn_bwd_preprocess_kernel",
         "attn_bwd_dkdv_kernel",
         "attn_bwd_dq_kernel",
     }

@@ -95,9 +95,9 @@ class BwdConfig:
     """Launch configuration of the backward kernels.
 
     ``block_m1 x block_n1``: the dK/dV kernel (``num_warps``, ``num_stages``) holds a block_n1-row
-    K/V tile and streams block_m1-row query tiles. ``block_m2 x block_n2``: the dQ kernel (and the
-    delta preprocess; ``dq_warps``, ``dq_stages``) holds a block_m2-row query tile and streams
-    block_n2-row key tiles. The held tile is the larger one, as
+    K/V tile and streams block_m1-row query tiles. ``block_m2 x block_n2``: the dQ kernel
+    (``dq_warps``, ``dq_stages``; it also computes delta) holds a block_m2-row query tile and
+    streams block_n2-row key tiles. The held tile is the larger one, as
     in FlashAttention-2: it amortises the streamed loads, while the fp32 accumulators
     (2 x block_n1 x D for dK/dV, block_m2 x D for dQ) bound it from above.
     """
@@ -109,7 +109,7 @@ class BwdConfig:
     num_warps: int
     num_stages: int
     num_warps2: int | None = None
-    """Warps of the dQ kernel and the delta preprocess (None: ``num_warps``)."""
+    """Warps of the dQ kernel (None: ``num_warps``)."""
     num_stages2: int | None = None
     """Pipeline stages of the dQ kernel (None: ``num_stages``)."""
 

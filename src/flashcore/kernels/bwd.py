@@ -1,4 +1,4 @@
-"""FlashAttention-2 backward: dQ, dK, dV without atomics, in three kernels.
+"""FlashAttention-2 backward: dQ, dK, dV without atomics, in two kernels.
 
 Algorithm. With ``P = softmax(scale * Q K^T)`` recomputed tile by tile from the forward's LSE
 (``P = exp2(S - lse2)``, nothing of size Sq x Sk is stored) and ``dO`` the output gradient:
@@ -8,17 +8,17 @@ Algorithm. With ``P = softmax(scale * Q K^T)`` recomputed tile by tile from the 
 where ``delta_i = rowsum(dO * O)_i - dlse_i``; ``dlse`` is the gradient reaching the LSE output
 (0 when the LSE is not used), since ``d lse_i / d s_ij = P_ij`` adds ``dlse_i * P_ij`` to dS.
 
-1. ``attn_bwd_preprocess_kernel`` (in ``kernels/bwd_delta.py``, re-exported here) computes
-   ``delta`` (fp32, laid out like the LSE).
-   Grid: ``cdiv(Sq, BLOCK_M) * B * H`` programs.
+1. ``attn_bwd_dq_kernel`` keeps one (BLOCK_M, BLOCK_D) tile of Q, dO and LSE on chip, computes
+   the tile's ``delta`` from dO and one tile of O (``kernels/bwd_delta.py``) and writes it (fp32,
+   laid out like the LSE) for the next kernel, then streams the key tiles it can see, like the
+   forward, accumulating dQ in fp32.
+   Grid: ``cdiv(Sq, BLOCK_M) * B * H`` programs, causal heaviest first.
 2. ``attn_bwd_dkdv_kernel`` keeps one (BLOCK_N, BLOCK_D) tile of K and V on chip, streams the
    query tiles that can see it and accumulates dK and dV in fp32 registers. GQA/MQA: the program
    of kv head hk loops over the ``H // Hkv`` query heads of its group and sums their contributions
    in the same registers, so repeated K/V are never materialised and no two programs write the
-   same dK/dV rows. Grid: ``cdiv(Sk, BLOCK_N) * B * Hkv`` programs.
-3. ``attn_bwd_dq_kernel`` keeps one (BLOCK_M, BLOCK_D) tile of Q, dO, LSE and delta on chip and
-   streams the key tiles it can see, like the forward, accumulating dQ in fp32.
-   Grid: ``cdiv(Sq, BLOCK_M) * B * H`` programs, causal heaviest first.
+   same dK/dV rows. It reads the delta the dQ kernel wrote (same stream, launched after it).
+   Grid: ``cdiv(Sk, BLOCK_N) * B * Hkv`` programs.
 Every gradient element is written by exactly one program with a fixed summation order: the result
 is deterministic by construction (no atomics). ``P`` and ``dS`` are cast to the input dtype for
 their products, with fp32 accumulation, as in FlashAttention-2.
@@ -39,7 +39,7 @@ Flags (``tl.constexpr``, compiled away when off):
 - EVEN_M / EVEN_N: Sq / Sk are multiples of the kernel's BLOCK_M / BLOCK_N: loads and stores skip
   row masks.
 - HEAD_DIM < BLOCK_D: head dims that are not powers of two are padded with masked loads.
-- HAS_DLSE (preprocess): subtract the LSE gradient from delta.
+- HAS_DLSE (dQ kernel): subtract the LSE gradient from delta.
 - UPCAST: compute in fp32 from fp32 copies of the tiles (so P and dS are not rounded to bf16
   either). Needed only by Triton 3.6's interpreter, which does bf16 arithmetic on the raw bit
   patterns; always off on the GPU.
@@ -73,12 +73,12 @@ tile walk are int64; in-tile offsets are int32.
 import triton
 import triton.language as tl
 
-# The launcher finds all three backward kernels in this module.
-from flashcore.kernels.bwd_delta import attn_bwd_preprocess_kernel  # noqa: F401
+from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import (
     LOG2E,
     dot_nt,
     kv_tile_range,
+    load_lse2,
     load_row_stats,
     load_tile,
     mask_scores,
@@ -437,7 +437,9 @@ def attn_bwd_dq_kernel(
     Q,
     K,
     V,
+    O,
     DO,
+    DLSE,
     LSE,
     DELTA,
     DQ,
@@ -453,9 +455,15 @@ def attn_bwd_dq_kernel(
     stride_vb,
     stride_vh,
     stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
     stride_dob,
     stride_doh,
     stride_dom,
+    stride_dlb,
+    stride_dlh,
+    stride_dlm,
     stride_dqb,
     stride_dqh,
     stride_dqm,
@@ -483,6 +491,7 @@ def attn_bwd_dq_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
     tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
@@ -498,7 +507,9 @@ def attn_bwd_dq_kernel(
         if start_m >= seqlen_q:
             return
         Q += row_q * stride_qm
+        O += row_q * stride_om
         DO += row_q * stride_dom
+        DLSE += row_q * stride_dlm
         DQ += row_q * stride_dqm
         LSE += row_q
         DELTA += row_q
@@ -526,12 +537,26 @@ def attn_bwd_dq_kernel(
     )
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
-    stats_off = off_b * stride_lb + off_h * stride_lh
-    lse2, delta = load_row_stats(
-        LSE + stats_off + offs_m, DELTA + stats_off + offs_m, offs_m, seqlen_q, EVEN_M
+    o_ptrs = (
+        O
+        + off_b * stride_ob
+        + off_h * stride_oh
+        + row0 * stride_om
+        + (offs_tm[:, None] * stride_om + offs_d[None, :])
     )
+    stats_off = off_b * stride_lb + off_h * stride_lh
+    lse2 = load_lse2(LSE + stats_off + offs_m, offs_m, seqlen_q, EVEN_M)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    dlse_ptrs = DLSE + off_b * stride_dlb + off_h * stride_dlh + (row0 + offs_tm) * stride_dlm
+    delta = tile_delta(
+        o_ptrs, do, dlse_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D, HAS_DLSE
+    )
+    # For the dK/dV kernel, launched next.
+    if EVEN_M:
+        tl.store(DELTA + stats_off + offs_m, delta)
+    else:
+        tl.store(DELTA + stats_off + offs_m, delta, mask=offs_m < seqlen_q)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)

@@ -15,7 +15,7 @@ Each helper owns one concern so that a bug shows in one place and a probe kernel
   on every tile; ``tanh`` is a portable fp32 tanh.
 - ``online_softmax_step``: one step of the streaming softmax in base 2 (base e with EXP_E).
 - ``row_lse``: the natural-log logsumexp of a finished row, -inf for a row that saw no key.
-- ``load_row_stats``: the backward's per-row LSE (converted to base 2) and delta.
+- ``load_lse2`` / ``load_row_stats``: the backward's per-row LSE (converted to base 2) and delta.
 - ``program_tile``: which (tile, batch x head) a program of a 1-D grid owns.
 - ``dot_nt``: ``a @ b^T`` for the score-like products (Q K^T and dO V^T), widened for fp32 inputs.
 
@@ -370,8 +370,8 @@ def online_softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr, EXP_E: tl.const
 
 
 @triton.jit
-def load_row_stats(lse_ptrs, delta_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr):
-    """Per-row ``(lse2, delta)`` for the backward, with ``lse2`` the forward's LSE in base 2.
+def load_lse2(lse_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr):
+    """The forward's per-row LSE in base 2, for the backward.
 
     ``exp2(s - lse2)`` recomputes the normalised probabilities. Rows that see no key (LSE -inf)
     and rows past seqlen_q get ``lse2 = +inf``, so their probabilities are exactly 0 (also where
@@ -379,13 +379,20 @@ def load_row_stats(lse_ptrs, delta_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr)
     """
     if EVEN_M:
         lse = tl.load(lse_ptrs)
+    else:
+        lse = tl.load(lse_ptrs, mask=offs_m < seqlen_q, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+
+
+@triton.jit
+def load_row_stats(lse_ptrs, delta_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr):
+    """Per-row ``(lse2, delta)`` for the backward (``load_lse2``); rows past seqlen_q get
+    delta 0."""
+    if EVEN_M:
         delta = tl.load(delta_ptrs)
     else:
-        in_range = offs_m < seqlen_q
-        lse = tl.load(lse_ptrs, mask=in_range, other=float("-inf"))
-        delta = tl.load(delta_ptrs, mask=in_range, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    return lse2, delta
+        delta = tl.load(delta_ptrs, mask=offs_m < seqlen_q, other=0.0)
+    return load_lse2(lse_ptrs, offs_m, seqlen_q, EVEN_M), delta
 
 
 @triton.jit

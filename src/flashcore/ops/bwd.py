@@ -1,5 +1,5 @@
 """Backward launcher: allocates ``dq``, ``dk``, ``dv`` and delta, picks the config, launches the
-preprocess, dK/dV and dQ kernels."""
+dQ kernel (which also writes delta) and then the dK/dV kernel."""
 
 from __future__ import annotations
 
@@ -33,13 +33,12 @@ def kernels() -> ModuleType:
 
 
 @functools.cache
-def launchers() -> tuple[Launcher, Launcher, Launcher]:
-    """Launchers (``ops.launch``) of the delta preprocess, dK/dV and dQ kernels."""
+def launchers() -> tuple[Launcher, Launcher]:
+    """Launchers (``ops.launch``) of the dQ and dK/dV kernels."""
     bwd = kernels()
     return (
-        Launcher(bwd.attn_bwd_preprocess_kernel, num_pointers=5),
+        Launcher(bwd.attn_bwd_dq_kernel, num_pointers=12),
         Launcher(bwd.attn_bwd_dkdv_kernel, num_pointers=11),
-        Launcher(bwd.attn_bwd_dq_kernel, num_pointers=10),
     )
 
 
@@ -95,13 +94,19 @@ def attn_bwd(
         q, k, v, out, dout, lse, dlse, dq, dk, dv, causal, scale, varlen, config,
         window, softcap, alibi_slopes, stride_ab, dims,
     ))  # fmt: skip
-    (pre_grid, pre_tail, pre_meta), (kv_grid, kv_tail, kv_meta), (q_grid, q_tail, q_meta) = plan
-    pre, dkdv, dq_kernel = launchers()
-    # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU).
+    (q_grid, q_tail, q_meta), (kv_grid, kv_tail, kv_meta) = plan
+    dq_kernel, dkdv = launchers()
+    # Without an LSE gradient its pointer is never read: the LSE stands in.
+    dlse_arg = lse if dlse is None else dlse
+    # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU). The
+    # dQ kernel writes delta, which the dK/dV kernel (same stream, launched after it) reads.
     with torch.cuda.device_of(q):
-        pre(pre_grid, (out, dout, lse if dlse is None else dlse, delta, cu_q, *pre_tail), pre_meta)
+        dq_kernel(
+            q_grid,
+            (q, k, v, out, dout, dlse_arg, lse, delta, dq, cu_q, cu_k, alibi, *q_tail),
+            q_meta,
+        )
         dkdv(kv_grid, (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail), kv_meta)
-        dq_kernel(q_grid, (q, k, v, dout, lse, delta, dq, cu_q, cu_k, alibi, *q_tail), q_meta)
     return dq, dk, dv
 
 
@@ -130,8 +135,8 @@ def _plan(
     stride_ab: int,
     dims: Dims,
 ) -> tuple:
-    """``(grid, arguments after the pointers, constexprs)`` of the preprocess, dK/dV and dQ
-    launches of ``attn_bwd``."""
+    """``(grid, arguments after the pointers, constexprs)`` of the dQ and dK/dV launches of
+    ``attn_bwd``."""
     batch, heads, kv_heads, seqlen_q, seqlen_k = dims
     head_dim = q.shape[-1]
     interpreted = is_interpreted()
@@ -175,22 +180,6 @@ def _plan(
             num_stages=stages,
         )
 
-    pre = (
-        (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
-        (
-            *strides(out), *strides(dout), *dlse_strides, *stats_strides(lse, varlen),
-            heads, seqlen_q,
-        ),
-        dict(
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            BLOCK_M=cfg.block_m2,
-            HAS_DLSE=dlse is not None,
-            EVEN_M=even(seqlen_q, cfg.block_m2),
-            IS_VARLEN=varlen is not None,
-            num_warps=cfg.dq_warps,
-        ),
-    )  # fmt: skip
     common = (*stats_strides(lse, varlen), stride_ab)
     scalars = (
         heads // kv_heads, seqlen_q, seqlen_k, float(scale),
@@ -207,9 +196,12 @@ def _plan(
     dq_launch = (
         (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
         (
-            *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dq),
-            *common, heads, *scalars,
+            *strides(q), *strides(k), *strides(v), *strides(out), *strides(dout),
+            *dlse_strides, *strides(dq), *common, heads, *scalars,
         ),
-        meta(cfg.block_m2, cfg.block_n2, cfg.dq_warps, cfg.dq_stages),
+        dict(
+            meta(cfg.block_m2, cfg.block_n2, cfg.dq_warps, cfg.dq_stages),
+            HAS_DLSE=dlse is not None,
+        ),
     )  # fmt: skip
-    return pre, dkdv, dq_launch
+    return dq_launch, dkdv
