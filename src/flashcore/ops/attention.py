@@ -178,23 +178,40 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, op=attn
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _Attention(torch.autograd.Function):
-    """``attn_fwd`` with its autograd formula, without the op dispatch (eager calls).
+def _eager_function(forward, setup_context, backward, bwd_op) -> type[torch.autograd.Function]:
+    """A registered forward op's autograd formula as a ``torch.autograd.Function``, without the
+    op dispatch (eager calls): ``forward`` and ``bwd_op`` are the ops' Python functions.
 
     ``forward`` takes ``ctx`` itself: with a separate ``setup_context`` every ``apply`` would bind
     its arguments through ``inspect.signature`` (tens of microseconds a call).
     """
 
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _attn_fwd(*inputs)
-        _setup_context(ctx, inputs, output)
-        return output
+    class Eager(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *inputs):
+            output = forward(*inputs)
+            setup_context(ctx, inputs, output)
+            return output
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, op=_attn_bwd)
+        @staticmethod
+        @once_differentiable
+        def backward(ctx, dout, dlse):
+            return backward(ctx, dout, dlse, op=bwd_op)
+
+    return Eager
+
+
+def _call(op, eager: type[torch.autograd.Function], forward, args: tuple, tensors: tuple):
+    """``op(*args)``, or its Python function (through ``eager`` when a gradient is needed) when
+    ``direct`` allows; ``tensors`` are the tensor arguments, q, k, v first."""
+    if not direct(*tensors):
+        return op(*args)
+    if needs_grad(*tensors[:3]):
+        return eager.apply(*args)
+    return forward(*args)
+
+
+_Attention = _eager_function(_attn_fwd, _setup_context, _backward, _attn_bwd)
 
 
 def attention(
@@ -210,11 +227,7 @@ def attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``attn_fwd`` (differentiable), called directly when ``direct`` allows."""
     args = (q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes)
-    if not direct(q, k, v, alibi_slopes):
-        return attn_fwd(*args)
-    if needs_grad(q, k, v):
-        return _Attention.apply(*args)
-    return _attn_fwd(*args)
+    return _call(attn_fwd, _Attention, _attn_fwd, args, (q, k, v, alibi_slopes))
 
 
 def _attn_varlen_fwd(
@@ -349,19 +362,9 @@ def _varlen_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, 
 attn_varlen_fwd.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
 
 
-class _VarlenAttention(torch.autograd.Function):
-    """``attn_varlen_fwd`` with its autograd formula, without the op dispatch (eager calls)."""
-
-    @staticmethod
-    def forward(ctx, *inputs):
-        output = _attn_varlen_fwd(*inputs)
-        _varlen_setup_context(ctx, inputs, output)
-        return output
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout, dlse):
-        return _varlen_backward(ctx, dout, dlse, op=_attn_varlen_bwd)
+_VarlenAttention = _eager_function(
+    _attn_varlen_fwd, _varlen_setup_context, _varlen_backward, _attn_varlen_bwd
+)
 
 
 def attention_varlen(
@@ -384,11 +387,8 @@ def attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
         window_left, window_right, softcap, alibi_slopes,
     )  # fmt: skip
-    if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
-        return attn_varlen_fwd(*args)
-    if needs_grad(q, k, v):
-        return _VarlenAttention.apply(*args)
-    return _attn_varlen_fwd(*args)
+    tensors = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    return _call(attn_varlen_fwd, _VarlenAttention, _attn_varlen_fwd, args, tensors)
 
 
 def _attn_kvcache(
