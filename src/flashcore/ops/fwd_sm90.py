@@ -1,0 +1,185 @@
+"""Host launcher of the Hopper forward tier (``kernels/hopper/fwd.py``, Gluon, sm_90a).
+
+The forward dispatch calls ``supports`` and, when it says yes, ``attn_fwd_sm90`` with the
+problem already folded into kernel units (the same ``qk_scale``/``softcap``/window arguments as
+the portable forward's launch). Triton and the kernel module are imported at the first launch.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+
+
+class Sm90Config(NamedTuple):
+    """Tiles of one launch: ``NUM_CONSUMERS`` warpgroups of 64 query rows, ``BLOCK_N`` keys per
+    tile, ``NUM_STAGES`` K/V slots; ``consumer_regs`` per consumer thread (the producer warp
+    keeps 24), ``maxnreg`` the cap at entry that the register split is carved from."""
+
+    num_consumers: int
+    block_n: int
+    num_stages: int
+    consumer_regs: int
+    maxnreg: int
+
+
+# D=128: 2 x 64 query rows, 128-key tiles, 2 slots (Q 32 KB + K/V 128 KB of shared memory);
+# 12 warps at 168 registers at entry = 240 + 240 + 24 after setmaxnreg.
+# D=64: the same schedule; the K/V tiles are half the size, so 3 slots fit.
+CONFIGS = {
+    128: Sm90Config(2, 128, 2, 240, 168),
+    64: Sm90Config(2, 128, 3, 240, 168),
+}
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """The Gluon kernel module, imported (with triton) at the first launch."""
+    from flashcore.kernels.hopper import fwd
+
+    return fwd
+
+
+@functools.cache
+def _gluon_available() -> bool:
+    try:
+        import triton.experimental.gluon  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _is_sm90(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """A 4-D ``(B, heads, S, D)`` view the copy engine can address: unit stride on D, 16-byte
+    aligned base and strides."""
+    size = t.element_size()
+    return (
+        t.dim() == 4
+        and t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all(s * size % 16 == 0 for s in t.stride()[:-1])
+    )
+
+
+def supports(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    window: tuple[int, int] | None,
+    softcap: float,
+    alibi: torch.Tensor | None,
+) -> bool:
+    """Whether this tier runs the problem: an sm_90 device, fp16/bf16, head dim 64 or 128, dense
+    (non-varlen) ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty
+    sequences, and strides the copy engine accepts. Causal, the sliding window, softcap and
+    ALiBi are all covered (flags of the one kernel), so ``causal``/``window``/``softcap``/``alibi``
+    never reject; they are taken so that the dispatch can call every tier alike."""
+    del causal, window, softcap
+    if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
+        return False
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    batch, heads, seqlen_q, head_dim = q.shape
+    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape:
+        return False
+    if k.shape[0] != batch or heads % k.shape[1] != 0 or seqlen_q == 0 or k.shape[2] == 0:
+        return False
+    if alibi is not None and alibi.dtype != torch.float32:
+        return False
+    return all(_tma_ok(t) for t in (q, k, v))
+
+
+def _descriptor(t: torch.Tensor, rows: int, head_dim: int):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
+    block = [1, 1, rows, head_dim]
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def attn_fwd_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    qk_scale: float,
+    window_left: int,
+    window_right: int,
+    has_window: bool,
+    softcap: float,
+    alibi: torch.Tensor | None,
+    stride_ab: int,
+) -> None:
+    """Write ``out`` (like q) and ``lse`` (fp32 ``(B, H, Sq)``, contiguous) for inputs that passed
+    ``supports``.
+
+    ``qk_scale`` is ``scale * log2(e)``, or ``scale / c`` with softcap ``c`` > 0, when
+    ``softcap`` is ``c * log2(e)``. ``causal`` is bottom-right aligned; the window sides are the
+    portable launcher's (``ops.fwd.window_bounds``: unbounded as ``Sq + Sk``, HAS_WINDOW off when
+    neither binds). ``alibi`` holds float32 slopes read at ``b * stride_ab + h``.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    cfg = CONFIGS[head_dim]
+    if not _tma_ok(out):
+        raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
+    rows = 64
+    block_m = rows * cfg.num_consumers
+    descs = (
+        _descriptor(q, rows, head_dim),
+        _descriptor(k, cfg.block_n, head_dim),
+        _descriptor(v, cfg.block_n, head_dim),
+        _descriptor(out, rows, head_dim),
+    )
+    raw_max = softcap <= 0 and alibi is None and qk_scale > 0
+    grid = (-(-seqlen_q // block_m) * batch * heads,)
+    with torch.cuda.device_of(q):
+        kernels().attn_fwd_sm90_kernel[grid](
+            *descs,
+            lse,
+            lse if alibi is None else alibi,
+            lse.stride(0),
+            lse.stride(1),
+            stride_ab,
+            heads,
+            heads // kv_heads,
+            seqlen_q,
+            seqlen_k,
+            float(qk_scale),
+            window_left,
+            window_right,
+            float(softcap),
+            HEAD_DIM=head_dim,
+            BLOCK_N=cfg.block_n,
+            NUM_STAGES=cfg.num_stages,
+            NUM_CONSUMERS=cfg.num_consumers,
+            CONSUMER_REGS=cfg.consumer_regs,
+            IS_CAUSAL=causal,
+            HAS_WINDOW=has_window,
+            SOFTCAP=softcap > 0,
+            HAS_ALIBI=alibi is not None,
+            RAW_MAX=raw_max,
+            EVEN_N=seqlen_k % cfg.block_n == 0,
+            num_warps=4,
+            maxnreg=cfg.maxnreg,
+        )
