@@ -3,7 +3,7 @@
 The two kernels are independent launches, so the fastest pair is the fastest dK/dV config with the
 fastest dQ config. For each shape this times, with ``do_bench`` medians:
 
-- ``ops.bwd.attn_bwd`` with the dQ launch left out, for each dK/dV candidate
+- ``ops.bwd.launch`` with the dQ launch left out, for each dK/dV candidate
   (``block_m1, block_n1, warps, stages``);
 - the same with the dK/dV launch left out, for each dQ candidate (``block_m2, block_n2, warps,
   stages``);
@@ -29,7 +29,7 @@ from bwd_sweep import problems, tflops  # scripts/ is on sys.path when run as a 
 from triton.testing import do_bench
 
 from flashcore.ops import bwd as bwd_mod
-from flashcore.ops.fwd import attn_fwd
+from flashcore.ops.fwd import launch as attn_fwd
 from flashcore.tuning import BwdConfig, bwd_config
 
 # (block_m1, block_n1, num_warps, num_stages) and (block_m2, block_n2, num_warps, num_stages).
@@ -61,17 +61,17 @@ def noop(*args, **kwargs) -> None:
 
 
 def only(kernel: str):
-    """``ops.bwd.launchers()`` with one of the two launches replaced by nothing. Without the dQ
+    """``ops.bwd.kernels()`` with one of the two launches replaced by nothing. Without the dQ
     launch delta is left unwritten (its values do not change the dK/dV kernel's time); the dQ
     launch includes writing delta."""
-    dq, dkdv = bwd_mod.launchers()
+    dq, dkdv = bwd_mod.kernels()
     return (dq, noop) if kernel == "dq" else (noop, dkdv)
 
 
 def resources(cfg: BwdConfig) -> str:
     """Registers/local memory of the dK/dV and dQ kernels last compiled for ``cfg``."""
     out = []
-    dq, dkdv = bwd_mod.launchers()
+    dq, dkdv = bwd_mod.kernels()
     wanted = (
         (dkdv, (cfg.block_m1, cfg.block_n1), (cfg.num_warps, cfg.num_stages)),
         (dq, (cfg.block_m2, cfg.block_n2), (cfg.dq_warps, cfg.dq_stages)),
@@ -110,7 +110,7 @@ def main() -> None:
         dq_list = DQ[128 if d <= 128 else 256]
 
         def run(cfg, o=o, lse=lse, do=do, qd=qd, kd=kd, vd=vd, causal=causal, scale=scale):
-            return bwd_mod.attn_bwd(do, qd, kd, vd, o, lse, None, causal, scale, config=cfg)
+            return bwd_mod.launch(do, qd, kd, vd, o, lse, None, causal, scale, config=cfg)
 
         def check(cfg, ref=ref):
             grads = run(cfg)
@@ -120,14 +120,14 @@ def main() -> None:
             )
 
         def timed(cfg, kernel=None):
-            saved = bwd_mod.launchers
+            saved = bwd_mod.kernels
             if kernel is not None:
                 patched = only(kernel)
-                bwd_mod.launchers = lambda: patched
+                bwd_mod.kernels = lambda: patched
             try:
                 return do_bench(lambda: run(cfg), return_mode="median")
             finally:
-                bwd_mod.launchers = saved
+                bwd_mod.kernels = saved
 
         tag = f"B{b} H{h} S{s} D{d} causal={causal}"
         results = {"dkdv": [], "dq": []}

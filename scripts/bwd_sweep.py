@@ -1,6 +1,6 @@
 """Device-side: backward configs and SDPA's backward side by side (medians of do_bench).
 
-Times the two backward kernels (``ops.bwd.attn_bwd``: dQ with delta, then dK/dV) for each
+Times the two backward kernels (``ops.bwd.launch``: dQ with delta, then dK/dV) for each
 candidate ``BwdConfig`` against ``out.backward`` through PyTorch's SDPA on the same inputs. Each
 config's gradients are checked against SDPA's before it is timed.
 
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
-from flashcore.ops.bwd import attn_bwd
-from flashcore.ops.fwd import attn_fwd
+from flashcore.ops.bwd import launch as attn_bwd
+from flashcore.ops.fwd import launch as attn_fwd
 from flashcore.tuning import BwdConfig, bwd_config
 
 CANDIDATES = [
@@ -114,14 +114,14 @@ def main() -> None:
 def print_resources() -> None:
     """Registers and local memory (spills) per thread of every dK/dV and dQ kernel compiled so far,
     as the driver reports them (Triton's ``n_spills`` is the local memory in 4-byte words)."""
-    from flashcore.ops.bwd import launchers
+    from flashcore.ops.bwd import kernels
 
-    for launcher in launchers():
+    for launcher in kernels():
         for key, (kernel, _) in launcher.compiled.items():
             # key[2]: the constexprs in parameter order, then num_warps and num_stages.
             name, regs, local = launcher.fn.__name__, kernel.n_regs, 4 * kernel.n_spills
             print(f"    {name} {key[2]}: {regs} regs, {local} B local memory")
-    for launcher in launchers():
+    for launcher in kernels():
         launcher.compiled.clear()
 
 

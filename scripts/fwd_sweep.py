@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from flashcore import reference
-from flashcore.ops.fwd import attn_fwd
+from flashcore.ops.fwd import launch as attn_fwd
 from flashcore.tuning import FwdConfig, fwd_config
 
 

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 import flashcore
-from flashcore.ops import attention as ops
 from flashcore.ops import bwd as bwd_mod
 from flashcore.ops import fwd as fwd_mod
+from flashcore.ops import problem
+from flashcore.ops import registry as ops
 
 dev = "cuda"
 N = 400
@@ -47,12 +48,17 @@ def profile_shape(shape: tuple[int, int, int, int], dt: torch.dtype) -> None:
     scale = 1 / math.sqrt(shape[-1])
     report("sdpa", lambda: F.scaled_dot_product_attention(q, k, v))
     report("flashcore.attention", lambda: flashcore.attention(q, k, v))
-    report("ops.attn_fwd (custom op)", lambda: ops.attn_fwd(q, k, v, False, scale))
-    report("fwd.attn_fwd (launcher)", lambda: fwd_mod.attn_fwd(q, k, v, False, scale))
+    dense = (None, None, 0, 0)
     report(
-        "ops.attention (direct)", lambda: ops.attention(q, k, v, False, scale, -1, -1, 0.0, None)
+        "ops.attn_fwd (custom op)",
+        lambda: ops.attn_fwd(q, k, v, *dense, False, scale, -1, -1, 0.0, None),
     )
-    report("4x TensorDescriptor()", lambda: [fwd_mod.descriptor(t, 128, 64) for t in (q, k, v, q)])
+    report("fwd.launch (launcher)", lambda: fwd_mod.launch(q, k, v, False, scale))
+    report(
+        "ops.attention (direct)",
+        lambda: ops.attention(q, k, v, *dense, False, scale, -1, -1, 0.0, None),
+    )
+    report("4x TensorDescriptor()", lambda: [problem.descriptor(t, 128, 64) for t in (q, k, v, q)])
     qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
     do = torch.randn_like(q)
 
@@ -64,10 +70,10 @@ def profile_shape(shape: tuple[int, int, int, int], dt: torch.dtype) -> None:
 
     report("sdpa fwd+bwd", fb_sdpa)
     report("flashcore fwd+bwd", fb_fc)
-    out, lse = fwd_mod.attn_fwd(q, k, v, False, scale)
+    out, lse = fwd_mod.launch(q, k, v, False, scale)
     report(
-        "bwd.attn_bwd (launcher)",
-        lambda: bwd_mod.attn_bwd(do, q, k, v, out, lse, None, False, scale),
+        "bwd.launch (launcher)",
+        lambda: bwd_mod.launch(do, q, k, v, out, lse, None, False, scale),
     )
     report("torch.empty_like x4", lambda: [torch.empty_like(t) for t in (q, k, v, lse)])
 

@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.no_tma:
-        from flashcore.ops import fwd
+        from flashcore.ops import runtime
 
-        fwd.has_tma = lambda device: False
+        runtime.has_tma = lambda device: False
     else:
         # These shapes are small enough that the forward would take plain pointers
         # (tuning.TMA_MIN_FLOPS): force descriptors wherever the layout allows, so memcheck and

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
-import pytest
 import torch
 
 import flashcore
@@ -51,32 +48,6 @@ def check_forward(out, lse, q, k, v, *, causal: bool, scale=None, **masks) -> No
     assert lse.dtype == torch.float32
     assert_fa_rule("out", out, pt.out, ref.out)
     assert_fa_rule("lse", lse, pt.lse, ref.lse)
-
-
-@functools.cache
-def has_backward(device: str) -> bool:
-    """True once ``flashcore::attn_fwd`` has an autograd formula (the backward has landed).
-
-    Found by running one backward on a tiny input: until the formula is registered, PyTorch's
-    custom_op raises a RuntimeError saying so. Any other error is a real failure and propagates.
-    """
-    q = torch.randn(1, 1, 4, 16, device=device, requires_grad=True)
-    out = flashcore.attention(q, q.detach(), q.detach())
-    try:
-        out.sum().backward()
-    except RuntimeError as e:
-        if "no autograd formula" in str(e):
-            return False
-        raise
-    return True
-
-
-def skip_without_backward(device: str) -> None:
-    """Skip the calling test until the backward is registered (see ``has_backward``)."""
-    if not has_backward(device):
-        pytest.skip(
-            "flashcore::attn_fwd has no autograd formula yet (the backward is not registered)"
-        )
 
 
 def check_grads(grads: dict, q, k, v, dout, *, causal: bool, scale=None, **masks) -> None:

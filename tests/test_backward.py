@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashcore
-from flashcore.ops import attention as ops
+from flashcore.ops import registry as ops
 from helpers import check_backward, make_qkv
 from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case
 
@@ -152,9 +152,10 @@ def test_backward_zero_size(case, device, monkeypatch):
 def test_opcheck(device):
     q, k, v = make_qkv(Case(1, 2, 1, 20, 33, 16), torch.float32, device)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    torch.library.opcheck(ops.attn_fwd, (q, k, v, True, 0.25))
-    out, lse = ops.attn_fwd(q, k, v, True, 0.25)
-    args = (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), True, 0.25)
+    options = (None, None, 0, 0, True, 0.25, -1, -1, 0.0, None)
+    torch.library.opcheck(ops.attn_fwd, (q, k, v, *options))
+    out, lse = ops.attn_fwd(q, k, v, *options)
+    args = (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), *options)
     torch.library.opcheck(
         ops.attn_bwd, tuple(a.detach() if torch.is_tensor(a) else a for a in args)
     )

@@ -1,12 +1,9 @@
 """``torch.library`` and ``torch.compile`` integration.
 
 ``opcheck`` runs on the calls the public API really makes: a dispatch mode records every
-``flashcore::`` op called during a forward (and a backward, once autograd is registered), and each
-recorded call is checked (schema, fake tensor, autograd registration, AOT dispatch). An op added
-with the backward (``flashcore::attn_bwd``) is covered as soon as the backward calls it.
-
-Tests that need the backward detect it by running one on a tiny input (``helpers.has_backward``:
-PyTorch raises a RuntimeError saying no autograd formula is registered) and skip until then.
+``flashcore::`` op called during a forward and a backward, and each recorded call is checked
+(schema, fake tensor, autograd registration, AOT dispatch). A lost autograd registration makes the
+backward tests fail (PyTorch's "no autograd formula" error), never skip.
 """
 
 import warnings
@@ -19,10 +16,8 @@ import flashcore
 from helpers import (
     check_forward,
     check_grads,
-    has_backward,
     make_qkv,
     make_varlen,
-    skip_without_backward,
 )
 from shapes import Case, VarlenCase
 
@@ -108,8 +103,6 @@ def _fresh(arg, requires_grad: bool):
 def test_opcheck(case, dtype, causal, layout, masks, backward, device):
     """With ``fwd+bwd`` the forward ops get their recorded requires_grad (so opcheck runs their
     autograd formula) and the backward ops none (double backward is not offered)."""
-    if backward:
-        skip_without_backward(device)
     fwd_calls, bwd_calls = _record(case, dtype, causal, layout, masks, device, backward=backward)
     _opcheck(fwd_calls, bwd_calls, backward)
 
@@ -132,10 +125,8 @@ def test_every_op_is_exercised(device):
     registered = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("flashcore::")}
     assert "flashcore::attn_fwd" in registered
     case, dtype, causal, layout, masks = OPCHECK[0]
-    fwd_calls, bwd_calls = _record(
-        case, dtype, causal, layout, masks, device, backward=has_backward(device)
-    )
-    varlen_fwd_calls, varlen_bwd_calls = _record_varlen(device, backward=has_backward(device))
+    fwd_calls, bwd_calls = _record(case, dtype, causal, layout, masks, device, backward=True)
+    varlen_fwd_calls, varlen_bwd_calls = _record_varlen(device, backward=True)
     with _RecordCalls() as decode_calls:
         _decode_call(device)
     calls = fwd_calls + bwd_calls + varlen_fwd_calls + varlen_bwd_calls + decode_calls.calls
@@ -214,8 +205,6 @@ def test_compile_forward(backend, dynamic, device):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_backward(backend, device):
-    """Skipped until the backward is registered (detected by running one, see module docstring)."""
-    skip_without_backward(device)
 
     def fn(q, k, v):
         return flashcore.attention(q, k, v, causal=True)

@@ -156,7 +156,7 @@ def no_launch(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("kernel launched despite invalid input")
 
-    monkeypatch.setattr(decode, "attn_decode", boom)
+    monkeypatch.setattr(decode, "launch", boom)
 
 
 def _args(device, **overrides):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashcore
-from helpers import make_qkv, skip_without_backward
+from helpers import make_qkv
 from shapes import DETERMINISM
 
 REPEATS = 100
@@ -30,8 +30,6 @@ def test_forward_deterministic(case, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", DETERMINISM, ids=[c.id for c in DETERMINISM])
 def test_backward_deterministic(case, causal):
-    """Skipped until the backward is registered (``helpers.has_backward`` runs one to find out)."""
-    skip_without_backward("cuda")
     q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.bfloat16, "cuda"))
     dout = torch.randn_like(q)
 

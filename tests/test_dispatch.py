@@ -1,4 +1,4 @@
-"""The lean eager path (ops.attention.direct) and the launch cache (ops.launch).
+"""The lean eager path (ops.registry.direct) and the launch cache (ops.launch).
 
 Eager calls on plain tensors run the launchers without the torch.library dispatch; everything
 else must still see the registered ops. Both paths run the same kernels, so they must agree bit
@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import flashcore
-from flashcore.ops import attention as ops
+from flashcore.ops import registry as ops
 from helpers import check_backward, check_forward, make_qkv
 from shapes import Case
 
@@ -95,7 +95,7 @@ def test_kvcache_eager_skips_op_dispatch(device, monkeypatch):
 def test_launch_cache_reuses_and_respecialises():
     from flashcore.ops import fwd
 
-    launcher = fwd.launcher()
+    launcher = fwd.kernel()
     q, k, v = _qkv("cuda", torch.float16, b=2, h=4, s=200, d=64)
     first = flashcore.attention(q, k, v)
     entries = len(launcher.compiled)
@@ -167,13 +167,15 @@ def test_launch_plan_sees_the_descriptor_threshold(monkeypatch):
     from flashcore.ops import fwd as fwd_mod
 
     fwd_mod._PLANS.clear()
-    monkeypatch.setattr(fwd_mod, "is_interpreted", lambda: False)
-    monkeypatch.setattr(fwd_mod, "has_tma", lambda device: True)
+    from flashcore.ops import runtime
+
+    monkeypatch.setattr(runtime, "is_interpreted", lambda: False)
+    monkeypatch.setattr(runtime, "has_tma", lambda device: True)
     launches = []
-    monkeypatch.setattr(fwd_mod, "launcher", lambda: lambda grid, args, meta: launches.append(meta))
+    monkeypatch.setattr(fwd_mod, "kernel", lambda: lambda grid, args, meta: launches.append(meta))
     q, k, v = _qkv("cpu", torch.float16)
-    fwd_mod.attn_fwd(q, k, v, False, 0.25)
+    fwd_mod.launch(q, k, v, False, 0.25)
     monkeypatch.setattr(tuning, "TMA_MIN_FLOPS", 0)
-    fwd_mod.attn_fwd(q, k, v, False, 0.25)
+    fwd_mod.launch(q, k, v, False, 0.25)
     fwd_mod._PLANS.clear()
     assert [m["USE_TMA"] for m in launches] == [False, True]

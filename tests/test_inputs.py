@@ -8,14 +8,12 @@ import torch
 
 import flashcore
 from flashcore import reference
-from flashcore.ops import fwd
+from flashcore.ops import fwd, problem
 from helpers import (
     check_backward,
     check_forward,
     check_grads,
-    has_backward,
     make_qkv,
-    skip_without_backward,
 )
 from numerics import assert_fa_rule
 from shapes import HUGE, Case
@@ -24,7 +22,7 @@ from shapes import HUGE, Case
 @pytest.fixture
 def launches(monkeypatch) -> list:
     """The grids of the forward kernel's launches during the test (launches still run)."""
-    kernel = fwd.kernels().attn_fwd_kernel
+    kernel = fwd.kernel().fn
     grids: list = []
     real_run = kernel.run
 
@@ -64,8 +62,7 @@ def test_empty(name, causal, device, launches):
 
 @pytest.mark.parametrize("name", list(EMPTY))
 def test_empty_backward(name, device):
-    """Zero gradients of the inputs' shapes. Skipped until the backward is registered."""
-    skip_without_backward(device)
+    """Zero gradients of the inputs' shapes."""
     b, h, hkv, sq, sk = EMPTY[name]
     q, k, v = (
         t.requires_grad_() for t in make_qkv(Case(b, h, hkv, sq, sk, 32), torch.float16, device)
@@ -90,10 +87,7 @@ GRAD_MIXES = ["", "q", "k", "v", "kv", "qv", "qkv"]
 
 @pytest.mark.parametrize("mix", GRAD_MIXES, ids=[m or "none" for m in GRAD_MIXES])
 def test_requires_grad_mix(mix, device):
-    """Any mix works; the forward is the no-grad one; grads exist exactly for those asked.
-
-    The backward half is skipped until the backward is registered (``helpers.has_backward``).
-    """
+    """Any mix works; the forward is the no-grad one; grads exist exactly for those asked."""
     case = Case(1, 4, 2, 37, 53, 32)
     q, k, v = make_qkv(case, torch.float16, device)
     want = flashcore.attention(q, k, v, causal=True)
@@ -104,7 +98,7 @@ def test_requires_grad_mix(mix, device):
     out = flashcore.attention(*inputs.values(), causal=True)
     assert out.requires_grad == bool(mix)
     assert torch.equal(out.detach(), want)
-    if not mix or not has_backward(device):
+    if not mix:
         return
     dout = torch.randn_like(out)
     out.backward(dout)
@@ -122,7 +116,7 @@ def launcher_inputs(monkeypatch) -> list:
     """
     seen: list = []
     pending: list = []
-    real = fwd.unit_stride_last_dim
+    real = problem.unit_stride_last_dim
 
     def spy(t):
         got = real(t)
@@ -132,7 +126,7 @@ def launcher_inputs(monkeypatch) -> list:
             pending.clear()
         return got
 
-    monkeypatch.setattr(fwd, "unit_stride_last_dim", spy)
+    monkeypatch.setattr(problem, "unit_stride_last_dim", spy)
     return seen
 
 

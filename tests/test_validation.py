@@ -24,7 +24,7 @@ def no_launch(monkeypatch):
     def boom(*args, **kwargs):
         raise AssertionError("kernel launched despite invalid input")
 
-    monkeypatch.setattr(fwd, "attn_fwd", boom)
+    monkeypatch.setattr(fwd, "launch", boom)
 
 
 @pytest.mark.parametrize("arg", ["q", "k", "v"])
@@ -140,13 +140,12 @@ def varlen_args(device, *, h=4, hkv=2, d=16):
 
 @pytest.fixture
 def no_varlen_launch(monkeypatch):
-    from flashcore.ops import attention
+    from flashcore.ops import fwd
 
     def boom(*args, **kwargs):
         raise AssertionError("kernel launched despite invalid input")
 
-    monkeypatch.setattr(attention, "attn_varlen_fwd", boom)
-    monkeypatch.setattr(attention, "_attn_varlen_fwd", boom)
+    monkeypatch.setattr(fwd, "launch", boom)
 
 
 # (argument, replacement built from the valid arguments, error, message)

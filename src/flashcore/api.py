@@ -24,7 +24,7 @@ from flashcore.checks import (
     check_window,
     interpreted,
 )
-from flashcore.ops import attention as _ops
+from flashcore.ops import registry as _ops
 
 
 def attention(
@@ -130,7 +130,7 @@ def attention(
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
     out, lse = _ops.attention(
-        q, k, v, causal, scale, window_left, window_right, softcap, alibi_slopes
+        q, k, v, None, None, 0, 0, causal, scale, window_left, window_right, softcap, alibi_slopes
     )
     return (out, lse) if return_lse else out
 
@@ -219,7 +219,7 @@ def attention_varlen(
     softcap = check_softcap(softcap)
     batch = cu_seqlens_q.shape[0] - 1
     alibi_slopes = check_alibi(alibi_slopes, batch, q.shape[1], q.device)
-    out, lse = _ops.attention_varlen(
+    out, lse = _ops.attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
         window_left, window_right, softcap, alibi_slopes,
     )  # fmt: skip
@@ -453,10 +453,8 @@ def attention_with_kvcache(
     window_left, window_right = check_window(window)
     softcap_value = check_softcap(softcap)
     slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
-    if slopes is not None:
-        slopes = slopes.expand(q.shape[0], q.shape[1])
     splits = check_num_splits(num_splits)
-    out, lse = _ops.kvcache(
+    out, lse = _ops.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, slopes, causal, scale,
         window_left, window_right, softcap_value, splits,
     )  # fmt: skip

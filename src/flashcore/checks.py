@@ -8,7 +8,7 @@ import numbers
 
 import torch
 
-from flashcore.ops.fwd import is_interpreted
+from flashcore.ops.runtime import is_interpreted
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256

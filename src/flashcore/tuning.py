@@ -2,6 +2,12 @@
 
 Each choice is a frozen dataclass so it can key caches and print in reports. Heuristics that pick
 a config say, next to the choice, which measurement justifies it (docs/performance.md has the runs).
+
+The device's compute capability is an input. Every timed table here is an H100 (sm_90)
+measurement. Other GPUs: sm_90 and newer take the same tables (untimed beyond the H100); GPUs
+before Hopper (sm_8x: A100, Ada) have no tensor descriptors and 100-164 KB of shared memory a
+block, so they get ``PRE_HOPPER`` tiles that fit 99 KB with two pipeline stages, a starting point
+from Triton's Ampere flash-attention tutorial that has not been timed here (no such GPU is lent).
 """
 
 from __future__ import annotations
@@ -19,6 +25,18 @@ class FwdConfig:
     num_stages: int
     use_tma: bool = True
     """Move tiles with tensor descriptors (Hopper's bulk-copy engine) where alignment allows."""
+
+
+HOPPER = (9, 0)
+
+
+def _pre_hopper_fwd(block_d: int) -> FwdConfig:
+    """Half-precision forward tiles before Hopper (module docstring: untimed)."""
+    if block_d <= 64:
+        return FwdConfig(128, 64, 4, 3, use_tma=False)
+    if block_d <= 128:
+        return FwdConfig(128, 64, 8, 2, use_tma=False)
+    return FwdConfig(64, 32, 4, 2, use_tma=False)
 
 
 # The interpreter runs every program in numpy on the CPU: tiles small enough that odd lengths
@@ -50,6 +68,7 @@ def fwd_config(
     seqlen_q: int = 1 << 30,
     causal: bool = False,
     flops: float = float("inf"),
+    capability: tuple[int, int] = HOPPER,
 ) -> FwdConfig:
     """Forward config for a padded head dim, element size in bytes, query length and mask.
 
@@ -61,6 +80,8 @@ def fwd_config(
     """
     if interpreted:
         return INTERPRETER_FWD
+    if capability < HOPPER and elem_size < 4:
+        return _pre_hopper_fwd(head_block(head_dim))
     cfg = _fwd_tiles(head_block(head_dim), elem_size, seqlen_q, causal)
     return cfg if flops > TMA_MIN_FLOPS else replace(cfg, use_tma=False)
 
@@ -136,6 +157,7 @@ def bwd_config(
     interpreted: bool,
     causal: bool = False,
     seqlen_q: int = 1 << 30,
+    capability: tuple[int, int] = HOPPER,
 ) -> BwdConfig:
     """Backward config for a padded head dim, element size in bytes, mask and (longest) query
     length.
@@ -152,6 +174,9 @@ def bwd_config(
         if block_d <= 128:
             return BwdConfig(16, 64, 64, 16, 8, 1)
         return BwdConfig(16, 32, 16, 16, 8, 1)
+    if capability < HOPPER and block_d <= 128:
+        # Before Hopper (module docstring: untimed): the short-sequence sm_90 tiles, two stages.
+        return BwdConfig(64, 64, 64, 64, 4, 2)
     if block_d <= 64:
         # dK/dV 64x64, 4 warps (non-causal 3 stages); dQ 128x64, 8 warps, 3 stages. Interleaved
         # A/B against 64x64, 4 warps, 2 stages in both kernels, bf16, 16k tokens: 2.03 vs 2.16 ms
@@ -209,10 +234,10 @@ def decode_config(
 ) -> DecodeConfig:
     """Decode config for a padded head dim and element size in bytes.
 
-    Not tuned by timing yet (no GPU run of the decode kernel so far): decoding is bound by
-    reading the cache, so tiles of 64 keys with 3 pipeline stages keep a few K/V tiles in flight
-    per program at D <= 128 (64 x 128 x 2 B = 16 KiB per tile and stage); larger head dims halve
-    the tile. tests/sm90_compile.py reports registers and spills of each pick.
+    Not tuned by a config sweep (docs/performance.md times the pick against SDPA): decoding is
+    bound by reading the cache, so tiles of 64 keys with 3 pipeline stages keep a few K/V tiles
+    in flight per program at D <= 128 (64 x 128 x 2 B = 16 KiB per tile and stage); larger head
+    dims halve the tile. tests/sm90_compile.py reports registers and spills of each pick.
     """
     if interpreted:
         return INTERPRETER_DECODE
@@ -232,7 +257,7 @@ def decode_num_splits(batch_kv_heads: int, max_seqlen: int, block_n: int, num_sm
 
     ``max_seqlen`` is the cache capacity (the true lengths live on the device; reading them would
     synchronise). Fewer splits when each would stream fewer than MIN_TILES_PER_SPLIT tiles.
-    A starting point, not measured yet (docs/performance.md will carry the decode runs).
+    A starting point, not swept (docs/performance.md, "Decode", times it against SDPA).
     """
     want = -(-3 * num_sms // max(batch_kv_heads, 1))
     by_length = max(1, max_seqlen // (block_n * MIN_TILES_PER_SPLIT))

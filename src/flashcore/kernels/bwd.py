@@ -60,7 +60,9 @@ the rounding of the row maximum then cancels against the LSE. Forming the expone
 instead (``(S * scale - lse) * log2(e)``) was tried and doubled the fp32 dK error with scores near
 -470 (interpreter, exactly rounded dots). ``dS`` is the gradient with respect to the natural-unit
 scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied once to the dQ and dK
-accumulators.
+accumulators (``grad_scale``). The score scalars (``qk_scale``, ``softcap``) arrive folded into
+base-2 units by the host exactly as the forward's (``ops/problem.py``), so the two kernels form
+bit-identical scores.
 
 Invariants. A row that sees no key (LSE -inf) and a padding row past Sq get ``lse2 = +inf``: their
 P is exactly 0, so they contribute nothing and their dQ is 0, never NaN. Masked scores are -inf
@@ -75,7 +77,7 @@ import triton.language as tl
 
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import (
-    LOG2E,
+    alibi_slope,
     dot_nt,
     kv_tile_range,
     load_lse2,
@@ -89,28 +91,6 @@ from flashcore.kernels.common import (
     transform_scores,
 )
 from flashcore.kernels.varlen import seq_bounds
-
-
-@triton.jit
-def _softcap_scales(qk_scale, sm_scale, softcap, SOFTCAP: tl.constexpr):
-    """``(qk_scale, cap)``: with SOFTCAP the dot is scaled to ``scale * q.k / c`` in natural units
-    and ``tanh`` of it multiplied by ``cap = c * log2(e)`` (``common.transform_scores``), as in the
-    forward; without it the scale is unchanged and ``cap`` unused."""
-    if SOFTCAP:
-        return sm_scale / softcap, softcap * LOG2E
-    else:
-        return qk_scale, softcap
-
-
-@triton.jit
-def _alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI: tl.constexpr):
-    """The ALiBi slope of head ``off_h`` of batch ``off_b`` in base-2 units (0.0 without ALiBi).
-
-    Slopes are (B, H) with unit stride along H, or (H,) with ``stride_ab = 0``."""
-    if HAS_ALIBI:
-        return tl.load(ALIBI + off_b * stride_ab + off_h) * LOG2E
-    else:
-        return 0.0
 
 
 @triton.jit
@@ -230,10 +210,11 @@ def attn_bwd_dkdv_kernel(
     kv_group,
     seqlen_q,
     seqlen_k,
-    sm_scale,
+    qk_scale,
     window_left,
     window_right,
     softcap,
+    grad_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -254,7 +235,6 @@ def attn_bwd_dkdv_kernel(
     off_b = (off_bh // kv_heads).to(tl.int64)
     off_hk = (off_bh % kv_heads).to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    qk_scale = sm_scale * LOG2E
     if IS_VARLEN:
         # Packed sequences (see the forward): move the bases to this sequence's first rows.
         row_q, seqlen_q = seq_bounds(CU_Q, off_b)
@@ -298,7 +278,6 @@ def attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    qk_scale, cap = _softcap_scales(qk_scale, sm_scale, softcap, SOFTCAP)
     lo, mid, full_hi, hi = q_tile_range(
         start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
         IS_CAUSAL, HAS_WINDOW,
@@ -312,18 +291,18 @@ def attn_bwd_dkdv_kernel(
         stats_off = off_b * stride_lb + off_h * stride_lh + row0
         lse_ptrs = LSE + stats_off + offs_tm
         delta_ptrs = DELTA + stats_off + offs_tm
-        slope = _alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI)
+        slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, False)
         dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, lo, mid,
             stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-            cap, slope,
+            softcap, slope,
             HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
             EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
         dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
             dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, mid,
             full_hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
-            window_right, cap, slope,
+            window_right, softcap, slope,
             HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False,
             EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
@@ -332,12 +311,12 @@ def attn_bwd_dkdv_kernel(
             dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
                 dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d,
                 full_hi, hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
-                window_right, cap, slope,
+                window_right, softcap, slope,
                 HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
                 EVEN_M, UPCAST, DOT_PRECISION,
             )  # fmt: skip
 
-    dk *= sm_scale
+    dk *= grad_scale
     dk_ptrs = (
         DK
         + off_b * stride_dkb
@@ -474,10 +453,11 @@ def attn_bwd_dq_kernel(
     kv_group,
     seqlen_q,
     seqlen_k,
-    sm_scale,
+    qk_scale,
     window_left,
     window_right,
     softcap,
+    grad_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -499,7 +479,6 @@ def attn_bwd_dq_kernel(
     off_h = (off_bh % num_heads).to(tl.int64)
     off_hk = off_h // kv_group
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    qk_scale = sm_scale * LOG2E
     if IS_VARLEN:
         # Packed sequences (see the forward): move the bases to this sequence's first rows.
         row_q, seqlen_q = seq_bounds(CU_Q, off_b)
@@ -562,8 +541,7 @@ def attn_bwd_dq_kernel(
         do = do.to(tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    qk_scale, cap = _softcap_scales(qk_scale, sm_scale, softcap, SOFTCAP)
-    slope = _alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI)
+    slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, False)
     lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
         IS_CAUSAL, HAS_WINDOW,
@@ -574,26 +552,26 @@ def attn_bwd_dq_kernel(
         dq, k_base, v_base = _bwd_dq_kv_loop(
             dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, lo, full_lo,
             stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-            cap, slope,
+            softcap, slope,
             HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True, EVEN_N,
             UPCAST, DOT_PRECISION,
         )  # fmt: skip
     dq, k_base, v_base = _bwd_dq_kv_loop(
         dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, full_lo, full_hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-        cap, slope,
+        softcap, slope,
         HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False, EVEN_N,
         UPCAST, DOT_PRECISION,
     )  # fmt: skip
     dq, k_base, v_base = _bwd_dq_kv_loop(
         dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, full_hi, hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-        cap, slope,
+        softcap, slope,
         HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True, EVEN_N,
         UPCAST, DOT_PRECISION,
     )  # fmt: skip
 
-    dq *= sm_scale
+    dq *= grad_scale
     dq_ptrs = (
         DQ
         + off_b * stride_dqb

@@ -1,25 +1,28 @@
-"""Small ``@triton.jit`` helpers shared by the attention kernels and the debug probes.
+"""Small ``@triton.jit`` helpers shared by every portable kernel (forward, backward, decode) and
+the debug probe.
 
-Each helper owns one concern so that a bug shows in one place and a probe kernel
+Each helper owns one concern so that a bug shows in one place and the probe kernel
 (``flashcore.debug``) can run the very same code on its own:
 
 - ``load_tile``: a (rows, BLOCK_D) tile, masked only where constexpr flags say an edge is ragged.
-- ``kv_tile_range``: which key tiles a query block visits, split into a masked head (the sliding
-  window's left edge), an unmasked middle and a masked tail (causal diagonal, window's right
-  edge, ragged end of Sk).
+- ``kv_tile_range``: which key tiles a block of query rows visits, split into a masked head (the
+  sliding window's left edge), an unmasked middle and a masked tail (causal diagonal, window's
+  right edge, ragged end of Sk); the decode kernel's rows are its queries' positions too.
 - ``q_tile_range``: its mirror for the backward's dK/dV kernel: which query tiles see a key block.
-- ``mask_scores`` / ``mask_scores_t``: -inf where a key is out of range or hidden by the causal
-  mask or the sliding window, on a (queries, keys) tile or its transpose; both defer to
-  ``mask_by_index``.
+- ``mask_by_index``: -inf where a key is out of range or hidden by the causal mask or the sliding
+  window, for index tensors in either orientation (the decode kernel calls it directly);
+  ``mask_scores`` / ``mask_scores_t`` apply it to a (queries, keys) tile or its transpose.
 - ``transform_scores``: softcap (``c * tanh(s / c)``) and ALiBi (``-slope * |i + Sk - Sq - j|``),
   on every tile; ``tanh`` is a portable fp32 tanh.
+- ``alibi_slope``: a head's ALiBi slope in the scores' units.
 - ``online_softmax_step``: one step of the streaming softmax in base 2 (base e with EXP_E).
 - ``row_lse``: the natural-log logsumexp of a finished row, -inf for a row that saw no key.
 - ``load_lse2`` / ``load_row_stats``: the backward's per-row LSE (converted to base 2) and delta.
 - ``program_tile``: which (tile, batch x head) a program of a 1-D grid owns.
 - ``dot_nt``: ``a @ b^T`` for the score-like products (Q K^T and dO V^T), widened for fp32 inputs.
 
-Conventions: scores arrive in log2 units (``scale * log2(e)`` folded into one multiply), a masked
+Conventions: scores arrive in log2 units (``scale * log2(e)`` folded into one multiply by the host,
+``ops/problem.py``; natural units with EXP_E), a masked
 score is ``-inf`` (never a large finite number, so a row that sees no key ends with l = 0 exactly),
 and all softmax state (m, l) is fp32.
 """
@@ -91,12 +94,12 @@ def kv_tile_range(
     seqlen_k,
     window_left,
     window_right,
-    BLOCK_M: tl.constexpr,
+    block_m,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):
-    """Key tiles that query rows ``[start_m, start_m + BLOCK_M)`` can see, in three parts.
+    """Key tiles that query rows ``[start_m, start_m + block_m)`` can see, in three parts.
 
     Returns ``(lo, full_lo, full_hi, hi)``, multiples of BLOCK_N except ``hi``: tiles starting in
     ``[lo, full_lo)`` cross the window's left edge and need ``mask_scores``; tiles in
@@ -108,16 +111,17 @@ def kv_tile_range(
     ``j <= i + d``; with HAS_WINDOW also iff ``i + d - window_left <= j`` and (unless causal)
     ``j <= i + d + window_right``. The launcher passes an unbounded side as a value of at least
     ``seqlen_q + seqlen_k``. Without HAS_WINDOW ``lo = full_lo = 0`` (compile-time), and the
-    ranges are exactly the causal/full ones.
+    ranges are exactly the causal/full ones. ``block_m`` is the tile's BLOCK_M, or for the decode
+    kernel (whose rows are every query of a kv head) the number of queries.
     """
     diag = seqlen_k - seqlen_q
     if IS_CAUSAL:
-        hi = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + diag, 0))
+        hi = tl.minimum(seqlen_k, tl.maximum(start_m + block_m + diag, 0))
         # The first row of the block sees keys [0, start_m + diag]; every later row sees more.
         full_hi = (tl.maximum(start_m + diag + 1, 0) // BLOCK_N) * BLOCK_N
     elif HAS_WINDOW:
         # The right edge as the causal diagonal, shifted by window_right (and capped by Sk).
-        hi = tl.minimum(seqlen_k, tl.maximum(start_m + BLOCK_M + diag + window_right, 0))
+        hi = tl.minimum(seqlen_k, tl.maximum(start_m + block_m + diag + window_right, 0))
         edge = tl.minimum(tl.maximum(start_m + diag + window_right + 1, 0), seqlen_k)
         full_hi = (edge // BLOCK_N) * BLOCK_N
     else:
@@ -125,9 +129,9 @@ def kv_tile_range(
         full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
     if HAS_WINDOW:
         # The first row of the block sees keys from start_m + d - window_left on, the last row
-        # (padding rows included: a little more masking than needed) from BLOCK_M - 1 later.
+        # (padding rows included: a little more masking than needed) from block_m - 1 later.
         lo = (tl.maximum(start_m + diag - window_left, 0) // BLOCK_N) * BLOCK_N
-        last = tl.maximum(start_m + BLOCK_M - 1 + diag - window_left, 0)
+        last = tl.maximum(start_m + block_m - 1 + diag - window_left, 0)
         full_lo = tl.minimum(((last + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi)
         # Narrow windows: no full tile, the two masked parts meet. Keep the parts ordered, as the
         # loops chain their pointers from one part to the next.
@@ -345,6 +349,20 @@ def row_lse(m_i, l_i, EXP_E: tl.constexpr):
     else:
         lse = (m_i + tl.math.log2(l_safe)) * LN2
     return tl.where(empty, float("-inf"), lse)
+
+
+@triton.jit
+def alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI: tl.constexpr, EXP_E: tl.constexpr):
+    """The ALiBi slope of head(s) ``off_h`` of batch ``off_b`` in the scores' units (0.0 without
+    ALiBi): slopes are (B, H) with unit stride along H, or (H,) with ``stride_ab = 0``; base-2
+    scores take ``slope * log2(e)`` (``ops/problem.py`` folds every other unit on the host)."""
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI + off_b * stride_ab + off_h)
+        if not EXP_E:
+            slope = slope * LOG2E
+        return slope
+    else:
+        return 0.0
 
 
 @triton.jit

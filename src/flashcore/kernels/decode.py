@@ -23,24 +23,28 @@ length L, so a short sequence's later splits are empty). ``attn_decode_combine_k
 
 Positions. Sequence b holds ``L = cache_seqlens[b]`` valid keys (clamped to ``[0, capacity]`` so
 that no load leaves the cache); its queries are the LAST Sq positions: query i sits at
-``pos_i = i + L - Sq``. Row i sees key j iff ``j < L`` and (MASK_RIGHT) ``j <= pos_i + right``
-and (MASK_LEFT) ``j >= pos_i - left``. Causal is MASK_RIGHT with ``right = 0`` (bottom-right).
+``pos_i = i + L - Sq``: the bottom-right alignment of the dense kernels for an (Sq, L) problem, so
+visibility is theirs, ``common.mask_by_index`` with ``seqlen_q = Sq`` and ``seqlen_k = L``: row i
+sees key j iff ``j < L`` and (IS_CAUSAL) ``j <= pos_i`` and (HAS_WINDOW) ``pos_i - left <= j``
+and, unless causal, ``j <= pos_i + right``.
 
-Key loop. The split's keys are visited in up to three runs: a masked head (keys below what the
-window lets every row see), an unmasked middle (every real row sees every key: no mask work), a
-masked tail (the causal/window diagonal and the ragged end at L). Padded rows (r >= G * Sq) are
+Key loop. The tiles the queries see come from the dense kernels' ``common.kv_tile_range`` for
+rows ``[0, Sq)``; a split's keys are visited in up to three runs: a masked head (keys below what
+the window lets every row see), an unmasked middle (every real row sees every key: no mask work),
+a masked tail (the causal/window diagonal and the ragged end at L). Padded rows (r >= G * Sq) are
 never stored; they may compute anything finite or not without touching real rows.
 
 Flags (``tl.constexpr``, compiled away when off):
 - PAGED: K/V are ``(num_blocks, Hkv, block_size, D)``; logical key j of sequence b is row
   ``j % block_size`` of block ``BLOCK_TABLE[b, j // block_size]``, gathered per key row (any
   block_size, independent of BLOCK_N). Otherwise K/V are ``(B, Hkv, S_max, D)``.
-- MASK_LEFT / MASK_RIGHT: the window bounds above (``window_left`` / ``window_right`` scalars).
-- SOFTCAP: ``s = c * tanh(scale * q.k / c)``; the launcher passes ``qk_scale = scale / c`` and
-  ``softcap_scale = c`` (times log2(e) unless EXP_E).
-- HAS_ALIBI: adds ``-slope[b, h] * |pos_i - j|`` after the softcap (ALIBI is ``(B, H)`` fp32,
-  batch stride 0 for per-head slopes). Softcap and ALiBi are the main kernels'
-  ``common.transform_scores``, with each row's absolute position ``pos_i`` as its index.
+- IS_CAUSAL / HAS_WINDOW: the bounds above, passed as by the dense kernels
+  (``ops/problem.window_bounds`` with the cache capacity as Sk: an unbounded side is Sq + capacity).
+- SOFTCAP: ``s = c * tanh(scale * q.k / c)``; the host folds the units as for every kernel
+  (``ops/problem.py``): ``qk_scale = scale / c`` and ``softcap = c`` (times log2(e) unless EXP_E).
+- HAS_ALIBI: adds ``-slope[b, h] * |pos_i - j|`` after the softcap (ALIBI is ``(B, H)`` fp32 with
+  unit head stride, batch stride 0 for per-head slopes). Softcap and ALiBi are the main kernels'
+  ``common.transform_scores`` and ``common.alibi_slope``.
 - EVEN_M: ``G * Sq == BLOCK_M`` (no padded rows: loads skip the row mask).
 - HEAD_DIM < BLOCK_D: padded head dims, as in the forward.
 - UPCAST, DOT_PRECISION, EXP_E: as in the forward kernel (interpreter bf16 upcast; IEEE fp32
@@ -60,33 +64,16 @@ import triton.language as tl
 
 from flashcore.kernels.common import (
     LOG2E,
+    alibi_slope,
     dot_nt,
+    kv_tile_range,
     load_tile,
+    mask_by_index,
     online_softmax_step,
     row_lse,
     store_tile,
     transform_scores,
 )
-
-
-@triton.jit
-def decode_visibility(
-    s,
-    pos,
-    cols,
-    seqlen,
-    window_left,
-    window_right,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
-):
-    """-inf where the query at absolute position ``pos`` (rows) may not see key ``cols``."""
-    s = tl.where(cols[None, :] < seqlen, s, float("-inf"))
-    if MASK_RIGHT:
-        s = tl.where(cols[None, :] <= pos[:, None] + window_right, s, float("-inf"))
-    if MASK_LEFT:
-        s = tl.where(cols[None, :] >= pos[:, None] - window_left, s, float("-inf"))
-    return s
 
 
 @triton.jit
@@ -98,7 +85,7 @@ def _decode_kv_loop(
     k_head,
     v_head,
     bt_row,
-    pos,
+    qi,
     slope,
     offs_n,
     offs_d,
@@ -108,10 +95,11 @@ def _decode_kv_loop(
     stride_kn,
     stride_vb,
     stride_vn,
+    seqlen_q,
     seqlen,
     block_size,
     qk_scale,
-    softcap_scale,
+    softcap,
     window_left,
     window_right,
     HEAD_DIM: tl.constexpr,
@@ -119,8 +107,8 @@ def _decode_kv_loop(
     EVEN_D: tl.constexpr,
     MASKED: tl.constexpr,
     PAGED: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -153,14 +141,16 @@ def _decode_kv_loop(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = dot_nt(q, k, DOT_PRECISION) * qk_scale
-        # Rows sit at absolute positions ``pos``: no further offset (seqlen_q = seqlen_k = 0).
+        # Query qi of Sq against a sequence of L keys sits at position qi + L - Sq: the dense
+        # kernels' bottom-right alignment, so their transform and mask apply as they are.
         s, _t = transform_scores(
-            s, pos[:, None], cols[None, :], 0, 0, softcap_scale, slope[:, None], SOFTCAP, HAS_ALIBI
+            s, qi[:, None], cols[None, :], seqlen_q, seqlen, softcap, slope, SOFTCAP, HAS_ALIBI
         )
         if MASKED:
-            s = decode_visibility(
-                s, pos, cols, seqlen, window_left, window_right, MASK_LEFT, MASK_RIGHT
-            )
+            s = mask_by_index(
+                s, qi[:, None], cols[None, :], seqlen_q, seqlen, window_left, window_right,
+                IS_CAUSAL, HAS_WINDOW, True,
+            )  # fmt: skip
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
@@ -196,7 +186,6 @@ def attn_decode_kernel(
     stride_lm,
     stride_btb,
     stride_ab,
-    stride_ah,
     kv_heads,
     kv_group,
     seqlen_q,
@@ -204,17 +193,17 @@ def attn_decode_kernel(
     block_size,
     num_splits,
     qk_scale,
-    softcap_scale,
     window_left,
     window_right,
+    softcap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr,
     PAGED: tl.constexpr,
-    MASK_LEFT: tl.constexpr,
-    MASK_RIGHT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -235,7 +224,6 @@ def attn_decode_kernel(
     # Row r packs query head g = r // Sq of this kv head's group and query i = r % Sq.
     g = offs_r // seqlen_q
     qi = offs_r % seqlen_q
-    pos = qi + (seqlen - seqlen_q)
     head0 = off_hk * kv_group
 
     q_ptrs = (
@@ -248,29 +236,22 @@ def attn_decode_kernel(
     q = load_tile(q_ptrs, offs_r, n_rows, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
     if UPCAST:
         q = q.to(tl.float32)
-    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
-        slope_ptrs = ALIBI + off_b * stride_ab + (head0 + g) * stride_ah
-        slope = tl.load(slope_ptrs, mask=offs_r < n_rows, other=0.0)
-        if not EXP_E:
-            slope = slope * LOG2E  # in the scores' units (base 2)
+        # Padded rows (g past the group) read a real head's slope; they are never stored.
+        heads = head0 + tl.minimum(g, kv_group - 1)
+        slope = alibi_slope(ALIBI, off_b, heads, stride_ab, HAS_ALIBI, EXP_E)[:, None]
+    else:
+        slope = 0.0
 
-    # Keys some real row sees: [lo, L); keys every real row sees: [full_lo, full_hi).
-    lo = seqlen * 0
-    full_lo = seqlen * 0
-    full_hi = seqlen
-    if MASK_LEFT:
-        lo = tl.maximum(seqlen - seqlen_q - window_left, 0)
-        full_lo = tl.maximum(seqlen - 1 - window_left, 0)
-    if MASK_RIGHT:
-        full_hi = tl.minimum(seqlen - seqlen_q + window_right + 1, seqlen)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
-    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    # The tiles the Sq queries see, as a query block of the forward kernel would (rows 0..Sq-1 of
+    # a (Sq, L) problem): keys some row sees [lo, hi = L), keys every row sees [full_lo, full_hi).
+    lo, full_lo, full_hi, hi = kv_tile_range(
+        0, seqlen_q, seqlen, window_left, window_right, seqlen_q, BLOCK_N, IS_CAUSAL, HAS_WINDOW
+    )
     # This split's whole tiles.
-    per_split = tl.cdiv(tl.cdiv(seqlen - lo, BLOCK_N), num_splits) * BLOCK_N
-    start = tl.minimum(lo + split * per_split, seqlen)
-    end = tl.minimum(start + per_split, seqlen)
+    per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
+    start = tl.minimum(lo + split * per_split, hi)
+    end = tl.minimum(start + per_split, hi)
     mid_lo = tl.minimum(tl.maximum(full_lo, start), end)
     mid_hi = tl.minimum(tl.maximum(full_hi, mid_lo), end)
 
@@ -287,24 +268,24 @@ def attn_decode_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _decode_kv_loop(
-        acc, m_i, l_i, q, k_head, v_head, bt_row, pos, slope, offs_n, offs_d, start, mid_lo,
-        stride_kb, stride_kn, stride_vb, stride_vn, seqlen, block_size, qk_scale, softcap_scale,
-        window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, PAGED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, UPCAST,
+        acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, start, mid_lo,
+        stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size, qk_scale,
+        softcap, window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, PAGED, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, UPCAST,
         DOT_PRECISION, EXP_E,
     )  # fmt: skip
     acc, m_i, l_i = _decode_kv_loop(
-        acc, m_i, l_i, q, k_head, v_head, bt_row, pos, slope, offs_n, offs_d, mid_lo, mid_hi,
-        stride_kb, stride_kn, stride_vb, stride_vn, seqlen, block_size, qk_scale, softcap_scale,
-        window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, PAGED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, UPCAST,
+        acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, mid_lo, mid_hi,
+        stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size, qk_scale,
+        softcap, window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, False, PAGED, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, UPCAST,
         DOT_PRECISION, EXP_E,
     )  # fmt: skip
     acc, m_i, l_i = _decode_kv_loop(
-        acc, m_i, l_i, q, k_head, v_head, bt_row, pos, slope, offs_n, offs_d, mid_hi, end,
-        stride_kb, stride_kn, stride_vb, stride_vn, seqlen, block_size, qk_scale, softcap_scale,
-        window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, PAGED, MASK_LEFT, MASK_RIGHT, SOFTCAP, HAS_ALIBI, UPCAST,
+        acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, mid_hi, end,
+        stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size, qk_scale,
+        softcap, window_left, window_right,
+        HEAD_DIM, BLOCK_N, EVEN_D, True, PAGED, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, UPCAST,
         DOT_PRECISION, EXP_E,
     )  # fmt: skip
 

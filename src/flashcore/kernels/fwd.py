@@ -26,6 +26,7 @@ Flags (``tl.constexpr``, compiled away when off):
   launcher passes an unbounded side as ``Sq + Sk`` and turns the flag off when no side binds.
 - SOFTCAP: ``qk_scale`` is ``scale / c`` in natural units and the scores become
   ``tanh(s) * softcap`` (``softcap`` = c, times log2(e) unless EXP_E): ``c * tanh(scale q.k / c)``.
+  The host folds the units once for every kernel (``ops/problem.py``).
 - HAS_ALIBI: adds ``-slope * |i + d - j|`` to every score, with the slope of this (batch, head)
   loaded from ALIBI (``stride_ab`` = 0 for per-head slopes). Softcap and ALiBi apply to full and
   masked tiles alike (``common.transform_scores``); only the window changes which tiles are masked.
@@ -54,8 +55,10 @@ Flags (``tl.constexpr``, compiled away when off):
   zero-fill only at the end of the packed tensor, so a tile crossing a sequence end would read
   the next sequence's rows; masked pointer loads stop at the sequence end. The LSE is
   ``(H, total_q)``: batch stride 0, unit stride along the packed rows.
-Later features are meant to join as more flags on the same kernel: paged KV, like varlen, changes
-only how the base pointers and sequence lengths are found.
+Later features join as more flags on the same kernel where they change only how base pointers
+and lengths are found, as varlen does. Decoding from a (paged) KV cache divides the work
+differently (few queries, split keys) and is its own kernel, ``kernels/decode.py``, built from the
+same helpers.
 
 Invariants. The head dim is contiguous (unit stride, guaranteed by the launcher): Triton 3.6 no
 longer specialises integer arguments equal to 1, so a runtime last-dim stride would turn every tile
@@ -69,7 +72,7 @@ import triton
 import triton.language as tl
 
 from flashcore.kernels.common import (
-    LOG2E,
+    alibi_slope,
     dot_nt,
     kv_tile_range,
     load_tile,
@@ -265,13 +268,7 @@ def attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if HAS_ALIBI:
-        # Slopes are (B, H) with unit stride along H, or (H,) with stride_ab = 0.
-        slope = tl.load(ALIBI + off_b * stride_ab + off_h)
-        if not EXP_E:
-            slope = slope * LOG2E
-    else:
-        slope = 0.0
+    slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, EXP_E)
 
     lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,

@@ -4,45 +4,24 @@ dQ kernel (which also writes delta) and then the dK/dV kernel."""
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 
 import torch
 
-from flashcore.ops.fwd import (
-    Dims,
-    Varlen,
-    alibi_arg,
-    cdiv,
-    is_interpreted,
-    problem_dims,
-    row_strides,
-    stats_strides,
-    unit_stride_last_dim,
-    window_bounds,
-)
+from flashcore.ops import problem as pb
+from flashcore.ops import runtime
 from flashcore.ops.launch import Launcher, cached
-from flashcore.tuning import BwdConfig, bwd_config, head_block
+from flashcore.tuning import BwdConfig, bwd_config
 
 
-@functools.cache
-def kernels() -> ModuleType:
-    """The backward kernel module, imported (with triton) at the first launch (see ops.fwd)."""
-    from flashcore.kernels import bwd
-
-    return bwd
-
-
-@functools.cache
-def launchers() -> tuple[Launcher, Launcher]:
-    """Launchers (``ops.launch``) of the dQ and dK/dV kernels."""
-    bwd = kernels()
+def kernels() -> tuple[Launcher, Launcher]:
+    """Launchers of the dQ and dK/dV kernels."""
     return (
-        Launcher(bwd.attn_bwd_dq_kernel, num_pointers=12),
-        Launcher(bwd.attn_bwd_dkdv_kernel, num_pointers=11),
+        runtime.kernel("bwd", "attn_bwd_dq_kernel", 12),
+        runtime.kernel("bwd", "attn_bwd_dkdv_kernel", 11),
     )
 
 
-def attn_bwd(
+def launch(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,24 +31,24 @@ def attn_bwd(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
-    varlen: Varlen | None = None,
+    varlen: pb.Varlen | None = None,
     config: BwdConfig | None = None,
     *,
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` of the forward ``(out, lse) = attn_fwd(q, k, v, causal, scale,
-    window=..., softcap=..., alibi_slopes=...)`` (same options).
+    """Gradients ``(dq, dk, dv)`` of the forward ``(out, lse) = ops.fwd.launch(q, k, v, causal,
+    scale, window=..., softcap=..., alibi_slopes=...)`` (same options).
 
     ``dout`` is the gradient of ``out`` (any strides with a unit-stride last dim), ``dlse`` that of
     ``lse`` or None. Each gradient has its input's memory layout when the input is dense. With
-    ``varlen`` the tensors are packed as in ``attn_fwd``. ``config`` overrides the tuned launch
+    ``varlen`` the tensors are packed as in the forward. ``config`` overrides the tuned launch
     config (for tuning scripts). The slopes get no gradient.
     """
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
-    q, k, v, out, dout = (unit_stride_last_dim(t) for t in (q, k, v, out, dout))
-    dims = problem_dims(q, k, varlen)
+    q, k, v, out, dout = (pb.unit_stride_last_dim(t) for t in (q, k, v, out, dout))
+    dims = pb.problem_dims(q, k, varlen)
     cu_q, cu_k = (None, None) if varlen is None else varlen[:2]
     if q.numel() == 0 or k.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
         # No query or no key: nothing depends on the other inputs.
@@ -79,14 +58,14 @@ def attn_bwd(
     dv = torch.empty_like(v)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
-    alibi, stride_ab = alibi_arg(alibi_slopes, lse)
+    alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
     # Everything but the pointers follows from this key (the gradients' and delta's strides from
     # their inputs' shapes and strides): the grids, scalars and constexprs are built once per
     # problem signature (about 40 us of Python a call on the H100 machine's host otherwise).
     key = (
         q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
-        None if dlse is None else dlse.stride(), q.dtype, causal, scale, window, softcap,
-        None if alibi_slopes is None else stride_ab,
+        None if dlse is None else dlse.stride(), q.dtype, q.device, causal, scale, window,
+        softcap, None if alibi_slopes is None else stride_ab,
         None if varlen is None else dims,
         config,
     )  # fmt: skip
@@ -95,22 +74,23 @@ def attn_bwd(
         window, softcap, alibi_slopes, stride_ab, dims,
     ))  # fmt: skip
     (q_grid, q_tail, q_meta), (kv_grid, kv_tail, kv_meta) = plan
-    dq_kernel, dkdv = launchers()
+    dq_kernel, dkdv_kernel = kernels()
     # Without an LSE gradient its pointer is never read: the LSE stands in.
     dlse_arg = lse if dlse is None else dlse
-    # Triton launches on the current CUDA device, not on the tensors' (a no-op on the CPU). The
-    # dQ kernel writes delta, which the dK/dV kernel (same stream, launched after it) reads.
-    with torch.cuda.device_of(q):
+    # The dQ kernel writes delta, which the dK/dV kernel (same stream, launched after it) reads.
+    with runtime.launch_on(q):
         dq_kernel(
             q_grid,
             (q, k, v, out, dout, dlse_arg, lse, delta, dq, cu_q, cu_k, alibi, *q_tail),
             q_meta,
         )
-        dkdv(kv_grid, (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail), kv_meta)
+        dkdv_kernel(
+            kv_grid, (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail), kv_meta
+        )
     return dq, dk, dv
 
 
-# Launch plans by problem signature (see attn_bwd; bounded by ops.launch.cached).
+# Launch plans by problem signature (see launch; bounded by ops.launch.cached).
 _PLANS: dict[tuple, tuple] = {}
 
 
@@ -127,66 +107,57 @@ def _plan(
     dv: torch.Tensor,
     causal: bool,
     scale: float,
-    varlen: Varlen | None,
+    varlen: pb.Varlen | None,
     config: BwdConfig | None,
     window: tuple[int, int],
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     stride_ab: int,
-    dims: Dims,
+    dims: pb.Dims,
 ) -> tuple:
     """``(grid, arguments after the pointers, constexprs)`` of the dQ and dK/dV launches of
-    ``attn_bwd``."""
+    ``launch``."""
     batch, heads, kv_heads, seqlen_q, seqlen_k = dims
     head_dim = q.shape[-1]
-    interpreted = is_interpreted()
+    interpreted = runtime.is_interpreted()
     cfg = config or bwd_config(
-        head_dim, q.element_size(), interpreted=interpreted, causal=causal, seqlen_q=seqlen_q
+        head_dim,
+        q.element_size(),
+        interpreted=interpreted,
+        causal=causal,
+        seqlen_q=seqlen_q,
+        capability=runtime.capability(q.device),
     )
-    block_d = head_block(head_dim)
-    upcast = interpreted and q.dtype == torch.bfloat16
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    # The backward recomputes the forward's scores in base 2 (kernels/bwd.py, "LSE base").
+    sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k)
+    flags = dict(**pb.type_flags(q.dtype, head_dim, interpreted), **sc.flags())
 
     def even(seqlen: int, block: int) -> bool:
         # Packed sequences have lengths of their own: every edge may be ragged.
         return varlen is None and seqlen % block == 0
 
-    strides = functools.partial(row_strides, varlen=varlen)
-    if dlse is None:
-        dlse_strides = (0, 0, 0)
-    else:
-        dlse_strides = dlse.stride() if varlen is None else (0, *dlse.stride())
-    is_causal, has_window, window_left, window_right = window_bounds(
-        causal, *window, seqlen_q, seqlen_k
-    )
-
     def meta(block_m: int, block_n: int, warps: int, stages: int) -> dict:
-        """Constexprs of the dK/dV or dQ kernel (same parameters, in their order)."""
+        """Constexprs of the dK/dV or dQ kernel."""
         return dict(
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
+            **flags,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
-            IS_CAUSAL=is_causal,
-            HAS_WINDOW=has_window,
-            SOFTCAP=softcap > 0,
-            HAS_ALIBI=alibi_slopes is not None,
             EVEN_M=even(seqlen_q, block_m),
             EVEN_N=even(seqlen_k, block_n),
-            UPCAST=upcast,
-            DOT_PRECISION=precision,
             IS_VARLEN=varlen is not None,
             num_warps=warps,
             num_stages=stages,
         )
 
-    common = (*stats_strides(lse, varlen), stride_ab)
-    scalars = (
-        heads // kv_heads, seqlen_q, seqlen_k, float(scale),
-        window_left, window_right, float(softcap),
-    )  # fmt: skip
+    strides = functools.partial(pb.row_strides, varlen=varlen)
+    if dlse is None:
+        dlse_strides = (0, 0, 0)
+    else:
+        dlse_strides = dlse.stride() if varlen is None else (0, *dlse.stride())
+    common = (*pb.stats_strides(lse, varlen), stride_ab)
+    scalars = (heads // kv_heads, seqlen_q, seqlen_k, *sc.scalars(), float(scale))
     dkdv = (
-        (cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,),
+        (pb.cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,),
         (
             *strides(q), *strides(k), *strides(v), *strides(dout), *strides(dk), *strides(dv),
             *common, kv_heads, *scalars,
@@ -194,7 +165,7 @@ def _plan(
         meta(cfg.block_m1, cfg.block_n1, cfg.num_warps, cfg.num_stages),
     )  # fmt: skip
     dq_launch = (
-        (cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
+        (pb.cdiv(seqlen_q, cfg.block_m2) * batch * heads,),
         (
             *strides(q), *strides(k), *strides(v), *strides(out), *strides(dout),
             *dlse_strides, *strides(dq), *common, heads, *scalars,

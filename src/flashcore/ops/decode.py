@@ -6,12 +6,10 @@ first kernel writes ``out``/``lse`` directly (its split stride is 0) and the com
 
 from __future__ import annotations
 
-import functools
-from types import ModuleType
-
 import torch
 
-from flashcore.ops.fwd import LOG2E, cdiv, is_interpreted, unit_stride_last_dim
+from flashcore.ops import problem as pb
+from flashcore.ops import runtime
 from flashcore.ops.launch import Launcher
 from flashcore.tuning import (
     INTERPRETER_SMS,
@@ -19,44 +17,28 @@ from flashcore.tuning import (
     decode_block_m,
     decode_config,
     decode_num_splits,
-    head_block,
 )
 
 
-@functools.cache
-def kernels() -> ModuleType:
-    """The decode kernel module, imported (with triton) at the first launch."""
-    from flashcore.kernels import decode
-
-    return decode
-
-
-@functools.cache
-def launchers() -> tuple[Launcher, Launcher]:
-    """Launchers (``ops.launch``) of the split-KV kernel and of its combine."""
-    decode = kernels()
+def kernels() -> tuple[Launcher, Launcher]:
+    """Launchers of the split-KV kernel and of its combine."""
     return (
-        Launcher(decode.attn_decode_kernel, num_pointers=8),
-        Launcher(decode.attn_decode_combine_kernel, num_pointers=4),
+        runtime.kernel("decode", "attn_decode_kernel", 8),
+        runtime.kernel("decode", "attn_decode_combine_kernel", 4),
     )
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def choose_num_splits(
     batch: int, kv_heads: int, capacity: int, head_dim: int, elem_size: int, device: torch.device
 ) -> int:
     """The split count ``num_splits=None`` resolves to (see ``tuning.decode_num_splits``)."""
-    interpreted = is_interpreted()
+    interpreted = runtime.is_interpreted()
     cfg = decode_config(head_dim, elem_size, interpreted=interpreted)
-    sms = INTERPRETER_SMS if interpreted or device.type != "cuda" else _num_sms(device)
+    sms = INTERPRETER_SMS if interpreted or device.type != "cuda" else runtime.num_sms(device)
     return decode_num_splits(batch * kv_heads, capacity, cfg.block_n, sms)
 
 
-def attn_decode(
+def launch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -73,11 +55,10 @@ def attn_decode(
     """Run the decode kernels on validated inputs; returns ``(out, lse)``.
 
     ``window_left``/``window_right``: -1 is unbounded; ``softcap`` 0 is off; ``num_splits`` 0
-    chooses. ``alibi_slopes`` is None or fp32 ``(B, H)`` (a per-head ``(H,)`` is expanded by the
-    API with batch stride 0). ``out`` is contiguous ``(B, H, Sq, D)`` in q's dtype, ``lse`` fp32
-    ``(B, H, Sq)``.
+    chooses. ``alibi_slopes`` is None or fp32 ``(H,)`` or ``(B, H)``. ``out`` is contiguous
+    ``(B, H, Sq, D)`` in q's dtype, ``lse`` fp32 ``(B, H, Sq)``.
     """
-    q, k_cache, v_cache = (unit_stride_last_dim(t) for t in (q, k_cache, v_cache))
+    q, k_cache, v_cache = (pb.unit_stride_last_dim(t) for t in (q, k_cache, v_cache))
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     paged = block_table is not None
@@ -90,7 +71,7 @@ def attn_decode(
         # No key anywhere; the cache has no storage to launch on.
         return out.zero_(), lse.fill_(float("-inf"))
 
-    interpreted = is_interpreted()
+    interpreted = runtime.is_interpreted()
     cfg = decode_config(head_dim, q.element_size(), interpreted=interpreted, paged=paged)
     if num_splits == 0:
         num_splits = choose_num_splits(
@@ -98,17 +79,14 @@ def attn_decode(
         )
     # Splits past the longest possible sequence would only write empty partials; more than
     # MAX_SPLITS would make the combine's (splits, D) tile spill.
-    num_splits = max(1, min(num_splits, cdiv(capacity, cfg.block_n), MAX_SPLITS))
+    num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
     kv_group = heads // kv_heads
-    exp_e = q.dtype == torch.float32 and not interpreted
-    unit = 1.0 if exp_e else LOG2E
-    if softcap > 0:
-        qk_scale, softcap_scale = scale / softcap, softcap * unit
-    else:
-        qk_scale, softcap_scale = scale * unit, 1.0
-    mask_right = causal or window_right >= 0
-    window_right = 0 if causal else window_right
-    mask_left = window_left >= 0
+    exp_e = pb.uses_exp_e(q.dtype, interpreted)
+    # Sequence lengths live on the device; the capacity bounds them all (problem.window_bounds).
+    sc = pb.scores(
+        causal, (window_left, window_right), softcap, scale, alibi_slopes is not None,
+        seqlen_q, capacity, exp_e=exp_e,
+    )  # fmt: skip
 
     if num_splits == 1:
         o_part, lse_part = out, lse
@@ -123,36 +101,27 @@ def attn_decode(
         part_strides = o_part.stride()[:4], lse_part.stride()
     # Unused pointer arguments get a real tensor: the flags compile their loads away.
     table = block_table if paged else cache_seqlens
-    slopes = alibi_slopes if alibi_slopes is not None else lse
+    slopes, stride_ab = pb.alibi_arg(alibi_slopes, lse)
     block_m = decode_block_m(kv_group, seqlen_q)
-    block_d = head_block(head_dim)
-    split_kernel, combine_kernel = launchers()
-    with torch.cuda.device_of(q):
+    flags = pb.type_flags(q.dtype, head_dim, interpreted)
+    split_kernel, combine_kernel = kernels()
+    with runtime.launch_on(q):
         split_kernel(
             (batch * kv_heads, num_splits),
             (
                 q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes,
                 *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-                *part_strides[0], *part_strides[1],
-                table.stride(0),
-                slopes.stride(0), slopes.stride(1) if slopes.dim() > 1 else 0,
+                *part_strides[0], *part_strides[1], table.stride(0), stride_ab,
                 kv_heads, kv_group, seqlen_q, capacity, k_cache.shape[2] if paged else 1,
-                num_splits, float(qk_scale), float(softcap_scale),
-                max(window_left, 0), max(window_right, 0),
+                num_splits, *sc.scalars(),
             ),
             dict(
-                HEAD_DIM=head_dim,
-                BLOCK_D=block_d,
+                **flags,
+                **sc.flags(),
                 BLOCK_M=block_m,
                 BLOCK_N=cfg.block_n,
                 EVEN_M=kv_group * seqlen_q == block_m,
                 PAGED=paged,
-                MASK_LEFT=mask_left,
-                MASK_RIGHT=mask_right,
-                SOFTCAP=softcap > 0,
-                HAS_ALIBI=alibi_slopes is not None,
-                UPCAST=interpreted and q.dtype == torch.bfloat16,
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                 EXP_E=exp_e,
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
@@ -168,13 +137,9 @@ def attn_decode(
                 ),
                 dict(
                     HEAD_DIM=head_dim,
-                    BLOCK_D=block_d,
-                    BLOCK_S=max(2, triton_next_pow2(num_splits)),
+                    BLOCK_D=flags["BLOCK_D"],
+                    BLOCK_S=max(2, pb.next_pow2(num_splits)),
                     num_warps=4,
                 ),
             )  # fmt: skip
     return out, lse
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()

@@ -1,0 +1,214 @@
+"""``torch.library`` registration of the attention ops under the ``flashcore::`` namespace.
+
+``custom_op`` (not ``triton_op``) keeps the ops opaque to ``torch.compile`` and lets
+``torch.library.opcheck`` run them through Triton's interpreter on the CPU.
+
+Two ops carry ``flashcore.attention`` and ``flashcore.attention_varlen`` alike: ``attn_fwd`` and
+its backward ``attn_bwd`` take the packing of a varlen batch as optional arguments
+(``cu_seqlens_q``/``cu_seqlens_k`` None and maxima 0 for dense ``(B, H, S, D)`` inputs; packed
+``(total, heads, D)`` ones otherwise), so there is one fake kernel per op, one autograd context and
+one backward. Autograd: ``attn_fwd`` saves only its inputs q, k, v (with the offsets and the ALiBi
+slopes, which get no gradient) and its outputs out, lse; ``attn_bwd`` recomputes the
+probabilities from the LSE. The fakes derive every shape from q (``problem.lse_shape``, the
+launcher's own), never from the offsets' contents. ``attn_kvcache`` (decoding from a KV cache) is
+inference-only: it registers no autograd formula, so a backward through it raises PyTorch's
+"no autograd formula" error.
+
+Eager calls on plain tensors skip the op dispatch (``attention``, ``attention_with_kvcache``):
+the ``torch.library`` layer costs about 80 us per call on the H100 machine's host, several times
+a small kernel (docs/performance.md, "Host overhead"). They run the same launchers directly,
+through a ``torch.autograd.Function`` with the op's context and backward when a gradient is
+needed. Anything that needs the ops themselves (torch.compile and export tracing, FakeTensor and
+other dispatch modes such as FlopCounterMode, functorch transforms, tensor subclasses) gets them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from flashcore.ops import bwd, decode, fwd
+from flashcore.ops.problem import lse_shape, unit_stride_last_dim, varlen_of
+
+
+def direct(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call may run the launchers directly rather than through the registered op."""
+    return (
+        not torch.compiler.is_compiling()
+        and torch._C._len_torch_dispatch_stack() == 0
+        and not torch._C._are_functorch_transforms_active()
+        and all(t is None or type(t) is torch.Tensor for t in tensors)
+    )
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _attn_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward: ``(out, lse)`` for validated dense or packed inputs (lse ``(B, H, Sq)`` or
+    ``(H, total_q)``)."""
+    return fwd.launch(
+        q, k, v, causal, scale,
+        varlen=varlen_of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+    )  # fmt: skip
+
+
+attn_fwd = torch.library.custom_op("flashcore::attn_fwd", mutates_args=())(_attn_fwd)
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q: torch.Tensor, k, v, cu_seqlens_q: torch.Tensor | None, *args):
+    packed = cu_seqlens_q is not None
+    return torch.empty_like(q), q.new_empty(lse_shape(q, packed), dtype=torch.float32)
+
+
+def _attn_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``attn_fwd``: ``(dq, dk, dv)`` from ``dout`` and, if not None, ``dlse``."""
+    return bwd.launch(
+        dout, q, k, v, out, lse, dlse, causal, scale,
+        varlen=varlen_of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
+        window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+    )  # fmt: skip
+
+
+attn_bwd = torch.library.custom_op("flashcore::attn_bwd", mutates_args=())(_attn_bwd)
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(dout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+# Arguments of attn_fwd after q, k, v: the packing (two offsets, two maxima), then the options
+# (causal, scale, window_left, window_right, softcap), then the ALiBi slopes.
+_NUM_OPTIONS = 5
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.scalars = tuple(scalars)
+    # An output whose gradient is not needed (usually lse) then arrives as None instead of a
+    # materialised tensor of zeros.
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, op=attn_bwd):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    # No gradient for the offsets, the maxima, the options or the ALiBi slopes.
+    no_grads = (None,) * (2 + len(ctx.scalars) + 1)
+    if dout is None and dlse is None:
+        return None, None, None, *no_grads
+    if dout is None:
+        # Only the LSE is differentiated: delta = -dlse and dV = 0 (dO = 0).
+        dout = torch.zeros_like(out)
+    dout = unit_stride_last_dim(dout)
+    dq, dk, dv = op(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars, alibi_slopes
+    )
+    return dq, dk, dv, *no_grads
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Attention(torch.autograd.Function):
+    """``attn_fwd``'s autograd formula without the op dispatch (eager calls). ``forward`` takes
+    ``ctx`` itself: with a separate ``setup_context`` every ``apply`` would bind its arguments
+    through ``inspect.signature`` (tens of microseconds a call)."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _attn_fwd(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, op=_attn_bwd)
+
+
+def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn_fwd(*args)`` (differentiable), called directly when ``direct`` allows; ``args`` as
+    ``attn_fwd`` takes them (the offsets None for dense inputs)."""
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *_, alibi_slopes = args
+    if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+        return attn_fwd(*args)
+    if needs_grad(q, k, v):
+        return _Attention.apply(*args)
+    return _attn_fwd(*args)
+
+
+def _attn_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoding from a KV cache: ``(out, lse)`` for validated inputs (see ``ops.decode``)."""
+    return decode.launch(
+        q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, causal, scale,
+        window_left, window_right, softcap, num_splits,
+    )  # fmt: skip
+
+
+attn_kvcache = torch.library.custom_op("flashcore::attn_kvcache", mutates_args=())(_attn_kvcache)
+
+
+@attn_kvcache.register_fake
+def _attn_kvcache_fake(q: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return out, q.new_empty(lse_shape(q, False), dtype=torch.float32)
+
+
+def attention_with_kvcache(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn_kvcache(*args)``, called directly when ``direct`` allows and no gradient is asked
+    for (the op has no autograd formula, so such a call goes through it to raise PyTorch's
+    error)."""
+    if direct(*args[:6]) and not needs_grad(*args[:3]):
+        return _attn_kvcache(*args)
+    return attn_kvcache(*args)
