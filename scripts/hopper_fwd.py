@@ -13,6 +13,7 @@ same process; FLOPs are ``4 B H Sq Sk D`` (halved for causal).
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import math
 import sys
@@ -47,7 +48,18 @@ def window_bounds(causal, left, right, seqlen_q, seqlen_k):
 
 
 def run_sm90(
-    q, k, v, *, causal, scale, window=(-1, -1), softcap=0.0, alibi=None, out=None, lse=None
+    q,
+    k,
+    v,
+    *,
+    causal,
+    scale,
+    window=(-1, -1),
+    softcap=0.0,
+    alibi=None,
+    out=None,
+    lse=None,
+    config=None,
 ):
     sm90 = _import("flashcore.ops.fwd_sm90")
     batch, heads, seqlen_q, _ = q.shape
@@ -66,6 +78,7 @@ def run_sm90(
     sm90.attn_fwd_sm90(
         q, k, v, out, lse, causal=is_causal, qk_scale=qk_scale, window_left=left,
         window_right=right, has_window=has_window, softcap=cap, alibi=alibi, stride_ab=stride_ab,
+        config=config,
     )  # fmt: skip
     return out, lse
 
@@ -164,7 +177,7 @@ def check(args) -> int:
     return 1 if failures else 0
 
 
-def time_case(q, k, v, causal, portable) -> dict[str, float]:
+def time_case(q, k, v, causal, portable, variants) -> dict[str, float]:
     """Median milliseconds of each provider on one problem (do_bench, same process)."""
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -183,6 +196,11 @@ def time_case(q, k, v, causal, portable) -> dict[str, float]:
             )
 
     fns = {"sm90": sm90, "cudnn": cudnn}
+    for label, head_dim, cfg in variants:
+        if head_dim == q.shape[-1]:
+            fns[f"sm90[{label}]"] = functools.partial(
+                run_sm90, q, k, v, causal=causal, scale=scale, out=out, lse=lse, config=cfg
+            )
     if portable is not None:
         fns["portable"] = lambda: portable(q, k, v, causal, scale)
     ms = {}
@@ -201,6 +219,13 @@ def bench(args) -> int:
     except Exception as exc:  # the portable tier may be mid-refactor
         print(f"portable forward unavailable: {exc!r}")
         portable = None
+    sm90 = _import("flashcore.ops.fwd_sm90")
+    variants = []
+    for spec in args.variant:
+        # label:D:consumers,block_n,stages,regs,maxnreg,pingpong
+        label, head_dim, fields = spec.split(":")
+        values = [int(x) for x in fields.split(",")]
+        variants.append((label, int(head_dim), sm90.Sm90Config(*values[:5], bool(values[5]))))
     for run in range(args.runs):
         for dtype in args.dtypes:
             for head_dim in args.head_dims:
@@ -212,13 +237,17 @@ def bench(args) -> int:
                         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
                         flops = 4.0 * batch * heads * seqlen * seqlen * head_dim
                         flops /= 2 if causal else 1
-                        ms = time_case(q, k, v, causal, portable)
+                        ms = time_case(q, k, v, causal, portable, variants)
                         tf = {name: flops / t / 1e9 for name, t in ms.items()}
+                        extra = "".join(
+                            f" {name} {value:.0f}"
+                            for name, value in tf.items()
+                            if name not in ("sm90", "cudnn")
+                        )
                         print(
                             f"run{run} {str(dtype)[6:]} D{head_dim} causal{int(causal)} S{seqlen}"
                             f" B{batch} H{heads}: sm90 {tf['sm90']:.0f} cudnn {tf['cudnn']:.0f}"
-                            f" portable {tf.get('portable', float('nan')):.0f} TFLOP/s"
-                            f"  sm90/cudnn {tf['sm90'] / tf['cudnn']:.3f}",
+                            f"{extra} TFLOP/s  sm90/cudnn {tf['sm90'] / tf['cudnn']:.3f}",
                             flush=True,
                         )
     return 0
@@ -234,6 +263,13 @@ def main() -> int:
     b.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     b.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
     b.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"])
+    b.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="extra sm90 config timed beside the default: label:D:consumers,block_n,stages,"
+        "regs,maxnreg,pingpong",
+    )
     args = parser.parse_args()
     if args.cmd == "bench":
         args.dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.dtypes]

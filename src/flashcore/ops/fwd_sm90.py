@@ -27,6 +27,7 @@ class Sm90Config(NamedTuple):
     num_stages: int
     consumer_regs: int
     maxnreg: int
+    pingpong: bool = True
 
 
 # D=128: 2 x 64 query rows, 128-key tiles, 2 slots (Q 32 KB + K/V 128 KB of shared memory);
@@ -129,6 +130,7 @@ def attn_fwd_sm90(
     softcap: float,
     alibi: torch.Tensor | None,
     stride_ab: int,
+    config: Sm90Config | None = None,
 ) -> None:
     """Write ``out`` (like q) and ``lse`` (fp32 ``(B, H, Sq)``, contiguous) for inputs that passed
     ``supports``.
@@ -136,11 +138,12 @@ def attn_fwd_sm90(
     ``qk_scale`` is ``scale * log2(e)``, or ``scale / c`` with softcap ``c`` > 0, when
     ``softcap`` is ``c * log2(e)``. ``causal`` is bottom-right aligned; the window sides are the
     portable launcher's (``ops.fwd.window_bounds``: unbounded as ``Sq + Sk``, HAS_WINDOW off when
-    neither binds). ``alibi`` holds float32 slopes read at ``b * stride_ab + h``.
+    neither binds). ``alibi`` holds float32 slopes read at ``b * stride_ab + h``. ``config``
+    overrides the tiles (for benchmarks).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    cfg = CONFIGS[head_dim]
+    cfg = config or CONFIGS[head_dim]
     if not _tma_ok(out):
         raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
     rows = 64
@@ -174,6 +177,7 @@ def attn_fwd_sm90(
             NUM_STAGES=cfg.num_stages,
             NUM_CONSUMERS=cfg.num_consumers,
             CONSUMER_REGS=cfg.consumer_regs,
+            PINGPONG=cfg.pingpong,
             IS_CAUSAL=causal,
             HAS_WINDOW=has_window,
             SOFTCAP=softcap > 0,

@@ -246,6 +246,43 @@ def _scores(
 
 
 @gluon.jit
+def _tile_scores(
+    s,
+    start_n,
+    full_lo,
+    full_hi,
+    rows,
+    offs_n,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    slope,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
+    RAW_MAX: gl.constexpr,
+    CHECK_N: gl.constexpr,
+):
+    """``_scores`` of the tile at key ``start_n``: masked unless it lies in the full range."""
+    cols = gl.expand_dims(start_n + offs_n, 0)
+    if (start_n < full_lo) | (start_n >= full_hi):
+        s = _scores(
+            s, rows, cols, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
+            slope, True, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
+        )  # fmt: skip
+    else:
+        s = _scores(
+            s, rows, cols, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
+            slope, False, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
+        )  # fmt: skip
+    return s
+
+
+@gluon.jit
 def _softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr):
     """One online-softmax step on a score tile: ``(p, alpha, m, l)``. A row with every score
     -inf so far keeps ``m = -inf`` and gets ``p = 0``, ``alpha = 0`` (its max is replaced by 0)."""
@@ -272,6 +309,7 @@ def _consumer(
     k_ready,
     v_ready,
     kv_empty,
+    turn,
     LSE,
     ALIBI,
     stride_lb,
@@ -285,6 +323,8 @@ def _consumer(
     window_right,
     softcap,
     CONSUMER: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr,
+    PINGPONG: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -297,6 +337,7 @@ def _consumer(
     EVEN_N: gl.constexpr,
 ):
     dtype: gl.constexpr = o_desc.dtype
+    NEXT: gl.constexpr = (CONSUMER + 1) % NUM_CONSUMERS
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -335,61 +376,61 @@ def _consumer(
     if hi > lo:
         n_tiles = gl.cdiv(hi - lo, BLOCK_N)
         mbarrier.wait(q_ready.index(CONSUMER), 0)
-        # Prologue: tile 0's scores and softmax.
+        # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
         mbarrier.wait(k_ready.index(0), 0)
+        if PINGPONG:
+            mbarrier.wait(turn.index(CONSUMER), 0)
         k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
         s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(NEXT), count=1)
         s = warpgroup_mma_wait(0, deps=[s_tok])
-        cols = gl.expand_dims(lo + offs_n, 0)
-        if (lo < full_lo) | (lo >= full_hi):
-            s = _scores(
-                s, rows, cols, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                softcap, slope, True, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
-            )  # fmt: skip
-        else:
-            s = _scores(
-                s, rows, cols, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                softcap, slope, False, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
-            )  # fmt: skip
+        s = _tile_scores(
+            s, lo, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, window_left,
+            window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
+            CHECK_N,
+        )  # fmt: skip
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
-        p = gl.convert_layout(p.to(dtype), p_layout)
 
         for t in range(1, n_tiles):
             slot = t % NUM_STAGES
             prev = (t - 1) % NUM_STAGES
             mbarrier.wait(k_ready.index(slot), (t // NUM_STAGES) & 1)
+            if PINGPONG:
+                mbarrier.wait(turn.index(CONSUMER), t & 1)
             k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
             s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+            # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
+            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_STAGES) & 1)
             v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-            acc_tok = warpgroup_mma(p, v_t, acc, is_async=True)
+            acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(turn.index(NEXT), count=1)
             s = warpgroup_mma_wait(1, deps=[s_tok])
-            start_n = lo + t * BLOCK_N
-            cols = gl.expand_dims(start_n + offs_n, 0)
-            if (start_n < full_lo) | (start_n >= full_hi):
-                s = _scores(
-                    s, rows, cols, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                    softcap, slope, True, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
-                    CHECK_N,
-                )  # fmt: skip
-            else:
-                s = _scores(
-                    s, rows, cols, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-                    softcap, slope, False, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
-                    CHECK_N,
-                )  # fmt: skip
-            p_next, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
-            acc, p = warpgroup_mma_wait(0, deps=[acc_tok, p])
+            s = _tile_scores(
+                s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
+                qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
+            )  # fmt: skip
+            # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
+            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
             mbarrier.arrive(kv_empty.index(prev), count=1)
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-            p = gl.convert_layout(p_next.to(dtype), p_layout)
 
         # Epilogue: the last tile's P V.
         last = (n_tiles - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(CONSUMER), n_tiles & 1)
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
         v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-        acc_tok = warpgroup_mma(p, v_t, acc, is_async=True)
-        acc, p = warpgroup_mma_wait(0, deps=[acc_tok, p])
+        acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(NEXT), count=1)
+        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
         mbarrier.arrive(kv_empty.index(last), count=1)
 
     empty = l_i == 0.0
@@ -435,6 +476,7 @@ def attn_fwd_sm90_kernel(
     NUM_STAGES: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     SOFTCAP: gl.constexpr,
@@ -461,6 +503,13 @@ def attn_fwd_sm90_kernel(
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
+    # Ping-pong: consumer c issues its products after waiting turn[c] and passes the turn on to
+    # c + 1 once they are issued; consumer 0 holds the first turn.
+    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(NUM_CONSUMERS):
+        mbarrier.init(turn.index(c), count=1)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(0), count=1)
 
     # Argument tuples spelled out per partition: a tuple built by concatenation inside the kernel
     # turns its constexprs into tensors (Triton 3.6).
@@ -468,16 +517,18 @@ def attn_fwd_sm90_kernel(
         gl.warp_specialize(
             [
                 (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, LSE,
-                    ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
-                    qk_scale, window_left, window_right, softcap, 0, HEAD_DIM, BLOCK_M, BLOCK_N,
-                    NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
+                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
+                    qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS, PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+                    HAS_ALIBI, RAW_MAX, EVEN_N,
                 )),
                 (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, LSE,
-                    ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
-                    qk_scale, window_left, window_right, softcap, 1, HEAD_DIM, BLOCK_M, BLOCK_N,
-                    NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
+                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
+                    qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS, PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+                    HAS_ALIBI, RAW_MAX, EVEN_N,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
@@ -487,4 +538,38 @@ def attn_fwd_sm90_kernel(
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
+        )  # fmt: skip
+    else:
+        gl.static_assert(NUM_CONSUMERS == 3, "two or three consumer warpgroups")
+        gl.warp_specialize(
+            [
+                (_consumer, (
+                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
+                    qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS, PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+                    HAS_ALIBI, RAW_MAX, EVEN_N,
+                )),
+                (_consumer, (
+                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
+                    qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS, PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+                    HAS_ALIBI, RAW_MAX, EVEN_N,
+                )),
+                (_consumer, (
+                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
+                    qk_scale, window_left, window_right, softcap, 2, NUM_CONSUMERS, PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+                    HAS_ALIBI, RAW_MAX, EVEN_N,
+                )),
+                (_producer, (
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+                    kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left, window_right,
+                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW,
+                )),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, 24],
         )  # fmt: skip
