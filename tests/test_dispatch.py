@@ -171,6 +171,7 @@ def test_launch_plan_sees_the_descriptor_threshold(monkeypatch):
 
     monkeypatch.setattr(runtime, "is_interpreted", lambda: False)
     monkeypatch.setattr(runtime, "has_tma", lambda device: True)
+    monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
     launches = []
     monkeypatch.setattr(fwd_mod, "kernel", lambda: lambda grid, args, meta: launches.append(meta))
     q, k, v = _qkv("cpu", torch.float16)

@@ -13,6 +13,7 @@ from flashcore.ops.launch import Launcher, cached
 from flashcore.tuning import BwdConfig, bwd_config
 
 
+@functools.cache
 def kernels() -> tuple[Launcher, Launcher]:
     """Launchers of the dQ and dK/dV kernels."""
     return (

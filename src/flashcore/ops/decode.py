@@ -6,6 +6,8 @@ first kernel writes ``out``/``lse`` directly (its split stride is 0) and the com
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flashcore.ops import problem as pb
@@ -20,6 +22,7 @@ from flashcore.tuning import (
 )
 
 
+@functools.cache
 def kernels() -> tuple[Launcher, Launcher]:
     """Launchers of the split-KV kernel and of its combine."""
     return (

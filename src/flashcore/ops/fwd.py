@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flashcore import tuning
@@ -11,6 +13,7 @@ from flashcore.ops.launch import cached
 from flashcore.tuning import FwdConfig, fwd_config
 
 
+@functools.cache
 def kernel():
     """The forward kernel's launcher: Q, K, V, O, LSE, CU_Q, CU_K, ALIBI first."""
     return runtime.kernel("fwd", "attn_fwd_kernel", 8)
