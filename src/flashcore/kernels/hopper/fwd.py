@@ -29,12 +29,18 @@ Schedule (one CTA, ``gl.warp_specialize``):
       mask / softcap / ALiBi, row max, exp2, row sum of tile t   <- overlaps P_{t-1} V_{t-1}
       wgmma.wait_group 0                   # P_{t-1} V_{t-1} done
       arrive kv_empty[t-1]                 # K_{t-1}, V_{t-1} free for the producer
-      O *= alpha_t
 
-  so each warpgroup's exponentials run while its own second product is on the tensor cores, and
-  the two (three) warpgroups, whose steps are independent, fill each other's softmax gaps. The
-  loop is entered with tile 0's softmax done (prologue) and left with the last tile's ``P V``
-  outstanding (epilogue). ``kv_empty`` counts NUM_CONSUMERS arrivals per phase.
+  where ``O *= alpha_{t-1}`` and the conversion of ``P_{t-1}`` to the A-operand layout sit between
+  the two issues, under ``Q K_t^T`` (with PINGPONG the turn wait and arrive bracket the issues).
+  As written, each warpgroup's exponentials would run while its own second product is on
+  the tensor cores. ptxas (Triton 3.6's) hoists ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` above them in
+  SASS, so in the assembled code a warpgroup's softmax waits for its own ``P V``; the overlap
+  that remains is between warpgroups (``tests/test_compile_hopper.py`` holds both facts,
+  ``docs/hopper_fwd.md``). With PINGPONG, consumer c waits ``turn[c]`` before issuing its two
+  products and arrives on ``turn[c + 1]`` after (consumer 0 holds the first turn), so the
+  warpgroups take the tensor cores in turn. The loop is entered with tile 0's softmax done
+  (prologue) and left with the last tile's ``P V`` issued in the epilogue. ``kv_empty`` counts
+  NUM_CONSUMERS arrivals per phase.
 - Epilogue, per consumer: ``O / l`` cast to the output dtype, written into this consumer's Q
   slot (its last reader, the final ``Q K^T``, has completed), ``fence.proxy.async``, one TMA
   store of the ``(1, 1, 64, D)`` block (the copy engine drops rows past Sq); the LSE row by row
