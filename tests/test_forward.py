@@ -80,6 +80,53 @@ def test_forward_gpu(case, dtype, causal, path, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", GPU, ids=[c.id for c in GPU])
+def test_forward_gpu_sm90_tier(case, dtype, causal, layout):
+    """Every GPU case through the Gluon tier where it runs (sm_90, D 64/128), else the portable
+    fallback: the same rule either way."""
+    q, k, v = make_qkv(case, dtype, "cuda", layout=layout)
+    with flashcore.use_tier("sm90"):
+        out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=causal)
+
+
+@pytest.mark.gpu
+def test_sm90_tier_is_taken_on_hopper(monkeypatch):
+    """On an H100/H200 with a verified Triton, use_tier("sm90") really launches the Gluon kernel
+    (and the portable one not at all) for a covered problem."""
+    from flashcore.ops import fwd, fwd_sm90, runtime
+
+    if runtime.capability(torch.device("cuda")) != (9, 0) or not runtime.sm90_verified():
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    calls = []
+    real = fwd_sm90.attn_fwd_sm90
+    monkeypatch.setattr(
+        fwd_sm90, "attn_fwd_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    monkeypatch.setattr(fwd, "kernel", lambda: pytest.fail("portable kernel launched"))
+    q, k, v = make_qkv(Case(2, 8, 2, 300, 517, 128), torch.bfloat16, "cuda")
+    with flashcore.use_tier("sm90"):
+        out, lse = flashcore.attention(q, k, v, causal=True, window=(200, 0), return_lse=True)
+    assert calls == [1]
+    check_forward(out, lse, q, k, v, causal=True, window=(200, 0))
+
+
+def test_use_tier_is_scoped_and_checked():
+    from flashcore.ops import runtime
+
+    with pytest.raises(ValueError, match="tier must be one of"), flashcore.use_tier("fast"):
+        pass
+    with flashcore.use_tier("sm90"):
+        assert runtime._tier.get() == "sm90"
+        # A CPU tensor never takes a GPU tier.
+        assert runtime.forward_tier(torch.device("cpu")) == "portable"
+    assert runtime._tier.get() == "auto"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128, 192, 256])
 def test_forward_gpu_fp32(head_dim):
     q, k, v = make_qkv(Case(1, 4, 2, 300, 517, head_dim), torch.float32, "cuda")

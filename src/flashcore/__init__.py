@@ -5,6 +5,7 @@ from flashcore.api import (
     attention_varlen,
     attention_with_kvcache,
     scaled_dot_product_attention,
+    use_tier,
 )
 
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "attention_varlen",
     "attention_with_kvcache",
     "scaled_dot_product_attention",
+    "use_tier",
 ]
 __version__ = "0.1.0"

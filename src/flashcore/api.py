@@ -25,6 +25,25 @@ from flashcore.checks import (
     interpreted,
 )
 from flashcore.ops import registry as _ops
+from flashcore.ops.runtime import use_tier as _use_tier
+
+
+def use_tier(name: str):
+    """Context manager: run the forwards inside the block on kernel tier ``name``.
+
+    ``"portable"``: the Triton (``tl``) kernels, on every device and the CPU interpreter.
+    ``"sm90"``: the Gluon forward of ``kernels/hopper`` (warp-specialised, TMA, async wgmma) on an
+    sm_90 GPU (H100/H200) with a Triton version it was verified on (3.6), for fp16/bf16 dense
+    inputs with head dim 64 or 128 and 16-byte aligned strides (causal, window, softcap, ALiBi,
+    GQA, any lengths); anything else it does not cover runs on the portable tier. ``"auto"`` (the
+    default) is the portable tier today: the sm90 forward measured no faster on the H100
+    (docs/hopper_fwd.md). Backward, varlen and decoding always run on the portable tier. The
+    choice is scoped to the current thread (a ``contextvars`` variable), never global::
+
+        with flashcore.use_tier("sm90"):
+            out = flashcore.attention(q, k, v, causal=True)
+    """
+    return _use_tier(name)
 
 
 def attention(

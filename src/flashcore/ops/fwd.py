@@ -50,6 +50,20 @@ def launch(
         # Every row sees no key. Filled here rather than launched: k and v have no storage.
         return out.zero_(), lse.fill_(float("-inf"))
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
+    if varlen is None and config is None and runtime.forward_tier(q.device) == "sm90":
+        from flashcore.ops import fwd_sm90
+
+        if fwd_sm90.supports(
+            q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes
+        ):
+            sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, *dims[3:])
+            fwd_sm90.attn_fwd_sm90(
+                q, k, v, out, lse, causal=sc.is_causal, qk_scale=sc.qk_scale,
+                window_left=sc.window_left, window_right=sc.window_right,
+                has_window=sc.has_window, softcap=sc.softcap,
+                alibi=None if alibi_slopes is None else alibi, stride_ab=stride_ab,
+            )  # fmt: skip
+            return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
     # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
     # and constexprs are built once per problem signature.

@@ -8,8 +8,11 @@ once it is given, and cached.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -55,3 +58,49 @@ def launch_on(t: torch.Tensor) -> Any:
     """Triton launches on the current CUDA device, not on the tensors': make it ``t``'s (a no-op
     context on the CPU)."""
     return torch.cuda.device_of(t)
+
+
+# Kernel tiers of the forward: "portable" (the tl kernels, every device and the interpreter) and
+# "sm90" (the Gluon kernels of kernels/hopper, Hopper only). "auto" is the default choice.
+TIERS = ("auto", "portable", "sm90")
+# The Triton versions whose Gluon API the sm90 tier was verified on with a GPU (H100, 3.6.0).
+SM90_TRITON = ("3.6.",)
+_tier: contextvars.ContextVar[str] = contextvars.ContextVar("flashcore_tier", default="auto")
+
+
+@contextlib.contextmanager
+def use_tier(name: str) -> Iterator[None]:
+    """Within the block, forwards run on tier ``name`` (see ``forward_tier``); scoped to the
+    current thread or task, never global."""
+    if name not in TIERS:
+        raise ValueError(f"tier must be one of {TIERS}, got {name!r}")
+    token = _tier.set(name)
+    try:
+        yield
+    finally:
+        _tier.reset(token)
+
+
+@functools.cache
+def sm90_verified() -> bool:
+    """Whether this Triton is one the sm90 tier was verified on (and has Gluon at all)."""
+    import triton
+
+    if not triton.__version__.startswith(SM90_TRITON):
+        return False
+    try:
+        import triton.experimental.gluon
+    except ImportError:
+        return False
+    return True
+
+
+def forward_tier(device: torch.device) -> str:
+    """The tier a forward on ``device`` runs: "sm90" only when asked for (``use_tier``) on an
+    sm_90 GPU with a verified Triton; "auto" is the portable tier today, because the Gluon
+    forward measured 0.64-1.04x cuDNN on the H100, no faster than the portable one
+    (docs/hopper_fwd.md). The launcher falls back to the portable tier for whatever the sm90
+    kernel does not cover."""
+    if _tier.get() != "sm90" or capability(device) != (9, 0):
+        return "portable"
+    return "sm90" if sm90_verified() else "portable"
