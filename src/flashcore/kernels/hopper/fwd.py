@@ -519,63 +519,29 @@ def attn_fwd_sm90_kernel(
 
     # Argument tuples spelled out per partition: a tuple built by concatenation inside the kernel
     # turns its constexprs into tensors (Triton 3.6).
-    if NUM_CONSUMERS == 2:
-        gl.warp_specialize(
-            [
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
-                    qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS, PINGPONG,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
-                    HAS_ALIBI, RAW_MAX, EVEN_N,
-                )),
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
-                    qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS, PINGPONG,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
-                    HAS_ALIBI, RAW_MAX, EVEN_N,
-                )),
-                (_producer, (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                    kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left, window_right,
-                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW,
-                )),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, 24],
-        )  # fmt: skip
-    else:
-        gl.static_assert(NUM_CONSUMERS == 3, "two or three consumer warpgroups")
-        gl.warp_specialize(
-            [
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
-                    qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS, PINGPONG,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
-                    HAS_ALIBI, RAW_MAX, EVEN_N,
-                )),
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
-                    qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS, PINGPONG,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
-                    HAS_ALIBI, RAW_MAX, EVEN_N,
-                )),
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-                    LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
-                    qk_scale, window_left, window_right, softcap, 2, NUM_CONSUMERS, PINGPONG,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
-                    HAS_ALIBI, RAW_MAX, EVEN_N,
-                )),
-                (_producer, (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                    kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left, window_right,
-                    BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW,
-                )),
-            ],
-            [4, 4, 1],
-            [CONSUMER_REGS, CONSUMER_REGS, 24],
-        )  # fmt: skip
+    gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups (three spilled at D=64)")
+    gl.warp_specialize(
+        [
+            (_consumer, (
+                o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+                LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
+                qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS, PINGPONG,
+                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+                HAS_ALIBI, RAW_MAX, EVEN_N,
+            )),
+            (_consumer, (
+                o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
+                LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
+                qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS, PINGPONG,
+                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+                HAS_ALIBI, RAW_MAX, EVEN_N,
+            )),
+            (_producer, (
+                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+                kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left, window_right,
+                BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW,
+            )),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip
