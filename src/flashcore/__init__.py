@@ -7,6 +7,7 @@ from flashcore.api import (
     scaled_dot_product_attention,
     use_tier,
 )
+from flashcore.warmup import warmup
 
 __all__ = [
     "__version__",
@@ -15,5 +16,6 @@ __all__ = [
     "attention_with_kvcache",
     "scaled_dot_product_attention",
     "use_tier",
+    "warmup",
 ]
 __version__ = "0.1.0"

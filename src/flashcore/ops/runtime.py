@@ -4,6 +4,10 @@ Importing flashcore does not import triton: the kernel modules are imported at t
 (``kernel``), so ``TRITON_INTERPRET=1`` may be set any time before triton is first imported
 (triton reads it when its own modules are defined). Every answer here is fixed for the process
 once it is given, and cached.
+
+The first launch of each compiled kernel variant (a specialisation new to the process) is logged
+at INFO on the ``flashcore`` logger, one line with the kernel, device, constexprs and the time it
+took, and kept in ``compile_events()``. Nothing is compiled, or logged, under the interpreter.
 """
 
 from __future__ import annotations
@@ -12,20 +16,89 @@ import contextlib
 import contextvars
 import functools
 import importlib
+import logging
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from flashcore.ops.launch import Launcher
 
+log = logging.getLogger(__name__)
+
+
+class CompileEvent(NamedTuple):
+    """The first launch of a kernel variant in this process."""
+
+    kernel: str
+    device: str
+    variant: str
+    """The constexprs and launch options: ``NAME=value``, a flag's name alone when on (flags
+    that are off are left out)."""
+    seconds: float
+    """Wall time of that launch: Triton's compile, or its load from Triton's on-disk cache when
+    an earlier process compiled the same variant."""
+
+
+_events: list[CompileEvent] = []
+
+
+def compile_events() -> list[CompileEvent]:
+    """Every kernel variant compiled (or loaded from Triton's cache) so far, oldest first."""
+    return list(_events)
+
+
+def _describe(meta: dict[str, Any]) -> str:
+    parts = []
+    for name, value in meta.items():
+        if value is True:
+            parts.append(name)
+        elif value is not False and value is not None:
+            parts.append(f"{name}={value}")
+    return " ".join(parts)
+
+
+class LoggingLauncher(Launcher):
+    """A ``Launcher`` that logs the first launch of each compiled kernel it has not seen.
+
+    A miss of the launch cache (an entry added to ``compiled``) runs Triton's own launch, which
+    compiles only when Triton has no kernel for the specialisation: the kernel object it returned
+    tells the two apart. A hit costs one ``len`` and one clock read more than ``Launcher``.
+    """
+
+    def __init__(self, fn: Any, num_pointers: int) -> None:
+        super().__init__(fn, num_pointers)
+        self.seen: set[int] = set()
+
+    def __call__(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None:
+        entries = len(self.compiled)
+        start = time.perf_counter()
+        super().__call__(grid, args, meta)
+        if len(self.compiled) != entries:
+            self._new_entry(time.perf_counter() - start, meta)
+
+    def _new_entry(self, seconds: float, meta: dict[str, Any]) -> None:
+        compiled, _ = next(reversed(self.compiled.values()))
+        if id(compiled) in self.seen:
+            return  # a specialisation Triton already had, reached with other scalar values
+        self.seen.add(id(compiled))
+        name = getattr(self.fn, "__name__", str(self.fn))
+        event = CompileEvent(name, f"cuda:{torch.cuda.current_device()}", _describe(meta), seconds)
+        _events.append(event)
+        log.info(
+            "compiled %s for %s in %.2f s (%s)",
+            event.kernel, event.device, seconds, event.variant,
+        )  # fmt: skip
+
 
 @functools.cache
 def kernel(module: str, name: str, num_pointers: int) -> Launcher:
     """The launcher (``ops.launch``) of kernel ``name`` of ``flashcore.kernels.<module>``, whose
-    first ``num_pointers`` arguments are pointers; the module is imported (with triton) here."""
+    first ``num_pointers`` arguments are pointers; the module is imported (with triton) here.
+    The first launch of each compiled variant is logged (``LoggingLauncher``)."""
     fn = getattr(importlib.import_module(f"flashcore.kernels.{module}"), name)
-    return Launcher(fn, num_pointers)
+    return LoggingLauncher(fn, num_pointers)
 
 
 @functools.cache
