@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from collections.abc import Callable
@@ -91,10 +92,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _plain(text: str) -> str:
+    """Docstring text for a terminal: ``literal`` markup dropped."""
+    return re.sub(r"``([^`]+)``", r"\1", text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flashcore-bench",
-        description=__doc__.split("\n\n")[0] + "\n\n" + __doc__.split("\n\n")[1],
+        description=_plain("\n\n".join(__doc__.split("\n\n")[:2])),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
