@@ -116,7 +116,7 @@ def main() -> None:
             grads = run(cfg)
             return max(
                 ((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                for g, r in zip(grads, ref, strict=True)
+                for g, r in zip(grads[:3], ref, strict=True)
             )
 
         def timed(cfg, kernel=None):

@@ -85,7 +85,7 @@ def main() -> None:
                     continue
                 err = max(
                     ((g.float() - r.float()).abs().max() / r.float().abs().max()).item()
-                    for g, r in zip(grads, ref, strict=True)
+                    for g, r in zip(grads[:3], ref, strict=True)
                 )
                 run = functools.partial(
                     attn_bwd, do, q, k, v, o, lse, None, causal, scale, config=cfg

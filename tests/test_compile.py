@@ -22,7 +22,8 @@ from helpers import (
 from shapes import Case, VarlenCase
 
 # (case, dtype, causal, layout, masks): GQA with Sq != Sk and (B, S, H, D) strides; a plain fp16
-# one; one with a window, softcap and (B, H) ALiBi slopes (a tensor argument without gradient).
+# one; one with a window, softcap, (B, H) ALiBi slopes (a tensor argument without gradient) and
+# sinks (one with a gradient).
 OPCHECK = [
     (Case(1, 4, 2, 37, 53, 32), torch.float32, True, "bshd", None),
     (Case(2, 2, 2, 16, 16, 16), torch.float16, False, "bhsd", None),
@@ -30,11 +31,12 @@ OPCHECK = [
 ]
 
 
-def _masks(kind, case: Case, device) -> dict:
+def _masks(kind, case: Case, device, grad: bool = False) -> dict:
     if kind is None:
         return {}
     slopes = torch.rand(case.batch, case.heads, device=device)
-    return {"window": (5, 2), "softcap": 4.0, "alibi_slopes": slopes}
+    sinks = torch.randn(case.heads, device=device).requires_grad_(grad)
+    return {"window": (5, 2), "softcap": 4.0, "alibi_slopes": slopes, "sinks": sinks}
 
 
 @pytest.fixture(autouse=True)
@@ -65,7 +67,7 @@ VARLEN_OPCHECK = VarlenCase(2, 1, (9, 20, 0, 5), (14, 0, 3, 5), 16)
 def _record(case, dtype, causal, layout, masks, device, *, backward: bool) -> tuple[list, list]:
     """The flashcore op calls of a forward, and of its backward (empty unless ``backward``)."""
     q, k, v = (t.requires_grad_(backward) for t in make_qkv(case, dtype, device, layout=layout))
-    options = _masks(masks, case, device)
+    options = _masks(masks, case, device, grad=backward)
     with _RecordCalls() as fwd_calls:
         out = flashcore.attention(q, k, v, causal=causal, **options)
     return _record_backward(out, fwd_calls, backward)
@@ -156,10 +158,11 @@ def _decode_call(device: str, **options):
     return _decode(*_decode_inputs(device), **options)
 
 
-@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap-sinks"])
 def test_opcheck_kvcache(softcap, device):
+    sinks = None if softcap is None else torch.randn(4, device=device)
     with _RecordCalls() as rec:
-        _decode_call(device, softcap=softcap, window=(9, -1))
+        _decode_call(device, softcap=softcap, window=(9, -1), sinks=sinks)
     assert [op._schema.name for op, _, _ in rec.calls] == ["flashcore::attn_kvcache"]
     for op, args, kwargs in rec.calls:
         torch.library.opcheck(op, tuple(_fresh(a, False) for a in args), kwargs)

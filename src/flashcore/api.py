@@ -20,6 +20,7 @@ from flashcore.checks import (
     check_max_seqlen,
     check_num_splits,
     check_scale,
+    check_sinks,
     check_softcap,
     check_window,
     interpreted,
@@ -57,6 +58,7 @@ def attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention, fused: ``softmax(scale * q @ k^T [+ mask]) @ v``.
 
@@ -104,22 +106,28 @@ def attention(
         alibi_slopes: float32 ``(H,)`` or ``(B, H)`` on q's device: adds
             ``-slope[b, h] * |i + Sk - Sq - j|`` to the (scaled, softcapped) score of query i and
             key j. The slopes get no gradient (they are constants in every ALiBi model).
+        sinks: float32 ``(H,)`` on q's device, one learnable logit per query head (attention
+            sinks, gpt-oss): one more term in every row's softmax, compared with the final
+            scores (after scale, softcap, ALiBi and the mask), that carries no value:
+            ``p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sinks[h]))``. The LSE includes it; a
+            row that sees no key gives out 0 and ``lse = sinks[h]``. Differentiable.
 
     Returns:
         ``out`` ``(B, H, Sq, D)`` in q's dtype (and in q's memory layout when q is dense), or
         ``(out, lse)`` with ``lse`` float32 ``(B, H, Sq)``: the natural-log logsumexp of the scaled
-        (and masked) scores. Rows that see no key have ``out = 0`` and ``lse = -inf``.
+        (and masked) scores. Rows that see no key have ``out = 0`` and ``lse = -inf`` (``sinks[h]``
+        with sinks).
 
-    Autograd: ``out`` (and ``lse``) are differentiable with respect to q, k and v, for every
-    option above (not with respect to ``alibi_slopes``, which get no gradient). The backward is
-    FlashAttention-2's: it recomputes the probabilities from the saved LSE (only q, k, v, out, lse
-    and the slopes are kept for it), accumulates in fp32, writes every gradient from exactly one
-    program (deterministic, no atomics) and returns dq, dk, dv in the dtype and, when dense, the
-    memory layout of q, k, v (GQA/MQA gradients are summed over each kv head's query heads). A
-    gradient reaching ``lse`` is supported too: it adds ``dlse_i * softmax_ij`` to the score
-    gradients (the kernels fold it into the per-row term ``delta_i = rowsum(dout * out)_i -
-    dlse_i``). Rows that see no key get zero gradients. The gradient of ``out`` may have any
-    strides (one whose last dim is not unit-stride is copied).
+    Autograd: ``out`` (and ``lse``) are differentiable with respect to q, k, v and ``sinks``, for
+    every option above (not with respect to ``alibi_slopes``, which get no gradient). The backward
+    is FlashAttention-2's: it recomputes the probabilities from the saved LSE (only q, k, v, out,
+    lse, the slopes and the sinks are kept for it), accumulates in fp32, writes every gradient from
+    exactly one program (deterministic, no atomics) and returns dq, dk, dv in the dtype and, when
+    dense, the memory layout of q, k, v (GQA/MQA gradients are summed over each kv head's query
+    heads). A gradient reaching ``lse`` is supported too: it adds ``dlse_i * softmax_ij`` to the
+    score gradients (the kernels fold it into the per-row term ``delta_i = rowsum(dout * out)_i -
+    dlse_i``). Rows that see no key get zero gradients (and, with sinks, pass ``dlse`` to the sink).
+    The gradient of ``out`` may have any strides (one whose last dim is not unit-stride is copied).
 
     Inputs may have any strides (a ``(B, S, H, D)`` tensor passed as ``.transpose(1, 2)`` is read
     in place); only a last dim with a stride other than 1 is copied. Supported: float16, bfloat16
@@ -137,8 +145,8 @@ def attention(
         TypeError: an input is not a tensor, has an unsupported or mismatched dtype, or an option
             has the wrong type (``window`` not a pair of ints, ``alibi_slopes`` not float32).
         ValueError: wrong rank, mismatched shapes or devices, heads not divisible, non-finite scale,
-            a window side below -1, a negative or non-finite softcap, ``alibi_slopes`` of the wrong
-            shape or device.
+            a window side below -1, a negative or non-finite softcap, ``alibi_slopes`` or
+            ``sinks`` of the wrong shape or device.
         NotImplementedError: head_dim above 256.
     """
     check_inputs(q, k, v)
@@ -148,10 +156,17 @@ def attention(
     window_left, window_right = check_window(window)
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
+    sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device))
     out, lse = _ops.attention(
-        q, k, v, None, None, 0, 0, causal, scale, window_left, window_right, softcap, alibi_slopes
-    )
+        q, k, v, None, None, 0, 0, causal, scale, window_left, window_right, softcap,
+        alibi_slopes, sinks,
+    )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _sinks_arg(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels read the sinks with unit stride (a differentiable copy otherwise)."""
+    return sinks if sinks is None or sinks.stride(0) == 1 else sinks.contiguous()
 
 
 def attention_varlen(
@@ -169,6 +184,7 @@ def attention_varlen(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` on a packed batch of variable-length sequences (FlashAttention-2's varlen).
 
@@ -200,6 +216,7 @@ def attention_varlen(
             window is aligned to each sequence's own bottom-right corner).
         alibi_slopes: float32 ``(H,)`` or ``(B, H)`` (B = number of sequences), as in
             :func:`attention`, with positions counted within each sequence.
+        sinks: float32 ``(H,)``, as in :func:`attention` (the same sinks for every sequence).
 
     The contents of ``cu_seqlens_q``/``cu_seqlens_k`` and the maxima are trusted, as in
     FlashAttention: checking them would read device memory on the host and stall the stream.
@@ -238,9 +255,10 @@ def attention_varlen(
     softcap = check_softcap(softcap)
     batch = cu_seqlens_q.shape[0] - 1
     alibi_slopes = check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device))
     out, lse = _ops.attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-        window_left, window_right, softcap, alibi_slopes,
+        window_left, window_right, softcap, alibi_slopes, sinks,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -411,6 +429,7 @@ def attention_with_kvcache(
     alibi_slopes: torch.Tensor | None = None,
     num_splits: int | None = None,
     return_lse: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a few new queries against a KV cache (decoding), split-KV. Inference only.
 
@@ -447,6 +466,9 @@ def attention_with_kvcache(
             chooses from the SM count and the cache capacity. At most 64 (or one per key tile of
             the capacity) are used; any value gives the same result up to rounding.
         return_lse: also return the logsumexp of each row.
+        sinks: float32 ``(H,)``, one logit per query head, as in :func:`attention` (a row that
+            sees no key gives out 0 and ``lse = sinks[h]``). No gradient here: sinks that
+            require one raise ``ValueError`` while grad mode is on.
 
     Returns:
         ``out`` ``(B, H, Sq, D)`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
@@ -473,8 +495,9 @@ def attention_with_kvcache(
     softcap_value = check_softcap(softcap)
     slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
     splits = check_num_splits(num_splits)
+    sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device, differentiable=False))
     out, lse = _ops.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, slopes, causal, scale,
-        window_left, window_right, softcap_value, splits,
+        window_left, window_right, softcap_value, splits, sinks,
     )  # fmt: skip
     return (out, lse) if return_lse else out

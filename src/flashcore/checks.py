@@ -179,6 +179,32 @@ def check_alibi(
     return slopes
 
 
+def check_sinks(
+    sinks: object, heads: int, device: torch.device, differentiable: bool = True
+) -> torch.Tensor | None:
+    """Sinks: float32 ``(heads,)`` on q's device; without autograd (``differentiable`` False),
+    not requiring a gradient while grad mode is on."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(
+            f"sinks must have shape (heads,) = ({heads},), one logit per query head, got "
+            f"{tuple(sinks.shape)}"
+        )
+    if sinks.dtype != torch.float32:
+        raise TypeError(f"sinks must be float32, got {sinks.dtype}")
+    if sinks.device != device:
+        raise ValueError(f"sinks must be on q's device ({device}), got {sinks.device}")
+    if not differentiable and sinks.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "sinks requires grad, but attention_with_kvcache is inference-only (no backward); "
+            "pass sinks.detach() or call it under torch.no_grad()"
+        )
+    return sinks
+
+
 # Rows of the decode kernel's tile: (H // Hkv) query heads x Sq queries of one kv head.
 MAX_DECODE_ROWS = 128
 

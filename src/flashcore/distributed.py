@@ -52,7 +52,7 @@ def _block_backward(
     dout, q, k, v, out, lse, dlse, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of one block, with the rows' global ``out``, ``lse`` (and ``dlse``)."""
-    return _bwd.launch(dout, q, k, v, out, lse, dlse, causal, scale)
+    return _bwd.launch(dout, q, k, v, out, lse, dlse, causal, scale)[:3]
 
 
 class _Block(NamedTuple):

@@ -144,8 +144,14 @@ def probs(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> ProbsResult:
-    """Softmax of :func:`scores` along the keys, and its logsumexp, in ``dtype``."""
+    """Softmax of :func:`scores` along the keys, and its logsumexp, in ``dtype``.
+
+    With ``sinks`` (``(H,)``) each row's softmax has one more logit, ``sinks[h]``, which takes
+    probability mass but is not among the returned keys (attention sinks): the probabilities of
+    a row sum to less than 1 and the logsumexp includes the sink.
+    """
     s = scores(
         q,
         k,
@@ -157,7 +163,11 @@ def probs(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
     )
-    lse = torch.logsumexp(s, dim=-1)
+    if sinks is None:
+        lse = torch.logsumexp(s, dim=-1)
+    else:
+        sink = sinks.to(device=s.device, dtype=dtype)[None, :, None, None]
+        lse = torch.logsumexp(torch.cat((s, sink.expand(*s.shape[:-1], 1)), dim=-1), dim=-1)
     # exp(s - lse) is 0 for masked keys; a row with no visible key has lse = -inf: keep it at 0.
     empty = (lse == float("-inf")).unsqueeze(-1)
     p = torch.exp(s - lse.unsqueeze(-1).masked_fill(empty, 0.0)).masked_fill(empty, 0.0)
@@ -176,13 +186,15 @@ def attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> RefResult:
     """Attention computed in ``dtype`` from q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``.
 
     Same semantics as ``flashcore.attention``: GQA by repeating each kv head over its ``H // Hkv``
-    query heads, bottom-right causal, sliding window, softcap, ALiBi (see ``scores``), rows that
-    see no key give out 0 and lse -inf. ``top_left`` aligns the causal mask as
-    ``flashcore.scaled_dot_product_attention`` does (see ``causal_mask``).
+    query heads, bottom-right causal, sliding window, softcap, ALiBi (see ``scores``), sinks (see
+    ``probs``), rows that see no key give out 0 and lse -inf (the sink with sinks). ``top_left``
+    aligns the causal mask as ``flashcore.scaled_dot_product_attention`` does (see
+    ``causal_mask``).
     """
     p, lse = probs(
         q,
@@ -194,6 +206,7 @@ def attention(
         window=window,
         softcap=softcap,
         alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )
     out = torch.matmul(p, _repeat_kv(v.to(dtype), q.shape[1]))
     return RefResult(out, lse)
@@ -211,6 +224,7 @@ def attention_varlen(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> RefResult:
     """:func:`attention` on each sequence of a packed batch, concatenated.
@@ -235,7 +249,7 @@ def attention_varlen(
             slopes = slopes[b]
         ref = attention(
             q_b, k_b, v_b, causal=causal, scale=scale, window=window, softcap=softcap,
-            alibi_slopes=slopes, dtype=dtype,
+            alibi_slopes=slopes, sinks=sinks, dtype=dtype,
         )  # fmt: skip
         outs.append(ref.out[0].transpose(0, 1))
         lses.append(ref.lse[0])
@@ -275,6 +289,7 @@ def attention_with_kvcache(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     dtype: torch.dtype = torch.float64,
 ) -> RefResult:
     """``flashcore.attention_with_kvcache`` in ``dtype``: each sequence's valid keys gathered
@@ -284,7 +299,7 @@ def attention_with_kvcache(
     """
     batch, heads, seqlen_q, _ = q.shape
     out = torch.zeros(q.shape, dtype=dtype, device=q.device)
-    lse = torch.full((batch, heads, seqlen_q), float("-inf"), dtype=dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q), dtype=dtype, device=q.device)
     for b in range(batch):
         seqlen = int(cache_seqlens[b])
         k = gather_kvcache(k_cache, b, seqlen, block_table)
@@ -294,7 +309,7 @@ def attention_with_kvcache(
             slopes = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]
         ref = attention(
             q[b][None], k[None], v[None], causal=causal, scale=scale, window=window,
-            softcap=softcap, alibi_slopes=slopes, dtype=dtype,
+            softcap=softcap, alibi_slopes=slopes, sinks=sinks, dtype=dtype,
         )  # fmt: skip
         out[b], lse[b] = ref.out[0], ref.lse[0]
     return RefResult(out, lse)

@@ -15,6 +15,7 @@ Each helper owns one concern so that a bug shows in one place and the probe kern
 - ``transform_scores``: softcap (``c * tanh(s / c)``) and ALiBi (``-slope * |i + Sk - Sq - j|``),
   on every tile; ``tanh`` is a portable fp32 tanh.
 - ``alibi_slope``: a head's ALiBi slope in the scores' units.
+- ``softmax_start``: the running max and sum before the first key tile (a sink logit, if any).
 - ``online_softmax_step``: one step of the streaming softmax in base 2 (base e with EXP_E).
 - ``row_lse``: the natural-log logsumexp of a finished row, -inf for a row that saw no key.
 - ``load_lse2`` / ``load_row_stats``: the backward's per-row LSE (converted to base 2) and delta.
@@ -349,6 +350,32 @@ def row_lse(m_i, l_i, EXP_E: tl.constexpr):
     else:
         lse = (m_i + tl.math.log2(l_safe)) * LN2
     return tl.where(empty, float("-inf"), lse)
+
+
+@triton.jit
+def softmax_start(
+    SINKS, heads, BLOCK_M: tl.constexpr, HAS_SINKS: tl.constexpr, EXP_E: tl.constexpr
+):
+    """Running max and sum ``(m, l)`` of BLOCK_M rows before their first key tile.
+
+    Without sinks ``(-inf, 0)``. With HAS_SINKS each row starts as if it had already seen one key,
+    its head's sink logit ``SINKS[heads]`` (natural units, converted to the scores' base), with
+    probability mass ``exp(sink - m) = 1`` and a value of zero (the accumulator starts at 0): the
+    streaming softmax then rescales it like any key, the row's sum and LSE include it, and a row
+    that sees no key ends with ``out = 0`` and ``lse = sink``. A sink of -inf is no sink (its
+    weight 1 is scaled by ``exp(-inf) = 0`` at the first finite score; an empty row stays at
+    ``lse = -inf``). ``heads`` is a scalar or a (BLOCK_M,) tensor of head indices.
+    """
+    if HAS_SINKS:
+        sink = tl.load(SINKS + heads).to(tl.float32)
+        if not EXP_E:
+            sink = sink * LOG2E
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    return m_i, l_i
 
 
 @triton.jit

@@ -45,6 +45,9 @@ Flags (``tl.constexpr``, compiled away when off):
 - HAS_ALIBI: adds ``-slope[b, h] * |pos_i - j|`` after the softcap (ALIBI is ``(B, H)`` fp32 with
   unit head stride, batch stride 0 for per-head slopes). Softcap and ALiBi are the main kernels'
   ``common.transform_scores`` and ``common.alibi_slope``.
+- HAS_SINKS: a sink logit per query head joins each row's softmax as a key with no value
+  (``common.softmax_start``), in the first split only; the combine's LSE merge then counts it
+  once. A row that sees no key gives ``out = 0`` and ``lse = sink``.
 - EVEN_M: ``G * Sq == BLOCK_M`` (no padded rows: loads skip the row mask).
 - HEAD_DIM < BLOCK_D: padded head dims, as in the forward.
 - UPCAST, DOT_PRECISION, EXP_E: as in the forward kernel (interpreter bf16 upcast; IEEE fp32
@@ -71,6 +74,7 @@ from flashcore.kernels.common import (
     mask_by_index,
     online_softmax_step,
     row_lse,
+    softmax_start,
     store_tile,
     transform_scores,
 )
@@ -167,6 +171,7 @@ def attn_decode_kernel(
     SEQLENS,
     BLOCK_TABLE,
     ALIBI,
+    SINKS,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -209,6 +214,7 @@ def attn_decode_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EXP_E: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -236,9 +242,9 @@ def attn_decode_kernel(
     q = load_tile(q_ptrs, offs_r, n_rows, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
     if UPCAST:
         q = q.to(tl.float32)
+    # Padded rows (g past the group) read a real head's slope and sink; they are never stored.
+    heads = head0 + tl.minimum(g, kv_group - 1)
     if HAS_ALIBI:
-        # Padded rows (g past the group) read a real head's slope; they are never stored.
-        heads = head0 + tl.minimum(g, kv_group - 1)
         slope = alibi_slope(ALIBI, off_b, heads, stride_ab, HAS_ALIBI, EXP_E)[:, None]
     else:
         slope = 0.0
@@ -264,8 +270,11 @@ def attn_decode_kernel(
         v_head = V + off_b * stride_vb + off_hk * stride_vh
         bt_row = BLOCK_TABLE
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = softmax_start(SINKS, heads, BLOCK_M, HAS_SINKS, EXP_E)
+    if HAS_SINKS:
+        # The sink joins the first split only; the combine adds the splits' sums.
+        m_i = tl.where(split == 0, m_i, float("-inf"))
+        l_i = tl.where(split == 0, l_i, 0.0)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     acc, m_i, l_i = _decode_kv_loop(
         acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, start, mid_lo,

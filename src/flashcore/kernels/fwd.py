@@ -44,6 +44,10 @@ Flags (``tl.constexpr``, compiled away when off):
   pointers with masked loads.
 - EXP_E: fp32 inputs on the GPU: scores in natural units and libdevice's exp instead of the
   folded log2(e) and exp2 (see ``common.softmax_exp``); ``qk_scale`` is then just ``scale``.
+- HAS_SINKS: one learnable logit per query head (SINKS, fp32 ``(H,)``) joins every row's softmax
+  as a key with no value (gpt-oss): the running max and sum start from it
+  (``common.softmax_start``), so the normalisation and the LSE include it and nothing else
+  changes. The backward needs no flag: its probabilities come from this LSE.
 - IS_VARLEN: packed variable-length batches (FlashAttention-2's varlen). Q and O are
   ``(total_q, H, D)``, K and V ``(total_k, Hkv, D)``, passed with batch stride 0; sequence b is
   rows ``[CU_Q[b], CU_Q[b+1])`` against rows ``[CU_K[b], CU_K[b+1])`` (int32 offsets). The
@@ -64,8 +68,9 @@ Invariants. The head dim is contiguous (unit stride, guaranteed by the launcher)
 longer specialises integer arguments equal to 1, so a runtime last-dim stride would turn every tile
 load into scalar 2-byte loads with no cp.async pipelining (measured: 3x slower on the H100).
 Masked scores are -inf. A row that sees no key finishes with ``l = 0``: its output is
-written as 0 and its LSE as -inf (never NaN). LSE is stored in natural-log units, fp32,
-``(B, H, Sq)`` with unit stride along Sq. Batch/head offsets are int64; in-tile offsets are int32.
+written as 0 and its LSE as -inf (never NaN); with HAS_SINKS as 0 and its sink. LSE is stored in
+natural-log units, fp32, ``(B, H, Sq)`` with unit stride along Sq. Batch/head offsets are int64;
+in-tile offsets are int32.
 """
 
 import triton
@@ -80,6 +85,7 @@ from flashcore.kernels.common import (
     online_softmax_step,
     program_tile,
     row_lse,
+    softmax_start,
     store_tile,
     transform_scores,
 )
@@ -178,6 +184,7 @@ def attn_fwd_kernel(
     CU_Q,
     CU_K,
     ALIBI,
+    SINKS,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -216,6 +223,7 @@ def attn_fwd_kernel(
     EXP_E: tl.constexpr,
     USE_TMA: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
@@ -264,8 +272,7 @@ def attn_fwd_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i, l_i = softmax_start(SINKS, off_h, BLOCK_M, HAS_SINKS, EXP_E)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, EXP_E)

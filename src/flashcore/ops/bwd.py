@@ -38,22 +38,31 @@ def launch(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients ``(dq, dk, dv)`` of the forward ``(out, lse) = ops.fwd.launch(q, k, v, causal,
-    scale, window=..., softcap=..., alibi_slopes=...)`` (same options).
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients ``(dq, dk, dv, dsinks)`` of the forward ``(out, lse) = ops.fwd.launch(q, k, v,
+    causal, scale, window=..., softcap=..., alibi_slopes=..., sinks=...)`` (same options);
+    ``dsinks`` is None without sinks.
 
     ``dout`` is the gradient of ``out`` (any strides with a unit-stride last dim), ``dlse`` that of
     ``lse`` or None. Each gradient has its input's memory layout when the input is dense. With
     ``varlen`` the tensors are packed as in the forward. ``config`` overrides the tuned launch
-    config (for tuning scripts). The slopes get no gradient.
+    config (for tuning scripts). The slopes get no gradient. The kernels need nothing for the
+    sinks (their probabilities come from the LSE, which includes them); ``dsinks`` follows from
+    the LSE and delta (``sink_grad``).
     """
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
     q, k, v, out, dout = (pb.unit_stride_last_dim(t) for t in (q, k, v, out, dout))
     dims = pb.problem_dims(q, k, varlen)
     cu_q, cu_k = (None, None) if varlen is None else varlen[:2]
     if q.numel() == 0 or k.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
-        # No query or no key: nothing depends on the other inputs.
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # No query or no key: nothing depends on the other inputs. A row with no key has out = 0,
+        # so its delta is -dlse.
+        dsinks = None
+        if sinks is not None:
+            delta = torch.zeros_like(lse) if dlse is None else -dlse.float()
+            dsinks = sink_grad(sinks, lse, delta)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), dsinks
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -88,7 +97,22 @@ def launch(
         dkdv_kernel(
             kv_grid, (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail), kv_meta
         )
-    return dq, dk, dv
+    return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
+
+
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient, fp32 ``(H,)``, from the LSE and delta (``rowsum(dO * O) - dlse``).
+
+    The sink is a key with no value: its probability in row i is ``p_i = exp(sink - lse_i)``
+    and its score gradient ``p_i * (0 - delta_i)`` (dP is 0 for a zero value), so
+    ``dsinks[h] = -sum_i p_i delta_i`` over every row of head h. ``lse``/``delta`` are ``(B, H,
+    Sq)`` or packed ``(H, total_q)``: heads are the second-to-last dim either way. A row with
+    ``lse = -inf`` (no key and a sink of -inf) contributes 0.
+    """
+    p = torch.exp(sinks[:, None] - lse)
+    p = torch.where(lse == float("-inf"), 0.0, p)
+    heads_dim = lse.dim() - 2
+    return -(p * delta).sum(dim=[d for d in range(lse.dim()) if d != heads_dim])
 
 
 # Launch plans by problem signature (see launch; bounded by ops.launch.cached).

@@ -26,7 +26,7 @@ from flashcore.tuning import (
 def kernels() -> tuple[Launcher, Launcher]:
     """Launchers of the split-KV kernel and of its combine."""
     return (
-        runtime.kernel("decode", "attn_decode_kernel", 8),
+        runtime.kernel("decode", "attn_decode_kernel", 9),
         runtime.kernel("decode", "attn_decode_combine_kernel", 4),
     )
 
@@ -54,11 +54,13 @@ def launch(
     window_right: int,
     softcap: float,
     num_splits: int,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the decode kernels on validated inputs; returns ``(out, lse)``.
 
     ``window_left``/``window_right``: -1 is unbounded; ``softcap`` 0 is off; ``num_splits`` 0
-    chooses. ``alibi_slopes`` is None or fp32 ``(H,)`` or ``(B, H)``. ``out`` is contiguous
+    chooses. ``alibi_slopes`` is None or fp32 ``(H,)`` or ``(B, H)``; ``sinks`` None or fp32
+    ``(H,)``. ``out`` is contiguous
     ``(B, H, Sq, D)`` in q's dtype, ``lse`` fp32 ``(B, H, Sq)``.
     """
     q, k_cache, v_cache = (pb.unit_stride_last_dim(t) for t in (q, k_cache, v_cache))
@@ -72,6 +74,8 @@ def launch(
         return out, lse
     if capacity == 0 or k_cache.shape[0] == 0:
         # No key anywhere; the cache has no storage to launch on.
+        if sinks is not None:
+            return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
         return out.zero_(), lse.fill_(float("-inf"))
 
     interpreted = runtime.is_interpreted()
@@ -112,7 +116,7 @@ def launch(
         split_kernel(
             (batch * kv_heads, num_splits),
             (
-                q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes,
+                q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes, sinks,
                 *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
                 *part_strides[0], *part_strides[1], table.stride(0), stride_ab,
                 kv_heads, kv_group, seqlen_q, capacity, k_cache.shape[2] if paged else 1,
@@ -126,6 +130,7 @@ def launch(
                 EVEN_M=kv_group * seqlen_q == block_m,
                 PAGED=paged,
                 EXP_E=exp_e,
+                HAS_SINKS=sinks is not None,
                 num_warps=cfg.num_warps,
                 num_stages=cfg.num_stages,
             ),

@@ -15,8 +15,8 @@ from flashcore.tuning import FwdConfig, fwd_config
 
 @functools.cache
 def kernel():
-    """The forward kernel's launcher: Q, K, V, O, LSE, CU_Q, CU_K, ALIBI first."""
-    return runtime.kernel("fwd", "attn_fwd_kernel", 8)
+    """The forward kernel's launcher: Q, K, V, O, LSE, CU_Q, CU_K, ALIBI, SINKS first."""
+    return runtime.kernel("fwd", "attn_fwd_kernel", 9)
 
 
 def launch(
@@ -31,6 +31,7 @@ def launch(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel on validated inputs; returns ``(out, lse)``.
 
@@ -38,7 +39,8 @@ def launch(
     ``lse`` is fp32 ``(B, H, Sq)``, contiguous. ``config`` overrides the tuned launch config
     (for tuning scripts). With ``varlen`` the inputs are packed, ``(total, heads, D)``, and
     ``lse`` is ``(H, total_q)``. ``window``, ``softcap`` and ``alibi_slopes`` as in
-    ``flashcore.attention`` (validated; ``(-1, -1)``, 0.0 and None are off).
+    ``flashcore.attention`` (validated; ``(-1, -1)``, 0.0 and None are off); ``sinks`` None or
+    fp32 ``(H,)``.
     """
     q, k, v = (pb.unit_stride_last_dim(t) for t in (q, k, v))
     dims = pb.problem_dims(q, k, varlen)
@@ -48,9 +50,17 @@ def launch(
         return out, lse
     if k.numel() == 0:
         # Every row sees no key. Filled here rather than launched: k and v have no storage.
+        if sinks is not None:
+            # Only the sink: lse = sinks[h] (heads are the dim before the rows, dense or packed).
+            return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
         return out.zero_(), lse.fill_(float("-inf"))
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
-    if varlen is None and config is None and runtime.forward_tier(q.device) == "sm90":
+    if (
+        varlen is None
+        and sinks is None
+        and config is None
+        and runtime.forward_tier(q.device) == "sm90"
+    ):
         from flashcore.ops import fwd_sm90
 
         if fwd_sm90.supports(
@@ -69,13 +79,13 @@ def launch(
     # and constexprs are built once per problem signature.
     key = (
         q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, scale,
-        window, softcap, None if alibi_slopes is None else stride_ab,
+        window, softcap, None if alibi_slopes is None else stride_ab, sinks is None,
         None if varlen is None else dims, config,
         all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)), tuning.TMA_MIN_FLOPS,
     )  # fmt: skip
     grid, tail, meta, tiles = cached(_PLANS, key, lambda: _plan(
         q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
-        stride_ab, dims,
+        stride_ab, sinks is not None, dims,
     ))  # fmt: skip
     if tiles is None:
         pointers = (q, k, v, out)
@@ -87,7 +97,7 @@ def launch(
         )  # fmt: skip
     cu = (None, None) if varlen is None else varlen[:2]
     with runtime.launch_on(q):
-        kernel()(grid, (*pointers, lse, *cu, alibi, *tail), meta)
+        kernel()(grid, (*pointers, lse, *cu, alibi, sinks, *tail), meta)
     return out, lse
 
 
@@ -109,6 +119,7 @@ def _plan(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     stride_ab: int,
+    has_sinks: bool,
     dims: pb.Dims,
 ) -> tuple:
     """``(grid, arguments after the pointers, constexprs, descriptor tiles or None)`` of the
@@ -153,6 +164,7 @@ def _plan(
         EXP_E=exp_e,
         USE_TMA=use_tma,
         IS_VARLEN=varlen is not None,
+        HAS_SINKS=has_sinks,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

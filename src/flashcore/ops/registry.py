@@ -8,11 +8,11 @@ its backward ``attn_bwd`` take the packing of a varlen batch as optional argumen
 (``cu_seqlens_q``/``cu_seqlens_k`` None and maxima 0 for dense ``(B, H, S, D)`` inputs; packed
 ``(total, heads, D)`` ones otherwise), so there is one fake kernel per op, one autograd context and
 one backward. Autograd: ``attn_fwd`` saves only its inputs q, k, v (with the offsets and the ALiBi
-slopes, which get no gradient) and its outputs out, lse; ``attn_bwd`` recomputes the
-probabilities from the LSE. The fakes derive every shape from q (``problem.lse_shape``, the
-launcher's own), never from the offsets' contents. ``attn_kvcache`` (decoding from a KV cache) is
-inference-only: it registers no autograd formula, so a backward through it raises PyTorch's
-"no autograd formula" error.
+slopes, which get no gradient, and the sinks, which do) and its outputs out, lse; ``attn_bwd``
+recomputes the probabilities from the LSE. The fakes derive every shape from q
+(``problem.lse_shape``, the launcher's own), never from the offsets' contents. ``attn_kvcache``
+(decoding from a KV cache) is inference-only: it registers no autograd formula, so a backward
+through it raises PyTorch's "no autograd formula" error.
 
 Eager calls on plain tensors skip the op dispatch (``attention``, ``attention_with_kvcache``):
 the ``torch.library`` layer costs about 80 us per call on the H100 machine's host, several times
@@ -59,6 +59,7 @@ def _attn_fwd(
     window_right: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out, lse)`` for validated dense or packed inputs (lse ``(B, H, Sq)`` or
     ``(H, total_q)``)."""
@@ -66,6 +67,7 @@ def _attn_fwd(
         q, k, v, causal, scale,
         varlen=varlen_of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )  # fmt: skip
 
 
@@ -96,13 +98,21 @@ def _attn_bwd(
     window_right: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of ``attn_fwd``: ``(dq, dk, dv)`` from ``dout`` and, if not None, ``dlse``."""
-    return bwd.launch(
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of ``attn_fwd``: ``(dq, dk, dv, dsinks)`` from ``dout`` and, if not None,
+    ``dlse``; ``dsinks`` is an empty ``(0,)`` tensor without sinks (an op returns tensors)."""
+    dq, dk, dv, dsinks = bwd.launch(
         dout, q, k, v, out, lse, dlse, causal, scale,
         varlen=varlen_of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+        sinks=sinks,
     )  # fmt: skip
+    return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
+
+
+def _no_sinks_grad(q: torch.Tensor) -> torch.Tensor:
+    return q.new_empty((0,), dtype=torch.float32)
 
 
 attn_bwd = torch.library.custom_op("flashcore::attn_bwd", mutates_args=())(_attn_bwd)
@@ -110,18 +120,15 @@ attn_bwd = torch.library.custom_op("flashcore::attn_bwd", mutates_args=())(_attn
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-# Arguments of attn_fwd after q, k, v: the packing (two offsets, two maxima), then the options
-# (causal, scale, window_left, window_right, softcap), then the ALiBi slopes.
-_NUM_OPTIONS = 5
+    sinks = args[-1]
+    dsinks = _no_sinks_grad(q) if sinks is None else torch.empty_like(sinks)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
     ctx.scalars = tuple(scalars)
     # An output whose gradient is not needed (usually lse) then arrives as None instead of a
     # materialised tensor of zeros.
@@ -129,19 +136,20 @@ def _setup_context(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, op=attn_bwd):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = ctx.saved_tensors
     # No gradient for the offsets, the maxima, the options or the ALiBi slopes.
     no_grads = (None,) * (2 + len(ctx.scalars) + 1)
     if dout is None and dlse is None:
-        return None, None, None, *no_grads
+        return None, None, None, *no_grads, None
     if dout is None:
         # Only the LSE is differentiated: delta = -dlse and dV = 0 (dO = 0).
         dout = torch.zeros_like(out)
     dout = unit_stride_last_dim(dout)
-    dq, dk, dv = op(
-        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars, alibi_slopes
-    )
-    return dq, dk, dv, *no_grads
+    dq, dk, dv, dsinks = op(
+        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars, alibi_slopes,
+        sinks,
+    )  # fmt: skip
+    return dq, dk, dv, *no_grads, None if sinks is None else dsinks
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -167,10 +175,10 @@ class _Attention(torch.autograd.Function):
 def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """``attn_fwd(*args)`` (differentiable), called directly when ``direct`` allows; ``args`` as
     ``attn_fwd`` takes them (the offsets None for dense inputs)."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *_, alibi_slopes = args
-    if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *_, alibi_slopes, sinks = args
+    if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
         return attn_fwd(*args)
-    if needs_grad(q, k, v):
+    if needs_grad(q, k, v) or (sinks is not None and needs_grad(sinks)):
         return _Attention.apply(*args)
     return _attn_fwd(*args)
 
@@ -188,11 +196,12 @@ def _attn_kvcache(
     window_right: int,
     softcap: float,
     num_splits: int,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoding from a KV cache: ``(out, lse)`` for validated inputs (see ``ops.decode``)."""
     return decode.launch(
         q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, causal, scale,
-        window_left, window_right, softcap, num_splits,
+        window_left, window_right, softcap, num_splits, sinks,
     )  # fmt: skip
 
 
@@ -209,6 +218,6 @@ def attention_with_kvcache(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """``attn_kvcache(*args)``, called directly when ``direct`` allows and no gradient is asked
     for (the op has no autograd formula, so such a call goes through it to raise PyTorch's
     error)."""
-    if direct(*args[:6]) and not needs_grad(*args[:3]):
+    if direct(*args[:6], args[-1]) and not needs_grad(*args[:3]):
         return _attn_kvcache(*args)
     return attn_kvcache(*args)
