@@ -32,7 +32,7 @@ from flashcore.tuning import (  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
 ELEM_SIZE = {"fp16": 2, "bf16": 2, "fp32": 4}
-FP32_POINTERS = {"LSE", "S", "P", "DELTA", "DLSE", "ALIBI", "O_PART", "LSE_PART"}
+FP32_POINTERS = {"LSE", "S", "P", "DELTA", "DLSE", "ALIBI", "SINKS", "O_PART", "LSE_PART"}
 INT32_POINTERS = {"CU_Q", "CU_K", "SEQLENS", "BLOCK_TABLE"}
 # Integer arguments that are sizes (or window sides, or the ALiBi slopes' batch stride, which is
 # 0 or H), not strides: no divisibility is promised for them.
@@ -44,7 +44,8 @@ SIZES = {
 FLOATS = {"softcap"}
 
 # (head_dim, dtype, causal, even[, masks]); every forward variant is compiled with tensor
-# descriptors and with plain pointers. ``masks`` turns on HAS_WINDOW, SOFTCAP and HAS_ALIBI.
+# descriptors and with plain pointers. ``masks`` turns on HAS_WINDOW, SOFTCAP, HAS_ALIBI and
+# HAS_SINKS.
 FWD_VARIANTS = [
     (64, "fp16", False, True),
     (64, "fp16", True, False),
@@ -159,6 +160,8 @@ def fwd_consts(
     consts = {
         "HEAD_DIM": head_dim,
         "BLOCK_D": head_block(head_dim),
+        "HEAD_DIM_V": head_dim,
+        "BLOCK_DV": head_block(head_dim),
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "IS_CAUSAL": causal,
@@ -172,7 +175,9 @@ def fwd_consts(
         "EXP_E": dtype == "fp32",
         "USE_TMA": tma,
         "IS_VARLEN": varlen,
+        "HAS_SINKS": masks,
         **({} if varlen else {"CU_Q": None, "CU_K": None}),
+        **({} if masks else {"SINKS": None}),
     }
     return consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
@@ -279,6 +284,8 @@ def main() -> int:
         consts = {
             "HEAD_DIM": head_dim,
             "BLOCK_D": head_block(head_dim),
+            "HEAD_DIM_V": head_dim,
+            "BLOCK_DV": head_block(head_dim),
             "BLOCK_M": block_m,
             "BLOCK_N": cfg.block_n,
             "EVEN_M": rows == block_m,
@@ -290,6 +297,8 @@ def main() -> int:
             "UPCAST": False,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
             "EXP_E": dtype == "fp32",
+            "HAS_SINKS": paged,
+            **({} if paged else {"SINKS": None}),
         }
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         # The split path writes fp32 partials; one split writes the output dtype directly.

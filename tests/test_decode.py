@@ -185,6 +185,11 @@ def _bad(device, name):
         "v-dtype": ({"v_cache": a["v_cache"].float()}, TypeError, r"^v_cache.dtype must equal"),
         "v-shape": ({"v_cache": a["v_cache"][:, :1]}, ValueError, r"same shape"),
         "head-dim": ({"q": q[..., :8]}, ValueError, r"head_dim must equal q's"),
+        "v-head-dim": (
+            {"v_cache": torch.zeros(*a["v_cache"].shape[:-1], 300, device=device)},
+            TypeError,
+            r"^v_cache.dtype must equal",
+        ),
         "heads": ({"q": q[:, :3]}, ValueError, r"multiple of k_cache/v_cache's heads"),
         "seqlens-dtype": ({"cache_seqlens": lens.long()}, TypeError, r"^cache_seqlens must be int"),
         "seqlens-shape": ({"cache_seqlens": lens[:1]}, ValueError, r"^cache_seqlens must have"),

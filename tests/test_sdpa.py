@@ -36,7 +36,7 @@ def check_sdpa(out, q, k, v, *, is_causal, scale=None) -> None:
             q, k, v, causal=is_causal, scale=scale, dtype=dtype, top_left=True
         )
 
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
     assert_fa_rule("out", out, ref(q.dtype).out, ref(torch.float64).out)
 
 
@@ -142,6 +142,18 @@ def test_sdpa_bad_arguments(device):
     _raises_like_torch(q[0, 0], k[0, 0], v[0, 0], enable_gqa=True)
 
 
+def test_sdpa_value_head_dim(device):
+    """A value head dim unlike the query's runs on FlashCore (out has the value's)."""
+    q, k, _ = make_qkv(Case(1, 4, 2, 20, 20, 32), torch.float16, device)
+    v = torch.randn(1, 2, 20, 16, dtype=torch.float16, device=device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = flashcore.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert not fallback_warnings(caught)
+    assert out.shape == (1, 4, 20, 16)
+    check_sdpa(out, q, k, v, is_causal=True)
+
+
 def _mask(q, k):
     return torch.rand(q.shape[-2], k.shape[-2], device=q.device) > 0.3
 
@@ -152,7 +164,7 @@ FALLBACKS = {
     "float_mask": ("attn_mask", lambda q, k, v: ((q, k, v, _mask(q, k).float()), {})),
     "dropout": ("dropout_p", lambda q, k, v: ((q, k, v), {"dropout_p": 0.5})),
     "float64": ("dtype", lambda q, k, v: ((q.double(), k.double(), v.double()), {})),
-    "value_dim": ("head dim", lambda q, k, v: ((q, k, torch.cat([v, v], -1)), {})),
+    "value_dim": ("head dim", lambda q, k, v: ((q, k, torch.cat([v] * 19, -1)[..., :300]), {})),
     "batch_broadcast": ("shape", lambda q, k, v: ((q, k[:1], v[:1]), {})),
     "kv_heads_differ": ("shape", lambda q, k, v: ((q, k, v[:, :1]), {"enable_gqa": True})),
     "inf_scale": ("scale", lambda q, k, v: ((q, k, v), {"scale": float("inf")})),

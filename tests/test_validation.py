@@ -75,8 +75,14 @@ def test_mismatched_batch(device, no_launch):
 def test_mismatched_head_dim(device, no_launch):
     q, _, _ = qkv(device, d=32)
     _, k, v = qkv(device, d=16)
-    with pytest.raises(ValueError, match=r"^k/v head_dim"):
+    with pytest.raises(ValueError, match=r"^k head_dim must equal q's \(32\), got 16"):
         flashcore.attention(q, k, v)
+    # v's head dim may differ (out has it), within 1..256.
+    q, k, v = qkv(device, d=32)
+    with pytest.raises(NotImplementedError, match=r"head dims up to 256.*v.shape\[-1\] = 300"):
+        flashcore.attention(q, k, torch.zeros(*v.shape[:-1], 300, device=device, dtype=v.dtype))
+    with pytest.raises(ValueError, match=r"^head dims must be at least 1, got v.shape\[-1\] = 0"):
+        flashcore.attention(q, k, v[..., :0])
 
 
 def test_heads_not_divisible(device, no_launch):
@@ -87,7 +93,7 @@ def test_heads_not_divisible(device, no_launch):
 
 def test_head_dim_too_large(device, no_launch):
     q, k, v = qkv(device, d=320)
-    with pytest.raises(NotImplementedError, match=r"head_dim up to 256.*320"):
+    with pytest.raises(NotImplementedError, match=r"head dims up to 256.*q.shape\[-1\] = 320"):
         flashcore.attention(q, k, v)
 
 
@@ -153,7 +159,7 @@ VARLEN_INVALID = {
     "q_rank": ("q", lambda a: a["q"][None], ValueError, r"^q must have 3 dims \(total, heads,"),
     "k_dtype": ("k", lambda a: a["k"].float(), TypeError, r"^k.dtype must equal q.dtype"),
     "v_rows": ("v", lambda a: a["v"][:9], ValueError, r"^k and v must have the same shape \(to"),
-    "kv_head_dim": ("k", lambda a: a["k"][..., :8], ValueError, r"^k and v must have the same"),
+    "kv_head_dim": ("k", lambda a: a["k"][..., :8], ValueError, r"^k head_dim must equal q's"),
     "heads": ("q", lambda a: a["q"][:, :3], ValueError, r"^q's heads \(3\) must be"),
     "cu_list": ("cu_seqlens_q", lambda a: [0, 3, 8], TypeError, r"^cu_seqlens_q must be a torch"),
     "cu_int64": ("cu_seqlens_k", lambda a: a["cu_seqlens_k"].long(), TypeError, r"be int32"),
@@ -197,7 +203,7 @@ def test_varlen_options(device, no_varlen_launch):
         flashcore.attention_varlen(**varlen_args(device), causal=1)
     with pytest.raises(ValueError, match=r"^scale must be finite"):
         flashcore.attention_varlen(**varlen_args(device), scale=math.inf)
-    with pytest.raises(NotImplementedError, match=r"head_dim up to 256"):
+    with pytest.raises(NotImplementedError, match=r"head dims up to 256"):
         flashcore.attention_varlen(**varlen_args(device, d=320))
     with pytest.raises(TypeError):
         flashcore.attention_varlen(*varlen_args(device).values(), True)  # type: ignore[misc]

@@ -70,7 +70,7 @@ def attention(
         q: ``(B, H, Sq, D)`` queries.
         k: ``(B, Hkv, Sk, D)`` keys; ``H % Hkv == 0`` (Hkv < H is GQA, Hkv = 1 is MQA: query head h
             uses kv head ``h // (H // Hkv)``).
-        v: ``(B, Hkv, Sk, D)`` values.
+        v: ``(B, Hkv, Sk, Dv)`` values; ``Dv`` may differ from D (MLA), 1 to 256.
         causal: bottom-right aligned causal mask (FlashAttention-2's convention): query i sees key
             j iff ``j <= i + Sk - Sq``. With Sq = Sk this is the usual lower triangle::
 
@@ -113,7 +113,7 @@ def attention(
             row that sees no key gives out 0 and ``lse = sinks[h]``. Differentiable.
 
     Returns:
-        ``out`` ``(B, H, Sq, D)`` in q's dtype (and in q's memory layout when q is dense), or
+        ``out`` ``(B, H, Sq, Dv)`` in q's dtype (and in q's memory layout when q is dense), or
         ``(out, lse)`` with ``lse`` float32 ``(B, H, Sq)``: the natural-log logsumexp of the scaled
         (and masked) scores. Rows that see no key have ``out = 0`` and ``lse = -inf`` (``sinks[h]``
         with sinks).
@@ -206,7 +206,7 @@ def attention_varlen(
     Args:
         q: ``(total_q, H, D)`` queries of every sequence, back to back.
         k: ``(total_k, Hkv, D)`` keys; ``H % Hkv == 0`` (GQA/MQA as in :func:`attention`).
-        v: ``(total_k, Hkv, D)`` values.
+        v: ``(total_k, Hkv, Dv)`` values (Dv may differ from D).
         cu_seqlens_q: int32 ``(B + 1,)`` on q's device: ``[0, Sq_0, Sq_0 + Sq_1, ..., total_q]``,
             non-decreasing. Empty sequences are allowed.
         cu_seqlens_k: int32 ``(B + 1,)``, the same for the keys (``..., total_k]``).
@@ -226,7 +226,7 @@ def attention_varlen(
     its total, or 0 for an empty total).
 
     Returns:
-        ``out`` ``(total_q, H, D)`` in q's dtype (q's memory layout when q is dense), or
+        ``out`` ``(total_q, H, Dv)`` in q's dtype (q's memory layout when q is dense), or
         ``(out, lse)`` with ``lse`` float32 ``(H, total_q)``. Rows that see no key (every row of a
         sequence with ``Sk_b = 0``) have ``out = 0`` and ``lse = -inf``.
 
@@ -308,11 +308,15 @@ def _sdpa_unsupported(
     if not query.dim() == key.dim() == value.dim() >= 2 or (enable_gqa and query.dim() < 3):
         dims = f"{query.dim()}, {key.dim()}, {value.dim()}"
         return "shape", f"query, key, value have {dims} dims"
-    head_dim = query.shape[-1]
-    if not (key.shape[-1] == value.shape[-1] == head_dim and 1 <= head_dim <= MAX_HEAD_DIM):
+    head_dim, head_dim_v = query.shape[-1], value.shape[-1]
+    if not (
+        key.shape[-1] == head_dim
+        and 1 <= head_dim <= MAX_HEAD_DIM
+        and 1 <= head_dim_v <= MAX_HEAD_DIM
+    ):
         return "head dim", (
-            f"head dims (query {head_dim}, key {key.shape[-1]}, value {value.shape[-1]}) are not "
-            f"one size from 1 to {MAX_HEAD_DIM}"
+            f"head dims (query {head_dim}, key {key.shape[-1]}, value {head_dim_v}): query and "
+            f"key must agree, each from 1 to {MAX_HEAD_DIM}"
         )
     if query.shape[:-3] != key.shape[:-3] or key.shape[:-1] != value.shape[:-1]:
         return "shape", "batch dims differ (broadcast) or key and value shapes differ"
@@ -372,7 +376,7 @@ def scaled_dot_product_attention(
     once per reason, for what FlashCore does not run: an ``attn_mask``, ``dropout_p > 0`` (in this
     functional form dropout applies whatever the module's training mode), dtypes other than
     float16/bfloat16/float32, tensors not on CUDA (or on the CPU without ``TRITON_INTERPRET=1``),
-    head dims outside 1..256 or a value head dim other than the query's, batch broadcasting, key
+    head dims outside 1..256 or a key head dim other than the query's, batch broadcasting, key
     and value with different head counts, a non-finite scale, nested tensors. Inputs PyTorch
     rejects (for example ``H != Hkv`` without ``enable_gqa``) raise PyTorch's own error.
     """
@@ -412,7 +416,7 @@ def scaled_dot_product_attention(
         square = attention(q[:, :, :seqlen_k], k, v, causal=True, scale=scale)
         rest = attention(q[:, :, seqlen_k:], k, v, causal=False, scale=scale)
         out = torch.cat((square, rest), dim=2)
-    return out.reshape(query.shape)
+    return out.reshape(*query.shape[:-1], value.shape[-1])
 
 
 def attention_with_kvcache(
@@ -436,7 +440,8 @@ def attention_with_kvcache(
     Args:
         q: ``(B, H, Sq, D)``: Sq = 1 for decoding, a few for speculative decoding
             (``Sq * H // Hkv <= 128``). Any strides.
-        k_cache, v_cache: either contiguous ``(B, Hkv, S_max, D)`` (sequence b's key j at
+        k_cache, v_cache: either contiguous ``(B, Hkv, S_max, D)`` and ``(B, Hkv, S_max, Dv)``
+            (v_cache's head dim Dv may differ from D; sequence b's key j at
             ``[b, :, j]``), or paged ``(num_blocks, Hkv, block_size, D)`` with ``block_table``.
             ``H % Hkv == 0`` (GQA/MQA). Any strides.
         cache_seqlens: int32 ``(B,)``: sequence b has ``L_b`` valid keys, the first ``L_b`` of its
@@ -471,7 +476,7 @@ def attention_with_kvcache(
             require one raise ``ValueError`` while grad mode is on.
 
     Returns:
-        ``out`` ``(B, H, Sq, D)`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
+        ``out`` ``(B, H, Sq, Dv)`` in q's dtype (contiguous), or ``(out, lse)`` with ``lse``
         float32 ``(B, H, Sq)``, the natural-log logsumexp of the scaled, capped, biased, masked
         scores. Rows that see no key have ``out = 0`` and ``lse = -inf``.
 

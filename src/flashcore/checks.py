@@ -56,36 +56,40 @@ def check_inputs(q: object, k: object, v: object, packed: bool = False) -> None:
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
     heads, head_dim = q.shape[1], q.shape[-1]
-    if k.shape != v.shape:
-        layout = (
-            "(total_k, kv_heads, head_dim)" if packed else "(batch, kv_heads, seqlen_k, head_dim)"
-        )
+    if k.shape[:-1] != v.shape[:-1]:
+        layout = "(total_k, kv_heads)" if packed else "(batch, kv_heads, seqlen_k)"
         raise ValueError(
-            f"k and v must have the same shape {layout}, "
+            f"k and v must have the same shape {layout} (only their head dims may differ), "
             f"got k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
     if not packed and k.shape[0] != q.shape[0]:
         raise ValueError(f"k/v batch size must equal q's ({q.shape[0]}), got {k.shape[0]}")
     if k.shape[-1] != head_dim:
-        raise ValueError(f"k/v head_dim must equal q's ({head_dim}), got {k.shape[-1]}")
+        raise ValueError(f"k head_dim must equal q's ({head_dim}), got {k.shape[-1]}")
     kv_heads = k.shape[1]
     # H = Hkv = 0 is an empty problem, not a GQA ratio.
     if heads != kv_heads and (kv_heads == 0 or heads % kv_heads != 0):
         raise ValueError(
             f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads}) for GQA/MQA"
         )
-    if head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(
-            f"head_dim up to {MAX_HEAD_DIM} is supported, got q.shape[-1] = {head_dim}"
-        )
-    if head_dim == 0:
-        raise ValueError("head_dim (q.shape[-1]) must be at least 1, got 0")
+    check_head_dims(head_dim, v.shape[-1], "v")
     if q.device.type == "cpu" and not interpreted():
         raise ValueError(
             "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
             "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
             "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
         )
+
+
+def check_head_dims(head_dim: int, head_dim_v: int, v_name: str) -> None:
+    """Both head dims (q/k's and v's, which may differ) from 1 to MAX_HEAD_DIM."""
+    for name, dim in (("q.shape[-1]", head_dim), (f"{v_name}.shape[-1]", head_dim_v)):
+        if dim > MAX_HEAD_DIM:
+            raise NotImplementedError(
+                f"head dims up to {MAX_HEAD_DIM} are supported, got {name} = {dim}"
+            )
+        if dim == 0:
+            raise ValueError(f"head dims must be at least 1, got {name} = 0")
 
 
 def check_scale(scale: object, head_dim: int) -> float:
@@ -231,10 +235,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> Non
             raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-    if k_cache.shape != v_cache.shape:
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
         raise ValueError(
-            f"k_cache and v_cache must have the same shape, got k_cache {tuple(k_cache.shape)} "
-            f"and v_cache {tuple(v_cache.shape)}"
+            f"k_cache and v_cache must have the same shape (only their head dims may differ), "
+            f"got k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}"
         )
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -254,20 +258,13 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> Non
                 f"16, got {block_size}"
             )
     if k_cache.shape[3] != head_dim:
-        raise ValueError(
-            f"k_cache/v_cache head_dim must equal q's ({head_dim}), got {k_cache.shape[3]}"
-        )
+        raise ValueError(f"k_cache head_dim must equal q's ({head_dim}), got {k_cache.shape[3]}")
     if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(
             f"q's heads ({heads}) must be a multiple of k_cache/v_cache's heads ({kv_heads}) "
             "for GQA/MQA"
         )
-    if head_dim > MAX_HEAD_DIM:
-        raise NotImplementedError(
-            f"head_dim up to {MAX_HEAD_DIM} is supported, got q.shape[-1] = {head_dim}"
-        )
-    if head_dim == 0:
-        raise ValueError("head_dim (q.shape[-1]) must be at least 1, got 0")
+    check_head_dims(head_dim, v_cache.shape[-1], "v_cache")
     if seqlen_q * (heads // kv_heads) > MAX_DECODE_ROWS:
         raise ValueError(
             f"q.shape[2] * (H // Hkv) must be at most {MAX_DECODE_ROWS} (the decode kernel keeps "

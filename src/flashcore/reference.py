@@ -253,7 +253,7 @@ def attention_varlen(
         )  # fmt: skip
         outs.append(ref.out[0].transpose(0, 1))
         lses.append(ref.lse[0])
-    out = torch.cat(outs) if outs else q.new_empty(q.shape, dtype=dtype)
+    out = torch.cat(outs) if outs else q.new_empty((*q.shape[:2], v.shape[-1]), dtype=dtype)
     lse = torch.cat(lses, dim=1) if lses else q.new_empty((q.shape[1], 0), dtype=dtype)
     return RefResult(out, lse)
 
@@ -298,7 +298,7 @@ def attention_with_kvcache(
     ``(B, H)``.
     """
     batch, heads, seqlen_q, _ = q.shape
-    out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    out = torch.zeros((*q.shape[:3], v_cache.shape[-1]), dtype=dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=dtype, device=q.device)
     for b in range(batch):
         seqlen = int(cache_seqlens[b])

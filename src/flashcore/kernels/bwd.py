@@ -39,6 +39,7 @@ Flags (``tl.constexpr``, compiled away when off):
 - EVEN_M / EVEN_N: Sq / Sk are multiples of the kernel's BLOCK_M / BLOCK_N: loads and stores skip
   row masks.
 - HEAD_DIM < BLOCK_D: head dims that are not powers of two are padded with masked loads.
+  HEAD_DIM_V / BLOCK_DV: the value head dim (V, O, dO, dV), which may differ from Q/K's.
 - HAS_DLSE (dQ kernel): subtract the LSE gradient from delta.
 - UPCAST: compute in fp32 from fp32 copies of the tiles (so P and dS are not rounded to bf16
   either). Needed only by Triton 3.6's interpreter, which does bf16 arithmetic on the raw bit
@@ -106,6 +107,7 @@ def _bwd_dkdv_q_loop(
     offs_tm,
     offs_n,
     offs_d,
+    offs_dv,
     start_m,
     end_m,
     stride_qm,
@@ -118,8 +120,10 @@ def _bwd_dkdv_q_loop(
     cap,
     slope,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr,
     EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -137,11 +141,11 @@ def _bwd_dkdv_q_loop(
     row-stat pointers advanced past the last tile, so consecutive ranges chain.
     """
     tile_q = offs_tm[:, None] * stride_qm + offs_d[None, :]
-    tile_do = offs_tm[:, None] * stride_dom + offs_d[None, :]
+    tile_do = offs_tm[:, None] * stride_dom + offs_dv[None, :]
     for tile_m in range(start_m, end_m, BLOCK_M):
         rows = tile_m + offs_tm
         q = load_tile(q_base + tile_q, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
-        do = load_tile(do_base + tile_do, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+        do = load_tile(do_base + tile_do, rows, seqlen_q, offs_dv, HEAD_DIM_V, EVEN_M, EVEN_DV)
         lse2, delta = load_row_stats(lse_ptrs, delta_ptrs, rows, seqlen_q, EVEN_M)
         if UPCAST:
             q = q.to(tl.float32)
@@ -217,6 +221,8 @@ def attn_bwd_dkdv_kernel(
     grad_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -235,6 +241,7 @@ def attn_bwd_dkdv_kernel(
     off_b = (off_bh // kv_heads).to(tl.int64)
     off_hk = (off_bh % kv_heads).to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
     if IS_VARLEN:
         # Packed sequences (see the forward): move the bases to this sequence's first rows.
         row_q, seqlen_q = seq_bounds(CU_Q, off_b)
@@ -254,6 +261,7 @@ def attn_bwd_dkdv_kernel(
     offs_n = start_n + offs_tn
     offs_tm = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     col0 = start_n.to(tl.int64)
     k_ptrs = (
         K
@@ -267,16 +275,16 @@ def attn_bwd_dkdv_kernel(
         + off_b * stride_vb
         + off_hk * stride_vh
         + col0 * stride_vn
-        + (offs_tn[:, None] * stride_vn + offs_d[None, :])
+        + (offs_tn[:, None] * stride_vn + offs_dv[None, :])
     )
     k = load_tile(k_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
-    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D)
+    v = load_tile(v_ptrs, offs_n, seqlen_k, offs_dv, HEAD_DIM_V, EVEN_N, EVEN_DV)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, mid, full_hi, hi = q_tile_range(
         start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
@@ -293,26 +301,31 @@ def attn_bwd_dkdv_kernel(
         delta_ptrs = DELTA + stats_off + offs_tm
         slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, False)
         dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, lo, mid,
+            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, offs_dv,
+            lo, mid,
             stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope,
-            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+            HAS_ALIBI, True,
             EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
         dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, mid,
-            full_hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
+            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, offs_dv,
+            mid, full_hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
             window_right, softcap, slope,
-            HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_M, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+            HAS_ALIBI, False,
             EVEN_M, UPCAST, DOT_PRECISION,
         )  # fmt: skip
         if HAS_WINDOW:
             # Query rows past the window's left edge of the block's first key: masked again.
             dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
                 dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d,
-                full_hi, hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
+                offs_dv, full_hi, hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
+                window_left,
                 window_right, softcap, slope,
-                HEAD_DIM, BLOCK_M, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+                HEAD_DIM, HEAD_DIM_V, BLOCK_M, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+                HAS_ALIBI, True,
                 EVEN_M, UPCAST, DOT_PRECISION,
             )  # fmt: skip
 
@@ -329,13 +342,13 @@ def attn_bwd_dkdv_kernel(
         + off_b * stride_dvb
         + off_hk * stride_dvh
         + col0 * stride_dvn
-        + (offs_tn[:, None] * stride_dvn + offs_d[None, :])
+        + (offs_tn[:, None] * stride_dvn + offs_dv[None, :])
     )
     store_tile(
         dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D
     )
     store_tile(
-        dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D
+        dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, EVEN_N, EVEN_DV
     )
 
 
@@ -351,6 +364,7 @@ def _bwd_dq_kv_loop(
     offs_m,
     offs_n,
     offs_d,
+    offs_dv,
     start_n,
     end_n,
     stride_kn,
@@ -363,8 +377,10 @@ def _bwd_dq_kv_loop(
     cap,
     slope,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -381,13 +397,13 @@ def _bwd_dq_kv_loop(
     tensors, see the forward's ``_fwd_kv_loop``).
     """
     tile_k = offs_n[:, None] * stride_kn + offs_d[None, :]
-    tile_v = offs_n[:, None] * stride_vn + offs_d[None, :]
+    tile_v = offs_n[:, None] * stride_vn + offs_dv[None, :]
     for tile_n in range(start_n, end_n, BLOCK_N):
         cols = tile_n + offs_n
         # Full tiles lie inside Sk by construction; only the masked tail can run past it.
         rows_even = EVEN_N or not MASKED
         k = load_tile(k_base + tile_k, cols, seqlen_k, offs_d, HEAD_DIM, rows_even, EVEN_D)
-        v = load_tile(v_base + tile_v, cols, seqlen_k, offs_d, HEAD_DIM, rows_even, EVEN_D)
+        v = load_tile(v_base + tile_v, cols, seqlen_k, offs_dv, HEAD_DIM_V, rows_even, EVEN_DV)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -460,6 +476,8 @@ def attn_bwd_dq_kernel(
     grad_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -479,6 +497,7 @@ def attn_bwd_dq_kernel(
     off_h = (off_bh % num_heads).to(tl.int64)
     off_hk = off_h // kv_group
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
     if IS_VARLEN:
         # Packed sequences (see the forward): move the bases to this sequence's first rows.
         row_q, seqlen_q = seq_bounds(CU_Q, off_b)
@@ -499,6 +518,7 @@ def attn_bwd_dq_kernel(
     offs_m = start_m + offs_tm
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     row0 = start_m.to(tl.int64)
     q_ptrs = (
         Q
@@ -512,7 +532,7 @@ def attn_bwd_dq_kernel(
         + off_b * stride_dob
         + off_h * stride_doh
         + row0 * stride_dom
-        + (offs_tm[:, None] * stride_dom + offs_d[None, :])
+        + (offs_tm[:, None] * stride_dom + offs_dv[None, :])
     )
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
@@ -521,15 +541,15 @@ def attn_bwd_dq_kernel(
         + off_b * stride_ob
         + off_h * stride_oh
         + row0 * stride_om
-        + (offs_tm[:, None] * stride_om + offs_d[None, :])
+        + (offs_tm[:, None] * stride_om + offs_dv[None, :])
     )
     stats_off = off_b * stride_lb + off_h * stride_lh
     lse2 = load_lse2(LSE + stats_off + offs_m, offs_m, seqlen_q, EVEN_M)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
-    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, EVEN_M, EVEN_DV)
     dlse_ptrs = DLSE + off_b * stride_dlb + off_h * stride_dlh + (row0 + offs_tm) * stride_dlm
     delta = tile_delta(
-        o_ptrs, do, dlse_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D, HAS_DLSE
+        o_ptrs, do, dlse_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, EVEN_M, EVEN_DV, HAS_DLSE
     )
     # For the dK/dV kernel, launched next.
     if EVEN_M:
@@ -550,24 +570,30 @@ def attn_bwd_dq_kernel(
         k_base += lo.to(tl.int64) * stride_kn
         v_base += lo.to(tl.int64) * stride_vn
         dq, k_base, v_base = _bwd_dq_kv_loop(
-            dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, lo, full_lo,
+            dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
+            lo, full_lo,
             stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope,
-            HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True, EVEN_N,
+            HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+            HAS_ALIBI, True, EVEN_N,
             UPCAST, DOT_PRECISION,
         )  # fmt: skip
     dq, k_base, v_base = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, full_lo, full_hi,
+        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
+        full_lo, full_hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
         softcap, slope,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False, EVEN_N,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+        False, EVEN_N,
         UPCAST, DOT_PRECISION,
     )  # fmt: skip
     dq, k_base, v_base = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, full_hi, hi,
+        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
+        full_hi, hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
         softcap, slope,
-        HEAD_DIM, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True, EVEN_N,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+        True, EVEN_N,
         UPCAST, DOT_PRECISION,
     )  # fmt: skip
 

@@ -49,7 +49,8 @@ Flags (``tl.constexpr``, compiled away when off):
   (``common.softmax_start``), in the first split only; the combine's LSE merge then counts it
   once. A row that sees no key gives ``out = 0`` and ``lse = sink``.
 - EVEN_M: ``G * Sq == BLOCK_M`` (no padded rows: loads skip the row mask).
-- HEAD_DIM < BLOCK_D: padded head dims, as in the forward.
+- HEAD_DIM < BLOCK_D, HEAD_DIM_V < BLOCK_DV: padded head dims (the value one may differ), as in
+  the forward.
 - UPCAST, DOT_PRECISION, EXP_E: as in the forward kernel (interpreter bf16 upcast; IEEE fp32
   dots, with the score product in fp64 as in ``common.dot_nt``; fp32 on the GPU in natural units
   with libdevice's exp).
@@ -93,6 +94,7 @@ def _decode_kv_loop(
     slope,
     offs_n,
     offs_d,
+    offs_dv,
     start_n,
     end_n,
     stride_kb,
@@ -107,8 +109,10 @@ def _decode_kv_loop(
     window_left,
     window_right,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     MASKED: tl.constexpr,
     PAGED: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -135,12 +139,12 @@ def _decode_kv_loop(
             page = page.to(tl.int64)
             row = cols % block_size
             k_ptrs = k_head + (page * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
-            v_ptrs = v_head + (page * stride_vb + row * stride_vn)[:, None] + offs_d[None, :]
+            v_ptrs = v_head + (page * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
         else:
             k_ptrs = k_head + (cols * stride_kn)[:, None] + offs_d[None, :]
-            v_ptrs = v_head + (cols * stride_vn)[:, None] + offs_d[None, :]
+            v_ptrs = v_head + (cols * stride_vn)[:, None] + offs_dv[None, :]
         k = load_tile(k_ptrs, cols, seqlen, offs_d, HEAD_DIM, not MASKED, EVEN_D)
-        v = load_tile(v_ptrs, cols, seqlen, offs_d, HEAD_DIM, not MASKED, EVEN_D)
+        v = load_tile(v_ptrs, cols, seqlen, offs_dv, HEAD_DIM_V, not MASKED, EVEN_DV)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -203,6 +207,8 @@ def attn_decode_kernel(
     softcap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr,
@@ -221,12 +227,14 @@ def attn_decode_kernel(
     off_b = (pid_bh // kv_heads).to(tl.int64)
     off_hk = (pid_bh % kv_heads).to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
 
     seqlen = tl.minimum(tl.maximum(tl.load(SEQLENS + off_b), 0), seqlen_cap)
     n_rows = kv_group * seqlen_q
     offs_r = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     # Row r packs query head g = r // Sq of this kv head's group and query i = r % Sq.
     g = offs_r // seqlen_q
     qi = offs_r % seqlen_q
@@ -275,26 +283,32 @@ def attn_decode_kernel(
         # The sink joins the first split only; the combine adds the splits' sums.
         m_i = tl.where(split == 0, m_i, float("-inf"))
         l_i = tl.where(split == 0, l_i, 0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, m_i, l_i = _decode_kv_loop(
-        acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, start, mid_lo,
+        acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, offs_dv,
+        start, mid_lo,
         stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size, qk_scale,
         softcap, window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, PAGED, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, UPCAST,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, True, PAGED, IS_CAUSAL, HAS_WINDOW,
+        SOFTCAP, HAS_ALIBI, UPCAST,
         DOT_PRECISION, EXP_E,
     )  # fmt: skip
     acc, m_i, l_i = _decode_kv_loop(
-        acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, mid_lo, mid_hi,
+        acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, offs_dv,
+        mid_lo, mid_hi,
         stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size, qk_scale,
         softcap, window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, False, PAGED, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, UPCAST,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, False, PAGED, IS_CAUSAL, HAS_WINDOW,
+        SOFTCAP, HAS_ALIBI, UPCAST,
         DOT_PRECISION, EXP_E,
     )  # fmt: skip
     acc, m_i, l_i = _decode_kv_loop(
-        acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, mid_hi, end,
+        acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, offs_dv,
+        mid_hi, end,
         stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size, qk_scale,
         softcap, window_left, window_right,
-        HEAD_DIM, BLOCK_N, EVEN_D, True, PAGED, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, UPCAST,
+        HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, True, PAGED, IS_CAUSAL, HAS_WINDOW,
+        SOFTCAP, HAS_ALIBI, UPCAST,
         DOT_PRECISION, EXP_E,
     )  # fmt: skip
 
@@ -308,9 +322,10 @@ def attn_decode_kernel(
         + off_b * stride_ob
         + head0 * stride_oh
         + (g * stride_oh + qi * stride_om)[:, None]
-        + offs_d[None, :]
+        + offs_dv[None, :]
     )
-    store_tile(o_ptrs, acc.to(O.dtype.element_ty), offs_r, n_rows, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+    o = acc.to(O.dtype.element_ty)
+    store_tile(o_ptrs, o, offs_r, n_rows, offs_dv, HEAD_DIM_V, EVEN_M, EVEN_DV)
     lse_ptrs = (
         LSE + split_off * stride_ls + off_b * stride_lb + (head0 + g) * stride_lh + qi * stride_lm
     )

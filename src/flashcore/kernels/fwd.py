@@ -32,7 +32,8 @@ Flags (``tl.constexpr``, compiled away when off):
   masked tiles alike (``common.transform_scores``); only the window changes which tiles are masked.
 - EVEN_M / EVEN_N: Sq / Sk are multiples of the block sizes, so loads skip row masks.
 - HEAD_DIM < BLOCK_D: head dims that are not powers of two (80, 96, 192) are padded to BLOCK_D
-  with masked loads; the padding reads 0 and contributes nothing.
+  with masked loads; the padding reads 0 and contributes nothing. HEAD_DIM_V / BLOCK_DV: the same
+  for the value head dim (V and O), which may differ from the query/key one (MLA: 192 and 128).
 - UPCAST: compute in fp32 from fp32 copies of the tiles. Needed only by Triton 3.6's interpreter,
   which does bf16 arithmetic on the raw bit patterns; always off on the GPU.
 - DOT_PRECISION: "ieee" for fp32 inputs (full fp32 products, matching PyTorch's default matmul),
@@ -105,6 +106,7 @@ def _fwd_kv_loop(
     offs_m,
     offs_n,
     offs_d,
+    offs_dv,
     start_n,
     end_n,
     stride_kn,
@@ -118,8 +120,11 @@ def _fwd_kv_loop(
     slope,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr,
     EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -141,17 +146,17 @@ def _fwd_kv_loop(
     ``(tma_b, tma_h, tile_n, 0)``; the copy engine zero-fills rows past Sk and columns past D.
     """
     tile_k = offs_n[:, None] * stride_kn + offs_d[None, :]
-    tile_v = offs_n[:, None] * stride_vn + offs_d[None, :]
+    tile_v = offs_n[:, None] * stride_vn + offs_dv[None, :]
     for tile_n in range(start_n, end_n, BLOCK_N):
         cols = tile_n + offs_n
         if USE_TMA:
             k = k_base.load([tma_b, tma_h, tile_n, 0]).reshape(BLOCK_N, BLOCK_D)
-            v = v_base.load([tma_b, tma_h, tile_n, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = v_base.load([tma_b, tma_h, tile_n, 0]).reshape(BLOCK_N, BLOCK_DV)
         else:
             # Full tiles lie inside Sk by construction; only the masked tail can run past it.
             rows_even = EVEN_N or not MASKED
             k = load_tile(k_base + tile_k, cols, seqlen_k, offs_d, HEAD_DIM, rows_even, EVEN_D)
-            v = load_tile(v_base + tile_v, cols, seqlen_k, offs_d, HEAD_DIM, rows_even, EVEN_D)
+            v = load_tile(v_base + tile_v, cols, seqlen_k, offs_dv, HEAD_DIM_V, rows_even, EVEN_DV)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -210,6 +215,8 @@ def attn_fwd_kernel(
     softcap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
@@ -234,6 +241,7 @@ def attn_fwd_kernel(
     off_h = tma_h.to(tl.int64)
     off_hk = tma_hk.to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
     if IS_VARLEN:
         # Packed sequences: batch b is rows [CU_Q[b], CU_Q[b+1]) of Q and O (and of the LSE's
         # last dim) and rows [CU_K[b], CU_K[b+1]) of K and V. Moving the bases to the first row
@@ -252,6 +260,7 @@ def attn_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     offs_tm = tl.arange(0, BLOCK_M)
 
     if USE_TMA:
@@ -273,7 +282,7 @@ def attn_fwd_kernel(
         q = q.to(tl.float32)
 
     m_i, l_i = softmax_start(SINKS, off_h, BLOCK_M, HAS_SINKS, EXP_E)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, EXP_E)
 
@@ -287,24 +296,30 @@ def attn_fwd_kernel(
             k_base += lo.to(tl.int64) * stride_kn
             v_base += lo.to(tl.int64) * stride_vn
         acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
-            acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, lo, full_lo,
+            acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, offs_dv,
+            lo, full_lo,
             stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope,
-            HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+            HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL,
+            HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
             EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
         )  # fmt: skip
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, full_lo, full_hi,
+        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, offs_dv,
+        full_lo, full_hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
         softcap, slope,
-        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, False,
+        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW,
+        SOFTCAP, HAS_ALIBI, False,
         EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
     )  # fmt: skip
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
-        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, full_hi, hi,
+        acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, offs_dv,
+        full_hi, hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
         softcap, slope,
-        HEAD_DIM, BLOCK_D, BLOCK_N, EVEN_D, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
+        HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW,
+        SOFTCAP, HAS_ALIBI, True,
         EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
     )  # fmt: skip
 
@@ -313,17 +328,17 @@ def attn_fwd_kernel(
 
     if USE_TMA:
         # The copy engine drops rows past Sq and columns past D.
-        O.store([tma_b, tma_h, start_m, 0], acc.to(O.dtype).reshape(1, 1, BLOCK_M, BLOCK_D))
+        O.store([tma_b, tma_h, start_m, 0], acc.to(O.dtype).reshape(1, 1, BLOCK_M, BLOCK_DV))
     else:
         o_ptrs = (
             O
             + off_b * stride_ob
             + off_h * stride_oh
             + start_m.to(tl.int64) * stride_om
-            + (offs_tm[:, None] * stride_om + offs_d[None, :])
+            + (offs_tm[:, None] * stride_om + offs_dv[None, :])
         )
         o = acc.to(O.dtype.element_ty)
-        store_tile(o_ptrs, o, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
+        store_tile(o_ptrs, o, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, EVEN_M, EVEN_DV)
     lse_ptrs = LSE + off_b * stride_lb + off_h * stride_lh + offs_m
     if EVEN_M:
         tl.store(lse_ptrs, lse)

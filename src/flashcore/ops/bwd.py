@@ -73,7 +73,7 @@ def launch(
     # their inputs' shapes and strides): the grids, scalars and constexprs are built once per
     # problem signature (about 40 us of Python a call on the H100 machine's host otherwise).
     key = (
-        q.shape, q.stride(), k.shape, k.stride(), v.stride(), out.stride(), dout.stride(),
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), dout.stride(),
         None if dlse is None else dlse.stride(), q.dtype, q.device, causal, scale, window,
         softcap, None if alibi_slopes is None else stride_ab,
         None if varlen is None else dims,
@@ -143,10 +143,11 @@ def _plan(
     """``(grid, arguments after the pointers, constexprs)`` of the dQ and dK/dV launches of
     ``launch``."""
     batch, heads, kv_heads, seqlen_q, seqlen_k = dims
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     interpreted = runtime.is_interpreted()
+    # Tiles sized for the wider of the two head dims.
     cfg = config or bwd_config(
-        head_dim,
+        max(head_dim, head_dim_v),
         q.element_size(),
         interpreted=interpreted,
         causal=causal,
@@ -155,7 +156,7 @@ def _plan(
     )
     # The backward recomputes the forward's scores in base 2 (kernels/bwd.py, "LSE base").
     sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k)
-    flags = dict(**pb.type_flags(q.dtype, head_dim, interpreted), **sc.flags())
+    flags = dict(**pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v), **sc.flags())
 
     def even(seqlen: int, block: int) -> bool:
         # Packed sequences have lengths of their own: every edge may be ragged.

@@ -61,14 +61,14 @@ def launch(
     ``window_left``/``window_right``: -1 is unbounded; ``softcap`` 0 is off; ``num_splits`` 0
     chooses. ``alibi_slopes`` is None or fp32 ``(H,)`` or ``(B, H)``; ``sinks`` None or fp32
     ``(H,)``. ``out`` is contiguous
-    ``(B, H, Sq, D)`` in q's dtype, ``lse`` fp32 ``(B, H, Sq)``.
+    ``(B, H, Sq, Dv)`` in q's dtype (Dv: v_cache's head dim), ``lse`` fp32 ``(B, H, Sq)``.
     """
     q, k_cache, v_cache = (pb.unit_stride_last_dim(t) for t in (q, k_cache, v_cache))
     batch, heads, seqlen_q, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads, head_dim_v = k_cache.shape[1], v_cache.shape[-1]
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = torch.empty((batch, heads, seqlen_q, head_dim_v), dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
     if out.numel() == 0:
         return out, lse
@@ -79,11 +79,11 @@ def launch(
         return out.zero_(), lse.fill_(float("-inf"))
 
     interpreted = runtime.is_interpreted()
-    cfg = decode_config(head_dim, q.element_size(), interpreted=interpreted, paged=paged)
+    # Tiles sized for the wider of the two head dims.
+    width = max(head_dim, head_dim_v)
+    cfg = decode_config(width, q.element_size(), interpreted=interpreted, paged=paged)
     if num_splits == 0:
-        num_splits = choose_num_splits(
-            batch, kv_heads, capacity, head_dim, q.element_size(), q.device
-        )
+        num_splits = choose_num_splits(batch, kv_heads, capacity, width, q.element_size(), q.device)
     # Splits past the longest possible sequence would only write empty partials; more than
     # MAX_SPLITS would make the combine's (splits, D) tile spill.
     num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
@@ -100,7 +100,7 @@ def launch(
         part_strides = (0, *out.stride()[:3]), (0, *lse.stride())
     else:
         o_part = torch.empty(
-            (num_splits, batch, heads, seqlen_q, head_dim), dtype=torch.float32, device=q.device
+            (num_splits, batch, heads, seqlen_q, head_dim_v), dtype=torch.float32, device=q.device
         )
         lse_part = torch.empty(
             (num_splits, batch, heads, seqlen_q), dtype=torch.float32, device=q.device
@@ -110,7 +110,7 @@ def launch(
     table = block_table if paged else cache_seqlens
     slopes, stride_ab = pb.alibi_arg(alibi_slopes, lse)
     block_m = decode_block_m(kv_group, seqlen_q)
-    flags = pb.type_flags(q.dtype, head_dim, interpreted)
+    flags = pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v)
     split_kernel, combine_kernel = kernels()
     with runtime.launch_on(q):
         split_kernel(
@@ -144,8 +144,8 @@ def launch(
                     heads, seqlen_q, num_splits,
                 ),
                 dict(
-                    HEAD_DIM=head_dim,
-                    BLOCK_D=flags["BLOCK_D"],
+                    HEAD_DIM=head_dim_v,
+                    BLOCK_D=flags["BLOCK_DV"],
                     BLOCK_S=max(2, pb.next_pow2(num_splits)),
                     num_warps=4,
                 ),

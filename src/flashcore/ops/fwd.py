@@ -45,7 +45,8 @@ def launch(
     q, k, v = (pb.unit_stride_last_dim(t) for t in (q, k, v))
     dims = pb.problem_dims(q, k, varlen)
     lse = torch.empty(pb.lse_shape(q, varlen is not None), dtype=torch.float32, device=q.device)
-    out = torch.empty_like(q)
+    # out has v's head dim (which may differ from q's and k's) and q's memory layout.
+    out = pb.empty_rows_like(q, v.shape[-1])
     if out.numel() == 0 or dims.seqlen_q == 0:
         return out, lse
     if k.numel() == 0:
@@ -58,6 +59,7 @@ def launch(
     if (
         varlen is None
         and sinks is None
+        and v.shape[-1] == q.shape[-1]
         and config is None
         and runtime.forward_tier(q.device) == "sm90"
     ):
@@ -78,7 +80,8 @@ def launch(
     # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
     # and constexprs are built once per problem signature.
     key = (
-        q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device, causal, scale,
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal,
+        scale,
         window, softcap, None if alibi_slopes is None else stride_ab, sinks is None,
         None if varlen is None else dims, config,
         all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)), tuning.TMA_MIN_FLOPS,
@@ -90,10 +93,10 @@ def launch(
     if tiles is None:
         pointers = (q, k, v, out)
     else:
-        rows_q, rows_k, block_d = tiles
+        rows_q, rows_k, block_d, block_dv = tiles
         pointers = (
             pb.descriptor(q, rows_q, block_d), pb.descriptor(k, rows_k, block_d),
-            pb.descriptor(v, rows_k, block_d), pb.descriptor(out, rows_q, block_d),
+            pb.descriptor(v, rows_k, block_dv), pb.descriptor(out, rows_q, block_dv),
         )  # fmt: skip
     cu = (None, None) if varlen is None else varlen[:2]
     with runtime.launch_on(q):
@@ -125,12 +128,14 @@ def _plan(
     """``(grid, arguments after the pointers, constexprs, descriptor tiles or None)`` of the
     forward launch of ``launch``."""
     batch, heads, kv_heads, seqlen_q, seqlen_k = dims
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     interpreted = runtime.is_interpreted()
     exp_e = pb.uses_exp_e(q.dtype, interpreted)
-    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim / (2 if causal else 1)
+    flops = 2.0 * batch * heads * seqlen_q * seqlen_k * (head_dim + head_dim_v)
+    flops /= 2 if causal else 1
+    # Tiles sized for the wider of the two head dims (registers hold a Q and an O tile).
     cfg = config or fwd_config(
-        head_dim,
+        max(head_dim, head_dim_v),
         q.element_size(),
         interpreted=interpreted,
         seqlen_q=seqlen_q,
@@ -141,14 +146,14 @@ def _plan(
     sc = pb.scores(
         causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k, exp_e=exp_e
     )
-    flags = pb.type_flags(q.dtype, head_dim, interpreted)
+    flags = pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v)
     use_tma = (
         cfg.use_tma
         and varlen is None
         and (interpreted or runtime.has_tma(q.device))
         and all(pb.tma_compatible(t) for t in (q, k, v, out))
     )
-    tiles = (cfg.block_m, cfg.block_n, flags["BLOCK_D"]) if use_tma else None
+    tiles = (cfg.block_m, cfg.block_n, flags["BLOCK_D"], flags["BLOCK_DV"]) if use_tma else None
     tail = (
         *pb.row_strides(q, varlen), *pb.row_strides(k, varlen), *pb.row_strides(v, varlen),
         *pb.row_strides(out, varlen), *pb.stats_strides(lse, varlen), stride_ab,

@@ -164,11 +164,18 @@ def window_bounds(
     return causal, left < unbounded or right < unbounded, left, right
 
 
-def type_flags(dtype: torch.dtype, head_dim: int, interpreted: bool) -> dict:
-    """Constexprs every kernel takes from the input dtype and head dim."""
+def type_flags(
+    dtype: torch.dtype, head_dim: int, interpreted: bool, head_dim_v: int | None = None
+) -> dict:
+    """Constexprs every kernel takes from the input dtype and head dim; with ``head_dim_v``
+    also the value head dim (kernels that read V: it may differ from the query/key one)."""
+    value = {}
+    if head_dim_v is not None:
+        value = dict(HEAD_DIM_V=head_dim_v, BLOCK_DV=head_block(head_dim_v))
     return dict(
         HEAD_DIM=head_dim,
         BLOCK_D=head_block(head_dim),
+        **value,
         # Triton 3.6's interpreter computes bf16 on the raw bit patterns: compute in fp32.
         UPCAST=interpreted and dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
@@ -206,6 +213,18 @@ def descriptor(t: torch.Tensor, rows: int, block_d: int) -> Descriptor:
     """A 4-D tensor descriptor over ``(B, heads, S, D)`` moving ``(1, 1, rows, block_d)`` tiles
     (``t`` passed ``tma_compatible``)."""
     return Descriptor(t, [1, 1, rows, block_d])
+
+
+def empty_rows_like(t: torch.Tensor, last: int) -> torch.Tensor:
+    """``torch.empty_like(t)`` with a last dim of ``last``: the other dims in ``t``'s memory order
+    (a dense ``(B, S, H, D)`` view in gives the same view of an ``Dv`` wide result), unit
+    stride along the last."""
+    if last == t.shape[-1]:
+        return torch.empty_like(t)
+    order = sorted(range(t.dim() - 1), key=lambda d: -t.stride(d))
+    base = t.new_empty([t.shape[d] for d in order] + [last])
+    inverse = sorted(range(len(order)), key=lambda i: order[i])
+    return base.permute(*inverse, t.dim() - 1)
 
 
 def unit_stride_last_dim(t: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from flashcore.ops import bwd, decode, fwd
-from flashcore.ops.problem import lse_shape, unit_stride_last_dim, varlen_of
+from flashcore.ops.problem import empty_rows_like, lse_shape, unit_stride_last_dim, varlen_of
 
 
 def direct(*tensors: torch.Tensor | None) -> bool:
@@ -75,9 +75,10 @@ attn_fwd = torch.library.custom_op("flashcore::attn_fwd", mutates_args=())(_attn
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q: torch.Tensor, k, v, cu_seqlens_q: torch.Tensor | None, *args):
+def _attn_fwd_fake(q: torch.Tensor, k, v: torch.Tensor, cu_seqlens_q: torch.Tensor | None, *args):
     packed = cu_seqlens_q is not None
-    return torch.empty_like(q), q.new_empty(lse_shape(q, packed), dtype=torch.float32)
+    out = empty_rows_like(q, v.shape[-1])
+    return out, q.new_empty(lse_shape(q, packed), dtype=torch.float32)
 
 
 def _attn_bwd(
@@ -209,8 +210,10 @@ attn_kvcache = torch.library.custom_op("flashcore::attn_kvcache", mutates_args=(
 
 
 @attn_kvcache.register_fake
-def _attn_kvcache_fake(q: torch.Tensor, *args) -> tuple[torch.Tensor, torch.Tensor]:
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+def _attn_kvcache_fake(
+    q: torch.Tensor, k_cache, v_cache: torch.Tensor, *args
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_empty((*q.shape[:3], v_cache.shape[-1]))
     return out, q.new_empty(lse_shape(q, False), dtype=torch.float32)
 
 

@@ -1,0 +1,142 @@
+"""A value head dim unlike the query/key one (``Dv != D``, MLA): forward, backward, varlen and
+decoding against the reference; out (and dv) have v's head dim."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashcore
+from flashcore import reference
+from helpers import check_backward, check_forward, check_varlen, cu_seqlens, mask_options
+from numerics import assert_fa_rule
+from shapes import DTYPES, Case, MaskCase, VarlenCase
+
+# (mask case, Dv): D and Dv on either side of each other, padded (non-power-of-two) dims on
+# either side, with GQA/MQA, causal with Sq > Sk, window + softcap + ALiBi.
+DV_CASES = [
+    (MaskCase(Case(2, 4, 2, 37, 53, 48)), 32),
+    (MaskCase(Case(1, 2, 1, 45, 30, 16), causal=True), 80),
+    (MaskCase(Case(1, 4, 2, 40, 70, 32), window=(9, 2), softcap=4.0, alibi="h"), 16),
+]
+
+DV_CASES_GPU = [
+    (MaskCase(Case(2, 16, 16, 1024, 1024, 192), causal=True), 128),  # MLA training
+    (MaskCase(Case(1, 8, 2, 777, 2049, 192)), 128),
+    (MaskCase(Case(2, 8, 8, 600, 600, 64), window=(128, 0), softcap=20.0), 256),
+    (MaskCase(Case(1, 4, 1, 300, 517, 256), causal=True, alibi="bh"), 96),
+]
+
+
+def make_qkv_dv(case: Case, head_dim_v: int, dtype, device, layout: str = "bhsd"):
+    b, h, hkv, sq, sk, d = case
+
+    def rand(heads, seqlen, dim):
+        if layout == "bshd":
+            return torch.randn(b, seqlen, heads, dim, dtype=dtype, device=device).transpose(1, 2)
+        return torch.randn(b, heads, seqlen, dim, dtype=dtype, device=device)
+
+    return rand(h, sq, d), rand(hkv, sk, d), rand(hkv, sk, head_dim_v)
+
+
+def check_case(q, k, v, opts) -> None:
+    out, lse = flashcore.attention(q, k, v, return_lse=True, **opts)
+    assert out.shape == (*q.shape[:3], v.shape[-1])
+    check_forward(out, lse, q, k, v, **opts)
+    dq, dk, dv = check_backward(q, k, v, dlse=torch.randn_like(lse), **opts)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize(("mc", "dv"), DV_CASES, ids=[f"{m.id}-dv{dv}" for m, dv in DV_CASES])
+def test_value_dim(mc, dv, dtype, device):
+    q, k, v = make_qkv_dv(mc.case, dv, dtype, device)
+    check_case(q, k, v, mask_options(mc, device))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("mc", "dv"), DV_CASES_GPU, ids=[f"{m.id}-dv{dv}" for m, dv in DV_CASES_GPU]
+)
+def test_value_dim_gpu(mc, dv, dtype, device):
+    q, k, v = make_qkv_dv(mc.case, dv, dtype, device, layout="bshd")
+    check_case(q, k, v, mask_options(mc, device))
+
+
+def test_value_dim_layout_and_sinks(device):
+    """A (B, S, H, D) q gives a (B, S, H, Dv) out viewed as (B, H, S, Dv); sinks combine."""
+    q, k, v = make_qkv_dv(Case(2, 4, 2, 20, 33, 32), 16, torch.float16, device, layout="bshd")
+    sinks = torch.randn(4, device=device)
+    out, lse = flashcore.attention(q, k, v, causal=True, sinks=sinks, return_lse=True)
+    assert out.transpose(1, 2).is_contiguous()
+    check_forward(out, lse, q, k, v, causal=True, sinks=sinks)
+
+
+def test_value_dim_varlen(device):
+    case = VarlenCase(4, 2, (9, 20, 0, 5), (14, 0, 3, 5), 32)
+    q = torch.randn(sum(case.seqlens_q), 4, 32, device=device)
+    k = torch.randn(sum(case.seqlens_k), 2, 32, device=device)
+    v = torch.randn(sum(case.seqlens_k), 2, 48, device=device)
+    cu_q, cu_k = cu_seqlens(case.seqlens_q, device), cu_seqlens(case.seqlens_k, device)
+    out, _, _ = check_varlen(case, q, k, v, cu_q, cu_k, causal=True, backward=True)
+    assert out.shape == (q.shape[0], 4, 48)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_value_dim_kvcache(paged, device):
+    batch, heads, kv_heads, d, dv = 2, 4, 2, 48, 24
+    q = torch.randn(batch, heads, 2, d, device=device, dtype=torch.float16)
+    lens = torch.tensor([5, 60], dtype=torch.int32, device=device)
+    if paged:
+        k_cache = torch.randn(8, kv_heads, 16, d, device=device, dtype=torch.float16)
+        v_cache = torch.randn(8, kv_heads, 16, dv, device=device, dtype=torch.float16)
+        table = torch.randperm(8, device=device).to(torch.int32).view(batch, 4)
+    else:
+        k_cache = torch.randn(batch, kv_heads, 64, d, device=device, dtype=torch.float16)
+        v_cache = torch.randn(batch, kv_heads, 64, dv, device=device, dtype=torch.float16)
+        table = None
+    for splits in (1, 3):
+        out, lse = flashcore.attention_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lens, block_table=table, num_splits=splits,
+            return_lse=True,
+        )  # fmt: skip
+        assert out.shape == (batch, heads, 2, dv)
+        opts = {"cache_seqlens": lens, "block_table": table}
+        ref = reference.attention_with_kvcache(q, k_cache, v_cache, **opts)
+        pt = reference.attention_with_kvcache(q, k_cache, v_cache, dtype=torch.float16, **opts)
+        assert_fa_rule("out", out, pt.out, ref.out)
+        assert_fa_rule("lse", lse, pt.lse.float(), ref.lse)
+
+
+def test_value_dim_compile_and_opcheck(device):
+    """The fakes give out v's head dim: torch.compile(fullgraph) and opcheck agree."""
+    from flashcore.ops import registry as ops
+
+    q, k, v = make_qkv_dv(Case(1, 2, 1, 12, 17, 32), 16, torch.float32, device, layout="bshd")
+    options = (None, None, 0, 0, True, 0.25, -1, -1, 0.0, None, None)
+    torch.library.opcheck(ops.attn_fwd, (q, k, v, *options))
+    out, lse = ops.attn_fwd(q, k, v, *options)
+    args = (torch.randn_like(out), q, k, v, out, lse, None, *options)
+    torch.library.opcheck(ops.attn_bwd, args)
+
+    def fn(q, k, v):
+        return flashcore.attention(q, k, v, causal=True)
+
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
+    assert torch.equal(got, fn(q, k, v))
+    torch._dynamo.reset()
+
+
+def test_value_dim_errors(device):
+    q, k, v = make_qkv_dv(Case(1, 2, 1, 8, 8, 16), 24, torch.float32, device)
+    with pytest.raises(ValueError, match=r"^k and v must have the same shape .*head dims may"):
+        flashcore.attention(q, k, v[:, :, :5])
+    with pytest.raises(NotImplementedError, match=r"v.shape\[-1\] = 260"):
+        flashcore.attention(q, k, torch.zeros(1, 1, 8, 260, device=device))
+    cache = torch.zeros(1, 1, 16, 16, device=device)
+    lens = torch.tensor([3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"^k_cache and v_cache must have the same shape"):
+        flashcore.attention_with_kvcache(q[:, :, :1], cache, cache[:, :, :8], cache_seqlens=lens)
