@@ -232,6 +232,12 @@ def exp2_while_product_runs(code: str, waits: tuple[str, str, str]) -> int:
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
     pytest.importorskip("triton.experimental.gluon", reason="triton without Gluon")
+    from flashcore.ops import runtime
+
+    if not runtime.sm90_verified():
+        # Gluon's API moves between releases (3.9 renamed the TMA store); the tier is enabled
+        # only on the versions it was verified on, and compiled here only on those.
+        pytest.skip(f"the sm90 tier is verified on Triton {runtime.SM90_TRITON} only")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
