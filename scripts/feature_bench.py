@@ -1,0 +1,109 @@
+"""Cost of the 2026 features on the GPU: sinks against no sinks, and MLA head dims (D=192,
+Dv=128) against PyTorch's SDPA, forward and backward, ``triton.testing.do_bench`` medians.
+
+    PYTHONPATH=src python scripts/feature_bench.py [--out results.jsonl]
+
+Sinks: the FA sweep's 4k points (batch 4, hidden 2048, bf16), causal and not. MLA: batch 2 (4k)
+or 1 (8k), 16 heads. The backward is timed as ``autograd.grad`` of a forward output whose graph
+is kept (``retain_graph``), so it includes the backward's host path but not the forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+import flashcore
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / ms * 1e-9
+
+
+def time_fwd_bwd(fn, inputs) -> tuple[float, float]:
+    fwd_ms = do_bench(lambda: fn(*inputs), return_mode="median")
+    out = fn(*inputs)
+    dout = torch.randn_like(out)
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    bwd_ms = do_bench(
+        lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True), return_mode="median"
+    )
+    return fwd_ms, bwd_ms
+
+
+def sinks_cost(rows: list) -> None:
+    for head_dim in (64, 128):
+        heads = 2048 // head_dim
+        for causal in (False, True):
+            shape = (4, heads, 4096, head_dim)
+            q, k, v = (
+                torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(3)
+            )
+            sinks = torch.randn(heads, device="cuda", requires_grad=True)
+            base = time_fwd_bwd(
+                lambda q, k, v, c=causal: flashcore.attention(q, k, v, causal=c), (q, k, v)
+            )
+            with_sinks = time_fwd_bwd(
+                lambda q, k, v, s, c=causal: flashcore.attention(q, k, v, causal=c, sinks=s),
+                (q, k, v, sinks),
+            )
+            row = {
+                "case": "sinks", "head_dim": head_dim, "causal": causal, "seqlen": 4096,
+                "fwd_ms": base[0], "fwd_sinks_ms": with_sinks[0],
+                "bwd_ms": base[1], "bwd_sinks_ms": with_sinks[1],
+                "fwd_cost": with_sinks[0] / base[0] - 1, "bwd_cost": with_sinks[1] / base[1] - 1,
+            }  # fmt: skip
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+
+
+def mla(rows: list) -> None:
+    for seqlen, batch in ((4096, 2), (8192, 1)):
+        for causal in (False, True):
+            heads, d, dv = 16, 192, 128
+            q = torch.randn(batch, heads, seqlen, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn_like(q)
+            v = torch.randn(batch, heads, seqlen, dv, device="cuda", dtype=torch.bfloat16)
+            for t in (q, k, v):
+                t.requires_grad_()
+            flops = 2.0 * batch * heads * seqlen * seqlen * (d + dv) / (2 if causal else 1)
+            row = {"case": "mla", "seqlen": seqlen, "batch": batch, "causal": causal}
+            providers = {
+                "flashcore": lambda q, k, v, c=causal: flashcore.attention(q, k, v, causal=c),
+                "sdpa": lambda q, k, v, c=causal: F.scaled_dot_product_attention(
+                    q, k, v, is_causal=c
+                ),
+            }
+            for name, fn in providers.items():
+                try:
+                    fwd_ms, bwd_ms = time_fwd_bwd(fn, (q, k, v))
+                except RuntimeError as e:
+                    row[name] = f"error: {str(e)[:80]}"
+                    continue
+                row[f"{name}_fwd_tflops"] = tflops(flops, fwd_ms)
+                row[f"{name}_bwd_tflops"] = tflops(2.5 * flops, bwd_ms)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows: list = []
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    sinks_cost(rows)
+    mla(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
