@@ -435,11 +435,12 @@ def attention_with_kvcache(
     return_lse: bool = False,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of a few new queries against a KV cache (decoding), split-KV. Inference only.
+    """Attention of new queries against a KV cache (decoding, chunked prefill), split-KV.
+    Inference only.
 
     Args:
-        q: ``(B, H, Sq, D)``: Sq = 1 for decoding, a few for speculative decoding
-            (``Sq * H // Hkv <= 128``). Any strides.
+        q: ``(B, H, Sq, D)``: Sq = 1 for decoding, a few for speculative decoding, any number
+            for a chunk of prefill (the last Sq positions of each sequence). Any strides.
         k_cache, v_cache: either contiguous ``(B, Hkv, S_max, D)`` and ``(B, Hkv, S_max, Dv)``
             (v_cache's head dim Dv may differ from D; sequence b's key j at
             ``[b, :, j]``), or paged ``(num_blocks, Hkv, block_size, D)`` with ``block_table``.
@@ -488,8 +489,7 @@ def attention_with_kvcache(
             float16, bfloat16 or float32, all alike; cache_seqlens/block_table: int32;
             alibi_slopes: float32), or an option has the wrong type.
         ValueError: wrong ranks or shapes, mismatched devices, heads not divisible, a block_size
-            that is not a multiple of 16, ``Sq * H // Hkv`` above 128, bad window/softcap/scale/
-            num_splits values.
+            that is not a multiple of 16, bad window/softcap/scale/num_splits values.
         NotImplementedError: head_dim above 256.
     """
     check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)

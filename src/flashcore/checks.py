@@ -209,10 +209,6 @@ def check_sinks(
     return sinks
 
 
-# Rows of the decode kernel's tile: (H // Hkv) query heads x Sq queries of one kv head.
-MAX_DECODE_ROWS = 128
-
-
 def check_int_tensor(name: str, t: object, shape: tuple[int, ...], device: torch.device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -240,7 +236,7 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> Non
             f"k_cache and v_cache must have the same shape (only their head dims may differ), "
             f"got k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}"
         )
-    batch, heads, seqlen_q, head_dim = q.shape
+    batch, heads, _, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
     if block_table is None:
@@ -265,12 +261,6 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> Non
             "for GQA/MQA"
         )
     check_head_dims(head_dim, v_cache.shape[-1], "v_cache")
-    if seqlen_q * (heads // kv_heads) > MAX_DECODE_ROWS:
-        raise ValueError(
-            f"q.shape[2] * (H // Hkv) must be at most {MAX_DECODE_ROWS} (the decode kernel keeps "
-            f"every query of a kv head in one tile), got {seqlen_q} * {heads // kv_heads}; use "
-            "flashcore.attention for prefill"
-        )
     if q.device.type == "cpu" and not interpreted():
         raise ValueError(
             "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "

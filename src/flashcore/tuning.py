@@ -224,9 +224,14 @@ MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64  # also caps an explicit num_splits: the combine holds (splits, D) in registers
 
 
+# Rows of one decode tile at most; a longer chunk of queries takes several tiles.
+MAX_DECODE_ROWS = 128
+
+
 def decode_block_m(kv_group: int, seqlen_q: int) -> int:
-    """Rows of the decode tile: every query head of one kv head x every query, >= 16 for tl.dot."""
-    return max(16, 1 << (kv_group * seqlen_q - 1).bit_length())
+    """Rows of the decode tile: every query head of one kv head x every query, >= 16 for tl.dot,
+    at most MAX_DECODE_ROWS (more rows take more tiles)."""
+    return min(MAX_DECODE_ROWS, max(16, 1 << (kv_group * seqlen_q - 1).bit_length()))
 
 
 def decode_config(

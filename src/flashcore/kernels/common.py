@@ -113,7 +113,7 @@ def kv_tile_range(
     ``j <= i + d + window_right``. The launcher passes an unbounded side as a value of at least
     ``seqlen_q + seqlen_k``. Without HAS_WINDOW ``lo = full_lo = 0`` (compile-time), and the
     ranges are exactly the causal/full ones. ``block_m`` is the tile's BLOCK_M, or for the decode
-    kernel (whose rows are every query of a kv head) the number of queries.
+    kernel (whose rows pack the query heads of a kv head) the number of queries in its tile.
     """
     diag = seqlen_k - seqlen_q
     if IS_CAUSAL:

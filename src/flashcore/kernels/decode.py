@@ -2,13 +2,15 @@
 
 Algorithm. Decoding has few queries (Sq = 1, or a few for speculative decoding) against a long
 cache, so the forward kernel's grid (one program per query block) would leave the GPU idle and
-read K/V once per query head. Here one program owns one (batch, kv head) and one split of its
-keys, and keeps ALL the query rows that read that kv head on chip: the ``H // Hkv`` query heads x
-``Sq`` queries are packed into the M dimension of one (BLOCK_M, BLOCK_D) tile (row
-``r = g * Sq + i``: head ``kv_head * G + g``, query i; BLOCK_M is padded to a power of two >= 16
-for ``tl.dot``). Each K/V tile is then read once per kv head per split, whatever the GQA ratio.
-Within a split the key loop is the forward's: ``S = Q @ K^T`` in fp32, an online softmax in base
-2 (``scale * log2(e)`` folded into one multiply), ``P`` cast to the value dtype for ``P @ V``.
+read K/V once per query head. Here one program owns one (batch, kv head), one split of its keys
+and one tile of BLOCK_M rows, where the rows pack the ``G = H // Hkv`` query heads of the kv head
+query by query: row ``r`` is query ``i = r // G`` of head ``kv_head * G + r % G``. Decoding fits
+all ``G * Sq`` rows in one tile (BLOCK_M padded to a power of two >= 16 for ``tl.dot``, at most
+128), so each K/V tile is read once per kv head per split, whatever the GQA ratio; a longer chunk
+of queries (prefill against the cache) takes several row tiles, each a run of consecutive
+queries, so causal tiles skip the keys their queries cannot see. Within a split the key loop is
+the forward's: ``S = Q @ K^T`` in fp32, an online softmax in base 2 (``scale * log2(e)`` folded
+into one multiply), ``P`` cast to the value dtype for ``P @ V``.
 
 ``attn_decode_kernel`` writes, per row and split, the normalised partial output and its LSE.
 ``attn_decode_combine_kernel`` merges the splits of a row with the LSE trick:
@@ -16,10 +18,10 @@ Within a split the key loop is the forward's: ``S = Q @ K^T`` in fp32, an online
 launcher points the first kernel at the final ``out``/``lse`` (split stride 0) and skips the
 combine.
 
-Grid. ``attn_decode_kernel``: ``(B * Hkv, num_splits)``. The visible key range of a sequence
-``[lo, L)`` is cut into ``num_splits`` runs of whole BLOCK_N tiles (sized from that sequence's own
-length L, so a short sequence's later splits are empty). ``attn_decode_combine_kernel``:
-``(B * H * Sq,)``, one program per output row.
+Grid. ``attn_decode_kernel``: ``(B * Hkv, num_splits, cdiv(G * Sq, BLOCK_M))``. The key range
+``[lo, hi)`` a row tile's queries see is cut into ``num_splits`` runs of whole BLOCK_N tiles (sized
+from that sequence's own length L, so a short sequence's later splits are empty).
+``attn_decode_combine_kernel``: ``(B * H * Sq,)``, one program per output row.
 
 Positions. Sequence b holds ``L = cache_seqlens[b]`` valid keys (clamped to ``[0, capacity]`` so
 that no load leaves the cache); its queries are the LAST Sq positions: query i sits at
@@ -48,7 +50,7 @@ Flags (``tl.constexpr``, compiled away when off):
 - HAS_SINKS: a sink logit per query head joins each row's softmax as a key with no value
   (``common.softmax_start``), in the first split only; the combine's LSE merge then counts it
   once. A row that sees no key gives ``out = 0`` and ``lse = sink``.
-- EVEN_M: ``G * Sq == BLOCK_M`` (no padded rows: loads skip the row mask).
+- EVEN_M: ``G * Sq`` is a multiple of BLOCK_M (no padded rows: loads skip the row mask).
 - HEAD_DIM < BLOCK_D, HEAD_DIM_V < BLOCK_DV: padded head dims (the value one may differ), as in
   the forward.
 - UPCAST, DOT_PRECISION, EXP_E: as in the forward kernel (interpreter bf16 upcast; IEEE fp32
@@ -224,6 +226,7 @@ def attn_decode_kernel(
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
+    row_tile = tl.program_id(2)
     off_b = (pid_bh // kv_heads).to(tl.int64)
     off_hk = (pid_bh % kv_heads).to(tl.int64)
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
@@ -231,13 +234,17 @@ def attn_decode_kernel(
 
     seqlen = tl.minimum(tl.maximum(tl.load(SEQLENS + off_b), 0), seqlen_cap)
     n_rows = kv_group * seqlen_q
-    offs_r = tl.arange(0, BLOCK_M)
+    row0 = row_tile * BLOCK_M
+    offs_r = row0 + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    # Row r packs query head g = r // Sq of this kv head's group and query i = r % Sq.
-    g = offs_r // seqlen_q
-    qi = offs_r % seqlen_q
+    # Row r packs query i = r // G and query head g = r % G of this kv head's group: a tile of
+    # consecutive rows holds consecutive queries, [first_q, first_q + tile_q).
+    g = offs_r % kv_group
+    qi = offs_r // kv_group
+    first_q = row0 // kv_group
+    tile_q = (tl.minimum(row0 + BLOCK_M, n_rows) - 1) // kv_group - first_q + 1
     head0 = off_hk * kv_group
 
     q_ptrs = (
@@ -250,18 +257,19 @@ def attn_decode_kernel(
     q = load_tile(q_ptrs, offs_r, n_rows, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
     if UPCAST:
         q = q.to(tl.float32)
-    # Padded rows (g past the group) read a real head's slope and sink; they are never stored.
-    heads = head0 + tl.minimum(g, kv_group - 1)
+    heads = head0 + g
     if HAS_ALIBI:
         slope = alibi_slope(ALIBI, off_b, heads, stride_ab, HAS_ALIBI, EXP_E)[:, None]
     else:
         slope = 0.0
 
-    # The tiles the Sq queries see, as a query block of the forward kernel would (rows 0..Sq-1 of
-    # a (Sq, L) problem): keys some row sees [lo, hi = L), keys every row sees [full_lo, full_hi).
+    # The tiles this tile's queries see, as a query block of the forward kernel would (rows
+    # first_q.. of a (Sq, L) problem): keys some row sees [lo, hi), every row sees [full_lo,
+    # full_hi).
     lo, full_lo, full_hi, hi = kv_tile_range(
-        0, seqlen_q, seqlen, window_left, window_right, seqlen_q, BLOCK_N, IS_CAUSAL, HAS_WINDOW
-    )
+        first_q, seqlen_q, seqlen, window_left, window_right, tile_q, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
     # This split's whole tiles.
     per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits) * BLOCK_N
     start = tl.minimum(lo + split * per_split, hi)

@@ -82,12 +82,17 @@ def launch(
     # Tiles sized for the wider of the two head dims.
     width = max(head_dim, head_dim_v)
     cfg = decode_config(width, q.element_size(), interpreted=interpreted, paged=paged)
+    kv_group = heads // kv_heads
+    # Row tiles of the packed (query, head) rows: one for decoding, more for a prefill chunk.
+    block_m = decode_block_m(kv_group, seqlen_q)
+    row_tiles = pb.cdiv(kv_group * seqlen_q, block_m)
     if num_splits == 0:
-        num_splits = choose_num_splits(batch, kv_heads, capacity, width, q.element_size(), q.device)
+        num_splits = choose_num_splits(
+            batch * row_tiles, kv_heads, capacity, width, q.element_size(), q.device
+        )
     # Splits past the longest possible sequence would only write empty partials; more than
     # MAX_SPLITS would make the combine's (splits, D) tile spill.
     num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
-    kv_group = heads // kv_heads
     exp_e = pb.uses_exp_e(q.dtype, interpreted)
     # Sequence lengths live on the device; the capacity bounds them all (problem.window_bounds).
     sc = pb.scores(
@@ -109,12 +114,11 @@ def launch(
     # Unused pointer arguments get a real tensor: the flags compile their loads away.
     table = block_table if paged else cache_seqlens
     slopes, stride_ab = pb.alibi_arg(alibi_slopes, lse)
-    block_m = decode_block_m(kv_group, seqlen_q)
     flags = pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v)
     split_kernel, combine_kernel = kernels()
     with runtime.launch_on(q):
         split_kernel(
-            (batch * kv_heads, num_splits),
+            (batch * kv_heads, num_splits, row_tiles),
             (
                 q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes, sinks,
                 *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -127,7 +131,7 @@ def launch(
                 **sc.flags(),
                 BLOCK_M=block_m,
                 BLOCK_N=cfg.block_n,
-                EVEN_M=kv_group * seqlen_q == block_m,
+                EVEN_M=kv_group * seqlen_q % block_m == 0,
                 PAGED=paged,
                 EXP_E=exp_e,
                 HAS_SINKS=sinks is not None,
