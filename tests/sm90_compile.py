@@ -176,6 +176,7 @@ def fwd_consts(
         "USE_TMA": tma,
         "IS_VARLEN": varlen,
         "HAS_SINKS": masks,
+        "PAGED": False,
         **({} if varlen else {"CU_Q": None, "CU_K": None}),
         **({} if masks else {"SINKS": None}),
     }

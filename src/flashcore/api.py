@@ -19,6 +19,7 @@ from flashcore.checks import (
     check_kvcache_inputs,
     check_max_seqlen,
     check_num_splits,
+    check_paged_varlen,
     check_scale,
     check_sinks,
     check_softcap,
@@ -159,7 +160,7 @@ def attention(
     sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device))
     out, lse = _ops.attention(
         q, k, v, None, None, 0, 0, causal, scale, window_left, window_right, softcap,
-        alibi_slopes, sinks,
+        alibi_slopes, sinks, None,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -185,6 +186,7 @@ def attention_varlen(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` on a packed batch of variable-length sequences (FlashAttention-2's varlen).
 
@@ -217,6 +219,13 @@ def attention_varlen(
         alibi_slopes: float32 ``(H,)`` or ``(B, H)`` (B = number of sequences), as in
             :func:`attention`, with positions counted within each sequence.
         sinks: float32 ``(H,)``, as in :func:`attention` (the same sinks for every sequence).
+        block_table: int32 ``(B, max_blocks)``: k and v are then paged caches in
+            :func:`attention_with_kvcache`'s layout, ``(num_blocks, Hkv, block_size, D)`` (and
+            ``Dv``), block_size a multiple of 16; sequence b's keys are the first
+            ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` of its pages in order (key j in page
+            ``block_table[b, j // block_size]``, row ``j % block_size``): FlashAttention-2's
+            paged varlen, for chunked prefill. ``max_seqlen_k`` is at most ``max_blocks *
+            block_size``. Forward only: inputs that require a gradient raise.
 
     The contents of ``cu_seqlens_q``/``cu_seqlens_k`` and the maxima are trusted, as in
     FlashAttention: checking them would read device memory on the host and stall the stream.
@@ -244,10 +253,22 @@ def attention_varlen(
             scale, cu_seqlens not ``(B + 1,)`` alike, a maximum out of range.
         NotImplementedError: head_dim above 256.
     """
-    check_inputs(q, k, v, packed=True)
+    if block_table is None:
+        check_inputs(q, k, v, packed=True)
+        keys, keys_name = k.shape[0], "total_k"
+    else:
+        keys = check_paged_varlen(q, k, v, block_table, _batch_of(cu_seqlens_q))
+        keys_name = "max_blocks * block_size"
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, sinks)
+        ):
+            raise NotImplementedError(
+                "attention_varlen with a block_table is forward-only: an input requires grad "
+                "(detach it or call under torch.no_grad())"
+            )
     check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0], "total_q")
-    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, k.shape[0], "total_k")
+    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, keys, keys_name)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     scale = check_scale(scale, q.shape[-1])
@@ -258,9 +279,16 @@ def attention_varlen(
     sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device))
     out, lse = _ops.attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-        window_left, window_right, softcap, alibi_slopes, sinks,
+        window_left, window_right, softcap, alibi_slopes, sinks, block_table,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _batch_of(cu_seqlens_q: object) -> int:
+    """The batch size cu_seqlens_q implies (its own checks come after the tensors')."""
+    if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1:
+        return cu_seqlens_q.shape[0] - 1
+    return -1
 
 
 # Fallback reasons already warned about; one warning per reason per process.

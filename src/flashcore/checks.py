@@ -209,6 +209,46 @@ def check_sinks(
     return sinks
 
 
+def check_paged_varlen(q, k, v, block_table, batch: int) -> int:
+    """``attention_varlen`` with a block table: q packed ``(total_q, H, D)``, k and v paged caches
+    ``(num_blocks, Hkv, block_size, D/Dv)``, block_table int32 ``(batch, max_blocks)``. Returns
+    the capacity (``max_blocks * block_size``), which bounds max_seqlen_k."""
+    q = check_tensor("q", q, packed=True)
+    k = check_tensor("k", k)
+    v = check_tensor("v", v)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(
+            "k and v must have the same shape (num_blocks, kv_heads, block_size) (only their "
+            f"head dims may differ), got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    heads, head_dim, kv_heads, block_size = q.shape[1], q.shape[-1], k.shape[1], k.shape[2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"k head_dim must equal q's ({head_dim}), got {k.shape[-1]}")
+    if kv_heads == 0 or heads % kv_heads != 0:
+        raise ValueError(
+            f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads}) for GQA/MQA"
+        )
+    if block_size == 0 or block_size % 16:
+        raise ValueError(
+            f"block_size (k.shape[2] of a paged cache) must be a positive multiple of 16, got "
+            f"{block_size}"
+        )
+    check_head_dims(head_dim, v.shape[-1], "v")
+    check_int_tensor("block_table", block_table, (batch, -1), q.device)
+    if q.device.type == "cpu" and not interpreted():
+        raise ValueError(
+            "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
+            "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
+            "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
+        )
+    return block_table.shape[1] * block_size
+
+
 def check_int_tensor(name: str, t: object, shape: tuple[int, ...], device: torch.device):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

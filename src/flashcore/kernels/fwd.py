@@ -49,6 +49,10 @@ Flags (``tl.constexpr``, compiled away when off):
   as a key with no value (gpt-oss): the running max and sum start from it
   (``common.softmax_start``), so the normalisation and the LSE include it and nothing else
   changes. The backward needs no flag: its probabilities come from this LSE.
+- PAGED (with IS_VARLEN): K and V are paged caches ``(num_blocks, Hkv, block_size, D)``; key j of
+  sequence b is row ``j % block_size`` of page ``BLOCK_TABLE[b, j // block_size]``, gathered per
+  key row as in the decode kernel, and ``CU_K`` gives only each sequence's number of keys
+  (FlashAttention-2's paged varlen). The base pointers stay at page 0; forward only.
 - IS_VARLEN: packed variable-length batches (FlashAttention-2's varlen). Q and O are
   ``(total_q, H, D)``, K and V ``(total_k, Hkv, D)``, passed with batch stride 0; sequence b is
   rows ``[CU_Q[b], CU_Q[b+1])`` against rows ``[CU_K[b], CU_K[b+1])`` (int32 offsets). The
@@ -111,6 +115,10 @@ def _fwd_kv_loop(
     end_n,
     stride_kn,
     stride_vn,
+    bt_row,
+    block_size,
+    stride_kb,
+    stride_vb,
     seqlen_q,
     seqlen_k,
     qk_scale,
@@ -135,6 +143,7 @@ def _fwd_kv_loop(
     DOT_PRECISION: tl.constexpr,
     EXP_E: tl.constexpr,
     USE_TMA: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     """Visit key tiles ``[start_n, end_n)``; MASKED selects the masked-tail variant.
 
@@ -152,6 +161,20 @@ def _fwd_kv_loop(
         if USE_TMA:
             k = k_base.load([tma_b, tma_h, tile_n, 0]).reshape(BLOCK_N, BLOCK_D)
             v = v_base.load([tma_b, tma_h, tile_n, 0]).reshape(BLOCK_N, BLOCK_DV)
+        elif PAGED:
+            # Key j of the sequence is row j % block_size of page bt_row[j // block_size]; the
+            # bases stay at this kv head of page 0. Full tiles lie inside Sk.
+            if MASKED:
+                page = tl.load(bt_row + cols // block_size, mask=cols < seqlen_k, other=0)
+            else:
+                page = tl.load(bt_row + cols // block_size)
+            page = page.to(tl.int64)
+            row = cols % block_size
+            k_ptrs = k_base + (page * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
+            v_ptrs = v_base + (page * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
+            rows_even = EVEN_N or not MASKED
+            k = load_tile(k_ptrs, cols, seqlen_k, offs_d, HEAD_DIM, rows_even, EVEN_D)
+            v = load_tile(v_ptrs, cols, seqlen_k, offs_dv, HEAD_DIM_V, rows_even, EVEN_DV)
         else:
             # Full tiles lie inside Sk by construction; only the masked tail can run past it.
             rows_even = EVEN_N or not MASKED
@@ -173,7 +196,7 @@ def _fwd_kv_loop(
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        if not USE_TMA:
+        if not USE_TMA and not PAGED:
             k_base += BLOCK_N * stride_kn
             v_base += BLOCK_N * stride_vn
     return acc, m_i, l_i, k_base, v_base
@@ -190,6 +213,7 @@ def attn_fwd_kernel(
     CU_K,
     ALIBI,
     SINKS,
+    BLOCK_TABLE,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -205,6 +229,8 @@ def attn_fwd_kernel(
     stride_lb,
     stride_lh,
     stride_ab,
+    stride_btb,
+    block_size,
     num_heads,
     kv_group,
     seqlen_q,
@@ -231,6 +257,7 @@ def attn_fwd_kernel(
     USE_TMA: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
@@ -254,8 +281,9 @@ def attn_fwd_kernel(
         Q += row_q * stride_qm
         O += row_q * stride_om
         LSE += row_q
-        K += row_k * stride_kn
-        V += row_k * stride_vn
+        if not PAGED:
+            K += row_k * stride_kn
+            V += row_k * stride_vn
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -276,8 +304,15 @@ def attn_fwd_kernel(
             + (offs_tm[:, None] * stride_qm + offs_d[None, :])
         )
         q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
-        k_base = K + off_b * stride_kb + off_hk * stride_kh
-        v_base = V + off_b * stride_vb + off_hk * stride_vh
+        if PAGED:
+            # Paged K/V (num_blocks, Hkv, block_size, D): the bases at this kv head of page 0.
+            tl.static_assert(IS_VARLEN, "a paged cache comes with packed queries")
+            k_base = K + off_hk * stride_kh
+            v_base = V + off_hk * stride_vh
+        else:
+            k_base = K + off_b * stride_kb + off_hk * stride_kh
+            v_base = V + off_b * stride_vb + off_hk * stride_vh
+    bt_row = BLOCK_TABLE + off_b * stride_btb
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -292,35 +327,38 @@ def attn_fwd_kernel(
     )  # fmt: skip
     if HAS_WINDOW:
         # The window's left edge: skip the keys before it, mask the band that crosses it.
-        if not USE_TMA:
+        if not USE_TMA and not PAGED:
             k_base += lo.to(tl.int64) * stride_kn
             v_base += lo.to(tl.int64) * stride_vn
         acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
             acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, offs_dv,
             lo, full_lo,
-            stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+            stride_kn, stride_vn, bt_row, block_size, stride_kb, stride_vb, seqlen_q, seqlen_k,
+            qk_scale, window_left, window_right,
             softcap, slope,
             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL,
             HAS_WINDOW, SOFTCAP, HAS_ALIBI, True,
-            EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
+            EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA, PAGED,
         )  # fmt: skip
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
         acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, offs_dv,
         full_lo, full_hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        stride_kn, stride_vn, bt_row, block_size, stride_kb, stride_vb, seqlen_q, seqlen_k,
+        qk_scale, window_left, window_right,
         softcap, slope,
         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW,
         SOFTCAP, HAS_ALIBI, False,
-        EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
+        EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA, PAGED,
     )  # fmt: skip
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
         acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, offs_dv,
         full_hi, hi,
-        stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+        stride_kn, stride_vn, bt_row, block_size, stride_kb, stride_vb, seqlen_q, seqlen_k,
+        qk_scale, window_left, window_right,
         softcap, slope,
         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW,
         SOFTCAP, HAS_ALIBI, True,
-        EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA,
+        EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA, PAGED,
     )  # fmt: skip
 
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

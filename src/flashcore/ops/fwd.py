@@ -15,8 +15,9 @@ from flashcore.tuning import FwdConfig, fwd_config
 
 @functools.cache
 def kernel():
-    """The forward kernel's launcher: Q, K, V, O, LSE, CU_Q, CU_K, ALIBI, SINKS first."""
-    return runtime.kernel("fwd", "attn_fwd_kernel", 9)
+    """The forward kernel's launcher: Q, K, V, O, LSE, CU_Q, CU_K, ALIBI, SINKS, BLOCK_TABLE
+    first."""
+    return runtime.kernel("fwd", "attn_fwd_kernel", 10)
 
 
 def launch(
@@ -32,6 +33,7 @@ def launch(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel on validated inputs; returns ``(out, lse)``.
 
@@ -40,7 +42,9 @@ def launch(
     (for tuning scripts). With ``varlen`` the inputs are packed, ``(total, heads, D)``, and
     ``lse`` is ``(H, total_q)``. ``window``, ``softcap`` and ``alibi_slopes`` as in
     ``flashcore.attention`` (validated; ``(-1, -1)``, 0.0 and None are off); ``sinks`` None or
-    fp32 ``(H,)``.
+    fp32 ``(H,)``. ``block_table`` (with ``varlen`` only): k and v are paged caches
+    ``(num_blocks, Hkv, block_size, D)`` read through it, cu_seqlens_k giving each sequence's
+    number of keys.
     """
     q, k, v = (pb.unit_stride_last_dim(t) for t in (q, k, v))
     dims = pb.problem_dims(q, k, varlen)
@@ -81,14 +85,14 @@ def launch(
     # and constexprs are built once per problem signature.
     key = (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal,
-        scale,
-        window, softcap, None if alibi_slopes is None else stride_ab, sinks is None,
+        scale, window, softcap, None if alibi_slopes is None else stride_ab, sinks is None,
+        None if block_table is None else block_table.stride(0),
         None if varlen is None else dims, config,
         all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)), tuning.TMA_MIN_FLOPS,
     )  # fmt: skip
     grid, tail, meta, tiles = cached(_PLANS, key, lambda: _plan(
         q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
-        stride_ab, sinks is not None, dims,
+        stride_ab, sinks is not None, block_table, dims,
     ))  # fmt: skip
     if tiles is None:
         pointers = (q, k, v, out)
@@ -100,7 +104,9 @@ def launch(
         )  # fmt: skip
     cu = (None, None) if varlen is None else varlen[:2]
     with runtime.launch_on(q):
-        kernel()(grid, (*pointers, lse, *cu, alibi, sinks, *tail), meta)
+        # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
+        table = lse if block_table is None else block_table
+        kernel()(grid, (*pointers, lse, *cu, alibi, sinks, table, *tail), meta)
     return out, lse
 
 
@@ -123,6 +129,7 @@ def _plan(
     alibi_slopes: torch.Tensor | None,
     stride_ab: int,
     has_sinks: bool,
+    block_table: torch.Tensor | None,
     dims: pb.Dims,
 ) -> tuple:
     """``(grid, arguments after the pointers, constexprs, descriptor tiles or None)`` of the
@@ -147,6 +154,7 @@ def _plan(
         causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k, exp_e=exp_e
     )
     flags = pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v)
+    paged = block_table is not None
     use_tma = (
         cfg.use_tma
         and varlen is None
@@ -154,9 +162,14 @@ def _plan(
         and all(pb.tma_compatible(t) for t in (q, k, v, out))
     )
     tiles = (cfg.block_m, cfg.block_n, flags["BLOCK_D"], flags["BLOCK_DV"]) if use_tma else None
+    # A paged cache is addressed by (page, head, row): its own three strides.
+    kv_strides = (k.stride()[:3], v.stride()[:3]) if paged else (
+        pb.row_strides(k, varlen), pb.row_strides(v, varlen),
+    )  # fmt: skip
     tail = (
-        *pb.row_strides(q, varlen), *pb.row_strides(k, varlen), *pb.row_strides(v, varlen),
+        *pb.row_strides(q, varlen), *kv_strides[0], *kv_strides[1],
         *pb.row_strides(out, varlen), *pb.stats_strides(lse, varlen), stride_ab,
+        block_table.stride(0) if paged else 0, k.shape[2] if paged else 1,
         heads, heads // kv_heads, seqlen_q, seqlen_k, *sc.scalars(),
     )  # fmt: skip
     meta = dict(
@@ -170,6 +183,7 @@ def _plan(
         USE_TMA=use_tma,
         IS_VARLEN=varlen is not None,
         HAS_SINKS=has_sinks,
+        PAGED=paged,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -60,14 +60,16 @@ def _attn_fwd(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out, lse)`` for validated dense or packed inputs (lse ``(B, H, Sq)`` or
-    ``(H, total_q)``)."""
+    ``(H, total_q)``); packed ones with ``block_table`` read k and v from paged caches
+    (forward only)."""
     return fwd.launch(
         q, k, v, causal, scale,
         varlen=varlen_of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks,
+        sinks=sinks, block_table=block_table,
     )  # fmt: skip
 
 
@@ -127,8 +129,11 @@ def _attn_bwd_fake(dout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *arg
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes, sinks = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes, sinks, block_table = inputs
     out, lse = output
+    # A paged cache (attention_varlen's block_table) has no backward; the API refuses a
+    # gradient before the forward, the op's backward raises.
+    ctx.paged = block_table is not None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
     ctx.scalars = tuple(scalars)
     # An output whose gradient is not needed (usually lse) then arrives as None instead of a
@@ -141,7 +146,9 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, op=attn
     # No gradient for the offsets, the maxima, the options or the ALiBi slopes.
     no_grads = (None,) * (2 + len(ctx.scalars) + 1)
     if dout is None and dlse is None:
-        return None, None, None, *no_grads, None
+        return None, None, None, *no_grads, None, None
+    if ctx.paged:
+        raise NotImplementedError("attention_varlen with a block_table is forward-only")
     if dout is None:
         # Only the LSE is differentiated: delta = -dlse and dV = 0 (dO = 0).
         dout = torch.zeros_like(out)
@@ -150,7 +157,7 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, op=attn
         dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars, alibi_slopes,
         sinks,
     )  # fmt: skip
-    return dq, dk, dv, *no_grads, None if sinks is None else dsinks
+    return dq, dk, dv, *no_grads, None if sinks is None else dsinks, None
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -176,8 +183,8 @@ class _Attention(torch.autograd.Function):
 def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """``attn_fwd(*args)`` (differentiable), called directly when ``direct`` allows; ``args`` as
     ``attn_fwd`` takes them (the offsets None for dense inputs)."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *_, alibi_slopes, sinks = args
-    if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks):
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *_, alibi_slopes, sinks, block_table = args
+    if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, block_table):
         return attn_fwd(*args)
     if needs_grad(q, k, v) or (sinks is not None and needs_grad(sinks)):
         return _Attention.apply(*args)

@@ -1,0 +1,131 @@
+"""``attention_varlen(..., block_table=)``: packed queries against paged K/V caches (chunked
+prefill, FlashAttention-2's paged varlen), forward only, against the reference on the same keys
+gathered dense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashcore
+from flashcore import reference
+from helpers import cu_seqlens
+from numerics import assert_fa_rule
+
+
+def make_paged(seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, dtype, device):
+    """Packed q, paged k/v (pages shuffled, two owned by no sequence and filled with NaN), the
+    block table, the offsets, and the same keys packed dense for the reference."""
+    batch = len(seqlens_q)
+    max_blocks = max(1, max(-(-n // block_size) for n in seqlens_k))
+    num_blocks = batch * max_blocks + 2
+    q = torch.randn(sum(seqlens_q), heads, d, dtype=dtype, device=device)
+    k_dense = torch.randn(sum(seqlens_k), kv_heads, d, dtype=dtype, device=device)
+    v_dense = torch.randn(sum(seqlens_k), kv_heads, dv, dtype=dtype, device=device)
+    k = torch.full((num_blocks, kv_heads, block_size, d), float("nan"), dtype=dtype, device=device)
+    v = torch.full((num_blocks, kv_heads, block_size, dv), float("nan"), dtype=dtype, device=device)
+    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
+    table = torch.zeros((batch, max_blocks), dtype=torch.int32, device=device)
+    start = 0
+    for b, n in enumerate(seqlens_k):
+        for j in range(-(-n // block_size)):
+            page = int(perm[b * max_blocks + j])
+            table[b, j] = page
+            rows = slice(start + j * block_size, start + min(n, (j + 1) * block_size))
+            count = rows.stop - rows.start
+            k[page, :, :count] = k_dense[rows].transpose(0, 1)
+            v[page, :, :count] = v_dense[rows].transpose(0, 1)
+        start += n
+    cu_q, cu_k = cu_seqlens(seqlens_q, device), cu_seqlens(seqlens_k, device)
+    return q, k, v, table, cu_q, cu_k, k_dense, v_dense
+
+
+CASES = {
+    # name: (seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, options)
+    "causal-gqa": ((5, 40, 0, 17), (70, 40, 9, 17), 4, 2, 32, 32, 16, {"causal": True}),
+    "window-softcap-sinks": (
+        (30, 12), (45, 100), 2, 1, 16, 16, 32,
+        {"causal": True, "window": (20, 0), "softcap": 5.0, "sinks": True},
+    ),
+    "no-keys-dv": ((8, 9), (0, 33), 2, 2, 32, 48, 16, {"causal": False}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_paged_varlen(name, dtype, device):
+    seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, options = CASES[name]
+    options = dict(options)
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(heads, device=device)
+    q, k, v, table, cu_q, cu_k, k_dense, v_dense = make_paged(
+        seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, dtype, device
+    )
+    maxima = max(seqlens_q), max(seqlens_k)
+    out, lse = flashcore.attention_varlen(
+        q, k, v, cu_q, cu_k, *maxima, block_table=table, return_lse=True, **options
+    )
+    assert out.shape == (q.shape[0], heads, dv)
+    ref = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, **options)
+    pt = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, dtype=dtype, **options)
+    assert_fa_rule("out", out, pt.out, ref.out)
+    assert_fa_rule("lse", lse, pt.lse.float(), ref.lse)
+    # The same keys packed dense give the same numbers up to rounding.
+    want = flashcore.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, *maxima, **options)
+    torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.gpu
+def test_paged_varlen_gpu():
+    seqlens_q, seqlens_k = (512, 1, 1000, 37), (4096, 1, 1000, 3000)
+    q, k, v, table, cu_q, cu_k, k_dense, v_dense = make_paged(
+        seqlens_q, seqlens_k, 32, 8, 128, 128, 256, torch.bfloat16, "cuda"
+    )
+    out = flashcore.attention_varlen(
+        q, k, v, cu_q, cu_k, 1000, 4096, block_table=table, causal=True
+    )
+    ref = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, causal=True)
+    pt = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, causal=True, dtype=q.dtype)
+    assert_fa_rule("out", out, pt.out, ref.out)
+
+
+def test_paged_varlen_errors(device):
+    q, k, v, table, cu_q, cu_k, _, _ = make_paged(
+        (4, 4), (20, 30), 2, 1, 16, 16, 16, torch.float32, device
+    )
+    args = (q, k, v, cu_q, cu_k, 4, 30)
+    with pytest.raises(TypeError, match=r"^block_table must be int32"):
+        flashcore.attention_varlen(*args, block_table=table.long())
+    with pytest.raises(ValueError, match=r"^block_table must have shape \(2, \*\)"):
+        flashcore.attention_varlen(*args, block_table=table[:1])
+    with pytest.raises(ValueError, match=r"^k must have 4 dims"):
+        flashcore.attention_varlen(q, k[0], v[0], cu_q, cu_k, 4, 30, block_table=table)
+    with pytest.raises(ValueError, match=r"block_size .* multiple of 16, got 8"):
+        flashcore.attention_varlen(
+            q, k[:, :, :8], v[:, :, :8], cu_q, cu_k, 4, 16, block_table=table
+        )
+    with pytest.raises(ValueError, match=r"max_seqlen_k must be .* max_blocks \* block_size"):
+        flashcore.attention_varlen(q, k, v, cu_q, cu_k, 4, 33, block_table=table)
+    with pytest.raises(NotImplementedError, match=r"block_table is forward-only"):
+        flashcore.attention_varlen(q.requires_grad_(), k, v, cu_q, cu_k, 4, 30, block_table=table)
+
+
+def test_paged_varlen_op(device):
+    """The op with a block table: opcheck (no gradient) and torch.compile(fullgraph)."""
+    from flashcore.ops import registry as ops
+
+    q, k, v, table, cu_q, cu_k, _, _ = make_paged(
+        (3, 5), (17, 9), 2, 1, 16, 16, 16, torch.float32, device
+    )
+    args = (q, k, v, cu_q, cu_k, 5, 17, True, 0.25, -1, -1, 0.0, None, None, table)
+    torch.library.opcheck(ops.attn_fwd, args)
+
+    def fn(q, k, v, cu_q, cu_k, table):
+        return flashcore.attention_varlen(
+            q, k, v, cu_q, cu_k, 5, 17, causal=True, block_table=table
+        )
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, cu_q, cu_k, table)
+    assert torch.equal(got, fn(q, k, v, cu_q, cu_k, table))
+    torch._dynamo.reset()
