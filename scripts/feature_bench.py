@@ -91,14 +91,66 @@ def mla(rows: list) -> None:
             rows.append(row)
 
 
+def prefill(rows: list) -> None:
+    """Chunked prefill: 1024 new queries per sequence against 8k keys (4 sequences, 32 query
+    heads on 8 kv heads, D=128, causal): dense packed varlen, paged varlen (block_table) and
+    attention_with_kvcache on the same paged cache."""
+    batch, chunk, length, heads, kv_heads, d = 4, 1024, 8192, 32, 8, 128
+    dt = torch.bfloat16
+    q = torch.randn(batch * chunk, heads, d, device="cuda", dtype=dt)
+    k = torch.randn(batch * length, kv_heads, d, device="cuda", dtype=dt)
+    v = torch.randn_like(k)
+    cu_q = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * chunk
+    cu_k = torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * length
+    flops = 4.0 * batch * heads * chunk * (length - chunk / 2) * d
+    lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
+    q4 = q.view(batch, chunk, heads, d).transpose(1, 2)
+    for block_size in (16, 256):
+        per_seq = length // block_size
+        pages = k.view(batch * per_seq, block_size, kv_heads, d).transpose(1, 2).contiguous()
+        vpages = v.view(batch * per_seq, block_size, kv_heads, d).transpose(1, 2).contiguous()
+        perm = torch.randperm(batch * per_seq, device="cuda")
+        k_cache, v_cache = torch.empty_like(pages), torch.empty_like(vpages)
+        k_cache[perm], v_cache[perm] = pages, vpages
+        table = perm.view(batch, per_seq).to(torch.int32)
+        runs = {
+            "varlen_dense": lambda: flashcore.attention_varlen(
+                q, k, v, cu_q, cu_k, chunk, length, causal=True
+            ),
+            "varlen_paged": lambda t=table, kc=k_cache, vc=v_cache: flashcore.attention_varlen(
+                q, kc, vc, cu_q, cu_k, chunk, length, causal=True, block_table=t
+            ),
+            "kvcache_paged": lambda t=table, kc=k_cache, vc=v_cache: (
+                flashcore.attention_with_kvcache(
+                    q4, kc, vc, cache_seqlens=lens, block_table=t, causal=True
+                )
+            ),
+        }
+        row = {"case": "prefill", "block_size": block_size, "chunk": chunk, "keys": length}
+        for name, fn in runs.items():
+            ms = do_bench(fn, return_mode="median")
+            row[f"{name}_ms"] = ms
+            row[f"{name}_tflops"] = tflops(flops, ms)
+        row["paged_vs_dense"] = row["varlen_paged_ms"] / row["varlen_dense_ms"]
+        row["kvcache_vs_dense"] = row["kvcache_paged_ms"] / row["varlen_dense_ms"]
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--cases", default="sinks,mla,prefill")
     args = parser.parse_args()
     rows: list = []
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    sinks_cost(rows)
-    mla(rows)
+    parser_cases = args.cases.split(",")
+    if "sinks" in parser_cases:
+        sinks_cost(rows)
+    if "mla" in parser_cases:
+        mla(rows)
+    if "prefill" in parser_cases:
+        prefill(rows)
     if args.out:
         with open(args.out, "w") as f:
             for row in rows:
