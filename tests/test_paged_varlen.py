@@ -129,3 +129,24 @@ def test_paged_varlen_op(device):
     got = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v, cu_q, cu_k, table)
     assert torch.equal(got, fn(q, k, v, cu_q, cu_k, table))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("block_n", [16, 32], ids=["tile-in-page", "rows-gathered"])
+def test_paged_varlen_both_gathers(block_n, device):
+    """Tiles of 16 keys lie in one 16-row page (one lookup a tile); tiles of 32 span two pages
+    (a lookup a row): both give the dense numbers."""
+    from flashcore.ops import fwd, problem
+    from flashcore.tuning import FwdConfig
+
+    seqlens_q, seqlens_k = (7, 20), (50, 37)
+    q, k, v, table, cu_q, cu_k, k_dense, v_dense = make_paged(
+        seqlens_q, seqlens_k, 2, 1, 16, 16, 16, torch.float32, device
+    )
+    varlen = problem.Varlen(cu_q, cu_k, 20, 50)
+    config = FwdConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=1)
+    out, _ = fwd.launch(q, k, v, True, 0.25, config, varlen, block_table=table)
+    ref = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, causal=True, scale=0.25)
+    pt = reference.attention_varlen(
+        q, k_dense, v_dense, cu_q, cu_k, causal=True, scale=0.25, dtype=torch.float32
+    )
+    assert_fa_rule("out", out, pt.out, ref.out)

@@ -15,6 +15,7 @@ Each helper owns one concern so that a bug shows in one place and the probe kern
 - ``transform_scores``: softcap (``c * tanh(s / c)``) and ALiBi (``-slope * |i + Sk - Sq - j|``),
   on every tile; ``tanh`` is a portable fp32 tanh.
 - ``alibi_slope``: a head's ALiBi slope in the scores' units.
+- ``paged_rows``: where a key tile lies in a paged cache (page and row of each key).
 - ``softmax_start``: the running max and sum before the first key tile (a sink logit, if any).
 - ``online_softmax_step``: one step of the streaming softmax in base 2 (base e with EXP_E).
 - ``row_lse``: the natural-log logsumexp of a finished row, -inf for a row that saw no key.
@@ -350,6 +351,26 @@ def row_lse(m_i, l_i, EXP_E: tl.constexpr):
     else:
         lse = (m_i + tl.math.log2(l_safe)) * LN2
     return tl.where(empty, float("-inf"), lse)
+
+
+@triton.jit
+def paged_rows(bt_row, tile_n, cols, seqlen, block_size, MASKED: tl.constexpr, PAGED: tl.constexpr):
+    """``(page, row)`` of key tile ``cols`` (starting at ``tile_n``) in a paged cache: key j is
+    row ``j % block_size`` of page ``bt_row[j // block_size]``, so a key row's offset is
+    ``page * stride_page + row * stride_row``. PAGED 2 (block_size a multiple of the tile): one
+    lookup for the tile, ``page`` a scalar (``tile_n`` is below ``seqlen``, so its entry is one of
+    the sequence's pages); PAGED 1: a lookup per key, masked past ``seqlen`` in MASKED tiles."""
+    if PAGED == 2:
+        page = tl.load(bt_row + tile_n // block_size).to(tl.int64)
+        row = tile_n % block_size + (cols - tile_n)
+    else:
+        if MASKED:
+            page = tl.load(bt_row + cols // block_size, mask=cols < seqlen, other=0)
+        else:
+            page = tl.load(bt_row + cols // block_size)
+        page = page.to(tl.int64)
+        row = cols % block_size
+    return page, row
 
 
 @triton.jit

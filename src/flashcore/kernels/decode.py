@@ -37,9 +37,10 @@ a masked tail (the causal/window diagonal and the ragged end at L). Padded rows 
 never stored; they may compute anything finite or not without touching real rows.
 
 Flags (``tl.constexpr``, compiled away when off):
-- PAGED: K/V are ``(num_blocks, Hkv, block_size, D)``; logical key j of sequence b is row
-  ``j % block_size`` of block ``BLOCK_TABLE[b, j // block_size]``, gathered per key row (any
-  block_size, independent of BLOCK_N). Otherwise K/V are ``(B, Hkv, S_max, D)``.
+- PAGED (0 is off): K/V are ``(num_blocks, Hkv, block_size, D)``; logical key j of sequence b is
+  row ``j % block_size`` of block ``BLOCK_TABLE[b, j // block_size]`` (``common.paged_rows``):
+  1 looks each key row's block up (any block_size), 2 one block per tile (block_size a multiple
+  of BLOCK_N). Otherwise K/V are ``(B, Hkv, S_max, D)``.
 - IS_CAUSAL / HAS_WINDOW: the bounds above, passed as by the dense kernels
   (``ops/problem.window_bounds`` with the cache capacity as Sk: an unbounded side is Sq + capacity).
 - SOFTCAP: ``s = c * tanh(scale * q.k / c)``; the host folds the units as for every kernel
@@ -76,6 +77,7 @@ from flashcore.kernels.common import (
     load_tile,
     mask_by_index,
     online_softmax_step,
+    paged_rows,
     row_lse,
     softmax_start,
     store_tile,
@@ -134,12 +136,7 @@ def _decode_kv_loop(
     for tile_n in range(start_n, end_n, BLOCK_N):
         cols = tile_n + offs_n
         if PAGED:
-            if MASKED:
-                page = tl.load(bt_row + cols // block_size, mask=cols < seqlen, other=0)
-            else:
-                page = tl.load(bt_row + cols // block_size)
-            page = page.to(tl.int64)
-            row = cols % block_size
+            page, row = paged_rows(bt_row, tile_n, cols, seqlen, block_size, MASKED, PAGED)
             k_ptrs = k_head + (page * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
             v_ptrs = v_head + (page * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
         else:

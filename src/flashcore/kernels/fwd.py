@@ -49,10 +49,11 @@ Flags (``tl.constexpr``, compiled away when off):
   as a key with no value (gpt-oss): the running max and sum start from it
   (``common.softmax_start``), so the normalisation and the LSE include it and nothing else
   changes. The backward needs no flag: its probabilities come from this LSE.
-- PAGED (with IS_VARLEN): K and V are paged caches ``(num_blocks, Hkv, block_size, D)``; key j of
-  sequence b is row ``j % block_size`` of page ``BLOCK_TABLE[b, j // block_size]``, gathered per
-  key row as in the decode kernel, and ``CU_K`` gives only each sequence's number of keys
-  (FlashAttention-2's paged varlen). The base pointers stay at page 0; forward only.
+- PAGED (with IS_VARLEN; 0 is off): K and V are paged caches ``(num_blocks, Hkv, block_size,
+  D)``; key j of sequence b is row ``j % block_size`` of page ``BLOCK_TABLE[b, j // block_size]``,
+  and ``CU_K`` gives only each sequence's number of keys (FlashAttention-2's paged varlen). 1:
+  each key row finds its page (any block_size); 2: block_size is a multiple of BLOCK_N, so a tile
+  is consecutive rows of one page, one lookup per tile. The base pointers stay at page 0.
 - IS_VARLEN: packed variable-length batches (FlashAttention-2's varlen). Q and O are
   ``(total_q, H, D)``, K and V ``(total_k, Hkv, D)``, passed with batch stride 0; sequence b is
   rows ``[CU_Q[b], CU_Q[b+1])`` against rows ``[CU_K[b], CU_K[b+1])`` (int32 offsets). The
@@ -88,6 +89,7 @@ from flashcore.kernels.common import (
     load_tile,
     mask_scores,
     online_softmax_step,
+    paged_rows,
     program_tile,
     row_lse,
     softmax_start,
@@ -164,12 +166,7 @@ def _fwd_kv_loop(
         elif PAGED:
             # Key j of the sequence is row j % block_size of page bt_row[j // block_size]; the
             # bases stay at this kv head of page 0. Full tiles lie inside Sk.
-            if MASKED:
-                page = tl.load(bt_row + cols // block_size, mask=cols < seqlen_k, other=0)
-            else:
-                page = tl.load(bt_row + cols // block_size)
-            page = page.to(tl.int64)
-            row = cols % block_size
+            page, row = paged_rows(bt_row, tile_n, cols, seqlen_k, block_size, MASKED, PAGED)
             k_ptrs = k_base + (page * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
             v_ptrs = v_base + (page * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
             rows_even = EVEN_N or not MASKED

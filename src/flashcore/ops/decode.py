@@ -132,7 +132,8 @@ def launch(
                 BLOCK_M=block_m,
                 BLOCK_N=cfg.block_n,
                 EVEN_M=kv_group * seqlen_q % block_m == 0,
-                PAGED=paged,
+                # 2: every key tile lies in one page (kernels/decode.py).
+                PAGED=0 if not paged else 2 if k_cache.shape[2] % cfg.block_n == 0 else 1,
                 EXP_E=exp_e,
                 HAS_SINKS=sinks is not None,
                 num_warps=cfg.num_warps,

@@ -183,7 +183,8 @@ def _plan(
         USE_TMA=use_tma,
         IS_VARLEN=varlen is not None,
         HAS_SINKS=has_sinks,
-        PAGED=paged,
+        # 2: every key tile lies in one page (kernels/fwd.py).
+        PAGED=0 if not paged else 2 if k.shape[2] % cfg.block_n == 0 else 1,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
