@@ -170,38 +170,38 @@ def check_generate(case: Case, device: str, ids, mask, **generate_options) -> No
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_logits_and_gradients(name):
+def test_logits_and_gradients(name, device):
     skip_without_sinks(name)
-    check_against_reference(CASES[name], "cpu", torch.float32)
+    check_against_reference(CASES[name], device, torch.float32)
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_generate_left_padded(name):
+def test_generate_left_padded(name, device):
     skip_without_sinks(name)
-    ids, mask, _ = batch("cpu", lengths=(9, 6), seqlen=9)
-    check_generate(CASES[name], "cpu", ids, mask)
+    ids, mask, _ = batch(device, lengths=(9, 6), seqlen=9)
+    check_generate(CASES[name], device, ids, mask)
 
 
-def test_generate_unpadded_decodes_from_cache():
+def test_generate_unpadded_decodes_from_cache(device):
     # No padding: prefill through flashcore.attention, each new token through
     # flashcore.attention_with_kvcache (one query against the cache).
-    ids, mask, _ = batch("cpu", lengths=(9, 9), seqlen=9)
-    check_generate(CASES["mistral_sliding"], "cpu", ids, mask)
+    ids, mask, _ = batch(device, lengths=(9, 9), seqlen=9)
+    check_generate(CASES["mistral_sliding"], device, ids, mask)
 
 
-def test_generate_static_cache():
+def test_generate_static_cache(device):
     # A static cache: the queries sit before unused cache slots (a tensor q_offset).
-    ids, mask, _ = batch("cpu", lengths=(7, 4), seqlen=7)
-    check_generate(CASES["llama"], "cpu", ids, mask, cache_implementation="static")
+    ids, mask, _ = batch(device, lengths=(7, 4), seqlen=7)
+    check_generate(CASES["llama"], device, ids, mask, cache_implementation="static")
 
 
-def test_packed_sequences_with_flash_kwargs():
+def test_packed_sequences_with_flash_kwargs(device):
     # DataCollatorWithFlattening's FlashAttention options: one row, sequences back to back.
-    model = build(CASES["qwen2_sliding"])
+    model = build(CASES["qwen2_sliding"]).to(device)
     lengths = (7, 9, 4)
-    ids = torch.randint(3, COMMON["vocab_size"], (1, sum(lengths)))
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    cu = torch.tensor([0, 7, 16, 20], dtype=torch.int32)
+    ids = torch.randint(3, COMMON["vocab_size"], (1, sum(lengths)), device=device)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    cu = torch.tensor([0, 7, 16, 20], dtype=torch.int32, device=device)
     model.set_attn_implementation(NAME)
     with torch.no_grad():
         packed = model(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
@@ -218,10 +218,10 @@ def test_packed_sequences_with_flash_kwargs():
 # Errors: what FlashCore cannot honour is refused, never computed differently.
 
 
-def test_dropout_in_training_raises():
-    model = build(CASES["llama"], attention_dropout=0.1)
+def test_dropout_in_training_raises(device):
+    model = build(CASES["llama"], attention_dropout=0.1).to(device)
     model.set_attn_implementation(NAME)
-    ids, mask, _ = batch("cpu", lengths=(5, 5), seqlen=5)
+    ids, mask, _ = batch(device, lengths=(5, 5), seqlen=5)
     model.eval()
     model(input_ids=ids, attention_mask=mask)  # eval: no dropout, fine
     model.train()
@@ -229,29 +229,30 @@ def test_dropout_in_training_raises():
         model(input_ids=ids, attention_mask=mask)
 
 
-def test_4d_mask_raises():
-    model = build(CASES["llama"])
+def test_4d_mask_raises(device):
+    model = build(CASES["llama"]).to(device)
     model.set_attn_implementation(NAME)
-    ids, _, _ = batch("cpu", lengths=(5, 5), seqlen=5)
+    ids, _, _ = batch(device, lengths=(5, 5), seqlen=5)
     custom = torch.zeros(2, 1, 5, 5).masked_fill(torch.ones(5, 5).triu(1).bool(), float("-inf"))
+    custom = custom.to(device)
     with pytest.raises(NotImplementedError, match="attention_mask"):
         model(input_ids=ids, attention_mask=custom)
 
 
-def test_mask_with_holes_raises():
-    model = build(CASES["llama"])
+def test_mask_with_holes_raises(device):
+    model = build(CASES["llama"]).to(device)
     model.set_attn_implementation(NAME)
-    ids, mask, _ = batch("cpu", lengths=(6, 6), seqlen=6)
+    ids, mask, _ = batch(device, lengths=(6, 6), seqlen=6)
     mask[0, 2] = 0
     with pytest.raises(NotImplementedError, match="holes"):
         model(input_ids=ids, attention_mask=mask)
 
 
-def test_packed_position_ids_without_flash_kwargs_raises():
-    model = build(CASES["llama"])
+def test_packed_position_ids_without_flash_kwargs_raises(device):
+    model = build(CASES["llama"]).to(device)
     model.set_attn_implementation(NAME)
-    ids = torch.randint(3, COMMON["vocab_size"], (1, 8))
-    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    ids = torch.randint(3, COMMON["vocab_size"], (1, 8), device=device)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]], device=device)
     with pytest.raises(NotImplementedError, match="packed sequences"):
         model(input_ids=ids, position_ids=positions, use_cache=False)
 
@@ -280,10 +281,10 @@ def test_sinks_without_flashcore_support_raise(monkeypatch):
 
 
 @pytest.mark.skipif(HAS_SINKS, reason="flashcore.attention has sinks: gpt-oss runs above")
-def test_gpt_oss_without_sinks_raises():
-    model = build(CASES["gpt_oss_sinks_sliding"])
+def test_gpt_oss_without_sinks_raises(device):
+    model = build(CASES["gpt_oss_sinks_sliding"]).to(device)
     model.set_attn_implementation(NAME)
-    ids, mask, _ = batch("cpu", lengths=(5, 4), seqlen=5)
+    ids, mask, _ = batch(device, lengths=(5, 4), seqlen=5)
     with pytest.raises(NotImplementedError, match="s_aux"):
         model(input_ids=ids, attention_mask=mask)
 

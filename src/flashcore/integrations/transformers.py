@@ -456,8 +456,11 @@ def _segments(mask: PaddingMask, causal: bool, repeat: int) -> tuple[torch.Tenso
 
 
 def _view(t: torch.Tensor, *shape: int) -> torch.Tensor | None:
-    """``t.view(shape)``, or None where that would need a copy."""
-    try:
-        return t.view(shape)
-    except RuntimeError:
+    """``t`` ``(B, S, ...)`` as ``(B * S, ...)`` without a copy, or None where that would need one.
+
+    Decided from the strides, not by trying ``view``: under torch.compile a failed view is a
+    tracing error (fake tensors raise ValueError inside dynamo), not an exception to catch.
+    """
+    if not (t.shape[0] <= 1 or t.shape[1] <= 1 or t.stride(0) == t.stride(1) * t.shape[1]):
         return None
+    return t.view(shape)
