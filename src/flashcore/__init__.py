@@ -7,6 +7,7 @@ from flashcore.api import (
     scaled_dot_product_attention,
     use_tier,
 )
+from flashcore.offsets import checked
 from flashcore.warmup import warmup
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "attention",
     "attention_varlen",
     "attention_with_kvcache",
+    "checked",
     "scaled_dot_product_attention",
     "use_tier",
     "warmup",

@@ -9,6 +9,7 @@ import warnings
 
 import torch
 
+from flashcore import offsets as _offsets
 from flashcore.checks import (
     MAX_HEAD_DIM,
     SUPPORTED_DTYPES,
@@ -269,6 +270,17 @@ def attention_varlen(
     check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0], "total_q")
     max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, keys, keys_name)
+    if _offsets.active():
+        # flashcore.checked(): the offsets' contents too (one device sync).
+        _offsets.check_cu_seqlens_values(
+            "cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q
+        )
+        lengths_k = _offsets.check_cu_seqlens_values(
+            "cu_seqlens_k", cu_seqlens_k, None if block_table is not None else k.shape[0],
+            "max_seqlen_k", max_seqlen_k,
+        )  # fmt: skip
+        if block_table is not None:
+            _offsets.check_block_table_values(block_table, lengths_k, k.shape[2], k.shape[0])
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     scale = check_scale(scale, q.shape[-1])
@@ -528,6 +540,15 @@ def attention_with_kvcache(
     softcap_value = check_softcap(softcap)
     slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
     splits = check_num_splits(num_splits)
+    if _offsets.active():
+        # flashcore.checked(): the lengths and block table entries too (one device sync).
+        paged = block_table is not None
+        capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
+        lengths = _offsets.check_cache_seqlens_values(cache_seqlens, capacity)
+        if paged:
+            _offsets.check_block_table_values(
+                block_table, lengths, k_cache.shape[2], k_cache.shape[0]
+            )
     sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device, differentiable=False))
     out, lse = _ops.attention_with_kvcache(
         q, k_cache, v_cache, cache_seqlens, block_table, slopes, causal, scale,
