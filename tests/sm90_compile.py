@@ -38,7 +38,7 @@ INT32_POINTERS = {"CU_Q", "CU_K", "SEQLENS", "BLOCK_TABLE"}
 # 0 or H), not strides: no divisibility is promised for them.
 SIZES = {
     "num_heads", "kv_heads", "kv_group", "seqlen_q", "seqlen_k", "seqlen_cap", "block_size",
-    "num_splits", "window_left", "window_right", "stride_ab",
+    "num_splits", "window_left", "window_right", "stride_ab", "total_q", "total_k", "num_blocks",
 }  # fmt: skip
 # Float scalar arguments.
 FLOATS = {"softcap"}

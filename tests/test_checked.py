@@ -88,3 +88,31 @@ def test_checked_is_scoped():
     assert not flashcore.offsets.active()
     with pytest.raises(TypeError, match="enabled must be a bool"), flashcore.checked(1):
         pass
+
+
+def test_bad_offsets_stay_inside_the_tensors(device):
+    """Unchecked, offsets past the packed tensor or a block table entry past the cache are
+    clamped by the kernels: no fault, and the other sequences' rows are exact."""
+    q, k, v, cu_q, cu_k = varlen_inputs(device)
+    want = flashcore.attention_varlen(q, k, v, cu_q, cu_k, 7, 12, causal=True)
+    bad_q = cu_q.clone()
+    bad_q[-1] = 1 << 20  # the last sequence ends far past total_q
+    bad_k = cu_k.clone()
+    bad_k[-1] = 1 << 20
+    got = flashcore.attention_varlen(q, k, v, bad_q, bad_k, 7, 12, causal=True)
+    assert torch.equal(got[:5], want[:5])  # sequence 0 untouched
+    assert torch.isfinite(got[5:]).all()
+    # Paged: a table entry far outside the cache reads a page of the cache.
+    cache = torch.randn(3, 1, 16, 16, device=device)
+    table = torch.tensor([[0, 1], [2, 1 << 20]], dtype=torch.int32, device=device)
+    cu_k = cu_seqlens((20, 30), device)
+    out = flashcore.attention_varlen(q, cache, cache, cu_q, cu_k, 7, 30, block_table=table)
+    good = table.clone()
+    good[1, 1] = 2
+    want = flashcore.attention_varlen(q, cache, cache, cu_q, cu_k, 7, 30, block_table=good)
+    assert torch.equal(out, want)  # clamped to the last page, 2
+    lens = torch.tensor([20, 30], dtype=torch.int32, device=device)
+    q4 = torch.randn(2, 2, 1, 16, device=device)
+    out = flashcore.attention_with_kvcache(q4, cache, cache, cache_seqlens=lens, block_table=table)
+    want = flashcore.attention_with_kvcache(q4, cache, cache, cache_seqlens=lens, block_table=good)
+    assert torch.equal(out, want)

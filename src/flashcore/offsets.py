@@ -37,7 +37,8 @@ def checked(enabled: bool = True) -> Iterator[None]:
 
 
 def active() -> bool:
-    return _checked.get() and not torch.compiler.is_compiling()
+    # Compiling first: dynamo cannot trace ContextVar.get (the checks are skipped there anyway).
+    return not torch.compiler.is_compiling() and _checked.get()
 
 
 def check_cu_seqlens_values(

@@ -214,6 +214,8 @@ def attn_bwd_dkdv_kernel(
     kv_group,
     seqlen_q,
     seqlen_k,
+    total_q,
+    total_k,
     qk_scale,
     window_left,
     window_right,
@@ -244,8 +246,8 @@ def attn_bwd_dkdv_kernel(
     EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
     if IS_VARLEN:
         # Packed sequences (see the forward): move the bases to this sequence's first rows.
-        row_q, seqlen_q = seq_bounds(CU_Q, off_b)
-        row_k, seqlen_k = seq_bounds(CU_K, off_b)
+        row_q, seqlen_q = seq_bounds(CU_Q, off_b, total_q)
+        row_k, seqlen_k = seq_bounds(CU_K, off_b, total_k)
         if start_n >= seqlen_k:
             return
         Q += row_q * stride_qm
@@ -469,6 +471,8 @@ def attn_bwd_dq_kernel(
     kv_group,
     seqlen_q,
     seqlen_k,
+    total_q,
+    total_k,
     qk_scale,
     window_left,
     window_right,
@@ -500,8 +504,8 @@ def attn_bwd_dq_kernel(
     EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
     if IS_VARLEN:
         # Packed sequences (see the forward): move the bases to this sequence's first rows.
-        row_q, seqlen_q = seq_bounds(CU_Q, off_b)
-        row_k, seqlen_k = seq_bounds(CU_K, off_b)
+        row_q, seqlen_q = seq_bounds(CU_Q, off_b, total_q)
+        row_k, seqlen_k = seq_bounds(CU_K, off_b, total_k)
         if start_m >= seqlen_q:
             return
         Q += row_q * stride_qm

@@ -354,21 +354,26 @@ def row_lse(m_i, l_i, EXP_E: tl.constexpr):
 
 
 @triton.jit
-def paged_rows(bt_row, tile_n, cols, seqlen, block_size, MASKED: tl.constexpr, PAGED: tl.constexpr):
+def paged_rows(
+    bt_row, tile_n, cols, seqlen, block_size, num_blocks, MASKED: tl.constexpr, PAGED: tl.constexpr
+):
     """``(page, row)`` of key tile ``cols`` (starting at ``tile_n``) in a paged cache: key j is
     row ``j % block_size`` of page ``bt_row[j // block_size]``, so a key row's offset is
     ``page * stride_page + row * stride_row``. PAGED 2 (block_size a multiple of the tile): one
     lookup for the tile, ``page`` a scalar (``tile_n`` is below ``seqlen``, so its entry is one of
-    the sequence's pages); PAGED 1: a lookup per key, masked past ``seqlen`` in MASKED tiles."""
+    the sequence's pages); PAGED 1: a lookup per key, masked past ``seqlen`` in MASKED tiles.
+    Entries are clamped to ``[0, num_blocks)``: a bad one reads another page of the cache (wrong
+    numbers for its own sequence), never memory outside it."""
     if PAGED == 2:
-        page = tl.load(bt_row + tile_n // block_size).to(tl.int64)
+        page = tl.load(bt_row + tile_n // block_size)
+        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
         row = tile_n % block_size + (cols - tile_n)
     else:
         if MASKED:
             page = tl.load(bt_row + cols // block_size, mask=cols < seqlen, other=0)
         else:
             page = tl.load(bt_row + cols // block_size)
-        page = page.to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
         row = cols % block_size
     return page, row
 

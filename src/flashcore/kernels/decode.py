@@ -108,6 +108,7 @@ def _decode_kv_loop(
     seqlen_q,
     seqlen,
     block_size,
+    num_blocks,
     qk_scale,
     softcap,
     window_left,
@@ -136,7 +137,9 @@ def _decode_kv_loop(
     for tile_n in range(start_n, end_n, BLOCK_N):
         cols = tile_n + offs_n
         if PAGED:
-            page, row = paged_rows(bt_row, tile_n, cols, seqlen, block_size, MASKED, PAGED)
+            page, row = paged_rows(
+                bt_row, tile_n, cols, seqlen, block_size, num_blocks, MASKED, PAGED
+            )
             k_ptrs = k_head + (page * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
             v_ptrs = v_head + (page * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
         else:
@@ -199,6 +202,7 @@ def attn_decode_kernel(
     seqlen_q,
     seqlen_cap,
     block_size,
+    num_blocks,
     num_splits,
     qk_scale,
     window_left,
@@ -292,7 +296,8 @@ def attn_decode_kernel(
     acc, m_i, l_i = _decode_kv_loop(
         acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, offs_dv,
         start, mid_lo,
-        stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size, qk_scale,
+        stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size,
+        num_blocks, qk_scale,
         softcap, window_left, window_right,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, True, PAGED, IS_CAUSAL, HAS_WINDOW,
         SOFTCAP, HAS_ALIBI, UPCAST,
@@ -301,7 +306,8 @@ def attn_decode_kernel(
     acc, m_i, l_i = _decode_kv_loop(
         acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, offs_dv,
         mid_lo, mid_hi,
-        stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size, qk_scale,
+        stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size,
+        num_blocks, qk_scale,
         softcap, window_left, window_right,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, False, PAGED, IS_CAUSAL, HAS_WINDOW,
         SOFTCAP, HAS_ALIBI, UPCAST,
@@ -310,7 +316,8 @@ def attn_decode_kernel(
     acc, m_i, l_i = _decode_kv_loop(
         acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, offs_dv,
         mid_hi, end,
-        stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size, qk_scale,
+        stride_kb, stride_kn, stride_vb, stride_vn, seqlen_q, seqlen, block_size,
+        num_blocks, qk_scale,
         softcap, window_left, window_right,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, True, PAGED, IS_CAUSAL, HAS_WINDOW,
         SOFTCAP, HAS_ALIBI, UPCAST,

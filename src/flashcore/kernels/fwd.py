@@ -119,6 +119,7 @@ def _fwd_kv_loop(
     stride_vn,
     bt_row,
     block_size,
+    num_blocks,
     stride_kb,
     stride_vb,
     seqlen_q,
@@ -166,7 +167,9 @@ def _fwd_kv_loop(
         elif PAGED:
             # Key j of the sequence is row j % block_size of page bt_row[j // block_size]; the
             # bases stay at this kv head of page 0. Full tiles lie inside Sk.
-            page, row = paged_rows(bt_row, tile_n, cols, seqlen_k, block_size, MASKED, PAGED)
+            page, row = paged_rows(
+                bt_row, tile_n, cols, seqlen_k, block_size, num_blocks, MASKED, PAGED
+            )
             k_ptrs = k_base + (page * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
             v_ptrs = v_base + (page * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
             rows_even = EVEN_N or not MASKED
@@ -228,10 +231,13 @@ def attn_fwd_kernel(
     stride_ab,
     stride_btb,
     block_size,
+    num_blocks,
     num_heads,
     kv_group,
     seqlen_q,
     seqlen_k,
+    total_q,
+    total_k,
     qk_scale,
     window_left,
     window_right,
@@ -271,8 +277,13 @@ def attn_fwd_kernel(
         # last dim) and rows [CU_K[b], CU_K[b+1]) of K and V. Moving the bases to the first row
         # makes the rest of the kernel see one (Sq, Sk) problem; the batch strides are 0.
         tl.static_assert(not USE_TMA, "varlen reads through masked pointers, not descriptors")
-        row_q, seqlen_q = seq_bounds(CU_Q, off_b)
-        row_k, seqlen_k = seq_bounds(CU_K, off_b)
+        row_q, seqlen_q = seq_bounds(CU_Q, off_b, total_q)
+        if PAGED:
+            # Only the length counts (the keys are in pages), at most the row's capacity.
+            _, seqlen_k = seq_bounds(CU_K, off_b, 2147483647)
+            seqlen_k = tl.minimum(seqlen_k, total_k)
+        else:
+            row_k, seqlen_k = seq_bounds(CU_K, off_b, total_k)
         if start_m >= seqlen_q:
             return
         Q += row_q * stride_qm
@@ -330,7 +341,8 @@ def attn_fwd_kernel(
         acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
             acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, offs_dv,
             lo, full_lo,
-            stride_kn, stride_vn, bt_row, block_size, stride_kb, stride_vb, seqlen_q, seqlen_k,
+            stride_kn, stride_vn, bt_row, block_size, num_blocks, stride_kb, stride_vb, seqlen_q,
+            seqlen_k,
             qk_scale, window_left, window_right,
             softcap, slope,
             HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL,
@@ -340,7 +352,8 @@ def attn_fwd_kernel(
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
         acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, offs_dv,
         full_lo, full_hi,
-        stride_kn, stride_vn, bt_row, block_size, stride_kb, stride_vb, seqlen_q, seqlen_k,
+        stride_kn, stride_vn, bt_row, block_size, num_blocks, stride_kb, stride_vb, seqlen_q,
+        seqlen_k,
         qk_scale, window_left, window_right,
         softcap, slope,
         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW,
@@ -350,7 +363,8 @@ def attn_fwd_kernel(
     acc, m_i, l_i, k_base, v_base = _fwd_kv_loop(
         acc, m_i, l_i, q, k_base, v_base, tma_b, tma_hk, offs_m, offs_n, offs_d, offs_dv,
         full_hi, hi,
-        stride_kn, stride_vn, bt_row, block_size, stride_kb, stride_vb, seqlen_q, seqlen_k,
+        stride_kn, stride_vn, bt_row, block_size, num_blocks, stride_kb, stride_vb, seqlen_q,
+        seqlen_k,
         qk_scale, window_left, window_right,
         softcap, slope,
         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW,

@@ -12,8 +12,13 @@ import triton.language as tl
 
 
 @triton.jit
-def seq_bounds(CU, b):
+def seq_bounds(CU, b, total):
     """``(first row, length)`` of sequence b: ``CU[b]`` as int64 (it scales row strides into
-    offsets that may pass 2**31) and ``CU[b + 1] - CU[b]`` as int32, like the kernels' lengths."""
-    start = tl.load(CU + b)
-    return start.to(tl.int64), tl.load(CU + b + 1) - start
+    offsets that may pass 2**31) and ``CU[b + 1] - CU[b]`` as int32, like the kernels' lengths.
+
+    Both offsets are clamped to ``[0, total]`` (the packed rows, or a paged sequence's capacity)
+    and the end to at least the start: offsets that are not as documented give wrong numbers for
+    their own sequence, never an access outside the tensors."""
+    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), total)
+    return start.to(tl.int64), end - start

@@ -181,7 +181,10 @@ def _plan(
     else:
         dlse_strides = dlse.stride() if varlen is None else (0, *dlse.stride())
     common = (*pb.stats_strides(lse, varlen), stride_ab)
-    scalars = (heads // kv_heads, seqlen_q, seqlen_k, *sc.scalars(), float(scale))
+    scalars = (
+        heads // kv_heads, seqlen_q, seqlen_k, *pb.packed_totals(q, k, varlen), *sc.scalars(),
+        float(scale),
+    )  # fmt: skip
     dkdv = (
         (pb.cdiv(seqlen_k, cfg.block_n1) * batch * kv_heads,),
         (

@@ -124,7 +124,7 @@ def launch(
                 *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
                 *part_strides[0], *part_strides[1], table.stride(0), stride_ab,
                 kv_heads, kv_group, seqlen_q, capacity, k_cache.shape[2] if paged else 1,
-                num_splits, *sc.scalars(),
+                k_cache.shape[0] if paged else 1, num_splits, *sc.scalars(),
             ),
             dict(
                 **flags,

@@ -170,7 +170,8 @@ def _plan(
         *pb.row_strides(q, varlen), *kv_strides[0], *kv_strides[1],
         *pb.row_strides(out, varlen), *pb.stats_strides(lse, varlen), stride_ab,
         block_table.stride(0) if paged else 0, k.shape[2] if paged else 1,
-        heads, heads // kv_heads, seqlen_q, seqlen_k, *sc.scalars(),
+        k.shape[0] if paged else 1, heads, heads // kv_heads, seqlen_q, seqlen_k,
+        *pb.packed_totals(q, k, varlen, block_table), *sc.scalars(),
     )  # fmt: skip
     meta = dict(
         **flags,

@@ -70,6 +70,22 @@ def problem_dims(q: torch.Tensor, k: torch.Tensor, varlen: Varlen | None) -> Dim
     return Dims(varlen.batch, q.shape[1], k.shape[1], varlen.max_seqlen_q, varlen.max_seqlen_k)
 
 
+def packed_totals(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    varlen: Varlen | None,
+    block_table: torch.Tensor | None = None,
+) -> tuple[int, int]:
+    """``(total_q, total_k)``: the rows a packed batch's offsets may address, which the kernels
+    clamp them to (``kernels/varlen.seq_bounds``); a paged sequence's number of keys is bounded
+    by its block-table row, ``max_blocks * block_size``. (0, 0) for dense inputs (never read)."""
+    if varlen is None:
+        return 0, 0
+    if block_table is not None:
+        return q.shape[0], block_table.shape[1] * k.shape[2]
+    return q.shape[0], k.shape[0]
+
+
 def lse_shape(q: torch.Tensor, packed: bool) -> tuple[int, ...]:
     """The LSE of ``q``'s rows: ``(B, H, Sq)``, or ``(H, total_q)`` for a packed q. The one shape
     function of the forward: its launcher allocates with it and its fake kernel reports it."""
