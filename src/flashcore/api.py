@@ -231,9 +231,11 @@ def attention_varlen(
     The contents of ``cu_seqlens_q``/``cu_seqlens_k`` and the maxima are trusted, as in
     FlashAttention: checking them would read device memory on the host and stall the stream.
     Offsets that are not as described (not starting at 0, decreasing, not ending at the totals,
-    a maximum smaller than a sequence) give undefined results, including out-of-bounds reads.
-    Only types, dtypes, shapes and devices are validated (and that each maximum is between 1 and
-    its total, or 0 for an empty total).
+    a maximum smaller than a sequence, block-table entries outside the cache) give wrong numbers
+    for their own sequence (rows past a too-small maximum are left unwritten), never an access
+    outside the tensors: the kernels clamp every offset they read to its tensor. Only types,
+    dtypes, shapes and devices are validated (and that each maximum is between 1 and its
+    total, or 0 for an empty total); ``with flashcore.checked():`` validates the contents too.
 
     Returns:
         ``out`` ``(total_q, H, Dv)`` in q's dtype (q's memory layout when q is dense), or
