@@ -362,18 +362,21 @@ def paged_rows(
     ``page * stride_page + row * stride_row``. PAGED 2 (block_size a multiple of the tile): one
     lookup for the tile, ``page`` a scalar (``tile_n`` is below ``seqlen``, so its entry is one of
     the sequence's pages); PAGED 1: a lookup per key, masked past ``seqlen`` in MASKED tiles.
-    Entries are clamped to ``[0, num_blocks)``: a bad one reads another page of the cache (wrong
-    numbers for its own sequence), never memory outside it."""
+    Entries are clamped to ``[0, num_blocks)`` (here for PAGED 2, negative ones to the last page;
+    by the launcher for PAGED 1): a bad one reads another page of the cache (wrong numbers for its
+    own sequence), never memory outside it."""
     if PAGED == 2:
         page = tl.load(bt_row + tile_n // block_size)
-        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
+        page = tl.minimum(page.to(tl.uint32), num_blocks - 1).to(tl.int64)
         row = tile_n % block_size + (cols - tile_n)
     else:
         if MASKED:
             page = tl.load(bt_row + cols // block_size, mask=cols < seqlen, other=0)
         else:
             page = tl.load(bt_row + cols // block_size)
-        page = tl.minimum(tl.maximum(page, 0), num_blocks - 1).to(tl.int64)
+        # The launcher clamps the table for this path (a per-row clamp here made the paged
+        # decode variant spill on sm_90, tests/test_compile_sm90.py).
+        page = page.to(tl.int64)
         row = cols % block_size
     return page, row
 

@@ -113,6 +113,9 @@ def launch(
         part_strides = o_part.stride()[:4], lse_part.stride()
     # Unused pointer arguments get a real tensor: the flags compile their loads away.
     table = block_table if paged else cache_seqlens
+    if paged and k_cache.shape[2] % cfg.block_n:
+        # PAGED 1 reads the entries as they are: clamp them to the cache's pages here.
+        table = block_table.clamp(0, k_cache.shape[0] - 1)
     slopes, stride_ab = pb.alibi_arg(alibi_slopes, lse)
     flags = pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v)
     split_kernel, combine_kernel = kernels()

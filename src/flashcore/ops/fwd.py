@@ -105,7 +105,7 @@ def launch(
     cu = (None, None) if varlen is None else varlen[:2]
     with runtime.launch_on(q):
         # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
-        table = lse if block_table is None else block_table
+        table = lse if block_table is None else pb.page_table(block_table, k, meta["PAGED"])
         kernel()(grid, (*pointers, lse, *cu, alibi, sinks, table, *tail), meta)
     return out, lse
 
