@@ -45,40 +45,64 @@ def check_tensor(name: str, t: object, packed: bool = False) -> torch.Tensor:
     return t
 
 
-def check_inputs(q: object, k: object, v: object, packed: bool = False) -> None:
-    """q, k, v as ``attention`` takes them, or packed ``(total, heads, head_dim)`` ones."""
-    q = check_tensor("q", q, packed)
-    k = check_tensor("k", k, packed)
-    v = check_tensor("v", v, packed)
-    for name, t in (("k", k), ("v", v)):
+def check_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, names: str, shape: str) -> None:
+    """k and v (named by ``names``, "k/v" or "k_cache/v_cache") against q: dtype, device, one shape
+    but for the head dims, and k's head dim equal to q's."""
+    k_name, v_name = names.split("/")
+    for name, t in ((k_name, k), (v_name, v)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-    heads, head_dim = q.shape[1], q.shape[-1]
     if k.shape[:-1] != v.shape[:-1]:
-        layout = "(total_k, kv_heads)" if packed else "(batch, kv_heads, seqlen_k)"
         raise ValueError(
-            f"k and v must have the same shape {layout} (only their head dims may differ), "
-            f"got k {tuple(k.shape)} and v {tuple(v.shape)}"
+            f"{k_name} and {v_name} must have the same shape {shape} (only their head dims may "
+            f"differ), got {k_name} {tuple(k.shape)} and {v_name} {tuple(v.shape)}"
         )
-    if not packed and k.shape[0] != q.shape[0]:
-        raise ValueError(f"k/v batch size must equal q's ({q.shape[0]}), got {k.shape[0]}")
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k head_dim must equal q's ({head_dim}), got {k.shape[-1]}")
-    kv_heads = k.shape[1]
-    # H = Hkv = 0 is an empty problem, not a GQA ratio.
-    if heads != kv_heads and (kv_heads == 0 or heads % kv_heads != 0):
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{k_name} head_dim must equal q's ({q.shape[-1]}), got {k.shape[-1]}")
+
+
+def check_gqa(heads: int, kv_heads: int, names: str, empty_ok: bool = False) -> None:
+    """q's heads a multiple of k/v's (``empty_ok``: H = Hkv = 0 is an empty problem)."""
+    if empty_ok and heads == kv_heads:
+        return
+    if kv_heads == 0 or heads % kv_heads != 0:
         raise ValueError(
-            f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads}) for GQA/MQA"
+            f"q's heads ({heads}) must be a multiple of {names}'s heads ({kv_heads}) for GQA/MQA"
         )
-    check_head_dims(head_dim, v.shape[-1], "v")
+
+
+def check_block_size(block_size: int, name: str) -> None:
+    if block_size == 0 or block_size % 16:
+        raise ValueError(
+            f"block_size ({name}.shape[2] of a paged cache) must be a positive multiple of 16, "
+            f"got {block_size}"
+        )
+
+
+def check_runnable(q: torch.Tensor) -> None:
+    """CPU tensors run only through Triton's interpreter."""
     if q.device.type == "cpu" and not interpreted():
         raise ValueError(
             "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
             "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
             "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
         )
+
+
+def check_inputs(q: object, k: object, v: object, packed: bool = False) -> None:
+    """q, k, v as ``attention`` takes them, or packed ``(total, heads, head_dim)`` ones."""
+    q = check_tensor("q", q, packed)
+    k = check_tensor("k", k, packed)
+    v = check_tensor("v", v, packed)
+    layout = "(total_k, kv_heads)" if packed else "(batch, kv_heads, seqlen_k)"
+    check_pair(q, k, v, "k/v", layout)
+    if not packed and k.shape[0] != q.shape[0]:
+        raise ValueError(f"k/v batch size must equal q's ({q.shape[0]}), got {k.shape[0]}")
+    check_gqa(q.shape[1], k.shape[1], "k/v", empty_ok=True)
+    check_head_dims(q.shape[-1], v.shape[-1], "v")
+    check_runnable(q)
 
 
 def check_head_dims(head_dim: int, head_dim_v: int, v_name: str) -> None:
@@ -216,37 +240,13 @@ def check_paged_varlen(q, k, v, block_table, batch: int) -> int:
     q = check_tensor("q", q, packed=True)
     k = check_tensor("k", k)
     v = check_tensor("v", v)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-    if k.shape[:-1] != v.shape[:-1]:
-        raise ValueError(
-            "k and v must have the same shape (num_blocks, kv_heads, block_size) (only their "
-            f"head dims may differ), got k {tuple(k.shape)} and v {tuple(v.shape)}"
-        )
-    heads, head_dim, kv_heads, block_size = q.shape[1], q.shape[-1], k.shape[1], k.shape[2]
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"k head_dim must equal q's ({head_dim}), got {k.shape[-1]}")
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(
-            f"q's heads ({heads}) must be a multiple of k/v's heads ({kv_heads}) for GQA/MQA"
-        )
-    if block_size == 0 or block_size % 16:
-        raise ValueError(
-            f"block_size (k.shape[2] of a paged cache) must be a positive multiple of 16, got "
-            f"{block_size}"
-        )
-    check_head_dims(head_dim, v.shape[-1], "v")
+    check_pair(q, k, v, "k/v", "(num_blocks, kv_heads, block_size)")
+    check_gqa(q.shape[1], k.shape[1], "k/v")
+    check_block_size(k.shape[2], "k")
+    check_head_dims(q.shape[-1], v.shape[-1], "v")
     check_int_tensor("block_table", block_table, (batch, -1), q.device)
-    if q.device.type == "cpu" and not interpreted():
-        raise ValueError(
-            "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
-            "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
-            "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
-        )
-    return block_table.shape[1] * block_size
+    check_runnable(q)
+    return block_table.shape[1] * k.shape[2]
 
 
 def check_int_tensor(name: str, t: object, shape: tuple[int, ...], device: torch.device):
@@ -266,18 +266,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> Non
     q = check_tensor("q", q)
     k_cache = check_tensor("k_cache", k_cache)
     v_cache = check_tensor("v_cache", v_cache)
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}.dtype must equal q.dtype ({q.dtype}), got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device ({q.device}), got {t.device}")
-    if k_cache.shape[:-1] != v_cache.shape[:-1]:
-        raise ValueError(
-            f"k_cache and v_cache must have the same shape (only their head dims may differ), "
-            f"got k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)}"
-        )
-    batch, heads, _, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    check_pair(
+        q, k_cache, v_cache, "k_cache/v_cache", "(B or num_blocks, kv_heads, S_max or block_size)"
+    )
+    batch = q.shape[0]
     check_int_tensor("cache_seqlens", cache_seqlens, (batch,), q.device)
     if block_table is None:
         if k_cache.shape[0] != batch:
@@ -287,26 +279,10 @@ def check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> Non
             )
     else:
         check_int_tensor("block_table", block_table, (batch, -1), q.device)
-        block_size = k_cache.shape[2]
-        if block_size == 0 or block_size % 16:
-            raise ValueError(
-                f"block_size (k_cache.shape[2] of a paged cache) must be a positive multiple of "
-                f"16, got {block_size}"
-            )
-    if k_cache.shape[3] != head_dim:
-        raise ValueError(f"k_cache head_dim must equal q's ({head_dim}), got {k_cache.shape[3]}")
-    if kv_heads == 0 or heads % kv_heads != 0:
-        raise ValueError(
-            f"q's heads ({heads}) must be a multiple of k_cache/v_cache's heads ({kv_heads}) "
-            "for GQA/MQA"
-        )
-    check_head_dims(head_dim, v_cache.shape[-1], "v_cache")
-    if q.device.type == "cpu" and not interpreted():
-        raise ValueError(
-            "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
-            "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
-            "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
-        )
+        check_block_size(k_cache.shape[2], "k_cache")
+    check_gqa(q.shape[1], k_cache.shape[1], "k_cache/v_cache")
+    check_head_dims(q.shape[-1], v_cache.shape[-1], "v_cache")
+    check_runnable(q)
 
 
 def check_num_splits(num_splits: object) -> int:
