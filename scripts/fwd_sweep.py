@@ -1,6 +1,9 @@
 """Device-side: ceilings, then forward configs and SDPA side by side (medians of do_bench).
 
-Usage: python scripts/fwd_sweep.py [--quick] [--shape B,H,S,D ...] [--no-ceilings]
+Usage: python scripts/fwd_sweep.py [--quick] [--shape B,H,S,D ...] [--no-ceilings] [--graph]
+
+``--graph`` times each call replayed from a CUDA graph (``do_bench_cudagraph``): the kernel's own
+time, which small shapes need since an eager call there is paced by the host.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from flashcore import reference
 from flashcore.ops.fwd import launch as attn_fwd
@@ -44,7 +47,15 @@ def main() -> None:
         help="B,H,S,D (repeatable); default: four shapes of S 1024-4096, D 64-256",
     )
     ap.add_argument("--no-ceilings", action="store_true", help="skip the matmul/copy ceilings")
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays")
     args = ap.parse_args()
+    if args.graph:
+
+        def bench(fn, return_mode="median"):
+            with torch.cuda.stream(torch.cuda.Stream()):
+                return do_bench_cudagraph(fn, return_mode=return_mode)
+    else:
+        bench = do_bench
     print(torch.cuda.get_device_name(), torch.__version__)
     if not args.no_ceilings:
         ceilings()
@@ -65,8 +76,10 @@ def main() -> None:
                 (64, 128, 4, 3),
                 (64, 64, 4, 2),
                 (64, 32, 4, 3),
+                (64, 64, 4, 4),
+                (32, 64, 4, 3),
             ],
-            (True,),
+            (True, False) if args.graph else (True,),
         )
     ]
     big_d = [
@@ -82,7 +95,7 @@ def main() -> None:
         ref = reference.attention(
             q[:1, :2], k[:1, :2], v[:1, :2], causal=causal, dtype=torch.float32
         )
-        ms_sdpa = do_bench(
+        ms_sdpa = bench(
             functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal),
             return_mode="median",
         )
@@ -94,7 +107,7 @@ def main() -> None:
                 out, _ = attn_fwd(q, k, v, causal, scale, cfg)
                 err = (out[:1, :2].float() - ref.out).abs().max().item()
                 run = functools.partial(attn_fwd, q, k, v, causal, scale, cfg)
-                ms = do_bench(run, return_mode="median")
+                ms = bench(run, return_mode="median")
             except Exception as e:  # out of shared memory etc.
                 rows.append((float("inf"), cfg, type(e).__name__))
                 continue
