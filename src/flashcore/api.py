@@ -272,7 +272,7 @@ def attention_varlen(
     check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0], "total_q")
     max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, keys, keys_name)
-    if _offsets.active():
+    if _checked_mode(q):
         # flashcore.checked(): the offsets' contents too (one device sync).
         _offsets.check_cu_seqlens_values(
             "cu_seqlens_q", cu_seqlens_q, q.shape[0], "max_seqlen_q", max_seqlen_q
@@ -296,6 +296,24 @@ def attention_varlen(
         window_left, window_right, softcap, alibi_slopes, sinks, block_table,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+CHECKED_IN_CAPTURE = (
+    "flashcore.checked() reads the offsets back to the host (a device sync), which a CUDA graph "
+    "capture cannot contain: leave the checked() block before capturing (validate the offsets "
+    "once in an eager call before the capture); the unchecked call is capturable"
+)
+
+
+def _checked_mode(q: torch.Tensor) -> bool:
+    """Whether ``flashcore.checked()`` is on for this call. Raises ``RuntimeError`` when it is
+    and the call is being captured into a CUDA graph: its read-back would otherwise fail inside
+    CUDA with "operation not permitted when stream is capturing" and void the capture."""
+    if not _offsets.active():
+        return False
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(CHECKED_IN_CAPTURE)
+    return True
 
 
 def _batch_of(cu_seqlens_q: object) -> int:
@@ -542,7 +560,7 @@ def attention_with_kvcache(
     softcap_value = check_softcap(softcap)
     slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
     splits = check_num_splits(num_splits)
-    if _offsets.active():
+    if _checked_mode(q):
         # flashcore.checked(): the lengths and block table entries too (one device sync).
         paged = block_table is not None
         capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]

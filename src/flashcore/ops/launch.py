@@ -17,6 +17,12 @@ Equal keys therefore select the kernel Triton itself would have selected, which 
 through ``CompiledKernel[grid]`` (Triton's own launcher, with its stream and hook handling). A miss
 launches through ``JITFunction`` (compiling if needed) and remembers what it returned. Under the
 interpreter every launch goes through ``JITFunction``: there is nothing compiled to keep.
+
+CUDA graphs: a hit reads nothing from the device and launches on the current stream, so it is
+captured like any other kernel (the keys hold pointer alignment, never addresses). A miss may
+make Triton compile and load a kernel variant, and CUDA forbids loading a module during a stream
+capture: a launch that fails while the stream is capturing is re-raised with a message that says
+to run the call once before capturing (``first_launch_in_capture``).
 """
 
 from __future__ import annotations
@@ -55,7 +61,12 @@ class Launcher:
         )
         hit = self.compiled.get(key)
         if hit is None:
-            kernel = self.fn[grid](*full_descriptors(args), **meta)
+            try:
+                kernel = self.fn[grid](*full_descriptors(args), **meta)
+            except Exception as e:
+                if torch.cuda.is_current_stream_capturing():
+                    raise RuntimeError(first_launch_in_capture(self.fn)) from e
+                raise
             if len(self.compiled) >= MAX_ENTRIES:
                 self.compiled.clear()
             names = self.fn.arg_names[len(args) :]
@@ -63,6 +74,20 @@ class Launcher:
             return
         kernel, constexprs = hit
         kernel[grid + (1,) * (3 - len(grid))](*args, *constexprs)
+
+
+def first_launch_in_capture(fn: Any) -> str:
+    """The message for a launch that failed while a CUDA graph was being captured, before this
+    launcher had seen its sizes (see ``Launcher``)."""
+    name = getattr(fn, "__name__", str(fn))
+    return (
+        f"flashcore: {name} was launched with sizes this process had not run before while a CUDA "
+        "graph was being captured, and the launch failed: Triton compiles and loads a kernel "
+        "variant at its first launch, and CUDA does not allow loading one during a capture. "
+        "Run the same call once eagerly before capturing (on the capture's side stream, as "
+        "torch.cuda.graph's warm-up does; torch.cuda.make_graphed_callables and "
+        "torch.compile(mode='reduce-overhead') warm up by themselves)"
+    )
 
 
 class Descriptor:
