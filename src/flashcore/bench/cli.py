@@ -15,6 +15,10 @@ device-to-device copy bandwidth measured in the same run.
 ``flashcore.attention_varlen`` on the packed tokens against flashcore and SDPA on the zero-padded
 batch; TFLOP/s count the real tokens only and ``vs sdpa`` compares with ``sdpa-padded`` (no mask).
 
+``--cuda-graph`` also times every measurement as back-to-back eager calls and as the same calls
+replayed from one CUDA graph, and reports the host's cost per call (eager minus graph) beside the
+graph's time, the GPU's.
+
 Exit status: 0, or 1 when a flashcore result is outside the error rule; 2 for bad arguments.
 """
 
@@ -30,6 +34,7 @@ from collections.abc import Callable
 import torch
 
 from flashcore.bench import cases as cases_mod
+from flashcore.bench.metrics import GRAPH_CALLS
 from flashcore.bench.providers import (
     DECODE_CPU,
     DECODE_GPU,
@@ -52,6 +57,8 @@ examples (GPU):
   flashcore-bench --preset seed --resources
   flashcore-bench --preset decode --out decode.jsonl
   flashcore-bench --preset varlen --mode fwd,bwd,fwdbwd --dtype fp16,bf16 --out varlen.jsonl
+  flashcore-bench --preset seed --providers flashcore,sdpa --mode fwd,fwdbwd --cuda-graph
+  flashcore-bench --preset decode --providers flashcore-kvcache,flashcore-paged256,sdpa --cuda-graph
 without a GPU (Triton interpreter, correctness only):
   flashcore-bench --preset smoke --out smoke.jsonl
   flashcore-bench --preset decode-smoke
@@ -171,6 +178,21 @@ def build_parser() -> argparse.ArgumentParser:
     timing.add_argument(
         "--rep", type=_positive_int, default=100, metavar="MS", help="do_bench repetition (ms)"
     )
+    timing.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also time each measurement as --graph-calls back-to-back eager calls and as the "
+        "same calls replayed from one CUDA graph (after a warm-up; no L2 flush), adding the "
+        "columns loop ms, graph ms, host ms (= loop - graph, the host's cost per call beyond "
+        "the GPU's) and g vs sdpa; GPU only",
+    )
+    timing.add_argument(
+        "--graph-calls",
+        type=_positive_int,
+        default=GRAPH_CALLS,
+        metavar="N",
+        help=f"calls per CUDA graph and per eager loop with --cuda-graph (default {GRAPH_CALLS})",
+    )
     return parser
 
 
@@ -181,6 +203,8 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu:
             f"--preset {args.preset} needs a GPU ({why}); the Triton interpreter runs "
             "--preset smoke, decode-smoke, varlen-smoke or small --shape cases"
         )
+    if args.cuda_graph and not on_gpu:
+        parser.error("--cuda-graph times CUDA graphs, which only a GPU run has; drop --cuda-graph")
     if args.plot:
         if not on_gpu:
             parser.error("--plot draws TFLOP/s, which only a GPU run measures; drop --plot")
@@ -238,6 +262,8 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
         on_gpu=on_gpu,
         warmup=args.warmup,
         rep=args.rep,
+        cuda_graph=args.cuda_graph,
+        graph_calls=args.graph_calls,
     )
     print(
         f"flashcore-bench: {env['device']}; torch {env['torch']}, triton {env['triton']}, "
@@ -253,7 +279,8 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
         print("No GPU: kernels run through Triton's interpreter. Correctness is checked for real;")
         print("times are interpreter wall times, not performance.")
     print()
-    print(report.table_header(not on_gpu))
+    graph = settings.cuda_graph
+    print(report.table_header(not on_gpu, graph))
 
     out_file = open(args.out, "w") if args.out else None  # noqa: SIM115 (rows stream as they come)
     total = len(cases) * len(args.dtype) * len(args.mode) * len(providers)
@@ -280,11 +307,12 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
                     for r in results:
                         speedup = base.timing.p50 / r.timing.p50 if base and r.timing else None
                         row = report.measurement_row(
-                            r, env=env, peak=peak, speedup=speedup, copy_gbps=copy_bw
-                        )
+                            r, env=env, peak=peak, speedup=speedup, copy_gbps=copy_bw,
+                            graph_speedup=_graph_speedup(base, r),
+                        )  # fmt: skip
                         group.append(row)
                     for row in group:
-                        emit(report.table_row(row))
+                        emit(report.table_row(row, graph))
                     if out_file:
                         report.write_jsonl(out_file, group)
                     rows += group
@@ -300,7 +328,8 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
             out_file.close()
     print()
     varlen = any(c.seqlens is not None for c in cases)
-    print(report.table_footer(not on_gpu, peak, copy_bw, varlen=varlen))
+    graph_calls = settings.graph_calls if graph else None
+    print(report.table_footer(not on_gpu, peak, copy_bw, varlen=varlen, graph_calls=graph_calls))
 
     if args.resources:
         found = resources.collect() if on_gpu else None
@@ -325,3 +354,10 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
         r for r in rows if r["provider"].startswith("flashcore") and r["status"] == "wrong"
     ]
     return 1 if flashcore_wrong else 0
+
+
+def _graph_speedup(base, r) -> float | None:
+    """The baseline's CUDA-graph time over ``r``'s, when both were timed in a graph."""
+    if base is None or base.graph is None or r.graph is None:
+        return None
+    return base.graph.graph.p50 / r.graph.graph.p50

@@ -14,7 +14,12 @@ copy bandwidth measured in the same run (``torch.Tensor.copy_`` of 1 GiB, counte
 write).
 
 Timing on a GPU is ``triton.testing.do_bench`` (L2 flushed between calls, CUDA events), reported as
-the 20th, 50th and 80th percentiles in milliseconds. Under Triton's interpreter nothing runs on a
+the 20th, 50th and 80th percentiles in milliseconds. Its flush (a memset of the L2's size before
+each call) also gives the host a head start on every call, so do_bench hides up to that much host
+cost per call. ``time_graph`` (``--cuda-graph``) shows it instead: the same ``calls`` back-to-back
+calls timed eagerly (the pace of whichever is slower, host or GPU) and replayed from one CUDA graph
+(the GPU's pace with no host in between), neither flushing L2; the difference of the medians is
+the host's cost per call beyond the GPU's. Under Triton's interpreter nothing runs on a
 GPU and do_bench cannot time; there the wall time of a few calls (``time.perf_counter``) is kept
 only to show how long the interpreter took, labelled ``interpreter-wall``, and never turned into
 TFLOP/s.
@@ -22,6 +27,7 @@ TFLOP/s.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +41,11 @@ MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
 QUANTILES = (0.2, 0.5, 0.8)
 TIMER_GPU = "do_bench"
 TIMER_INTERPRETER = "interpreter-wall"
+TIMER_LOOP = "eager-loop"
+TIMER_GRAPH = "cuda-graph"
+GRAPH_CALLS = 20
+GRAPH_REPEATS = 10
+GRAPH_WARMUP = 3
 PEAK_N = 8192
 COPY_BYTES = 1 << 30
 
@@ -100,6 +111,82 @@ def time_gpu(
     return Timing(p20, p50, p80, TIMER_GPU)
 
 
+class GraphTiming(NamedTuple):
+    """``time_graph``'s result: milliseconds per call, eager and from a CUDA graph."""
+
+    loop: Timing
+    """``calls`` back-to-back eager calls, per call: the host's pace or the GPU's, the slower."""
+    graph: Timing
+    """The same calls captured in one CUDA graph and replayed, per call: the GPU's pace."""
+    calls: int
+
+    @property
+    def host_ms(self) -> float:
+        """What the host adds per call beyond the GPU's time: loop minus graph medians (about 0,
+        within the spread, when the GPU sets the pace)."""
+        return self.loop.p50 - self.graph.p50
+
+
+def _quantiles(times: Sequence[float], timer: str) -> Timing:
+    if len(times) == 1:
+        return Timing(times[0], times[0], times[0], timer)
+    p20, _, _, p80 = statistics.quantiles(times, n=5, method="inclusive")
+    return Timing(p20, statistics.median(times), p80, timer)
+
+
+def _per_call_ms(run: Callable[[], object], calls: int, repeats: int) -> list[float]:
+    """CUDA-event time of ``run()`` (``calls`` calls), ``repeats`` times back to back, per call."""
+    events = [
+        (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        for _ in range(repeats)
+    ]
+    for start, end in events:
+        start.record()
+        run()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) / calls for start, end in events]
+
+
+def time_graph(
+    make_fn: Callable[[], Callable[[], object]],
+    *,
+    calls: int = GRAPH_CALLS,
+    repeats: int = GRAPH_REPEATS,
+    grad_to_none: Sequence[torch.Tensor] | None = None,
+) -> GraphTiming:
+    """Per-call time of ``calls`` back-to-back calls of ``fn = make_fn()``, eagerly and replayed
+    from one CUDA graph holding the same calls, ``repeats`` times each (quantiles over the
+    repeats).
+
+    Runs on a side stream, as a capture must, and ``make_fn`` runs there too: autograd runs each
+    backward op on the stream of its forward, so a backward timed alone needs its forward made on
+    the capturing stream. Then ``GRAPH_WARMUP`` eager calls (every kernel variant compiled and
+    loaded, the allocator primed), the eager loops, the capture and its replays.
+    ``grad_to_none`` are reset before every call, inside the graph too (each captured backward
+    then writes fresh gradients instead of accumulating).
+    """
+
+    def loop(fn: Callable[[], object], n: int = calls) -> None:
+        for _ in range(n):
+            for t in grad_to_none or ():
+                t.grad = None
+            fn()
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn = make_fn()
+        loop(fn, GRAPH_WARMUP)
+        eager = _per_call_ms(functools.partial(loop, fn), calls, repeats)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            loop(fn)
+        replayed = _per_call_ms(graph.replay, calls, repeats)
+    torch.cuda.current_stream().wait_stream(stream)
+    return GraphTiming(_quantiles(eager, TIMER_LOOP), _quantiles(replayed, TIMER_GRAPH), calls)
+
+
 def time_interpreter(
     fn: Callable[[], object], *, reps: int, grad_to_none: Sequence[torch.Tensor] | None = None
 ) -> Timing:
@@ -111,10 +198,7 @@ def time_interpreter(
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
-    if len(times) == 1:
-        return Timing(times[0], times[0], times[0], TIMER_INTERPRETER)
-    p20, _, _, p80 = statistics.quantiles(times, n=5, method="inclusive")[:4]
-    return Timing(p20, statistics.median(times), p80, TIMER_INTERPRETER)
+    return _quantiles(times, TIMER_INTERPRETER)
 
 
 def peak_matmul_tflops(*, warmup: int, rep: int) -> float:

@@ -67,8 +67,11 @@ def measurement_row(
     peak: float | None,
     speedup: float | None,
     copy_gbps: float | None = None,
+    graph_speedup: float | None = None,
 ) -> dict:
+    """One JSON row; ``graph_speedup`` is sdpa's CUDA-graph time over this row's."""
     s = m.case.shape
+    g = m.graph
     flops = metrics.attention_flops(m.case, m.mode)
     t = m.timing
     gpu_time = t is not None and t.timer == metrics.TIMER_GPU
@@ -105,6 +108,16 @@ def measurement_row(
         "pct_copy_bw": 100 * bandwidth / copy_gbps if bandwidth and copy_gbps else None,
         "copy_gbps": copy_gbps,
         "speedup_vs_sdpa": speedup if gpu_time else None,
+        "graph_calls": g.calls if g else None,
+        "loop_ms_p20": g.loop.p20 if g else None,
+        "loop_ms_p50": g.loop.p50 if g else None,
+        "loop_ms_p80": g.loop.p80 if g else None,
+        "graph_ms_p20": g.graph.p20 if g else None,
+        "graph_ms_p50": g.graph.p50 if g else None,
+        "graph_ms_p80": g.graph.p80 if g else None,
+        "host_ms": g.host_ms if g else None,
+        "graph_speedup_vs_sdpa": graph_speedup if g else None,
+        "graph_reason": m.graph_reason,
         "rel_err": _num(m.rel_err),
         "max_abs_err": _num(max(e.err for e in errors.values())) if errors else None,
         "errors": {
@@ -151,20 +164,34 @@ _COLUMNS = [
     ("vs sdpa", 8, ">"),
     ("rel err", 9, ">"),
 ]
+# With --cuda-graph, after the columns above (metrics.time_graph).
+_GRAPH_COLUMNS = [
+    ("loop ms", 9, ">"),
+    ("graph ms", 9, ">"),
+    ("host ms", 8, ">"),
+    ("g vs sdpa", 9, ">"),
+]
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def table_header(interpreted: bool) -> str:
-    names = [("wall ms*" if interpreted and n == "p50 ms" else n) for n, _, _ in _COLUMNS]
-    cells = [f"{n:{a}{w}}" for n, (_, w, a) in zip(names, _COLUMNS, strict=True)]
+def _columns(graph: bool) -> list[tuple[str, int, str]]:
+    return _COLUMNS + _GRAPH_COLUMNS if graph else _COLUMNS
+
+
+def table_header(interpreted: bool, graph: bool = False) -> str:
+    """The table's header; ``graph`` adds the ``--cuda-graph`` columns."""
+    columns = _columns(graph)
+    names = [("wall ms*" if interpreted and n == "p50 ms" else n) for n, _, _ in columns]
+    cells = [f"{n:{a}{w}}" for n, (_, w, a) in zip(names, columns, strict=True)]
     head = " ".join(cells) + "  status"
     return head + "\n" + "-" * len(head)
 
 
-def table_row(row: dict) -> str:
+def table_row(row: dict, graph: bool = False) -> str:
+    """One line of the table; ``graph`` adds the ``--cuda-graph`` columns (as the header)."""
     p20, p50, p80 = row["ms_p20"], row["ms_p50"], row["ms_p80"]
     single = p50 is None or row["timer"] != metrics.TIMER_GPU
     spread = "-" if single else f"{p20:.4g}-{p80:.4g}"
@@ -184,11 +211,19 @@ def table_row(row: dict) -> str:
         _fmt(row["speedup_vs_sdpa"], ".2f"),
         _fmt(row["rel_err"], ".1e"),
     ]
-    cells = [f"{v!s:{a}{w}}" for v, (_, w, a) in zip(values, _COLUMNS, strict=True)]
+    if graph:
+        values += [
+            _fmt(row.get("loop_ms_p50"), ".4g"),
+            _fmt(row.get("graph_ms_p50"), ".4g"),
+            _fmt(row.get("host_ms"), ".3f"),
+            _fmt(row.get("graph_speedup_vs_sdpa"), ".2f"),
+        ]
+    columns = _columns(graph)
+    cells = [f"{v!s:{a}{w}}" for v, (_, w, a) in zip(values, columns, strict=True)]
     status = {"ok": "ok", "wrong": "WRONG", "refused": "refused"}[row["status"]]
     text = " ".join(cells) + f"  {status}"
-    if row["reason"]:
-        reason = row["reason"]
+    reasons = [row["reason"]] + ([row.get("graph_reason")] if graph else [])
+    for reason in filter(None, reasons):
         text += f" ({reason[:97] + '...' if len(reason) > 100 else reason})"
     return text
 
@@ -204,9 +239,25 @@ VARLEN_NOTE = (
 )
 
 
+GRAPH_NOTE = (
+    "CUDA graphs (--cuda-graph, {calls} calls back to back, {repeats} repeats, medians, no L2 "
+    "flush): "
+    "loop ms = per call of the eager loop (the host's pace or the GPU's, the slower); graph ms = "
+    "per call of the same calls replayed from one CUDA graph (the GPU's pace: kernels and the "
+    "gaps between them); host ms = loop - graph, what the host adds per call (about 0 when the "
+    "GPU sets the pace); g vs sdpa = sdpa's graph ms / this row's."
+)
+
+
 def table_footer(
-    interpreted: bool, peak: float | None, copy_gbps: float | None = None, *, varlen: bool = False
+    interpreted: bool,
+    peak: float | None,
+    copy_gbps: float | None = None,
+    *,
+    varlen: bool = False,
+    graph_calls: int | None = None,
 ) -> str:
+    """Notes under the table; ``graph_calls`` (with ``--cuda-graph``) adds the graph columns'."""
     lines = [
         "rel err = max|x - ref| / max|ref| over out (and dq, dk, dv in backward modes); WRONG = "
         "outside FlashAttention's rule max|x - ref| <= 2 max|pt - ref| + eps."
@@ -233,6 +284,8 @@ def table_footer(
             "device-to-device copy bandwidth measured in this run"
             + (f" ({copy_gbps:.0f} GB/s)." if copy_gbps else ".")
         )
+        if graph_calls:
+            lines.append(GRAPH_NOTE.format(calls=graph_calls, repeats=metrics.GRAPH_REPEATS))
     return "\n".join(lines)
 
 

@@ -13,6 +13,11 @@ Varlen cases: a packed provider gets the packed tokens, every other provider the
 (``Inputs.tensors``); the reference is on the packed tokens, and a padded provider's results are
 checked on the real tokens only (``Inputs.checked``).
 
+With ``Settings.cuda_graph`` each measurement is also timed by ``metrics.time_graph``: the same
+calls back to back, eagerly and replayed from a CUDA graph (``bwd`` makes its retained forward on
+the capturing stream). A provider whose calls cannot be captured keeps its other numbers; the
+reason goes into ``Measurement.graph_reason``.
+
 Every measurement is checked before it is timed: ``out`` for fwd, ``out`` and ``dq, dk, dv`` for
 the backward modes. A provider outside FlashAttention's error rule is still timed and its status is
 "wrong". Only calls into the provider are guarded: an exception there makes the row "refused" (the
@@ -43,6 +48,8 @@ class Settings:
     rep: int = 100
     interpreter_reps: int = 1
     ref_budget_bytes: int = 1 << 30
+    cuda_graph: bool = False
+    graph_calls: int = metrics.GRAPH_CALLS
 
     @property
     def ref_dtype(self) -> torch.dtype:
@@ -61,6 +68,10 @@ class Measurement:
     timing: metrics.Timing | None = None
     errors: dict[str, check.TensorError] | None = None
     warnings: tuple[str, ...] = ()
+    graph: metrics.GraphTiming | None = None
+    """Eager-loop and CUDA-graph times (``Settings.cuda_graph``), or None."""
+    graph_reason: str | None = None
+    """Why the CUDA-graph timing failed (the capture raised), or None."""
 
     @property
     def rel_err(self) -> float | None:
@@ -192,6 +203,9 @@ def _measure(
         def bench() -> object:
             return fn(q, k, v)
 
+        def make_bench():
+            return bench
+
         grad_to_none = None
     else:
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -219,11 +233,19 @@ def _measure(
             def bench() -> object:
                 return retained.backward(do, retain_graph=True)
 
+            def make_bench():
+                # A forward of its own on the calling (capturing) stream: see metrics.time_graph.
+                again = fn(*leaves)
+                return lambda: again.backward(do, retain_graph=True)
+
         else:
             del out
 
             def bench() -> object:
                 return fn(*leaves).backward(do)
+
+            def make_bench():
+                return bench
 
         grad_to_none = leaves
 
@@ -238,9 +260,20 @@ def _measure(
             )
     except Exception as e:
         return refuse("timing", e, errors)
+    graph = graph_reason = None
+    if settings.cuda_graph and settings.on_gpu:
+        try:
+            graph = metrics.time_graph(
+                make_bench, calls=settings.graph_calls, grad_to_none=grad_to_none
+            )
+        except Exception as e:
+            graph_reason = _describe("cuda graph", e)
     wrong = [f"{n}: err {e.err:.2e} > bound {e.bound:.2e}" for n, e in errors.items() if not e.ok]
     status, reason = ("wrong", "; ".join(wrong)) if wrong else ("ok", None)
-    return Measurement(provider.name, case, q.dtype, mode, status, reason, timing, errors)
+    return Measurement(
+        provider.name, case, q.dtype, mode, status, reason, timing, errors,
+        graph=graph, graph_reason=graph_reason,
+    )  # fmt: skip
 
 
 def run_group(
