@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from flashcore import reference
-from flashcore.bench import cases, check, metrics, providers
-from flashcore.bench.cli import main
+from flashcore.bench import cases, check, metrics, providers, report, runner
+from flashcore.bench.cli import build_parser, main
 from flashcore.bench.report import read_jsonl
 
 HAS_CUDA = torch.cuda.is_available()
@@ -218,6 +218,7 @@ def test_bad_shape(shape, message, capsys):
         (["--dtype", "fp8"], "fp8 not in"),
         (["--causal", "maybe"], "invalid choice"),
         (["--preset", "smoke", "--causal", "on", "--shape", "1,1,8,16", "--warmup", "0"], "warmup"),
+        (["--cuda-graph", "--graph-calls", "0"], "argument --graph-calls"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):
@@ -235,6 +236,7 @@ def test_bad_arguments(argv, message, capsys):
         (["--preset", "decode"], "--preset decode needs a GPU"),
         (["--preset", "varlen"], "--preset varlen needs a GPU"),
         (["--preset", "smoke", "--plot", "x.png"], "--plot draws TFLOP/s"),
+        (["--preset", "smoke", "--cuda-graph"], "--cuda-graph times CUDA graphs"),
     ],
 )
 def test_gpu_only_arguments(argv, message, capsys):
@@ -373,3 +375,83 @@ def test_rows_are_strict_json(tmp_path):
     )
     for line in out.read_text().splitlines():
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
+def test_cuda_graph_arguments():
+    args = build_parser().parse_args(["--preset", "seed"])
+    assert not args.cuda_graph and args.graph_calls == metrics.GRAPH_CALLS
+    args = build_parser().parse_args(["--cuda-graph", "--graph-calls", "7"])
+    assert args.cuda_graph and args.graph_calls == 7
+
+
+def _graph_measurement(provider: str, loop_ms: float, graph_ms: float) -> runner.Measurement:
+    case = cases.Case(cases.shape(1, 8, 512, 64), True)
+    timing = metrics.Timing(0.010, 0.011, 0.012, metrics.TIMER_GPU)
+    graph = metrics.GraphTiming(
+        metrics.Timing(loop_ms * 0.9, loop_ms, loop_ms * 1.1, metrics.TIMER_LOOP),
+        metrics.Timing(graph_ms * 0.9, graph_ms, graph_ms * 1.1, metrics.TIMER_GRAPH),
+        calls=20,
+    )
+    error = check.TensorError(1e-3, 1e-3, 1.0, 1e-3)
+    return runner.Measurement(
+        provider, case, torch.bfloat16, "fwd", "ok", None, timing, {"out": error}, graph=graph
+    )
+
+
+def test_cuda_graph_report():
+    # Rows and table of a --cuda-graph run, from synthetic timings: host ms is loop - graph, the
+    # graph speed-up compares graph times, and the columns line up under the header.
+    env = {"device": "test", "git_sha": None}
+    flash = _graph_measurement("flashcore", loop_ms=0.050, graph_ms=0.009)
+    sdpa = _graph_measurement("sdpa", loop_ms=0.030, graph_ms=0.010)
+    assert flash.graph.host_ms == pytest.approx(0.041)
+    row = report.measurement_row(
+        flash, env=env, peak=None, speedup=1.0, graph_speedup=0.010 / 0.009
+    )
+    assert row["loop_ms_p50"] == 0.050 and row["graph_ms_p50"] == 0.009
+    assert row["host_ms"] == pytest.approx(0.041) and row["graph_calls"] == 20
+    assert row["graph_speedup_vs_sdpa"] == pytest.approx(1.111, abs=1e-3)
+    assert row["graph_reason"] is None
+    json.dumps(row)
+
+    header = report.table_header(False, graph=True)
+    for name in ("loop ms", "graph ms", "host ms", "g vs sdpa"):
+        assert name in header
+    line = report.table_row(row, graph=True)
+    assert len(line.split("  ok")[0]) == len(header.splitlines()[0].split("  status")[0])
+    assert line.split()[-5:] == ["0.05", "0.009", "0.041", "1.11", "ok"]
+    base = report.measurement_row(sdpa, env=env, peak=None, speedup=1.0, graph_speedup=1.0)
+    assert report.table_row(base, graph=True).split()[-3:] == ["0.02", "1.00", "ok"]
+
+    # Without --cuda-graph the table is the one it always was.
+    assert report.table_header(False) == report.table_header(False, graph=False)
+    assert "loop ms" not in report.table_header(False)
+    assert report.table_row(row).split()[-1] == "ok" and "0.041" not in report.table_row(row)
+    footer = report.table_footer(False, None, graph_calls=20)
+    assert "host ms = loop - graph" in footer and "20 calls back to back" in footer
+    assert "host ms" not in report.table_footer(False, None)
+
+    # A provider that cannot be captured keeps its other numbers; the reason is shown.
+    failed = _graph_measurement("flex", 0.05, 0.01)
+    failed.graph, failed.graph_reason = None, "cuda graph: RuntimeError: capture failed"
+    row = report.measurement_row(failed, env=env, peak=None, speedup=None)
+    assert row["host_ms"] is None and row["ms_p50"] == 0.011
+    assert "(cuda graph: RuntimeError: capture failed)" in report.table_row(row, graph=True)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_run(tmp_path, capsys):
+    out = tmp_path / "graph.jsonl"
+    argv = ["--shape", "1,4,200,64,2", "--mode", "fwd,bwd,fwdbwd", "--providers", "flashcore,sdpa"]
+    assert main([*argv, "--cuda-graph", "--graph-calls", "5", "--out", str(out)]) == 0
+    assert "host ms" in capsys.readouterr().out
+    rows = measurements(out)
+    assert len(rows) == 2 * 3 * 2  # causal x mode x provider
+    for row in rows:
+        assert row["status"] == "ok" and row["graph_reason"] is None, row
+        assert row["graph_calls"] == 5
+        assert 0 < row["graph_ms_p20"] <= row["graph_ms_p50"] <= row["graph_ms_p80"]
+        assert row["loop_ms_p50"] > 0
+        assert row["host_ms"] == pytest.approx(row["loop_ms_p50"] - row["graph_ms_p50"])
+        if row["provider"] == "sdpa":
+            assert row["graph_speedup_vs_sdpa"] == 1.0

@@ -215,7 +215,7 @@ def table_row(row: dict, graph: bool = False) -> str:
         values += [
             _fmt(row.get("loop_ms_p50"), ".4g"),
             _fmt(row.get("graph_ms_p50"), ".4g"),
-            _fmt(row.get("host_ms"), ".3f"),
+            _fmt(row.get("host_ms"), ".4g"),
             _fmt(row.get("graph_speedup_vs_sdpa"), ".2f"),
         ]
     columns = _columns(graph)
