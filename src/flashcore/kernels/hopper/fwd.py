@@ -23,35 +23,24 @@ Schedule (one CTA, ``gl.warp_specialize``):
 
       wait k_ready[t]                     # K_t landed
       S_t  = wgmma(Q, K_t^T)   async      # group 1
-      O   *= alpha_{t-1}                   # under Q K_t^T
       wait v_ready[t-1]
       O   += wgmma(P_{t-1}, V_{t-1}) async  # group 2, P from registers
       wgmma.wait_group 1                   # S_t done; P V still running
       mask / softcap / ALiBi, row max, exp2, row sum of tile t   <- overlaps P_{t-1} V_{t-1}
-      wait k_ready[t] again                # returns at once; pins the next wait (below)
       wgmma.wait_group 0                   # P_{t-1} V_{t-1} done
       arrive kv_empty[t-1]                 # K_{t-1}, V_{t-1} free for the producer
-      P_t = p_t in the A-operand layout    # into the registers P_{t-1} V_{t-1} read
 
-  With PINGPONG the turn wait and arrive bracket the two issues: consumer c waits ``turn[c]``
-  before ``Q K_t^T`` and arrives on ``turn[c + 1]`` after ``P V`` (consumer 0 holds the first
-  turn), so the warpgroups take the tensor cores in turn. The loop is entered with tile 0's
-  softmax done (prologue) and left with the last tile's ``P V`` issued in the epilogue, into a
-  zero accumulator so that ``O = fma(O, alpha, P V)`` closes it. ``kv_empty`` counts
+  where ``O *= alpha_{t-1}`` and the conversion of ``P_{t-1}`` to the A-operand layout sit between
+  the two issues, under ``Q K_t^T`` (with PINGPONG the turn wait and arrive bracket the issues).
+  As written, each warpgroup's exponentials would run while its own second product is on
+  the tensor cores. ptxas (Triton 3.6's) hoists ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` above them in
+  SASS, so in the assembled code a warpgroup's softmax waits for its own ``P V``; the overlap
+  that remains is between warpgroups (``tests/test_compile_hopper.py`` holds both facts,
+  ``docs/hopper_fwd.md``). With PINGPONG, consumer c waits ``turn[c]`` before issuing its two
+  products and arrives on ``turn[c + 1]`` after (consumer 0 holds the first turn), so the
+  warpgroups take the tensor cores in turn. The loop is entered with tile 0's softmax done
+  (prologue) and left with the last tile's ``P V`` issued in the epilogue. ``kv_empty`` counts
   NUM_CONSUMERS arrivals per phase.
-
-  The second ``k_ready[t]`` wait is for ptxas (Triton 3.6's): it schedules
-  ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` freely inside a basic block and puts it a few dozen
-  instructions after ``gsb0, 0x1``, before the first exponential, whatever the PTX order. An
-  mbarrier wait is a ``try_wait`` loop, which ends the block, so the DEPBAR stays behind the
-  softmax. K_t's barrier completed its phase before ``Q K_t^T`` and cannot complete another
-  before this consumer frees slot t (at step t + 1), so the wait is one phase check. P is carried
-  across the back edge in the A-operand layout (32 registers, not 64 of fp32) and written after
-  the wait, as FlashAttention-3 does, since tile t's softmax runs while ``P_{t-1}`` and O are
-  still held by the running product. The epilogue's fused rescale also keeps LLVM from hoisting
-  the identical ``O * alpha`` of the loop body and the epilogue into the loop latch, above the
-  next ``Q K^T`` (``tests/test_compile_hopper.py`` checks the overlap in SASS,
-  ``docs/hopper_fwd.md``).
 - Epilogue, per consumer: ``O / l`` cast to the output dtype, written into this consumer's Q
   slot (its last reader, the final ``Q K^T``, has completed), ``fence.proxy.async``, one TMA
   store of the ``(1, 1, 64, D)`` block (the copy engine drops rows past Sq); the LSE row by row
@@ -408,7 +397,6 @@ def _consumer(
             CHECK_N,
         )  # fmt: skip
         p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         for t in range(1, n_tiles):
             slot = t % NUM_STAGES
@@ -418,8 +406,9 @@ def _consumer(
                 mbarrier.wait(turn.index(CONSUMER), t & 1)
             k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
             s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
-            # While Q K_t^T runs: rescale O by the previous step's alpha.
+            # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
             mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_STAGES) & 1)
             v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
             acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
@@ -433,29 +422,22 @@ def _consumer(
             )  # fmt: skip
             # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
             p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
-            # A wait that returns at once (K_t's phase is complete) but ends ptxas's scheduling
-            # block: without it ptxas (Triton 3.6's) hoists the wait below above the exp2.
-            mbarrier.wait(k_ready.index(slot), (t // NUM_STAGES) & 1)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
             mbarrier.arrive(kv_empty.index(prev), count=1)
-            # P_t into the registers that P_{t-1} V_{t-1} has finished reading.
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
 
         # Epilogue: the last tile's P V.
         last = (n_tiles - 1) % NUM_STAGES
         mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn.index(CONSUMER), n_tiles & 1)
-        # Into a zero accumulator, O rescaled by one FMA after it: an ``O * alpha`` here, the
-        # same as the loop's, is hoisted by LLVM into the loop latch (above the next Q K^T).
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
         v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-        zero_o = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-        pv_tok = warpgroup_mma(p_op, v_t, zero_o, use_acc=False, is_async=True)
+        acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(NEXT), count=1)
-        pv, p_op = warpgroup_mma_wait(0, deps=[pv_tok, p_op])
+        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
         mbarrier.arrive(kv_empty.index(last), count=1)
-        acc = gl.fma(acc, gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1), pv)
 
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
