@@ -72,11 +72,12 @@ BWD_VARIANTS = [
     (128, "bf16", True, False, True),
     (64, "fp16", False, True, True),
 ]
-# Short sequences (tuning picks other tiles up to 1024 queries): compiled with seqlen_q = 512, the
+# Short sequences (tuning picks other tiles up to 2048 queries): compiled with seqlen_q = 512, the
 # forward both ways like FWD_VARIANTS.
 SHORT_SEQLEN = 512
 FWD_SHORT_VARIANTS = [
     (64, "fp16", True, True),
+    (64, "bf16", False, False),
     (128, "bf16", True, False),
     (128, "fp16", False, True),
 ]
@@ -153,9 +154,11 @@ def fwd_consts(
 ):
     """Constexprs of a launch; without varlen the cu_seqlens pointers are None, as the launchers
     pass them (Triton specialises a None argument into a constexpr). ``seqlen_q`` picks the
-    config as the launcher would for that query length."""
+    config as the launcher would for that query length (a short one as a small problem, whose
+    tiles may differ; ``tma`` decides the loads either way)."""
+    small = {"flops": 0} if seqlen_q <= SHORT_SEQLEN else {}
     cfg = fwd_config(
-        head_dim, ELEM_SIZE[dtype], interpreted=False, seqlen_q=seqlen_q, causal=causal
+        head_dim, ELEM_SIZE[dtype], interpreted=False, seqlen_q=seqlen_q, causal=causal, **small
     )
     consts = {
         "HEAD_DIM": head_dim,

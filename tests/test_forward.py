@@ -136,10 +136,17 @@ def test_forward_gpu_fp32(head_dim):
 
 def test_small_problems_skip_descriptors():
     # Decided on the host alone: no GPU needed.
-    small = tuning.fwd_config(64, 2, interpreted=False, seqlen_q=512, flops=2**30)
-    large = tuning.fwd_config(64, 2, interpreted=False, seqlen_q=512, flops=2**36)
+    small = tuning.fwd_config(64, 2, interpreted=False, seqlen_q=4096, flops=2**30)
+    large = tuning.fwd_config(64, 2, interpreted=False, seqlen_q=4096, flops=2**36)
     assert not small.use_tma
     assert large.use_tma
     assert (small.block_m, small.block_n) == (large.block_m, large.block_n)
+    # A small problem of short sequences takes narrower query tiles (more programs to spread).
+    short = tuning.fwd_config(64, 2, interpreted=False, seqlen_q=512, flops=2**30)
+    assert (short.block_m, short.block_n) == (64, 128)
+    assert tuning.fwd_config(64, 2, interpreted=False, seqlen_q=512, flops=2**36).block_m == 128
+    # Captured into a CUDA graph, the host cost of descriptors is gone: the same tiles, with them.
+    graphed = tuning.fwd_config(64, 2, interpreted=False, seqlen_q=512, flops=2**30, graph=True)
+    assert graphed.use_tma and (graphed.block_m, graphed.block_n) == (64, 128)
     # The interpreter keeps its own config (descriptors on) at every size.
     assert tuning.fwd_config(64, 2, interpreted=True, flops=1).use_tma

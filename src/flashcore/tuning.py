@@ -69,6 +69,7 @@ def fwd_config(
     causal: bool = False,
     flops: float = float("inf"),
     capability: tuple[int, int] = HOPPER,
+    graph: bool = False,
 ) -> FwdConfig:
     """Forward config for a padded head dim, element size in bytes, query length and mask.
 
@@ -76,36 +77,43 @@ def fwd_config(
     shape class in docs/performance.md. ``seqlen_q`` (the longest query sequence) and ``causal``
     pick smaller tiles for short causal problems; the defaults give the long-sequence config.
     ``flops`` (``4 * B * H * Sq * Sk * D``, halved when causal) at or below ``TMA_MIN_FLOPS``
-    turns tensor descriptors off.
+    is a small problem: its own tiles, and no tensor descriptors unless ``graph`` (a call
+    captured into a CUDA graph, whose replay costs the host nothing: there descriptors are
+    faster at every size measured, docs/performance.md).
     """
     if interpreted:
         return INTERPRETER_FWD
     if capability < HOPPER and elem_size < 4:
         return _pre_hopper_fwd(head_block(head_dim))
-    cfg = _fwd_tiles(head_block(head_dim), elem_size, seqlen_q, causal)
-    return cfg if flops > TMA_MIN_FLOPS else replace(cfg, use_tma=False)
+    small = flops <= TMA_MIN_FLOPS
+    cfg = _fwd_tiles(head_block(head_dim), elem_size, seqlen_q, causal, small)
+    return replace(cfg, use_tma=False) if small and not graph else cfg
 
 
-def _fwd_tiles(block_d: int, elem_size: int, seqlen_q: int, causal: bool) -> FwdConfig:
+def _fwd_tiles(block_d: int, elem_size: int, seqlen_q: int, causal: bool, small: bool) -> FwdConfig:
     if elem_size >= 4:
         # fp32 tiles are twice the bytes and the IEEE dot is FMAs, not wgmma: keep tiles small.
         # At 64x32 with D=128 ptxas spilled 11.8 KB per thread (tests/sm90_compile.py).
         if block_d <= 64:
             return FwdConfig(64, 32, 4, 2)
         return FwdConfig(32, 32, 4, 1)
-    # Picked from scripts/fwd_sweep.py on the H100 (fp16, the table is in docs/performance.md):
-    # the fastest config of each head-dim class at S=4096, and for short causal problems (and
-    # D=128 at S=512) the fastest at S=512 and 1024: with 128-row tiles a 512-long causal
-    # sequence has 4 query tiles, 4 of its 10 tile pairs on the masked diagonal, and the grid
-    # fills the GPU with few, unequal programs.
-    short_causal = causal and seqlen_q <= 1024
+    # Picked from scripts/fwd_sweep.py on the H100 (fp16, the tables are in docs/performance.md):
+    # the fastest config of each head-dim class at S=4096, and for short problems the fastest
+    # replayed from CUDA graphs (``--graph``) at S=512-2048: with 128-row tiles a 2048-long causal
+    # sequence at B*H=16 gives 256 programs of 1-16 tile pairs, too few to balance on 132 SMs.
+    short_causal = causal and seqlen_q <= 2048
     if block_d <= 64:
         if short_causal:
-            return FwdConfig(64, 64, 4, 3)  # S=512: 215 vs 203 TF/s; S=1024: 290 vs 280
+            # S=2048 (B2 H8): 244 vs 202 TF/s; S=1024 (B4 H16): 241 vs 226; S=512: 37 vs 32.
+            return FwdConfig(64, 64, 4, 3)
+        if seqlen_q <= 512 and small:
+            # S=512, B1 H8: 81 vs 56 TF/s (7 vs 10 us); at B64 H32 (not small) 298 vs 326.
+            return FwdConfig(64, 128, 4, 3)
         return FwdConfig(128, 64, 8, 3)  # 404 TF/s non-causal, 376 causal (D=64, S=4096)
     if block_d <= 128:
         if short_causal or seqlen_q <= 512:
-            # causal S=512: 249 vs 210 TF/s, S=1024: 344 vs 310; non-causal S=512: 371 vs 353.
+            # causal S=2048 (B2 H8): 313 vs 281 TF/s, S=1024: 311 vs 266; non-causal S=512:
+            # 371 vs 353.
             return FwdConfig(64, 64, 4, 3)
         return FwdConfig(128, 128, 8, 3)  # 463 / 407 TF/s (D=128, S=4096)
     return FwdConfig(128, 64, 8, 2)  # 482 / 391 TF/s (D=256)

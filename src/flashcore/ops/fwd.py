@@ -82,17 +82,19 @@ def launch(
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
     # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
-    # and constexprs are built once per problem signature.
+    # and constexprs are built once per problem signature. A call captured into a CUDA graph
+    # has no host cost at replay, so small problems take descriptors there too (tuning).
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     key = (
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal,
         scale, window, softcap, None if alibi_slopes is None else stride_ab, sinks is None,
         None if block_table is None else block_table.stride(0),
         None if varlen is None else dims, config,
-        all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)), tuning.TMA_MIN_FLOPS,
+        all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)), tuning.TMA_MIN_FLOPS, capturing,
     )  # fmt: skip
     grid, tail, meta, tiles = cached(_PLANS, key, lambda: _plan(
         q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
-        stride_ab, sinks is not None, block_table, dims,
+        stride_ab, sinks is not None, block_table, dims, capturing,
     ))  # fmt: skip
     if tiles is None:
         pointers = (q, k, v, out)
@@ -131,6 +133,7 @@ def _plan(
     has_sinks: bool,
     block_table: torch.Tensor | None,
     dims: pb.Dims,
+    capturing: bool = False,
 ) -> tuple:
     """``(grid, arguments after the pointers, constexprs, descriptor tiles or None)`` of the
     forward launch of ``launch``."""
@@ -149,6 +152,7 @@ def _plan(
         causal=causal,
         flops=flops,
         capability=runtime.capability(q.device),
+        graph=capturing,
     )
     sc = pb.scores(
         causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k, exp_e=exp_e
