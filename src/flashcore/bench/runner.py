@@ -229,12 +229,18 @@ def _measure(
             leaf.grad = None
         if mode == "bwd":
             retained = out
+            del out
 
             def bench() -> object:
                 return retained.backward(do, retain_graph=True)
 
             def make_bench():
                 # A forward of its own on the calling (capturing) stream: see metrics.time_graph.
+                # The retained graph goes first: while it lives, the leaves' gradient
+                # accumulators stay on the stream it was made on, and the captured backward
+                # would wait on that (uncaptured) stream, which voids the capture.
+                nonlocal retained
+                retained = None
                 again = fn(*leaves)
                 return lambda: again.backward(do, retain_graph=True)
 
