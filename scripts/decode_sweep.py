@@ -1,0 +1,93 @@
+"""Device-side: decode configs and split counts against SDPA, kernel time from CUDA-graph replays.
+
+Usage: PYTHONPATH=src python scripts/decode_sweep.py [--shape B,H,Hkv,S ...] [--head-dim 128]
+
+For each shape (one new query per sequence against a full dense cache of S keys, bf16): SDPA
+(``enable_gqa``, PyTorch's backend choice), then ``flashcore.attention_with_kvcache`` with every
+``DecodeConfig`` of a small grid and split counts from the tuned choice up and down, each timed
+with ``triton.testing.do_bench_cudagraph`` (medians). Prints the best few, the tuned default
+(``*``) and the bandwidth each reaches (K and V read once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench_cudagraph
+
+import flashcore
+from flashcore.ops import decode
+from flashcore.tuning import DecodeConfig
+
+
+def bench(fn) -> float:
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return do_bench_cudagraph(fn, return_mode="median")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--shape",
+        action="append",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        help="B,H,Hkv,S (repeatable)",
+    )
+    ap.add_argument("--head-dim", type=int, default=128)
+    args = ap.parse_args()
+    shapes = args.shape or [
+        (1, 32, 8, 4096), (1, 32, 8, 32768), (8, 32, 8, 4096), (8, 32, 8, 32768)
+    ]  # fmt: skip
+    d = args.head_dim
+    print(torch.cuda.get_device_name(), torch.__version__)
+    configs = [
+        DecodeConfig(bn, w, st) for bn, w, st in itertools.product((64, 128), (4, 8), (2, 3, 4))
+    ]
+    tuned_config = decode.decode_config
+    for b, h, hkv, s in shapes:
+        q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        seqlens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+        gbytes = 2 * k.numel() * k.element_size() / 1e9
+        ms_sdpa = bench(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).float()
+        auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device)
+        default = tuned_config(d, 2, interpreted=False)
+        rows = []
+        splits_grid = sorted({max(1, auto // 4), max(1, auto // 2), auto, auto * 2, auto * 4})
+        for cfg, splits in itertools.product(configs, splits_grid):
+            if splits > 64:
+                continue
+            decode.decode_config = lambda *a, cfg=cfg, **kw: cfg
+            try:
+                call = functools.partial(
+                    flashcore.attention_with_kvcache, q, k, v, seqlens, num_splits=splits
+                )
+
+                err = (call().float() - ref).abs().max().item()
+                ms = bench(call)
+            except Exception as e:  # out of resources
+                rows.append((float("inf"), cfg, splits, type(e).__name__))
+                continue
+            finally:
+                decode.decode_config = tuned_config
+            rows.append((ms, cfg, splits, f"err {err:.1e}"))
+        rows.sort(key=lambda r: r[0])
+        print(f"B{b} H{h}/{hkv} S{s} D{d}: sdpa {ms_sdpa * 1e3:.1f} us {gbytes / ms_sdpa:.0f} "
+              f"GB/s; tuned splits {auto}")  # fmt: skip
+        marked = [r for r in rows if r[1] == default and r[2] == auto]
+        for ms, cfg, splits, note in rows[:5] + marked:
+            mark = "*" if (cfg == default and splits == auto) else " "
+            print(
+                f"  {mark}bn{cfg.block_n:<4d} w{cfg.num_warps} s{cfg.num_stages} "
+                f"splits {splits:<3d} {ms * 1e3:7.1f} us {gbytes / ms:5.0f} GB/s "
+                f"({ms_sdpa / ms:.2f}x sdpa) {note}"
+            )
+
+
+if __name__ == "__main__":
+    main()
