@@ -52,7 +52,7 @@ def main() -> None:
         q = torch.randn(b, h, 1, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         seqlens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-        gbytes = 2 * k.numel() * k.element_size() / 1e9
+        mbytes = 2 * k.numel() * k.element_size() / 1e6  # MB per ms = GB/s
         ms_sdpa = bench(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
         ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).float()
         auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device)
@@ -65,7 +65,12 @@ def main() -> None:
             decode.decode_config = lambda *a, cfg=cfg, **kw: cfg
             try:
                 call = functools.partial(
-                    flashcore.attention_with_kvcache, q, k, v, seqlens, num_splits=splits
+                    flashcore.attention_with_kvcache,
+                    q,
+                    k,
+                    v,
+                    cache_seqlens=seqlens,
+                    num_splits=splits,
                 )
 
                 err = (call().float() - ref).abs().max().item()
@@ -77,14 +82,14 @@ def main() -> None:
                 decode.decode_config = tuned_config
             rows.append((ms, cfg, splits, f"err {err:.1e}"))
         rows.sort(key=lambda r: r[0])
-        print(f"B{b} H{h}/{hkv} S{s} D{d}: sdpa {ms_sdpa * 1e3:.1f} us {gbytes / ms_sdpa:.0f} "
+        print(f"B{b} H{h}/{hkv} S{s} D{d}: sdpa {ms_sdpa * 1e3:.1f} us {mbytes / ms_sdpa:.0f} "
               f"GB/s; tuned splits {auto}")  # fmt: skip
         marked = [r for r in rows if r[1] == default and r[2] == auto]
         for ms, cfg, splits, note in rows[:5] + marked:
             mark = "*" if (cfg == default and splits == auto) else " "
             print(
                 f"  {mark}bn{cfg.block_n:<4d} w{cfg.num_warps} s{cfg.num_stages} "
-                f"splits {splits:<3d} {ms * 1e3:7.1f} us {gbytes / ms:5.0f} GB/s "
+                f"splits {splits:<3d} {ms * 1e3:7.1f} us {mbytes / ms:5.0f} GB/s "
                 f"({ms_sdpa / ms:.2f}x sdpa) {note}"
             )
 
