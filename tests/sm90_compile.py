@@ -95,6 +95,7 @@ DECODE_VARIANTS = [
     (64, "fp16", 1, False, False),
     (256, "bf16", 4, True, True),
     (128, "fp32", 4, True, True),
+    (128, "bf16", 64, False, True),
 ]
 PROBES = ("probe_scores_kernel",)
 
@@ -283,8 +284,11 @@ def main() -> int:
             print(json.dumps(report(name, variant, compiled)), flush=True)
     for variant in DECODE_VARIANTS:
         head_dim, dtype, rows, paged, split = variant
-        cfg = decode_config(head_dim, ELEM_SIZE[dtype], interpreted=False, paged=paged)
         block_m = decode_block_m(rows, 1)
+        cfg = decode_config(
+            head_dim, ELEM_SIZE[dtype], interpreted=False, paged=paged, rows=block_m,
+            capacity=1 << 20,
+        )  # fmt: skip
         consts = {
             "HEAD_DIM": head_dim,
             "BLOCK_D": head_block(head_dim),

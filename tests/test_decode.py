@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashcore
-from flashcore import reference
+from flashcore import reference, tuning
 from numerics import assert_fa_rule
 from shapes import DECODE, DECODE_GPU, DTYPES, DecodeCase
 
@@ -267,3 +267,17 @@ def test_decode_validation(name, device, no_launch):
     overrides, error, message = _bad(device, name)
     with pytest.raises(error, match=message):
         _call(_args(device, **overrides))
+
+
+def test_decode_config_and_splits_by_cache():
+    """Decided on the host alone (H100: 132 SMs): a long dense cache streams 128-key tiles over
+    half a wave of programs, a short one 64-key tiles over a full wave, a paged one three waves."""
+    long = tuning.decode_config(128, 2, interpreted=False, capacity=32768)
+    short = tuning.decode_config(128, 2, interpreted=False, capacity=4096)
+    paged = tuning.decode_config(128, 2, interpreted=False, paged=True, capacity=32768)
+    chunk = tuning.decode_config(128, 2, interpreted=False, rows=64, capacity=32768)
+    assert (long.block_n, short.block_n, paged.block_n, chunk.block_n) == (128, 64, 64, 64)
+    assert tuning.decode_num_splits(64, 32768, 128, 132) == 2
+    assert tuning.decode_num_splits(8, 32768, 128, 132) == 9
+    assert tuning.decode_num_splits(8, 4096, 64, 132) == 16
+    assert tuning.decode_num_splits(64, 32768, 64, 132, paged=True) == 7

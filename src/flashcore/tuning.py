@@ -242,15 +242,31 @@ def decode_block_m(kv_group: int, seqlen_q: int) -> int:
     return min(MAX_DECODE_ROWS, max(16, 1 << (kv_group * seqlen_q - 1).bit_length()))
 
 
-def decode_config(
-    head_dim: int, elem_size: int, *, interpreted: bool, paged: bool = False
-) -> DecodeConfig:
-    """Decode config for a padded head dim and element size in bytes.
+# A dense cache at least this long streams 128-key tiles and splits for bandwidth (half a wave of
+# programs); a shorter one is latency-bound: 64-key tiles, a full wave.
+DECODE_LONG_CACHE = 8192
 
-    Not tuned by a config sweep (docs/performance.md times the pick against SDPA): decoding is
-    bound by reading the cache, so tiles of 64 keys with 3 pipeline stages keep a few K/V tiles
-    in flight per program at D <= 128 (64 x 128 x 2 B = 16 KiB per tile and stage); larger head
-    dims halve the tile. tests/sm90_compile.py reports registers and spills of each pick.
+
+def decode_config(
+    head_dim: int,
+    elem_size: int,
+    *,
+    interpreted: bool,
+    paged: bool = False,
+    rows: int = 16,
+    capacity: int = 0,
+) -> DecodeConfig:
+    """Decode config for a padded head dim, element size in bytes and row tile (``rows``, from
+    ``decode_block_m``).
+
+    Decoding is bound by reading the cache. A dense cache of at least DECODE_LONG_CACHE keys
+    (``capacity``) at D <= 128 with a row tile of at most 32 (a GQA group of up to 32 query
+    heads, one query) streams 128-key tiles with 4 warps and 3 stages: from CUDA-graph replays on
+    the H100 (scripts/decode_sweep.py, bf16, D=128, 32 query heads over 8 kv heads) it reads
+    3.04 TB/s at B=8, 32k keys (SDPA 3.06; 64-key tiles 2.79). A shorter cache is latency-bound
+    and keeps 64-key tiles (B=1, 4k keys: 9.6 us against 11.6 with 128-key tiles); larger row
+    tiles (prefill chunks) keep them too (half the score registers). tests/sm90_compile.py
+    reports registers and spills of each pick.
     """
     if interpreted:
         return INTERPRETER_DECODE
@@ -258,20 +274,33 @@ def decode_config(
     if elem_size >= 4:
         return DecodeConfig(32, 4, 1)
     if block_d <= 128:
-        # The paged gather addresses each key row through its own block: with every score
-        # flag on (window, softcap, ALiBi), 4 warps spilled 36 bytes at D=128 (ptxas of the H100
-        # machine's Triton 3.6; tests/test_compile_sm90.py). 8 warps halve the per-thread tiles.
-        return DecodeConfig(64, 8 if paged else 4, 3)
+        if paged:
+            # The paged gather addresses each key row through its own block: with every score
+            # flag on (window, softcap, ALiBi), 4 warps spilled 36 bytes at D=128 (ptxas of the
+            # H100 machine's Triton 3.6; tests/test_compile_sm90.py). 8 warps halve the per-thread
+            # tiles.
+            return DecodeConfig(64, 8, 3)
+        long = capacity >= DECODE_LONG_CACHE and rows <= 32
+        return DecodeConfig(128 if long else 64, 4, 3)
     return DecodeConfig(32, 4, 2)
 
 
-def decode_num_splits(batch_kv_heads: int, max_seqlen: int, block_n: int, num_sms: int) -> int:
-    """Splits per (batch, kv head) so that the grid covers the GPU 2-4 times over.
+def decode_num_splits(
+    batch_kv_heads: int, max_seqlen: int, block_n: int, num_sms: int, *, paged: bool = False
+) -> int:
+    """Splits per (batch, kv head) so that the grid covers enough of the GPU.
 
+    A dense cache of at least DECODE_LONG_CACHE keys: half the SMs. One program streams its split
+    at ~47 GB/s on the H100, so 64 of them already read at the copy bandwidth (B=8, 8 kv heads,
+    32k keys, one split: 3.04 TB/s); more splits only add partial results to write and combine
+    (7 splits: 2.79 TB/s; B=1: 9 splits 2.54 TB/s against 2.39 with 50; scripts/decode_sweep.py).
+    A shorter dense cache: one wave (latency-bound: more programs, fewer tiles each). A paged
+    cache: three waves (its gathers read slower per program: at B=8, 32k keys two splits read
+    0.67-0.76x SDPA's bandwidth, seven 0.85-0.93x).
     ``max_seqlen`` is the cache capacity (the true lengths live on the device; reading them would
     synchronise). Fewer splits when each would stream fewer than MIN_TILES_PER_SPLIT tiles.
-    A starting point, not swept (docs/performance.md, "Decode", times it against SDPA).
     """
-    want = -(-3 * num_sms // max(batch_kv_heads, 1))
+    programs = 3 * num_sms if paged else num_sms if max_seqlen < DECODE_LONG_CACHE else num_sms // 2
+    want = -(-programs // max(batch_kv_heads, 1))
     by_length = max(1, max_seqlen // (block_n * MIN_TILES_PER_SPLIT))
     return max(1, min(want, by_length, MAX_SPLITS))

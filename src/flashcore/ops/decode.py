@@ -32,13 +32,24 @@ def kernels() -> tuple[Launcher, Launcher]:
 
 
 def choose_num_splits(
-    batch: int, kv_heads: int, capacity: int, head_dim: int, elem_size: int, device: torch.device
+    batch: int,
+    kv_heads: int,
+    capacity: int,
+    head_dim: int,
+    elem_size: int,
+    device: torch.device,
+    *,
+    paged: bool = False,
+    rows: int = 16,
 ) -> int:
-    """The split count ``num_splits=None`` resolves to (see ``tuning.decode_num_splits``)."""
+    """The split count ``num_splits=None`` resolves to (see ``tuning.decode_num_splits``);
+    ``batch`` counts row tiles too (a prefill chunk of several), ``rows`` is a tile's."""
     interpreted = runtime.is_interpreted()
-    cfg = decode_config(head_dim, elem_size, interpreted=interpreted)
+    cfg = decode_config(
+        head_dim, elem_size, interpreted=interpreted, paged=paged, rows=rows, capacity=capacity
+    )
     sms = INTERPRETER_SMS if interpreted or device.type != "cuda" else runtime.num_sms(device)
-    return decode_num_splits(batch * kv_heads, capacity, cfg.block_n, sms)
+    return decode_num_splits(batch * kv_heads, capacity, cfg.block_n, sms, paged=paged)
 
 
 def launch(
@@ -81,15 +92,19 @@ def launch(
     interpreted = runtime.is_interpreted()
     # Tiles sized for the wider of the two head dims.
     width = max(head_dim, head_dim_v)
-    cfg = decode_config(width, q.element_size(), interpreted=interpreted, paged=paged)
     kv_group = heads // kv_heads
     # Row tiles of the packed (query, head) rows: one for decoding, more for a prefill chunk.
     block_m = decode_block_m(kv_group, seqlen_q)
     row_tiles = pb.cdiv(kv_group * seqlen_q, block_m)
+    cfg = decode_config(
+        width, q.element_size(), interpreted=interpreted, paged=paged, rows=block_m,
+        capacity=capacity,
+    )  # fmt: skip
     if num_splits == 0:
         num_splits = choose_num_splits(
-            batch * row_tiles, kv_heads, capacity, width, q.element_size(), q.device
-        )
+            batch * row_tiles, kv_heads, capacity, width, q.element_size(), q.device,
+            paged=paged, rows=block_m,
+        )  # fmt: skip
     # Splits past the longest possible sequence would only write empty partials; more than
     # MAX_SPLITS would make the combine's (splits, D) tile spill.
     num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
