@@ -34,6 +34,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--sliding-window", type=int, default=None, help="Mistral-style window")
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--providers", default="fcore,sdpa,flash_attention_2")
+    p.add_argument(
+        "--static", action="store_true",
+        help="also time generate with a static cache (transformers compiles its decoding step "
+        "with torch.compile(mode='reduce-overhead'))",
+    )  # fmt: skip
+    p.add_argument("--masks", default="padded,unpadded", help="which of the two masks to run")
     return p.parse_args()
 
 
@@ -54,15 +60,19 @@ def main() -> None:
     for row in range(args.batch):
         padded[row, : int(args.pad * args.seqlen * row / max(args.batch - 1, 1))] = 0
     masks = {"padded": padded, "unpadded": torch.ones_like(ids)}
+    masks = {label: masks[label] for label in args.masks.split(",")}
     providers = [name if p == "fcore" else p for p in args.providers.split(",")]
     print(f"# {torch.cuda.get_device_name()}, transformers {transformers.__version__}, {args}")
-    print("provider           mask      prefill ms        train step ms     generate ms")
+    header = "provider           mask      prefill ms        train step ms     generate ms"
+    print(header + ("       static+compile generate ms" if args.static else ""))
     for provider in providers:
         for label, mask in masks.items():
             try:
                 model.set_attn_implementation(provider)
                 cells = [bench_prefill(model, ids, mask), bench_train(model, ids, mask)]
                 cells.append(bench_generate(model, ids, mask, args.new_tokens))
+                if args.static:
+                    cells.append(bench_generate(model, ids, mask, args.new_tokens, static=True))
             except Exception as e:  # a provider that cannot run here: say why, go on
                 print(f"{provider:18} {label:9} {type(e).__name__}: {str(e)[:120]}")
                 continue
@@ -92,13 +102,20 @@ def bench_train(model, ids, mask) -> str:
     return fmt(do_bench(run, quantiles=[0.5, 0.2, 0.8]))
 
 
-def bench_generate(model, ids, mask, new_tokens: int) -> str:
+def bench_generate(model, ids, mask, new_tokens: int, static: bool = False) -> str:
+    """Whole greedy ``generate`` calls; ``static``: with a static cache, which transformers
+    compiles (reduce-overhead: CUDA graphs); one untimed call first compiles it."""
+    extra = {"cache_implementation": "static"} if static else {}
+
     def run():
         model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **extra,
         )  # fmt: skip
 
+    if static:
+        torch._dynamo.reset()
+        run()
     return fmt(do_bench(run, warmup=1, rep=5000, quantiles=[0.5, 0.2, 0.8]))
 
 
