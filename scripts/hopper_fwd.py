@@ -3,6 +3,10 @@
     PYTHONPATH=src python scripts/hopper_fwd.py check          # numerics vs float64, every case
     PYTHONPATH=src python scripts/hopper_fwd.py bench --runs 2 # TFLOP/s beside SDPA (cuDNN)
 
+``check`` runs every case through both schedules, the flat grid and the persistent one
+(``--schedules`` narrows it); ``bench`` times both beside cuDNN (``flat``, ``persistent``; the
+launcher's default is marked with ``*``).
+
 ``check`` applies FlashAttention's rule to out and LSE: ``max|x - ref64| <= 2 * max|pt - ref64| +
 floor``, pt being plain PyTorch math in the input dtype; outputs are poisoned with NaN first, and
 rows that see no key must give out 0 and LSE -inf exactly. ``bench`` times medians with
@@ -106,7 +110,22 @@ CASES = [
     (1, 4, 4, 513, 1025, 128, True, "bshd", {"window": (64, -1), "softcap": 20.0, "alibi": True}),
     (2, 4, 4, 8192, 8192, 128, True, "bhsd", {}),
     (2, 8, 8, 4096, 4096, 64, False, "bhsd", {}),
+    # More tiles than SMs, so that persistent programs loop, with tiles that see no key among
+    # them: causal Sq > Sk (query tiles 0-4 empty), a window that leaves rows < 1068 keyless.
+    (4, 16, 4, 1000, 300, 64, True, "bhsd", {}),
+    (4, 16, 4, 1000, 300, 128, True, "bhsd", {}),
+    (4, 16, 16, 1500, 400, 128, False, "bhsd", {"window": (32, 32)}),
+    (2, 16, 16, 700, 900, 64, False, "bshd", {"softcap": 30.0, "alibi": True}),
+    (8, 16, 8, 1024, 1024, 128, True, "bhsd", {}),
 ]
+
+SCHEDULES = {"flat": False, "persistent": True}
+
+
+def schedule_config(head_dim: int, persistent: bool):
+    """The launcher's config for ``head_dim`` with the schedule forced."""
+    sm90 = _import("flashcore.ops.fwd_sm90")
+    return sm90.CONFIGS[head_dim]._replace(persistent=persistent)
 
 
 def make(shape_b, heads, kv_heads, seqlen, head_dim, dtype, layout, gen):
@@ -120,7 +139,7 @@ def check(args) -> int:
     ref = _import("flashcore.reference")
     gen = torch.Generator(device="cuda").manual_seed(0)
     failures = 0
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in args.dtypes:
         for case in CASES:
             b, h, hkv, sq, sk, d, causal, layout, extra = case
             q = make(b, h, hkv, sq, d, dtype, layout, gen)
@@ -139,13 +158,6 @@ def check(args) -> int:
             assert sm90.supports(
                 q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi
             ), name
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full((b, h, sq), float("nan"), device="cuda")
-            run_sm90(
-                q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                alibi=alibi, out=out, lse=lse,
-            )  # fmt: skip
-            torch.cuda.synchronize()
             kw = dict(
                 causal=causal, scale=scale, softcap=softcap or None, alibi_slopes=alibi,
                 window=None if window == (-1, -1) else window,
@@ -153,31 +165,41 @@ def check(args) -> int:
             r64 = ref.attention(q, k, v, dtype=torch.float64, **kw)
             rpt = ref.attention(q, k, v, dtype=dtype, **kw)
             empty = torch.isinf(r64.lse)
-            ok = not out.isnan().any().item() and not lse.isnan().any().item()
-            err_o = (out.double() - r64.out).abs().max().item()
-            tol_o = 2 * (rpt.out.double() - r64.out).abs().max().item() + 1e-5
             fin = ~empty
-            err_l = (lse.double() - r64.lse)[fin].abs().max().item() if fin.any() else 0.0
+            tol_o = 2 * (rpt.out.double() - r64.out).abs().max().item() + 1e-5
             tol_l = (
                 2 * (rpt.lse.double() - r64.lse)[fin].abs().max().item() + 1e-5
                 if fin.any()
                 else 0.0
             )
-            ok &= err_o <= tol_o and err_l <= tol_l
-            if empty.any():
-                ok &= bool((lse[empty] == float("-inf")).all()) and bool((out[empty] == 0).all())
-            failures += not ok
-            status = "ok  " if ok else "FAIL"
-            print(
-                f"{status} {name}: out {err_o:.2e} <= {tol_o:.2e}, lse {err_l:.2e} <= {tol_l:.2e},"
-                f" empty rows {int(empty.sum())}",
-                flush=True,
-            )
+            for schedule in args.schedules:
+                out = torch.full_like(q, float("nan"))
+                lse = torch.full((b, h, sq), float("nan"), device="cuda")
+                run_sm90(
+                    q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                    alibi=alibi, out=out, lse=lse,
+                    config=schedule_config(d, SCHEDULES[schedule]),
+                )  # fmt: skip
+                torch.cuda.synchronize()
+                ok = not out.isnan().any().item() and not lse.isnan().any().item()
+                err_o = (out.double() - r64.out).abs().max().item()
+                err_l = (lse.double() - r64.lse)[fin].abs().max().item() if fin.any() else 0.0
+                ok &= err_o <= tol_o and err_l <= tol_l
+                if empty.any():
+                    ok &= bool((lse[empty] == float("-inf")).all())
+                    ok &= bool((out[empty] == 0).all())
+                failures += not ok
+                status = "ok  " if ok else "FAIL"
+                print(
+                    f"{status} {schedule:10s} {name}: out {err_o:.2e} <= {tol_o:.2e},"
+                    f" lse {err_l:.2e} <= {tol_l:.2e}, empty rows {int(empty.sum())}",
+                    flush=True,
+                )
     print(f"{failures} failures")
     return 1 if failures else 0
 
 
-def time_case(q, k, v, causal, portable, variants) -> dict[str, float]:
+def time_case(q, k, v, causal, portable, variants, schedules) -> dict[str, float]:
     """Median milliseconds of each provider on one problem (do_bench, same process)."""
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -186,16 +208,19 @@ def time_case(q, k, v, causal, portable, variants) -> dict[str, float]:
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda")
 
-    def sm90():
-        return run_sm90(q, k, v, causal=causal, scale=scale, out=out, lse=lse)
-
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=causal, scale=scale
             )
 
-    fns = {"sm90": sm90, "cudnn": cudnn}
+    fns = {}
+    for schedule in schedules:
+        cfg = schedule_config(q.shape[-1], SCHEDULES[schedule])
+        fns[schedule] = functools.partial(
+            run_sm90, q, k, v, causal=causal, scale=scale, out=out, lse=lse, config=cfg
+        )
+    fns["cudnn"] = cudnn
     for label, head_dim, cfg in variants:
         if head_dim == q.shape[-1]:
             fns[f"sm90[{label}]"] = functools.partial(
@@ -219,6 +244,8 @@ def bench(args) -> int:
     except Exception as exc:  # the portable tier may be mid-refactor
         print(f"portable forward unavailable: {exc!r}")
         portable = None
+    if args.no_portable:
+        portable = None
     sm90 = _import("flashcore.ops.fwd_sm90")
     variants = []
     for spec in args.variant:
@@ -237,17 +264,21 @@ def bench(args) -> int:
                         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
                         flops = 4.0 * batch * heads * seqlen * seqlen * head_dim
                         flops /= 2 if causal else 1
-                        ms = time_case(q, k, v, causal, portable, variants)
+                        ms = time_case(q, k, v, causal, portable, variants, args.schedules)
                         tf = {name: flops / t / 1e9 for name, t in ms.items()}
-                        extra = "".join(
-                            f" {name} {value:.0f}"
+                        default = "persistent" if sm90.use_persistent(
+                            seqlen, head_dim, causal, sm90.CONFIGS[head_dim].block_n
+                        ) else "flat"  # fmt: skip
+                        cols = " ".join(
+                            f"{name}{'*' if name == default else ''} {value:.0f}"
                             for name, value in tf.items()
-                            if name not in ("sm90", "cudnn")
+                        )
+                        ratios = " ".join(
+                            f"{name}/cudnn {tf[name] / tf['cudnn']:.3f}" for name in args.schedules
                         )
                         print(
                             f"run{run} {str(dtype)[6:]} D{head_dim} causal{int(causal)} S{seqlen}"
-                            f" B{batch} H{heads}: sm90 {tf['sm90']:.0f} cudnn {tf['cudnn']:.0f}"
-                            f"{extra} TFLOP/s  sm90/cudnn {tf['sm90'] / tf['cudnn']:.3f}",
+                            f" B{batch} H{heads}: {cols} TFLOP/s  {ratios}",
                             flush=True,
                         )
     return 0
@@ -256,13 +287,16 @@ def bench(args) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("check")
+    c = sub.add_parser("check")
     b = sub.add_parser("bench")
+    for p in (c, b):
+        p.add_argument("--schedules", nargs="+", choices=list(SCHEDULES), default=list(SCHEDULES))
+        p.add_argument("--dtypes", nargs="+", choices=["bf16", "fp16"], default=["bf16", "fp16"])
+    b.add_argument("--no-portable", action="store_true", help="skip the portable forward")
     b.add_argument("--runs", type=int, default=2)
     b.add_argument("--tokens", type=int, default=32768)
     b.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     b.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    b.add_argument("--dtypes", nargs="+", default=["bf16", "fp16"])
     b.add_argument(
         "--variant",
         action="append",
@@ -271,8 +305,7 @@ def main() -> int:
         "regs,maxnreg,pingpong",
     )
     args = parser.parse_args()
-    if args.cmd == "bench":
-        args.dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.dtypes]
+    args.dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.dtypes]
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     rc = check(args) if args.cmd == "check" else bench(args)

@@ -6,7 +6,8 @@ Triton's wheel carries ptxas and cuobjdump, so the whole pipeline (Gluon -> TTGI
 TRITON_INTERPRET (this file is also that subprocess's script: ``python test_compile_hopper.py``
 prints one JSON line per variant). What the tests hold the compiled code to:
 
-- shared memory within the 227 KiB a Hopper block may use; no local-memory spills;
+- shared memory within the 227 KiB a Hopper block may use; no local-memory spills (the
+  persistent builds: none beyond the flat build of the same flags);
 - the register split: ``setmaxnreg`` 240 for the consumer warpgroups and 24 for the producer,
   honoured by ptxas (no C7508 "setmaxnreg ignored" warning, no C7515 "wgmma serialized");
 - both products on the tensor cores, the second (``P V``) with its A operand in registers
@@ -36,15 +37,22 @@ KERNEL = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" /
 # launcher's configs (ops/fwd_sm90.py: CONFIGS), plain and with every feature flag on.
 FEATURES = "d64-fp16-window-softcap-alibi"
 PLAIN = dict(causal=False, window=False, softcap=False, alibi=False, raw_max=True, even_n=True)
+ALL_FLAGS = {"causal": True, "window": True, "softcap": True, "alibi": True, "raw_max": False,
+             "even_n": False}  # fmt: skip
 VARIANTS = [
     ("d128-bf16", 128, "bf16", 2, 128, 2, 240, 168, PLAIN),
     ("d128-fp16-causal-ragged", 128, "fp16", 2, 128, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False}),
     ("d64-bf16-causal", 64, "bf16", 2, 128, 3, 240, 168, {**PLAIN, "causal": True}),
-    (FEATURES, 64, "fp16", 2, 128, 3, 240, 168,
-     {"causal": True, "window": True, "softcap": True, "alibi": True, "raw_max": False,
-      "even_n": False}),
+    (FEATURES, 64, "fp16", 2, 128, 3, 240, 168, ALL_FLAGS),
+    # The persistent schedule (PERSISTENT), each beside the flat build of the same flags above.
+    ("d128-bf16-persistent", 128, "bf16", 2, 128, 2, 240, 168, {**PLAIN, "persistent": True}),
+    ("d64-bf16-causal-persistent", 64, "bf16", 2, 128, 3, 240, 168,
+     {**PLAIN, "causal": True, "persistent": True}),
+    (FEATURES + "-persistent", 64, "fp16", 2, 128, 3, 240, 168,
+     {**ALL_FLAGS, "persistent": True}),
 ]  # fmt: skip
+PERSISTENT_SUFFIX = "-persistent"
 
 
 def _load_kernel_module():
@@ -80,6 +88,7 @@ def compile_variant(variant) -> dict:
         CONSUMER_REGS=regs, PINGPONG=True, IS_CAUSAL=flags["causal"],
         HAS_WINDOW=flags["window"], SOFTCAP=flags["softcap"], HAS_ALIBI=flags["alibi"],
         RAW_MAX=flags["raw_max"], EVEN_N=flags["even_n"],
+        PERSISTENT=flags.get("persistent", False),
     )  # fmt: skip
     fn = fwd.attn_fwd_sm90_kernel
     for name in fn.arg_names:
@@ -126,7 +135,32 @@ def compile_variant(variant) -> dict:
         "hgmma_shared_a": len(re.findall(r"HGMMA\.64x\d+x16\.F32[.\w]* R\d+, gdesc", sass)),
         "exp2_under_pv_ptx": ptx_exp2_while_product_runs(ptx),
         "exp2_under_pv_sass": exp2_while_product_runs(sass, SASS_WAITS),
+        "q_freed_after_store_read": q_freed_after_store_read(ptx),
     }
+
+
+def q_freed_after_store_read(ptx: str) -> int:
+    """How many ``cp.async.bulk.wait_group.read 0`` are followed, within a few instructions and
+    before any other bulk copy or mbarrier operation, by a ``bar.sync`` and then an
+    ``mbarrier.arrive``: a consumer freeing its Q slot once the copy engine has read O out of it,
+    all its threads past the wait."""
+    count, state, seen = 0, None, 0
+    for raw in ptx.splitlines():
+        line = raw.split("//")[0].strip()
+        if not line or line.startswith("."):
+            continue
+        seen += 1
+        if re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", line):
+            state, seen = "waited", 0
+        elif state and seen > 8:
+            state = None
+        elif state == "waited" and re.search(r"\bbar\.sync\b", line):
+            state = "synced"
+        elif state == "synced" and "mbarrier.arrive" in line:
+            count, state = count + 1, None
+        elif state and re.search(r"mbarrier\.|cp\.async\.bulk\.tensor", line):
+            state = None
+    return count
 
 
 # (wait leaving one wgmma group running, wait for all, exponential) in SASS.
@@ -257,9 +291,33 @@ def test_no_spills(compiled):
     # The variant with every feature flag on (window, softcap, ALiBi, ragged) spills at 240
     # registers (about 2 KB of local traffic at D=64, docs/hopper_fwd.md); the others must not.
     for row in compiled:
-        if row["variant"] == FEATURES:
+        if row["variant"].startswith(FEATURES):
             continue
         assert row["spill_bytes"] == 0, f"{row['variant']}: {row['spill_bytes']} B of spills"
+
+
+# Bytes the persistent build may spill beyond the flat one: 8 B with every feature flag on
+# (2364 B against 2356 B: one more value of the tile loop, outside the key loop), 0 otherwise.
+PERSISTENT_EXTRA_SPILL = {FEATURES + PERSISTENT_SUFFIX: 8}
+
+
+def test_persistent_spills_no_more_than_flat(compiled):
+    by_name = {row["variant"]: row for row in compiled}
+    persistent = [name for name in by_name if name.endswith(PERSISTENT_SUFFIX)]
+    assert len(persistent) == 3, sorted(by_name)
+    for name in persistent:
+        flat = by_name[name.removesuffix(PERSISTENT_SUFFIX)]
+        budget = flat["spill_bytes"] + PERSISTENT_EXTRA_SPILL.get(name, 0)
+        got = by_name[name]["spill_bytes"]
+        assert got <= budget, f"{name}: {got} B of spills, flat {flat['spill_bytes']} B"
+
+
+def test_persistent_frees_q_after_the_store_read(compiled):
+    for row in compiled:
+        want = 2 if row["variant"].endswith(PERSISTENT_SUFFIX) else 0
+        assert row["q_freed_after_store_read"] >= want, (
+            f"{row['variant']}: {row['q_freed_after_store_read']} Q slots freed after the read"
+        )
 
 
 def test_register_split(compiled):

@@ -20,7 +20,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 class Sm90Config(NamedTuple):
     """Tiles of one launch: ``NUM_CONSUMERS`` warpgroups of 64 query rows, ``BLOCK_N`` keys per
     tile, ``NUM_STAGES`` K/V slots; ``consumer_regs`` per consumer thread (the producer warp
-    keeps 24), ``maxnreg`` the cap at entry that the register split is carved from."""
+    keeps 24), ``maxnreg`` the cap at entry that the register split is carved from.
+    ``persistent``: one program per SM looping over the tiles (True), one program per tile
+    (False), or the launcher's choice by shape (None, ``use_persistent``)."""
 
     num_consumers: int
     block_n: int
@@ -28,6 +30,7 @@ class Sm90Config(NamedTuple):
     consumer_regs: int
     maxnreg: int
     pingpong: bool = True
+    persistent: bool | None = None
 
 
 # D=128: 2 x 64 query rows, 128-key tiles, 2 slots (Q 32 KB + K/V 128 KB of shared memory);
@@ -37,6 +40,30 @@ CONFIGS = {
     128: Sm90Config(2, 128, 2, 240, 168),
     64: Sm90Config(2, 128, 3, 240, 168),
 }
+
+
+# Persistent up to this many key tiles per query tile (Sk <= 4096 at BLOCK_N = 128). Prediction,
+# from the flat kernel's H100 numbers (docs/hopper_fwd.md): TFLOP/s at S = 512 / 1k / 2k / 16k
+# fit ``n / (n + 2.1)`` of the 16k rate for n key tiles per CTA, i.e. each CTA's prologue and
+# epilogue cost about two key steps with the tensor cores idle; a persistent program hides most
+# of that under the neighbouring tiles, worth ~+30% at 512, ~+10% at 2k, < 2% past 4k, where
+# the static schedule's imbalance (causal) can cost as much. Not measured yet.
+PERSISTENT_MAX_KEY_TILES = 32
+
+
+def use_persistent(seqlen_k: int, head_dim: int, causal: bool, block_n: int) -> bool:
+    """The default schedule: persistent for short key loops. D=128 causal stays flat: its
+    persistent build spills (16 B stored + loaded; 240 B, in the key loop, with ragged Sk), which
+    the gain has to be measured against first."""
+    if head_dim == 128 and causal:
+        return False
+    return -(-seqlen_k // block_n) <= PERSISTENT_MAX_KEY_TILES
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (the persistent grid), cached per device."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 @functools.cache
@@ -155,7 +182,11 @@ def attn_fwd_sm90(
         _descriptor(out, rows, head_dim),
     )
     raw_max = softcap <= 0 and alibi is None and qk_scale > 0
-    grid = (-(-seqlen_q // block_m) * batch * heads,)
+    n_work = -(-seqlen_q // block_m) * batch * heads
+    persistent = cfg.persistent
+    if persistent is None:
+        persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
+    grid = (min(num_sms(q.device.index), n_work) if persistent else n_work,)
     with torch.cuda.device_of(q):
         kernels().attn_fwd_sm90_kernel[grid](
             *descs,
@@ -184,6 +215,7 @@ def attn_fwd_sm90(
             HAS_ALIBI=alibi is not None,
             RAW_MAX=raw_max,
             EVEN_N=seqlen_k % cfg.block_n == 0,
+            PERSISTENT=persistent,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )

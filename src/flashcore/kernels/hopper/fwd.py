@@ -7,7 +7,8 @@ running max ``m`` and sum ``l`` in fp32, ``P`` cast to the input dtype for ``O +
 
 Grid. 1-D, ``cdiv(Sq, BLOCK_M) * B * H`` programs of ``BLOCK_M = 64 * NUM_CONSUMERS`` query rows
 (``program_tile``: the query tiles of one head are consecutive; causal hands them out last-first,
-heaviest first). Query head h reads kv head ``h // kv_group``.
+heaviest first); with PERSISTENT one program per SM walking the same tiles (below). Query head h
+reads kv head ``h // kv_group``.
 
 Schedule (one CTA, ``gl.warp_specialize``):
 - Producer: one warp, 24 registers (``setmaxnreg.dec``). It issues, by TMA, each consumer's Q tile
@@ -45,6 +46,43 @@ Schedule (one CTA, ``gl.warp_specialize``):
   slot (its last reader, the final ``Q K^T``, has completed), ``fence.proxy.async``, one TMA
   store of the ``(1, 1, 64, D)`` block (the copy engine drops rows past Sq); the LSE row by row
   with masked stores.
+
+Persistent schedule (PERSISTENT; the code above is the tile body of both). The grid is
+``min(#SMs, n_work)`` programs, ``n_work = cdiv(Sq, BLOCK_M) * B * H``; program ``pid`` takes one
+work item per wave, ``w = wave * grid + pid`` on even waves and ``wave * grid + grid - 1 - pid``
+on odd ones, mapped to a tile by the same ``_work`` as the flat grid (a head's tiles consecutive,
+causal last-first). The snake matters for causal: with ``grid % n_m == 0`` (132 SMs, S = 512)
+a plain stride gives every program the same query tile in each wave, its longest tile or its
+shortest; the snake pairs them (a list-scheduling model of 32k tokens puts the plain stride's
+makespan at 1.5x the snake's at S = 512, equal from 16k). Shared memory holds two Q buffers
+(``q_smem[b * 2 + c]``, ``b = wave % 2``: the next tile's Q lands during the current tile), the
+K/V ring, and per Q slot a ``q_empty`` barrier (count 1). Phase bookkeeping, per program:
+
+- ``wave`` counts the program's tiles (every wave but the last gives it one). Q slot
+  ``(wave % 2, c)``: the producer waits ``q_empty`` with parity ``(wave // 2) & 1 ^ 1`` (the first
+  use of each buffer passes), then completes ``q_ready`` (a TMA load with ``expect``; for a tile
+  that sees no key a plain arrive, so that every tile takes exactly one phase); consumer c waits
+  ``q_ready`` with parity ``(wave // 2) & 1`` for every tile, key or not, and arrives on
+  ``q_empty`` after its O has left the slot. Neither barrier can run two phases ahead of its
+  waiter: each completion needs the other side's previous one.
+- ``kv`` counts the K/V tiles the program has loaded, over all its tiles (a tile with no key adds
+  0); tile ``g = kv0 + t`` uses slot ``g % NUM_STAGES`` with parity ``(g // NUM_STAGES) & 1`` on
+  ``k_ready``/``v_ready`` and ``^ 1`` on ``kv_empty``, exactly as the flat kernel's ``t`` does, so
+  the ring runs on across tiles without a drain (the producer walks the same items and adds the
+  same counts).
+- ``turns`` counts each consumer's turns: ``n + 1`` per tile with ``n >= 1`` key tiles (prologue,
+  ``n - 1`` steps, the last ``P V``), 0 for a tile with none. Both consumers walk the same tiles,
+  so they take the same number of turns per tile and the alternation carries over.
+- No deadlock: the producer's waits (``kv_empty``, ``q_empty``) need consumer progress made
+  before the consumers wait for what that load brings (the ring as in the flat kernel; the Q
+  of tile i + 1 needs only tile i - 1's stores). A consumer's waits need the producer's loads,
+  issued in tile order, and the other consumer's turn, at most one turn behind.
+- O store: O goes into the consumer's own Q slot and leaves by TMA as in the flat kernel, then
+  ``tma.store_wait(0)`` (``cp.async.bulk.wait_group.read``: the copy engine has read the slot;
+  Gluon puts a warpgroup barrier between it and the single-thread arrive) before ``q_empty``. The
+  producer reuses that buffer only for tile i + 2, so the wait does not delay the next Q;
+  a plain ``gl.store`` from the accumulator layout would drop the copy engine's clipping at Sq
+  and need O's pointer and strides.
 
 Key tiles. ``kv_tile_range`` (the same split as ``kernels/common.py``) gives the tiles the CTA's
 rows can see, ``[lo, hi)``, and the ones every row sees entirely, ``[full_lo, full_hi)``; all
@@ -139,15 +177,120 @@ def tanh(x):
 
 
 @gluon.jit
-def _program(n_tiles, REVERSE: gl.constexpr):
-    """``(tile, off_bh)`` on a 1-D grid of ``n_tiles * B * H`` programs, as
-    ``common.program_tile``."""
-    pid = gl.program_id(0)
-    off_bh = pid // n_tiles
-    tile = pid % n_tiles
+def _work(w, n_tiles, REVERSE: gl.constexpr):
+    """``(tile, off_bh)`` of work item ``w`` out of ``n_tiles * B * H``, as
+    ``common.program_tile``: a head's query tiles are consecutive, last-first with REVERSE."""
+    off_bh = w // n_tiles
+    tile = w % n_tiles
     if REVERSE:
         tile = n_tiles - 1 - tile
     return tile, off_bh
+
+
+@gluon.jit
+def _opaque(x):
+    """``x`` (int32) through a side-effecting ``mov``, so that nothing computed from it leaves
+    its partition. Without it, in the persistent loops, LLVM's codegen (Triton 3.6) hoists what
+    the partitions compute alike from the arguments (``cdiv(Sq, BLOCK_M)``, ``B * H``, sign
+    fix-ups of the divisions) into the entry block, before ``setmaxnreg``, and ptxas spills each
+    such value live into a partition (24 B at D=128)."""
+    return gl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
+def _snake(wave, pid, grid):
+    """Work item of persistent program ``pid`` in ``wave``: ``wave * grid + pid`` on even waves,
+    ``wave * grid + grid - 1 - pid`` on odd ones (see the module docstring). Written as a
+    branch: the select form keeps ``grid - 1 - 2 pid`` live across the loop, spilled at D=128."""
+    w = wave * grid + pid
+    if wave % 2 == 1:
+        w = (wave + 1) * grid - 1 - pid
+    return w
+
+
+@gluon.jit
+def _producer_tile(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_ready,
+    q_empty,
+    k_ready,
+    v_ready,
+    kv_empty,
+    w,
+    it,
+    kv0,
+    num_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
+    """Loads of work item ``w``, this program's tile number ``it``, whose K/V tiles take ring
+    entries ``kv0, kv0 + 1, ...``; returns how many it took."""
+    tile_m, off_bh = _work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
+    start_m = tile_m * BLOCK_M
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    off_hk = off_h // kv_group
+    lo, _, _, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
+    if PERSISTENT:
+        # Q buffer it % 2, once its consumer has stored the O of tile it - 2 from it. A tile
+        # with no key completes q_ready without a load, so that every tile takes one phase.
+        for c in gl.static_range(NUM_CONSUMERS):
+            qi = (it % 2) * NUM_CONSUMERS + c
+            mbarrier.wait(q_empty.index(qi), ((it // 2) & 1) ^ 1)
+            bar = q_ready.index(qi)
+            if hi > lo:
+                mbarrier.expect(bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    q_desc, [off_b, off_h, start_m + c * ROWS, 0], bar, q_smem.index(qi)
+                )
+            else:
+                mbarrier.arrive(bar, count=1)
+    if hi > lo:
+        if not PERSISTENT:
+            for c in gl.static_range(NUM_CONSUMERS):
+                bar = q_ready.index(c)
+                mbarrier.expect(bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    q_desc, [off_b, off_h, start_m + c * ROWS, 0], bar, q_smem.index(c)
+                )
+        for t in range(n_tiles):
+            g = kv0 + t
+            slot = g % NUM_STAGES
+            phase = (g // NUM_STAGES) & 1
+            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
+            start_n = lo + t * BLOCK_N
+            kbar = k_ready.index(slot)
+            mbarrier.expect(kbar, k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [off_b, off_hk, start_n, 0], kbar, k_smem.index(slot)
+            )
+            vbar = v_ready.index(slot)
+            mbarrier.expect(vbar, v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [off_b, off_hk, start_n, 0], vbar, v_smem.index(slot)
+            )
+    return n_tiles
 
 
 @gluon.jit
@@ -159,6 +302,7 @@ def _producer(
     k_smem,
     v_smem,
     q_ready,
+    q_empty,
     k_ready,
     v_ready,
     kv_empty,
@@ -174,39 +318,33 @@ def _producer(
     NUM_CONSUMERS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
-    tile_m, off_bh = _program(gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
-    start_m = tile_m * BLOCK_M
-    off_b = off_bh // num_heads
-    off_h = off_bh % num_heads
-    off_hk = off_h // kv_group
-    lo, _, _, hi = kv_tile_range(
-        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
-        IS_CAUSAL, HAS_WINDOW,
-    )  # fmt: skip
-    if hi > lo:
-        for c in gl.static_range(NUM_CONSUMERS):
-            bar = q_ready.index(c)
-            mbarrier.expect(bar, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                q_desc, [off_b, off_h, start_m + c * ROWS, 0], bar, q_smem.index(c)
-            )
-        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-        for t in range(n_tiles):
-            slot = t % NUM_STAGES
-            phase = (t // NUM_STAGES) & 1
-            mbarrier.wait(kv_empty.index(slot), phase ^ 1)
-            start_n = lo + t * BLOCK_N
-            kbar = k_ready.index(slot)
-            mbarrier.expect(kbar, k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [off_b, off_hk, start_n, 0], kbar, k_smem.index(slot)
-            )
-            vbar = v_ready.index(slot)
-            mbarrier.expect(vbar, v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [off_b, off_hk, start_n, 0], vbar, v_smem.index(slot)
-            )
+    if PERSISTENT:
+        pid = gl.program_id(0)
+        grid = gl.num_programs(0)
+        seqlen_q = _opaque(seqlen_q)
+        seqlen_k = _opaque(seqlen_k)
+        num_heads = _opaque(num_heads)
+        n_work = gl.cdiv(seqlen_q, BLOCK_M) * _opaque(q_desc.shape[0]) * num_heads
+        kv = 0
+        for wave in range(gl.cdiv(n_work, grid)):
+            # Every wave but the last gives each program a tile, so the wave is the tile count.
+            w = _snake(wave, pid, grid)
+            if w < n_work:
+                kv += _producer_tile(
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                    v_ready, kv_empty, w, wave, kv, num_heads, kv_group, seqlen_q, seqlen_k,
+                    window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                    IS_CAUSAL, HAS_WINDOW, PERSISTENT,
+                )  # fmt: skip
+    else:
+        _producer_tile(
+            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+            kv_empty, gl.program_id(0), 0, 0, num_heads, kv_group, seqlen_q, seqlen_k,
+            window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+            HAS_WINDOW, PERSISTENT,
+        )  # fmt: skip
 
 
 @gluon.jit
@@ -306,12 +444,247 @@ def _softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr):
 
 
 @gluon.jit
+def _attend(
+    q,
+    k_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    kv_empty,
+    turn,
+    kv0,
+    turn0,
+    n_tiles,
+    lo,
+    full_lo,
+    full_hi,
+    rows,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    slope,
+    CONSUMER: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
+    RAW_MAX: gl.constexpr,
+    EVEN_N: gl.constexpr,
+):
+    """The key loop of one work tile (``n_tiles >= 1``): ring entries ``kv0 .. kv0 + n_tiles -
+    1``, turns ``turn0 .. turn0 + n_tiles``; returns ``(m, l, O)``."""
+    dtype: gl.constexpr = q.dtype
+    NEXT: gl.constexpr = (CONSUMER + 1) % NUM_CONSUMERS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    CHECK_N: gl.constexpr = not EVEN_N
+
+    # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
+    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), turn0 & 1)
+    k_t = k_smem.index(kv0 % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(NEXT), count=1)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    s = _tile_scores(
+        s, lo, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, window_left,
+        window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
+        CHECK_N,
+    )  # fmt: skip
+    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+
+    for t in range(1, n_tiles):
+        g = kv0 + t
+        slot = g % NUM_STAGES
+        prev = (g - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(CONSUMER), (turn0 + t) & 1)
+        k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+        # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
+        v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(NEXT), count=1)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        s = _tile_scores(
+            s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
+            qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
+            SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
+        )  # fmt: skip
+        # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
+        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+        mbarrier.arrive(kv_empty.index(prev), count=1)
+
+    # The last tile's P V.
+    g = kv0 + n_tiles - 1
+    last = g % NUM_STAGES
+    mbarrier.wait(v_ready.index(last), (g // NUM_STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), (turn0 + n_tiles) & 1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+    v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+    acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(NEXT), count=1)
+    acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+    mbarrier.arrive(kv_empty.index(last), count=1)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _consumer_tile(
+    o_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_ready,
+    q_empty,
+    k_ready,
+    v_ready,
+    kv_empty,
+    turn,
+    LSE,
+    ALIBI,
+    w,
+    it,
+    kv0,
+    turn0,
+    stride_lb,
+    stride_lh,
+    stride_ab,
+    num_heads,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    CONSUMER: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
+    RAW_MAX: gl.constexpr,
+    EVEN_N: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
+    """This consumer's 64 rows of work item ``w`` (the program's tile number ``it``), from ring
+    entry ``kv0`` and turn ``turn0`` on; returns the number of key tiles it took."""
+    dtype: gl.constexpr = o_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+    tile_m, off_bh = _work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
+    start_m = tile_m * BLOCK_M
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    row0 = start_m + CONSUMER * ROWS
+    rows = gl.expand_dims(row0 + gl.arange(0, ROWS, layout=row_layout), 1)
+    lo, full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
+    if HAS_ALIBI:
+        slope = gl.load(ALIBI + off_b.to(gl.int64) * stride_ab + off_h) * LOG2E
+    else:
+        slope = 0.0
+
+    if PERSISTENT:
+        qi = (it % 2) * NUM_CONSUMERS + CONSUMER
+        # Every tile completes one q_ready phase, a tile with no key included (without a load).
+        mbarrier.wait(q_ready.index(qi), (it // 2) & 1)
+    else:
+        qi = CONSUMER
+    q_tile = q_smem.index(qi)
+    q = q_tile.reshape([ROWS, HEAD_DIM])
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    if hi > lo:
+        if not PERSISTENT:
+            mbarrier.wait(q_ready.index(qi), 0)
+        m_i, l_i, acc = _attend(
+            q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, lo,
+            full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+            softcap, slope, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES,
+            IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
+        )  # fmt: skip
+
+    empty = l_i == 0.0
+    l_safe = gl.where(empty, 1.0, l_i)
+    acc = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_layout), 1)
+    if RAW_MAX:
+        m_out = m_i * qk_scale
+    else:
+        m_out = m_i
+    lse = gl.where(empty, float("-inf"), (m_out + gl.log2(l_safe)) * LN2)
+
+    # Q's slot is free: its last reader, the final Q K^T, completed above.
+    q.store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], q_tile)
+    offs_m = row0 + gl.arange(0, ROWS, layout=row_layout)
+    lse_ptrs = LSE + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + offs_m
+    gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
+    # The copy engine has read O out of the slot (``wait_group.read``; Gluon puts a warpgroup
+    # barrier after it, before the arrive): the producer may land tile it + 2's Q there.
+    tma.store_wait(0)
+    if PERSISTENT:
+        mbarrier.arrive(q_empty.index(qi), count=1)
+    return n_tiles
+
+
+@gluon.jit
 def _consumer(
     o_desc,
     q_smem,
     k_smem,
     v_smem,
     q_ready,
+    q_empty,
     k_ready,
     v_ready,
     kv_empty,
@@ -341,121 +714,41 @@ def _consumer(
     HAS_ALIBI: gl.constexpr,
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
-    dtype: gl.constexpr = o_desc.dtype
-    NEXT: gl.constexpr = (CONSUMER + 1) % NUM_CONSUMERS
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-
-    tile_m, off_bh = _program(gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
-    start_m = tile_m * BLOCK_M
-    off_b = off_bh // num_heads
-    off_h = off_bh % num_heads
-    row0 = start_m + CONSUMER * ROWS
-    rows = gl.expand_dims(row0 + gl.arange(0, ROWS, layout=row_layout), 1)
-    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
-    lo, full_lo, full_hi, hi = kv_tile_range(
-        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
-        IS_CAUSAL, HAS_WINDOW,
-    )  # fmt: skip
-    if HAS_ALIBI:
-        slope = gl.load(ALIBI + off_b.to(gl.int64) * stride_ab + off_h) * LOG2E
+    if PERSISTENT:
+        pid = gl.program_id(0)
+        grid = gl.num_programs(0)
+        seqlen_q = _opaque(seqlen_q)
+        seqlen_k = _opaque(seqlen_k)
+        num_heads = _opaque(num_heads)
+        stride_lh = _opaque(stride_lh)
+        stride_lb = _opaque(stride_lb)
+        n_work = gl.cdiv(seqlen_q, BLOCK_M) * _opaque(o_desc.shape[0]) * num_heads
+        kv = 0
+        turns = 0
+        for wave in range(gl.cdiv(n_work, grid)):
+            w = _snake(wave, pid, grid)
+            if w < n_work:
+                n = _consumer_tile(
+                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                    kv_empty, turn, LSE, ALIBI, w, wave, kv, turns, stride_lb, stride_lh,
+                    stride_ab, num_heads, seqlen_q, seqlen_k, qk_scale, window_left,
+                    window_right, softcap, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M,
+                    BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
+                    EVEN_N, PERSISTENT,
+                )  # fmt: skip
+                kv += n
+                if n > 0:
+                    turns += n + 1
     else:
-        slope = 0.0
-
-    q_tile = q_smem.index(CONSUMER)
-    q = q_tile.reshape([ROWS, HEAD_DIM])
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    CHECK_N: gl.constexpr = not EVEN_N
-
-    if hi > lo:
-        n_tiles = gl.cdiv(hi - lo, BLOCK_N)
-        mbarrier.wait(q_ready.index(CONSUMER), 0)
-        # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
-        mbarrier.wait(k_ready.index(0), 0)
-        if PINGPONG:
-            mbarrier.wait(turn.index(CONSUMER), 0)
-        k_t = k_smem.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-        s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(NEXT), count=1)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        s = _tile_scores(
-            s, lo, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, window_left,
-            window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
-            CHECK_N,
+        _consumer_tile(
+            o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
+            LSE, ALIBI, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh, stride_ab, num_heads,
+            seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap, CONSUMER,
+            NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+            HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
         )  # fmt: skip
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
-
-        for t in range(1, n_tiles):
-            slot = t % NUM_STAGES
-            prev = (t - 1) % NUM_STAGES
-            mbarrier.wait(k_ready.index(slot), (t // NUM_STAGES) & 1)
-            if PINGPONG:
-                mbarrier.wait(turn.index(CONSUMER), t & 1)
-            k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-            s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
-            # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(v_ready.index(prev), ((t - 1) // NUM_STAGES) & 1)
-            v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-            acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
-            if PINGPONG:
-                mbarrier.arrive(turn.index(NEXT), count=1)
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            s = _tile_scores(
-                s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
-                qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
-            )  # fmt: skip
-            # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
-            p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
-            acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
-            mbarrier.arrive(kv_empty.index(prev), count=1)
-
-        # Epilogue: the last tile's P V.
-        last = (n_tiles - 1) % NUM_STAGES
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(CONSUMER), n_tiles & 1)
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-        acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(NEXT), count=1)
-        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
-        mbarrier.arrive(kv_empty.index(last), count=1)
-
-    empty = l_i == 0.0
-    l_safe = gl.where(empty, 1.0, l_i)
-    acc = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_layout), 1)
-    if RAW_MAX:
-        m_out = m_i * qk_scale
-    else:
-        m_out = m_i
-    lse = gl.where(empty, float("-inf"), (m_out + gl.log2(l_safe)) * LN2)
-
-    # Q's slot is free: its last reader, the final Q K^T, completed above.
-    q.store(acc.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], q_tile)
-    offs_m = row0 + gl.arange(0, ROWS, layout=row_layout)
-    lse_ptrs = LSE + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + offs_m
-    gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
-    tma.store_wait(0)
 
 
 @gluon.jit
@@ -489,26 +782,37 @@ def attn_fwd_sm90_kernel(
     HAS_ALIBI: gl.constexpr,
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
+    PERSISTENT: gl.constexpr = False,
 ):
     BLOCK_M: gl.constexpr = ROWS * NUM_CONSUMERS
+    # Persistent: two Q buffers, so that the next tile's Q lands during the current tile.
+    Q_SLOTS: gl.constexpr = NUM_CONSUMERS * (2 if PERSISTENT else 1)
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA block per slot (Gluon 3.6 has no starred
     # list in a kernel, hence the concatenation).
-    q_shape: gl.constexpr = [NUM_CONSUMERS] + q_desc.block_type.shape  # noqa: RUF005
+    q_shape: gl.constexpr = [Q_SLOTS] + q_desc.block_type.shape  # noqa: RUF005
     kv_shape: gl.constexpr = [NUM_STAGES] + k_desc.block_type.shape  # noqa: RUF005
     q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_bars: gl.constexpr = [Q_SLOTS, 1]
+    q_ready = gl.allocate_shared_memory(gl.int64, q_bars, mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(NUM_CONSUMERS):
+    for c in gl.static_range(Q_SLOTS):
         mbarrier.init(q_ready.index(c), count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(kv_empty.index(i), count=NUM_CONSUMERS)
+    if PERSISTENT:
+        # q_empty[b * NUM_CONSUMERS + c]: consumer c has stored its O out of Q buffer b.
+        q_empty = gl.allocate_shared_memory(gl.int64, q_bars, mbarrier.MBarrierLayout())
+        for c in gl.static_range(Q_SLOTS):
+            mbarrier.init(q_empty.index(c), count=1)
+    else:
+        q_empty = q_ready  # never touched
     # Ping-pong: consumer c issues its products after waiting turn[c] and passes the turn on to
     # c + 1 once they are issued; consumer 0 holds the first turn.
     turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -523,23 +827,24 @@ def attn_fwd_sm90_kernel(
     gl.warp_specialize(
         [
             (_consumer, (
-                o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-                LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
-                qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS, PINGPONG,
-                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
-                HAS_ALIBI, RAW_MAX, EVEN_N,
+                o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
+                PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
             )),
             (_consumer, (
-                o_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, turn,
-                LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k,
-                qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS, PINGPONG,
-                HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
-                HAS_ALIBI, RAW_MAX, EVEN_N,
+                o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
+                PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
             )),
             (_producer, (
-                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
-                kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left, window_right,
-                BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW,
+                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left,
+                window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                HAS_WINDOW, PERSISTENT,
             )),
         ],
         [4, 1],
