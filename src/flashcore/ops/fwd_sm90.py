@@ -42,22 +42,24 @@ CONFIGS = {
 }
 
 
-# Persistent up to this many key tiles per query tile (Sk <= 4096 at BLOCK_N = 128). Prediction,
-# from the flat kernel's H100 numbers (docs/hopper_fwd.md): TFLOP/s at S = 512 / 1k / 2k / 16k
-# fit ``n / (n + 2.1)`` of the 16k rate for n key tiles per CTA, i.e. each CTA's prologue and
-# epilogue cost about two key steps with the tensor cores idle; a persistent program hides most
-# of that under the neighbouring tiles, worth ~+30% at 512, ~+10% at 2k, < 2% past 4k, where
-# the static schedule's imbalance (causal) can cost as much. Not measured yet.
+# Persistent up to this many key tiles per query tile (Sk <= 4096 at BLOCK_N = 128); D=128
+# non-causal only up to 16 (Sk <= 2048). Measured on the H100 (bf16, two runs, 32k tokens,
+# docs/hopper_fwd.md "Persistent schedule"), persistent / flat TFLOP/s: D=128 non-causal
+# +15-19% at S=512, +7% at 1k, +2-3% at 2k, -1..-3% at 4k; D=128 causal +2-5% at 512, +9-15% at
+# 1k, +8-9% at 2k, +4-5% at 4k (despite 16 B of spills in its persistent build); D=64
+# non-causal +30-31% at 512 ... -0..+1% at 4k; D=64 causal +10-12% at 512, +21-22% at 1k, +5-7%
+# at 4k.
+# At 16k every case is flat or up to 4% slower with persistence.
 PERSISTENT_MAX_KEY_TILES = 32
+PERSISTENT_MAX_KEY_TILES_D128_FULL = 16
 
 
 def use_persistent(seqlen_k: int, head_dim: int, causal: bool, block_n: int) -> bool:
-    """The default schedule: persistent for short key loops. D=128 causal stays flat: its
-    persistent build spills (16 B stored + loaded; 240 B, in the key loop, with ragged Sk), which
-    the gain has to be measured against first."""
-    if head_dim == 128 and causal:
-        return False
-    return -(-seqlen_k // block_n) <= PERSISTENT_MAX_KEY_TILES
+    """The default schedule: persistent for short key loops (see the measurements above)."""
+    key_tiles = -(-seqlen_k // block_n)
+    if head_dim == 128 and not causal:
+        return key_tiles <= PERSISTENT_MAX_KEY_TILES_D128_FULL
+    return key_tiles <= PERSISTENT_MAX_KEY_TILES
 
 
 @functools.cache
