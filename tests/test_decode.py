@@ -281,3 +281,5 @@ def test_decode_config_and_splits_by_cache():
     assert tuning.decode_num_splits(8, 32768, 128, 132) == 9
     assert tuning.decode_num_splits(8, 4096, 64, 132) == 16
     assert tuning.decode_num_splits(64, 32768, 64, 132, paged=True) == 7
+    # Smaller head dims keep 64-key tiles (the 128-key tile spilled at D=64 with Triton 3.9).
+    assert tuning.decode_config(64, 2, interpreted=False, capacity=32768).block_n == 64

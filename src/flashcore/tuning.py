@@ -260,7 +260,7 @@ def decode_config(
     ``decode_block_m``).
 
     Decoding is bound by reading the cache. A dense cache of at least DECODE_LONG_CACHE keys
-    (``capacity``) at D <= 128 with a row tile of at most 32 (a GQA group of up to 32 query
+    (``capacity``) at D = 128 (padded) with a row tile of at most 32 (a GQA group of up to 32 query
     heads, one query) streams 128-key tiles with 4 warps and 3 stages: from CUDA-graph replays on
     the H100 (scripts/decode_sweep.py, bf16, D=128, 32 query heads over 8 kv heads) it reads
     3.04 TB/s at B=8, 32k keys (SDPA 3.06; 64-key tiles 2.79). A shorter cache is latency-bound
@@ -280,7 +280,9 @@ def decode_config(
             # H100 machine's Triton 3.6; tests/test_compile_sm90.py). 8 warps halve the per-thread
             # tiles.
             return DecodeConfig(64, 8, 3)
-        long = capacity >= DECODE_LONG_CACHE and rows <= 32
+        # Measured at D=128; at D=64 the 128-key tile spilled 8 bytes with Triton 3.9's ptxas
+        # (128 registers), so smaller head dims keep 64-key tiles.
+        long = capacity >= DECODE_LONG_CACHE and rows <= 32 and block_d == 128
         return DecodeConfig(128 if long else 64, 4, 3)
     return DecodeConfig(32, 4, 2)
 
