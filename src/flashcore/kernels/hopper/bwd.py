@@ -1,0 +1,463 @@
+"""FlashAttention-3-style backward for Hopper (sm_90a) in Gluon: one pass per key block, dQ by
+TMA reduce-add. Compiled for sm_90a on the CPU (``tests/test_compile_hopper_bwd.py``); it has not
+run on a GPU yet: ``scripts/hopper_bwd.py check`` is its first numerical test.
+
+Algorithm. The gradients of ``kernels/bwd.py`` (same LSE base, same masks), in five products per
+step instead of the portable tier's seven (no P recomputed for dQ):
+
+    S^T  = K Q^T                    P^T = exp2(S^T * qk_scale - lse2)     (lse2 = LSE * log2(e))
+    dP^T = V dO^T                   dS^T = P^T * (dP^T - delta)
+    dV  += P^T dO                   dK  += dS^T Q                         dQ += dS K
+
+with ``qk_scale = scale * log2(e)``; ``scale`` is applied once to dK here and to dQ by the
+launcher's conversion. The products are taken transposed (keys on the rows) so that P^T and dS^T,
+in registers, are directly the A operands of ``dV`` and ``dK``. ``lse2`` (+inf for a row with no
+key and for padding rows, so their P is exactly 0) and ``delta = rowsum(dO * O) - dlse`` come from
+``bwd_prep_kernel`` (``kernels/bwd_delta.py:tile_delta``, ``common.load_lse2``) in fp32 buffers
+``(B, H, Sq_pad)``, ``Sq_pad = cdiv(Sq, 64) * 64``, with zeros (delta) and +inf (lse2) past Sq.
+
+Grid. 1-D, ``cdiv(Sk, 128) * B * Hkv`` programs; program ``(n, b, hk)`` owns keys
+``[128 n, 128 n + 128)`` of kv head hk and walks, for each query head ``h = hk * G + g`` of its
+group (``G = H // Hkv``, GQA/MQA summed in registers as the portable kernel does), the query
+blocks of 64 rows that can see the block (``q_blocks``: causal from the diagonal on). dK and dV
+are written once, by this program (no atomics); dQ is accumulated in an fp32 ``(B, H, Sq, D)``
+buffer (zeroed by the launcher) by ``cp.reduce.async.bulk.tensor ... .add`` (TMA reduce-add).
+
+Schedule (one CTA, ``gl.warp_specialize``): two consumer warpgroups (the default partition and
+worker 0; 240 registers each after ``setmaxnreg``) and a producer warp (worker 1, 24 registers).
+Consumer c owns keys ``[64 c, 64 c + 64)`` of the block: its own K_c, V_c (shared memory, loaded
+once), its own dK_c, dV_c (fp32 registers, 64 x D each), its own dS^T staging tile and fp32 dQ
+staging tile. The two consumers share the Q / dO / lse2 / delta ring and nothing else, so they
+never wait for each other.
+
+- Producer: K_c and V_c (four ``(1, 1, 64, D)`` TMA boxes) onto ``kv_ready`` (count 1, armed with
+  ``expect`` of all four; one phase, waited with parity 0). Then for step t (query head g, query
+  block m): slot ``t % NUM_STAGES``; wait ``qd_empty[slot]`` with parity ``((t // NUM_STAGES) &
+  1) ^ 1`` (the first pass through the ring does not block); arm ``qd_ready[slot]`` with the
+  bytes of Q, dO (``(1, 1, 64, D)`` boxes of the 4-D ``(B, H, Sq, D)`` views: rows past Sq arrive
+  as zeros) and lse2, delta (``(64,)`` boxes of the flat padded buffers); issue the four loads.
+- Consumer c, step t (slot ``t % NUM_STAGES``, parity ``(t // NUM_STAGES) & 1``)::
+
+      wait qd_ready[slot]
+      S^T  = wgmma(K_c, Q^T)    async         # group 1
+      dP^T = wgmma(V_c, dO^T)   async         # group 2
+      wgmma.wait_group 1                      # S^T done, dP^T running
+      lse2 from the slot; causal mask (diagonal blocks only); P^T = exp2(...)
+      wgmma.wait_group 0                      # dP^T done
+      delta from the slot; dS^T = P^T * (dP^T - delta)
+      dV  += wgmma(P^T (registers), dO) async
+      dS^T -> shared (this consumer's tile)
+      dK  += wgmma(dS^T (registers), Q) async
+      fence.proxy.async; wgmma.wait_group 0   # dV, dK done: every reader of the slot is done
+      arrive qd_empty[slot]                   # count 2: both consumers
+      for each 64-column chunk j of D (one at D=64, two at D=128):
+          dQ_cj = wgmma(dS (shared, transposed view), K_c[:, chunk j]); wait
+          cp.async.bulk.wait_group.read (chunks - 1)  # this chunk's previous reduce has read
+          dQ_cj -> shared (fp32 staging tile j); fence.proxy.async
+          TMA reduce-add into dQ[b, h, m:m+64, chunk j]
+
+  The dQ products run after dV and dK have completed and in 64-column chunks, so that at most
+  one 32-register dQ accumulator sits beside dK and dV (with a whole (64, 128) one, or with
+  all three products in flight, ptxas serialised the wgmmas (C7512) and spilled 190-360 B at
+  D=128). For the same reason lse2 and delta are read from shared memory where they are used
+  (a row vector in the score layout takes 16 registers a thread).
+
+  Epilogue: dK_c * scale and dV_c, cast, written into K_c's and V_c's slots (their last readers,
+  the final products, are complete), fence, TMA stores (rows past Sk dropped by the copy engine),
+  then ``store_wait(0)`` so that no bulk copy still reads shared memory when the CTA exits.
+
+mbarrier phases (why nothing deadlocks). ``kv_ready`` completes once (the producer's first act,
+unconditional: a block whose keys no query sees still gets its K/V loaded, so both consumers'
+single wait with parity 0 returns). ``qd_ready[s]`` completes once per use of slot s, by the
+transaction count of its four loads; ``qd_empty[s]`` (count 2) once per use, when both consumers
+have arrived. Step t uses slot ``t % NUM_STAGES`` for the ``(t // NUM_STAGES)``-th time: the
+consumers wait ``qd_ready`` with parity ``(t // NUM_STAGES) & 1``, the producer waits
+``qd_empty`` with the opposite parity, i.e. for the completion of step ``t - NUM_STAGES``'s use
+(before any, the barrier's initial phase counts as completed with parity 1, so the first
+NUM_STAGES waits pass). Neither barrier can run two phases ahead of its waiter: ``qd_ready[s]``
+completes again only after the producer's wait on ``qd_empty[s]``, which needs both consumers'
+arrivals for the previous use, which come after their wait on that ``qd_ready`` phase; and
+symmetrically. Producer and consumers derive the same step count from the same arguments
+(``q_blocks``), and a consumer arrives on ``qd_empty`` exactly once per step, after its wait
+on ``qd_ready`` (no early exit in between), so the counts match. The consumers' only other
+waits are on their own bulk copies (``store_wait``), which complete without anyone's help.
+
+Flags (``gl.constexpr``): IS_CAUSAL (bottom-right aligned: row i sees key j iff ``j <= i + Sk -
+Sq``; query blocks before the block's diagonal are skipped, blocks crossing it are masked at run
+time, later ones are not). Keys past Sk need no mask: their K and V rows arrive as zeros, so
+their dS contributes nothing to dQ (K = 0) and their dK/dV rows are never stored. Query rows
+past Sq have Q = dO = 0 and lse2 = +inf: P = 0, dS = 0.
+
+Invariants. Head dim 64 or 128 and unit stride on D; every descriptor stride is 16-byte aligned
+(launcher). Shared memory at D=128: K, V 32 KB each, Q/dO ring 2 x 2 x 16 KB, dS^T 2 x 8 KB, fp32
+dQ staging 2 consumers x 2 chunks x 16 KB, row stats 1 KB: 214400 B; at D=64 116096 B.
+
+Not yet covered (the launcher's ``supports`` says no): window, softcap, ALiBi, sinks, varlen, a
+value head dim different from Q/K's.
+"""
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashcore.kernels.bwd_delta import tile_delta
+from flashcore.kernels.common import load_lse2
+
+ROWS = gl.constexpr(64)  # query rows per step, and keys per consumer warpgroup (one m64 wgmma)
+BLOCK_N = gl.constexpr(128)  # keys per program: two consumers x 64
+
+
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``cp.reduce.async.bulk.tensor`` with ``.add`` of the shared tile ``src`` into the
+    descriptor's tensor at ``coord`` (rows past the extent dropped). Triton 3.6's Gluon exposes
+    the builder call (``create_async_tma_reduce``) but no language function; this is that
+    function, written as ``tma.async_copy_shared_to_global`` is."""
+    from triton._C.libtriton import ir
+
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(
+        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
+    )
+
+
+@triton.jit
+def bwd_prep_kernel(
+    O,
+    DO,
+    DLSE,
+    LSE,
+    DELTA,
+    LSE2,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dlb,
+    stride_dlh,
+    stride_lb,
+    stride_lh,
+    num_heads,
+    seqlen_q,
+    seqlen_pad,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
+    """Row stats of the backward, one (BLOCK_M, D) tile a program: ``delta = rowsum(dO * O) -
+    dlse`` (``tile_delta``, as the portable dQ kernel) and ``lse2`` (``load_lse2``: +inf for a row
+    with no key and past Sq), written to ``(B, H, seqlen_pad)`` fp32 buffers (delta 0 past Sq).
+    Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(seqlen_pad, BLOCK_M)
+    off_bh = pid // n_tiles
+    start_m = (pid % n_tiles) * BLOCK_M
+    off_b = (off_bh // num_heads).to(tl.int64)
+    off_h = (off_bh % num_heads).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d
+    do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d
+    do = tl.load(do_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
+    dlse_ptrs = DLSE + off_b * stride_dlb + off_h * stride_dlh + offs_m
+    delta = tile_delta(
+        o_ptrs, do, dlse_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, False, True, HAS_DLSE
+    )
+    lse2 = load_lse2(LSE + off_b * stride_lb + off_h * stride_lh + offs_m, offs_m, seqlen_q, False)
+    out = off_bh.to(tl.int64) * seqlen_pad + offs_m
+    tl.store(DELTA + out, tl.where(offs_m < seqlen_q, delta, 0.0))
+    tl.store(LSE2 + out, lse2)
+
+
+@gluon.jit
+def q_blocks(start_n, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr):
+    """``(lo, n_m)``: the query blocks of ROWS rows that see any key of ``[start_n, start_n +
+    BLOCK_N)`` start at ``lo`` (a multiple of ROWS), ``n_m`` of them (0 when none)."""
+    if IS_CAUSAL:
+        # Row i sees key j iff j <= i + Sk - Sq: the block's first key from row start_n - diag on.
+        lo = (gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // ROWS) * ROWS
+    else:
+        lo = start_n * 0
+    n_m = gl.maximum(gl.cdiv(seqlen_q - lo, ROWS), 0)
+    return lo, n_m
+
+
+@gluon.jit
+def _producer(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    kv_ready,
+    qd_ready,
+    qd_empty,
+    kv_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    seqlen_pad,
+    NUM_STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+):
+    n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+    pid = gl.program_id(0)
+    start_n = (pid % n_blocks) * BLOCK_N
+    off_bh = pid // n_blocks
+    off_b = off_bh // kv_heads
+    off_hk = off_bh % kv_heads
+    # K and V of the block, once (also for a block no query sees: the consumers wait for it).
+    KV_BYTES: gl.constexpr = 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
+    mbarrier.expect(kv_ready, KV_BYTES)
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(
+            k_desc, [off_b, off_hk, start_n + c * ROWS, 0], kv_ready, k_smem.index(c)
+        )
+        tma.async_copy_global_to_shared(
+            v_desc, [off_b, off_hk, start_n + c * ROWS, 0], kv_ready, v_smem.index(c)
+        )
+    lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, IS_CAUSAL)
+    STEP_BYTES: gl.constexpr = (
+        q_desc.block_type.nbytes
+        + do_desc.block_type.nbytes
+        + lse_desc.block_type.nbytes
+        + delta_desc.block_type.nbytes
+    )
+    for t in range(n_m * kv_group):
+        off_h = off_hk * kv_group + t // n_m
+        start_m = lo + (t % n_m) * ROWS
+        slot = t % NUM_STAGES
+        mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+        bar = qd_ready.index(slot)
+        mbarrier.expect(bar, STEP_BYTES)
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar, q_smem.index(slot))
+        tma.async_copy_global_to_shared(
+            do_desc, [off_b, off_h, start_m, 0], bar, do_smem.index(slot)
+        )
+        row = (off_b * kv_heads * kv_group + off_h) * seqlen_pad + start_m
+        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(slot))
+        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(slot))
+
+
+@gluon.jit
+def _consumer(
+    q_smem,
+    k_smem,
+    v_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    ds_smem,
+    dq_smem,
+    kv_ready,
+    qd_ready,
+    qd_empty,
+    dq_desc,
+    dk_desc,
+    dv_desc,
+    kv_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    scale,
+    CONSUMER: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+):
+    dtype: gl.constexpr = k_smem.dtype
+    # S^T, dP^T: (64 keys, 64 query rows); dK, dV: (64 keys, D); dQ: (64 query rows, D).
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+    pid = gl.program_id(0)
+    start_n = (pid % n_blocks) * BLOCK_N
+    off_bh = pid // n_blocks
+    off_b = off_bh // kv_heads
+    off_hk = off_bh % kv_heads
+    key0 = start_n + CONSUMER * ROWS
+    keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
+    offs_m = gl.arange(0, ROWS, layout=col_layout)
+    lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, IS_CAUSAL)
+    # Query blocks starting at or past this row see every key of this consumer: no mask.
+    full_m = key0 + ROWS - 1 - (seqlen_k - seqlen_q)
+
+    k_tile = k_smem.index(CONSUMER)
+    v_tile = v_smem.index(CONSUMER)
+    k_c = k_tile.reshape([ROWS, HEAD_DIM])
+    v_c = v_tile.reshape([ROWS, HEAD_DIM])
+    ds_t = ds_smem.index(CONSUMER)
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+    DQ_CHUNKS: gl.constexpr = HEAD_DIM // DQ_COLS
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
+    )
+    zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
+    zero_dq = gl.zeros([ROWS, DQ_COLS], gl.float32, layout=dq_layout)
+    dk = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+
+    mbarrier.wait(kv_ready, 0)
+    for t in range(n_m * kv_group):
+        off_h = off_hk * kv_group + t // n_m
+        start_m = lo + (t % n_m) * ROWS
+        slot = t % NUM_STAGES
+        mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
+        q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
+        do = do_smem.index(slot).reshape([ROWS, HEAD_DIM])
+        s_tok = warpgroup_mma(k_c, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v_c, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        # lse2 and delta are read from shared memory where they are used: in the score layout a
+        # row vector takes 16 registers a thread, and loaded early they overlapped S^T, dP^T, dK
+        # and dV (spills at D=128).
+        lse2 = lse_smem.index(slot).load(col_layout)
+        if IS_CAUSAL:  # noqa: SIM102 (a constexpr branch around a runtime one)
+            if start_m < full_m:
+                rows = gl.expand_dims(start_m + offs_m, 0)
+                s = gl.where(keys <= rows + (seqlen_k - seqlen_q), s, float("-inf"))
+        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+        dp = warpgroup_mma_wait(0, deps=[dp_tok])
+        delta = delta_smem.index(slot).load(col_layout)
+        # dS^T before the dV issue: P^T's fp32 and register-operand copies are never live
+        # together (16 registers less at the peak).
+        ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
+        p_op = gl.convert_layout(p.to(dtype), a_layout)
+        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+        # dQ = dS K_c takes dS as the A operand from shared memory (a transposed view of dS^T).
+        ds_t.store(ds)
+        ds_op = gl.convert_layout(ds, a_layout)
+        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+        fence_async_shared()
+        # dV and dK complete before dQ is issued: with all three in flight (192 accumulator
+        # registers plus P^T and dS^T held for the running products) ptxas serialised the
+        # wgmmas (C7512) and spilled 240-328 B at D=128.
+        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op, ds_op])
+        # Every reader of the slot is complete: S^T, dP^T, dV, dK and the lse2/delta loads
+        # (Gluon syncs the warpgroup before the single-thread arrive).
+        mbarrier.arrive(qd_empty.index(slot), count=1)
+        # dQ_c in column chunks of DQ_COLS (64): a 32-register accumulator beside dK and dV (a
+        # whole 64 x 128 one left too few registers for the addresses and spilled 192-360 B).
+        for j in gl.static_range(DQ_CHUNKS):
+            if DQ_CHUNKS == 1:
+                k_cols = k_c
+            else:
+                k_cols = k_c.slice(j * DQ_COLS, DQ_COLS, dim=1)
+            dq_tok = warpgroup_mma(
+                ds_t.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True
+            )
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+            # This chunk's staging tile was last read by the previous step's reduce of the same
+            # chunk: wait until the copy engine has read it (cp.async.bulk.wait_group.read).
+            tma.store_wait(DQ_CHUNKS - 1)
+            dq_tile = dq_smem.index(CONSUMER * DQ_CHUNKS + j)
+            dq_tile.reshape([ROWS, DQ_COLS]).store(dq)
+            fence_async_shared()
+            tma_reduce_add(dq_desc, [off_b, off_h, start_m, j * DQ_COLS], dq_tile)
+
+    # Epilogue: dK, dV through this consumer's K and V slots (their last readers are complete).
+    k_c.store((dk * scale).to(dtype))
+    v_c.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, key0, 0], k_tile)
+    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, key0, 0], v_tile)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def attn_bwd_sm90_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
+    dq_desc,
+    dk_desc,
+    dv_desc,
+    kv_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    seqlen_pad,
+    qk_scale,
+    scale,
+    HEAD_DIM: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+):
+    dtype: gl.constexpr = q_desc.dtype
+    # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA box per slot.
+    q_shape: gl.constexpr = [NUM_STAGES] + q_desc.block_type.shape  # noqa: RUF005
+    kv_shape: gl.constexpr = [2] + k_desc.block_type.shape  # noqa: RUF005
+    row_shape: gl.constexpr = [NUM_STAGES] + lse_desc.block_type.shape  # noqa: RUF005
+    # dQ staging: per consumer, one fp32 tile per column chunk of the dQ box.
+    DQ_CHUNKS: gl.constexpr = HEAD_DIM // dq_desc.block_type.shape[3]
+    dq_shape: gl.constexpr = [2 * DQ_CHUNKS] + dq_desc.block_type.shape  # noqa: RUF005
+    q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
+    lse_smem = gl.allocate_shared_memory(gl.float32, row_shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(gl.float32, row_shape, delta_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], ds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, dq_shape, dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    kv_ready = kv_bar.index(0)
+    qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(qd_ready.index(i), count=1)
+        mbarrier.init(qd_empty.index(i), count=2)
+
+    gl.warp_specialize(
+        [
+            (_consumer, (
+                q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                kv_ready, qd_ready, qd_empty, dq_desc, dk_desc, dv_desc, kv_heads, kv_group,
+                seqlen_q, seqlen_k, qk_scale, scale, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+            )),
+            (_consumer, (
+                q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                kv_ready, qd_ready, qd_empty, dq_desc, dk_desc, dv_desc, kv_heads, kv_group,
+                seqlen_q, seqlen_k, qk_scale, scale, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+            )),
+            (_producer, (
+                q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
+                do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, kv_heads, kv_group,
+                seqlen_q, seqlen_k, seqlen_pad, NUM_STAGES, IS_CAUSAL,
+            )),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip

@@ -1,0 +1,192 @@
+"""Host launcher of the Hopper backward (``kernels/hopper/bwd.py``, Gluon, sm_90a).
+
+Not wired into the dispatch: ``ops.bwd.launch`` (the portable tier) is the only backward users
+get. ``supports`` and ``attn_bwd_sm90`` are called directly (``scripts/hopper_bwd.py``). The
+kernel has not run on a GPU yet (see its module docstring).
+
+One call: ``bwd_prep_kernel`` (delta with the portable tier's ``tile_delta``, lse2) into padded
+fp32 row buffers; the fp32 dQ accumulator zeroed; ``attn_bwd_sm90_kernel`` (dK, dV written, dQ
+reduce-added); dQ scaled and cast to the input dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+# The forward tier's capability checks, so that both tiers accept the same devices and strides.
+from flashcore.ops.fwd_sm90 import _gluon_available, _is_sm90, _tma_ok
+
+HEAD_DIMS = (64, 128)
+DTYPES = (torch.float16, torch.bfloat16)
+ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
+BLOCK_N = 128  # keys per program
+DQ_COLS = 64  # dQ leaves in (64, 64) fp32 chunks (a 32-register accumulator at D=128)
+LOG2E = 1.4426950408889634
+
+
+class Sm90BwdConfig(NamedTuple):
+    """``num_stages`` slots of the Q/dO ring; ``consumer_regs`` per consumer thread after
+    ``setmaxnreg`` (the producer warp keeps 24); ``maxnreg`` the cap at entry (12 warps)."""
+
+    num_stages: int = 2
+    consumer_regs: int = 240
+    maxnreg: int = 168
+
+
+# D=128: K, V 64 KB, Q/dO ring 2 x 32 KB, dS^T 16 KB, dQ staging 64 KB: 214400 B of shared
+# memory with the barriers and row stats. D=64: about half (116096 B).
+CONFIGS = {128: Sm90BwdConfig(), 64: Sm90BwdConfig()}
+
+
+@functools.cache
+def kernels() -> ModuleType:
+    """The kernel module, imported (with triton) at the first launch."""
+    from flashcore.kernels.hopper import bwd
+
+    return bwd
+
+
+def supports(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    varlen: bool = False,
+) -> bool:
+    """Whether this kernel computes the problem's gradients: an sm_90 device, fp16/bf16, head dim
+    64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with
+    ``H % Hkv == 0``, non-empty sequences, strides the copy engine accepts, causal or not. No
+    window, softcap, ALiBi, sinks or packed (varlen) batches yet."""
+    del causal
+    if window not in (None, (-1, -1)) or softcap or alibi is not None or sinks is not None:
+        return False
+    if varlen:
+        return False
+    if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
+        return False
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    batch, heads, seqlen_q, head_dim = q.shape
+    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape:
+        return False
+    if k.shape[0] != batch or heads % k.shape[1] != 0 or seqlen_q == 0 or k.shape[2] == 0:
+        return False
+    return all(_tma_ok(t) for t in (q, k, v))
+
+
+def _descriptor(t: torch.Tensor, block: list[int]):
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[
+        t.dtype
+    ]
+    if len(block) == 1:
+        # Row stats: a flat fp32 run of 64 values, no swizzle.
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    else:
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def _tma_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself when the copy engine can address it, else a contiguous copy."""
+    return t if _tma_ok(t) else t.contiguous()
+
+
+def attn_bwd_sm90(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    *,
+    dlse: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
+    config: Sm90BwdConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of ``out, lse = attention(q, k, v, causal, scale)`` for inputs that passed
+    ``supports``.
+
+    ``q``, ``out``, ``dout``: ``(B, H, Sq, D)``; ``k``, ``v``: ``(B, Hkv, Sk, D)`` (any strides the
+    copy engine accepts; ``(B, S, H, D)`` storage passed as ``.transpose(1, 2)`` works); ``lse``:
+    the forward's natural-log fp32 ``(B, H, Sq)``; ``dlse``: its gradient or None. Causal is
+    bottom-right aligned. The gradients come back contiguous, in the input dtype (``dk``/``dv``,
+    when given, are written in place: shaped like k, copy-engine strides; tests pass NaN-filled
+    ones to see every element written). ``config`` overrides the tiles. Extra memory:
+    the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two fp32 ``(B, H, Sq_pad)`` row buffers.
+    """
+    batch, heads, seqlen_q, head_dim = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    cfg = config or CONFIGS[head_dim]
+    bwd = kernels()
+    dout, out = _tma_view(dout), _tma_view(out)
+    lse = lse.contiguous()
+    seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
+    stats = torch.empty(2, batch, heads, seqlen_pad, device=q.device, dtype=torch.float32)
+    delta, lse2 = stats[0], stats[1]
+    dq_acc = torch.zeros(batch, heads, seqlen_q, head_dim, device=q.device, dtype=torch.float32)
+    if dk is None:
+        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
+    if dv is None:
+        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
+    if dk.shape != k.shape or dv.shape != v.shape or not (_tma_ok(dk) and _tma_ok(dv)):
+        raise ValueError(f"dk/dv: want {tuple(k.shape)} with 16-byte aligned strides")
+    dlse_arg = lse if dlse is None else dlse
+    dlse_strides = (0, 0) if dlse is None else (dlse.stride(0), dlse.stride(1))
+    with torch.cuda.device_of(q):
+        bwd.bwd_prep_kernel[(seqlen_pad // ROWS * batch * heads,)](
+            out, dout, dlse_arg, lse, delta, lse2,
+            out.stride(0), out.stride(1), out.stride(2),
+            dout.stride(0), dout.stride(1), dout.stride(2),
+            *dlse_strides, lse.stride(0), lse.stride(1),
+            heads, seqlen_q, seqlen_pad,
+            HEAD_DIM=head_dim, BLOCK_M=ROWS, HAS_DLSE=dlse is not None, num_warps=4,
+        )  # fmt: skip
+        tile = [1, 1, ROWS, head_dim]
+        descs = (
+            _descriptor(q, tile),
+            _descriptor(k, tile),
+            _descriptor(v, tile),
+            _descriptor(dout, tile),
+            _descriptor(lse2.view(-1), [ROWS]),
+            _descriptor(delta.view(-1), [ROWS]),
+            _descriptor(dq_acc, [1, 1, ROWS, DQ_COLS]),
+            _descriptor(dk, tile),
+            _descriptor(dv, tile),
+        )
+        grid = (math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads,)
+        bwd.attn_bwd_sm90_kernel[grid](
+            *descs,
+            kv_heads,
+            heads // kv_heads,
+            seqlen_q,
+            seqlen_k,
+            seqlen_pad,
+            float(scale * LOG2E),
+            float(scale),
+            HEAD_DIM=head_dim,
+            NUM_STAGES=cfg.num_stages,
+            CONSUMER_REGS=cfg.consumer_regs,
+            IS_CAUSAL=bool(causal),
+            num_warps=4,
+            maxnreg=cfg.maxnreg,
+        )
+    dq = dq_acc.mul_(scale).to(q.dtype)
+    return dq, dk, dv
