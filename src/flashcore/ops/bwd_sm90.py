@@ -185,6 +185,7 @@ def attn_bwd_sm90(
             NUM_STAGES=cfg.num_stages,
             CONSUMER_REGS=cfg.consumer_regs,
             IS_CAUSAL=bool(causal),
+            EVEN_N=seqlen_k % BLOCK_N == 0,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )

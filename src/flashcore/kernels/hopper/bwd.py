@@ -84,9 +84,12 @@ waits are on their own bulk copies (``store_wait``), which complete without anyo
 
 Flags (``gl.constexpr``): IS_CAUSAL (bottom-right aligned: row i sees key j iff ``j <= i + Sk -
 Sq``; query blocks before the block's diagonal are skipped, blocks crossing it are masked at run
-time, later ones are not). Keys past Sk need no mask: their K and V rows arrive as zeros, so
-their dS contributes nothing to dQ (K = 0) and their dK/dV rows are never stored. Query rows
-past Sq have Q = dO = 0 and lse2 = +inf: P = 0, dS = 0.
+time, later ones are not; the causal mask also hides keys past Sk). EVEN_N (Sk a multiple of
+128): without it and without IS_CAUSAL, the consumer whose keys cross Sk masks them on every
+step (a run-time branch on a loop invariant). Their K and V rows arrive as zeros, so their dS
+would reach dQ only times K = 0, but unmasked their P = exp2(-lse2) can overflow fp16 to inf
+(LSE below about -11) and inf * 0 is NaN. Their dK/dV rows are never stored (the copy engine
+clips at Sk). Query rows past Sq have Q = dO = 0 and lse2 = +inf: P = 0, dS = 0.
 
 Invariants. Head dim 64 or 128 and unit stride on D; every descriptor stride is 16-byte aligned
 (launcher). Shared memory at D=128: K, V 32 KB each, Q/dO ring 2 x 2 x 16 KB, dS^T 2 x 8 KB, fp32
@@ -283,6 +286,7 @@ def _consumer(
     HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    EVEN_N: gl.constexpr,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # S^T, dP^T: (64 keys, 64 query rows); dK, dV: (64 keys, D); dQ: (64 query rows, D).
@@ -339,10 +343,15 @@ def _consumer(
         # row vector takes 16 registers a thread, and loaded early they overlapped S^T, dP^T, dK
         # and dV (spills at D=128).
         lse2 = lse_smem.index(slot).load(col_layout)
-        if IS_CAUSAL:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if IS_CAUSAL:
             if start_m < full_m:
                 rows = gl.expand_dims(start_m + offs_m, 0)
                 s = gl.where(keys <= rows + (seqlen_k - seqlen_q), s, float("-inf"))
+        elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
+            # Keys past Sk (zeros) would get P = exp2(-lse2), which overflows fp16 for a row
+            # whose LSE is below about -11, and then dQ = inf * 0 = NaN. Causal masks them above.
+            if key0 + ROWS > seqlen_k:
+                s = gl.where(keys < seqlen_k, s, float("-inf"))
         p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
         delta = delta_smem.index(slot).load(col_layout)
@@ -413,6 +422,7 @@ def attn_bwd_sm90_kernel(
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    EVEN_N: gl.constexpr,
 ):
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA box per slot.
@@ -445,12 +455,12 @@ def attn_bwd_sm90_kernel(
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                 kv_ready, qd_ready, qd_empty, dq_desc, dk_desc, dv_desc, kv_heads, kv_group,
-                seqlen_q, seqlen_k, qk_scale, scale, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                seqlen_q, seqlen_k, qk_scale, scale, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, EVEN_N,
             )),
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                 kv_ready, qd_ready, qd_empty, dq_desc, dk_desc, dv_desc, kv_heads, kv_group,
-                seqlen_q, seqlen_k, qk_scale, scale, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                seqlen_q, seqlen_k, qk_scale, scale, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, EVEN_N,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
