@@ -11,7 +11,10 @@ per variant, with ``PYTHONPATH=src``). What the tests hold the compiled code to:
 - the five products on the tensor cores: ``S^T`` and ``dP^T`` with both operands in shared memory,
   ``dV`` and ``dK`` with their A operand (P^T, dS^T) in registers, ``dQ`` from shared memory;
 - dQ leaves by the copy engine's reduce-add (``cp.reduce.async.bulk.tensor ... .add``), dK and dV
-  by TMA stores, Q / dO / K / V arrive by TMA loads.
+  by TMA stores, Q / dO / K / V arrive by TMA loads;
+- the orderings the schedule rests on: a dQ staging tile is rewritten only after the copy engine
+  has read it for the previous reduce, and written by every thread before the next reduce is
+  issued; a Q/dO slot is freed only after the products that read it have completed.
 """
 
 from __future__ import annotations
@@ -110,6 +113,58 @@ def compile_variant(variant) -> dict:
         "tma_store": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*global\.shared", ptx)),
         "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::cluster\.global", ptx)),
         "atomics": len(re.findall(r"\b(red|atom)\.global", ptx)),
+        **schedule_facts(ptx),
+    }
+
+
+def _instructions(ptx: str) -> list[str]:
+    lines = (raw.split("//")[0].strip() for raw in ptx.splitlines())
+    return [line for line in lines if line and not line.startswith(".")]
+
+
+def schedule_facts(ptx: str) -> dict:
+    """Orderings of the PTX that the kernel's docstring states (straight-line order; every
+    sequence checked here sits in one basic block of the step).
+
+    - ``reduces_ordered``: TMA reduce-adds preceded, since the previous reduce, by
+      ``cp.async.bulk.wait_group.read`` (the staging tile's previous reduce has read it), a
+      ``bar.sync`` (no thread writes the tile before that), a ``fence.proxy.async`` (the
+      threads' writes visible to the copy engine) and a ``bar.sync`` (all of them), in order.
+    - ``frees_ordered``: consumers' plain ``mbarrier.arrive`` (freeing a Q/dO slot) preceded by
+      ``wgmma.wait_group 0`` with no wgmma issued in between (every product reading the slot
+      has completed).
+    """
+    code = _instructions(ptx)
+    reduces = ordered = 0
+    want = ("cp.async.bulk.wait_group.read", "bar.sync", "fence.proxy.async", "bar.sync")
+    last_reduce = -1
+    for i, line in enumerate(code):
+        if not re.search(r"cp\.reduce\.async\.bulk\.tensor", line):
+            continue
+        reduces += 1
+        found, k = len(want), i - 1
+        while found and k > last_reduce:
+            if code[k].startswith(want[found - 1]):
+                found -= 1
+            k -= 1
+        ordered += found == 0
+        last_reduce = i
+    frees = frees_ordered = 0
+    for i, line in enumerate(code):
+        if not re.search(r"mbarrier\.arrive\.shared::cta\.b64", line):
+            continue
+        frees += 1
+        for prev in reversed(code[:i]):
+            if prev.startswith("wgmma.mma_async") or prev.startswith("wgmma.commit_group"):
+                break
+            if re.match(r"wgmma\.wait_group\.sync\.aligned\s+0;", prev):
+                frees_ordered += 1
+                break
+    return {
+        "reduces": reduces,
+        "reduces_ordered": ordered,
+        "frees": frees,
+        "frees_ordered": frees_ordered,
     }
 
 
@@ -176,6 +231,22 @@ def test_dq_by_tma_reduce_add(compiled):
         assert row["tma_reduce_add"] > 0, f"{row['variant']}: no cp.reduce.async.bulk.tensor add"
         assert row["atomics"] == 0, f"{row['variant']}: {row['atomics']} global atomics"
         assert row["tma_store"] > 0 and row["tma_load"] > 0, row
+
+
+def test_dq_staging_reused_only_after_the_copy_engine_read_it(compiled):
+    for row in compiled:
+        assert row["reduces_ordered"] == row["reduces"], (
+            f"{row['variant']}: {row['reduces_ordered']} of {row['reduces']} reduces ordered"
+        )
+
+
+def test_slot_freed_after_its_products(compiled):
+    # One qd_empty arrive per consumer, each after the wait that completes dV and dK.
+    for row in compiled:
+        assert row["frees"] == 2, f"{row['variant']}: {row['frees']} slot frees"
+        assert row["frees_ordered"] == row["frees"], (
+            f"{row['variant']}: {row['frees_ordered']} of {row['frees']} frees after the wait"
+        )
 
 
 def main() -> int:
