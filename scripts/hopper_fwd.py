@@ -231,7 +231,7 @@ def time_case(q, k, v, causal, portable, variants, schedules) -> dict[str, float
     ms = {}
     for name, fn in fns.items():
         try:
-            ms[name] = triton.testing.do_bench(fn, warmup=50, rep=200)
+            ms[name] = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
         except Exception as exc:
             print(f"{name} failed: {exc!r}", flush=True)
             ms[name] = float("nan")
