@@ -18,11 +18,9 @@ from typing import NamedTuple
 
 import torch
 
-# The forward tier's capability checks, so that both tiers accept the same devices and strides.
-from flashcore.ops.fwd_sm90 import _gluon_available, _is_sm90, _tma_ok
+# The forward tier's checks and descriptors, so that both tiers accept the same problems.
+from flashcore.ops.fwd_sm90 import dense_problem, descriptor, tma_ok
 
-HEAD_DIMS = (64, 128)
-DTYPES = (torch.float16, torch.bfloat16)
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
 BLOCK_N = 128  # keys per program
 DQ_COLS = 64  # dQ leaves in (64, 64) fp32 chunks (a 32-register accumulator at D=128)
@@ -72,38 +70,12 @@ def supports(
         return False
     if varlen:
         return False
-    if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
-        return False
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return False
-    batch, heads, seqlen_q, head_dim = q.shape
-    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape:
-        return False
-    if k.shape[0] != batch or heads % k.shape[1] != 0 or seqlen_q == 0 or k.shape[2] == 0:
-        return False
-    return all(_tma_ok(t) for t in (q, k, v))
-
-
-def _descriptor(t: torch.Tensor, block: list[int]):
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}[
-        t.dtype
-    ]
-    if len(block) == 1:
-        # Row stats: a flat fp32 run of 64 values, no swizzle.
-        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-    else:
-        layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+    return dense_problem(q, k, v)
 
 
 def _tma_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when the copy engine can address it, else a contiguous copy."""
-    return t if _tma_ok(t) else t.contiguous()
+    return t if tma_ok(t) else t.contiguous()
 
 
 def attn_bwd_sm90(
@@ -146,7 +118,7 @@ def attn_bwd_sm90(
         dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
     if dv is None:
         dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    if dk.shape != k.shape or dv.shape != v.shape or not (_tma_ok(dk) and _tma_ok(dv)):
+    if dk.shape != k.shape or dv.shape != v.shape or not (tma_ok(dk) and tma_ok(dv)):
         raise ValueError(f"dk/dv: want {tuple(k.shape)} with 16-byte aligned strides")
     dlse_arg = lse if dlse is None else dlse
     dlse_strides = (0, 0) if dlse is None else (dlse.stride(0), dlse.stride(1))
@@ -161,15 +133,15 @@ def attn_bwd_sm90(
         )  # fmt: skip
         tile = [1, 1, ROWS, head_dim]
         descs = (
-            _descriptor(q, tile),
-            _descriptor(k, tile),
-            _descriptor(v, tile),
-            _descriptor(dout, tile),
-            _descriptor(lse2.view(-1), [ROWS]),
-            _descriptor(delta.view(-1), [ROWS]),
-            _descriptor(dq_acc, [1, 1, ROWS, DQ_COLS]),
-            _descriptor(dk, tile),
-            _descriptor(dv, tile),
+            descriptor(q, tile),
+            descriptor(k, tile),
+            descriptor(v, tile),
+            descriptor(dout, tile),
+            descriptor(lse2.view(-1), [ROWS]),
+            descriptor(delta.view(-1), [ROWS]),
+            descriptor(dq_acc, [1, 1, ROWS, DQ_COLS]),
+            descriptor(dk, tile),
+            descriptor(dv, tile),
         )
         grid = (math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads,)
         bwd.attn_bwd_sm90_kernel[grid](

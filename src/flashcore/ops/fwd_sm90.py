@@ -90,7 +90,7 @@ def _is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
-def _tma_ok(t: torch.Tensor) -> bool:
+def tma_ok(t: torch.Tensor) -> bool:
     """A 4-D ``(B, heads, S, D)`` view the copy engine can address: unit stride on D, 16-byte
     aligned base and strides."""
     size = t.element_size()
@@ -100,6 +100,25 @@ def _tma_ok(t: torch.Tensor) -> bool:
         and t.data_ptr() % 16 == 0
         and all(s * size % 16 == 0 for s in t.stride()[:-1])
     )
+
+
+def dense_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """What both Hopper tiers (this forward, ``ops/bwd_sm90.py``) need of their inputs: an sm_90
+    device with Gluon, fp16/bf16, head dim 64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)``
+    / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, and strides the
+    copy engine accepts."""
+    if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
+        return False
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return False
+    batch, heads, seqlen_q, head_dim = q.shape
+    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape:
+        return False
+    if k.shape[0] != batch or heads % k.shape[1] != 0 or seqlen_q == 0 or k.shape[2] == 0:
+        return False
+    return all(tma_ok(t) for t in (q, k, v))
 
 
 def supports(
@@ -118,29 +137,22 @@ def supports(
     ALiBi are all covered (flags of the one kernel), so ``causal``/``window``/``softcap``/``alibi``
     never reject; they are taken so that the dispatch can call every tier alike."""
     del causal, window, softcap
-    if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
-        return False
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return False
-    batch, heads, seqlen_q, head_dim = q.shape
-    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape:
-        return False
-    if k.shape[0] != batch or heads % k.shape[1] != 0 or seqlen_q == 0 or k.shape[2] == 0:
-        return False
     if alibi is not None and alibi.dtype != torch.float32:
         return False
-    return all(_tma_ok(t) for t in (q, k, v))
+    return dense_problem(q, k, v)
 
 
-def _descriptor(t: torch.Tensor, rows: int, head_dim: int):
+def descriptor(t: torch.Tensor, block: list[int]):
+    """A Gluon host tensor descriptor of ``t`` (fp16, bf16 or fp32) with box ``block``: the
+    default NVMMA swizzle for tiles, none for a 1-D run of fp32 row stats."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dtype = gl.float16 if t.dtype == torch.float16 else gl.bfloat16
-    block = [1, 1, rows, head_dim]
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    dtype = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16, torch.float32: gl.float32}
+    if len(block) == 1:
+        layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    else:
+        layout = gl.NVMMASharedLayout.get_default_for(block, dtype[t.dtype])
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -173,15 +185,15 @@ def attn_fwd_sm90(
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     cfg = config or CONFIGS[head_dim]
-    if not _tma_ok(out):
+    if not tma_ok(out):
         raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
     rows = 64
     block_m = rows * cfg.num_consumers
     descs = (
-        _descriptor(q, rows, head_dim),
-        _descriptor(k, cfg.block_n, head_dim),
-        _descriptor(v, cfg.block_n, head_dim),
-        _descriptor(out, rows, head_dim),
+        descriptor(q, [1, 1, rows, head_dim]),
+        descriptor(k, [1, 1, cfg.block_n, head_dim]),
+        descriptor(v, [1, 1, cfg.block_n, head_dim]),
+        descriptor(out, [1, 1, rows, head_dim]),
     )
     raw_max = softcap <= 0 and alibi is None and qk_scale > 0
     n_work = -(-seqlen_q // block_m) * batch * heads
