@@ -67,9 +67,6 @@ def _load_kernel_module():
 
 def compile_variant(variant) -> dict:
     """Compile one variant for sm_90a and report what the tests check."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -103,6 +100,26 @@ def compile_variant(variant) -> dict:
     signature = {name: signature[name] for name in fn.arg_names}
     attrs = {(fn.arg_names.index("LSE"),): [["tt.divisibility", 16]]}
     src = GluonASTSource(fn, signature, consts, attrs)
+    ptx, sass, report = assemble(src, maxnreg)
+    return {
+        "variant": label,
+        "block_n": block_n,
+        **report,
+        "exp2_under_pv_ptx": ptx_exp2_while_product_runs(ptx),
+        "exp2_under_pv_sass": exp2_while_product_runs(sass, SASS_WAITS),
+        "q_freed_after_store_read": q_freed_after_store_read(ptx),
+    }
+
+
+def assemble(src, maxnreg: int) -> tuple[str, str, dict]:
+    """Compile a Gluon kernel source for sm_90a (register cap ``maxnreg`` at entry), assemble its
+    PTX with Triton's ptxas and disassemble the cubin: ``(ptx, sass, facts)``, the facts every
+    Hopper kernel here is held to (shared memory, registers, spills, ptxas warnings, the
+    setmaxnreg split, products with their A operand in registers or shared memory)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+
     compiled = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg}
     )
@@ -118,25 +135,49 @@ def compile_variant(variant) -> dict:
             [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
         ).stdout
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    return {
-        "variant": label,
-        "block_n": block_n,
-        "shared": compiled.metadata.shared,
-        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
-        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
-        "ptxas_warnings": sorted(set(re.findall(r"C75\d\d", log))),
-        "setmaxnreg": sorted(
-            {
-                (op, int(n))
-                for op, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
-            }
-        ),
-        "hgmma_register_a": len(re.findall(r"HGMMA\.64x\d+x16\.F32[.\w]* R\d+, R\d+", sass)),
-        "hgmma_shared_a": len(re.findall(r"HGMMA\.64x\d+x16\.F32[.\w]* R\d+, gdesc", sass)),
-        "exp2_under_pv_ptx": ptx_exp2_while_product_runs(ptx),
-        "exp2_under_pv_sass": exp2_while_product_runs(sass, SASS_WAITS),
-        "q_freed_after_store_read": q_freed_after_store_read(ptx),
-    }
+    return (
+        ptx,
+        sass,
+        {
+            "shared": compiled.metadata.shared,
+            "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+            "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
+            "ptxas_warnings": sorted(set(re.findall(r"C75\d\d", log))),
+            "setmaxnreg": sorted(
+                {
+                    (op, int(n))
+                    for op, n in re.findall(
+                        r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx
+                    )
+                }
+            ),
+            "hgmma_register_a": len(re.findall(r"HGMMA\.64x\d+x16\.F32[.\w]* R\d+, R\d+", sass)),
+            "hgmma_shared_a": len(re.findall(r"HGMMA\.64x\d+x16\.F32[.\w]* R\d+, gdesc", sass)),
+        },
+    )
+
+
+def compiled_rows(script: str, expected: int) -> list[dict]:
+    """Run a compile script (this file or its backward sibling) in a subprocess without
+    TRITON_INTERPRET, with ``src`` on the path, and parse its JSON lines; skipped where the sm90
+    tier is not verified."""
+    pytest.importorskip("triton.experimental.gluon", reason="triton without Gluon")
+    from flashcore.ops import runtime
+
+    if not runtime.sm90_verified():
+        # Gluon's API moves between releases (3.9 renamed the TMA store); the tier is enabled
+        # only on the versions it was verified on, and compiled here only on those.
+        pytest.skip(f"the sm90 tier is verified on Triton {runtime.SM90_TRITON} only")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    proc = subprocess.run(
+        [sys.executable, script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == expected, proc.stdout[-2000:]
+    return rows
 
 
 def q_freed_after_store_read(ptx: str) -> int:
@@ -265,21 +306,7 @@ def exp2_while_product_runs(code: str, waits: tuple[str, str, str]) -> int:
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    pytest.importorskip("triton.experimental.gluon", reason="triton without Gluon")
-    from flashcore.ops import runtime
-
-    if not runtime.sm90_verified():
-        # Gluon's API moves between releases (3.9 renamed the TMA store); the tier is enabled
-        # only on the versions it was verified on, and compiled here only on those.
-        pytest.skip(f"the sm90 tier is verified on Triton {runtime.SM90_TRITON} only")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(VARIANTS), proc.stdout[-2000:]
-    return rows
+    return compiled_rows(__file__, len(VARIANTS))
 
 
 def test_shared_memory_within_limit(compiled):

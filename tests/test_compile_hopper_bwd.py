@@ -22,12 +22,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 
 import pytest
+
+from test_compile_hopper import assemble, compiled_rows
 
 SMEM_LIMIT = 227 * 1024
 
@@ -44,9 +43,6 @@ VARIANTS = [
 
 def compile_variant(variant) -> dict:
     """Compile one variant for sm_90a and report what the tests check."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -79,36 +75,11 @@ def compile_variant(variant) -> dict:
             signature[name] = "i32"
     signature = {name: signature[name] for name in fn.arg_names}
     src = GluonASTSource(fn, signature, consts, {})
-    compiled = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg}
-    )
-    ptx = compiled.asm["ptx"]
-    ptxas = get_ptxas(90).path
-    cuobjdump = str(Path(ptxas).with_name("cuobjdump"))
-    with tempfile.TemporaryDirectory() as tmp:
-        src_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        Path(src_path).write_text(ptx)
-        cmd = [ptxas, "-arch=sm_90a", "-v", src_path, "-o", cubin]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run(
-            [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
-        ).stdout
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    ptx, _, report = assemble(src, maxnreg)
     return {
         "variant": label,
-        "shared": compiled.metadata.shared,
-        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
-        "spill_bytes": int(spills.group(1)) + int(spills.group(2)),
-        "ptxas_warnings": sorted(set(re.findall(r"C75\d\d", log))),
-        "setmaxnreg": sorted(
-            {
-                (op, int(n))
-                for op, n in re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)
-            }
-        ),
+        **report,
         "wgmma_ptx": len(re.findall(r"wgmma\.mma_async", ptx)),
-        "hgmma_register_a": len(re.findall(r"HGMMA\.64x\d+x16\.F32[.\w]* R\d+, R\d+", sass)),
-        "hgmma_shared_a": len(re.findall(r"HGMMA\.64x\d+x16\.F32[.\w]* R\d+, gdesc", sass)),
         "tma_reduce_add": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.\S*add", ptx)),
         "tma_store": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*global\.shared", ptx)),
         "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::cluster\.global", ptx)),
@@ -170,21 +141,7 @@ def schedule_facts(ptx: str) -> dict:
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    pytest.importorskip("triton.experimental.gluon", reason="triton without Gluon")
-    from flashcore.ops import runtime
-
-    if not runtime.sm90_verified():
-        pytest.skip(f"the sm90 tier is verified on Triton {runtime.SM90_TRITON} only")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(VARIANTS), proc.stdout[-2000:]
-    return rows
+    return compiled_rows(__file__, len(VARIANTS))
 
 
 def test_shared_memory_within_limit(compiled):
