@@ -44,12 +44,18 @@ def choose_num_splits(
 ) -> int:
     """The split count ``num_splits=None`` resolves to (see ``tuning.decode_num_splits``);
     ``batch`` counts row tiles too (a prefill chunk of several), ``rows`` is a tile's."""
-    interpreted = runtime.is_interpreted()
     cfg = decode_config(
-        head_dim, elem_size, interpreted=interpreted, paged=paged, rows=rows, capacity=capacity
-    )
-    sms = INTERPRETER_SMS if interpreted or device.type != "cuda" else runtime.num_sms(device)
-    return decode_num_splits(batch * kv_heads, capacity, cfg.block_n, sms, paged=paged)
+        head_dim, elem_size, interpreted=runtime.is_interpreted(), paged=paged, rows=rows,
+        capacity=capacity,
+    )  # fmt: skip
+    return decode_num_splits(batch * kv_heads, capacity, cfg.block_n, _sms(device), paged=paged)
+
+
+def _sms(device: torch.device) -> int:
+    """The SM count the split count aims at (a fixed small count under the interpreter)."""
+    if runtime.is_interpreted() or device.type != "cuda":
+        return INTERPRETER_SMS
+    return runtime.num_sms(device)
 
 
 def launch(
@@ -101,10 +107,9 @@ def launch(
         capacity=capacity,
     )  # fmt: skip
     if num_splits == 0:
-        num_splits = choose_num_splits(
-            batch * row_tiles, kv_heads, capacity, width, q.element_size(), q.device,
-            paged=paged, rows=block_m,
-        )  # fmt: skip
+        num_splits = decode_num_splits(
+            batch * row_tiles * kv_heads, capacity, cfg.block_n, _sms(q.device), paged=paged
+        )
     # Splits past the longest possible sequence would only write empty partials; more than
     # MAX_SPLITS would make the combine's (splits, D) tile spill.
     num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
