@@ -6,8 +6,8 @@
 ``check`` applies FlashAttention's rule (``tests/numerics.py``) to dq, dk and dv: ``max|x -
 ref64| <= 2 * max|pt - ref64| + eps(dtype) * max|ref64|``, ref64 being ``flashcore.reference``'s
 attention differentiated in float64 and pt the same in the input dtype. The forward's out and LSE
-come from the portable forward (``ops.fwd.launch``); dk and dv are poisoned with NaN before the
-launch (the launcher writes them in place), so an element no program writes fails.
+come from the portable forward (``ops.fwd.launch``); dq, dk and dv are poisoned with NaN before
+the launch (the launcher writes them in place), so an element no program writes fails.
 
 ``bench`` times ``attn_bwd_sm90``, the portable backward (``ops.bwd.launch``) and SDPA's cuDNN
 backward (autograd of ``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION``) in
@@ -116,13 +116,10 @@ def check(args) -> int:
             dlse = None
             if with_dlse:
                 dlse = torch.randn(b, h, sq, device="cuda", generator=gen)
-            assert sm90.supports(q, k, v, causal=causal), name
             out, lse = fwd.launch(q, k, v, causal, scale)[:2]
-            dk = torch.full(k.shape, float("nan"), device="cuda", dtype=dtype)
-            dv = torch.full(v.shape, float("nan"), device="cuda", dtype=dtype)
-            dq, dk, dv = sm90.attn_bwd_sm90(
-                dout, q, k, v, out, lse, causal, scale, dlse=dlse, dk=dk, dv=dv
-            )
+            dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
+            assert sm90.supports(q, k, v, dq, dk, dv), name
+            sm90.attn_bwd_sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv)
             torch.cuda.synchronize()
             g64 = reference_grads(ref, q, k, v, dout, dlse, causal, scale, torch.float64)
             gpt = reference_grads(ref, q, k, v, dout, dlse, causal, scale, dtype)

@@ -149,11 +149,42 @@ def test_backward_zero_size(case, device, monkeypatch):
     assert all(torch.all(g == 0) for g in (dq, dk, dv))
 
 
+def test_backward_runs_on_the_forwards_tier(device, monkeypatch):
+    """The backward (autograd's thread) sees the tier that was in effect at the forward, and
+    ``deterministic`` reaches the launcher."""
+    from flashcore.ops import bwd, runtime
+
+    seen = []
+    real = bwd.launch
+
+    def launch(*args, **kwargs):
+        seen.append((runtime.current_tier(), kwargs["deterministic"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd, "launch", launch)
+    q, k, v = (
+        t.requires_grad_() for t in make_qkv(Case(1, 2, 1, 20, 33, 16), torch.float32, device)
+    )
+    with flashcore.use_tier("portable"):
+        out = flashcore.attention(q, k, v, deterministic=True)
+    out.sum().backward()
+    out = flashcore.attention(q, k, v)
+    out.sum().backward()
+    assert seen == [("portable", True), ("auto", False)]
+
+
+def test_deterministic_is_checked(device):
+    q, k, v = make_qkv(Case(1, 2, 1, 8, 8, 16), torch.float32, device)
+    with pytest.raises(TypeError, match="deterministic"):
+        flashcore.attention(q, k, v, deterministic="yes")
+
+
 def test_opcheck(device):
     q, k, v = make_qkv(Case(1, 2, 1, 20, 33, 16), torch.float32, device)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     options = (None, None, 0, 0, True, 0.25, -1, -1, 0.0, None)
     torch.library.opcheck(ops.attn_fwd, (q, k, v, *options))
+    torch.library.opcheck(ops.attn_fwd, (q, k, v, *options, None, None, True))
     out, lse = ops.attn_fwd(q, k, v, *options)
     args = (torch.randn_like(out), q, k, v, out, lse, torch.randn_like(lse), *options)
     torch.library.opcheck(
@@ -168,6 +199,102 @@ def test_opcheck(device):
 def test_backward_gpu(case, dtype, causal):
     q, k, v = make_qkv(case, dtype, "cuda", layout="bshd" if case.head_dim == 80 else "bhsd")
     check_backward(q, k, v, causal=causal)
+
+
+SM90_BWD = [c for c in BWD_GPU if c.head_dim in (64, 128)] + [
+    Case(2, 4, 4, 1000, 1000, 128),
+    Case(1, 3, 3, 1500, 1000, 64),
+    Case(2, 16, 1, 513, 257, 64),
+    Case(1, 2, 2, 203, 113, 128),
+]
+
+
+def sm90_or_skip():
+    from flashcore.ops import runtime
+
+    if runtime.capability(torch.device("cuda")) != (9, 0) or not runtime.sm90_verified():
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", SM90_BWD, ids=[c.id for c in SM90_BWD])
+def test_backward_gpu_sm90_tier(case, dtype, causal, layout):
+    """The GPU cases the Hopper backward covers (D 64/128), forced onto it, both layouts."""
+    q, k, v = make_qkv(case, dtype, "cuda", layout=layout)
+    with flashcore.use_tier("sm90"):
+        dq, dk, dv = check_backward(q, k, v, causal=causal)
+    if layout == "bshd":
+        assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
+
+
+@pytest.mark.gpu
+def test_backward_gpu_sm90_lse_grad():
+    case = Case(2, 8, 2, 1500, 1000, 128)
+    q, k, v = make_qkv(case, torch.bfloat16, "cuda")
+    dlse = torch.randn(case.batch, case.heads, case.seqlen_q, device="cuda")
+    with flashcore.use_tier("sm90"):
+        check_backward(q, k, v, causal=True, dlse=dlse)
+
+
+def _spy_backends(monkeypatch):
+    """Record which backward ran: "sm90" (the Hopper kernel) or "portable"."""
+    from flashcore.ops import bwd, bwd_sm90
+
+    ran = []
+    real_sm90, real_portable = bwd_sm90.attn_bwd_sm90, bwd.kernels
+
+    def sm90(*args, **kwargs):
+        ran.append("sm90")
+        return real_sm90(*args, **kwargs)
+
+    def portable():
+        ran.append("portable")
+        return real_portable()
+
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", sm90)
+    monkeypatch.setattr(bwd, "kernels", portable)
+    return ran
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("tier", "deterministic", "torch_flag", "want"),
+    [
+        ("auto", False, False, "sm90"),
+        ("sm90", False, False, "sm90"),
+        ("portable", False, False, "portable"),
+        ("auto", True, False, "portable"),
+        ("sm90", True, False, "portable"),
+        ("auto", False, True, "portable"),
+    ],
+)
+def test_backward_tier_choice(monkeypatch, tier, deterministic, torch_flag, want):
+    """Which backward runs: the tier in effect at the forward (the backward runs on autograd's
+    thread, outside the block), never the Hopper one with ``deterministic`` or under
+    ``torch.use_deterministic_algorithms``; "auto" takes it from 4096 queries and keys on."""
+    sm90_or_skip()
+    ran = _spy_backends(monkeypatch)
+    q, k, v = make_qkv(Case(1, 4, 2, 4096, 4096, 128), torch.bfloat16, "cuda")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: torch_flag)
+    with flashcore.use_tier(tier):
+        out = flashcore.attention(q, k, v, causal=True, deterministic=deterministic)
+    out.backward(torch.randn_like(out))
+    assert ran == [want]
+
+
+@pytest.mark.gpu
+def test_backward_auto_keeps_short_sequences_portable(monkeypatch):
+    sm90_or_skip()
+    ran = _spy_backends(monkeypatch)
+    q, k, v = (
+        t.requires_grad_() for t in make_qkv(Case(2, 8, 8, 1024, 1024, 128), torch.bfloat16, "cuda")
+    )
+    flashcore.attention(q, k, v).sum().backward()
+    assert ran == ["portable"]
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""Repeated runs on the GPU are bit-identical: forward, and backward once it is registered.
+"""Repeated runs on the GPU are bit-identical: forward, and backward with ``deterministic=True``.
 
 Compiled kernels only (the interpreter is deterministic by construction). A backward that
 accumulates dQ/dK/dV with atomics in a data-dependent order fails here by design.
@@ -30,11 +30,13 @@ def test_forward_deterministic(case, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", DETERMINISM, ids=[c.id for c in DETERMINISM])
 def test_backward_deterministic(case, causal):
+    """``deterministic=True``, even under ``use_tier("sm90")`` (whose dQ is atomic)."""
     q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.bfloat16, "cuda"))
     dout = torch.randn_like(q)
 
     def grads():
-        out = flashcore.attention(q, k, v, causal=causal)
+        with flashcore.use_tier("sm90"):
+            out = flashcore.attention(q, k, v, causal=causal, deterministic=True)
         return torch.autograd.grad(out, (q, k, v), dout)
 
     first = grads()

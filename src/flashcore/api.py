@@ -32,16 +32,20 @@ from flashcore.ops.runtime import use_tier as _use_tier
 
 
 def use_tier(name: str):
-    """Context manager: run the forwards inside the block on kernel tier ``name``.
+    """Context manager: run the attention kernels inside the block on tier ``name``.
 
     ``"portable"``: the Triton (``tl``) kernels, on every device and the CPU interpreter.
-    ``"sm90"``: the Gluon forward of ``kernels/hopper`` (warp-specialised, TMA, async wgmma) on an
-    sm_90 GPU (H100/H200) with a Triton version it was verified on (3.6), for fp16/bf16 dense
-    inputs with head dim 64 or 128 and 16-byte aligned strides (causal, window, softcap, ALiBi,
-    GQA, any lengths); anything else it does not cover runs on the portable tier. ``"auto"`` (the
-    default) is the portable tier today: the sm90 forward measured no faster on the H100
-    (docs/hopper_fwd.md). Backward, varlen and decoding always run on the portable tier. The
-    choice is scoped to the current thread (a ``contextvars`` variable), never global::
+    ``"sm90"``: the Gluon kernels of ``kernels/hopper`` (warp-specialised, TMA, async wgmma) on an
+    sm_90 GPU (H100/H200) with a Triton version they were verified on (3.6), for fp16/bf16 dense
+    inputs with head dim 64 or 128 and 16-byte aligned strides; anything else they do not cover
+    runs on the portable tier. The forward covers causal, window, softcap, ALiBi, GQA and any
+    lengths; the backward causal, GQA and any lengths (and never runs with ``deterministic``).
+    ``"auto"`` (the default): the portable forward (the sm90 forward measured no faster on the
+    H100, docs/hopper_fwd.md) and the sm90 backward from 4096 queries and keys on, where it
+    measured faster (``tuning.sm90_backward``). Varlen and decoding always run on the portable
+    tier. The choice is scoped to the current thread (a ``contextvars`` variable), never global;
+    a backward runs on the tier that was in effect at its forward (eager calls; a graph compiled
+    by ``torch.compile`` takes "auto" in its backward)::
 
         with flashcore.use_tier("sm90"):
             out = flashcore.attention(q, k, v, causal=True)
@@ -61,6 +65,7 @@ def attention(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention, fused: ``softmax(scale * q @ k^T [+ mask]) @ v``.
 
@@ -113,6 +118,11 @@ def attention(
             scores (after scale, softcap, ALiBi and the mask), that carries no value:
             ``p_ij = exp(s_ij) / (sum_j' exp(s_ij') + exp(sinks[h]))``. The LSE includes it; a
             row that sees no key gives out 0 and ``lse = sinks[h]``. Differentiable.
+        deterministic: the backward gives bit-identical gradients over runs. Off (the default),
+            an H100/H200 may run the faster Hopper backward (``use_tier``), whose dQ is a sum of
+            atomic adds: equal to rounding, not bit for bit.
+            ``torch.use_deterministic_algorithms(True)`` turns it on too. The forward is
+            deterministic either way.
 
     Returns:
         ``out`` ``(B, H, Sq, Dv)`` in q's dtype (and in q's memory layout when q is dense), or
@@ -124,7 +134,8 @@ def attention(
     every option above (not with respect to ``alibi_slopes``, which get no gradient). The backward
     is FlashAttention-2's: it recomputes the probabilities from the saved LSE (only q, k, v, out,
     lse, the slopes and the sinks are kept for it), accumulates in fp32, writes every gradient from
-    exactly one program (deterministic, no atomics) and returns dq, dk, dv in the dtype and, when
+    exactly one program (deterministic, no atomics; on an H100 by default dQ is reduce-added over
+    key blocks instead, see ``deterministic``) and returns dq, dk, dv in the dtype and, when
     dense, the memory layout of q, k, v (GQA/MQA gradients are summed over each kv head's query
     heads). A gradient reaching ``lse`` is supported too: it adds ``dlse_i * softmax_ij`` to the
     score gradients (the kernels fold it into the per-row term ``delta_i = rowsum(dout * out)_i -
@@ -159,9 +170,10 @@ def attention(
     softcap = check_softcap(softcap)
     alibi_slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
     sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device))
+    deterministic = check_flag("deterministic", deterministic)
     out, lse = _ops.attention(
         q, k, v, None, None, 0, 0, causal, scale, window_left, window_right, softcap,
-        alibi_slopes, sinks, None,
+        alibi_slopes, sinks, None, deterministic,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 
@@ -188,6 +200,7 @@ def attention_varlen(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention` on a packed batch of variable-length sequences (FlashAttention-2's varlen).
 
@@ -227,6 +240,8 @@ def attention_varlen(
             ``block_table[b, j // block_size]``, row ``j % block_size``): FlashAttention-2's
             paged varlen, for chunked prefill. ``max_seqlen_k`` is at most ``max_blocks *
             block_size``. Forward only: inputs that require a gradient raise.
+        deterministic: as in :func:`attention` (a packed batch's backward is the portable
+            tier's, bit-identical over runs, either way today).
 
     The contents of ``cu_seqlens_q``/``cu_seqlens_k`` and the maxima are trusted, as in
     FlashAttention: checking them would read device memory on the host and stall the stream.
@@ -291,9 +306,10 @@ def attention_varlen(
     batch = cu_seqlens_q.shape[0] - 1
     alibi_slopes = check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device))
+    deterministic = check_flag("deterministic", deterministic)
     out, lse = _ops.attention(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-        window_left, window_right, softcap, alibi_slopes, sinks, block_table,
+        window_left, window_right, softcap, alibi_slopes, sinks, block_table, deterministic,
     )  # fmt: skip
     return (out, lse) if return_lse else out
 

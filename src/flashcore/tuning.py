@@ -209,6 +209,17 @@ def bwd_config(
     return BwdConfig(32, 32, 128, 32, 4, 2, 8, 2)
 
 
+# The Hopper backward (ops/bwd_sm90.py) under the "auto" tier: from this many queries and keys
+# on. H100, bf16, 32k tokens (scripts/hopper_bwd.py bench): 1.11-1.12x the portable backward at
+# S = 8192 (D 64 and 128, causal and not), 0.83-0.94x at S = 1024.
+SM90_BWD_MIN_SEQLEN = 4096
+
+
+def sm90_backward(seqlen_q: int, seqlen_k: int) -> bool:
+    """Whether "auto" takes the Hopper backward for these lengths (where it measured faster)."""
+    return min(seqlen_q, seqlen_k) >= SM90_BWD_MIN_SEQLEN
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch configuration of the split-KV decode kernel (``kernels/decode.py``).

@@ -10,7 +10,7 @@ import torch
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
 from flashcore.ops.launch import Launcher, cached
-from flashcore.tuning import BwdConfig, bwd_config
+from flashcore.tuning import BwdConfig, bwd_config, sm90_backward
 
 
 @functools.cache
@@ -39,6 +39,7 @@ def launch(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gradients ``(dq, dk, dv, dsinks)`` of the forward ``(out, lse) = ops.fwd.launch(q, k, v,
     causal, scale, window=..., softcap=..., alibi_slopes=..., sinks=...)`` (same options);
@@ -50,6 +51,12 @@ def launch(
     config (for tuning scripts). The slopes get no gradient. The kernels need nothing for the
     sinks (their probabilities come from the LSE, which includes them); ``dsinks`` follows from
     the LSE and delta (``sink_grad``).
+
+    On an sm_90 GPU the Hopper backward (``ops/bwd_sm90.py``) runs instead where it covers the
+    problem and ``runtime.backward_tier`` and ``tuning.sm90_backward`` choose it (or
+    ``use_tier("sm90")`` forces it), unless ``deterministic``: its dQ is summed by atomic
+    reduce-adds, so the last bits may vary between runs. These kernels write every gradient from
+    one program (bit-identical over runs).
     """
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
     q, k, v, out, dout = (pb.unit_stride_last_dim(t) for t in (q, k, v, out, dout))
@@ -66,6 +73,20 @@ def launch(
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
+    if (
+        not (deterministic or torch.are_deterministic_algorithms_enabled())
+        and varlen is None
+        and config is None
+        and runtime.backward_tier(q.device) == "sm90"
+        and (runtime.tier_forced() or sm90_backward(dims.seqlen_q, dims.seqlen_k))
+    ):
+        from flashcore.ops import bwd_sm90
+
+        if bwd_sm90.supports(
+            q, k, v, dq, dk, dv, window=window, softcap=softcap, alibi=alibi_slopes, sinks=sinks
+        ):
+            bwd_sm90.attn_bwd_sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv)
+            return dq, dk, dv, None
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)

@@ -1,12 +1,12 @@
 """Host launcher of the Hopper backward (``kernels/hopper/bwd.py``, Gluon, sm_90a).
 
-Not wired into the dispatch: ``ops.bwd.launch`` (the portable tier) is the only backward users
-get. ``supports`` and ``attn_bwd_sm90`` are called directly (``scripts/hopper_bwd.py``). The
-kernel has not run on a GPU yet (see its module docstring).
+``ops.bwd.launch`` calls it (``supports``, then ``attn_bwd_sm90``) on an sm_90 GPU where the
+tier is chosen (``runtime.backward_tier``, ``tuning.sm90_backward``) and ``deterministic`` is
+off; ``scripts/hopper_bwd.py`` calls it directly.
 
 One call: ``bwd_prep_kernel`` (delta with the portable tier's ``tile_delta``, lse2) into padded
 fp32 row buffers; the fp32 dQ accumulator zeroed; ``attn_bwd_sm90_kernel`` (dK, dV written, dQ
-reduce-added); dQ scaled and cast to the input dtype.
+reduce-added); dQ scaled and cast into ``dq`` (one elementwise kernel).
 """
 
 from __future__ import annotations
@@ -53,24 +53,28 @@ def supports(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    dq: torch.Tensor | None = None,
+    dk: torch.Tensor | None = None,
+    dv: torch.Tensor | None = None,
     *,
-    causal: bool = False,
     window: tuple[int, int] | None = None,
     softcap: float = 0.0,
     alibi: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
-    varlen: bool = False,
 ) -> bool:
-    """Whether this kernel computes the problem's gradients: an sm_90 device, fp16/bf16, head dim
-    64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with
-    ``H % Hkv == 0``, non-empty sequences, strides the copy engine accepts, causal or not. No
-    window, softcap, ALiBi, sinks or packed (varlen) batches yet."""
-    del causal
+    """Whether this kernel computes the problem's gradients into ``dq``, ``dk``, ``dv`` (when
+    given: shaped like q, k, v; dk and dv with strides the copy engine accepts): an sm_90 device,
+    fp16/bf16, head dim 64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)`` /
+    ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, strides the copy
+    engine accepts, causal or not. No window, softcap, ALiBi or sinks yet (nor packed batches:
+    the caller's)."""
     if window not in (None, (-1, -1)) or softcap or alibi is not None or sinks is not None:
         return False
-    if varlen:
+    if not dense_problem(q, k, v):
         return False
-    return dense_problem(q, k, v)
+    if dq is not None and dq.shape != q.shape:
+        return False
+    return all(g is None or (g.shape == t.shape and tma_ok(g)) for g, t in ((dk, k), (dv, v)))
 
 
 def _tma_view(t: torch.Tensor) -> torch.Tensor:
@@ -87,22 +91,23 @@ def attn_bwd_sm90(
     lse: torch.Tensor,
     causal: bool,
     scale: float,
-    *,
     dlse: torch.Tensor | None = None,
+    dq: torch.Tensor | None = None,
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     config: Sm90BwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of ``out, lse = attention(q, k, v, causal, scale)`` for inputs that passed
-    ``supports``.
+    ``supports`` (with the same ``dq``, ``dk``, ``dv``).
 
     ``q``, ``out``, ``dout``: ``(B, H, Sq, D)``; ``k``, ``v``: ``(B, Hkv, Sk, D)`` (any strides the
-    copy engine accepts; ``(B, S, H, D)`` storage passed as ``.transpose(1, 2)`` works); ``lse``:
-    the forward's natural-log fp32 ``(B, H, Sq)``; ``dlse``: its gradient or None. Causal is
-    bottom-right aligned. The gradients come back contiguous, in the input dtype (``dk``/``dv``,
-    when given, are written in place: shaped like k, copy-engine strides; tests pass NaN-filled
-    ones to see every element written). ``config`` overrides the tiles. Extra memory:
-    the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two fp32 ``(B, H, Sq_pad)`` row buffers.
+    copy engine accepts; ``(B, S, H, D)`` storage passed as ``.transpose(1, 2)`` works; ``dout``
+    and ``out`` with others are copied); ``lse``: the forward's natural-log fp32 ``(B, H, Sq)``;
+    ``dlse``: its gradient or None. Causal is bottom-right aligned. The gradients are written into
+    ``dq``, ``dk``, ``dv`` when given (tests pass NaN-filled ones to see every element written),
+    else into new contiguous tensors, in the input dtype. ``config`` overrides the tiles. Extra
+    memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two fp32 ``(B, H, Sq_pad)`` row
+    buffers.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -114,12 +119,11 @@ def attn_bwd_sm90(
     stats = torch.empty(2, batch, heads, seqlen_pad, device=q.device, dtype=torch.float32)
     delta, lse2 = stats[0], stats[1]
     dq_acc = torch.zeros(batch, heads, seqlen_q, head_dim, device=q.device, dtype=torch.float32)
-    if dk is None:
-        dk = torch.empty(k.shape, device=k.device, dtype=k.dtype)
-    if dv is None:
-        dv = torch.empty(v.shape, device=v.device, dtype=v.dtype)
-    if dk.shape != k.shape or dv.shape != v.shape or not (tma_ok(dk) and tma_ok(dv)):
-        raise ValueError(f"dk/dv: want {tuple(k.shape)} with 16-byte aligned strides")
+    dq = torch.empty_like(q) if dq is None else dq
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype) if dk is None else dk
+    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype) if dv is None else dv
+    if not supports(q, k, v, dq, dk, dv):
+        raise ValueError("attn_bwd_sm90: the problem or a gradient's layout is not supported")
     dlse_arg = lse if dlse is None else dlse
     dlse_strides = (0, 0) if dlse is None else (dlse.stride(0), dlse.stride(1))
     with torch.cuda.device_of(q):
@@ -161,5 +165,6 @@ def attn_bwd_sm90(
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )
-    dq = dq_acc.mul_(scale).to(q.dtype)
+    # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
+    torch.mul(dq_acc, scale, out=dq)
     return dq, dk, dv

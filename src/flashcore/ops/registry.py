@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
-from flashcore.ops import bwd, decode, fwd
+from flashcore.ops import bwd, decode, fwd, runtime
 from flashcore.ops.problem import empty_rows_like, lse_shape, unit_stride_last_dim, varlen_of
 
 
@@ -61,10 +61,12 @@ def _attn_fwd(
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward: ``(out, lse)`` for validated dense or packed inputs (lse ``(B, H, Sq)`` or
     ``(H, total_q)``); packed ones with ``block_table`` read k and v from paged caches
-    (forward only)."""
+    (forward only). ``deterministic`` is for the backward (the forward always is)."""
+    del deterministic
     return fwd.launch(
         q, k, v, causal, scale,
         varlen=varlen_of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
@@ -102,14 +104,16 @@ def _attn_bwd(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
+    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of ``attn_fwd``: ``(dq, dk, dv, dsinks)`` from ``dout`` and, if not None,
-    ``dlse``; ``dsinks`` is an empty ``(0,)`` tensor without sinks (an op returns tensors)."""
+    ``dlse``; ``dsinks`` is an empty ``(0,)`` tensor without sinks (an op returns tensors).
+    ``deterministic``: bit-identical over runs (``bwd.launch``)."""
     dq, dk, dv, dsinks = bwd.launch(
         dout, q, k, v, out, lse, dlse, causal, scale,
         varlen=varlen_of(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k),
         window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
-        sinks=sinks,
+        sinks=sinks, deterministic=deterministic,
     )  # fmt: skip
     return dq, dk, dv, _no_sinks_grad(q) if dsinks is None else dsinks
 
@@ -123,14 +127,20 @@ attn_bwd = torch.library.custom_op("flashcore::attn_bwd", mutates_args=())(_attn
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args):
-    sinks = args[-1]
+    # After out, lse, dlse, the offsets, the 7 scalars and the slopes (a default when left out).
+    sinks = args[13] if len(args) > 13 else None
     dsinks = _no_sinks_grad(q) if sinks is None else torch.empty_like(sinks)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes, sinks, block_table = inputs
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes, sinks, block_table = inputs[:15]
     out, lse = output
+    # deterministic (the last argument) may be left to its default by a direct call of the op.
+    ctx.deterministic = bool(inputs[15]) if len(inputs) > 15 else False
+    ctx.num_inputs = len(inputs)
+    # The backward runs on autograd's device thread, outside the caller's use_tier block.
+    ctx.tier = runtime.current_tier()
     # A paged cache (attention_varlen's block_table) has no backward; the API refuses a
     # gradient before the forward, the op's backward raises.
     ctx.paged = block_table is not None
@@ -143,21 +153,24 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, op=attn_bwd):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = ctx.saved_tensors
-    # No gradient for the offsets, the maxima, the options or the ALiBi slopes.
+    # No gradient for the offsets, the maxima, the options or the ALiBi slopes; nor, after the
+    # sinks', for the block table and ``deterministic``.
     no_grads = (None,) * (2 + len(ctx.scalars) + 1)
+    tail = (None,) * (ctx.num_inputs - 14)
     if dout is None and dlse is None:
-        return None, None, None, *no_grads, None, None
+        return None, None, None, *no_grads, None, *tail
     if ctx.paged:
         raise NotImplementedError("attention_varlen with a block_table is forward-only")
     if dout is None:
         # Only the LSE is differentiated: delta = -dlse and dV = 0 (dO = 0).
         dout = torch.zeros_like(out)
     dout = unit_stride_last_dim(dout)
-    dq, dk, dv, dsinks = op(
-        dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars, alibi_slopes,
-        sinks,
-    )  # fmt: skip
-    return dq, dk, dv, *no_grads, None if sinks is None else dsinks, None
+    with runtime.use_tier(ctx.tier):
+        dq, dk, dv, dsinks = op(
+            dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
+            alibi_slopes, sinks, ctx.deterministic,
+        )  # fmt: skip
+    return dq, dk, dv, *no_grads, None if sinks is None else dsinks, *tail
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -183,7 +196,7 @@ class _Attention(torch.autograd.Function):
 def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """``attn_fwd(*args)`` (differentiable), called directly when ``direct`` allows; ``args`` as
     ``attn_fwd`` takes them (the offsets None for dense inputs)."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *_, alibi_slopes, sinks, block_table = args
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *_, alibi_slopes, sinks, block_table, _ = args
     if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, block_table):
         return attn_fwd(*args)
     if needs_grad(q, k, v) or (sinks is not None and needs_grad(sinks)):

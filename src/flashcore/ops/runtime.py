@@ -134,8 +134,8 @@ def launch_on(t: torch.Tensor) -> Any:
     return torch.cuda.device_of(t)
 
 
-# Kernel tiers of the forward: "portable" (the tl kernels, every device and the interpreter) and
-# "sm90" (the Gluon kernels of kernels/hopper, Hopper only). "auto" is the default choice.
+# Kernel tiers: "portable" (the tl kernels, every device and the interpreter) and "sm90" (the
+# Gluon kernels of kernels/hopper, Hopper only). "auto" is the default choice.
 TIERS = ("auto", "portable", "sm90")
 # The Triton versions whose Gluon API the sm90 tier was verified on with a GPU (H100, 3.6.0).
 SM90_TRITON = ("3.6.",)
@@ -167,6 +167,26 @@ def sm90_verified() -> bool:
     except ImportError:
         return False
     return True
+
+
+def backward_tier(device: torch.device) -> str:
+    """The tier a backward on ``device`` may run: "sm90" under ``use_tier("sm90")`` and under
+    "auto" on an sm_90 GPU with a verified Triton (the launcher then still takes it only for the
+    problems ``tuning.sm90_backward`` names, unless it was asked for, and never for
+    ``deterministic=True``: its dQ is a sum of atomic reduce-adds), else "portable"."""
+    if _tier.get() == "portable" or capability(device) != (9, 0):
+        return "portable"
+    return "sm90" if sm90_verified() else "portable"
+
+
+def current_tier() -> str:
+    """The tier ``use_tier`` set for this thread or task ("auto" outside any block)."""
+    return _tier.get()
+
+
+def tier_forced() -> bool:
+    """Whether ``use_tier("sm90")`` is in effect (not merely "auto")."""
+    return _tier.get() == "sm90"
 
 
 def forward_tier(device: torch.device) -> str:

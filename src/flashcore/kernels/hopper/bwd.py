@@ -176,8 +176,9 @@ def bwd_prep_kernel(
     off_h = (off_bh % num_heads).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d
-    do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d
+    rows = offs_m.to(tl.int64)[:, None]  # Sq x row stride may pass 2**31
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + rows * stride_om + offs_d
+    do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + rows * stride_dom + offs_d
     do = tl.load(do_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
     dlse_ptrs = DLSE + off_b * stride_dlb + off_h * stride_dlh + offs_m
     delta = tile_delta(
