@@ -140,6 +140,139 @@ def test_decode_bytes_and_paged_copy():
             assert torch.equal(v_paged[blk, :, row], v[b, :, j])
 
 
+def test_sinks_provider(tmp_path, monkeypatch):
+    # flashcore with sinks beside flashcore without, backward included; Sq > Sk so that causal
+    # rows that see no key (out 0, the whole row's mass on the sink) are checked too.
+    sdpa = providers.PROVIDERS["sdpa"].prepare
+
+    def sinks_ignored(case, device):
+        fn = sdpa(case, device)
+        return lambda q, k, v, sinks: fn(q, k, v)
+
+    monkeypatch.setitem(
+        providers.PROVIDERS,
+        "sinks-ignored",
+        providers.Provider("sinks-ignored", "test", sinks_ignored, sinks=True, base="sdpa"),
+    )
+    out = tmp_path / "sinks.jsonl"
+    argv = ["--shape", "1,4,56,32,2,40", "--mode", "fwd,bwd", "--dtype", "fp16"]
+    names = "flashcore,flashcore-sinks,sdpa,sinks-ignored"
+    assert main([*argv, "--providers", names, "--out", str(out)]) == 0
+    rows = measurements(out)
+    assert len(rows) == 2 * 2 * 4  # causal x mode x provider
+    for row in rows:
+        name, grads = row["provider"], row["mode"] == "bwd"
+        if name == "sinks-ignored":
+            # The check uses the reference with the sinks: leaving them out is caught.
+            assert row["status"] == "wrong" and "out: err" in row["reason"], row
+            continue
+        assert row["status"] == "ok", row
+        expected = ({"out"} | (set(GRADS[1:]) if grads else set())) | (
+            {check.SINKS_GRAD} if name == "flashcore-sinks" and grads else set()
+        )
+        assert set(row["errors"]) == expected, row
+        assert row["base_provider"] == ("flashcore" if name == "flashcore-sinks" else None)
+        assert (row["time_vs_base"] is not None) == (HAS_CUDA and name == "flashcore-sinks")
+    varlen = cases.Case(cases.shape(2, 2, 16, 16), True, (16, 9))
+    with pytest.raises(providers.Refused, match="dense cases only"):
+        providers.PROVIDERS["flashcore-sinks"].prepare(varlen, torch.device("cpu"))
+
+
+def test_sinks_reference():
+    # The chunked reference with sinks (GQA chunks smaller than a group, dsinks summed over the
+    # batch and the chunks) is flashcore.reference's, differentiated whole.
+    q = torch.randn(2, 6, 33, 16, dtype=torch.float16)
+    k = torch.randn(2, 2, 40, 16, dtype=torch.float16)
+    v = torch.randn(2, 2, 40, 8, dtype=torch.float16)
+    do = torch.randn(2, 6, 33, 8, dtype=torch.float16)
+    sinks = torch.randn(6) + 3
+    got = check.compute_reference(
+        q, k, v, do, causal=True, ref_dtype=torch.float64, budget_bytes=33 * 40 * 8, sinks=sinks
+    )
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    want = reference.attention(*leaves[:3], causal=True, sinks=leaves[3]).out
+    want.backward(do.double())
+    assert got.out.shape == (2, 6, 33, 8) and len(got.grads) == len(got.pt_grads) == 4
+    torch.testing.assert_close(got.out, want.detach())
+    for a, leaf in zip(got.grads, leaves, strict=True):
+        torch.testing.assert_close(a, leaf.grad)
+    without = check.compute_reference(q, k, v, None, causal=True, ref_dtype=torch.float64)
+    assert not torch.allclose(without.out, got.out)
+
+
+def test_value_head_dim(tmp_path):
+    # Dv != D end to end: flashcore (fwd and bwd), SDPA's math backend, SDPA's flash backend
+    # refusing up front; then the decode providers on a dense and a paged cache.
+    out = tmp_path / "dv.jsonl"
+    argv = ["--shape", "1,4,40,32:16,2,56", "--mode", "fwd,bwd", "--dtype", "fp16"]
+    names = "flashcore,sdpa,sdpa-flash,sdpa-math"
+    assert main([*argv, "--providers", names, "--out", str(out)]) == 0
+    rows = measurements(out)
+    assert len(rows) == 2 * 2 * 4  # causal x mode x provider
+    for row in rows:
+        assert (row["shape"], row["head_dim"], row["value_dim"]) == ("1,4,40,32:16,2,56", 32, 16)
+        case = cases.Case(cases.parse_shape(row["shape"]), row["causal"])
+        assert row["flops"] == metrics.attention_flops(case, row["mode"])
+        if row["provider"] == "sdpa-flash":
+            assert row["status"] == "refused", row
+            assert "needs one head dim for q, k and v (got D=32, Dv=16)" in row["reason"]
+        else:
+            assert row["status"] == "ok", row
+            assert set(row["errors"]) == ({"out"} if row["mode"] == "fwd" else set(GRADS))
+    decode = ["--shape", "2,4,1,32:16,2,80", "--causal", "off", "--out", str(out)]
+    assert main([*decode, "--providers", "flashcore-kvcache,flashcore-paged16"]) == 0
+    rows = measurements(out)
+    assert [r["status"] for r in rows] == ["ok", "ok"], rows
+    assert rows[1]["base_provider"] == "flashcore-kvcache"
+
+
+def test_paged_prefill_preset(tmp_path):
+    out = tmp_path / "paged.jsonl"
+    assert main(["--preset", "paged-prefill-smoke", "--out", str(out)]) == 0
+    rows = measurements(out)
+    expected = cases.select_cases(["paged-prefill-smoke"], [], "both")
+    assert len(rows) == len(providers.PAGED_PREFILL_CPU) * len(expected)
+    assert {r["provider"] for r in rows} == set(providers.PAGED_PREFILL_CPU)
+    for row in rows:
+        assert row["status"] == "ok", row
+        assert row["causal"] and row["mode"] == "fwd"
+        case = next(c for c in expected if list(c.seqlens) == row["seqlens"])
+        assert row["flops"] == metrics.attention_flops(case, "fwd")
+        paged = row["provider"].startswith("flashcore-varlen-paged")
+        assert row["base_provider"] == ("flashcore-varlen" if paged else None)
+    # Forward only: a backward mode is refused with attention_varlen's reason.
+    argv = ["--preset", "paged-prefill-smoke", "--providers", "flashcore-varlen-paged16"]
+    assert main([*argv, "--mode", "bwd", "--out", str(out)]) == 0
+    for row in measurements(out):
+        assert row["status"] == "refused" and "forward-only" in row["reason"], row
+
+
+def test_paged_prefill_building_blocks():
+    for case in cases.preset_cases("paged-prefill"):
+        s = case.shape
+        assert case.causal and max(case.seqlens) == s.seqlen_q and len(case.seqlens) == s.batch
+        assert (s.heads, s.kv_heads, s.head_dim) == (32, 8, 128)
+    # A paged copy of a packed batch: sequence b gets ceil(S_b / 16) blocks, shuffled; v has its
+    # own head dim; the unused table entries are 0.
+    seqlens = (40, 5, 17)
+    k = torch.randn(62, 2, 16)
+    v = torch.randn(62, 2, 8)
+    padded = [providers.unpack(t, seqlens, 40) for t in (k, v)]
+    k_paged, v_paged, table = providers.to_paged(*padded, 16, seqlens=seqlens)
+    assert k_paged.shape == (6, 2, 16, 16) and v_paged.shape == (6, 2, 16, 8)
+    assert table.dtype == torch.int32 and table.shape == (3, 3)
+    used = [table[0, :3], table[1, :1], table[2, :2]]
+    assert sorted(torch.cat(used).tolist()) == list(range(6))
+    assert table[1, 1:].tolist() == [0, 0] and table[2, 2].item() == 0
+    assert table.flatten().tolist() != sorted(table.flatten().tolist())  # shuffled
+    packed_k, packed_v = k.split(seqlens), v.split(seqlens)
+    for b, n in enumerate(seqlens):
+        for j in range(n):
+            blk, row = table[b, j // 16], j % 16
+            assert torch.equal(k_paged[blk, :, row], packed_k[b][j])
+            assert torch.equal(v_paged[blk, :, row], packed_v[b][j])
+
+
 def test_backward_modes(tmp_path):
     out = tmp_path / "bwd.jsonl"
     argv = ["--shape", "1,4,40,32,2,56", "--mode", "bwd,fwdbwd", "--dtype", "fp16"]
@@ -195,11 +328,17 @@ def test_wrong_and_refusing_providers(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("shape", "message"),
     [
-        ("1,2,3", "expected B,H,S,D[,Hkv[,Sk]] (4 to 6 integers)"),
+        ("1,2,3", "expected B,H,S,D[:Dv][,Hkv[,Sk]] (4 to 6 integers)"),
         ("1,2,x,64", "with integers"),
         ("1,0,128,64", "H must be a positive integer"),
         ("1,6,128,64,4", "H (6) must be a multiple of Hkv (4)"),
         ("1,2,128,512", "D must be at most 256"),
+        ("1,2,128,192:512", "Dv must be at most 256"),
+        ("1,2,128,64:0", "Dv must be a positive integer, got 0"),
+        ("1,2,128,64:", "with integers"),
+        ("1,2,128,64:32:16", "with integers"),
+        ("1,2,128:64,64", "only D takes a value head dim (D:Dv, as 192:128), got S='128:64'"),
+        ("1,4,128,64,2:1", "only D takes a value head dim"),
     ],
 )
 def test_bad_shape(shape, message, capsys):
@@ -235,6 +374,7 @@ def test_bad_arguments(argv, message, capsys):
         (["--preset", "seed"], "--preset seed needs a GPU"),
         (["--preset", "decode"], "--preset decode needs a GPU"),
         (["--preset", "varlen"], "--preset varlen needs a GPU"),
+        (["--preset", "paged-prefill"], "runs --preset smoke, decode-smoke, varlen-smoke, "),
         (["--preset", "smoke", "--plot", "x.png"], "--plot draws TFLOP/s"),
         (["--preset", "smoke", "--cuda-graph"], "--cuda-graph times CUDA graphs"),
     ],
@@ -257,7 +397,15 @@ def test_module_entry_point():
 def test_shape_syntax_round_trip():
     for text in ["1,8,512,64", "2,16,1024,128,4", "1,8,1,64,8,4096", "1,8,100,64,2,300"]:
         assert cases.parse_shape(text).spec == text
+        assert cases.parse_shape(text).value_dim == cases.parse_shape(text).head_dim
     assert cases.parse_shape("1,8,512,64,8,512").spec == "1,8,512,64"
+    # D:Dv, the value head dim; Dv = D is the plain spec.
+    for text in ["1,128,4096,192:128", "2,16,1024,64:128,4", "1,8,100,192:128,2,300"]:
+        assert cases.parse_shape(text).spec == text
+    mla = cases.parse_shape(" 1, 16, 512, 192:128 ")
+    assert (mla.head_dim, mla.value_dim, mla.kv_heads, mla.seqlen_k) == (192, 128, 16, 512)
+    assert mla == cases.shape(1, 16, 512, 192, dv=128)
+    assert cases.parse_shape("1,8,512,64:64").spec == "1,8,512,64"
 
 
 def test_decode_presets():
@@ -298,6 +446,15 @@ def test_flop_rule():
     # Sq > Sk: the first Sq - Sk queries see nothing, then 1, 2, ..., Sk keys.
     tall = cases.Case(cases.shape(1, 1, 10, 16, 1, 4), True)
     assert metrics.attention_flops(tall, "fwd") == 4 * (1 + 2 + 3 + 4) * 16
+    # Dv != D: D for the matmuls with q or k, Dv for those with v or dout.
+    mla = cases.Case(cases.shape(2, 8, 1024, 192, dv=128), False)
+    pairs = 2 * 8 * 1024 * 1024
+    assert metrics.attention_flops(mla, "fwd") == 2 * pairs * (192 + 128)
+    assert metrics.attention_flops(mla, "bwd") == 2 * pairs * (3 * 192 + 2 * 128)
+    assert metrics.attention_flops(mla, "fwdbwd") == 2 * pairs * (4 * 192 + 3 * 128)
+    assert metrics.attention_flops(mla._replace(causal=True), "fwd") == pairs * (192 + 128)
+    # q, k with D; v, out with Dv.
+    assert metrics.attention_bytes(mla, 2) == 2 * (2 * 8 * 1024 * 2) * (192 + 128)
 
 
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 2), (12, 1), (6, 3)])
@@ -437,6 +594,32 @@ def test_cuda_graph_report():
     row = report.measurement_row(failed, env=env, peak=None, speedup=None)
     assert row["host_ms"] is None and row["ms_p50"] == 0.011
     assert "(cuda graph: RuntimeError: capture failed)" in report.table_row(row, graph=True)
+
+
+def test_variant_summary():
+    # A variant's time over its base's (GPU rows only), and the summary printed after the table.
+    env = {"device": "test", "git_sha": None}
+    base = _graph_measurement("flashcore", 0.05, 0.01)
+    sinks = _graph_measurement("flashcore-sinks", 0.05, 0.01)
+    sinks.timing = metrics.Timing(0.0105, 0.0112, 0.0115, metrics.TIMER_GPU)
+    rows = [
+        report.measurement_row(base, env=env, peak=None, speedup=None),
+        report.measurement_row(sinks, env=env, peak=None, speedup=None, base=base),
+    ]
+    assert rows[0]["base_provider"] is None and rows[0]["time_vs_base"] is None
+    assert rows[1]["base_provider"] == "flashcore"
+    assert rows[1]["time_vs_base"] == pytest.approx(0.0112 / 0.011)
+    text = report.variant_summary(rows)
+    assert text.startswith("Variants over their base provider")
+    line = text.splitlines()[1]
+    assert "flashcore-sinks over flashcore, 1,8,512,64 causal fwd bf16: +1.8%" in line
+    assert "spread 8.9% and 18.2% of the medians" in line
+    assert "flashcore-sinks" in report.table_row(rows[1])  # the wider provider column
+    # Interpreter rows have no time ratio, and then no summary.
+    sinks.timing = metrics.Timing(1.0, 1.0, 1.0, metrics.TIMER_INTERPRETER)
+    row = report.measurement_row(sinks, env=env, peak=None, speedup=None, base=base)
+    assert row["time_vs_base"] is None
+    assert report.variant_summary([rows[0], row]) is None
 
 
 @pytest.mark.gpu

@@ -1,7 +1,9 @@
 """Benchmark cases: shapes, presets and the ``--shape`` syntax.
 
-A case is one attention problem: q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``, causal or not.
-Presets list shapes and the causal settings each is run with; ``--causal on|off`` narrows them.
+A case is one attention problem: q and k ``(B, H, Sq, D)``, ``(B, Hkv, Sk, D)``, v
+``(B, Hkv, Sk, Dv)`` (the value head dim Dv is D unless a shape says otherwise, as MLA's
+``192:128``), causal or not. Presets list shapes and the causal settings each is run with;
+``--causal on|off`` narrows them.
 
 A varlen case also has per-sequence lengths (``seqlens``, the same for queries and keys): sequence
 b holds ``seqlens[b]`` real tokens and its shape's ``S`` is the padded length (the longest), so
@@ -13,7 +15,8 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-SHAPE_SYNTAX = "B,H,S,D[,Hkv[,Sk]]"
+SHAPE_SYNTAX = "B,H,S,D[:Dv][,Hkv[,Sk]]"
+MAX_HEAD_DIM = 256
 
 
 class Shape(NamedTuple):
@@ -21,18 +24,27 @@ class Shape(NamedTuple):
     heads: int
     seqlen_q: int
     head_dim: int
+    """D: the head dim of q and k (the QK^T product)."""
     kv_heads: int
     seqlen_k: int
+    value_dim: int
+    """Dv: the head dim of v and out (the PV product); D unless the shape says otherwise."""
 
     @property
     def spec(self) -> str:
         """The shape in ``--shape`` syntax (optional fields only when they differ)."""
-        text = f"{self.batch},{self.heads},{self.seqlen_q},{self.head_dim}"
+        dims = f"{self.head_dim}" if self.value_dim == self.head_dim else self.dims
+        text = f"{self.batch},{self.heads},{self.seqlen_q},{dims}"
         if self.seqlen_k != self.seqlen_q:
             return f"{text},{self.kv_heads},{self.seqlen_k}"
         if self.kv_heads != self.heads:
             return f"{text},{self.kv_heads}"
         return text
+
+    @property
+    def dims(self) -> str:
+        """``D:Dv``, the head dims of q/k and of v."""
+        return f"{self.head_dim}:{self.value_dim}"
 
 
 class Case(NamedTuple):
@@ -54,30 +66,59 @@ class Case(NamedTuple):
         return text if self.seqlens is None else f"{text} varlen pad {self.padding:.0%}"
 
 
-def shape(b: int, h: int, s: int, d: int, hkv: int | None = None, sk: int | None = None) -> Shape:
-    return Shape(b, h, s, d, h if hkv is None else hkv, s if sk is None else sk)
+def shape(
+    b: int,
+    h: int,
+    s: int,
+    d: int,
+    hkv: int | None = None,
+    sk: int | None = None,
+    *,
+    dv: int | None = None,
+) -> Shape:
+    return Shape(
+        b, h, s, d, h if hkv is None else hkv, s if sk is None else sk, d if dv is None else dv
+    )
 
 
 def parse_shape(text: str) -> Shape:
-    """Parse ``B,H,S,D[,Hkv[,Sk]]``; raises ValueError with a message for the command line."""
+    """Parse ``B,H,S,D[:Dv][,Hkv[,Sk]]``; raises ValueError with a message for the command line.
+
+    ``192:128`` in the D field is D=192 for q and k, Dv=128 for v (MLA); a plain D is Dv = D.
+    """
     parts = [p.strip() for p in text.split(",")]
     if not 4 <= len(parts) <= 6:
         raise ValueError(f"expected {SHAPE_SYNTAX} (4 to 6 integers), got {text!r}")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise ValueError(f"expected {SHAPE_SYNTAX} with integers, got {text!r}") from None
     names = ["B", "H", "S", "D", "Hkv", "Sk"]
-    for name, value in zip(names, values, strict=False):
-        if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value} in {text!r}")
-    result = shape(*values)
+    fields = []
+    for name, part in zip(names, parts, strict=False):
+        head, colon, tail = part.partition(":")
+        if colon and name != "D":
+            raise ValueError(
+                f"only D takes a value head dim (D:Dv, as 192:128), got {name}={part!r} in {text!r}"
+            )
+        fields += [(name, head), ("Dv", tail)] if colon else [(name, head)]
+    values = {}
+    for name, part in fields:
+        try:
+            values[name] = int(part)
+        except ValueError:
+            raise ValueError(f"expected {SHAPE_SYNTAX} with integers, got {text!r}") from None
+        if values[name] < 1:
+            raise ValueError(f"{name} must be a positive integer, got {values[name]} in {text!r}")
+    result = shape(
+        values["B"], values["H"], values["S"], values["D"], values.get("Hkv"), values.get("Sk"),
+        dv=values.get("Dv"),
+    )  # fmt: skip
     if result.heads % result.kv_heads:
         raise ValueError(
             f"H ({result.heads}) must be a multiple of Hkv ({result.kv_heads}) in {text!r}"
         )
-    if result.head_dim > 256:
-        raise ValueError(f"D must be at most 256 (flashcore's limit), got {result.head_dim}")
+    for name, dim in (("D", result.head_dim), ("Dv", result.value_dim)):
+        if dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"{name} must be at most {MAX_HEAD_DIM} (flashcore's limit), got {dim} in {text!r}"
+            )
     return result
 
 
@@ -162,6 +203,26 @@ def _varlen_smoke() -> list[tuple[Shape, tuple[bool, ...], tuple[int, ...]]]:
     ]
 
 
+def _paged_prefill() -> list[tuple[Shape, tuple[bool, ...], tuple[int, ...]]]:
+    # Prefill from a paged KV cache, Llama-style GQA (32 query heads on 8 kv heads, D=128):
+    # packed batches of seeded lengths (the varlen preset's draw), causal; 4 sequences at 16k.
+    shapes = [
+        shape(16, 32, 1024, 128, 8),
+        shape(16, 32, 4096, 128, 8),
+        shape(4, 32, 16384, 128, 8),
+    ]
+    return [(s, (True,), draw_seqlens(s.batch, s.seqlen_q)) for s in shapes]
+
+
+def _paged_prefill_smoke() -> list[tuple[Shape, tuple[bool, ...], tuple[int, ...]]]:
+    # The paged-prefill preset's structure at interpreter sizes: several 16-key pages per
+    # sequence with a partial last page; GQA and odd lengths in the second case.
+    return [
+        (shape(3, 2, 48, 32), (True,), draw_seqlens(3, 48)),
+        (shape(4, 4, 37, 16, 2), (True,), draw_seqlens(4, 37, seed=1)),
+    ]
+
+
 PRESETS = {
     "seed": (
         _seed,
@@ -182,10 +243,22 @@ PRESETS = {
         "flashcore-varlen and the padded ones)",
     ),
     "varlen-smoke": (_varlen_smoke, "the varlen preset at CPU-interpreter sizes"),
+    "paged-prefill": (
+        _paged_prefill,
+        "prefill against a paged KV cache: packed batches of seeded lengths (as varlen), H=32, "
+        "Hkv=8, D=128, S_max 1k/4k (B=16) and 16k (B=4), causal; forward only (default "
+        "providers: flashcore-varlen on dense packed k/v, the flashcore-varlen-paged* ones on "
+        "pages of 16 and 256 keys in shuffled order, sdpa-padded)",
+    ),
+    "paged-prefill-smoke": (
+        _paged_prefill_smoke,
+        "the paged-prefill preset at CPU-interpreter sizes",
+    ),
 }
 DECODE_PRESETS = ("decode", "decode-smoke")
 VARLEN_PRESETS = ("varlen", "varlen-smoke")
-GPU_PRESETS = ("seed", "sweep", "decode", "varlen")
+PAGED_PREFILL_PRESETS = ("paged-prefill", "paged-prefill-smoke")
+GPU_PRESETS = ("seed", "sweep", "decode", "varlen", "paged-prefill")
 
 
 def preset_cases(name: str) -> list[Case]:

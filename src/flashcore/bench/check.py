@@ -12,6 +12,10 @@ dtype at the reference's scale. The reported relative error is ``max|x - ref| / 
 A varlen case's reference is on its packed tokens: each sequence as its own ``(1, H, S_b, D)``
 problem (``flashcore.reference.attention_varlen``'s definition, here under the memory budget),
 concatenated. Providers on the padded batch are checked on the real tokens only.
+
+A provider with attention sinks (``flashcore-sinks``) gets a reference of its own, with the same
+sinks (``flashcore.reference``'s definition); in backward modes it includes their gradient,
+``dsinks``, checked by the same rule.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ import torch
 from flashcore import reference
 
 GRAD_NAMES = ("dq", "dk", "dv")
+SINKS_GRAD = "dsinks"
 
 
 class Reference(NamedTuple):
     """Reference results for one (case, dtype); ``ref`` in the reference dtype, ``pt`` in the
-    inputs' dtype. Gradients are present when a backward mode is benchmarked."""
+    inputs' dtype. Gradients (dq, dk, dv, and dsinks with sinks) are present when a backward mode
+    is benchmarked."""
 
     out: torch.Tensor
     pt_out: torch.Tensor
@@ -88,14 +94,18 @@ def compute_reference(
     causal: bool,
     ref_dtype: torch.dtype,
     budget_bytes: int = 1 << 30,
+    sinks: torch.Tensor | None = None,
 ) -> Reference:
-    """Reference output (and gradients for the upstream gradient ``do``, when given)."""
+    """Reference output (and gradients for the upstream gradient ``do``, when given) of q
+    ``(B, H, Sq, D)``, k ``(B, Hkv, Sk, D)``, v ``(B, Hkv, Sk, Dv)``; ``sinks`` ``(H,)`` adds
+    attention sinks (and ``dsinks`` to the gradients)."""
     batch, heads, seqlen_q, _ = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    out_shape = (*q.shape[:3], v.shape[-1])
     per_head = seqlen_q * seqlen_k * torch.finfo(ref_dtype).bits // 8
     results = {}
     for dtype in (ref_dtype, q.dtype):
-        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+        out = torch.empty(out_shape, dtype=dtype, device=q.device)
         grads = None
         if do is not None:
             grads = (
@@ -103,25 +113,37 @@ def compute_reference(
                 torch.zeros(k.shape, dtype=dtype, device=q.device),
                 torch.zeros(v.shape, dtype=dtype, device=q.device),
             )
+            if sinks is not None:
+                grads += (torch.zeros(sinks.shape, dtype=dtype, device=q.device),)
         for b, hq, hkv in head_chunks(batch, heads, kv_heads, per_head, budget_bytes):
-            qc, kc, vc = q[b : b + 1, hq], k[b : b + 1, hkv], v[b : b + 1, hkv]
+            chunk = [q[b : b + 1, hq], k[b : b + 1, hkv], v[b : b + 1, hkv]]
+            if sinks is not None:
+                chunk.append(sinks[hq])
             if do is None:
                 with torch.no_grad():
-                    out[b : b + 1, hq] = reference.attention(
-                        qc, kc, vc, causal=causal, dtype=dtype
-                    ).out
+                    out[b : b + 1, hq] = _attention(chunk, causal, dtype)
                 continue
-            leaves = [t.detach().to(dtype).requires_grad_() for t in (qc, kc, vc)]
-            oc = reference.attention(*leaves, causal=causal, dtype=dtype).out
+            leaves = [t.detach().to(dtype).requires_grad_() for t in chunk]
+            oc = _attention(leaves, causal, dtype)
             oc.backward(do[b : b + 1, hq].to(dtype))
             out[b : b + 1, hq] = oc.detach()
             grads[0][b : b + 1, hq] = leaves[0].grad
             # Several chunks share a kv head when a chunk holds part of a GQA group.
             grads[1][b : b + 1, hkv] += leaves[1].grad
             grads[2][b : b + 1, hkv] += leaves[2].grad
+            if sinks is not None:
+                grads[3][hq] += leaves[3].grad  # summed over the batch
         results[dtype] = (out, grads)
     (out, grads), (pt_out, pt_grads) = results[ref_dtype], results[q.dtype]
     return Reference(out, pt_out, grads, pt_grads)
+
+
+def _attention(tensors: list[torch.Tensor], causal: bool, dtype: torch.dtype) -> torch.Tensor:
+    """``reference.attention`` of ``[q, k, v]`` or ``[q, k, v, sinks]``."""
+    q, k, v, *sinks = tensors
+    return reference.attention(
+        q, k, v, causal=causal, dtype=dtype, sinks=sinks[0] if sinks else None
+    ).out
 
 
 def compute_reference_varlen(

@@ -15,6 +15,17 @@ device-to-device copy bandwidth measured in the same run.
 ``flashcore.attention_varlen`` on the packed tokens against flashcore and SDPA on the zero-padded
 batch; TFLOP/s count the real tokens only and ``vs sdpa`` compares with ``sdpa-padded`` (no mask).
 
+``--preset paged-prefill`` benchmarks prefill from a paged KV cache: ``attention_varlen`` with a
+``block_table`` (pages of 16 and 256 keys in shuffled order) beside the same lengths on dense
+packed k/v (``flashcore-varlen``); forward only.
+
+``--providers flashcore,flashcore-sinks`` measures attention sinks (float32 ``(H,)``, learnable:
+they require grad in the backward modes) against flashcore without them on the same inputs; the
+check uses the reference with the same sinks. A value head dim other than D goes in the D field
+of ``--shape``: ``192:128`` is D=192 for q and k, Dv=128 for v (MLA). A provider that is a
+variant of another (flashcore-sinks of flashcore, the paged ones of their dense one) gets its
+time over its base's, printed after the table on a GPU.
+
 ``--cuda-graph`` also times every measurement as back-to-back eager calls and as the same calls
 replayed from one CUDA graph, and reports the host's cost per call (eager minus graph) beside the
 graph's time, the GPU's.
@@ -40,6 +51,8 @@ from flashcore.bench.providers import (
     DECODE_GPU,
     DEFAULT_CPU,
     DEFAULT_GPU,
+    PAGED_PREFILL_CPU,
+    PAGED_PREFILL_GPU,
     PROVIDERS,
     VARLEN_CPU,
     VARLEN_GPU,
@@ -57,12 +70,17 @@ examples (GPU):
   flashcore-bench --preset seed --resources
   flashcore-bench --preset decode --out decode.jsonl
   flashcore-bench --preset varlen --mode fwd,bwd,fwdbwd --dtype fp16,bf16 --out varlen.jsonl
+  flashcore-bench --preset paged-prefill --out paged-prefill.jsonl
+  flashcore-bench --shape 4,16,4096,128 --mode fwd,bwd --providers flashcore,flashcore-sinks
+  flashcore-bench --shape 1,128,4096,192:128 --mode fwd,bwd --providers flashcore,sdpa,sdpa-cudnn
   flashcore-bench --preset seed --providers flashcore,sdpa --mode fwd,fwdbwd --cuda-graph
   flashcore-bench --preset decode --providers flashcore-kvcache,flashcore-paged256,sdpa --cuda-graph
 without a GPU (Triton interpreter, correctness only):
   flashcore-bench --preset smoke --out smoke.jsonl
   flashcore-bench --preset decode-smoke
   flashcore-bench --preset varlen-smoke --mode fwd,bwd
+  flashcore-bench --preset paged-prefill-smoke
+  flashcore-bench --shape 1,4,40,32:16,2,56 --mode fwd,bwd --providers flashcore,flashcore-sinks
 """
 
 
@@ -125,8 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_shape,
         default=[],
         metavar=cases_mod.SHAPE_SYNTAX,
-        help="a one-off shape (repeatable): q (B,H,S,D), k/v (B,Hkv,Sk,D); Hkv defaults to H, "
-        "Sk to S",
+        help="a one-off shape (repeatable): q (B,H,S,D), k (B,Hkv,Sk,D), v (B,Hkv,Sk,Dv); Hkv "
+        "defaults to H, Sk to S, Dv to D (D:Dv sets it, as 192:128)",
     )
     what.add_argument(
         "--providers",
@@ -135,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated, from {', '.join(PROVIDERS)} or 'all'. Default on a GPU: "
         f"{','.join(DEFAULT_GPU)}; without one: {','.join(DEFAULT_CPU)}. With a decode preset: "
         f"{','.join(DECODE_GPU)}; without a GPU: {','.join(DECODE_CPU)}. With a varlen preset: "
-        f"{','.join(VARLEN_GPU)}; without a GPU: {','.join(VARLEN_CPU)}",
+        f"{','.join(VARLEN_GPU)}; without a GPU: {','.join(VARLEN_CPU)}. With a paged-prefill "
+        f"preset: {','.join(PAGED_PREFILL_GPU)}; without a GPU: {','.join(PAGED_PREFILL_CPU)}",
     )
     what.add_argument(
         "--mode",
@@ -199,9 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: bool) -> None:
     if not on_gpu and args.preset in cases_mod.GPU_PRESETS:
         why = "--cpu was given" if args.cpu else "no CUDA device is available"
+        small = [p for p in cases_mod.PRESETS if p not in cases_mod.GPU_PRESETS]
         parser.error(
             f"--preset {args.preset} needs a GPU ({why}); the Triton interpreter runs "
-            "--preset smoke, decode-smoke, varlen-smoke or small --shape cases"
+            f"--preset {', '.join(small)} or small --shape cases"
         )
     if args.cuda_graph and not on_gpu:
         parser.error("--cuda-graph times CUDA graphs, which only a GPU run has; drop --cuda-graph")
@@ -242,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         defaults = DECODE_GPU if on_gpu else DECODE_CPU
     elif args.preset in cases_mod.VARLEN_PRESETS:
         defaults = VARLEN_GPU if on_gpu else VARLEN_CPU
+    elif args.preset in cases_mod.PAGED_PREFILL_PRESETS:
+        defaults = PAGED_PREFILL_GPU if on_gpu else PAGED_PREFILL_CPU
     else:
         defaults = DEFAULT_GPU if on_gpu else DEFAULT_CPU
     names = args.providers or defaults
@@ -303,12 +325,14 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
                         ),
                         None,
                     )
+                    by_name = {r.provider: r for r in results}
                     group = []
-                    for r in results:
+                    for provider, r in zip(providers, results, strict=True):
                         speedup = base.timing.p50 / r.timing.p50 if base and r.timing else None
+                        variant_of = by_name.get(provider.base)
                         row = report.measurement_row(
                             r, env=env, peak=peak, speedup=speedup, copy_gbps=copy_bw,
-                            graph_speedup=_graph_speedup(base, r),
+                            graph_speedup=_graph_speedup(base, r), base=variant_of,
                         )  # fmt: skip
                         group.append(row)
                     for row in group:
@@ -330,6 +354,10 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
     varlen = any(c.seqlens is not None for c in cases)
     graph_calls = settings.graph_calls if graph else None
     print(report.table_footer(not on_gpu, peak, copy_bw, varlen=varlen, graph_calls=graph_calls))
+    variants = report.variant_summary(rows)
+    if variants:
+        print()
+        print(variants)
 
     if args.resources:
         found = resources.collect() if on_gpu else None

@@ -6,12 +6,18 @@ matmuls instead of two), forward+backward 3.5x. Softmax work is not counted. For
 Sq != Sk, where "halved" has no meaning (Sq = 1 sees every key), the exact number of visible
 (query, key) pairs replaces ``Sq * Sk / 2``. A varlen case counts its real tokens only: the sum
 over sequences of the same count (``4 * H * S_b * S_b * D``, halved for causal), never the padding.
+With a value head dim Dv != D each matmul counts its own inner or outer dim, ``2 * pairs * D`` for
+the products with q or k (QK^T; backward: QK^T again, dS K, dS^T Q) and ``2 * pairs * Dv`` for
+those with v or dout (PV; backward: dout V^T, P^T dout): forward ``2 * pairs * (D + Dv)``,
+backward ``2 * pairs * (3 D + 2 Dv)``, which are the factors above when Dv = D. (FlashAttention-3's
+benchmark scales its forward ``2 * pairs * (D + Dv)`` by 2.5 for the backward: 4% less than this
+count at D=192, Dv=128.)
 
 Bytes are the least traffic a forward must move: q and out once, K and V once per kv head
-(``elem * (2 * B * H * Sq * D + 2 * B * Hkv * Sk * D)``; varlen: of the real tokens). Decoding is
-bound by them, not by FLOPs, so each row also reports GB/s and its share of the device-to-device
-copy bandwidth measured in the same run (``torch.Tensor.copy_`` of 1 GiB, counted as read plus
-write).
+(``elem * (B * H * Sq * (D + Dv) + B * Hkv * Sk * (D + Dv))``; varlen: of the real tokens).
+Decoding is bound by them, not by FLOPs, so each row also reports GB/s and its share of the
+device-to-device copy bandwidth measured in the same run (``torch.Tensor.copy_`` of 1 GiB,
+counted as read plus write).
 
 Timing on a GPU is ``triton.testing.do_bench`` (L2 flushed between calls, CUDA events), reported as
 the 20th, 50th and 80th percentiles in milliseconds. Its flush (a memset of the L2's size before
@@ -37,7 +43,8 @@ import torch
 
 from flashcore.bench.cases import Case
 
-MODE_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+MATMULS = {"fwd": (1, 1), "bwd": (3, 2), "fwdbwd": (4, 3)}
+"""Per mode, the matmuls over D (with q or k) and over Dv (with v or dout); see the docstring."""
 QUANTILES = (0.2, 0.5, 0.8)
 TIMER_GPU = "do_bench"
 TIMER_INTERPRETER = "interpreter-wall"
@@ -67,7 +74,8 @@ def attention_flops(case: Case, mode: str) -> float:
         pairs = s.batch * visible_pairs(s.seqlen_q, s.seqlen_k, case.causal)
     else:
         pairs = sum(visible_pairs(n, n, case.causal) for n in case.seqlens)
-    return 4 * s.heads * pairs * s.head_dim * MODE_FACTOR[mode]
+    over_d, over_dv = MATMULS[mode]
+    return 2 * s.heads * pairs * (over_d * s.head_dim + over_dv * s.value_dim)
 
 
 def tflops(flops: float, ms: float | None) -> float | None:
@@ -81,7 +89,7 @@ def attention_bytes(case: Case, elem_size: int) -> float:
         rows = s.batch * s.heads * s.seqlen_q + s.batch * s.kv_heads * s.seqlen_k
     else:
         rows = sum(case.seqlens) * (s.heads + s.kv_heads)
-    return 2.0 * elem_size * rows * s.head_dim
+    return float(elem_size * rows * (s.head_dim + s.value_dim))
 
 
 def gbps(nbytes: float, ms: float | None) -> float | None:

@@ -1,9 +1,13 @@
 """Attention implementations the benchmark compares, under one calling convention.
 
 A provider prepares, per case, a function ``fn(q, k, v) -> out`` with flashcore's semantics
-(q ``(B, H, Sq, D)``, k/v ``(B, Hkv, Sk, D)``, scale ``1/sqrt(D)``, bottom-right causal), and a
-context to run it in (the SDPA backend selection). Anything a provider raises while preparing,
-running or differentiating is reported as "refused" with the reason; it never stops the run.
+(q ``(B, H, Sq, D)``, k ``(B, Hkv, Sk, D)``, v ``(B, Hkv, Sk, Dv)``, scale ``1/sqrt(D)``,
+bottom-right causal), and a context to run it in (the SDPA backend selection). Anything a provider
+raises while preparing, running or differentiating is reported as "refused" with the reason; it
+never stops the run.
+
+A provider may be a variant of another (``Provider.base``: the same work plus one feature, as
+sinks or a paged cache); the report then gives its time over its base's, case by case.
 
 Mapping to PyTorch:
 - ``sdpa``: ``F.scaled_dot_product_attention`` with PyTorch's default backend choice; ``sdpa-*``
@@ -19,6 +23,14 @@ Mapping to PyTorch:
   call, which is the untimed correctness check, and reused by the timed calls.
 - ``flex``: FlexAttention compiled with ``torch.compile`` (one compiled function; a block mask per
   causal case, built outside the timed region), ``enable_gqa`` for GQA.
+- Dv != D: flashcore's providers, ``sdpa-math`` and (as PyTorch decides) ``sdpa``,
+  ``sdpa-efficient``, ``sdpa-cudnn`` and ``flex`` take it; ``sdpa-flash`` refuses it before
+  running (PyTorch's flash backend needs one head dim for q, k and v); a backend that PyTorch
+  finds unable raises, and the row is "refused" with PyTorch's reason.
+- ``flashcore-sinks``: ``flashcore.attention`` with attention sinks, the variant of ``flashcore``:
+  ``fn(q, k, v, sinks)`` takes a fourth argument, float32 ``(H,)`` (``Provider.sinks``), the same
+  for the reference; it requires grad in the backward modes, whose check includes ``dsinks``.
+  Dense cases only.
 
 Varlen cases (``Case.seqlens``): a ``packed`` provider gets q ``(total, H, D)``, k/v
 ``(total, Hkv, D)`` (the real tokens of each sequence back to back) and returns out in that layout;
@@ -33,6 +45,12 @@ every other provider gets the zero-padded ``(B, H, S_max, D)`` batch.
   mask when causal): the correct padded computation, causal or not.
 - ``flashcore-padded``: ``flashcore.attention`` on the padded batch (the ``flashcore`` provider
   under its varlen name). flashcore takes no mask, so the non-causal varlen cases are refused.
+- ``flashcore-varlen-paged16`` / ``-paged256``: ``flashcore.attention_varlen`` with a
+  ``block_table``, the variants of ``flashcore-varlen``: the same packed queries against a paged
+  copy of the packed keys and values (``(num_blocks, Hkv, block_size, D)``, blocks of 16 / 256
+  keys, sequence b holding ``ceil(S_b / block_size)`` of them, in shuffled order), built at the
+  first call (the untimed check) like the decode providers'. Forward only: with inputs that
+  require grad, ``attention_varlen`` raises and the row is refused.
 """
 
 from __future__ import annotations
@@ -47,7 +65,8 @@ import torch
 from flashcore import reference
 from flashcore.bench.cases import Case
 
-AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+AttnFn = Callable[..., torch.Tensor]
+"""``fn(q, k, v) -> out``, or ``fn(q, k, v, sinks) -> out`` for a provider with sinks."""
 
 
 class Refused(Exception):
@@ -63,6 +82,11 @@ class Provider:
     """SDPBackend member to force, or None."""
     packed: bool = False
     """Takes a varlen case's packed tokens ``(total, H, D)`` instead of the padded batch."""
+    sinks: bool = False
+    """Takes float32 ``(H,)`` attention sinks as a fourth argument (checked against a reference
+    with the same sinks)."""
+    base: str | None = None
+    """The provider this one is a variant of (the same work plus one feature), or None."""
 
     def context(self) -> contextlib.AbstractContextManager:
         if self.backend is None:
@@ -88,17 +112,43 @@ def _flashcore(case: Case, device: torch.device) -> AttnFn:
     return lambda q, k, v: flashcore.attention(q, k, v, causal=causal)
 
 
-def _flashcore_varlen(case: Case, device: torch.device) -> AttnFn:
+def _flashcore_sinks(case: Case, device: torch.device) -> AttnFn:
+    import flashcore
+
+    if case.seqlens is not None:
+        raise Refused("flashcore-sinks runs dense cases only (flashcore.attention with sinks)")
+    causal = case.causal
+    return lambda q, k, v, sinks: flashcore.attention(q, k, v, causal=causal, sinks=sinks)
+
+
+def _flashcore_varlen(case: Case, device: torch.device, *, block_size: int = 0) -> AttnFn:
     import flashcore
 
     if case.seqlens is None:
-        raise Refused("flashcore-varlen runs varlen cases only (--preset varlen, varlen-smoke)")
-    cu = cu_seqlens(case.seqlens, device)
-    longest = max(case.seqlens)
+        raise Refused(
+            "flashcore-varlen* runs varlen cases only (--preset varlen, paged-prefill and their "
+            "-smoke versions)"
+        )
+    seqlens = case.seqlens
+    cu = cu_seqlens(seqlens, device)
+    longest = max(seqlens)
     causal = case.causal
-    return lambda q, k, v: flashcore.attention_varlen(
-        q, k, v, cu, cu, longest, longest, causal=causal
-    )
+    paged: dict = {}
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        table = None
+        if block_size:
+            key = (k.data_ptr(), v.data_ptr())
+            if key not in paged:
+                paged.clear()
+                padded = (unpack(t, seqlens, longest) for t in (k, v))
+                paged[key] = to_paged(*padded, block_size, seqlens=seqlens)
+            k, v, table = paged[key]
+        return flashcore.attention_varlen(
+            q, k, v, cu, cu, longest, longest, causal=causal, block_table=table
+        )
+
+    return fn
 
 
 def _flashcore_kvcache(case: Case, device: torch.device, *, block_size: int = 0) -> AttnFn:
@@ -125,28 +175,42 @@ def _flashcore_kvcache(case: Case, device: torch.device, *, block_size: int = 0)
     return fn
 
 
-def to_paged(k: torch.Tensor, v: torch.Tensor, block_size: int):
-    """A paged copy of dense ``(B, Hkv, S, D)`` k/v: ``(k_blocks, v_blocks, block_table)``.
+def to_paged(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_size: int,
+    *,
+    seqlens: tuple[int, ...] | None = None,
+):
+    """A paged copy of dense k ``(B, Hkv, S, D)``, v ``(B, Hkv, S, Dv)``:
+    ``(k_blocks, v_blocks, block_table)``, blocks ``(num_blocks, Hkv, block_size, D or Dv)``.
 
-    Blocks are laid out in a fixed shuffled order, as a cache allocator hands them out over time.
+    Sequence b holds ``ceil(S / block_size)`` blocks, or ``ceil(seqlens[b] / block_size)`` with
+    ``seqlens`` (its keys past ``seqlens[b]`` are dropped; its unused table entries are 0). Blocks
+    are laid out in a fixed shuffled order, as a cache allocator hands them out over time.
     """
-    batch, kv_heads, seqlen, head_dim = k.shape
+    batch, kv_heads, seqlen, _ = k.shape
     per_seq = -(-seqlen // block_size)
-    padded = per_seq * block_size
+    lens = seqlens if seqlens is not None else (seqlen,) * batch
+    used = torch.tensor([-(-n // block_size) for n in lens])
+    # (B, per_seq): True where sequence b uses its j-th block.
+    in_use = torch.arange(per_seq)[None] < used[:, None]
     gen = torch.Generator(device="cpu").manual_seed(0)
-    order = torch.randperm(batch * per_seq, generator=gen).to(k.device)
-    table = order.view(batch, per_seq).to(torch.int32)
+    order = torch.randperm(int(used.sum()), generator=gen)
+    table = torch.zeros((batch, per_seq), dtype=torch.int32)
+    table[in_use] = order.to(torch.int32)
+    order = order.to(k.device)
+    in_use = in_use.to(k.device)
 
     def page(t: torch.Tensor) -> torch.Tensor:
-        t = torch.nn.functional.pad(t, (0, 0, 0, padded - seqlen))
-        blocks = t.view(batch, kv_heads, per_seq, block_size, head_dim).transpose(1, 2)
-        out = torch.empty(
-            (batch * per_seq, kv_heads, block_size, head_dim), dtype=t.dtype, device=t.device
-        )
-        out[order] = blocks.reshape(batch * per_seq, kv_heads, block_size, head_dim)
+        dim = t.shape[-1]
+        t = torch.nn.functional.pad(t, (0, 0, 0, per_seq * block_size - seqlen))
+        blocks = t.view(batch, kv_heads, per_seq, block_size, dim).transpose(1, 2)
+        out = torch.empty((len(order), kv_heads, block_size, dim), dtype=t.dtype, device=t.device)
+        out[order] = blocks[in_use]
         return out
 
-    return page(k), page(v), table
+    return page(k), page(v), table.to(k.device)
 
 
 def cu_seqlens(seqlens: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -184,6 +248,18 @@ def _sdpa_padded_mask(case: Case, device: torch.device) -> AttnFn:
         mask = mask & reference.causal_mask(s.seqlen_q, s.seqlen_k, device=device)
     kwargs = {"enable_gqa": True} if s.kv_heads != s.heads else {}
     return lambda q, k, v: sdpa(q, k, v, attn_mask=mask, **kwargs)
+
+
+def _sdpa_flash(case: Case, device: torch.device) -> AttnFn:
+    s = case.shape
+    if s.value_dim != s.head_dim:
+        # PyTorch's check_head_dim_size_flash, said up front: its own refusal leads with "No
+        # available kernel" and keeps the reason among its warnings.
+        raise Refused(
+            f"SDPA's FLASH_ATTENTION backend needs one head dim for q, k and v "
+            f"(got D={s.head_dim}, Dv={s.value_dim})"
+        )
+    return _sdpa(case, device)
 
 
 def _sdpa(case: Case, device: torch.device) -> AttnFn:
@@ -237,10 +313,31 @@ PROVIDERS: dict[str, Provider] = {
     for p in [
         Provider("flashcore", "flashcore.attention (Triton)", _flashcore),
         Provider(
+            "flashcore-sinks",
+            "flashcore.attention with learnable sinks, float32 (H,) (dense cases)",
+            _flashcore_sinks,
+            sinks=True,
+            base="flashcore",
+        ),
+        Provider(
             "flashcore-varlen",
             "flashcore.attention_varlen on the packed tokens (varlen cases)",
             _flashcore_varlen,
             packed=True,
+        ),
+        Provider(
+            "flashcore-varlen-paged16",
+            "flashcore.attention_varlen on a paged K/V copy, 16-key blocks (varlen cases; fwd)",
+            functools.partial(_flashcore_varlen, block_size=16),
+            packed=True,
+            base="flashcore-varlen",
+        ),
+        Provider(
+            "flashcore-varlen-paged256",
+            "flashcore.attention_varlen on a paged K/V copy, 256-key blocks (varlen cases; fwd)",
+            functools.partial(_flashcore_varlen, block_size=256),
+            packed=True,
+            base="flashcore-varlen",
         ),
         Provider(
             "flashcore-padded",
@@ -256,14 +353,16 @@ PROVIDERS: dict[str, Provider] = {
             "flashcore-paged16",
             "flashcore.attention_with_kvcache, paged cache of 16-key blocks",
             functools.partial(_flashcore_kvcache, block_size=16),
+            base="flashcore-kvcache",
         ),
         Provider(
             "flashcore-paged256",
             "flashcore.attention_with_kvcache, paged cache of 256-key blocks",
             functools.partial(_flashcore_kvcache, block_size=256),
+            base="flashcore-kvcache",
         ),
         Provider("sdpa", "F.scaled_dot_product_attention, PyTorch's backend choice", _sdpa),
-        Provider("sdpa-flash", "SDPA forced to FLASH_ATTENTION", _sdpa, "FLASH_ATTENTION"),
+        Provider("sdpa-flash", "SDPA forced to FLASH_ATTENTION", _sdpa_flash, "FLASH_ATTENTION"),
         Provider("sdpa-cudnn", "SDPA forced to CUDNN_ATTENTION", _sdpa, "CUDNN_ATTENTION"),
         Provider(
             "sdpa-efficient", "SDPA forced to EFFICIENT_ATTENTION", _sdpa, "EFFICIENT_ATTENTION"
@@ -289,6 +388,13 @@ DECODE_GPU = ["flashcore-kvcache", "flashcore-paged16", "flashcore-paged256", "s
 DECODE_CPU = ["flashcore-kvcache", "flashcore-paged16", "sdpa"]
 VARLEN_GPU = ["flashcore-varlen", "flashcore-padded", "sdpa-padded", "sdpa-padded-mask"]
 VARLEN_CPU = VARLEN_GPU
+PAGED_PREFILL_GPU = [
+    "flashcore-varlen",
+    "flashcore-varlen-paged16",
+    "flashcore-varlen-paged256",
+    "sdpa-padded",
+]
+PAGED_PREFILL_CPU = PAGED_PREFILL_GPU
 BASELINE = "sdpa"
 VARLEN_BASELINE = "sdpa-padded"
 

@@ -68,8 +68,10 @@ def measurement_row(
     speedup: float | None,
     copy_gbps: float | None = None,
     graph_speedup: float | None = None,
+    base: Measurement | None = None,
 ) -> dict:
-    """One JSON row; ``graph_speedup`` is sdpa's CUDA-graph time over this row's."""
+    """One JSON row; ``graph_speedup`` is sdpa's CUDA-graph time over this row's; ``base`` is the
+    measurement of the provider this one is a variant of (``Provider.base``), if any."""
     s = m.case.shape
     g = m.graph
     flops = metrics.attention_flops(m.case, m.mode)
@@ -79,6 +81,7 @@ def measurement_row(
     nbytes = metrics.attention_bytes(m.case, m.dtype.itemsize) if m.mode == "fwd" else None
     bandwidth = metrics.gbps(nbytes, t.p50) if gpu_time and nbytes else None
     errors = m.errors or {}
+    base_timed = gpu_time and base is not None and base.timing is not None
     return {
         "record": "measurement",
         "provider": m.provider,
@@ -91,6 +94,7 @@ def measurement_row(
         "seqlen_q": s.seqlen_q,
         "seqlen_k": s.seqlen_k,
         "head_dim": s.head_dim,
+        "value_dim": s.value_dim,
         "causal": m.case.causal,
         "seqlens": list(m.case.seqlens) if m.case.seqlens is not None else None,
         "padding": m.case.padding,
@@ -108,6 +112,8 @@ def measurement_row(
         "pct_copy_bw": 100 * bandwidth / copy_gbps if bandwidth and copy_gbps else None,
         "copy_gbps": copy_gbps,
         "speedup_vs_sdpa": speedup if gpu_time else None,
+        "base_provider": base.provider if base is not None else None,
+        "time_vs_base": t.p50 / base.timing.p50 if base_timed else None,
         "graph_calls": g.calls if g else None,
         "loop_ms_p20": g.loop.p20 if g else None,
         "loop_ms_p50": g.loop.p50 if g else None,
@@ -149,7 +155,7 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 # name, width, alignment
 _COLUMNS = [
-    ("provider", 18, "<"),
+    ("provider", 25, "<"),  # flashcore-varlen-paged256
     ("shape", 17, "<"),
     ("pad", 4, ">"),
     ("causal", 7, "<"),
@@ -230,12 +236,13 @@ def table_row(row: dict, graph: bool = False) -> str:
 
 VARLEN_NOTE = (
     "Varlen (pad = padding share of the padded (B, S_max) batch): flashcore-varlen runs the packed "
-    "tokens; the other providers the zero-padded (B, H, S_max, D) batch, checked on the real "
-    "tokens only. sdpa-padded uses no mask: the most favourable case for SDPA (no masking; its "
-    "extra work is on padding), exact when causal; non-causal its real queries also attend to the "
-    "padding keys, so it is WRONG by construction and its time a lower bound for padded SDPA. "
-    "sdpa-padded-mask: with a key-padding mask (correct). TFLOP/s count the real tokens only; "
-    "vs sdpa compares with sdpa-padded."
+    "tokens (flashcore-varlen-paged16/256: the same against a paged copy of K and V, blocks of "
+    "16/256 keys in shuffled order); the other providers the zero-padded (B, H, S_max, D) batch, "
+    "checked on the real tokens only. sdpa-padded uses no mask: the most favourable case for SDPA "
+    "(no masking; its extra work is on padding), exact when causal; non-causal its real queries "
+    "also attend to the padding keys, so it is WRONG by construction and its time a lower bound "
+    "for padded SDPA. sdpa-padded-mask: with a key-padding mask (correct). TFLOP/s count the real "
+    "tokens only; vs sdpa compares with sdpa-padded."
 )
 
 
@@ -259,8 +266,9 @@ def table_footer(
 ) -> str:
     """Notes under the table; ``graph_calls`` (with ``--cuda-graph``) adds the graph columns'."""
     lines = [
-        "rel err = max|x - ref| / max|ref| over out (and dq, dk, dv in backward modes); WRONG = "
-        "outside FlashAttention's rule max|x - ref| <= 2 max|pt - ref| + eps."
+        "rel err = max|x - ref| / max|ref| over out (and dq, dk, dv, dsinks with sinks, in "
+        "backward modes); WRONG = outside FlashAttention's rule max|x - ref| <= 2 max|pt - ref| "
+        "+ eps."
     ]
     if varlen:
         lines.append(VARLEN_NOTE)
@@ -272,7 +280,8 @@ def table_footer(
     else:
         lines.append(
             "Times: triton.testing.do_bench, median and 20th-80th percentiles. TFLOP/s: fwd "
-            "4*B*H*Sq*Sk*D (causal: half), bwd 2.5x, fwd+bwd 3.5x."
+            "4*B*H*Sq*Sk*D (causal: half), bwd 2.5x, fwd+bwd 3.5x; with Dv != D (shape D:Dv), "
+            "fwd 2*B*H*Sq*Sk*(D+Dv), bwd 2*B*H*Sq*Sk*(3D+2Dv)."
         )
         if peak:
             lines.append(
@@ -289,12 +298,46 @@ def table_footer(
     return "\n".join(lines)
 
 
+def variant_summary(rows: list[dict]) -> str | None:
+    """Each variant's time over its base's (``time_vs_base``), beside both spreads; None when no
+    row has one (a CPU run, or no variant with its base)."""
+    index = {_key(r, r["provider"]): r for r in rows}
+    lines = []
+    for r in rows:
+        base = index.get(_key(r, r.get("base_provider")))
+        if r.get("time_vs_base") is None or base is None:
+            continue
+        causal = "causal" if r["causal"] else "full"
+        lines.append(
+            f"  {r['provider']} over {r['base_provider']}, {r['shape']} {causal} {r['mode']} "
+            f"{r['dtype']}: {100 * (r['time_vs_base'] - 1):+.1f}% (p20-p80 spread "
+            f"{_spread(r):.1f}% and {_spread(base):.1f}% of the medians)"
+        )
+    if not lines:
+        return None
+    head = (
+        "Variants over their base provider (median time / the base's median - 1, same case, "
+        "dtype and mode; a difference inside the spreads is noise):"
+    )
+    return "\n".join([head, *lines])
+
+
+def _key(row: dict, provider: str | None) -> tuple:
+    """``provider``'s row in ``row``'s group (case, mode, dtype)."""
+    seqlens = tuple(row["seqlens"]) if row.get("seqlens") else None
+    return (row["shape"], seqlens, row["causal"], row["mode"], row["dtype"], provider)
+
+
+def _spread(row: dict) -> float:
+    return 100 * (row["ms_p80"] - row["ms_p20"]) / row["ms_p50"]
+
+
 def _seq_label(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def plot(rows: list[dict], path: str | Path) -> None:
-    """TFLOP/s against sequence length (Sq) per provider, one panel per (D, causal, mode).
+    """TFLOP/s against sequence length (Sq) per provider, one panel per (D, Dv, causal, mode).
 
     Points outside the error rule are circled in red. Only rows timed on a GPU have TFLOP/s.
     """
@@ -308,7 +351,7 @@ def plot(rows: list[dict], path: str | Path) -> None:
         raise ValueError(
             "nothing to plot: no row has TFLOP/s (only GPU runs timed with do_bench have them)"
         )
-    panels = sorted({(r["head_dim"], r["causal"], r["mode"]) for r in timed})
+    panels = sorted({_panel(r) for r in timed})
     providers = list(dict.fromkeys(r["provider"] for r in timed))
     dtypes = sorted({r["dtype"] for r in timed})
     # The sweep's four panels (D 64/128 x causal or not) read best as 2 x 2: a row per D.
@@ -317,10 +360,8 @@ def plot(rows: list[dict], path: str | Path) -> None:
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.8 * nrows), squeeze=False)
     for ax in axes.flat[len(panels) :]:
         ax.set_visible(False)
-    for ax, (head_dim, causal, mode) in zip(axes.flat, panels, strict=False):
-        panel = [
-            r for r in timed if (r["head_dim"], r["causal"], r["mode"]) == (head_dim, causal, mode)
-        ]
+    for ax, (head_dim, value_dim, causal, mode) in zip(axes.flat, panels, strict=False):
+        panel = [r for r in timed if _panel(r) == (head_dim, value_dim, causal, mode)]
         for provider in providers:
             for dtype in dtypes:
                 pts = sorted(
@@ -342,7 +383,8 @@ def plot(rows: list[dict], path: str | Path) -> None:
         seqlens = sorted({r["seqlen_q"] for r in panel})
         ax.set_xscale("log", base=2)
         ax.set_xticks(seqlens, [_seq_label(n) for n in seqlens])
-        ax.set_title(f"D={head_dim}, {'causal' if causal else 'non-causal'}, {mode}")
+        dims = f"D={head_dim}" if value_dim == head_dim else f"D={head_dim}, Dv={value_dim}"
+        ax.set_title(f"{dims}, {'causal' if causal else 'non-causal'}, {mode}")
         ax.set_xlabel("sequence length (Sq)")
         ax.set_ylabel("TFLOP/s")
         ax.set_ylim(bottom=0)
@@ -358,3 +400,8 @@ def plot(rows: list[dict], path: str | Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _panel(row: dict) -> tuple:
+    """A row's plot panel: (D, Dv, causal, mode); rows written before Dv existed have Dv = D."""
+    return (row["head_dim"], row.get("value_dim") or row["head_dim"], row["causal"], row["mode"])

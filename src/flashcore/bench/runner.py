@@ -18,15 +18,20 @@ calls back to back, eagerly and replayed from a CUDA graph (``bwd`` makes its re
 the capturing stream). A provider whose calls cannot be captured keeps its other numbers; the
 reason goes into ``Measurement.graph_reason``.
 
-Every measurement is checked before it is timed: ``out`` for fwd, ``out`` and ``dq, dk, dv`` for
-the backward modes. A provider outside FlashAttention's error rule is still timed and its status is
-"wrong". Only calls into the provider are guarded: an exception there makes the row "refused" (the
-stage and message are kept); a bug in the benchmark itself still stops the run.
+A provider with sinks (``Provider.sinks``) gets ``Inputs.sinks`` as a fourth argument (a leaf
+that requires grad in the backward modes, reset with the others) and is checked against
+``Inputs.reference(provider)``, the reference with those sinks.
+
+Every measurement is checked before it is timed: ``out`` for fwd, ``out`` and ``dq, dk, dv`` (and
+``dsinks``) for the backward modes. A provider outside FlashAttention's error rule is still timed
+and its status is "wrong". Only calls into the provider are guarded: an exception there makes the
+row "refused" (the stage and message are kept); a bug in the benchmark itself still stops the run.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -81,8 +86,11 @@ class Measurement:
 class Inputs:
     """Random inputs of one (case, dtype), the same for every provider, and their reference.
 
-    ``q, k, v, do`` are the ``(B, H, S, D)`` batch; for a varlen case, ``packed`` holds the real
-    tokens ``(total, H, D)``, ``q, k, v, do`` are them zero-padded, and ``ref`` is packed.
+    ``q, k, v, do`` are the ``(B, H, S, D)`` batch (v and do with Dv); for a varlen case,
+    ``packed`` holds the real tokens ``(total, H, D)``, ``q, k, v, do`` are them zero-padded, and
+    ``ref`` is packed. ``sinks`` are float32 ``(H,)`` drawn as ``ln(Sk) + N(0, 1)``: about the
+    mass of all the keys of a row, so that the check sees them; their reference is computed at
+    the first request (``reference``).
     """
 
     def __init__(self, case: Case, dtype: torch.dtype, modes: Sequence[str], settings: Settings):
@@ -90,41 +98,61 @@ class Inputs:
         self.case = case
         gen = torch.Generator(device=settings.device).manual_seed(0)
 
-        def randn(*shape: int) -> torch.Tensor:
+        def randn(*shape: int, dtype: torch.dtype = dtype) -> torch.Tensor:
             return torch.randn(shape, generator=gen, dtype=dtype, device=settings.device)
 
         backward = any(m != "fwd" for m in modes)
-        ref_options = {
+        self._ref_options = {
             "causal": case.causal,
             "ref_dtype": settings.ref_dtype,
             "budget_bytes": settings.ref_budget_bytes,
         }
+        self._sinks_ref: check.Reference | None = None
         self.packed: tuple[torch.Tensor | None, ...] | None = None
         if case.seqlens is None:
             self.q = randn(s.batch, s.heads, s.seqlen_q, s.head_dim)
             self.k = randn(s.batch, s.kv_heads, s.seqlen_k, s.head_dim)
-            self.v = randn(s.batch, s.kv_heads, s.seqlen_k, s.head_dim)
-            self.do = randn(s.batch, s.heads, s.seqlen_q, s.head_dim) if backward else None
-            self.ref = check.compute_reference(self.q, self.k, self.v, self.do, **ref_options)
-            return
-        total = sum(case.seqlens)
-        self.packed = (
-            randn(total, s.heads, s.head_dim),
-            randn(total, s.kv_heads, s.head_dim),
-            randn(total, s.kv_heads, s.head_dim),
-            randn(total, s.heads, s.head_dim) if backward else None,
-        )
-        # Zero padding, do included: padding rows then add nothing to the real rows' dk, dv.
-        self.q, self.k, self.v, self.do = (
-            None if t is None else unpack(t, case.seqlens, s.seqlen_q) for t in self.packed
-        )
-        self.ref = check.compute_reference_varlen(*self.packed, case.seqlens, **ref_options)
+            self.v = randn(s.batch, s.kv_heads, s.seqlen_k, s.value_dim)
+            self.do = randn(s.batch, s.heads, s.seqlen_q, s.value_dim) if backward else None
+            self.ref = check.compute_reference(self.q, self.k, self.v, self.do, **self._ref_options)
+        else:
+            total = sum(case.seqlens)
+            self.packed = (
+                randn(total, s.heads, s.head_dim),
+                randn(total, s.kv_heads, s.head_dim),
+                randn(total, s.kv_heads, s.value_dim),
+                randn(total, s.heads, s.value_dim) if backward else None,
+            )
+            # Zero padding, do included: padding rows then add nothing to the real rows' dk, dv.
+            self.q, self.k, self.v, self.do = (
+                None if t is None else unpack(t, case.seqlens, s.seqlen_q) for t in self.packed
+            )
+            self.ref = check.compute_reference_varlen(
+                *self.packed, case.seqlens, **self._ref_options
+            )
+        self.sinks = randn(s.heads, dtype=torch.float32) + math.log(s.seqlen_k)
 
     def tensors(self, provider: Provider) -> tuple[torch.Tensor | None, ...]:
         """``q, k, v, do`` in the provider's layout."""
         if provider.packed and self.packed is not None:
             return self.packed
         return self.q, self.k, self.v, self.do
+
+    def extras(self, provider: Provider) -> tuple[torch.Tensor, ...]:
+        """The arguments after ``q, k, v``: ``(sinks,)`` for a provider with sinks, else none."""
+        return (self.sinks,) if provider.sinks else ()
+
+    def reference(self, provider: Provider) -> check.Reference:
+        """The reference to check ``provider`` against: ``ref``, or the one with the sinks."""
+        if not provider.sinks:
+            return self.ref
+        if self.packed is not None:
+            raise ValueError("the reference with sinks is for dense cases only")
+        if self._sinks_ref is None:
+            self._sinks_ref = check.compute_reference(
+                self.q, self.k, self.v, self.do, **self._ref_options, sinks=self.sinks
+            )
+        return self._sinks_ref
 
     def checked(self, x: torch.Tensor, provider: Provider) -> torch.Tensor:
         """A provider's result in the reference's layout: a padded batch loses its padding."""
@@ -189,11 +217,12 @@ def _measure(
     except Exception as e:
         return refuse("prepare", e)
     q, k, v, do = inputs.tensors(provider)
-    ref = inputs.ref
+    extras = inputs.extras(provider)
+    ref = inputs.reference(provider)
 
     if mode == "fwd":
         try:
-            out = fn(q, k, v)
+            out = fn(q, k, v, *extras)
             _sync(settings)
         except Exception as e:
             return refuse("forward", e)
@@ -201,14 +230,14 @@ def _measure(
         del out
 
         def bench() -> object:
-            return fn(q, k, v)
+            return fn(q, k, v, *extras)
 
         def make_bench():
             return bench
 
         grad_to_none = None
     else:
-        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, *extras)]
         try:
             out = fn(*leaves)
             _sync(settings)
@@ -220,9 +249,8 @@ def _measure(
         except Exception as e:
             return refuse("backward", e)
         errors = {"out": check.compare(inputs.checked(out, provider), ref.out, ref.pt_out)}
-        for name, leaf, r, pt in zip(
-            check.GRAD_NAMES, leaves, ref.grads, ref.pt_grads, strict=True
-        ):
+        names = (*check.GRAD_NAMES, check.SINKS_GRAD)[: len(leaves)]
+        for name, leaf, r, pt in zip(names, leaves, ref.grads, ref.pt_grads, strict=True):
             grad = leaf.grad if leaf.grad is not None else torch.full_like(leaf, float("nan"))
             errors[name] = check.compare(inputs.checked(grad, provider), r, pt)
         for leaf in leaves:
