@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import functools
 import importlib
 import math
 import sys
@@ -139,7 +140,7 @@ def check(args) -> int:
     return 1 if failures else 0
 
 
-def time_case(q, k, v, causal, fwd, bwd, sm90) -> dict[str, float]:
+def time_case(q, k, v, causal, fwd, bwd, sm90, ablate=False, stages=None) -> dict[str, float]:
     """Median milliseconds of each backward on one problem (do_bench, same process)."""
     import triton
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -147,10 +148,24 @@ def time_case(q, k, v, causal, fwd, bwd, sm90) -> dict[str, float]:
     scale = 1.0 / math.sqrt(q.shape[-1])
     dout = torch.randn_like(q)
     out, lse = fwd.launch(q, k, v, causal, scale)[:2]
+    cfg = sm90.CONFIGS[q.shape[-1]]
+    if stages:
+        cfg = cfg._replace(num_stages=stages)
     fns = {
-        "sm90": lambda: sm90.attn_bwd_sm90(dout, q, k, v, out, lse, causal, scale),
-        "portable": lambda: bwd.launch(dout, q, k, v, out, lse, None, causal, scale),
+        "sm90": lambda: sm90.attn_bwd_sm90(dout, q, k, v, out, lse, causal, scale, config=cfg),
+        # deterministic: the portable kernels (without it, "auto" takes the sm90 one here).
+        "portable": lambda: bwd.launch(
+            dout, q, k, v, out, lse, None, causal, scale, deterministic=True
+        ),
     }
+    if ablate:
+        # Measurement only (wrong dQ): dQ computed but not reduced into memory. (Without dQ at
+        # all, ABLATE=2, Triton 3.6's ptxas crashed.)
+        for mode, name in ((1, "noreduce"),):
+            ablated = cfg._replace(ablate=mode)
+            fns[name] = functools.partial(
+                sm90.attn_bwd_sm90, dout, q, k, v, out, lse, causal, scale, config=ablated
+            )
     qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = torch.nn.functional.scaled_dot_product_attention(
@@ -183,7 +198,7 @@ def bench(args) -> int:
                         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
                         flops = 2.5 * 4.0 * batch * heads * seqlen * seqlen * head_dim
                         flops /= 2 if causal else 1
-                        ms = time_case(q, k, v, causal, fwd, bwd, sm90)
+                        ms = time_case(q, k, v, causal, fwd, bwd, sm90, args.ablate, args.stages)
                         faulthandler.cancel_dump_traceback_later()
                         tf = {name: flops / t / 1e9 for name, t in ms.items()}
                         cols = " ".join(f"{name} {value:.0f}" for name, value in tf.items())
@@ -212,6 +227,8 @@ def main() -> int:
     b.add_argument("--tokens", type=int, default=32768)
     b.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     b.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    b.add_argument("--stages", type=int, default=None, help="slots of the Q/dO ring (sm90)")
+    b.add_argument("--ablate", action="store_true", help="also time without dQ's reduce")
     args = parser.parse_args()
     args.dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.dtypes]
     sys.path.insert(0, str(SRC.parent / "tests"))  # numerics.py: the rule the tests apply

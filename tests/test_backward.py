@@ -274,7 +274,7 @@ def _spy_backends(monkeypatch):
 def test_backward_tier_choice(monkeypatch, tier, deterministic, torch_flag, want):
     """Which backward runs: the tier in effect at the forward (the backward runs on autograd's
     thread, outside the block), never the Hopper one with ``deterministic`` or under
-    ``torch.use_deterministic_algorithms``; "auto" takes it from 4096 queries and keys on."""
+    ``torch.use_deterministic_algorithms``; "auto" takes it for long sequences."""
     sm90_or_skip()
     ran = _spy_backends(monkeypatch)
     q, k, v = make_qkv(Case(1, 4, 2, 4096, 4096, 128), torch.bfloat16, "cuda")
@@ -291,7 +291,7 @@ def test_backward_auto_keeps_short_sequences_portable(monkeypatch):
     sm90_or_skip()
     ran = _spy_backends(monkeypatch)
     q, k, v = (
-        t.requires_grad_() for t in make_qkv(Case(2, 8, 8, 1024, 1024, 128), torch.bfloat16, "cuda")
+        t.requires_grad_() for t in make_qkv(Case(2, 8, 8, 512, 512, 128), torch.bfloat16, "cuda")
     )
     flashcore.attention(q, k, v).sum().backward()
     assert ran == ["portable"]

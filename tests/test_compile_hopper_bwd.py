@@ -56,15 +56,16 @@ def compile_variant(variant) -> dict:
         block = [1, 1, 64, head_dim]
         layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
-    block = [1, 1, 64, 64]  # dQ leaves in 64-column chunks (ops/bwd_sm90.py: DQ_COLS)
+    block = [1, 1, 64, head_dim // 2]  # each consumer reduces half the columns (DQ_COLS)
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float32)
     signature["dq_desc"] = f"tensordesc<fp32{block},{layout!r}>"
     row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     for name in ("lse_desc", "delta_desc"):
         signature[name] = f"tensordesc<fp32[64],{row_layout!r}>"
     consts = dict(
-        HEAD_DIM=head_dim, NUM_STAGES=stages, CONSUMER_REGS=regs, IS_CAUSAL=causal, EVEN_N=even_n
-    )
+        HEAD_DIM=head_dim, NUM_STAGES=stages, CONSUMER_REGS=regs, IS_CAUSAL=causal,
+        EVEN_N=even_n, ABLATE=0,
+    )  # fmt: skip
     fn = bwd.attn_bwd_sm90_kernel
     for name in fn.arg_names:
         if name in consts:
@@ -151,12 +152,12 @@ def test_shared_memory_within_limit(compiled):
 
 # Spill bytes (stores + loads, as ptxas reports them) a variant may have, all scalars. At D=128
 # the consumers hold dK and dV (128 registers) and S^T, dP^T (64) at once; a masked step adds the
-# mask's indices (the query-row vector is 16 registers a thread in the score layout), and ptxas
-# then spills the shared-memory base that the warp-specialised entry computes (4 B stored once at
-# entry, one 4-byte L1 reload per masked step). Causal ragged: that, one prologue value reloaded
-# once for the epilogue, and one 4-byte store/reload per masked step in the second consumer
-# (16 B stored, 12 B loaded). Non-causal ragged: the base only (4 + 4 B), every step.
-SPILL_ALLOWANCE = {"d128-fp16-causal-ragged": 28, "d128-bf16-ragged": 8}
+# mask's indices (the query-row vector is 16 registers a thread in the score layout). Causal with
+# ragged Sk: ptxas spills a few scalars (the shared-memory base that the warp-specialised entry
+# computes, values reloaded once for the epilogue or on masked steps): 36 B with dQ split by
+# columns over the consumers (28 B when each consumer reduced its own keys' dQ, which also spilled
+# 8 B in the non-causal ragged variant; that one has none now).
+SPILL_ALLOWANCE = {"d128-fp16-causal-ragged": 36}
 
 
 def test_no_spills(compiled):
@@ -198,11 +199,14 @@ def test_dq_staging_reused_only_after_the_copy_engine_read_it(compiled):
 
 
 def test_slot_freed_after_its_products(compiled):
-    # One qd_empty arrive per consumer, each after the wait that completes dV and dK.
+    # Per consumer in the step: the qd_empty arrive (freeing the Q/dO slot) and the ds_ready
+    # arrive (its dS^T tile written), both after the wait that completes dV and dK; after the
+    # loop one more ds_ready arrive (before the epilogue overwrites K), which ptxas may place in
+    # a block also reached without any step (no wgmma wait before it on that path).
     for row in compiled:
-        assert row["frees"] == 2, f"{row['variant']}: {row['frees']} slot frees"
-        assert row["frees_ordered"] == row["frees"], (
-            f"{row['variant']}: {row['frees_ordered']} of {row['frees']} frees after the wait"
+        assert row["frees"] == 6, f"{row['variant']}: {row['frees']} mbarrier arrives"
+        assert row["frees_ordered"] >= 4, (
+            f"{row['variant']}: {row['frees_ordered']} of {row['frees']} arrives after the wait"
         )
 
 

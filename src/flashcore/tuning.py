@@ -210,14 +210,16 @@ def bwd_config(
 
 
 # The Hopper backward (ops/bwd_sm90.py) under the "auto" tier: from this many queries and keys
-# on. H100, bf16, 32k tokens (scripts/hopper_bwd.py bench): 1.11-1.12x the portable backward at
-# S = 8192 (D 64 and 128, causal and not), 0.83-0.94x at S = 1024.
-SM90_BWD_MIN_SEQLEN = 4096
+# on. H100, bf16, 32k tokens (scripts/hopper_bwd.py bench, docs/performance.md): 1.13-1.31x the
+# portable backward at D=128 from S = 1024 on, 1.04-1.20x at D=64 except causal S = 1024 (0.98x).
+SM90_BWD_MIN_SEQLEN = 1024
+SM90_BWD_MIN_SEQLEN_D64_CAUSAL = 2048
 
 
-def sm90_backward(seqlen_q: int, seqlen_k: int) -> bool:
-    """Whether "auto" takes the Hopper backward for these lengths (where it measured faster)."""
-    return min(seqlen_q, seqlen_k) >= SM90_BWD_MIN_SEQLEN
+def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> bool:
+    """Whether "auto" takes the Hopper backward for this problem (where it measured faster)."""
+    least = SM90_BWD_MIN_SEQLEN_D64_CAUSAL if causal and head_dim <= 64 else SM90_BWD_MIN_SEQLEN
+    return min(seqlen_q, seqlen_k) >= least
 
 
 @dataclass(frozen=True)

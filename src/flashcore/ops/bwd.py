@@ -78,7 +78,10 @@ def launch(
         and varlen is None
         and config is None
         and runtime.backward_tier(q.device) == "sm90"
-        and (runtime.tier_forced() or sm90_backward(dims.seqlen_q, dims.seqlen_k))
+        and (
+            runtime.tier_forced()
+            or sm90_backward(dims.seqlen_q, dims.seqlen_k, q.shape[-1], causal)
+        )
     ):
         from flashcore.ops import bwd_sm90
 

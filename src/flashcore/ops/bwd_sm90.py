@@ -23,7 +23,7 @@ from flashcore.ops.fwd_sm90 import dense_problem, descriptor, tma_ok
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
 BLOCK_N = 128  # keys per program
-DQ_COLS = 64  # dQ leaves in (64, 64) fp32 chunks (a 32-register accumulator at D=128)
+# dQ leaves in (64, D / 2) fp32 tiles: each consumer reduce-adds half the columns of a step's dQ.
 LOG2E = 1.4426950408889634
 
 
@@ -34,6 +34,9 @@ class Sm90BwdConfig(NamedTuple):
     num_stages: int = 2
     consumer_regs: int = 240
     maxnreg: int = 168
+    ablate: int = 0
+    """Measurement only (wrong dQ): 1 computes dQ but never reduces it into memory, 2 skips dQ
+    (``scripts/hopper_bwd.py bench --ablate``)."""
 
 
 # D=128: K, V 64 KB, Q/dO ring 2 x 32 KB, dS^T 16 KB, dQ staging 64 KB: 214400 B of shared
@@ -143,7 +146,7 @@ def attn_bwd_sm90(
             descriptor(dout, tile),
             descriptor(lse2.view(-1), [ROWS]),
             descriptor(delta.view(-1), [ROWS]),
-            descriptor(dq_acc, [1, 1, ROWS, DQ_COLS]),
+            descriptor(dq_acc, [1, 1, ROWS, head_dim // 2]),
             descriptor(dk, tile),
             descriptor(dv, tile),
         )
@@ -162,6 +165,7 @@ def attn_bwd_sm90(
             CONSUMER_REGS=cfg.consumer_regs,
             IS_CAUSAL=bool(causal),
             EVEN_N=seqlen_k % BLOCK_N == 0,
+            ABLATE=cfg.ablate,
             num_warps=4,
             maxnreg=cfg.maxnreg,
         )

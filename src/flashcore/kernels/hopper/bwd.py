@@ -1,6 +1,6 @@
 """FlashAttention-3-style backward for Hopper (sm_90a) in Gluon: one pass per key block, dQ by
-TMA reduce-add. Compiled for sm_90a on the CPU (``tests/test_compile_hopper_bwd.py``); it has not
-run on a GPU yet: ``scripts/hopper_bwd.py check`` is its first numerical test.
+TMA reduce-add. Compiled for sm_90a on the CPU (``tests/test_compile_hopper_bwd.py``) and checked
+on the H100 (``scripts/hopper_bwd.py check``, the GPU tests of ``tests/test_backward.py``).
 
 Algorithm. The gradients of ``kernels/bwd.py`` (same LSE base, same masks), in five products per
 step instead of the portable tier's seven (no P recomputed for dQ):
@@ -26,9 +26,9 @@ buffer (zeroed by the launcher) by ``cp.reduce.async.bulk.tensor ... .add`` (TMA
 Schedule (one CTA, ``gl.warp_specialize``): two consumer warpgroups (the default partition and
 worker 0; 240 registers each after ``setmaxnreg``) and a producer warp (worker 1, 24 registers).
 Consumer c owns keys ``[64 c, 64 c + 64)`` of the block: its own K_c, V_c (shared memory, loaded
-once), its own dK_c, dV_c (fp32 registers, 64 x D each), its own dS^T staging tile and fp32 dQ
-staging tile. The two consumers share the Q / dO / lse2 / delta ring and nothing else, so they
-never wait for each other.
+once), its own dK_c, dV_c (fp32 registers, 64 x D each), its own dS^T tiles (two, alternating by
+step) and fp32 dQ staging tile. The two consumers share the Q / dO / lse2 / delta ring, read each
+other's dS^T and K for dQ, and meet once a step (``ds_ready``).
 
 - Producer: K_c and V_c (four ``(1, 1, 64, D)`` TMA boxes) onto ``kv_ready`` (count 1, armed with
   ``expect`` of all four; one phase, waited with parity 0). Then for step t (query head g, query
@@ -36,7 +36,8 @@ never wait for each other.
   1) ^ 1`` (the first pass through the ring does not block); arm ``qd_ready[slot]`` with the
   bytes of Q, dO (``(1, 1, 64, D)`` boxes of the 4-D ``(B, H, Sq, D)`` views: rows past Sq arrive
   as zeros) and lse2, delta (``(64,)`` boxes of the flat padded buffers); issue the four loads.
-- Consumer c, step t (slot ``t % NUM_STAGES``, parity ``(t // NUM_STAGES) & 1``)::
+- Consumer c, step t (slot ``t % NUM_STAGES``, parity ``(t // NUM_STAGES) & 1``; dS^T buffer
+  ``b = t % 2``)::
 
       wait qd_ready[slot]
       S^T  = wgmma(K_c, Q^T)    async         # group 1
@@ -46,25 +47,29 @@ never wait for each other.
       wgmma.wait_group 0                      # dP^T done
       delta from the slot; dS^T = P^T * (dP^T - delta)
       dV  += wgmma(P^T (registers), dO) async
-      dS^T -> shared (this consumer's tile)
+      dS^T -> shared (tile [b, c])
       dK  += wgmma(dS^T (registers), Q) async
       fence.proxy.async; wgmma.wait_group 0   # dV, dK done: every reader of the slot is done
       arrive qd_empty[slot]                   # count 2: both consumers
-      for each 64-column chunk j of D (one at D=64, two at D=128):
-          dQ_cj = wgmma(dS (shared, transposed view), K_c[:, chunk j]); wait
-          cp.async.bulk.wait_group.read (chunks - 1)  # this chunk's previous reduce has read
-          dQ_cj -> shared (fp32 staging tile j); fence.proxy.async
-          TMA reduce-add into dQ[b, h, m:m+64, chunk j]
+      arrive ds_ready[b]; wait ds_ready[b]    # count 2: both dS^T tiles of the step written
+      dQ_c = wgmma(dS_0, K_0[:, cols c]) + wgmma(dS_1, K_1[:, cols c]); wait
+      cp.async.bulk.wait_group.read 0         # the staging tile's previous reduce has read it
+      dQ_c -> shared (fp32 staging tile c); fence.proxy.async
+      TMA reduce-add into dQ[b, h, m:m+64, cols c]
 
-  The dQ products run after dV and dK have completed and in 64-column chunks, so that at most
-  one 32-register dQ accumulator sits beside dK and dV (with a whole (64, 128) one, or with
-  all three products in flight, ptxas serialised the wgmmas (C7512) and spilled 190-360 B at
-  D=128). For the same reason lse2 and delta are read from shared memory where they are used
-  (a row vector in the score layout takes 16 registers a thread).
+  with ``cols c = [c D/2, (c + 1) D/2)``: each consumer computes half the columns of the step's
+  dQ over all 128 keys (a 64 x D/2 accumulator, 32 registers at D=128) and reduce-adds it, so the
+  step sends 64 x D fp32 to L2 once. (Each consumer reducing its own keys' full-width dQ sent it
+  twice: at D=128 the L2 ran at 86% of its throughput (ncu) and the backward 10-14% slower.) dQ
+  is issued after dV and dK have completed: with all three in flight ptxas serialised the wgmmas
+  (C7512) and spilled at D=128. lse2 and delta are read from shared memory where they are used (a
+  row vector in the score layout takes 16 registers a thread).
 
-  Epilogue: dK_c * scale and dV_c, cast, written into K_c's and V_c's slots (their last readers,
-  the final products, are complete), fence, TMA stores (rows past Sk dropped by the copy engine),
-  then ``store_wait(0)`` so that no bulk copy still reads shared memory when the CTA exits.
+  After the last step both consumers arrive on and wait ``ds_ready`` once more: the other
+  consumer's dQ products read this consumer's K tile, which the epilogue overwrites. Epilogue:
+  dK_c * scale and dV_c, cast, written into K_c's and V_c's slots, fence, TMA stores (rows past
+  Sk dropped by the copy engine), then ``store_wait(0)`` so that no bulk copy still reads shared
+  memory when the CTA exits.
 
 mbarrier phases (why nothing deadlocks). ``kv_ready`` completes once (the producer's first act,
 unconditional: a block whose keys no query sees still gets its K/V loaded, so both consumers'
@@ -77,10 +82,16 @@ consumers wait ``qd_ready`` with parity ``(t // NUM_STAGES) & 1``, the producer 
 NUM_STAGES waits pass). Neither barrier can run two phases ahead of its waiter: ``qd_ready[s]``
 completes again only after the producer's wait on ``qd_empty[s]``, which needs both consumers'
 arrivals for the previous use, which come after their wait on that ``qd_ready`` phase; and
-symmetrically. Producer and consumers derive the same step count from the same arguments
-(``q_blocks``), and a consumer arrives on ``qd_empty`` exactly once per step, after its wait
-on ``qd_ready`` (no early exit in between), so the counts match. The consumers' only other
-waits are on their own bulk copies (``store_wait``), which complete without anyone's help.
+symmetrically. ``ds_ready[b]`` (count 2) completes at steps t = b, b + 2, ... (and once after the
+last step, as step ``n_steps``), waited with parity ``(t // 2) & 1``; it cannot complete twice
+before a consumer's wait, since a consumer's arrival at step t + 2 follows its wait at step t + 1,
+which needs the other's arrival at t + 1, after that one's wait at t. The same chain keeps the
+dS^T tiles safe: tile ``[b, c]`` is rewritten at step t + 2 only after the other consumer's dQ
+product of step t (which reads it) has completed. Producer and consumers derive the same step
+count from the same arguments (``q_blocks``), and every consumer arrives on each barrier exactly
+once per step, after its waits (no early exit in between), so the counts match. The consumers'
+only other waits are on their own bulk copies (``store_wait``), which complete without anyone's
+help.
 
 Flags (``gl.constexpr``): IS_CAUSAL (bottom-right aligned: row i sees key j iff ``j <= i + Sk -
 Sq``; query blocks before the block's diagonal are skipped, blocks crossing it are masked at run
@@ -89,17 +100,18 @@ time, later ones are not; the causal mask also hides keys past Sk). EVEN_N (Sk a
 step (a run-time branch on a loop invariant). Their K and V rows arrive as zeros, so their dS
 would reach dQ only times K = 0, but unmasked their P = exp2(-lse2) can overflow fp16 to inf
 (LSE below about -11) and inf * 0 is NaN. Their dK/dV rows are never stored (the copy engine
-clips at Sk). Query rows past Sq have Q = dO = 0 and lse2 = +inf: P = 0, dS = 0.
+clips at Sk). Query rows past Sq have Q = dO = 0 and lse2 = +inf: P = 0, dS = 0. ABLATE
+(measurement only, wrong dQ): 1 computes dQ but does not reduce it; 2 skips the dQ products
+(Triton 3.6's ptxas crashes on that variant).
 
 Invariants. Head dim 64 or 128 and unit stride on D; every descriptor stride is 16-byte aligned
-(launcher). Shared memory at D=128: K, V 32 KB each, Q/dO ring 2 x 2 x 16 KB, dS^T 2 x 8 KB, fp32
-dQ staging 2 consumers x 2 chunks x 16 KB, row stats 1 KB: 214400 B; at D=64 116096 B.
+(launcher). Shared memory at D=128: K, V 32 KB each, Q/dO ring 2 x 2 x 16 KB, dS^T 2 x 2 x 8 KB,
+fp32 dQ staging 2 x 16 KB, row stats 1 KB, barriers: 198048 B; at D=64 116128 B.
 
-Compiled (CPU, ptxas of Triton 3.6's wheel, sm_90a; ``tests/test_compile_hopper_bwd.py``): 168
-registers at entry, ``setmaxnreg`` 240 / 24, no C75xx warning; shared memory 214400 B at D=128,
-116096 B at D=64; spills 0 B for D=128 bf16 and D=64 bf16 causal, 8 B for D=128 with ragged Sk
-(non-causal) and 28 B for D=128 fp16 causal ragged (scalars: the shared-memory base that the
-warp-specialised entry computes, reloaded on masked steps; see the test's allowance).
+Compiled (CPU, ptxas of Triton 3.6's wheel, sm_90a; ``tests/test_compile_hopper_bwd.py``):
+``setmaxnreg`` 240 / 24, no C75xx warning; spills 0 B except 36 B (scalars) for D=128 fp16
+causal with ragged Sk (see the test's allowance). A run-time branch around the dQ products (one
+consumer computing the whole dQ of a step, alternating) made ptxas crash (SIGSEGV).
 
 Not yet covered (the launcher's ``supports`` says no): window, softcap, ALiBi, sinks, varlen, a
 value head dim different from Q/K's.
@@ -280,6 +292,7 @@ def _consumer(
     kv_ready,
     qd_ready,
     qd_empty,
+    ds_ready,
     dq_desc,
     dk_desc,
     dv_desc,
@@ -294,6 +307,7 @@ def _consumer(
     NUM_STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     EVEN_N: gl.constexpr,
+    ABLATE: gl.constexpr,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # S^T, dP^T: (64 keys, 64 query rows); dK, dV: (64 keys, D); dQ: (64 query rows, D).
@@ -324,9 +338,12 @@ def _consumer(
     v_tile = v_smem.index(CONSUMER)
     k_c = k_tile.reshape([ROWS, HEAD_DIM])
     v_c = v_tile.reshape([ROWS, HEAD_DIM])
-    ds_t = ds_smem.index(CONSUMER)
+    # dQ of a step: this consumer computes its half of the columns (DQ_COLS = D / 2), over both
+    # consumers' keys (K_0 and K_1 with both dS^T tiles), and reduce-adds it.
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
-    DQ_CHUNKS: gl.constexpr = HEAD_DIM // DQ_COLS
+    k0_cols = k_smem.index(0).reshape([ROWS, HEAD_DIM]).slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
+    k1_cols = k_smem.index(1).reshape([ROWS, HEAD_DIM]).slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
+    dq_tile = dq_smem.index(CONSUMER)
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
     )
@@ -368,7 +385,10 @@ def _consumer(
         p_op = gl.convert_layout(p.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
         # dQ = dS K_c takes dS as the A operand from shared memory (a transposed view of dS^T).
-        ds_t.store(ds)
+        # dS^T double-buffered over steps: the other consumer's dQ product of step t reads this
+        # consumer's tile of step t, which is rewritten at step t + 2 only (see ds_ready).
+        buf = t % 2
+        ds_smem.index(2 * buf + CONSUMER).store(ds)
         ds_op = gl.convert_layout(ds, a_layout)
         dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
         fence_async_shared()
@@ -379,25 +399,29 @@ def _consumer(
         # Every reader of the slot is complete: S^T, dP^T, dV, dK and the lse2/delta loads
         # (Gluon syncs the warpgroup before the single-thread arrive).
         mbarrier.arrive(qd_empty.index(slot), count=1)
-        # dQ_c in column chunks of DQ_COLS (64): a 32-register accumulator beside dK and dV (a
-        # whole 64 x 128 one left too few registers for the addresses and spilled 192-360 B).
-        for j in gl.static_range(DQ_CHUNKS):
-            if DQ_CHUNKS == 1:
-                k_cols = k_c
-            else:
-                k_cols = k_c.slice(j * DQ_COLS, DQ_COLS, dim=1)
-            dq_tok = warpgroup_mma(
-                ds_t.permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True
-            )
+        # This consumer's dS^T is in shared memory (written and fenced before the wait above);
+        # dQ needs the other's too.
+        mbarrier.arrive(ds_ready.index(buf), count=1)
+        mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+        if ABLATE < 2:
+            ds0 = ds_smem.index(2 * buf).permute((1, 0))
+            ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
+            dq_tok = warpgroup_mma(ds0, k0_cols, zero_dq, use_acc=False, is_async=True)
+            dq_tok = warpgroup_mma(ds1, k1_cols, dq_tok, is_async=True)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            # This chunk's staging tile was last read by the previous step's reduce of the same
-            # chunk: wait until the copy engine has read it (cp.async.bulk.wait_group.read).
-            tma.store_wait(DQ_CHUNKS - 1)
-            dq_tile = dq_smem.index(CONSUMER * DQ_CHUNKS + j)
+            # The staging tile was last read by the previous step's reduce: wait until the copy
+            # engine has read it (cp.async.bulk.wait_group.read).
+            tma.store_wait(0)
             dq_tile.reshape([ROWS, DQ_COLS]).store(dq)
             fence_async_shared()
-            tma_reduce_add(dq_desc, [off_b, off_h, start_m, j * DQ_COLS], dq_tile)
+            if ABLATE == 0:
+                tma_reduce_add(dq_desc, [off_b, off_h, start_m, CONSUMER * DQ_COLS], dq_tile)
 
+    # Both consumers past their last step: the other's dQ products, which read this consumer's
+    # K tile, are complete before the tile is overwritten (one more phase of ds_ready).
+    n_steps = n_m * kv_group
+    mbarrier.arrive(ds_ready.index(n_steps % 2), count=1)
+    mbarrier.wait(ds_ready.index(n_steps % 2), (n_steps // 2) & 1)
     # Epilogue: dK, dV through this consumer's K and V slots (their last readers are complete).
     k_c.store((dk * scale).to(dtype))
     v_c.store(dv.to(dtype))
@@ -430,15 +454,15 @@ def attn_bwd_sm90_kernel(
     CONSUMER_REGS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     EVEN_N: gl.constexpr,
+    ABLATE: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA box per slot.
     q_shape: gl.constexpr = [NUM_STAGES] + q_desc.block_type.shape  # noqa: RUF005
     kv_shape: gl.constexpr = [2] + k_desc.block_type.shape  # noqa: RUF005
     row_shape: gl.constexpr = [NUM_STAGES] + lse_desc.block_type.shape  # noqa: RUF005
-    # dQ staging: per consumer, one fp32 tile per column chunk of the dQ box.
-    DQ_CHUNKS: gl.constexpr = HEAD_DIM // dq_desc.block_type.shape[3]
-    dq_shape: gl.constexpr = [2 * DQ_CHUNKS] + dq_desc.block_type.shape  # noqa: RUF005
+    # dQ staging: per consumer, one fp32 tile of its half of the columns.
+    dq_shape: gl.constexpr = [2] + dq_desc.block_type.shape  # noqa: RUF005
     q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
@@ -446,28 +470,35 @@ def attn_bwd_sm90_kernel(
     lse_smem = gl.allocate_shared_memory(gl.float32, row_shape, lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(gl.float32, row_shape, delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], ds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [4, ROWS, ROWS], ds_layout)  # [step % 2, consumer]
     dq_smem = gl.allocate_shared_memory(gl.float32, dq_shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     kv_ready = kv_bar.index(0)
     qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(qd_ready.index(i), count=1)
         mbarrier.init(qd_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
 
     gl.warp_specialize(
         [
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                kv_ready, qd_ready, qd_empty, dq_desc, dk_desc, dv_desc, kv_heads, kv_group,
+                kv_ready, qd_ready, qd_empty, ds_ready, dq_desc, dk_desc, dv_desc, kv_heads,
+                kv_group,
                 seqlen_q, seqlen_k, qk_scale, scale, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, EVEN_N,
+                ABLATE,
             )),
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                kv_ready, qd_ready, qd_empty, dq_desc, dk_desc, dv_desc, kv_heads, kv_group,
+                kv_ready, qd_ready, qd_empty, ds_ready, dq_desc, dk_desc, dv_desc, kv_heads,
+                kv_group,
                 seqlen_q, seqlen_k, qk_scale, scale, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, EVEN_N,
+                ABLATE,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
