@@ -9,10 +9,11 @@ attention differentiated in float64 and pt the same in the input dtype. The forw
 come from the portable forward (``ops.fwd.launch``); dq, dk and dv are poisoned with NaN before
 the launch (the launcher writes them in place), so an element no program writes fails.
 
-``bench`` times ``attn_bwd_sm90``, the portable backward (``ops.bwd.launch``) and SDPA's cuDNN
-backward (autograd of ``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION``) in
-one process, ``triton.testing.do_bench`` medians, 32k tokens (H = 16 at D=128, 32 at D=64); FLOPs
-are 2.5 x the forward's ``4 B H Sq Sk D`` (halved for causal).
+``bench`` times ``attn_bwd_sm90``, the portable backward (``ops.bwd.launch``), FlashAttention-4's
+backward where ``flash_attn.cute`` imports, and SDPA's cuDNN backward (autograd of
+``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION``) in one process,
+``triton.testing.do_bench`` medians, 32k tokens (H = 16 at D=128, 32 at D=64); FLOPs are 2.5 x
+the forward's ``4 B H Sq Sk D`` (halved for causal).
 
 A kernel that hangs (an mbarrier waited on with the wrong phase) blocks the process inside a CUDA
 synchronisation, where Python's signal handlers never run. Each case therefore arms
@@ -140,6 +141,17 @@ def check(args) -> int:
     return 1 if failures else 0
 
 
+@functools.cache
+def _fa4():
+    """FlashAttention-4's ``flash_attn_func`` where it imports (pip ``flash-attn-4``), else
+    None."""
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func
+
+
 def time_case(q, k, v, causal, fwd, bwd, sm90, ablate=False, stages=None) -> dict[str, float]:
     """Median milliseconds of each backward on one problem (do_bench, same process)."""
     import triton
@@ -172,6 +184,13 @@ def time_case(q, k, v, causal, fwd, bwd, sm90, ablate=False, stages=None) -> dic
             qg, kg, vg, is_causal=causal, scale=scale
         )
     fns["cudnn"] = lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True)
+    fa4 = _fa4()
+    if fa4 is not None:
+        # FlashAttention-4 takes (B, S, H, D) tensors and returns (out, lse).
+        qf, kf, vf = (t.transpose(1, 2).contiguous().requires_grad_() for t in (q, k, v))
+        of = fa4(qf, kf, vf, softmax_scale=scale, causal=causal)[0]
+        dof = dout.transpose(1, 2).contiguous()
+        fns["fa4"] = lambda: torch.autograd.grad(of, (qf, kf, vf), dof, retain_graph=True)
     ms = {}
     for name, fn in fns.items():
         try:
@@ -206,7 +225,8 @@ def bench(args) -> int:
                             f"run{run} {str(dtype)[6:]} D{head_dim} causal{int(causal)} S{seqlen}"
                             f" B{batch} H{heads}: {cols} TFLOP/s  sm90/cudnn"
                             f" {tf['sm90'] / tf['cudnn']:.3f} sm90/portable"
-                            f" {tf['sm90'] / tf['portable']:.3f}",
+                            f" {tf['sm90'] / tf['portable']:.3f}"
+                            + (f" sm90/fa4 {tf['sm90'] / tf['fa4']:.3f}" if "fa4" in tf else ""),
                             flush=True,
                         )
                         del q, k, v
