@@ -88,6 +88,31 @@ def test_sinks_gpu(mc, label, dtype, device):
     check_sinks_case(q, k, v, case_sinks(mc, device), **mask_options(mc, device))
 
 
+SINK_CASES_SM90 = [
+    (MaskCase(Case(2, 16, 4, 1024, 1024, 128), causal=True), "causal-d128-gqa"),
+    (MaskCase(Case(1, 8, 8, 700, 1100, 64)), "full-d64-sq<sk"),
+    (MaskCase(Case(1, 4, 2, 1100, 300, 128), causal=True), "causal-sq>sk-rows-without-keys"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("mc", "label"), SINK_CASES_SM90, ids=[c[1] for c in SINK_CASES_SM90])
+def test_sinks_gpu_sm90_backward(mc, label, dtype, device, monkeypatch):
+    """The Hopper backward with sinks (it needs nothing but delta for them): forced onto it where
+    it runs (sm_90), with a check that it did run there."""
+    from flashcore.ops import bwd_sm90, runtime
+
+    ran = []
+    real = bwd_sm90.attn_bwd_sm90
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", lambda *a: ran.append(1) or real(*a))
+    q, k, v = make_qkv(mc.case, dtype, device, layout="bshd")
+    with flashcore.use_tier("sm90"):
+        check_sinks_case(q, k, v, case_sinks(mc, device), **mask_options(mc, device))
+    hopper = runtime.capability(q.device) == (9, 0) and runtime.sm90_verified()
+    assert ran == ([1] if hopper else [])
+
+
 def test_rows_without_keys_give_the_sink(device):
     """Causal Sq > Sk: rows 0..Sq-Sk-1 see no key: out 0, lse = sink; their dq is 0 and the
     sinks' gradient from them is dlse (p_sink = 1, delta = -dlse)."""

@@ -88,8 +88,10 @@ def launch(
         if bwd_sm90.supports(
             q, k, v, dq, dk, dv, window=window, softcap=softcap, alibi=alibi_slopes, sinks=sinks
         ):
-            bwd_sm90.attn_bwd_sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv)
-            return dq, dk, dv, None
+            delta = bwd_sm90.attn_bwd_sm90(
+                dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv
+            )[3]
+            return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)

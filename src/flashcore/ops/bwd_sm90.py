@@ -69,9 +69,12 @@ def supports(
     given: shaped like q, k, v; dk and dv with strides the copy engine accepts): an sm_90 device,
     fp16/bf16, head dim 64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)`` /
     ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, strides the copy
-    engine accepts, causal or not. No window, softcap, ALiBi or sinks yet (nor packed batches:
-    the caller's)."""
-    if window not in (None, (-1, -1)) or softcap or alibi is not None or sinks is not None:
+    engine accepts, causal or not, with or without sinks. No window, softcap or ALiBi yet (nor
+    packed batches: the caller's)."""
+    # Sinks need nothing of the kernel: P comes from the LSE, which includes them, and their
+    # gradient from the LSE and delta (the caller's ``bwd.sink_grad``).
+    del sinks
+    if window not in (None, (-1, -1)) or softcap or alibi is not None:
         return False
     if not dense_problem(q, k, v):
         return False
@@ -99,9 +102,10 @@ def attn_bwd_sm90(
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     config: Sm90BwdConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of ``out, lse = attention(q, k, v, causal, scale)`` for inputs that passed
-    ``supports`` (with the same ``dq``, ``dk``, ``dv``).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, delta)`` of ``out, lse = attention(q, k, v, causal, scale)`` for inputs that
+    passed ``supports`` (with the same ``dq``, ``dk``, ``dv``); ``delta`` is ``rowsum(dout * out) -
+    dlse``, fp32 ``(B, H, Sq)`` (a view), for the sinks' gradient.
 
     ``q``, ``out``, ``dout``: ``(B, H, Sq, D)``; ``k``, ``v``: ``(B, Hkv, Sk, D)`` (any strides the
     copy engine accepts; ``(B, S, H, D)`` storage passed as ``.transpose(1, 2)`` works; ``dout``
@@ -171,4 +175,4 @@ def attn_bwd_sm90(
         )
     # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
     torch.mul(dq_acc, scale, out=dq)
-    return dq, dk, dv
+    return dq, dk, dv, delta[..., :seqlen_q]
