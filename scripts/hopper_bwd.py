@@ -76,6 +76,20 @@ CASES = [
     (1, 4, 4, 4096, 4096, 128, True, "bhsd", False),
     (1, 4, 4, 4097, 1000, 64, False, "bhsd", False),
 ]
+# Score options (window, softcap, ALiBi: "h" slopes (H,), "bh" (B, H)) on some of the cases.
+OPTION_CASES = [
+    ((2, 8, 2, 1000, 1500, 128, True, "bhsd", False), {"window": (300, 0)}),
+    ((1, 4, 4, 777, 1100, 128, False, "bhsd", False), {"window": (200, 150)}),
+    ((1, 4, 4, 1100, 777, 64, False, "bshd", False), {"window": (-1, 100)}),
+    ((2, 4, 2, 700, 900, 128, False, "bhsd", False), {"softcap": 30.0}),
+    ((1, 8, 8, 900, 700, 64, True, "bhsd", True), {"softcap": 20.0, "window": (256, 0)}),
+    ((2, 8, 2, 800, 1000, 128, True, "bhsd", False), {"alibi": "h"}),
+    ((2, 4, 4, 1000, 800, 64, False, "bhsd", False), {"alibi": "bh", "softcap": 50.0}),
+    (
+        (1, 4, 1, 1024, 1024, 128, False, "bshd", True),
+        {"alibi": "h", "window": (128, 64), "softcap": 15.0},
+    ),
+]
 
 
 def make(b, heads, seqlen, head_dim, dtype, layout, gen):
@@ -85,10 +99,10 @@ def make(b, heads, seqlen, head_dim, dtype, layout, gen):
     return torch.randn(b, heads, seqlen, head_dim, device="cuda", dtype=dtype, generator=gen)
 
 
-def reference_grads(ref, q, k, v, dout, dlse, causal, scale, dtype):
+def reference_grads(ref, q, k, v, dout, dlse, causal, scale, dtype, **options):
     """``(dq, dk, dv)`` of ``flashcore.reference.attention`` computed in ``dtype``."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-    r = ref.attention(q, k, v, causal=causal, scale=scale, dtype=dtype)
+    r = ref.attention(q, k, v, causal=causal, scale=scale, dtype=dtype, **options)
     loss = (r.out * dout.to(dtype)).sum()
     if dlse is not None:
         fin = torch.isfinite(r.lse)
@@ -104,10 +118,16 @@ def check(args) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     failures = 0
     for dtype in args.dtypes:
-        for case in CASES:
+        for case, opts in [(c, {}) for c in CASES] + OPTION_CASES:
             b, h, hkv, sq, sk, d, causal, layout, with_dlse = case
             name = f"{str(dtype)[6:]} B{b} H{h}/{hkv} Sq{sq} Sk{sk} D{d} c{int(causal)} {layout}"
             name += " dlse" if with_dlse else ""
+            name += "".join(f" {key}={value}" for key, value in opts.items())
+            options = dict(opts)
+            if "alibi" in options:
+                shape = (h,) if options["alibi"] == "h" else (b, h)
+                options["alibi_slopes"] = torch.rand(shape, device="cuda", generator=gen) * 0.5
+                del options["alibi"]
             print(f"RUN  {name}", flush=True)
             faulthandler.dump_traceback_later(args.case_timeout, exit=True)
             q = make(b, h, sq, d, dtype, layout, gen)
@@ -118,13 +138,18 @@ def check(args) -> int:
             dlse = None
             if with_dlse:
                 dlse = torch.randn(b, h, sq, device="cuda", generator=gen)
-            out, lse = fwd.launch(q, k, v, causal, scale)[:2]
+            out, lse = fwd.launch(q, k, v, causal, scale, **options)[:2]
             dq, dk, dv = (torch.full_like(t, float("nan")) for t in (q, k, v))
-            assert sm90.supports(q, k, v, dq, dk, dv), name
-            sm90.attn_bwd_sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv)
+            alibi = options.get("alibi_slopes")
+            assert sm90.supports(q, k, v, dq, dk, dv, alibi=alibi), name
+            sm90.attn_bwd_sm90(
+                dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv,
+                window=options.get("window", (-1, -1)), softcap=options.get("softcap", 0.0),
+                alibi=alibi,
+            )  # fmt: skip
             torch.cuda.synchronize()
-            g64 = reference_grads(ref, q, k, v, dout, dlse, causal, scale, torch.float64)
-            gpt = reference_grads(ref, q, k, v, dout, dlse, causal, scale, dtype)
+            g64 = reference_grads(ref, q, k, v, dout, dlse, causal, scale, torch.float64, **options)
+            gpt = reference_grads(ref, q, k, v, dout, dlse, causal, scale, dtype, **options)
             ok, notes = True, []
             for label, got, pt, r64 in zip(("dq", "dk", "dv"), (dq, dk, dv), gpt, g64, strict=True):
                 try:
@@ -152,24 +177,37 @@ def _fa4():
     return flash_attn_func
 
 
-def time_case(q, k, v, causal, fwd, bwd, sm90, ablate=False, stages=None) -> dict[str, float]:
-    """Median milliseconds of each backward on one problem (do_bench, same process)."""
-    import triton
+def time_case(
+    q, k, v, causal, fwd, bwd, sm90, ablate=False, stages=None, options=None
+) -> dict[str, float]:
+    """Median milliseconds of each backward on one problem (do_bench, same process). With score
+    ``options`` (window, softcap, alibi_slopes) only the two flashcore backwards."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    options = options or {}
     scale = 1.0 / math.sqrt(q.shape[-1])
     dout = torch.randn_like(q)
-    out, lse = fwd.launch(q, k, v, causal, scale)[:2]
+    out, lse = fwd.launch(q, k, v, causal, scale, **options)[:2]
     cfg = sm90.CONFIGS[q.shape[-1]]
     if stages:
         cfg = cfg._replace(num_stages=stages)
+    kw = {
+        "window": options.get("window", (-1, -1)),
+        "softcap": options.get("softcap", 0.0),
+        "alibi": options.get("alibi_slopes"),
+    }
     fns = {
-        "sm90": lambda: sm90.attn_bwd_sm90(dout, q, k, v, out, lse, causal, scale, config=cfg),
+        "sm90": lambda: sm90.attn_bwd_sm90(
+            dout, q, k, v, out, lse, causal, scale, config=cfg, **kw
+        ),
         # deterministic: the portable kernels (without it, "auto" takes the sm90 one here).
         "portable": lambda: bwd.launch(
-            dout, q, k, v, out, lse, None, causal, scale, deterministic=True
+            dout, q, k, v, out, lse, None, causal, scale, deterministic=True,
+            window=kw["window"], softcap=kw["softcap"], alibi_slopes=kw["alibi"],
         ),
-    }
+    }  # fmt: skip
+    if options:
+        return _time(fns)
     if ablate:
         # Measurement only (wrong dQ): dQ computed but not reduced into memory. (Without dQ at
         # all, ABLATE=2, Triton 3.6's ptxas crashed.)
@@ -191,6 +229,12 @@ def time_case(q, k, v, causal, fwd, bwd, sm90, ablate=False, stages=None) -> dic
         of = fa4(qf, kf, vf, softmax_scale=scale, causal=causal)[0]
         dof = dout.transpose(1, 2).contiguous()
         fns["fa4"] = lambda: torch.autograd.grad(of, (qf, kf, vf), dof, retain_graph=True)
+    return _time(fns)
+
+
+def _time(fns) -> dict[str, float]:
+    import triton
+
     ms = {}
     for name, fn in fns.items():
         try:
@@ -217,16 +261,28 @@ def bench(args) -> int:
                         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
                         flops = 2.5 * 4.0 * batch * heads * seqlen * seqlen * head_dim
                         flops /= 2 if causal else 1
-                        ms = time_case(q, k, v, causal, fwd, bwd, sm90, args.ablate, args.stages)
+                        options = {}
+                        if args.window:
+                            options["window"] = tuple(args.window)
+                        if args.softcap:
+                            options["softcap"] = args.softcap
+                        if args.alibi:
+                            options["alibi_slopes"] = torch.rand(heads, device="cuda") * 0.5
+                        ms = time_case(
+                            q, k, v, causal, fwd, bwd, sm90, args.ablate, args.stages, options
+                        )
                         faulthandler.cancel_dump_traceback_later()
                         tf = {name: flops / t / 1e9 for name, t in ms.items()}
                         cols = " ".join(f"{name} {value:.0f}" for name, value in tf.items())
                         print(
                             f"run{run} {str(dtype)[6:]} D{head_dim} causal{int(causal)} S{seqlen}"
-                            f" B{batch} H{heads}: {cols} TFLOP/s  sm90/cudnn"
-                            f" {tf['sm90'] / tf['cudnn']:.3f} sm90/portable"
-                            f" {tf['sm90'] / tf['portable']:.3f}"
-                            + (f" sm90/fa4 {tf['sm90'] / tf['fa4']:.3f}" if "fa4" in tf else ""),
+                            f"{' ' + ','.join(options) if options else ''}"
+                            f" B{batch} H{heads}: {cols} TFLOP/s"
+                            + "".join(
+                                f" sm90/{name} {tf['sm90'] / tf[name]:.3f}"
+                                for name in ("cudnn", "portable", "fa4")
+                                if name in tf
+                            ),
                             flush=True,
                         )
                         del q, k, v
@@ -247,6 +303,9 @@ def main() -> int:
     b.add_argument("--tokens", type=int, default=32768)
     b.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     b.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
+    b.add_argument("--window", type=int, nargs=2, default=None, help="left right (-1 unbounded)")
+    b.add_argument("--softcap", type=float, default=0.0)
+    b.add_argument("--alibi", action="store_true", help="random (H,) slopes")
     b.add_argument("--stages", type=int, default=None, help="slots of the Q/dO ring (sm90)")
     b.add_argument("--ablate", action="store_true", help="also time without dQ's reduce")
     args = parser.parse_args()

@@ -1,7 +1,9 @@
-"""One launch of the Hopper backward for a profiler (``ncu -k regex:attn_bwd_sm90``).
+"""Two launches of the Hopper backward for a profiler or compute-sanitizer.
 
-    PYTHONPATH=src ncu -k regex:attn_bwd_sm90_kernel -c 1 --section SpeedOfLight \\
+    PYTHONPATH=src ncu --launch-skip 1 -c 1 -k regex:attn_bwd_sm90_kernel --section SpeedOfLight \\
         python scripts/hopper_bwd_profile.py --seqlen 4096 --head-dim 128
+    PYTHONPATH=src compute-sanitizer --tool racecheck python scripts/hopper_bwd_profile.py \\
+        --seqlen 300 --tokens 600 --causal
 """
 
 from __future__ import annotations

@@ -30,15 +30,21 @@ from test_compile_hopper import assemble, compiled_rows
 
 SMEM_LIMIT = 227 * 1024
 
-# (label, head_dim, dtype, causal, even_n, stages, consumer_regs, maxnreg): the launcher's configs
-# (ops/bwd_sm90.py: CONFIGS). Ragged Sq changes no constexpr (the copy engine clips and pads);
-# ragged Sk turns EVEN_N off (a key mask on the block that crosses Sk, when not causal).
+# (label, head_dim, dtype, causal, even_n, stages, consumer_regs, maxnreg[, options]): the
+# launcher's configs (ops/bwd_sm90.py: CONFIGS). Ragged Sq changes no constexpr (the copy engine
+# clips and pads); ragged Sk turns EVEN_N off (a key mask on the block that crosses Sk, when not
+# causal). options: the score flags on (HAS_WINDOW, SOFTCAP, HAS_ALIBI).
 VARIANTS = [
     ("d128-bf16", 128, "bf16", False, True, 2, 240, 168),
     ("d128-fp16-causal-ragged", 128, "fp16", True, False, 2, 240, 168),
     ("d64-bf16-causal", 64, "bf16", True, True, 2, 240, 168),
     ("d128-bf16-ragged", 128, "bf16", False, False, 2, 240, 168),
+    ("d128-bf16-causal-window", 128, "bf16", True, True, 2, 240, 168, ("HAS_WINDOW",)),
+    ("d128-bf16-softcap-window", 128, "bf16", False, False, 2, 240, 168, ("HAS_WINDOW", "SOFTCAP")),
+    ("d128-fp16-causal-alibi", 128, "fp16", True, False, 2, 240, 168, ("HAS_ALIBI",)),
+    ("d64-bf16-all", 64, "bf16", False, False, 2, 240, 168, ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")),
 ]
+SCORE_FLAGS = ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")
 
 
 def compile_variant(variant) -> dict:
@@ -48,7 +54,8 @@ def compile_variant(variant) -> dict:
 
     from flashcore.kernels.hopper import bwd
 
-    label, head_dim, dtype, causal, even_n, stages, regs, maxnreg = variant
+    label, head_dim, dtype, causal, even_n, stages, regs, maxnreg, *rest = variant
+    options = rest[0] if rest else ()
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     # Signatures as a launch with Gluon TensorDescriptors specialises them (ops/bwd_sm90.py).
     signature = {}
@@ -64,14 +71,16 @@ def compile_variant(variant) -> dict:
         signature[name] = f"tensordesc<fp32[64],{row_layout!r}>"
     consts = dict(
         HEAD_DIM=head_dim, NUM_STAGES=stages, CONSUMER_REGS=regs, IS_CAUSAL=causal,
-        EVEN_N=even_n, ABLATE=0,
+        EVEN_N=even_n, ABLATE=0, **{flag: flag in options for flag in SCORE_FLAGS},
     )  # fmt: skip
     fn = bwd.attn_bwd_sm90_kernel
     for name in fn.arg_names:
         if name in consts:
             signature[name] = "constexpr"
-        elif name in ("qk_scale", "scale"):
+        elif name in ("qk_scale", "scale", "softcap"):
             signature[name] = "fp32"
+        elif name == "ALIBI":
+            signature[name] = "*fp32"
         elif name not in signature:
             signature[name] = "i32"
     signature = {name: signature[name] for name in fn.arg_names}
@@ -157,7 +166,15 @@ def test_shared_memory_within_limit(compiled):
 # computes, values reloaded once for the epilogue or on masked steps): 36 B with dQ split by
 # columns over the consumers (28 B when each consumer reduced its own keys' dQ, which also spilled
 # 8 B in the non-causal ragged variant; that one has none now).
-SPILL_ALLOWANCE = {"d128-fp16-causal-ragged": 36}
+# The score options at D=128 hold more per step (the query-row index vector for the window's
+# masks on every step, tanh's values until dS for softcap, the distances for ALiBi): ptxas spills
+# 160-516 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance.md.
+SPILL_ALLOWANCE = {
+    "d128-fp16-causal-ragged": 36,
+    "d128-bf16-causal-window": 160,
+    "d128-bf16-softcap-window": 516,
+    "d128-fp16-causal-alibi": 376,
+}
 
 
 def test_no_spills(compiled):

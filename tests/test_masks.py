@@ -132,6 +132,36 @@ def test_masks_backward_gpu(mc: MaskCase, dtype):
     check_backward(q, k, v, **mask_options(mc, "cuda"))
 
 
+SM90_MASKS = [m for m in MASKS_GPU if m.case.head_dim in (64, 128)] + [
+    MaskCase(Case(1, 4, 2, 300, 517, 128), causal=True, window=(100, 0)),
+    MaskCase(Case(1, 4, 2, 517, 300, 64), window=(64, 16), softcap=30.0, alibi="bh"),
+    MaskCase(Case(1, 4, 4, 777, 700, 128), window=(-1, 0), alibi="h"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mc", SM90_MASKS, ids=[m.id for m in SM90_MASKS])
+def test_masks_backward_gpu_sm90_tier(mc: MaskCase, dtype, monkeypatch):
+    """Window, softcap and ALiBi through the Hopper backward (forced), with a check that it ran
+    there on an sm_90 GPU."""
+    from flashcore.ops import bwd_sm90, runtime
+
+    ran = []
+    real = bwd_sm90.attn_bwd_sm90
+
+    def spy(*args, **kwargs):
+        ran.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", spy)
+    q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd")
+    with flashcore.use_tier("sm90"):
+        check_backward(q, k, v, **mask_options(mc, "cuda"))
+    hopper = runtime.capability(q.device) == (9, 0) and runtime.sm90_verified()
+    assert ran == ([1] if hopper else [])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "mc",

@@ -89,8 +89,9 @@ def launch(
             q, k, v, dq, dk, dv, window=window, softcap=softcap, alibi=alibi_slopes, sinks=sinks
         ):
             delta = bwd_sm90.attn_bwd_sm90(
-                dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv
-            )[3]
+                dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv,
+                window=window, softcap=softcap, alibi=alibi_slopes,
+            )[3]  # fmt: skip
             return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)

@@ -18,13 +18,14 @@ from typing import NamedTuple
 
 import torch
 
+from flashcore.ops import problem as pb
+
 # The forward tier's checks and descriptors, so that both tiers accept the same problems.
 from flashcore.ops.fwd_sm90 import dense_problem, descriptor, tma_ok
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
 BLOCK_N = 128  # keys per program
 # dQ leaves in (64, D / 2) fp32 tiles: each consumer reduce-adds half the columns of a step's dQ.
-LOG2E = 1.4426950408889634
 
 
 class Sm90BwdConfig(NamedTuple):
@@ -69,12 +70,13 @@ def supports(
     given: shaped like q, k, v; dk and dv with strides the copy engine accepts): an sm_90 device,
     fp16/bf16, head dim 64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)`` /
     ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, strides the copy
-    engine accepts, causal or not, with or without sinks. No window, softcap or ALiBi yet (nor
-    packed batches: the caller's)."""
+    engine accepts, with any of causal, window, softcap, ALiBi and sinks. Not packed batches (the
+    caller's check)."""
     # Sinks need nothing of the kernel: P comes from the LSE, which includes them, and their
-    # gradient from the LSE and delta (the caller's ``bwd.sink_grad``).
-    del sinks
-    if window not in (None, (-1, -1)) or softcap or alibi is not None:
+    # gradient from the LSE and delta (the caller's ``bwd.sink_grad``). Window, softcap and ALiBi
+    # are flags of the kernel.
+    del sinks, window, softcap
+    if alibi is not None and alibi.dtype != torch.float32:
         return False
     if not dense_problem(q, k, v):
         return False
@@ -102,6 +104,10 @@ def attn_bwd_sm90(
     dk: torch.Tensor | None = None,
     dv: torch.Tensor | None = None,
     config: Sm90BwdConfig | None = None,
+    *,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, delta)`` of ``out, lse = attention(q, k, v, causal, scale)`` for inputs that
     passed ``supports`` (with the same ``dq``, ``dk``, ``dv``); ``delta`` is ``rowsum(dout * out) -
@@ -110,11 +116,12 @@ def attn_bwd_sm90(
     ``q``, ``out``, ``dout``: ``(B, H, Sq, D)``; ``k``, ``v``: ``(B, Hkv, Sk, D)`` (any strides the
     copy engine accepts; ``(B, S, H, D)`` storage passed as ``.transpose(1, 2)`` works; ``dout``
     and ``out`` with others are copied); ``lse``: the forward's natural-log fp32 ``(B, H, Sq)``;
-    ``dlse``: its gradient or None. Causal is bottom-right aligned. The gradients are written into
-    ``dq``, ``dk``, ``dv`` when given (tests pass NaN-filled ones to see every element written),
-    else into new contiguous tensors, in the input dtype. ``config`` overrides the tiles. Extra
-    memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two fp32 ``(B, H, Sq_pad)`` row
-    buffers.
+    ``dlse``: its gradient or None. Causal is bottom-right aligned; ``window``, ``softcap`` and
+    ``alibi`` (float32 ``(H,)`` or ``(B, H)`` slopes) as ``flashcore.attention`` takes them. The
+    gradients are written into ``dq``, ``dk``, ``dv`` when given (tests pass NaN-filled ones to see
+    every element written), else into new contiguous tensors, in the input dtype. ``config``
+    overrides the tiles. Extra memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two
+    fp32 ``(B, H, Sq_pad)`` row buffers.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -129,8 +136,10 @@ def attn_bwd_sm90(
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype) if dk is None else dk
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype) if dv is None else dv
-    if not supports(q, k, v, dq, dk, dv):
+    if not supports(q, k, v, dq, dk, dv, alibi=alibi):
         raise ValueError("attn_bwd_sm90: the problem or a gradient's layout is not supported")
+    sc = pb.scores(causal, window, softcap, scale, alibi is not None, seqlen_q, seqlen_k)
+    alibi_ptr, stride_ab = pb.alibi_arg(alibi, lse)
     dlse_arg = lse if dlse is None else dlse
     dlse_strides = (0, 0) if dlse is None else (dlse.stride(0), dlse.stride(1))
     with torch.cuda.device_of(q):
@@ -162,12 +171,20 @@ def attn_bwd_sm90(
             seqlen_q,
             seqlen_k,
             seqlen_pad,
-            float(scale * LOG2E),
+            sc.qk_scale,
             float(scale),
+            sc.window_left,
+            sc.window_right,
+            sc.softcap,
+            alibi_ptr,
+            stride_ab,
             HEAD_DIM=head_dim,
             NUM_STAGES=cfg.num_stages,
             CONSUMER_REGS=cfg.consumer_regs,
-            IS_CAUSAL=bool(causal),
+            IS_CAUSAL=sc.is_causal,
+            HAS_WINDOW=sc.has_window,
+            SOFTCAP=sc.has_softcap,
+            HAS_ALIBI=sc.has_alibi,
             EVEN_N=seqlen_k % BLOCK_N == 0,
             ABLATE=cfg.ablate,
             num_warps=4,

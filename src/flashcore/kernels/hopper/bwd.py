@@ -132,6 +132,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
+from flashcore.kernels.hopper.fwd import LOG2E, tanh
 
 ROWS = gl.constexpr(64)  # query rows per step, and keys per consumer warpgroup (one m64 wgmma)
 BLOCK_N = gl.constexpr(128)  # keys per program: two consumers x 64
@@ -203,15 +204,33 @@ def bwd_prep_kernel(
 
 
 @gluon.jit
-def q_blocks(start_n, seqlen_q, seqlen_k, IS_CAUSAL: gl.constexpr):
+def q_blocks(
+    start_n,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+):
     """``(lo, n_m)``: the query blocks of ROWS rows that see any key of ``[start_n, start_n +
-    BLOCK_N)`` start at ``lo`` (a multiple of ROWS), ``n_m`` of them (0 when none)."""
+    BLOCK_N)`` start at ``lo`` (a multiple of ROWS), ``n_m`` of them (0 when none). Row i sees key
+    j iff ``j - d - right <= i <= j - d + left`` (``d = Sk - Sq``; right = 0 when causal, a side
+    without a bound arrives as ``Sq + Sk``)."""
+    diag = seqlen_k - seqlen_q
     if IS_CAUSAL:
-        # Row i sees key j iff j <= i + Sk - Sq: the block's first key from row start_n - diag on.
-        lo = (gl.maximum(start_n - (seqlen_k - seqlen_q), 0) // ROWS) * ROWS
+        # The block's first key is seen from row start_n - diag on.
+        lo = (gl.maximum(start_n - diag, 0) // ROWS) * ROWS
+    elif HAS_WINDOW:
+        lo = (gl.maximum(start_n - diag - window_right, 0) // ROWS) * ROWS
     else:
         lo = start_n * 0
-    n_m = gl.maximum(gl.cdiv(seqlen_q - lo, ROWS), 0)
+    if HAS_WINDOW:
+        # The block's last key is seen up to row start_n + BLOCK_N - 1 - diag + window_left.
+        hi = gl.minimum(gl.maximum(start_n + BLOCK_N - diag + window_left, 0), seqlen_q)
+    else:
+        hi = seqlen_q
+    n_m = gl.maximum(gl.cdiv(hi - lo, ROWS), 0)
     return lo, n_m
 
 
@@ -237,8 +256,11 @@ def _producer(
     seqlen_q,
     seqlen_k,
     seqlen_pad,
+    window_left,
+    window_right,
     NUM_STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
 ):
     n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
     pid = gl.program_id(0)
@@ -256,7 +278,9 @@ def _producer(
         tma.async_copy_global_to_shared(
             v_desc, [off_b, off_hk, start_n + c * ROWS, 0], kv_ready, v_smem.index(c)
         )
-    lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, IS_CAUSAL)
+    lo, n_m = q_blocks(
+        start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
+    )
     STEP_BYTES: gl.constexpr = (
         q_desc.block_type.nbytes
         + do_desc.block_type.nbytes
@@ -302,10 +326,18 @@ def _consumer(
     seqlen_k,
     qk_scale,
     scale,
+    window_left,
+    window_right,
+    softcap,
+    ALIBI,
+    stride_ab,
     CONSUMER: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
     EVEN_N: gl.constexpr,
     ABLATE: gl.constexpr,
 ):
@@ -330,8 +362,11 @@ def _consumer(
     key0 = start_n + CONSUMER * ROWS
     keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
     offs_m = gl.arange(0, ROWS, layout=col_layout)
-    lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, IS_CAUSAL)
-    # Query blocks starting at or past this row see every key of this consumer: no mask.
+    lo, n_m = q_blocks(
+        start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
+    )
+    diag = seqlen_k - seqlen_q
+    # Query blocks starting at or past this row see every key of this consumer: no causal mask.
     full_m = key0 + ROWS - 1 - (seqlen_k - seqlen_q)
 
     k_tile = k_smem.index(CONSUMER)
@@ -367,21 +402,42 @@ def _consumer(
         # row vector takes 16 registers a thread, and loaded early they overlapped S^T, dP^T, dK
         # and dV (spills at D=128).
         lse2 = lse_smem.index(slot).load(col_layout)
+        # Scores in log2 units as the forward forms them (ops/problem.py folds the units):
+        # softcap (tanh of scale q.k / c, times c log2(e)), then ALiBi, then the masks.
+        s = s * qk_scale
+        if SOFTCAP:
+            t_cap = tanh(s)
+            s = t_cap * softcap
+        if HAS_ALIBI:
+            slope = gl.load(ALIBI + off_b.to(gl.int64) * stride_ab + off_h) * LOG2E
+            rows = gl.expand_dims(start_m + offs_m, 0)
+            s = s - slope * gl.abs(rows + diag - keys).to(gl.float32)
         if IS_CAUSAL:
             if start_m < full_m:
                 rows = gl.expand_dims(start_m + offs_m, 0)
-                s = gl.where(keys <= rows + (seqlen_k - seqlen_q), s, float("-inf"))
+                s = gl.where(keys <= rows + diag, s, float("-inf"))
         elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
             # Keys past Sk (zeros) would get P = exp2(-lse2), which overflows fp16 for a row
             # whose LSE is below about -11, and then dQ = inf * 0 = NaN. Causal masks them above.
             if key0 + ROWS > seqlen_k:
                 s = gl.where(keys < seqlen_k, s, float("-inf"))
-        p = gl.exp2(s * qk_scale - gl.expand_dims(lse2, 0))
+        if HAS_WINDOW:
+            # Every step (the band's edges cross query blocks at any offset; masking only the
+            # steps that cross an edge, a run-time branch, made ptxas spill more).
+            rows = gl.expand_dims(start_m + offs_m, 0)
+            s = gl.where(keys >= rows + (diag - window_left), s, float("-inf"))
+            if not IS_CAUSAL:
+                s = gl.where(keys <= rows + (diag + window_right), s, float("-inf"))
+        p = gl.exp2(s - gl.expand_dims(lse2, 0))
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
         delta = delta_smem.index(slot).load(col_layout)
         # dS^T before the dV issue: P^T's fp32 and register-operand copies are never live
         # together (16 registers less at the peak).
-        ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
+        ds = p * (dp - gl.expand_dims(delta, 0))
+        if SOFTCAP:
+            # d(c tanh(x / c)) / dx = 1 - tanh^2: dS with respect to the uncapped scores.
+            ds = ds * (1.0 - t_cap * t_cap)
+        ds = ds.to(dtype)
         p_op = gl.convert_layout(p.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
         # dQ = dS K_c takes dS as the A operand from shared memory (a transposed view of dS^T).
@@ -449,10 +505,18 @@ def attn_bwd_sm90_kernel(
     seqlen_pad,
     qk_scale,
     scale,
+    window_left,
+    window_right,
+    softcap,
+    ALIBI,
+    stride_ab,
     HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
     EVEN_N: gl.constexpr,
     ABLATE: gl.constexpr = 0,
 ):
@@ -490,20 +554,23 @@ def attn_bwd_sm90_kernel(
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                 kv_ready, qd_ready, qd_empty, ds_ready, dq_desc, dk_desc, dv_desc, kv_heads,
                 kv_group,
-                seqlen_q, seqlen_k, qk_scale, scale, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, EVEN_N,
-                ABLATE,
+                seqlen_q, seqlen_k, qk_scale, scale, window_left, window_right, softcap, ALIBI,
+                stride_ab, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                EVEN_N, ABLATE,
             )),
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                 kv_ready, qd_ready, qd_empty, ds_ready, dq_desc, dk_desc, dv_desc, kv_heads,
                 kv_group,
-                seqlen_q, seqlen_k, qk_scale, scale, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, EVEN_N,
-                ABLATE,
+                seqlen_q, seqlen_k, qk_scale, scale, window_left, window_right, softcap, ALIBI,
+                stride_ab, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                EVEN_N, ABLATE,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                 do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, kv_heads, kv_group,
-                seqlen_q, seqlen_k, seqlen_pad, NUM_STAGES, IS_CAUSAL,
+                seqlen_q, seqlen_k, seqlen_pad, window_left, window_right, NUM_STAGES, IS_CAUSAL,
+                HAS_WINDOW,
             )),
         ],
         [4, 1],
