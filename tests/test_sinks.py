@@ -105,7 +105,7 @@ def test_sinks_gpu_sm90_backward(mc, label, dtype, device, monkeypatch):
 
     ran = []
     real = bwd_sm90.attn_bwd_sm90
-    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", lambda *a: ran.append(1) or real(*a))
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", lambda *a, **kw: ran.append(1) or real(*a, **kw))
     q, k, v = make_qkv(mc.case, dtype, device, layout="bshd")
     with flashcore.use_tier("sm90"):
         check_sinks_case(q, k, v, case_sinks(mc, device), **mask_options(mc, device))
