@@ -39,7 +39,7 @@ def use_tier(name: str):
     sm_90 GPU (H100/H200) with a Triton version they were verified on (3.6), for fp16/bf16 dense
     inputs with head dim 64 or 128 and 16-byte aligned strides; anything else they do not cover
     runs on the portable tier. The forward covers causal, window, softcap, ALiBi, GQA and any
-    lengths; the backward causal, GQA, sinks and any lengths (never with ``deterministic``).
+    lengths; the backward those and sinks (never with ``deterministic``).
     ``"auto"`` (the default): the portable forward (the sm90 forward measured no faster on the
     H100, docs/hopper_fwd.md) and the sm90 backward from 1024 queries and keys on (2048 at D=64
     causal), where it measured faster (``tuning.sm90_backward``). Varlen and decoding always run

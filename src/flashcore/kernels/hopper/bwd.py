@@ -100,7 +100,12 @@ time, later ones are not; the causal mask also hides keys past Sk). EVEN_N (Sk a
 step (a run-time branch on a loop invariant). Their K and V rows arrive as zeros, so their dS
 would reach dQ only times K = 0, but unmasked their P = exp2(-lse2) can overflow fp16 to inf
 (LSE below about -11) and inf * 0 is NaN. Their dK/dV rows are never stored (the copy engine
-clips at Sk). Query rows past Sq have Q = dO = 0 and lse2 = +inf: P = 0, dS = 0. ABLATE
+clips at Sk). Query rows past Sq have Q = dO = 0 and lse2 = +inf: P = 0, dS = 0. HAS_WINDOW,
+SOFTCAP, HAS_ALIBI: the scores exactly as the forward forms them (``ops/problem.py:scores``
+folds the units: ``qk_scale`` is ``scale / c`` with a softcap, ``softcap`` is ``c log2(e)``;
+softcap, then ALiBi, then the masks); the window's query-block range in ``q_blocks`` and its
+masks on every step; with SOFTCAP dS is multiplied by ``1 - tanh^2`` (the gradient with respect
+to ``scale q.k``); the ALiBi slope is read once a step (its query head). ABLATE
 (measurement only, wrong dQ): 1 computes dQ but does not reduce it; 2 skips the dQ products
 (Triton 3.6's ptxas crashes on that variant).
 
@@ -109,12 +114,13 @@ Invariants. Head dim 64 or 128 and unit stride on D; every descriptor stride is 
 fp32 dQ staging 2 x 16 KB, row stats 1 KB, barriers: 198048 B; at D=64 116128 B.
 
 Compiled (CPU, ptxas of Triton 3.6's wheel, sm_90a; ``tests/test_compile_hopper_bwd.py``):
-``setmaxnreg`` 240 / 24, no C75xx warning; spills 0 B except 36 B (scalars) for D=128 fp16
-causal with ragged Sk (see the test's allowance). A run-time branch around the dQ products (one
+``setmaxnreg`` 240 / 24, no C75xx warning; spills 0 B without score options except 24-36 B
+(scalars) for D=128 fp16 causal with ragged Sk; with window, softcap or ALiBi at D=128 160-516 B
+(see the test's allowance); none at D=64. A run-time branch around the dQ products (one
 consumer computing the whole dQ of a step, alternating) made ptxas crash (SIGSEGV).
 
-Not yet covered (the launcher's ``supports`` says no): window, softcap, ALiBi, sinks, varlen, a
-value head dim different from Q/K's.
+Not covered (the launcher's ``supports`` says no): varlen, a value head dim different from
+Q/K's, head dims other than 64 and 128. Sinks need nothing here (the launcher's caller).
 """
 
 import triton
