@@ -25,6 +25,8 @@ def sweep_tables(text: str) -> dict[str, list[tuple]]:
     (D, causal, S, dtype, ratio run 1, ratio run 2)."""
     section = text.split("## FA sweep, two runs (H100)", 1)[1].split("\n## ", 1)[0]
     forward, backward = section.split("Backward:", 1)
+    # The current backward table only (the one before the Hopper backward follows it).
+    backward = backward.split("The backward before it", 1)[0]
     tables = {}
     for name, part in (("forward", forward), ("backward", backward)):
         rows = [ROW.match(line) for line in part.splitlines()]

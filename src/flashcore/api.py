@@ -41,8 +41,8 @@ def use_tier(name: str):
     runs on the portable tier. The forward covers causal, window, softcap, ALiBi, GQA and any
     lengths; the backward those and sinks (never with ``deterministic``).
     ``"auto"`` (the default): the portable forward (the sm90 forward measured no faster on the
-    H100, docs/hopper_fwd.md) and the sm90 backward from 1024 queries and keys on (2048 at D=64
-    causal), where it measured faster (``tuning.sm90_backward``). Varlen and decoding always run
+    H100, docs/hopper_fwd.md) and the sm90 backward from 2048 queries and keys on, where it
+    measured faster (``tuning.sm90_backward``). Varlen and decoding always run
     on the portable tier. The choice is scoped to the current thread (a ``contextvars``
     variable), never global; a backward runs on the tier that was in effect at its forward
     (eager calls; a graph compiled by ``torch.compile`` takes "auto" in its backward)::

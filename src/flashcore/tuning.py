@@ -210,9 +210,12 @@ def bwd_config(
 
 
 # The Hopper backward (ops/bwd_sm90.py) under the "auto" tier: from this many queries and keys
-# on. H100, bf16, 32k tokens (scripts/hopper_bwd.py bench, docs/performance.md): 1.13-1.31x the
-# portable backward at D=128 from S = 1024 on, 1.04-1.20x at D=64 except causal S = 1024 (0.98x).
-SM90_BWD_MIN_SEQLEN = 1024
+# on. H100, bf16, 32k tokens (scripts/hopper_bwd.py bench, docs/performance.md): the kernel runs
+# 1.13-1.31x the portable backward at D=128 from S = 1024 on, 1.04-1.20x at D=64 except causal
+# S = 1024 (0.98x). Through autograd (flashcore-bench --mode bwd) its host path (Gluon's launch,
+# nine descriptors) made S = 1024 uneven: p20-p80 spreads of 30-40% and fp16 points at 0.5-0.8x
+# SDPA, where the portable backward is steady. So 2048 until that path is lighter.
+SM90_BWD_MIN_SEQLEN = 2048
 SM90_BWD_MIN_SEQLEN_D64_CAUSAL = 2048
 
 
