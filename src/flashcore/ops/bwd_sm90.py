@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import math
-from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -22,6 +21,7 @@ from flashcore.ops import problem as pb
 
 # The forward tier's checks and descriptors, so that both tiers accept the same problems.
 from flashcore.ops.fwd_sm90 import dense_problem, descriptor, tma_ok
+from flashcore.ops.launch import Launcher
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
 BLOCK_N = 128  # keys per program
@@ -46,11 +46,14 @@ CONFIGS = {128: Sm90BwdConfig(), 64: Sm90BwdConfig()}
 
 
 @functools.cache
-def kernels() -> ModuleType:
-    """The kernel module, imported (with triton) at the first launch."""
+def kernels() -> tuple[Launcher, Launcher]:
+    """Launchers of the row-stats kernel and the backward kernel (imported with triton at the
+    first launch). ``Launcher`` skips Triton's per-call argument binding once a signature has
+    been compiled: the compiled kernel's own launcher reads only each descriptor's base, shape,
+    strides and padding (its swizzle and block come from the compiled metadata)."""
     from flashcore.kernels.hopper import bwd
 
-    return bwd
+    return Launcher(bwd.bwd_prep_kernel, 6), Launcher(bwd.attn_bwd_sm90_kernel, 10)
 
 
 def supports(
@@ -126,7 +129,6 @@ def attn_bwd_sm90(
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     cfg = config or CONFIGS[head_dim]
-    bwd = kernels()
     dout, out = _tma_view(dout), _tma_view(out)
     lse = lse.contiguous()
     seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
@@ -142,14 +144,18 @@ def attn_bwd_sm90(
     alibi_ptr, stride_ab = pb.alibi_arg(alibi, lse)
     dlse_arg = lse if dlse is None else dlse
     dlse_strides = (0, 0) if dlse is None else (dlse.stride(0), dlse.stride(1))
+    prep, main = kernels()
     with torch.cuda.device_of(q):
-        bwd.bwd_prep_kernel[(seqlen_pad // ROWS * batch * heads,)](
-            out, dout, dlse_arg, lse, delta, lse2,
-            out.stride(0), out.stride(1), out.stride(2),
-            dout.stride(0), dout.stride(1), dout.stride(2),
-            *dlse_strides, lse.stride(0), lse.stride(1),
-            heads, seqlen_q, seqlen_pad,
-            HEAD_DIM=head_dim, BLOCK_M=ROWS, HAS_DLSE=dlse is not None, num_warps=4,
+        prep(
+            (seqlen_pad // ROWS * batch * heads,),
+            (
+                out, dout, dlse_arg, lse, delta, lse2,
+                out.stride(0), out.stride(1), out.stride(2),
+                dout.stride(0), dout.stride(1), dout.stride(2),
+                *dlse_strides, lse.stride(0), lse.stride(1),
+                heads, seqlen_q, seqlen_pad,
+            ),
+            {"HEAD_DIM": head_dim, "BLOCK_M": ROWS, "HAS_DLSE": dlse is not None, "num_warps": 4},
         )  # fmt: skip
         tile = [1, 1, ROWS, head_dim]
         descs = (
@@ -164,32 +170,27 @@ def attn_bwd_sm90(
             descriptor(dv, tile),
         )
         grid = (math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads,)
-        bwd.attn_bwd_sm90_kernel[grid](
-            *descs,
-            kv_heads,
-            heads // kv_heads,
-            seqlen_q,
-            seqlen_k,
-            seqlen_pad,
-            sc.qk_scale,
-            float(scale),
-            sc.window_left,
-            sc.window_right,
-            sc.softcap,
-            alibi_ptr,
-            stride_ab,
-            HEAD_DIM=head_dim,
-            NUM_STAGES=cfg.num_stages,
-            CONSUMER_REGS=cfg.consumer_regs,
-            IS_CAUSAL=sc.is_causal,
-            HAS_WINDOW=sc.has_window,
-            SOFTCAP=sc.has_softcap,
-            HAS_ALIBI=sc.has_alibi,
-            EVEN_N=seqlen_k % BLOCK_N == 0,
-            ABLATE=cfg.ablate,
-            num_warps=4,
-            maxnreg=cfg.maxnreg,
-        )
+        main(
+            grid,
+            (
+                *descs, alibi_ptr, kv_heads, heads // kv_heads, seqlen_q, seqlen_k, seqlen_pad,
+                sc.qk_scale, float(scale), sc.window_left, sc.window_right, sc.softcap,
+                stride_ab,
+            ),
+            {
+                "HEAD_DIM": head_dim,
+                "NUM_STAGES": cfg.num_stages,
+                "CONSUMER_REGS": cfg.consumer_regs,
+                "IS_CAUSAL": sc.is_causal,
+                "HAS_WINDOW": sc.has_window,
+                "SOFTCAP": sc.has_softcap,
+                "HAS_ALIBI": sc.has_alibi,
+                "EVEN_N": seqlen_k % BLOCK_N == 0,
+                "ABLATE": cfg.ablate,
+                "num_warps": 4,
+                "maxnreg": cfg.maxnreg,
+            },
+        )  # fmt: skip
     # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
     torch.mul(dq_acc, scale, out=dq)
     return dq, dk, dv, delta[..., :seqlen_q]
