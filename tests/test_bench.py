@@ -638,3 +638,40 @@ def test_cuda_graph_run(tmp_path, capsys):
         assert row["host_ms"] == pytest.approx(row["loop_ms_p50"] - row["graph_ms_p50"])
         if row["provider"] == "sdpa":
             assert row["graph_speedup_vs_sdpa"] == 1.0
+
+
+def test_tier_providers(tmp_path):
+    # flashcore under each kernel tier, forward and backward, checked like any provider (on the
+    # CPU both run the portable kernels through the interpreter).
+    out = tmp_path / "tiers.jsonl"
+    argv = ["--shape", "1,2,40,16,1,56", "--mode", "fwd,bwd", "--dtype", "fp16"]
+    assert main([*argv, "--providers", "flashcore-portable,flashcore-sm90", "--out", str(out)]) == 0
+    rows = measurements(out)
+    assert {r["provider"] for r in rows} == {"flashcore-portable", "flashcore-sm90"}
+    assert len(rows) == 2 * 2 * 2  # causal x mode x provider
+    assert all(row["status"] == "ok" for row in rows), rows
+
+
+def test_fa4_provider_refuses_clearly(tmp_path, monkeypatch):
+    # Where flash_attn.cute does not import (or off CUDA) the row is refused with the reason;
+    # the run goes on.
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_flash_attn(name, *args, **kwargs):
+        if name.startswith("flash_attn"):
+            raise ImportError("No module named 'flash_attn'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_flash_attn)
+    case = cases.Case(cases.shape(1, 2, 16, 16), False)
+    with pytest.raises(providers.Refused, match=r"FlashAttention-4 .* does not import"):
+        providers.PROVIDERS["fa4"].prepare(case, torch.device("cpu"))
+    out = tmp_path / "fa4.jsonl"
+    argv = ["--shape", "1,2,16,16", "--mode", "fwd", "--dtype", "fp16", "--causal", "off"]
+    assert main([*argv, "--providers", "flashcore,fa4", "--out", str(out)]) == 0
+    rows = {r["provider"]: r for r in measurements(out)}
+    assert rows["flashcore"]["status"] == "ok"
+    assert rows["fa4"]["status"] == "refused"
+    assert "does not import" in rows["fa4"]["reason"]

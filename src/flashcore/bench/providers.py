@@ -21,6 +21,13 @@ Mapping to PyTorch:
   positions: the same bottom-right semantics as ``flashcore.attention``). ``flashcore-paged16`` /
   ``-paged256`` read a paged copy (blocks of 16 / 256 keys, in shuffled order), built at the first
   call, which is the untimed correctness check, and reused by the timed calls.
+- ``flashcore-portable`` / ``flashcore-sm90``: ``flashcore.attention`` under
+  ``flashcore.use_tier("portable")`` / ``("sm90")``, forward and backward (the backward runs on
+  the tier of its forward), to compare the kernel tiers on one GPU; off Hopper ``sm90`` falls
+  back to the portable kernels.
+- ``fa4``: FlashAttention-4's ``flash_attn.cute.flash_attn_func`` (pip ``flash-attn-4``) on
+  ``(B, S, H, D)`` views of the same tensors, its own bottom-right causal mask; refused where it
+  does not import, off CUDA, and on varlen cases that would need a padding mask.
 - ``flex``: FlexAttention compiled with ``torch.compile`` (one compiled function; a block mask per
   causal case, built outside the timed region), ``enable_gqa`` for GQA.
 - Dv != D: flashcore's providers, ``sdpa-math`` and (as PyTorch decides) ``sdpa``,
@@ -110,6 +117,46 @@ def _flashcore(case: Case, device: torch.device) -> AttnFn:
     _refuse_unmasked_padding(case, "flashcore.attention")
     causal = case.causal
     return lambda q, k, v: flashcore.attention(q, k, v, causal=causal)
+
+
+def _flashcore_tier(case: Case, device: torch.device, *, tier: str) -> AttnFn:
+    import flashcore
+
+    _refuse_unmasked_padding(case, "flashcore.attention")
+    causal = case.causal
+
+    def fn(q, k, v):
+        # The backward runs on the tier that was in effect at the forward.
+        with flashcore.use_tier(tier):
+            return flashcore.attention(q, k, v, causal=causal)
+
+    return fn
+
+
+def _fa4(case: Case, device: torch.device) -> AttnFn:
+    try:
+        from flash_attn.cute import flash_attn_func
+    except ImportError as e:
+        raise Refused(
+            f"FlashAttention-4 (pip flash-attn-4, module flash_attn.cute) does not import: {e}"
+        ) from None
+    if device.type != "cuda":
+        raise Refused("FlashAttention-4 runs on CUDA GPUs only")
+    _refuse_unmasked_padding(case, "FlashAttention-4's flash_attn_func")
+    causal = case.causal
+    scale = 1.0 / case.shape.head_dim**0.5
+
+    def fn(q, k, v):
+        # (B, S, H, D) views of the (B, H, S, D) tensors; FA4's causal mask is bottom-right
+        # aligned like flashcore's. It returns (out, lse).
+        out = flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+            causal=causal,
+        )  # fmt: skip
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)
+
+    return fn
 
 
 def _flashcore_sinks(case: Case, device: torch.device) -> AttnFn:
@@ -312,6 +359,17 @@ PROVIDERS: dict[str, Provider] = {
     p.name: p
     for p in [
         Provider("flashcore", "flashcore.attention (Triton)", _flashcore),
+        Provider(
+            "flashcore-portable",
+            "flashcore.attention under use_tier('portable') (the Triton tl kernels only)",
+            functools.partial(_flashcore_tier, tier="portable"),
+        ),
+        Provider(
+            "flashcore-sm90",
+            "flashcore.attention under use_tier('sm90') (the Gluon kernels on an H100/H200)",
+            functools.partial(_flashcore_tier, tier="sm90"),
+        ),
+        Provider("fa4", "FlashAttention-4's flash_attn_func, where flash_attn.cute imports", _fa4),
         Provider(
             "flashcore-sinks",
             "flashcore.attention with learnable sinks, float32 (H,) (dense cases)",
