@@ -1,5 +1,7 @@
 """Gradients of flashcore.attention (dq, dk, dv) against autograd through the float64 reference."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -310,3 +312,72 @@ def test_backward_gpu_lse_grad():
     q, k, v = make_qkv(case, torch.bfloat16, "cuda")
     dlse = torch.randn(case.batch, case.heads, case.seqlen_q, device="cuda")
     check_backward(q, k, v, causal=True, dlse=dlse)
+
+
+class _Portable(Exception):
+    """Raised by the stand-in for the portable kernels: the decision is all the test needs."""
+
+
+@pytest.mark.parametrize(
+    ("tier", "capability", "seqlen", "head_dim", "causal", "window", "deterministic", "want"),
+    [
+        ("auto", (9, 0), 2048, 128, True, (-1, -1), False, "sm90"),
+        ("auto", (9, 0), 2048, 64, True, (-1, -1), False, "sm90"),
+        ("auto", (9, 0), 1024, 128, False, (-1, -1), False, "portable"),
+        ("auto", (9, 0), 2048, 128, False, (-1, -1), True, "portable"),
+        ("auto", (9, 0), 2048, 128, False, (256, 0), False, "sm90"),
+        ("auto", (9, 0), 2048, 64, False, (256, 0), False, "portable"),
+        ("sm90", (9, 0), 128, 64, False, (-1, -1), False, "sm90"),
+        ("sm90", (9, 0), 128, 64, False, (-1, -1), True, "portable"),
+        ("portable", (9, 0), 4096, 128, False, (-1, -1), False, "portable"),
+        ("auto", (8, 0), 4096, 128, False, (-1, -1), False, "portable"),
+        ("sm90", (10, 0), 4096, 128, False, (-1, -1), False, "portable"),
+    ],
+)
+def test_backward_dispatch(
+    monkeypatch, tier, capability, seqlen, head_dim, causal, window, deterministic, want
+):
+    """The launcher's choice of backward (runs on the CPU: the device, the Triton check and the
+    Hopper launcher are stood in for; what is checked is the decision, not the kernels)."""
+    from flashcore.ops import bwd, bwd_sm90, runtime
+
+    ran = []
+    monkeypatch.setattr(runtime, "capability", lambda device: capability)
+    monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
+    monkeypatch.setattr(bwd_sm90, "supports", lambda *args, **kwargs: True)
+
+    def sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv, **kwargs):
+        ran.append("sm90")
+        return dq, dk, dv, torch.zeros_like(lse)
+
+    def portable():
+        ran.append("portable")
+        raise _Portable
+
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", sm90)
+    monkeypatch.setattr(bwd, "kernels", portable)
+    q = torch.zeros(1, 1, seqlen, head_dim, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 1, seqlen)
+    with flashcore.use_tier(tier), contextlib.suppress(_Portable):
+        bwd.launch(
+            q, q, q, q, q, lse, None, causal, 0.125, window=window, deterministic=deterministic
+        )
+    assert ran == [want]
+
+
+def test_backward_dispatch_honours_torch_deterministic(monkeypatch):
+    from flashcore.ops import bwd, bwd_sm90, runtime
+
+    monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
+    monkeypatch.setattr(bwd_sm90, "supports", lambda *args, **kwargs: True)
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", lambda *a, **kw: pytest.fail("sm90 ran"))
+
+    def portable():
+        raise _Portable
+
+    monkeypatch.setattr(bwd, "kernels", portable)
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+    q = torch.zeros(1, 1, 4096, 128, dtype=torch.bfloat16)
+    with pytest.raises(_Portable):
+        bwd.launch(q, q, q, q, q, torch.zeros(1, 1, 4096), None, False, 0.125)
