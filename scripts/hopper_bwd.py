@@ -13,7 +13,8 @@ the launch (the launcher writes them in place), so an element no program writes 
 backward where ``flash_attn.cute`` imports, and SDPA's cuDNN backward (autograd of
 ``scaled_dot_product_attention`` under ``SDPBackend.CUDNN_ATTENTION``) in one process,
 ``triton.testing.do_bench`` medians, 32k tokens (H = 16 at D=128, 32 at D=64); FLOPs are 2.5 x
-the forward's ``4 B H Sq Sk D`` (halved for causal).
+the forward's ``4 B H D`` per visible (query, key) pair (causal: half the square; a window: its
+band, ``visible_pairs``).
 
 A kernel that hangs (an mbarrier waited on with the wrong phase) blocks the process inside a CUDA
 synchronisation, where Python's signal handlers never run. Each case therefore arms
@@ -177,6 +178,21 @@ def _fa4():
     return flash_attn_func
 
 
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int]) -> float:
+    """(query, key) pairs a head computes: the forward's FLOPs are ``4 D`` per pair. Causal
+    counts half the square (the FA papers' convention); a window counts its band exactly (row i
+    sees keys ``[i + d - left, i + d + right]`` within ``[0, Sk)``, ``d = Sk - Sq``)."""
+    left, right = window
+    if left < 0 and right < 0:
+        return seqlen_q * seqlen_k / (2 if causal else 1)
+    rows = torch.arange(seqlen_q, dtype=torch.float64)
+    diag = seqlen_k - seqlen_q
+    lo = rows + diag - left if left >= 0 else torch.zeros_like(rows)
+    hi = rows + diag + (0 if causal else right) if causal or right >= 0 else rows * 0 + seqlen_k
+    lo, hi = lo.clamp(0, seqlen_k), (hi + 1).clamp(0, seqlen_k)
+    return float((hi - lo).clamp(min=0).sum())
+
+
 def time_case(
     q, k, v, causal, fwd, bwd, sm90, ablate=False, stages=None, options=None
 ) -> dict[str, float]:
@@ -259,8 +275,9 @@ def bench(args) -> int:
                         batch = max(1, args.tokens // seqlen)
                         shape = (batch, heads, seqlen, head_dim)
                         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype) for _ in range(3))
-                        flops = 2.5 * 4.0 * batch * heads * seqlen * seqlen * head_dim
-                        flops /= 2 if causal else 1
+                        window = tuple(args.window) if args.window else (-1, -1)
+                        flops = 2.5 * 4.0 * batch * heads * head_dim
+                        flops *= visible_pairs(seqlen, seqlen, causal, window)
                         options = {}
                         if args.window:
                             options["window"] = tuple(args.window)
