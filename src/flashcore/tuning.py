@@ -216,19 +216,15 @@ def bwd_config(
 # nine descriptors) made S = 1024 uneven: p20-p80 spreads of 30-40% and fp16 points at 0.5-0.8x
 # SDPA, where the portable backward is steady. So 2048 until that path is lighter.
 SM90_BWD_MIN_SEQLEN = 2048
-SM90_BWD_MIN_SEQLEN_D64_CAUSAL = 2048
 
 
-def sm90_backward(
-    seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool, window: bool = False
-) -> bool:
+def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = False) -> bool:
     """Whether "auto" takes the Hopper backward for this problem (where it measured faster).
     A sliding window at D=64 stays portable: 0.98-0.99x there (S = 2048, 8192), against
     1.09-1.14x at D=128; softcap measured 1.29-1.56x, ALiBi 1.00-1.34x (docs/performance.md)."""
     if window and head_dim <= 64:
         return False
-    least = SM90_BWD_MIN_SEQLEN_D64_CAUSAL if causal and head_dim <= 64 else SM90_BWD_MIN_SEQLEN
-    return min(seqlen_q, seqlen_k) >= least
+    return min(seqlen_q, seqlen_k) >= SM90_BWD_MIN_SEQLEN
 
 
 @dataclass(frozen=True)

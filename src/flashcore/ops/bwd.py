@@ -80,7 +80,7 @@ def launch(
         and runtime.backward_tier(q.device) == "sm90"
         and (
             runtime.tier_forced()
-            or sm90_backward(dims.seqlen_q, dims.seqlen_k, q.shape[-1], causal, window != (-1, -1))
+            or sm90_backward(dims.seqlen_q, dims.seqlen_k, q.shape[-1], window != (-1, -1))
         )
     ):
         from flashcore.ops import bwd_sm90

@@ -113,7 +113,8 @@ def attn_bwd_sm90(
     alibi: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, delta)`` of ``out, lse = attention(q, k, v, causal, scale)`` for inputs that
-    passed ``supports`` (with the same ``dq``, ``dk``, ``dv``); ``delta`` is ``rowsum(dout * out) -
+    passed ``supports`` (with the same ``dq``, ``dk``, ``dv``; not checked again here, the caller
+    has); ``delta`` is ``rowsum(dout * out) -
     dlse``, fp32 ``(B, H, Sq)`` (a view), for the sinks' gradient.
 
     ``q``, ``out``, ``dout``: ``(B, H, Sq, D)``; ``k``, ``v``: ``(B, Hkv, Sk, D)`` (any strides the
@@ -138,8 +139,6 @@ def attn_bwd_sm90(
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty(k.shape, device=k.device, dtype=k.dtype) if dk is None else dk
     dv = torch.empty(v.shape, device=v.device, dtype=v.dtype) if dv is None else dv
-    if not supports(q, k, v, dq, dk, dv, alibi=alibi):
-        raise ValueError("attn_bwd_sm90: the problem or a gradient's layout is not supported")
     sc = pb.scores(causal, window, softcap, scale, alibi is not None, seqlen_q, seqlen_k)
     alibi_ptr, stride_ab = pb.alibi_arg(alibi, lse)
     dlse_arg = lse if dlse is None else dlse

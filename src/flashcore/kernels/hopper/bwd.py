@@ -554,6 +554,8 @@ def attn_bwd_sm90_kernel(
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
 
+    # The two consumers' argument tuples differ only in CONSUMER (0, 1). They are spelled out:
+    # Triton 3.6's frontend has no starred tuples, and a concatenated tuple loses its constexprs.
     gl.warp_specialize(
         [
             (_consumer, (
