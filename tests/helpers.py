@@ -146,3 +146,31 @@ def check_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, *, causal: bool, backwar
         assert g.dtype == q.dtype, f"{name}: dtype {g.dtype} != {q.dtype}"
         assert_fa_rule(name, g, p, r)
     return out, lse, got
+
+
+def record_backward_tiers(monkeypatch) -> list[str]:
+    """Record which backward each call runs, in order: "sm90" (``ops.bwd_sm90.attn_bwd_sm90``)
+    or "portable" (the kernels of ``ops.bwd``); both still run."""
+    from flashcore.ops import bwd, bwd_sm90
+
+    ran = []
+    real_sm90, real_portable = bwd_sm90.attn_bwd_sm90, bwd.kernels
+
+    def sm90(*args, **kwargs):
+        ran.append("sm90")
+        return real_sm90(*args, **kwargs)
+
+    def portable():
+        ran.append("portable")
+        return real_portable()
+
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", sm90)
+    monkeypatch.setattr(bwd, "kernels", portable)
+    return ran
+
+
+def sm90_tier_runs(device: torch.device) -> bool:
+    """Whether the Hopper tier can run on ``device`` (an sm_90 GPU and a verified Triton)."""
+    from flashcore.ops import runtime
+
+    return runtime.capability(device) == (9, 0) and runtime.sm90_verified()

@@ -7,7 +7,7 @@ import torch
 
 import flashcore
 from flashcore.ops import registry as ops
-from helpers import check_backward, make_qkv
+from helpers import check_backward, make_qkv, record_backward_tiers, sm90_tier_runs
 from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case
 
 
@@ -212,9 +212,7 @@ SM90_BWD = [c for c in BWD_GPU if c.head_dim in (64, 128)] + [
 
 
 def sm90_or_skip():
-    from flashcore.ops import runtime
-
-    if runtime.capability(torch.device("cuda")) != (9, 0) or not runtime.sm90_verified():
+    if not sm90_tier_runs(torch.device("cuda")):
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
 
 
@@ -241,26 +239,6 @@ def test_backward_gpu_sm90_lse_grad():
         check_backward(q, k, v, causal=True, dlse=dlse)
 
 
-def _spy_backends(monkeypatch):
-    """Record which backward ran: "sm90" (the Hopper kernel) or "portable"."""
-    from flashcore.ops import bwd, bwd_sm90
-
-    ran = []
-    real_sm90, real_portable = bwd_sm90.attn_bwd_sm90, bwd.kernels
-
-    def sm90(*args, **kwargs):
-        ran.append("sm90")
-        return real_sm90(*args, **kwargs)
-
-    def portable():
-        ran.append("portable")
-        return real_portable()
-
-    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", sm90)
-    monkeypatch.setattr(bwd, "kernels", portable)
-    return ran
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("tier", "deterministic", "torch_flag", "want"),
@@ -278,7 +256,7 @@ def test_backward_tier_choice(monkeypatch, tier, deterministic, torch_flag, want
     thread, outside the block), never the Hopper one with ``deterministic`` or under
     ``torch.use_deterministic_algorithms``; "auto" takes it for long sequences."""
     sm90_or_skip()
-    ran = _spy_backends(monkeypatch)
+    ran = record_backward_tiers(monkeypatch)
     q, k, v = make_qkv(Case(1, 4, 2, 4096, 4096, 128), torch.bfloat16, "cuda")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: torch_flag)
@@ -291,7 +269,7 @@ def test_backward_tier_choice(monkeypatch, tier, deterministic, torch_flag, want
 @pytest.mark.gpu
 def test_backward_auto_keeps_short_sequences_portable(monkeypatch):
     sm90_or_skip()
-    ran = _spy_backends(monkeypatch)
+    ran = record_backward_tiers(monkeypatch)
     q, k, v = (
         t.requires_grad_() for t in make_qkv(Case(2, 8, 8, 512, 512, 128), torch.bfloat16, "cuda")
     )

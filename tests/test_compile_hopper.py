@@ -347,14 +347,18 @@ def test_persistent_frees_q_after_the_store_read(compiled):
         )
 
 
-def test_register_split(compiled):
-    # The producer warp drops to 24 registers, the consumer warpgroups rise to 240; ptxas would
-    # warn C7508 if it ignored setmaxnreg, C7515 if it serialised the wgmmas.
-    for row in compiled:
+def assert_register_split(rows: list[dict]) -> None:
+    """The producer warp drops to 24 registers, the consumer warpgroups rise to 240, and ptxas
+    warned of nothing (C7508 if it ignored setmaxnreg, C7515 if it serialised the wgmmas)."""
+    for row in rows:
         pairs = {tuple(p) for p in row["setmaxnreg"]}
         assert ("dec", 24) in pairs, f"{row['variant']}: {pairs}"
         assert ("inc", 240) in pairs, f"{row['variant']}: {pairs}"
         assert row["ptxas_warnings"] == [], f"{row['variant']}: {row['ptxas_warnings']}"
+
+
+def test_register_split(compiled):
+    assert_register_split(compiled)
 
 
 def test_products_on_tensor_cores_with_p_in_registers(compiled):

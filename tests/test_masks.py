@@ -9,7 +9,14 @@ import torch
 
 import flashcore
 from flashcore import tuning
-from helpers import check_backward, check_forward, make_qkv, mask_options
+from helpers import (
+    check_backward,
+    check_forward,
+    make_qkv,
+    mask_options,
+    record_backward_tiers,
+    sm90_tier_runs,
+)
 from shapes import DTYPES, MASKS, MASKS_GPU, Case, MaskCase
 
 
@@ -145,21 +152,11 @@ SM90_MASKS = [m for m in MASKS_GPU if m.case.head_dim in (64, 128)] + [
 def test_masks_backward_gpu_sm90_tier(mc: MaskCase, dtype, monkeypatch):
     """Window, softcap and ALiBi through the Hopper backward (forced), with a check that it ran
     there on an sm_90 GPU."""
-    from flashcore.ops import bwd_sm90, runtime
-
-    ran = []
-    real = bwd_sm90.attn_bwd_sm90
-
-    def spy(*args, **kwargs):
-        ran.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", spy)
+    ran = record_backward_tiers(monkeypatch)
     q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd")
     with flashcore.use_tier("sm90"):
         check_backward(q, k, v, **mask_options(mc, "cuda"))
-    hopper = runtime.capability(q.device) == (9, 0) and runtime.sm90_verified()
-    assert ran == ([1] if hopper else [])
+    assert ran == ["sm90" if sm90_tier_runs(q.device) else "portable"]
 
 
 @pytest.mark.gpu

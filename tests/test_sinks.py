@@ -12,7 +12,7 @@ import torch
 
 import flashcore
 from flashcore import reference
-from helpers import cu_seqlens, make_qkv, mask_options
+from helpers import cu_seqlens, make_qkv, mask_options, record_backward_tiers, sm90_tier_runs
 from numerics import assert_fa_rule
 from shapes import DTYPES, Case, MaskCase
 
@@ -101,16 +101,11 @@ SINK_CASES_SM90 = [
 def test_sinks_gpu_sm90_backward(mc, label, dtype, device, monkeypatch):
     """The Hopper backward with sinks (it needs nothing but delta for them): forced onto it where
     it runs (sm_90), with a check that it did run there."""
-    from flashcore.ops import bwd_sm90, runtime
-
-    ran = []
-    real = bwd_sm90.attn_bwd_sm90
-    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", lambda *a, **kw: ran.append(1) or real(*a, **kw))
+    ran = record_backward_tiers(monkeypatch)
     q, k, v = make_qkv(mc.case, dtype, device, layout="bshd")
     with flashcore.use_tier("sm90"):
         check_sinks_case(q, k, v, case_sinks(mc, device), **mask_options(mc, device))
-    hopper = runtime.capability(q.device) == (9, 0) and runtime.sm90_verified()
-    assert ran == ([1] if hopper else [])
+    assert ran == ["sm90" if sm90_tier_runs(q.device) else "portable"]
 
 
 def test_rows_without_keys_give_the_sink(device):
