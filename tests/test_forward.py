@@ -150,3 +150,48 @@ def test_small_problems_skip_descriptors():
     assert graphed.use_tma and (graphed.block_m, graphed.block_n) == (64, 128)
     # The interpreter keeps its own config (descriptors on) at every size.
     assert tuning.fwd_config(64, 2, interpreted=True, flops=1).use_tma
+
+
+class _Portable(Exception):
+    """Raised by the stand-in for the portable kernel: the decision is all the test needs."""
+
+
+@pytest.mark.parametrize(
+    "tier, capability, seqlen, head_dim, options, want",
+    [
+        ("auto", (9, 0), 1024, 128, {}, "sm90"),
+        ("auto", (9, 0), 4096, 128, {"causal": True}, "sm90"),
+        ("auto", (9, 0), 1023, 128, {}, "portable"),  # short: below SM90_FWD_MIN_SEQLEN
+        ("auto", (9, 0), 4096, 64, {}, "portable"),  # D=64: measured no faster
+        ("auto", (9, 0), 4096, 128, {"window": (256, 0)}, "portable"),  # options: not timed
+        ("auto", (9, 0), 4096, 128, {"softcap": 30.0}, "portable"),
+        ("auto", (8, 0), 4096, 128, {}, "portable"),  # not a Hopper GPU
+        ("sm90", (9, 0), 512, 64, {"window": (256, 0)}, "sm90"),  # asked for: all it covers
+        ("sm90", (8, 0), 4096, 128, {}, "portable"),
+        ("portable", (9, 0), 4096, 128, {}, "portable"),
+    ],
+)
+def test_forward_dispatch(monkeypatch, tier, capability, seqlen, head_dim, options, want):
+    """The forward's choice of tier (on the CPU: the device, the Triton check and the Hopper
+    launcher are stood in for; what is checked is the decision, not the kernels)."""
+    import contextlib
+
+    from flashcore.ops import fwd, fwd_sm90, runtime
+
+    ran = []
+    monkeypatch.setattr(runtime, "capability", lambda device: capability)
+    monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
+    monkeypatch.setattr(fwd_sm90, "supports", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fwd_sm90, "attn_fwd_sm90", lambda *args, **kwargs: ran.append("sm90"))
+
+    def portable():
+        ran.append("portable")
+        raise _Portable
+
+    monkeypatch.setattr(fwd, "kernel", portable)
+    q = torch.zeros(1, 1, seqlen, head_dim, dtype=torch.bfloat16)
+    options = {"causal": False, **options}
+    causal = options.pop("causal")
+    with flashcore.use_tier(tier), contextlib.suppress(_Portable):
+        fwd.launch(q, q, q, causal, 0.125, **options)
+    assert ran == [want]

@@ -40,9 +40,10 @@ def use_tier(name: str):
     inputs with head dim 64 or 128 and 16-byte aligned strides; anything else they do not cover
     runs on the portable tier. The forward covers causal, window, softcap, ALiBi, GQA and any
     lengths; the backward those and sinks (never with ``deterministic``).
-    ``"auto"`` (the default): the portable forward (the sm90 forward measured no faster on the
-    H100, docs/hopper_fwd.md) and the sm90 backward from 2048 queries and keys on, where it
-    measured faster (``tuning.sm90_backward``). Varlen and decoding always run
+    ``"auto"`` (the default): each tier where it measured faster on the H100: the sm90 forward
+    at head dim 128 from 1024 queries and keys on without window, softcap or ALiBi
+    (``tuning.sm90_forward``), the sm90 backward from 2048 queries and keys on
+    (``tuning.sm90_backward``), the portable kernels otherwise. Varlen and decoding always run
     on the portable tier. The choice is scoped to the current thread (a ``contextvars``
     variable), never global; a backward runs on the tier that was in effect at its forward
     (eager calls; a graph compiled by ``torch.compile`` takes "auto" in its backward)::

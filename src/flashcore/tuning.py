@@ -227,6 +227,22 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = Fa
     return min(seqlen_q, seqlen_k) >= SM90_BWD_MIN_SEQLEN
 
 
+# The Hopper forward (kernels/hopper/fwd.py) under "auto": D=128 from 1024 queries and keys on.
+# H100, bf16, the FA sweep, flashcore-bench --mode fwd with flashcore-portable, flashcore-sm90
+# and sdpa-cudnn in one process, two runs (docs/performance.md): at D=128 it runs 1.04-1.26x
+# the portable forward from S = 1024 on (one causal 1024 point 0.92 in one run) and 0.96-1.08x
+# cuDNN from 2048 on; at S = 512 0.72-1.09x the portable one. At D=64 it is 0.97-1.07x the
+# portable forward: no gain, so D=64 stays portable. The window, softcap and ALiBi variants
+# were checked for numerics but not timed, so they stay portable under "auto".
+SM90_FWD_MIN_SEQLEN = 1024
+
+
+def sm90_forward(seqlen_q: int, seqlen_k: int, head_dim: int, options: bool = False) -> bool:
+    """Whether "auto" takes the Hopper forward for this problem (where it measured faster);
+    ``options``: a window, softcap or ALiBi is on."""
+    return head_dim == 128 and not options and min(seqlen_q, seqlen_k) >= SM90_FWD_MIN_SEQLEN
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch configuration of the split-KV decode kernel (``kernels/decode.py``).

@@ -69,7 +69,13 @@ def launch(
     ):
         from flashcore.ops import fwd_sm90
 
-        if fwd_sm90.supports(
+        wanted = runtime.tier_forced() or tuning.sm90_forward(
+            dims.seqlen_q,
+            dims.seqlen_k,
+            q.shape[-1],
+            options=window != (-1, -1) or softcap > 0 or alibi_slopes is not None,
+        )
+        if wanted and fwd_sm90.supports(
             q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes
         ):
             sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, *dims[3:])

@@ -13,6 +13,8 @@ from typing import NamedTuple
 
 import torch
 
+from flashcore.ops.launch import Launcher
+
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
 
@@ -74,6 +76,13 @@ def kernels() -> ModuleType:
     from flashcore.kernels.hopper import fwd
 
     return fwd
+
+
+@functools.cache
+def launcher() -> Launcher:
+    """The kernel's ``Launcher`` (its four descriptors, LSE and ALIBI come first): Triton's
+    per-call argument binding is skipped once a signature has been compiled."""
+    return Launcher(kernels().attn_fwd_sm90_kernel, 6)
 
 
 @functools.cache
@@ -210,34 +219,39 @@ def attn_fwd_sm90(
         persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
     grid = (min(num_sms(q.device.index), n_work) if persistent else n_work,)
     with torch.cuda.device_of(q):
-        kernels().attn_fwd_sm90_kernel[grid](
-            *descs,
-            lse,
-            lse if alibi is None else alibi,
-            lse.stride(0),
-            lse.stride(1),
-            stride_ab,
-            heads,
-            heads // kv_heads,
-            seqlen_q,
-            seqlen_k,
-            float(qk_scale),
-            window_left,
-            window_right,
-            float(softcap),
-            HEAD_DIM=head_dim,
-            BLOCK_N=cfg.block_n,
-            NUM_STAGES=cfg.num_stages,
-            NUM_CONSUMERS=cfg.num_consumers,
-            CONSUMER_REGS=cfg.consumer_regs,
-            PINGPONG=cfg.pingpong,
-            IS_CAUSAL=causal,
-            HAS_WINDOW=has_window,
-            SOFTCAP=softcap > 0,
-            HAS_ALIBI=alibi is not None,
-            RAW_MAX=raw_max,
-            EVEN_N=seqlen_k % cfg.block_n == 0,
-            PERSISTENT=persistent,
-            num_warps=4,
-            maxnreg=cfg.maxnreg,
+        launcher()(
+            grid,
+            (
+                *descs,
+                lse,
+                lse if alibi is None else alibi,
+                lse.stride(0),
+                lse.stride(1),
+                stride_ab,
+                heads,
+                heads // kv_heads,
+                seqlen_q,
+                seqlen_k,
+                float(qk_scale),
+                window_left,
+                window_right,
+                float(softcap),
+            ),
+            {
+                "HEAD_DIM": head_dim,
+                "BLOCK_N": cfg.block_n,
+                "NUM_STAGES": cfg.num_stages,
+                "NUM_CONSUMERS": cfg.num_consumers,
+                "CONSUMER_REGS": cfg.consumer_regs,
+                "PINGPONG": cfg.pingpong,
+                "IS_CAUSAL": causal,
+                "HAS_WINDOW": has_window,
+                "SOFTCAP": softcap > 0,
+                "HAS_ALIBI": alibi is not None,
+                "RAW_MAX": raw_max,
+                "EVEN_N": seqlen_k % cfg.block_n == 0,
+                "PERSISTENT": persistent,
+                "num_warps": 4,
+                "maxnreg": cfg.maxnreg,
+            },
         )

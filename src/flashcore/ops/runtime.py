@@ -190,11 +190,11 @@ def tier_forced() -> bool:
 
 
 def forward_tier(device: torch.device) -> str:
-    """The tier a forward on ``device`` runs: "sm90" only when asked for (``use_tier``) on an
-    sm_90 GPU with a verified Triton; "auto" is the portable tier today, because the Gluon
-    forward measured 0.64-1.04x cuDNN on the H100, no faster than the portable one
-    (docs/hopper_fwd.md). The launcher falls back to the portable tier for whatever the sm90
-    kernel does not cover."""
-    if _tier.get() != "sm90" or capability(device) != (9, 0):
+    """The tier a forward on ``device`` may run: "sm90" under ``use_tier("sm90")`` and under
+    "auto" on an sm_90 GPU with a verified Triton, else "portable". Under "auto" the launcher
+    then takes it only for the problems ``tuning.sm90_forward`` names (where it measured
+    faster); under ``use_tier("sm90")`` for every problem it covers. Either way it falls back to
+    the portable tier for what the sm90 kernel does not cover."""
+    if _tier.get() == "portable" or capability(device) != (9, 0):
         return "portable"
     return "sm90" if sm90_verified() else "portable"
