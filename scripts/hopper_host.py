@@ -1,5 +1,5 @@
-"""Host cost per call of the backward launchers on a tiny problem (the GPU work is a few
-microseconds, so a loop of calls with one synchronisation measures the host).
+"""Host cost per call of the Hopper launchers, backward and forward, on a tiny problem (the GPU
+work is a few microseconds, so a loop of calls with one synchronisation measures the host).
 
     PYTHONPATH=src python scripts/hopper_host.py
 
@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from flashcore.ops import bwd, bwd_sm90, fwd
+import flashcore
+from flashcore.ops import bwd, bwd_sm90, fwd, fwd_sm90
 
 
 def per_call(fn, calls: int = 300) -> float:
@@ -47,6 +48,20 @@ def main() -> None:
             launcher.interpreted = False
         times["portable"] = per_call(portable)
         print(f"D={head_dim}: " + ", ".join(f"{n} {t:.1f} us/call" for n, t in times.items()))
+        # The forward through the public API (attention's whole host path) on each tier.
+        fwd_times = {}
+        call = functools.partial(flashcore.attention, q, k, v, causal=True)
+        for tier in ("sm90", "portable"):
+            with flashcore.use_tier(tier):
+                fwd_times[tier] = per_call(call)
+        fwd_sm90.launcher().interpreted = True
+        with flashcore.use_tier("sm90"):
+            fwd_times["sm90 binding"] = per_call(call)
+        fwd_sm90.launcher().interpreted = False
+        print(
+            f"D={head_dim} forward: "
+            + ", ".join(f"{n} {t:.1f} us/call" for n, t in fwd_times.items())
+        )
 
 
 if __name__ == "__main__":
