@@ -157,21 +157,22 @@ class _Portable(Exception):
 
 
 @pytest.mark.parametrize(
-    "tier, capability, seqlen, head_dim, options, want",
+    "tier, capability, shape, options, want",
     [
-        ("auto", (9, 0), 1024, 128, {}, "sm90"),
-        ("auto", (9, 0), 4096, 128, {"causal": True}, "sm90"),
-        ("auto", (9, 0), 1023, 128, {}, "portable"),  # short: below SM90_FWD_MIN_SEQLEN
-        ("auto", (9, 0), 4096, 64, {}, "portable"),  # D=64: measured no faster
-        ("auto", (9, 0), 4096, 128, {"window": (256, 0)}, "portable"),  # options: not timed
-        ("auto", (9, 0), 4096, 128, {"softcap": 30.0}, "portable"),
-        ("auto", (8, 0), 4096, 128, {}, "portable"),  # not a Hopper GPU
-        ("sm90", (9, 0), 512, 64, {"window": (256, 0)}, "sm90"),  # asked for: all it covers
-        ("sm90", (8, 0), 4096, 128, {}, "portable"),
-        ("portable", (9, 0), 4096, 128, {}, "portable"),
+        ("auto", (9, 0), (16, 16, 1024, 128), {}, "sm90"),
+        ("auto", (9, 0), (4, 16, 4096, 128), {"causal": True}, "sm90"),
+        ("auto", (9, 0), (16, 16, 1023, 128), {}, "portable"),  # below SM90_FWD_MIN_SEQLEN
+        ("auto", (9, 0), (2, 8, 2048, 128), {}, "portable"),  # below SM90_FWD_MIN_FLOPS: host
+        ("auto", (9, 0), (4, 32, 4096, 64), {}, "portable"),  # D=64: measured no faster
+        ("auto", (9, 0), (4, 16, 4096, 128), {"window": (256, 0)}, "portable"),  # not timed
+        ("auto", (9, 0), (4, 16, 4096, 128), {"softcap": 30.0}, "portable"),
+        ("auto", (8, 0), (4, 16, 4096, 128), {}, "portable"),  # not a Hopper GPU
+        ("sm90", (9, 0), (1, 1, 512, 64), {"window": (256, 0)}, "sm90"),  # asked for: all of it
+        ("sm90", (8, 0), (4, 16, 4096, 128), {}, "portable"),
+        ("portable", (9, 0), (4, 16, 4096, 128), {}, "portable"),
     ],
 )
-def test_forward_dispatch(monkeypatch, tier, capability, seqlen, head_dim, options, want):
+def test_forward_dispatch(monkeypatch, tier, capability, shape, options, want):
     """The forward's choice of tier (on the CPU: the device, the Triton check and the Hopper
     launcher are stood in for; what is checked is the decision, not the kernels)."""
     import contextlib
@@ -189,7 +190,7 @@ def test_forward_dispatch(monkeypatch, tier, capability, seqlen, head_dim, optio
         raise _Portable
 
     monkeypatch.setattr(fwd, "kernel", portable)
-    q = torch.zeros(1, 1, seqlen, head_dim, dtype=torch.bfloat16)
+    q = torch.zeros(shape, dtype=torch.bfloat16)
     options = {"causal": False, **options}
     causal = options.pop("causal")
     with flashcore.use_tier(tier), contextlib.suppress(_Portable):

@@ -234,13 +234,26 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = Fa
 # cuDNN from 2048 on; at S = 512 0.72-1.09x the portable one. At D=64 it is 0.97-1.07x the
 # portable forward: no gain, so D=64 stays portable. The window, softcap and ALiBi variants
 # were checked for numerics but not timed, so they stay portable under "auto".
+# Host cost: an eager call through attention() costs about 200 us of host time on the tier's
+# launcher against about 100 us on the portable one (scripts/hopper_host.py, H100 machine), so
+# a problem whose kernel takes less than that stays portable: below SM90_FWD_MIN_FLOPS (about
+# 100 us at 500 TFLOP/s; the sweep's smallest D=128 point at S = 1024 has 1.4e11).
 SM90_FWD_MIN_SEQLEN = 1024
+SM90_FWD_MIN_FLOPS = 5e10
 
 
-def sm90_forward(seqlen_q: int, seqlen_k: int, head_dim: int, options: bool = False) -> bool:
+def sm90_forward(
+    seqlen_q: int, seqlen_k: int, head_dim: int, flops: float, options: bool = False
+) -> bool:
     """Whether "auto" takes the Hopper forward for this problem (where it measured faster);
-    ``options``: a window, softcap or ALiBi is on."""
-    return head_dim == 128 and not options and min(seqlen_q, seqlen_k) >= SM90_FWD_MIN_SEQLEN
+    ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``options``: a window,
+    softcap or ALiBi is on."""
+    return (
+        head_dim == 128
+        and not options
+        and min(seqlen_q, seqlen_k) >= SM90_FWD_MIN_SEQLEN
+        and flops >= SM90_FWD_MIN_FLOPS
+    )
 
 
 @dataclass(frozen=True)

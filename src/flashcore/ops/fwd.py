@@ -69,10 +69,12 @@ def launch(
     ):
         from flashcore.ops import fwd_sm90
 
+        flops = 4.0 * dims.batch * dims.heads * dims.seqlen_q * dims.seqlen_k * q.shape[-1]
         wanted = runtime.tier_forced() or tuning.sm90_forward(
             dims.seqlen_q,
             dims.seqlen_k,
             q.shape[-1],
+            flops / 2 if causal else flops,
             options=window != (-1, -1) or softcap > 0 or alibi_slopes is not None,
         )
         if wanted and fwd_sm90.supports(
