@@ -40,7 +40,7 @@ def trace_source(offset: int) -> str:
     src = KERNEL.read_text()
     edits = [
         (
-            "@gluon.jit\ndef _snake(",
+            "@gluon.jit\ndef _producer_tile(",
             f"""@gluon.jit
 def _stamp(LSE, t, e: gl.constexpr, CONSUMER: gl.constexpr, x):
     if (gl.program_id(0) == 0) & (t < {STEPS}):
@@ -52,7 +52,7 @@ def _stamp(LSE, t, e: gl.constexpr, CONSUMER: gl.constexpr, x):
 
 
 @gluon.jit
-def _snake(""",
+def _producer_tile(""",
         ),
         (
             "    slope,\n    CONSUMER: gl.constexpr,",

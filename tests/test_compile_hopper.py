@@ -56,7 +56,8 @@ PERSISTENT_SUFFIX = "-persistent"
 
 
 def _load_kernel_module():
-    """The kernel module by path: it imports triton only, so the package (and torch) stay out."""
+    """The kernel module by path (its helpers come from ``flashcore.kernels.hopper.common``, on
+    the subprocess's path)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("flashcore_hopper_fwd", KERNEL)

@@ -138,7 +138,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
-from flashcore.kernels.hopper.fwd import LOG2E, tanh
+from flashcore.kernels.hopper.common import LOG2E, tanh
 
 ROWS = gl.constexpr(64)  # query rows per step, and keys per consumer warpgroup (one m64 wgmma)
 BLOCK_N = gl.constexpr(128)  # keys per program: two consumers x 64

@@ -56,7 +56,7 @@ Schedule (one CTA, ``gl.warp_specialize``):
 Persistent schedule (PERSISTENT; the code above is the tile body of both). The grid is
 ``min(#SMs, n_work)`` programs, ``n_work = cdiv(Sq, BLOCK_M) * B * H``; program ``pid`` takes one
 work item per wave, ``w = wave * grid + pid`` on even waves and ``wave * grid + grid - 1 - pid``
-on odd ones, mapped to a tile by the same ``_work`` as the flat grid (a head's tiles consecutive,
+on odd ones, mapped to a tile by the same ``work`` as the flat grid (a head's tiles consecutive,
 causal last-first). The snake matters for causal: with ``grid % n_m == 0`` (132 SMs, S = 512)
 a plain stride gives every program the same query tile in each wave, its longest tile or its
 shortest; the snake pairs them (a list-scheduling model of 32k tokens puts the plain stride's
@@ -124,96 +124,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-LOG2E = gl.constexpr(1.4426950408889634)
-LN2 = gl.constexpr(0.6931471805599453)
-ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
-
-
-@gluon.jit
-def kv_tile_range(
-    start_m,
-    seqlen_q,
-    seqlen_k,
-    window_left,
-    window_right,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    HAS_WINDOW: gl.constexpr,
-):
-    """``(lo, full_lo, full_hi, hi)``: key tiles of rows ``[start_m, start_m + BLOCK_M)``, as
-    ``kernels/common.py:kv_tile_range`` (tiles in ``[full_lo, full_hi)`` need no mask)."""
-    diag = seqlen_k - seqlen_q
-    if IS_CAUSAL:
-        hi = gl.minimum(seqlen_k, gl.maximum(start_m + BLOCK_M + diag, 0))
-        full_hi = (gl.maximum(start_m + diag + 1, 0) // BLOCK_N) * BLOCK_N
-    elif HAS_WINDOW:
-        hi = gl.minimum(seqlen_k, gl.maximum(start_m + BLOCK_M + diag + window_right, 0))
-        edge = gl.minimum(gl.maximum(start_m + diag + window_right + 1, 0), seqlen_k)
-        full_hi = (edge // BLOCK_N) * BLOCK_N
-    else:
-        hi = seqlen_k
-        full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
-    if HAS_WINDOW:
-        lo = (gl.maximum(start_m + diag - window_left, 0) // BLOCK_N) * BLOCK_N
-        last = gl.maximum(start_m + BLOCK_M - 1 + diag - window_left, 0)
-        full_lo = gl.minimum(((last + BLOCK_N - 1) // BLOCK_N) * BLOCK_N, hi)
-        lo = gl.minimum(lo, full_lo)
-        full_hi = gl.maximum(full_hi, full_lo)
-    else:
-        lo = 0
-        full_lo = 0
-    return lo, full_lo, full_hi, hi
-
-
-@gluon.jit
-def tanh(x):
-    """fp32 tanh from exp2 alone, the formula of ``kernels/common.py:tanh`` (Cephes' tanhf: an odd
-    polynomial below |x| = 0.625, ``1 - 2 / (exp(2|x|) + 1)`` above)."""
-    ax = gl.abs(x)
-    z = x * x
-    poly = -5.70498872745e-3 * z + 2.06390887954e-2
-    poly = poly * z - 5.37397155531e-2
-    poly = poly * z + 1.33314422036e-1
-    poly = poly * z - 3.33332819422e-1
-    small = poly * z * x + x
-    big = 1.0 - 2.0 / (gl.exp2(ax * (2.0 * LOG2E)) + 1.0)
-    big = gl.where(x < 0, -big, big)
-    return gl.where(ax < 0.625, small, big)
-
-
-@gluon.jit
-def _work(w, n_tiles, REVERSE: gl.constexpr):
-    """``(tile, off_bh)`` of work item ``w`` out of ``n_tiles * B * H``, as
-    ``common.program_tile``: a head's query tiles are consecutive, last-first with REVERSE."""
-    off_bh = w // n_tiles
-    tile = w % n_tiles
-    if REVERSE:
-        tile = n_tiles - 1 - tile
-    return tile, off_bh
-
-
-@gluon.jit
-def _opaque(x):
-    """``x`` (int32) through a side-effecting ``mov``, so that nothing computed from it leaves
-    its partition. Without it, in the persistent loops, LLVM's codegen (Triton 3.6) hoists what
-    the partitions compute alike from the arguments (``cdiv(Sq, BLOCK_M)``, ``B * H``, sign
-    fix-ups of the divisions) into the entry block, before ``setmaxnreg``, and ptxas spills each
-    such value live into a partition (24 B at D=128)."""
-    return gl.inline_asm_elementwise(
-        "mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def _snake(wave, pid, grid):
-    """Work item of persistent program ``pid`` in ``wave``: ``wave * grid + pid`` on even waves,
-    ``wave * grid + grid - 1 - pid`` on odd ones (see the module docstring). Written as a
-    branch: the select form keeps ``grid - 1 - 2 pid`` live across the loop, spilled at D=128."""
-    w = wave * grid + pid
-    if wave % 2 == 1:
-        w = (wave + 1) * grid - 1 - pid
-    return w
+from flashcore.kernels.hopper.common import (
+    LN2,
+    LOG2E,
+    ROWS,
+    kv_tile_range,
+    opaque,
+    snake,
+    softmax,
+    tile_scores,
+    work,
+)
 
 
 @gluon.jit
@@ -248,7 +169,7 @@ def _producer_tile(
 ):
     """Loads of work item ``w``, this program's tile number ``it``, whose K/V tiles take ring
     entries ``kv0, kv0 + 1, ...``; returns how many it took."""
-    tile_m, off_bh = _work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
+    tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
@@ -330,14 +251,14 @@ def _producer(
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
-        seqlen_q = _opaque(seqlen_q)
-        seqlen_k = _opaque(seqlen_k)
-        num_heads = _opaque(num_heads)
-        n_work = gl.cdiv(seqlen_q, BLOCK_M) * _opaque(q_desc.shape[0]) * num_heads
+        seqlen_q = opaque(seqlen_q)
+        seqlen_k = opaque(seqlen_k)
+        num_heads = opaque(num_heads)
+        n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(q_desc.shape[0]) * num_heads
         kv = 0
         for wave in range(gl.cdiv(n_work, grid)):
             # Every wave but the last gives each program a tile, so the wave is the tile count.
-            w = _snake(wave, pid, grid)
+            w = snake(wave, pid, grid)
             if w < n_work:
                 kv += _producer_tile(
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
@@ -352,102 +273,6 @@ def _producer(
             window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
             HAS_WINDOW, PERSISTENT,
         )  # fmt: skip
-
-
-@gluon.jit
-def _scores(
-    s,
-    rows,
-    cols,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    slope,
-    MASKED: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    HAS_WINDOW: gl.constexpr,
-    SOFTCAP: gl.constexpr,
-    HAS_ALIBI: gl.constexpr,
-    RAW_MAX: gl.constexpr,
-    CHECK_N: gl.constexpr,
-):
-    """Scores of one tile in the softmax's units: raw ``q.k`` with RAW_MAX (the scale is folded
-    into the exp2), else ``qk_scale * q.k`` in log2 units after softcap and ALiBi; -inf where
-    masked (MASKED: keys past Sk, causal future, outside the window)."""
-    if not RAW_MAX:
-        s = s * qk_scale
-        if SOFTCAP:
-            s = tanh(s) * softcap
-        if HAS_ALIBI:
-            dist = rows + (seqlen_k - seqlen_q) - cols
-            s = s - slope * gl.abs(dist).to(gl.float32)
-    if MASKED:
-        if CHECK_N:
-            s = gl.where(cols < seqlen_k, s, float("-inf"))
-        if IS_CAUSAL:
-            s = gl.where(cols <= rows + (seqlen_k - seqlen_q), s, float("-inf"))
-        if HAS_WINDOW:
-            s = gl.where(cols >= rows + (seqlen_k - seqlen_q - window_left), s, float("-inf"))
-            if not IS_CAUSAL:
-                s = gl.where(cols <= rows + (seqlen_k - seqlen_q + window_right), s, float("-inf"))
-    return s
-
-
-@gluon.jit
-def _tile_scores(
-    s,
-    start_n,
-    full_lo,
-    full_hi,
-    rows,
-    offs_n,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    slope,
-    IS_CAUSAL: gl.constexpr,
-    HAS_WINDOW: gl.constexpr,
-    SOFTCAP: gl.constexpr,
-    HAS_ALIBI: gl.constexpr,
-    RAW_MAX: gl.constexpr,
-    CHECK_N: gl.constexpr,
-):
-    """``_scores`` of the tile at key ``start_n``: masked unless it lies in the full range."""
-    cols = gl.expand_dims(start_n + offs_n, 0)
-    if (start_n < full_lo) | (start_n >= full_hi):
-        s = _scores(
-            s, rows, cols, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
-            slope, True, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
-        )  # fmt: skip
-    else:
-        s = _scores(
-            s, rows, cols, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap,
-            slope, False, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
-        )  # fmt: skip
-    return s
-
-
-@gluon.jit
-def _softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr):
-    """One online-softmax step on a score tile: ``(p, alpha, m, l)``. A row with every score
-    -inf so far keeps ``m = -inf`` and gets ``p = 0``, ``alpha = 0`` (its max is replaced by 0)."""
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    if RAW_MAX:
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
-        p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_ref, 1)))
-        alpha = gl.exp2(m_i * qk_scale - m_ref)
-    else:
-        m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - gl.expand_dims(m_ref, 1))
-        alpha = gl.exp2(m_i - m_ref)
-    l_new = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, m_new, l_new
 
 
 @gluon.jit
@@ -517,12 +342,12 @@ def _attend(
         mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(kv_empty.index(kv0 % NUM_STAGES), count=1)  # K_0 read
-    s = _tile_scores(
+    s = tile_scores(
         s, lo, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, window_left,
         window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
         CHECK_N,
     )  # fmt: skip
-    p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
 
     for t in range(1, n_tiles):
         g = kv0 + t
@@ -544,13 +369,13 @@ def _attend(
         s = warpgroup_mma_wait(1, deps=[s_tok])
         # K_t is read: the producer may load tile t + NUM_STAGES's K while V_{t-1} is in use.
         mbarrier.arrive(kv_empty.index(slot), count=1)
-        s = _tile_scores(
+        s = tile_scores(
             s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
             qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
             SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
         )  # fmt: skip
         # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
-        p, alpha, m_i, l_i = _softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
         acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
         mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
 
@@ -629,11 +454,11 @@ def _consumer_tile(
     if PERSISTENT:
         # Per tile, so that nothing derived from the lengths or the LSE strides (the key
         # loop's bounds, the strides' sign extension) is kept live across tiles.
-        seqlen_q = _opaque(seqlen_q)
-        seqlen_k = _opaque(seqlen_k)
-        stride_lb = _opaque(stride_lb)
-        stride_lh = _opaque(stride_lh)
-    tile_m, off_bh = _work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
+        seqlen_q = opaque(seqlen_q)
+        seqlen_k = opaque(seqlen_k)
+        stride_lb = opaque(stride_lb)
+        stride_lh = opaque(stride_lh)
+    tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
@@ -736,16 +561,16 @@ def _consumer(
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
-        seqlen_q = _opaque(seqlen_q)
-        seqlen_k = _opaque(seqlen_k)
-        num_heads = _opaque(num_heads)
-        stride_lh = _opaque(stride_lh)
-        stride_lb = _opaque(stride_lb)
-        n_work = gl.cdiv(seqlen_q, BLOCK_M) * _opaque(o_desc.shape[0]) * num_heads
+        seqlen_q = opaque(seqlen_q)
+        seqlen_k = opaque(seqlen_k)
+        num_heads = opaque(num_heads)
+        stride_lh = opaque(stride_lh)
+        stride_lb = opaque(stride_lb)
+        n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(o_desc.shape[0]) * num_heads
         kv = 0
         turns = 0
         for wave in range(gl.cdiv(n_work, grid)):
-            w = _snake(wave, pid, grid)
+            w = snake(wave, pid, grid)
             if w < n_work:
                 n = _consumer_tile(
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
