@@ -137,6 +137,7 @@ def make(shape_b, heads, kv_heads, seqlen, head_dim, dtype, layout, gen):
 
 def check(args) -> int:
     ref = _import("flashcore.reference")
+    variants = parse_variants(args.variant)
     gen = torch.Generator(device="cuda").manual_seed(0)
     failures = 0
     for dtype in args.dtypes:
@@ -172,13 +173,14 @@ def check(args) -> int:
                 if fin.any()
                 else 0.0
             )
-            for schedule in args.schedules:
+            configs = [(s, schedule_config(d, SCHEDULES[s])) for s in args.schedules]
+            configs += [(label, cfg) for label, head_dim, cfg in variants if head_dim == d]
+            for schedule, config in configs:
                 out = torch.full_like(q, float("nan"))
                 lse = torch.full((b, h, sq), float("nan"), device="cuda")
                 run_sm90(
                     q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                    alibi=alibi, out=out, lse=lse,
-                    config=schedule_config(d, SCHEDULES[schedule]),
+                    alibi=alibi, out=out, lse=lse, config=config,
                 )  # fmt: skip
                 torch.cuda.synchronize()
                 ok = not out.isnan().any().item() and not lse.isnan().any().item()
@@ -238,6 +240,18 @@ def time_case(q, k, v, causal, portable, variants, schedules) -> dict[str, float
     return ms
 
 
+def parse_variants(specs: list[str]) -> list[tuple]:
+    """``(label, head_dim, Sm90Config)`` of each ``label:D:consumers,block_n,stages,regs,
+    maxnreg,pingpong`` spec (e.g. ``c3:64:3,64,3,160,128,1``: three consumers, 64-key tiles)."""
+    sm90 = _import("flashcore.ops.fwd_sm90")
+    variants = []
+    for spec in specs:
+        label, head_dim, fields = spec.split(":")
+        values = [int(x) for x in fields.split(",")]
+        variants.append((label, int(head_dim), sm90.Sm90Config(*values[:5], bool(values[5]))))
+    return variants
+
+
 def bench(args) -> int:
     try:
         portable = _import("flashcore.ops.fwd").attn_fwd
@@ -247,12 +261,7 @@ def bench(args) -> int:
     if args.no_portable:
         portable = None
     sm90 = _import("flashcore.ops.fwd_sm90")
-    variants = []
-    for spec in args.variant:
-        # label:D:consumers,block_n,stages,regs,maxnreg,pingpong
-        label, head_dim, fields = spec.split(":")
-        values = [int(x) for x in fields.split(",")]
-        variants.append((label, int(head_dim), sm90.Sm90Config(*values[:5], bool(values[5]))))
+    variants = parse_variants(args.variant)
     for run in range(args.runs):
         for dtype in args.dtypes:
             for head_dim in args.head_dims:
@@ -297,13 +306,14 @@ def main() -> int:
     b.add_argument("--tokens", type=int, default=32768)
     b.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     b.add_argument("--head-dims", type=int, nargs="+", default=[128, 64])
-    b.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        help="extra sm90 config timed beside the default: label:D:consumers,block_n,stages,"
-        "regs,maxnreg,pingpong",
-    )
+    for p in (c, b):
+        p.add_argument(
+            "--variant",
+            action="append",
+            default=[],
+            help="an extra sm90 config checked or timed beside the default: "
+            "label:D:consumers,block_n,stages,regs,maxnreg,pingpong",
+        )
     args = parser.parse_args()
     args.dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.dtypes]
     torch.backends.cuda.matmul.allow_tf32 = False
