@@ -38,7 +38,7 @@ from helpers import (
     sm90_tier_runs,
 )
 from numerics import assert_fa_rule
-from shapes import DETERMINISM, MASKS_GPU, VARLEN_GPU
+from shapes import DETERMINISM, MASKS_GPU, VARLEN_GPU, Case
 
 # GQA (8 query heads on 2 kv heads) and MHA, lengths ragged against every tile.
 CASES = DETERMINISM
@@ -421,3 +421,46 @@ def test_first_launch_in_capture_message(monkeypatch):
     with pytest.raises(RuntimeError) as info:
         launcher((1,), (7,), {"BLOCK": 16})
     assert info.value is failure
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_graph_sm90_forward(causal, monkeypatch):
+    # The Gluon forward (the default at D=128 from 1024 tokens on an H100) through its Launcher,
+    # with the backward, captured and replayed on new inputs. Forward and dk, dv exact; dq by
+    # FlashAttention's rule where the Hopper backward reduce-adds it.
+    from flashcore.ops import fwd_sm90
+
+    if not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    forwards = []
+    real = fwd_sm90.attn_fwd_sm90
+    monkeypatch.setattr(
+        fwd_sm90, "attn_fwd_sm90", lambda *a, **kw: forwards.append(1) or real(*a, **kw)
+    )
+    tiers = record_backward_tiers(monkeypatch)
+    # 1.4e11 FLOPs (6.9e10 causal): above tuning.SM90_FWD_MIN_FLOPS, so "auto" takes the tier.
+    case = Case(4, 16, 4, 2048, 2048, 128)
+    q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.bfloat16, "cuda"))
+    dout = torch.randn_like(q)
+
+    def call():
+        out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+        return out, lse, *torch.autograd.grad(out, (q, k, v), dout)
+
+    graph, static = capture(call)
+    assert forwards, "the Gluon forward did not run"
+    exact = tiers[-1] == "portable"
+    for _ in range(REPLAYS):
+        refill(q, k, v, dout)
+        graph.replay()
+        with no_sync():
+            want = call()
+        assert_equal(("out", "lse"), static[:2], want[:2])
+        assert_equal(("dk", "dv"), static[3:], want[3:])
+        if exact:
+            assert_equal(("dq",), static[2:3], want[2:3])
+        else:
+            ref = reference_grads(q, k, v, dout, None, causal=causal, dtype=torch.float64)
+            pt = reference_grads(q, k, v, dout, None, causal=causal, dtype=q.dtype)
+            assert_fa_rule("dq (replay)", static[2], pt[0], ref[0])
