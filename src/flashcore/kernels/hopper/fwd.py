@@ -24,8 +24,8 @@ Schedule (one CTA, ``gl.warp_specialize``):
   consumers waited ~1800 of ~4300 clocks per step for K). The K/V descriptors
   are 4-D ``(B, Hkv, Sk, D)``: their extent ends at Sk, so rows past Sk arrive as zeros.
 - Consumers: NUM_CONSUMERS warpgroups (the default partition and NUM_CONSUMERS - 1 workers, 240
-  registers each with two consumers, 160 with three), each owning 64 query rows and the same key tiles. With P in
-  registers (the A operand of the second wgmma), tile t's step is::
+  registers each with two consumers, 160 with three), each owning 64 query rows and the same key
+  tiles. With P in registers (the A operand of the second wgmma), tile t's step is::
 
       wait k_ready[t]                     # K_t landed
       S_t  = wgmma(Q, K_t^T)   async      # group 1
