@@ -242,7 +242,7 @@ def time_case(q, k, v, causal, portable, variants, schedules) -> dict[str, float
 
 def parse_variants(specs: list[str]) -> list[tuple]:
     """``(label, head_dim, Sm90Config)`` of each ``label:D:consumers,block_n,stages,regs,
-    maxnreg,pingpong`` spec (e.g. ``c3:64:3,64,3,160,128,1``: three consumers, 64-key tiles)."""
+    maxnreg,pingpong`` spec (e.g. ``s3:128:2,128,3,240,168,1``: three K/V slots at D=128)."""
     sm90 = _import("flashcore.ops.fwd_sm90")
     variants = []
     for spec in specs:

@@ -45,9 +45,6 @@ VARIANTS = [
      {**PLAIN, "causal": True, "even_n": False}),
     ("d64-bf16-causal", 64, "bf16", 2, 128, 3, 240, 168, {**PLAIN, "causal": True}),
     (FEATURES, 64, "fp16", 2, 128, 3, 240, 168, ALL_FLAGS),
-    # Three consumers at D=64 with 64-key tiles (Sm90Config(3, 64, 3, 160, 128), an option).
-    ("d64-bf16-causal-ragged-3c", 64, "bf16", 3, 64, 3, 160, 128,
-     {**PLAIN, "causal": True, "even_n": False}),
     # The persistent schedule (PERSISTENT), each beside the flat build of the same flags above.
     ("d128-bf16-persistent", 128, "bf16", 2, 128, 2, 240, 168, {**PLAIN, "persistent": True}),
     ("d64-bf16-causal-persistent", 64, "bf16", 2, 128, 3, 240, 168,

@@ -24,8 +24,8 @@ Schedule (one CTA, ``gl.warp_specialize``):
   consumers waited ~1800 of ~4300 clocks per step for K). The K/V descriptors
   are 4-D ``(B, Hkv, Sk, D)``: their extent ends at Sk, so rows past Sk arrive as zeros.
 - Consumers: NUM_CONSUMERS warpgroups (the default partition and NUM_CONSUMERS - 1 workers, 240
-  registers each with two consumers, 160 with three), each owning 64 query rows and the same key
-  tiles. With P in registers (the A operand of the second wgmma), tile t's step is::
+  registers each with two consumers), each owning 64 query rows and the same key tiles. With P in
+  registers (the A operand of the second wgmma), tile t's step is::
 
       wait k_ready[t]                     # K_t landed
       S_t  = wgmma(Q, K_t^T)   async      # group 1
@@ -669,69 +669,30 @@ def attn_fwd_sm90_kernel(
 
     # Argument tuples spelled out per partition: a tuple built by concatenation inside the kernel
     # turns its constexprs into tensors (Triton 3.6).
-    # Two consumers (D=128 and D=64 by default), or three (an option for D=64 with 64-key tiles,
-    # where 160 registers each hold a step without spills; compiled, not yet timed).
-    gl.static_assert(
-        (NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumer warpgroups"
-    )
-    if NUM_CONSUMERS == 2:
-        gl.warp_specialize(
-            [
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (_producer, (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left,
-                    window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                    HAS_WINDOW, PERSISTENT,
-                )),
-            ],
-            [4, 1],
-            [CONSUMER_REGS, 24],
-        )  # fmt: skip
-    else:
-        gl.warp_specialize(
-            [
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 2, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (_producer, (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left,
-                    window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                    HAS_WINDOW, PERSISTENT,
-                )),
-            ],
-            [4, 4, 1],
-            [CONSUMER_REGS, CONSUMER_REGS, 24],
-        )  # fmt: skip
+    gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups (three spilled at D=64)")
+    gl.warp_specialize(
+        [
+            (_consumer, (
+                o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
+                PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+            )),
+            (_consumer, (
+                o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
+                PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+            )),
+            (_producer, (
+                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left,
+                window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                HAS_WINDOW, PERSISTENT,
+            )),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip
