@@ -7,7 +7,13 @@ import torch
 
 import flashcore
 from flashcore.ops import registry as ops
-from helpers import check_backward, make_qkv, record_backward_tiers, sm90_tier_runs
+from helpers import (
+    PortableLaunched,
+    check_backward,
+    make_qkv,
+    record_backward_tiers,
+    sm90_tier_runs,
+)
 from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case
 
 
@@ -292,10 +298,6 @@ def test_backward_gpu_lse_grad():
     check_backward(q, k, v, causal=True, dlse=dlse)
 
 
-class _Portable(Exception):
-    """Raised by the stand-in for the portable kernels: the decision is all the test needs."""
-
-
 @pytest.mark.parametrize(
     ("tier", "capability", "seqlen", "head_dim", "causal", "window", "deterministic", "want"),
     [
@@ -330,13 +332,13 @@ def test_backward_dispatch(
 
     def portable():
         ran.append("portable")
-        raise _Portable
+        raise PortableLaunched
 
     monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", sm90)
     monkeypatch.setattr(bwd, "kernels", portable)
     q = torch.zeros(1, 1, seqlen, head_dim, dtype=torch.bfloat16)
     lse = torch.zeros(1, 1, seqlen)
-    with flashcore.use_tier(tier), contextlib.suppress(_Portable):
+    with flashcore.use_tier(tier), contextlib.suppress(PortableLaunched):
         bwd.launch(
             q, q, q, q, q, lse, None, causal, 0.125, window=window, deterministic=deterministic
         )
@@ -352,10 +354,10 @@ def test_backward_dispatch_honours_torch_deterministic(monkeypatch):
     monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", lambda *a, **kw: pytest.fail("sm90 ran"))
 
     def portable():
-        raise _Portable
+        raise PortableLaunched
 
     monkeypatch.setattr(bwd, "kernels", portable)
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
     q = torch.zeros(1, 1, 4096, 128, dtype=torch.bfloat16)
-    with pytest.raises(_Portable):
+    with pytest.raises(PortableLaunched):
         bwd.launch(q, q, q, q, q, torch.zeros(1, 1, 4096), None, False, 0.125)

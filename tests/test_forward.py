@@ -3,7 +3,7 @@ import torch
 
 import flashcore
 from flashcore import tuning
-from helpers import check_forward, make_qkv
+from helpers import PortableLaunched, check_forward, make_qkv
 from shapes import DTYPES, GPU, INTERP, Case
 
 
@@ -152,10 +152,6 @@ def test_small_problems_skip_descriptors():
     assert tuning.fwd_config(64, 2, interpreted=True, flops=1).use_tma
 
 
-class _Portable(Exception):
-    """Raised by the stand-in for the portable kernel: the decision is all the test needs."""
-
-
 @pytest.mark.parametrize(
     "tier, capability, shape, options, want",
     [
@@ -187,12 +183,12 @@ def test_forward_dispatch(monkeypatch, tier, capability, shape, options, want):
 
     def portable():
         ran.append("portable")
-        raise _Portable
+        raise PortableLaunched
 
     monkeypatch.setattr(fwd, "kernel", portable)
     q = torch.zeros(shape, dtype=torch.bfloat16)
     options = {"causal": False, **options}
     causal = options.pop("causal")
-    with flashcore.use_tier(tier), contextlib.suppress(_Portable):
+    with flashcore.use_tier(tier), contextlib.suppress(PortableLaunched):
         fwd.launch(q, q, q, causal, 0.125, **options)
     assert ran == [want]
