@@ -242,13 +242,17 @@ def time_case(q, k, v, causal, portable, variants, schedules) -> dict[str, float
 
 def parse_variants(specs: list[str]) -> list[tuple]:
     """``(label, head_dim, Sm90Config)`` of each ``label:D:consumers,block_n,stages,regs,
-    maxnreg,pingpong`` spec (e.g. ``s3:128:2,128,3,240,168,1``: three K/V slots at D=128)."""
+    maxnreg,pingpong[,persistent]`` spec (e.g. ``s3:128:2,128,3,240,168,1``: three K/V slots at
+    D=128; ``c3:64:3,128,3,160,128,1``: three consumer warpgroups at D=64). Without the
+    persistent field (0 or 1) the launcher picks the schedule by shape."""
     sm90 = _import("flashcore.ops.fwd_sm90")
     variants = []
     for spec in specs:
         label, head_dim, fields = spec.split(":")
         values = [int(x) for x in fields.split(",")]
-        variants.append((label, int(head_dim), sm90.Sm90Config(*values[:5], bool(values[5]))))
+        persistent = bool(values[6]) if len(values) > 6 else None
+        config = sm90.Sm90Config(*values[:5], bool(values[5]), persistent)
+        variants.append((label, int(head_dim), config))
     return variants
 
 
@@ -312,7 +316,7 @@ def main() -> int:
             action="append",
             default=[],
             help="an extra sm90 config checked or timed beside the default: "
-            "label:D:consumers,block_n,stages,regs,maxnreg,pingpong",
+            "label:D:consumers,block_n,stages,regs,maxnreg,pingpong[,persistent]",
         )
     args = parser.parse_args()
     args.dtypes = [{"bf16": torch.bfloat16, "fp16": torch.float16}[d] for d in args.dtypes]

@@ -2,8 +2,9 @@
 
     PYTHONPATH=src python scripts/hopper_fwd_trace.py --seqlen 8192 --head-dim 128
 
-The script copies ``kernels/hopper/fwd.py`` with four stamps added to the key loop of
-``_attend`` (``%clock64`` of the SM, stored by CTA 0 for steps 1..63 of each consumer):
+The script builds one module from ``kernels/hopper/fwd.py`` and ``kernels/hopper/fwd_steps.py``
+with four stamps added to the key loop of ``_steps`` (``%clock64`` of the SM, stored by CTA 0 for
+steps 1..63 of each consumer; ``--three``: the three-consumer D=64 config):
 
     e0  top of step t            e1  K_t landed (after the ``k_ready`` wait)
     e2  turn taken (the products are issued next)
@@ -30,17 +31,20 @@ import torch
 
 from flashcore.ops import fwd_sm90
 
-KERNEL = Path(fwd_sm90.__file__).resolve().parents[1] / "kernels" / "hopper" / "fwd.py"
+KERNELS = Path(fwd_sm90.__file__).resolve().parents[1] / "kernels" / "hopper"
 STEPS, EVENTS = 64, 8
+CONSUMERS = 3  # stamp slots per CTA
 LOG2E = 1.4426950408889634
 
 
 def trace_source(offset: int) -> str:
-    """The kernel's source with the stamps; they go to ``LSE + offset`` (fp32 elements)."""
-    src = KERNEL.read_text()
+    """The kernel's source with the stamps; they go to ``LSE + offset`` (fp32 elements). The key
+    loop (``fwd_steps.py``, edited) is appended to ``fwd.py`` in place of its import."""
+    steps_src = (KERNELS / "fwd_steps.py").read_text()
+    steps_src = steps_src[steps_src.index('"""', 3) + 3 :]  # without its docstring
     edits = [
         (
-            "@gluon.jit\ndef _producer_tile(",
+            "@gluon.jit\ndef _sit_out(",
             f"""@gluon.jit
 def _stamp(LSE, t, e: gl.constexpr, CONSUMER: gl.constexpr, x):
     if (gl.program_id(0) == 0) & (t < {STEPS}):
@@ -52,16 +56,15 @@ def _stamp(LSE, t, e: gl.constexpr, CONSUMER: gl.constexpr, x):
 
 
 @gluon.jit
-def _producer_tile(""",
+def _sit_out(""",
         ),
+        # LSE into attend and _steps, and through their calls.
         (
             "    slope,\n    CONSUMER: gl.constexpr,",
             "    slope,\n    LSE,\n    CONSUMER: gl.constexpr,",
         ),
-        (
-            "            softcap, slope, CONSUMER, NUM_CONSUMERS,",
-            "            softcap, slope, LSE, CONSUMER, NUM_CONSUMERS,",
-        ),
+        ("    slope,\n    m_i,", "    slope,\n    LSE,\n    m_i,"),
+        ("slope, m_i, l_i, acc,", "slope, LSE, m_i, l_i, acc,", 2),
         (
             "        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)\n"
             "        if PINGPONG:\n"
@@ -81,11 +84,23 @@ def _producer_tile(""",
             "        mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)",
         ),
     ]
+    for old, new, *count in edits:
+        if steps_src.count(old) != (count[0] if count else 1):
+            raise SystemExit(f"kernels/hopper/fwd_steps.py changed; update this edit: {old!r}")
+        steps_src = steps_src.replace(old, new)
+    src = (KERNELS / "fwd.py").read_text()
+    edits = [
+        ("from flashcore.kernels.hopper.fwd_steps import attend\n", ""),
+        (
+            "            softcap, slope, CONSUMER, NUM_CONSUMERS,",
+            "            softcap, slope, LSE, CONSUMER, NUM_CONSUMERS,",
+        ),
+    ]
     for old, new in edits:
         if src.count(old) != 1:
             raise SystemExit(f"kernels/hopper/fwd.py changed; update this script's edit: {old!r}")
         src = src.replace(old, new)
-    return src
+    return src + "\n\n" + steps_src
 
 
 def main() -> None:
@@ -95,13 +110,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--stages", type=int, default=None)
+    parser.add_argument("--three", action="store_true", help="three consumers (D=64)")
     args = parser.parse_args()
     d, s = args.head_dim, args.seqlen
     b, h = max(1, args.tokens // s), 16 if d == 128 else 32
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     out = torch.empty_like(q)
     rows = b * h * s + (b * h * s) % 2  # the stamps' int64s start 8-byte aligned
-    lse_buf = torch.zeros(rows + 2 * STEPS * EVENTS * 2, device="cuda")
+    lse_buf = torch.zeros(rows + CONSUMERS * STEPS * EVENTS * 2, device="cuda")
     lse = lse_buf[: b * h * s].view(b, h, s)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,7 +129,9 @@ def main() -> None:
         fwd_sm90.kernels.cache_clear()
         fwd_sm90.launcher.cache_clear()
         fwd_sm90.kernels = lambda: module  # the tier's launcher, on the trace build
-        config = fwd_sm90.CONFIGS[d]._replace(persistent=False)
+        config = (fwd_sm90.D64_THREE if args.three else fwd_sm90.CONFIGS[d])._replace(
+            persistent=False
+        )
         if args.stages:
             config = config._replace(num_stages=args.stages)
         unbounded = 2 * s
@@ -124,12 +142,12 @@ def main() -> None:
                 alibi=None, stride_ab=0, config=config,
             )  # fmt: skip
         torch.cuda.synchronize()
-    stamps = lse_buf[rows:].view(torch.int64).view(2, STEPS, EVENTS).cpu().double()
+    stamps = lse_buf[rows:].view(torch.int64).view(CONSUMERS, STEPS, EVENTS).cpu().double()
     steps = range(8, min(60, -(-s // config.block_n) - 1))
     if len(steps) < 4:
         raise SystemExit("too few key tiles per CTA to trace (use a longer --seqlen)")
     print(f"B={b} H={h} S={s} D={d} causal={args.causal} stages={config.num_stages}: clocks")
-    for c in range(2):
+    for c in range(config.num_consumers):
         t = stamps[c]
         med = {
             "period": statistics.median(t[i + 1, 2] - t[i, 2] for i in steps),
@@ -139,8 +157,9 @@ def main() -> None:
             "to next step (e6-e0')": statistics.median(t[i + 1, 0] - t[i, 6] for i in steps),
         }
         print(f"  consumer {c}: " + ", ".join(f"{n} {x:.0f}" for n, x in med.items()))
-    lag = statistics.median(stamps[1, i, 2] - stamps[0, i, 2] for i in steps)
-    print(f"  consumer 1 issues {lag:.0f} clocks after consumer 0")
+    for c in range(1, config.num_consumers):
+        lag = statistics.median(stamps[c, i, 2] - stamps[0, i, 2] for i in steps)
+        print(f"  consumer {c} issues {lag:.0f} clocks after consumer 0")
 
 
 if __name__ == "__main__":

@@ -153,13 +153,40 @@ def test_small_problems_skip_descriptors():
 
 
 @pytest.mark.parametrize(
+    "head_dim, seqlen, causal, options, consumers, persistent",
+    [
+        (64, 4096, False, False, 3, True),
+        (64, 1024, False, False, 3, True),
+        (64, 512, False, False, 2, None),  # the launcher's schedule by length
+        (64, 4096, True, False, 3, False),
+        (64, 2048, True, False, 2, None),
+        (64, 8192, False, True, 2, None),  # window, softcap or ALiBi: two consumers
+        (128, 8192, False, False, 2, None),
+    ],
+)
+def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persistent):
+    """The Hopper forward's tiles per problem: three consumer warpgroups at D=64 from the
+    measured lengths on, persistent when not causal."""
+    from flashcore.ops import fwd_sm90
+
+    cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, causal, options)
+    assert (cfg.num_consumers, cfg.persistent) == (consumers, persistent)
+    # Shorter queries than keys (or the reverse) decide by the shorter side.
+    short = fwd_sm90.pick_config(head_dim, 256, seqlen, causal, options)
+    assert short.num_consumers == 2
+
+
+@pytest.mark.parametrize(
     "tier, capability, shape, options, want",
     [
         ("auto", (9, 0), (16, 16, 1024, 128), {}, "sm90"),
         ("auto", (9, 0), (4, 16, 4096, 128), {"causal": True}, "sm90"),
         ("auto", (9, 0), (16, 16, 1023, 128), {}, "portable"),  # below SM90_FWD_MIN_SEQLEN
         ("auto", (9, 0), (2, 8, 2048, 128), {}, "portable"),  # below SM90_FWD_MIN_FLOPS: host
-        ("auto", (9, 0), (4, 32, 4096, 64), {}, "portable"),  # D=64: measured no faster
+        ("auto", (9, 0), (32, 32, 512, 64), {}, "sm90"),  # D=64 non-causal from 512 on
+        ("auto", (9, 0), (8, 32, 2048, 64), {"causal": True}, "sm90"),  # causal from 2048 on
+        ("auto", (9, 0), (32, 32, 1024, 64), {"causal": True}, "portable"),
+        ("auto", (9, 0), (4, 16, 4096, 96), {}, "portable"),  # a head dim the tier lacks
         ("auto", (9, 0), (4, 16, 4096, 128), {"window": (256, 0)}, "portable"),  # not timed
         ("auto", (9, 0), (4, 16, 4096, 128), {"softcap": 30.0}, "portable"),
         ("auto", (8, 0), (4, 16, 4096, 128), {}, "portable"),  # not a Hopper GPU

@@ -227,33 +227,47 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = Fa
     return min(seqlen_q, seqlen_k) >= SM90_BWD_MIN_SEQLEN
 
 
-# The Hopper forward (kernels/hopper/fwd.py) under "auto": D=128 from 1024 queries and keys on.
-# H100, bf16, the FA sweep, flashcore-bench --mode fwd with flashcore-portable, flashcore-sm90
-# and sdpa-cudnn in one process, two runs (docs/performance.md): at D=128 it runs 1.04-1.26x
-# the portable forward from S = 1024 on (one causal 1024 point 0.92 in one run) and 0.96-1.08x
-# cuDNN from 2048 on; at S = 512 0.72-1.09x the portable one. At D=64 it is 0.97-1.07x the
-# portable forward: no gain, so D=64 stays portable. The window, softcap and ALiBi variants
-# were checked for numerics but not timed, so they stay portable under "auto".
-# Host cost: an eager call through attention() costs about 200 us of host time on the tier's
-# launcher against about 100 us on the portable one (scripts/hopper_host.py, H100 machine), so
-# a problem whose kernel takes less than that stays portable: below SM90_FWD_MIN_FLOPS (about
-# 100 us at 500 TFLOP/s; the sweep's smallest D=128 point at S = 1024 has 1.4e11).
+# The Hopper forward (kernels/hopper/fwd.py) under "auto". H100, bf16, the FA sweep's shapes,
+# scripts/hopper_fwd.py bench and flashcore-bench (docs/performance.md, docs/hopper_fwd.md):
+# - D=128: 1.04-1.26x the portable forward from S = 1024 on (one causal 1024 point 0.92 in one
+#   run), 0.96-1.08x cuDNN from 2048 on; at S = 512 0.72-1.09x the portable one.
+# - D=64, two consumer warpgroups (persistent at these lengths): 1.06-1.10x the portable forward
+#   non-causal at S = 512, about equal at 1024, and causal 1.04x at 2048, 0.88x at 512. With
+#   three consumer warpgroups (ops/fwd_sm90.py: config) 1.10-1.17x cuDNN non-causal from
+#   S = 2048 on and causal 1.03-1.10x from 4096 on.
+# The window, softcap and ALiBi variants were checked for numerics but not timed, so they stay
+# portable under "auto".
+# Host cost: an eager call through attention() costs about 130 us of host time on the tier's
+# launcher against about 110 us on the portable one (scratch cProfile loop, H100 machine; about
+# 200 against 100 before the launch cache), so a problem whose kernel takes less than that stays
+# portable: below SM90_FWD_MIN_FLOPS (about 100 us at 500 TFLOP/s; the sweep's smallest D=128
+# point at S = 1024 has 1.4e11).
 SM90_FWD_MIN_SEQLEN = 1024
+SM90_FWD_MIN_SEQLEN_D64 = 512
+SM90_FWD_MIN_SEQLEN_D64_CAUSAL = 2048
 SM90_FWD_MIN_FLOPS = 5e10
 
 
 def sm90_forward(
-    seqlen_q: int, seqlen_k: int, head_dim: int, flops: float, options: bool = False
+    seqlen_q: int,
+    seqlen_k: int,
+    head_dim: int,
+    flops: float,
+    options: bool = False,
+    causal: bool = False,
 ) -> bool:
     """Whether "auto" takes the Hopper forward for this problem (where it measured faster);
     ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``options``: a window,
     softcap or ALiBi is on."""
-    return (
-        head_dim == 128
-        and not options
-        and min(seqlen_q, seqlen_k) >= SM90_FWD_MIN_SEQLEN
-        and flops >= SM90_FWD_MIN_FLOPS
-    )
+    if options or flops < SM90_FWD_MIN_FLOPS:
+        return False
+    if head_dim == 128:
+        floor = SM90_FWD_MIN_SEQLEN
+    elif head_dim == 64:
+        floor = SM90_FWD_MIN_SEQLEN_D64_CAUSAL if causal else SM90_FWD_MIN_SEQLEN_D64
+    else:
+        return False
+    return min(seqlen_q, seqlen_k) >= floor
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ def launch(
             q.shape[-1],
             flops / 2 if causal else flops,
             options=window != (-1, -1) or softcap > 0 or alibi_slopes is not None,
+            causal=causal,
         )
         if wanted and fwd_sm90.supports(
             q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes

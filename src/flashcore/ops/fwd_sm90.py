@@ -42,6 +42,31 @@ CONFIGS = {
     128: Sm90Config(2, 128, 2, 240, 168),
     64: Sm90Config(2, 128, 3, 240, 168),
 }
+# D=64, long sequences: 3 x 64 query rows (13 warps at 128 registers at entry, 160 + 160 + 168
+# for the consumers and 24 for the producer after setmaxnreg; 123 KB of shared memory). At
+# D=64 a step's exponentials take the multi-function unit about as long as its two products
+# take the tensor cores, so with two warpgroups their softmaxes overlap each other; a third
+# gives each softmax two products' time (docs/hopper_fwd.md, "Three consumers at D=64").
+# Persistent non-causal, flat causal (measured: equal or ahead of the other schedule).
+D64_THREE = Sm90Config(3, 128, 3, 160, 128)
+# Three consumers from these lengths on (queries and keys); below them 192-row tiles lose
+# more to the causal diagonal and to the last partial tile than the overlap gains (H100, bf16
+# and fp16, scripts/hopper_fwd.py bench: 0.54-0.79x the two-consumer kernel causal at S = 512
+# and 1024, 1.02-1.05x non-causal at 1024). The window, softcap and ALiBi builds spill at 160
+# registers, so they keep two.
+D64_THREE_MIN_SEQLEN = 1024
+D64_THREE_MIN_SEQLEN_CAUSAL = 4096
+
+
+def pick_config(
+    head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, options: bool
+) -> Sm90Config:
+    """The launch config of a problem: ``CONFIGS``, or three consumers at D=64 where they
+    measured faster (``options``: a window, softcap or ALiBi is on)."""
+    floor = D64_THREE_MIN_SEQLEN_CAUSAL if causal else D64_THREE_MIN_SEQLEN
+    if head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor:
+        return D64_THREE._replace(persistent=not causal)
+    return CONFIGS[head_dim]
 
 
 # Persistent up to this many key tiles per query tile (Sk <= 4096 at BLOCK_N = 128); D=128
@@ -201,7 +226,9 @@ def attn_fwd_sm90(
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    cfg = config or CONFIGS[head_dim]
+    cfg = config or pick_config(
+        head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi is not None
+    )
     if not tma_ok(out):
         raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
     rows = 64

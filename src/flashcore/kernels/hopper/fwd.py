@@ -23,8 +23,9 @@ Schedule (one CTA, ``gl.warp_specialize``):
   so K_{t+1} could be loaded only after the step that needs it had begun (at D=128, 2 slots, the
   consumers waited ~1800 of ~4300 clocks per step for K). The K/V descriptors
   are 4-D ``(B, Hkv, Sk, D)``: their extent ends at Sk, so rows past Sk arrive as zeros.
-- Consumers: NUM_CONSUMERS warpgroups (the default partition and NUM_CONSUMERS - 1 workers, 240
-  registers each with two consumers), each owning 64 query rows and the same key tiles. With P in
+- Consumers: NUM_CONSUMERS warpgroups (the default partition and NUM_CONSUMERS - 1 workers; 240
+  registers each with two, 160 with three), each owning 64 query rows and the same key tiles
+  (``fwd_steps.attend``). With P in
   registers (the A operand of the second wgmma), tile t's step is::
 
       wait k_ready[t]                     # K_t landed
@@ -48,6 +49,16 @@ Schedule (one CTA, ``gl.warp_specialize``):
   warpgroups take the tensor cores in turn. The loop is entered with tile 0's softmax done
   (prologue) and left with the last tile's ``P V`` issued in the epilogue. Each ``kv_empty``
   barrier counts NUM_CONSUMERS arrivals per phase.
+- Three consumers (D=64): a step's exponentials keep the multi-function unit busy about as
+  long as its two products keep the tensor cores, so with two warpgroups one softmax cannot
+  hide behind the other's products; with three each has two products' time. Each consumer then
+  computes only the key tiles its own 64 rows see (``BLOCK_M = 192`` against 128-key tiles
+  leaves whole tiles masked for some rows at the causal diagonal, and rows past Sq see none);
+  for a tile it sits out it waits until K and V have landed, frees both, and takes and passes
+  its turn, so that every consumer still arrives once per ring entry and takes ``n + 1`` turns.
+  P goes to its 16-bit operand form right after the ``wait_group 0`` that frees the previous
+  one, so that the fp32 P is not live while the next ``Q K^T`` fills its accumulator (160
+  registers).
 - Epilogue, per consumer: ``O / l`` cast to the output dtype, written into this consumer's Q
   slot (its last reader, the final ``Q K^T``, has completed), ``fence.proxy.async``, one TMA
   store of the ``(1, 1, 64, D)`` block (the copy engine drops rows past Sq); the LSE row by row
@@ -120,8 +131,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
     tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
 )
 
 from flashcore.kernels.hopper.common import (
@@ -131,10 +140,9 @@ from flashcore.kernels.hopper.common import (
     kv_tile_range,
     opaque,
     snake,
-    softmax,
-    tile_scores,
     work,
 )
+from flashcore.kernels.hopper.fwd_steps import attend
 
 
 @gluon.jit
@@ -276,127 +284,6 @@ def _producer(
 
 
 @gluon.jit
-def _attend(
-    q,
-    k_smem,
-    v_smem,
-    k_ready,
-    v_ready,
-    kv_empty,
-    turn,
-    kv0,
-    turn0,
-    n_tiles,
-    lo,
-    full_lo,
-    full_hi,
-    rows,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    slope,
-    CONSUMER: gl.constexpr,
-    NUM_CONSUMERS: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    HEAD_DIM: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    HAS_WINDOW: gl.constexpr,
-    SOFTCAP: gl.constexpr,
-    HAS_ALIBI: gl.constexpr,
-    RAW_MAX: gl.constexpr,
-    EVEN_N: gl.constexpr,
-):
-    """The key loop of one work tile (``n_tiles >= 1``): ring entries ``kv0 .. kv0 + n_tiles -
-    1``, turns ``turn0 .. turn0 + n_tiles``; returns ``(m, l, O)``."""
-    dtype: gl.constexpr = q.dtype
-    NEXT: gl.constexpr = (CONSUMER + 1) % NUM_CONSUMERS
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    CHECK_N: gl.constexpr = not EVEN_N
-
-    # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
-    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)
-    if PINGPONG:
-        mbarrier.wait(turn.index(CONSUMER), turn0 & 1)
-    k_t = k_smem.index(kv0 % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-    s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(NEXT), count=1)
-    s = warpgroup_mma_wait(0, deps=[s_tok])
-    mbarrier.arrive(kv_empty.index(kv0 % NUM_STAGES), count=1)  # K_0 read
-    s = tile_scores(
-        s, lo, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, window_left,
-        window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
-        CHECK_N,
-    )  # fmt: skip
-    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
-
-    for t in range(1, n_tiles):
-        g = kv0 + t
-        slot = g % NUM_STAGES
-        prev = (g - 1) % NUM_STAGES
-        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(CONSUMER), (turn0 + t) & 1)
-        k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-        s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
-        # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
-        v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
-        acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(NEXT), count=1)
-        s = warpgroup_mma_wait(1, deps=[s_tok])
-        # K_t is read: the producer may load tile t + NUM_STAGES's K while V_{t-1} is in use.
-        mbarrier.arrive(kv_empty.index(slot), count=1)
-        s = tile_scores(
-            s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
-            qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
-            SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
-        )  # fmt: skip
-        # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
-        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
-        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
-        mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
-
-    # The last tile's P V.
-    g = kv0 + n_tiles - 1
-    last = g % NUM_STAGES
-    mbarrier.wait(v_ready.index(last), (g // NUM_STAGES) & 1)
-    if PINGPONG:
-        mbarrier.wait(turn.index(CONSUMER), (turn0 + n_tiles) & 1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-    v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
-    acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(NEXT), count=1)
-    acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
-    mbarrier.arrive(kv_empty.index(NUM_STAGES + last), count=1)
-    return m_i, l_i, acc
-
-
-@gluon.jit
 def _consumer_tile(
     o_desc,
     q_smem,
@@ -469,6 +356,18 @@ def _consumer_tile(
         IS_CAUSAL, HAS_WINDOW,
     )  # fmt: skip
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
+    t0 = 0
+    t1 = n_tiles
+    if NUM_CONSUMERS > 2:
+        # The tiles this consumer's rows see, [t0, t1) of the CTA's (none past Sq).
+        own_lo, _, _, own_hi = kv_tile_range(
+            row0, seqlen_q, seqlen_k, window_left, window_right, ROWS, BLOCK_N, IS_CAUSAL,
+            HAS_WINDOW,
+        )  # fmt: skip
+        t0 = gl.minimum(gl.maximum(own_lo - lo, 0) // BLOCK_N, n_tiles)
+        t1 = gl.maximum(gl.minimum(gl.cdiv(own_hi - lo, BLOCK_N), n_tiles), t0)
+        if row0 >= seqlen_q:
+            t1 = t0
     if HAS_ALIBI:
         slope = gl.load(ALIBI + off_b.to(gl.int64) * stride_ab + off_h) * LOG2E
     else:
@@ -488,8 +387,8 @@ def _consumer_tile(
     if hi > lo:
         if not PERSISTENT:
             mbarrier.wait(q_ready.index(qi), 0)
-        m_i, l_i, acc = _attend(
-            q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, lo,
+        m_i, l_i, acc = attend(
+            q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, t0, t1, lo,
             full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES,
             IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
@@ -669,30 +568,65 @@ def attn_fwd_sm90_kernel(
 
     # Argument tuples spelled out per partition: a tuple built by concatenation inside the kernel
     # turns its constexprs into tensors (Triton 3.6).
-    gl.static_assert(NUM_CONSUMERS == 2, "two consumer warpgroups (three spilled at D=64)")
-    gl.warp_specialize(
-        [
-            (_consumer, (
-                o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
-                PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
-            )),
-            (_consumer, (
-                o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
-                PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
-            )),
-            (_producer, (
-                q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left,
-                window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                HAS_WINDOW, PERSISTENT,
-            )),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, 24],
-    )  # fmt: skip
+    gl.static_assert((NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumers")
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize(
+            [
+                (_consumer, (
+                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
+                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                )),
+                (_consumer, (
+                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
+                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                )),
+                (_producer, (
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left,
+                    window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                    HAS_WINDOW, PERSISTENT,
+                )),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (
+                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
+                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                )),
+                (_consumer, (
+                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
+                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                )),
+                (_consumer, (
+                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    seqlen_k, qk_scale, window_left, window_right, softcap, 2, NUM_CONSUMERS,
+                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                )),
+                (_producer, (
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left,
+                    window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                    HAS_WINDOW, PERSISTENT,
+                )),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, CONSUMER_REGS, 24],
+        )  # fmt: skip

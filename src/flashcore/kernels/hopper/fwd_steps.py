@@ -1,0 +1,260 @@
+"""One consumer warpgroup's key loop in the Hopper forward (``kernels/hopper/fwd.py``, whose
+docstring states the schedule): ``attend`` walks a work tile's key tiles, computing those its 64
+rows can see (``_steps``: the prologue, the steady-state step with ``Q K_t^T`` and
+``P_{t-1} V_{t-1}`` in flight, the last ``P V``) and, with three consumers, sitting out the
+others (``_sit_out``) so that the ring's releases and the ping-pong turns stay in step with
+the other warpgroups.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashcore.kernels.hopper.common import ROWS, softmax, tile_scores
+
+
+@gluon.jit
+def _sit_out(
+    k_ready,
+    v_ready,
+    kv_empty,
+    turn,
+    g,
+    turn_t,
+    CONSUMER: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    RELEASE: gl.constexpr,
+):
+    """A step this consumer sits out: with RELEASE, it frees ring entry ``g``'s K and V once
+    they have landed (arriving earlier could count towards the slot's previous use), and it takes
+    turn ``turn_t`` and passes it on, so that every consumer takes the same turns."""
+    if RELEASE:
+        slot = g % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+        mbarrier.wait(v_ready.index(slot), (g // NUM_STAGES) & 1)
+        mbarrier.arrive(kv_empty.index(NUM_STAGES + slot), count=1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), turn_t & 1)
+        mbarrier.arrive(turn.index((CONSUMER + 1) % NUM_CONSUMERS), count=1)
+
+
+@gluon.jit
+def attend(
+    q,
+    k_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    kv_empty,
+    turn,
+    kv0,
+    turn0,
+    n_tiles,
+    t0,
+    t1,
+    lo,
+    full_lo,
+    full_hi,
+    rows,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    slope,
+    CONSUMER: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
+    RAW_MAX: gl.constexpr,
+    EVEN_N: gl.constexpr,
+):
+    """The key loop of one work tile (``n_tiles >= 1``): ring entries ``kv0 .. kv0 + n_tiles -
+    1``, turns ``turn0 .. turn0 + n_tiles``; returns ``(m, l, O)``. This consumer computes
+    tiles ``[t0, t1)`` (all of them with two consumers) and sits out the others (``_sit_out``):
+    turn ``t`` for tile ``t < t0``, ``t + 1`` for tile ``t >= t1``, one more when it computes
+    none."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    # Three consumers (BLOCK_M = 192 rows against 128-key tiles) skip the tiles none of their
+    # rows sees (at the causal diagonal, and all of them for rows past Sq), and hold 160
+    # registers each: P goes to its operand form right after its softmax and the wait that
+    # frees the previous one (``_steps``), so that the 16-bit P, not the fp32 one, stays live
+    # while the next Q K^T writes its accumulator. Two consumers compute every tile.
+    SKIP: gl.constexpr = NUM_CONSUMERS > 2
+
+    if SKIP:
+        for t in range(0, t0):
+            _sit_out(k_ready, v_ready, kv_empty, turn, kv0 + t, turn0 + t, CONSUMER, NUM_CONSUMERS,
+                  PINGPONG, NUM_STAGES, True)  # fmt: skip
+        if t1 > t0:
+            m_i, l_i, acc = _steps(
+                q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0 + t0, turn0 + t0,
+                t1 - t0, lo + t0 * BLOCK_N, full_lo, full_hi, rows, seqlen_q, seqlen_k,
+                qk_scale, window_left, window_right, softcap, slope, m_i, l_i, acc, CONSUMER,
+                NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
+            )  # fmt: skip
+        else:
+            _sit_out(k_ready, v_ready, kv_empty, turn, kv0, turn0 + t0, CONSUMER, NUM_CONSUMERS,
+                  PINGPONG, NUM_STAGES, False)  # fmt: skip
+        for t in range(t1, n_tiles):
+            _sit_out(k_ready, v_ready, kv_empty, turn, kv0 + t, turn0 + t + 1, CONSUMER,
+                  NUM_CONSUMERS, PINGPONG, NUM_STAGES, True)  # fmt: skip
+    else:
+        m_i, l_i, acc = _steps(
+            q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, lo,
+            full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
+            softcap, slope, m_i, l_i, acc, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N,
+            NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _steps(
+    q,
+    k_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    kv_empty,
+    turn,
+    kv0,
+    turn0,
+    n_tiles,
+    lo,
+    full_lo,
+    full_hi,
+    rows,
+    seqlen_q,
+    seqlen_k,
+    qk_scale,
+    window_left,
+    window_right,
+    softcap,
+    slope,
+    m_i,
+    l_i,
+    acc,
+    CONSUMER: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr,
+    PINGPONG: gl.constexpr,
+    HEAD_DIM: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
+    RAW_MAX: gl.constexpr,
+    EVEN_N: gl.constexpr,
+):
+    """Tiles ``0 .. n_tiles - 1`` (``n_tiles >= 1``) from key ``lo``, ring entry ``kv0`` and
+    turn ``turn0`` on, each computed: the schedule of the module docstring."""
+    dtype: gl.constexpr = q.dtype
+    NEXT: gl.constexpr = (CONSUMER + 1) % NUM_CONSUMERS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
+    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    CHECK_N: gl.constexpr = not EVEN_N
+    P_EARLY: gl.constexpr = NUM_CONSUMERS > 2  # see attend's SKIP
+
+    # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
+    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), turn0 & 1)
+    k_t = k_smem.index(kv0 % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+    s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(NEXT), count=1)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    mbarrier.arrive(kv_empty.index(kv0 % NUM_STAGES), count=1)  # K_0 read
+    s = tile_scores(
+        s, lo, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, window_left,
+        window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
+        CHECK_N,
+    )  # fmt: skip
+    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+    if P_EARLY:
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for t in range(1, n_tiles):
+        g = kv0 + t
+        slot = g % NUM_STAGES
+        prev = (g - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(CONSUMER), (turn0 + t) & 1)
+        k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
+        s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+        # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
+        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        if not P_EARLY:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
+        v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(NEXT), count=1)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        # K_t is read: the producer may load tile t + NUM_STAGES's K while V_{t-1} is in use.
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+        s = tile_scores(
+            s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
+            qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
+            SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
+        )  # fmt: skip
+        # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
+        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+        mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
+        if P_EARLY:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    # The last tile's P V.
+    g = kv0 + n_tiles - 1
+    last = g % NUM_STAGES
+    mbarrier.wait(v_ready.index(last), (g // NUM_STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), (turn0 + n_tiles) & 1)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    if not P_EARLY:
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+    v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+    acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(NEXT), count=1)
+    acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+    mbarrier.arrive(kv_empty.index(NUM_STAGES + last), count=1)
+    return m_i, l_i, acc
