@@ -258,7 +258,13 @@ def parse_variants(specs: list[str]) -> list[tuple]:
 
 def bench(args) -> int:
     try:
-        portable = _import("flashcore.ops.fwd").attn_fwd
+        launch = _import("flashcore.ops.fwd").launch
+        runtime = _import("flashcore.ops.runtime")
+
+        def portable(q, k, v, causal, scale):
+            with runtime.use_tier("portable"):
+                return launch(q, k, v, causal, scale)
+
     except Exception as exc:  # the portable tier may be mid-refactor
         print(f"portable forward unavailable: {exc!r}")
         portable = None

@@ -181,7 +181,9 @@ def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persi
     [
         ("auto", (9, 0), (16, 16, 1024, 128), {}, "sm90"),
         ("auto", (9, 0), (4, 16, 4096, 128), {"causal": True}, "sm90"),
-        ("auto", (9, 0), (16, 16, 1023, 128), {}, "portable"),  # below SM90_FWD_MIN_SEQLEN
+        ("auto", (9, 0), (32, 16, 512, 128), {}, "sm90"),
+        ("auto", (9, 0), (64, 16, 511, 128), {}, "portable"),  # below SM90_FWD_MIN_SEQLEN
+        ("auto", (9, 0), (32, 16, 512, 128), {"causal": True}, "portable"),  # FLOPs floor
         ("auto", (9, 0), (2, 8, 2048, 128), {}, "portable"),  # below SM90_FWD_MIN_FLOPS: host
         ("auto", (9, 0), (32, 32, 512, 64), {}, "sm90"),  # D=64 non-causal from 512 on
         ("auto", (9, 0), (8, 32, 2048, 64), {"causal": True}, "sm90"),  # causal from 2048 on

@@ -230,19 +230,21 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = Fa
 # The Hopper forward (kernels/hopper/fwd.py) under "auto". H100, bf16, the FA sweep's shapes,
 # scripts/hopper_fwd.py bench and flashcore-bench (docs/performance.md, docs/hopper_fwd.md):
 # - D=128: 1.04-1.26x the portable forward from S = 1024 on (one causal 1024 point 0.92 in one
-#   run), 0.96-1.08x cuDNN from 2048 on; at S = 512 0.72-1.09x the portable one.
-# - D=64, two consumer warpgroups (persistent at these lengths): 1.06-1.10x the portable forward
-#   non-causal at S = 512, about equal at 1024, and causal 1.04x at 2048, 0.88x at 512. With
-#   three consumer warpgroups (ops/fwd_sm90.py: config) 1.10-1.17x cuDNN non-causal from
-#   S = 2048 on and causal 1.03-1.10x from 4096 on.
+#   run), 0.96-1.08x cuDNN from 2048 on; at S = 512 (persistent) 1.30x the portable forward
+#   non-causal and 1.10x causal (0.99x and 0.85x cuDNN; before the K/V release fix it was
+#   0.72-1.09x the portable one).
+# - D=64, two consumer warpgroups (persistent at these lengths): 1.04-1.10x the portable forward
+#   non-causal at S = 512, about equal at 1024; causal 1.04x at 2048, equal at 1024, 0.84x at
+#   512. Three consumer warpgroups (ops/fwd_sm90.py: pick_config): 1.06-1.12x cuDNN non-causal
+#   from S = 2048 on; causal from 4096 on 1.01-1.11x the two-consumer kernel (0.94-1.11x cuDNN).
 # The window, softcap and ALiBi variants were checked for numerics but not timed, so they stay
 # portable under "auto".
 # Host cost: an eager call through attention() costs about 130 us of host time on the tier's
-# launcher against about 110 us on the portable one (scratch cProfile loop, H100 machine; about
-# 200 against 100 before the launch cache), so a problem whose kernel takes less than that stays
-# portable: below SM90_FWD_MIN_FLOPS (about 100 us at 500 TFLOP/s; the sweep's smallest D=128
-# point at S = 1024 has 1.4e11).
-SM90_FWD_MIN_SEQLEN = 1024
+# launcher against about 110 us on the portable one (a loop of 300 eager causal calls at
+# (1, 2, 128, 128), H100 machine; about 200 against 100 before the launch cache), so a problem
+# whose kernel takes less than that stays portable: below SM90_FWD_MIN_FLOPS (about 100 us at
+# 500 TFLOP/s; the sweep's smallest D=128 points, S = 512, have 6.9e10, 3.4e10 causal).
+SM90_FWD_MIN_SEQLEN = 512
 SM90_FWD_MIN_SEQLEN_D64 = 512
 SM90_FWD_MIN_SEQLEN_D64_CAUSAL = 2048
 SM90_FWD_MIN_FLOPS = 5e10

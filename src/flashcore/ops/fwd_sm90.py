@@ -51,8 +51,9 @@ CONFIGS = {
 D64_THREE = Sm90Config(3, 128, 3, 160, 128)
 # Three consumers from these lengths on (queries and keys); below them 192-row tiles lose
 # more to the causal diagonal and to the last partial tile than the overlap gains (H100, bf16
-# and fp16, scripts/hopper_fwd.py bench: 0.54-0.79x the two-consumer kernel causal at S = 512
-# and 1024, 1.02-1.05x non-causal at 1024). The window, softcap and ALiBi builds spill at 160
+# and fp16, scripts/hopper_fwd.py bench: the best three-consumer schedule 0.71-0.77x the best
+# two-consumer one causal at S = 512 and 1024, 0.93-0.95x at 2048, 0.85-0.86x non-causal at
+# 512, 1.03-1.09x non-causal at 1024). The window, softcap and ALiBi builds spill at 160
 # registers, so they keep two.
 D64_THREE_MIN_SEQLEN = 1024
 D64_THREE_MIN_SEQLEN_CAUSAL = 4096
