@@ -61,6 +61,7 @@ def run_sm90(
     window=(-1, -1),
     softcap=0.0,
     alibi=None,
+    sinks=None,
     out=None,
     lse=None,
     config=None,
@@ -82,7 +83,7 @@ def run_sm90(
     sm90.attn_fwd_sm90(
         q, k, v, out, lse, causal=is_causal, qk_scale=qk_scale, window_left=left,
         window_right=right, has_window=has_window, softcap=cap, alibi=alibi, stride_ab=stride_ab,
-        config=config,
+        sinks=sinks, config=config,
     )  # fmt: skip
     return out, lse
 
@@ -117,6 +118,13 @@ CASES = [
     (4, 16, 16, 1500, 400, 128, False, "bhsd", {"window": (32, 32)}),
     (2, 16, 16, 700, 900, 64, False, "bshd", {"softcap": 30.0, "alibi": True}),
     (8, 16, 8, 1024, 1024, 128, True, "bhsd", {}),
+    # Sinks (gpt-oss): with causal Sq > Sk (keyless rows give 0 and the sink), a window, softcap,
+    # a -inf sink among the heads, and the three-consumer lengths at D=64.
+    (2, 8, 2, 300, 200, 64, True, "bhsd", {"sinks": True}),
+    (1, 4, 4, 700, 900, 128, False, "bshd", {"sinks": True, "window": (128, 0)}),
+    (2, 4, 2, 513, 513, 64, False, "bhsd", {"sinks": True, "softcap": 30.0}),
+    (2, 8, 8, 4096, 4096, 64, True, "bhsd", {"sinks": True}),
+    (1, 8, 8, 2048, 2048, 64, False, "bhsd", {"sinks": True}),
 ]
 
 SCHEDULES = {"flat": False, "persistent": True}
@@ -149,9 +157,12 @@ def check(args) -> int:
             scale = 1.0 / math.sqrt(d)
             window = extra.get("window", (-1, -1))
             softcap = extra.get("softcap", 0.0)
-            alibi = None
+            alibi = sinks = None
             if extra.get("alibi"):
                 alibi = torch.rand(b, h, device="cuda", generator=gen) * 0.5 + 0.01
+            if extra.get("sinks"):
+                sinks = torch.randn(h, device="cuda", generator=gen) * 2.0
+                sinks[0] = float("-inf")  # no sink for head 0
             name = f"{str(dtype)[6:]} B{b} H{h}/{hkv} Sq{sq} Sk{sk} D{d} c{int(causal)} {layout}"
             name += f" {extra}"
             print(f"RUN  {name}", flush=True)
@@ -161,7 +172,7 @@ def check(args) -> int:
             ), name
             kw = dict(
                 causal=causal, scale=scale, softcap=softcap or None, alibi_slopes=alibi,
-                window=None if window == (-1, -1) else window,
+                window=None if window == (-1, -1) else window, sinks=sinks,
             )  # fmt: skip
             r64 = ref.attention(q, k, v, dtype=torch.float64, **kw)
             rpt = ref.attention(q, k, v, dtype=dtype, **kw)
@@ -180,7 +191,7 @@ def check(args) -> int:
                 lse = torch.full((b, h, sq), float("nan"), device="cuda")
                 run_sm90(
                     q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                    alibi=alibi, out=out, lse=lse, config=config,
+                    alibi=alibi, sinks=sinks, out=out, lse=lse, config=config,
                 )  # fmt: skip
                 torch.cuda.synchronize()
                 ok = not out.isnan().any().item() and not lse.isnan().any().item()

@@ -60,11 +60,14 @@ def _sit_out(""",
         ),
         # LSE into attend and _steps, and through their calls.
         (
-            "    slope,\n    CONSUMER: gl.constexpr,",
-            "    slope,\n    LSE,\n    CONSUMER: gl.constexpr,",
+            "    l_i,\n    CONSUMER: gl.constexpr,",
+            "    l_i,\n    LSE,\n    CONSUMER: gl.constexpr,",
         ),
-        ("    slope,\n    m_i,", "    slope,\n    LSE,\n    m_i,"),
-        ("slope, m_i, l_i, acc,", "slope, LSE, m_i, l_i, acc,", 2),
+        (
+            "    acc,\n    CONSUMER: gl.constexpr,",
+            "    acc,\n    LSE,\n    CONSUMER: gl.constexpr,",
+        ),
+        ("m_i, l_i, acc, CONSUMER,", "m_i, l_i, acc, LSE, CONSUMER,", 2),
         (
             "        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)\n"
             "        if PINGPONG:\n"
@@ -92,8 +95,8 @@ def _sit_out(""",
     edits = [
         ("from flashcore.kernels.hopper.fwd_steps import attend\n", ""),
         (
-            "            softcap, slope, CONSUMER, NUM_CONSUMERS,",
-            "            softcap, slope, LSE, CONSUMER, NUM_CONSUMERS,",
+            "            softcap, slope, m_i, l_i, CONSUMER, NUM_CONSUMERS,",
+            "            softcap, slope, m_i, l_i, LSE, CONSUMER, NUM_CONSUMERS,",
         ),
     ]
     for old, new in edits:

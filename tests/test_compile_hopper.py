@@ -58,6 +58,10 @@ VARIANTS = [
      {**PLAIN, "causal": True, "even_n": False}),
     ("d64-fp16-causal-ragged-three-persistent", 64, "fp16", 3, 128, 3, 160, 128,
      {**PLAIN, "causal": True, "even_n": False, "persistent": True}),
+    # Sinks (HAS_SINKS), with both consumer counts.
+    ("d128-bf16-sinks", 128, "bf16", 2, 128, 2, 240, 168, {**PLAIN, "sinks": True}),
+    ("d64-bf16-causal-sinks-three", 64, "bf16", 3, 128, 3, 160, 128,
+     {**PLAIN, "causal": True, "sinks": True}),
 ]  # fmt: skip
 PERSISTENT_SUFFIX = "-persistent"
 
@@ -92,6 +96,7 @@ def compile_variant(variant) -> dict:
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=stages, NUM_CONSUMERS=consumers,
         CONSUMER_REGS=regs, PINGPONG=True, IS_CAUSAL=flags["causal"],
         HAS_WINDOW=flags["window"], SOFTCAP=flags["softcap"], HAS_ALIBI=flags["alibi"],
+        HAS_SINKS=flags.get("sinks", False),
         RAW_MAX=flags["raw_max"], EVEN_N=flags["even_n"],
         PERSISTENT=flags.get("persistent", False),
     )  # fmt: skip
@@ -99,7 +104,7 @@ def compile_variant(variant) -> dict:
     for name in fn.arg_names:
         if name in consts:
             signature[name] = "constexpr"
-        elif name in ("LSE", "ALIBI"):
+        elif name in ("LSE", "ALIBI", "SINKS"):
             signature[name] = "*fp32"
         elif name in ("qk_scale", "softcap"):
             signature[name] = "fp32"

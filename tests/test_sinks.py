@@ -290,3 +290,55 @@ def test_bad_sinks_device_and_kvcache_grad(device):
         sinks = torch.zeros(2, device=device).requires_grad_()
         out = flashcore.attention_with_kvcache(q, cache, cache, cache_seqlens=lens, sinks=sinks)
     assert out.shape == q.shape
+
+
+SINK_CASES_SM90_FORWARD = [
+    (MaskCase(Case(2, 16, 4, 1024, 1024, 128), causal=True), "causal-d128-gqa"),
+    (MaskCase(Case(1, 8, 2, 1100, 300, 64), causal=True), "causal-sq>sk-rows-without-keys"),
+    (MaskCase(Case(1, 4, 4, 700, 900, 64), window=(128, 0), softcap=30.0), "window-softcap"),
+    (MaskCase(Case(2, 8, 8, 2048, 2048, 64), causal=True), "causal-2k-d64"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["flat", "persistent", "three"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("mc", "label"), SINK_CASES_SM90_FORWARD, ids=[c[1] for c in SINK_CASES_SM90_FORWARD]
+)
+def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
+    """The Hopper forward's HAS_SINKS build, launched directly (dispatch keeps sinks on the
+    portable forward until this has passed on a GPU): out and LSE against the reference with
+    every schedule, three consumers at D=64."""
+    from flashcore.ops import fwd_sm90
+    from flashcore.ops import problem as pb
+
+    q, k, v = make_qkv(mc.case, dtype, device)
+    if not (sm90_tier_runs(q.device) and fwd_sm90.dense_problem(q, k, v)):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    if schedule == "three" and mc.case.head_dim != 64:
+        pytest.skip("three consumers are a D=64 config")
+    opts = mask_options(mc, device)
+    sinks = case_sinks(mc, device)
+    c = mc.case
+    scale = c.head_dim**-0.5
+    window = opts.get("window") or (-1, -1)
+    sc = pb.scores(
+        mc.causal, window, opts.get("softcap") or 0.0, scale, False, c.seqlen_q, c.seqlen_k
+    )
+    config = {
+        "flat": fwd_sm90.CONFIGS[c.head_dim]._replace(persistent=False),
+        "persistent": fwd_sm90.CONFIGS[c.head_dim]._replace(persistent=True),
+        "three": fwd_sm90.D64_THREE._replace(persistent=False),
+    }[schedule]
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:3], float("nan"), device=device)
+    fwd_sm90.attn_fwd_sm90(
+        q, k, v, out, lse, causal=sc.is_causal, qk_scale=sc.qk_scale,
+        window_left=sc.window_left, window_right=sc.window_right, has_window=sc.has_window,
+        softcap=sc.softcap, alibi=None, stride_ab=0, sinks=sinks, config=config,
+    )  # fmt: skip
+    ref = reference.attention(q, k, v, sinks=sinks, scale=scale, dtype=torch.float64, **opts)
+    pt = reference.attention(q, k, v, sinks=sinks, scale=scale, dtype=dtype, **opts)
+    assert_fa_rule("out", out, pt.out, ref.out)
+    assert_fa_rule("lse", lse, pt.lse, ref.lse)

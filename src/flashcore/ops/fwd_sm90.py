@@ -106,9 +106,9 @@ def kernels() -> ModuleType:
 
 @functools.cache
 def launcher() -> Launcher:
-    """The kernel's ``Launcher`` (its four descriptors, LSE and ALIBI come first): Triton's
-    per-call argument binding is skipped once a signature has been compiled."""
-    return Launcher(kernels().attn_fwd_sm90_kernel, 6)
+    """The kernel's ``Launcher`` (its four descriptors, LSE, ALIBI and SINKS come first):
+    Triton's per-call argument binding is skipped once a signature has been compiled."""
+    return Launcher(kernels().attn_fwd_sm90_kernel, 7)
 
 
 @functools.cache
@@ -214,6 +214,7 @@ def attn_fwd_sm90(
     softcap: float,
     alibi: torch.Tensor | None,
     stride_ab: int,
+    sinks: torch.Tensor | None = None,
     config: Sm90Config | None = None,
 ) -> None:
     """Write ``out`` (like q) and ``lse`` (fp32 ``(B, H, Sq)``, contiguous) for inputs that passed
@@ -222,8 +223,9 @@ def attn_fwd_sm90(
     ``qk_scale`` is ``scale * log2(e)``, or ``scale / c`` with softcap ``c`` > 0, when
     ``softcap`` is ``c * log2(e)``. ``causal`` is bottom-right aligned; the window sides are the
     portable launcher's (``ops.fwd.window_bounds``: unbounded as ``Sq + Sk``, HAS_WINDOW off when
-    neither binds). ``alibi`` holds float32 slopes read at ``b * stride_ab + h``. ``config``
-    overrides the tiles (for benchmarks).
+    neither binds). ``alibi`` holds float32 slopes read at ``b * stride_ab + h``; ``sinks``
+    float32 ``(H,)`` logits (natural units), contiguous. ``config`` overrides the tiles (for
+    benchmarks).
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
@@ -253,6 +255,7 @@ def attn_fwd_sm90(
                 *descs,
                 lse,
                 lse if alibi is None else alibi,
+                lse if sinks is None else sinks,
                 lse.stride(0),
                 lse.stride(1),
                 stride_ab,
@@ -276,6 +279,7 @@ def attn_fwd_sm90(
                 "HAS_WINDOW": has_window,
                 "SOFTCAP": softcap > 0,
                 "HAS_ALIBI": alibi is not None,
+                "HAS_SINKS": sinks is not None,
                 "RAW_MAX": raw_max,
                 "EVEN_N": seqlen_k % cfg.block_n == 0,
                 "PERSISTENT": persistent,

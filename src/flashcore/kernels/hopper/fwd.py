@@ -114,6 +114,10 @@ Flags (``gl.constexpr``, compiled away when off):
 - SOFTCAP: ``qk_scale`` is ``scale / c`` (natural units) and scores become ``tanh(s) * softcap``,
   ``softcap = c * log2(e)``: ``c * tanh(scale q.k / c)`` in log2 units.
 - HAS_ALIBI: adds ``-slope * log2(e) * |i + d - j|``; slope read from ``ALIBI + b * stride_ab + h``.
+- HAS_SINKS: one learnable logit per query head (SINKS, fp32 ``(H,)``, natural units) joins
+  every row's softmax as a key with no value: the running max starts at it and the sum at 1, as
+  in the portable forward (``kernels/common.py: softmax_start``), so ``out`` and the LSE include
+  it and a row that sees no key gives 0 and the sink.
 - RAW_MAX: no softcap or ALiBi and ``qk_scale > 0``: the row max is taken on the raw products
   and ``p = exp2(s * qk_scale - m * qk_scale)`` is one FMA and one ex2 per score.
 - EVEN_N: Sk is a multiple of BLOCK_N, so tail tiles need no ``j < Sk`` mask.
@@ -297,6 +301,7 @@ def _consumer_tile(
     turn,
     LSE,
     ALIBI,
+    SINKS,
     w,
     it,
     kv0,
@@ -322,6 +327,7 @@ def _consumer_tile(
     HAS_WINDOW: gl.constexpr,
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr,
@@ -381,8 +387,17 @@ def _consumer_tile(
         qi = CONSUMER
     q_tile = q_smem.index(qi)
     q = q_tile.reshape([ROWS, HEAD_DIM])
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+    if HAS_SINKS:
+        # The sink is a key already seen, with weight exp2(sink - m) = 1 and no value
+        # (``kernels/common.py: softmax_start``), in the units of the running max.
+        sink = gl.load(SINKS + off_h) * LOG2E
+        if RAW_MAX:
+            sink = sink / qk_scale  # raw q.k units (RAW_MAX has qk_scale > 0)
+        m_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout) + sink
+        l_i = gl.full([ROWS], 1.0, gl.float32, layout=row_layout)
+    else:
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
+        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     if hi > lo:
         if not PERSISTENT:
@@ -390,8 +405,8 @@ def _consumer_tile(
         m_i, l_i, acc = attend(
             q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, t0, t1, lo,
             full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-            softcap, slope, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES,
-            IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
+            softcap, slope, m_i, l_i, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N,
+            NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
         )  # fmt: skip
 
     empty = l_i == 0.0
@@ -432,6 +447,7 @@ def _consumer(
     turn,
     LSE,
     ALIBI,
+    SINKS,
     stride_lb,
     stride_lh,
     stride_ab,
@@ -453,6 +469,7 @@ def _consumer(
     HAS_WINDOW: gl.constexpr,
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr,
@@ -473,11 +490,11 @@ def _consumer(
             if w < n_work:
                 n = _consumer_tile(
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                    kv_empty, turn, LSE, ALIBI, w, wave, kv, turns, stride_lb, stride_lh,
+                    kv_empty, turn, LSE, ALIBI, SINKS, w, wave, kv, turns, stride_lb, stride_lh,
                     stride_ab, num_heads, seqlen_q, seqlen_k, qk_scale, window_left,
                     window_right, softcap, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M,
-                    BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
-                    EVEN_N, PERSISTENT,
+                    BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                    RAW_MAX, EVEN_N, PERSISTENT,
                 )  # fmt: skip
                 kv += n
                 if n > 0:
@@ -485,10 +502,10 @@ def _consumer(
     else:
         _consumer_tile(
             o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-            LSE, ALIBI, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh, stride_ab, num_heads,
-            seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap, CONSUMER,
+            LSE, ALIBI, SINKS, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh, stride_ab,
+            num_heads, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap, CONSUMER,
             NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-            HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+            HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
         )  # fmt: skip
 
 
@@ -500,6 +517,7 @@ def attn_fwd_sm90_kernel(
     o_desc,
     LSE,
     ALIBI,
+    SINKS,
     stride_lb,
     stride_lh,
     stride_ab,
@@ -521,6 +539,7 @@ def attn_fwd_sm90_kernel(
     HAS_WINDOW: gl.constexpr,
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
+    HAS_SINKS: gl.constexpr,
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr = False,
@@ -574,17 +593,17 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
                     seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
                     PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
                     seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
                     PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
@@ -601,24 +620,24 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
                     seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
                     PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
                     seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
                     PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
                     seqlen_k, qk_scale, window_left, window_right, softcap, 2, NUM_CONSUMERS,
                     PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, PERSISTENT,
+                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,

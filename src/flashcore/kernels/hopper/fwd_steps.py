@@ -70,6 +70,8 @@ def attend(
     window_right,
     softcap,
     slope,
+    m_i,
+    l_i,
     CONSUMER: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr,
     PINGPONG: gl.constexpr,
@@ -84,19 +86,14 @@ def attend(
     EVEN_N: gl.constexpr,
 ):
     """The key loop of one work tile (``n_tiles >= 1``): ring entries ``kv0 .. kv0 + n_tiles -
-    1``, turns ``turn0 .. turn0 + n_tiles``; returns ``(m, l, O)``. This consumer computes
+    1``, turns ``turn0 .. turn0 + n_tiles``, from the running max and sum ``(m_i, l_i)`` (a
+    sink's, or none); returns ``(m, l, O)``. This consumer computes
     tiles ``[t0, t1)`` (all of them with two consumers) and sits out the others (``_sit_out``):
     turn ``t`` for tile ``t < t0``, ``t + 1`` for tile ``t >= t1``, one more when it computes
     none."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-    l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     # Three consumers (BLOCK_M = 192 rows against 128-key tiles) skip the tiles none of their
     # rows sees (at the causal diagonal, and all of them for rows past Sq), and hold 160
