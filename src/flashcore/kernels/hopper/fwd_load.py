@@ -1,0 +1,150 @@
+"""The producer warp of the Hopper forward (``kernels/hopper/fwd.py``, whose docstring states the
+schedule): per work tile, each consumer's Q block and then the K and V tiles of the key loop into
+the ring, by TMA, each load after the barrier that says its slot is free; with PERSISTENT, the
+program's tiles in the order the consumers walk them, the ring and the Q buffers running on
+across tiles.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from flashcore.kernels.hopper.common import ROWS, kv_tile_range, opaque, snake, work
+
+
+@gluon.jit
+def _producer_tile(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_ready,
+    q_empty,
+    k_ready,
+    v_ready,
+    kv_empty,
+    w,
+    it,
+    kv0,
+    num_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
+    """Loads of work item ``w``, this program's tile number ``it``, whose K/V tiles take ring
+    entries ``kv0, kv0 + 1, ...``; returns how many it took."""
+    tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
+    start_m = tile_m * BLOCK_M
+    off_b = off_bh // num_heads
+    off_h = off_bh % num_heads
+    off_hk = off_h // kv_group
+    lo, _, _, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
+    n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
+    if PERSISTENT:
+        # Q buffer it % 2, once its consumer has stored the O of tile it - 2 from it. A tile
+        # with no key completes q_ready without a load, so that every tile takes one phase.
+        for c in gl.static_range(NUM_CONSUMERS):
+            qi = (it % 2) * NUM_CONSUMERS + c
+            mbarrier.wait(q_empty.index(qi), ((it // 2) & 1) ^ 1)
+            bar = q_ready.index(qi)
+            if hi > lo:
+                mbarrier.expect(bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    q_desc, [off_b, off_h, start_m + c * ROWS, 0], bar, q_smem.index(qi)
+                )
+            else:
+                mbarrier.arrive(bar, count=1)
+    if hi > lo:
+        if not PERSISTENT:
+            for c in gl.static_range(NUM_CONSUMERS):
+                bar = q_ready.index(c)
+                mbarrier.expect(bar, q_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(
+                    q_desc, [off_b, off_h, start_m + c * ROWS, 0], bar, q_smem.index(c)
+                )
+        for t in range(n_tiles):
+            g = kv0 + t
+            slot = g % NUM_STAGES
+            phase = (g // NUM_STAGES) & 1
+            start_n = lo + t * BLOCK_N
+            mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # K of entry g - NUM_STAGES read
+            kbar = k_ready.index(slot)
+            mbarrier.expect(kbar, k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                k_desc, [off_b, off_hk, start_n, 0], kbar, k_smem.index(slot)
+            )
+            mbarrier.wait(kv_empty.index(NUM_STAGES + slot), phase ^ 1)  # and its V
+            vbar = v_ready.index(slot)
+            mbarrier.expect(vbar, v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(
+                v_desc, [off_b, off_hk, start_n, 0], vbar, v_smem.index(slot)
+            )
+    return n_tiles
+
+
+@gluon.jit
+def producer(
+    q_desc,
+    k_desc,
+    v_desc,
+    q_smem,
+    k_smem,
+    v_smem,
+    q_ready,
+    q_empty,
+    k_ready,
+    v_ready,
+    kv_empty,
+    num_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    NUM_CONSUMERS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
+    if PERSISTENT:
+        pid = gl.program_id(0)
+        grid = gl.num_programs(0)
+        seqlen_q = opaque(seqlen_q)
+        seqlen_k = opaque(seqlen_k)
+        num_heads = opaque(num_heads)
+        n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(q_desc.shape[0]) * num_heads
+        kv = 0
+        for wave in range(gl.cdiv(n_work, grid)):
+            # Every wave but the last gives each program a tile, so the wave is the tile count.
+            w = snake(wave, pid, grid)
+            if w < n_work:
+                kv += _producer_tile(
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                    v_ready, kv_empty, w, wave, kv, num_heads, kv_group, seqlen_q, seqlen_k,
+                    window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                    IS_CAUSAL, HAS_WINDOW, PERSISTENT,
+                )  # fmt: skip
+    else:
+        _producer_tile(
+            q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+            kv_empty, gl.program_id(0), 0, 0, num_heads, kv_group, seqlen_q, seqlen_k,
+            window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+            HAS_WINDOW, PERSISTENT,
+        )  # fmt: skip
