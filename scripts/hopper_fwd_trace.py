@@ -31,7 +31,7 @@ import torch
 
 from flashcore.ops import fwd_sm90
 
-KERNELS = Path(fwd_sm90.__file__).resolve().parents[1] / "kernels" / "hopper"
+KERNELS = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" / "hopper"
 STEPS, EVENTS = 64, 8
 CONSUMERS = 3  # stamp slots per CTA
 LOG2E = 1.4426950408889634
