@@ -54,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         "--dtypes", default=",".join(DTYPES), help="comma-separated: fp16,bf16,fp32"
     )
     parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument(
+        "--tier",
+        default="auto",
+        choices=["auto", "portable", "sm90"],
+        help="flashcore.use_tier for every case (sm90: the Gluon kernels wherever they run, "
+        "which 'auto' leaves to longer problems than these)",
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to smoke-test")
     parser.add_argument(
         "--no-tma",
@@ -89,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs += 1
                 label = f"{case.id} {dtype_name} {'causal' if causal else 'full'} {layout}"
                 try:
-                    run_case(case, DTYPES[dtype_name], causal, layout, backward, args.device)
+                    with flashcore.use_tier(args.tier):
+                        run_case(case, DTYPES[dtype_name], causal, layout, backward, args.device)
                 except Exception:  # report every case, then fail
                     failures += 1
                     print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
