@@ -60,11 +60,8 @@ def launch(
             return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
         return out.zero_(), lse.fill_(float("-inf"))
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
-    # Sinks stay on the portable forward: the Hopper kernel has them (HAS_SINKS; compiled for
-    # sm_90a, and `scripts/hopper_fwd.py check` covers them) but has not run them on a GPU yet.
     if (
         varlen is None
-        and sinks is None
         and v.shape[-1] == q.shape[-1]
         and config is None
         and runtime.forward_tier(q.device) == "sm90"
@@ -89,6 +86,7 @@ def launch(
                 window_left=sc.window_left, window_right=sc.window_right,
                 has_window=sc.has_window, softcap=sc.softcap,
                 alibi=None if alibi_slopes is None else alibi, stride_ab=stride_ab,
+                sinks=None if sinks is None else sinks.contiguous(),
             )  # fmt: skip
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashcore.ops.launch import Launcher
+from flashcore.ops.launch import Descriptor, Launcher
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -177,14 +177,12 @@ def supports(
     return dense_problem(q, k, v)
 
 
-def descriptor(t: torch.Tensor, block: list[int]):
-    """A Gluon host tensor descriptor of ``t`` (fp16, bf16 or fp32) with box ``block``: the
-    default NVMMA swizzle for tiles, none for a 1-D run of fp32 row stats."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor(
-        t, list(t.shape), list(t.stride()), block, _layout(tuple(block), t.dtype)
-    )
+def descriptor(t: torch.Tensor, block: list[int]) -> Descriptor:
+    """A host tensor descriptor of ``t`` (fp16, bf16 or fp32) with box ``block`` for a Gluon
+    kernel: the default NVMMA swizzle for tiles, none for a 1-D run of fp32 row stats. A light
+    ``ops.launch.Descriptor`` (Gluon's own ``TensorDescriptor`` validates on every build; the
+    callers have checked ``tma_ok``), made the real one on a launcher miss."""
+    return Descriptor(t, block, _layout(tuple(block), t.dtype))
 
 
 @functools.cache

@@ -95,21 +95,30 @@ class Descriptor:
     Triton's launcher reads (base, shape, strides, padding) and nothing else.
 
     ``triton.tools.tensor_descriptor.TensorDescriptor`` checks alignment, rank and block shape
-    each time one is built (about 4.5 us on the H100 machine's host, four per forward call);
-    the call sites check alignment once (``ops.fwd.tma_compatible``) and take block shapes from
-    the config. A cache miss turns it into the real thing (``full``).
+    each time one is built (about 4.5 us on the H100 machine's host, four per forward call), and
+    Gluon's (``layout`` given: the Hopper tier) the same; the call sites check alignment once
+    (``ops.fwd.tma_compatible``, ``ops.fwd_sm90.tma_ok``) and take block shapes from the config.
+    A compiled kernel's launcher reads only these fields (the swizzle and box come from its
+    metadata). A cache miss turns it into the real thing (``full``).
     """
 
-    __slots__ = ("base", "block_shape", "shape", "strides")
+    __slots__ = ("base", "block_shape", "layout", "shape", "strides")
     padding = "zero"
 
-    def __init__(self, base: torch.Tensor, block_shape: list[int]) -> None:
+    def __init__(self, base: torch.Tensor, block_shape: list[int], layout: Any = None) -> None:
         self.base = base
         self.shape = base.shape
         self.strides = base.stride()
         self.block_shape = block_shape
+        self.layout = layout
 
     def full(self) -> Any:
+        if self.layout is not None:
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+            return GluonDescriptor(
+                self.base, list(self.shape), list(self.strides), self.block_shape, self.layout
+            )
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         return TensorDescriptor(self.base, list(self.shape), list(self.strides), self.block_shape)
