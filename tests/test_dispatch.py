@@ -180,3 +180,29 @@ def test_launch_plan_sees_the_descriptor_threshold(monkeypatch):
     fwd_mod.launch(q, k, v, False, 0.25)
     fwd_mod._PLANS.clear()
     assert [m["USE_TMA"] for m in launches] == [False, True]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_light_descriptor_becomes_the_real_one(dtype):
+    """The Hopper launchers pass ``ops.launch.Descriptor`` objects (the fields a compiled
+    kernel's launcher reads); a launcher miss turns each into Gluon's ``TensorDescriptor`` with
+    the same base, shape, strides, box and layout (and without a layout, Triton's own)."""
+    from flashcore.ops import fwd_sm90, launch, runtime
+
+    if not runtime.sm90_verified():
+        pytest.skip("the Hopper tier runs only on the Triton versions it was verified on")
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    t = torch.zeros(2, 3, 96, 64, dtype=dtype)[:, 1:]  # a strided view
+    light = fwd_sm90.descriptor(t, [1, 1, 64, 64])
+    assert isinstance(light, launch.Descriptor)
+    full = light.full()
+    assert isinstance(full, GluonDescriptor)
+    assert full.base is t and list(full.shape) == list(t.shape)
+    assert list(full.strides) == list(t.stride()) and list(full.block_shape) == [1, 1, 64, 64]
+    assert full.layout == light.layout and full.padding == light.padding == "zero"
+    rows = fwd_sm90.descriptor(torch.zeros(256), [64]).full()  # a 1-D run of fp32 row stats
+    assert rows.layout.swizzle_byte_width == 0
+    plain = launch.Descriptor(t, [1, 1, 64, 64]).full()
+    assert isinstance(plain, TensorDescriptor) and not isinstance(plain, GluonDescriptor)
