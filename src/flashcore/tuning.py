@@ -239,9 +239,10 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = Fa
 #   from S = 2048 on; causal from 4096 on 1.01-1.11x the two-consumer kernel (0.94-1.11x cuDNN).
 # The window, softcap and ALiBi variants were checked for numerics but not timed, so they stay
 # portable under "auto".
-# Host cost: an eager call through attention() costs about 130 us of host time on the tier's
-# launcher against about 110 us on the portable one (a loop of 300 eager causal calls at
-# (1, 2, 128, 128), H100 machine; about 200 against 100 before the launch cache), so a problem
+# Host cost: an eager call through attention() costs 140-165 us of host time on the tier's
+# launcher against 80-100 us on the portable one (a loop of 300 eager causal calls at
+# (1, 2, 128, D), H100 machine, light descriptors; 170-210 with Gluon's own descriptors, about
+# 200 against 100 before the launch cache), so a problem
 # whose kernel takes less than that stays portable: below SM90_FWD_MIN_FLOPS (about 100 us at
 # 500 TFLOP/s; the sweep's smallest D=128 points, S = 512, have 6.9e10, 3.4e10 causal).
 SM90_FWD_MIN_SEQLEN = 512
