@@ -1,5 +1,6 @@
 """Cost of the 2026 features on the GPU: sinks against no sinks, and MLA head dims (D=192,
-Dv=128) against PyTorch's SDPA, forward and backward, ``triton.testing.do_bench`` medians.
+Dv=128) against PyTorch's SDPA, forward and backward, ``triton.testing.do_bench`` medians
+("flashcore-sm90": the Hopper tier forced; ``--mla-sm90`` lets its forward take the MLA dims).
 
     PYTHONPATH=src python scripts/feature_bench.py [--out results.jsonl]
 
@@ -62,6 +63,13 @@ def sinks_cost(rows: list) -> None:
             rows.append(row)
 
 
+def sm90_attention(q, k, v, causal):
+    """``flashcore.attention`` with the Hopper tier forced (its backward stays portable at these
+    head dims); with ``--mla-sm90`` the forward's MLA build runs before it is enabled."""
+    with flashcore.use_tier("sm90"):
+        return flashcore.attention(q, k, v, causal=causal)
+
+
 def mla(rows: list) -> None:
     for seqlen, batch in ((4096, 2), (8192, 1)):
         for causal in (False, True):
@@ -75,6 +83,7 @@ def mla(rows: list) -> None:
             row = {"case": "mla", "seqlen": seqlen, "batch": batch, "causal": causal}
             providers = {
                 "flashcore": lambda q, k, v, c=causal: flashcore.attention(q, k, v, causal=c),
+                "flashcore-sm90": lambda q, k, v, c=causal: sm90_attention(q, k, v, c),
                 "sdpa": lambda q, k, v, c=causal: F.scaled_dot_product_attention(
                     q, k, v, is_causal=c
                 ),
@@ -141,7 +150,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--cases", default="sinks,mla,prefill")
+    parser.add_argument(
+        "--mla-sm90",
+        action="store_true",
+        help="let the Hopper forward take the MLA head dims (ops/fwd_sm90.py: MLA_VERIFIED) for "
+        "the flashcore-sm90 provider, before it is enabled by default",
+    )
     args = parser.parse_args()
+    if args.mla_sm90:
+        from flashcore.ops import fwd_sm90
+
+        fwd_sm90.MLA_VERIFIED = True
     rows: list = []
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     parser_cases = args.cases.split(",")

@@ -95,8 +95,8 @@ def _sit_out(""",
     edits = [
         ("from flashcore.kernels.hopper.fwd_steps import attend\n", ""),
         (
-            "            softcap, slope, m_i, l_i, CONSUMER, NUM_CONSUMERS,",
-            "            softcap, slope, m_i, l_i, LSE, CONSUMER, NUM_CONSUMERS,",
+            "slope, m_i, l_i, CONSUMER, NUM_CONSUMERS,",
+            "slope, m_i, l_i, LSE, CONSUMER, NUM_CONSUMERS,",
         ),
     ]
     for old, new in edits:

@@ -62,6 +62,10 @@ VARIANTS = [
     ("d128-bf16-sinks", 128, "bf16", 2, 128, 2, 240, 168, {**PLAIN, "sinks": True}),
     ("d64-bf16-causal-sinks-three", 64, "bf16", 3, 128, 3, 160, 128,
      {**PLAIN, "causal": True, "sinks": True}),
+    # MLA head dims (ops/fwd_sm90.py: MLA_HEAD_DIMS): Q and K at 192 in three 64-column panels,
+    # V and O at 128; causal with a ragged last key tile.
+    ("d192-v128-bf16-causal-ragged", 192, "bf16", 2, 128, 2, 240, 168,
+     {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128}),
 ]  # fmt: skip
 PERSISTENT_SUFFIX = "-persistent"
 
@@ -85,11 +89,14 @@ def compile_variant(variant) -> dict:
     label, head_dim, dtype, consumers, block_n, stages, regs, maxnreg, flags = variant
     fwd = _load_kernel_module()
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
-    # Signatures as a launch with Gluon TensorDescriptors specialises them.
+    # Signatures as a launch with Gluon TensorDescriptors specialises them (ops/fwd_sm90.py:
+    # Q and K in 64-column panels at head dim 192, V and O at their own head dim).
     blocks = {"q_desc": 64, "o_desc": 64, "k_desc": block_n, "v_desc": block_n}
+    panel = 64 if head_dim == 192 else head_dim
+    head_dim_v = flags.get("value_head_dim", head_dim)
     signature = {}
     for name, rows in blocks.items():
-        block = [1, 1, rows, head_dim]
+        block = [1, 1, rows, head_dim_v if name in ("v_desc", "o_desc") else panel]
         layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
     consts = dict(

@@ -8,7 +8,14 @@ import torch
 
 import flashcore
 from flashcore import reference
-from helpers import check_backward, check_forward, check_varlen, cu_seqlens, mask_options
+from helpers import (
+    check_backward,
+    check_forward,
+    check_varlen,
+    cu_seqlens,
+    mask_options,
+    sm90_tier_runs,
+)
 from numerics import assert_fa_rule
 from shapes import DTYPES, Case, MaskCase, VarlenCase
 
@@ -62,6 +69,60 @@ def test_value_dim(mc, dv, dtype, device):
 def test_value_dim_gpu(mc, dv, dtype, device):
     q, k, v = make_qkv_dv(mc.case, dv, dtype, device, layout="bshd")
     check_case(q, k, v, mask_options(mc, device))
+
+
+# The Hopper forward's MLA build (Q and K at 192 in column panels, V and O at 128): ragged
+# lengths both ways, GQA and MQA, causal with Sq > Sk and rows that see no key, the (B, S, H, D)
+# layout, window, softcap, ALiBi and sinks.
+MLA_CASES_SM90 = [
+    (MaskCase(Case(2, 16, 16, 1024, 1024, 192), causal=True), "bshd", False),
+    (MaskCase(Case(1, 8, 2, 777, 2049, 192)), "bhsd", False),
+    (MaskCase(Case(2, 4, 1, 700, 300, 192), causal=True), "bhsd", True),
+    (MaskCase(Case(1, 4, 4, 513, 513, 192), window=(100, 20), softcap=30.0), "bhsd", False),
+    (MaskCase(Case(1, 4, 2, 390, 600, 192), alibi="bh"), "bshd", True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("mc", "layout", "with_sinks"),
+    MLA_CASES_SM90,
+    ids=[f"{m.id}-{lay}{'-sinks' * s}" for m, lay, s in MLA_CASES_SM90],
+)
+def test_value_dim_gpu_sm90_forward_kernel(mc, layout, with_sinks, dtype, device):
+    """The Hopper forward at D = 192, Dv = 128, launched directly (``ops/fwd_sm90.py``:
+    ``supports`` turns these shapes down until this has passed on a GPU, ``MLA_VERIFIED``): out
+    and LSE against the float64 reference, every element of out written."""
+    from flashcore.ops import fwd_sm90
+    from flashcore.ops import problem as pb
+
+    q, k, v = make_qkv_dv(mc.case, 128, dtype, device, layout=layout)
+    if not (sm90_tier_runs(q.device) and fwd_sm90.dense_problem(q, k, v, mla=True)):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    opts = mask_options(mc, device)
+    c = mc.case
+    sinks = torch.randn(c.heads, device=device) if with_sinks else None
+    scale = c.head_dim**-0.5
+    alibi = opts.get("alibi_slopes")
+    sc = pb.scores(
+        mc.causal, opts.get("window") or (-1, -1), opts.get("softcap") or 0.0, scale,
+        alibi is not None, c.seqlen_q, c.seqlen_k,
+    )  # fmt: skip
+    lse = torch.full(q.shape[:3], float("nan"), device=device)
+    alibi_arg, stride_ab = pb.alibi_arg(alibi, lse)
+    out = torch.full((*q.shape[:3], 128), float("nan"), dtype=dtype, device=device)
+    fwd_sm90.attn_fwd_sm90(
+        q, k, v, out, lse, causal=sc.is_causal, qk_scale=sc.qk_scale,
+        window_left=sc.window_left, window_right=sc.window_right, has_window=sc.has_window,
+        softcap=sc.softcap, alibi=None if alibi is None else alibi_arg, stride_ab=stride_ab,
+        sinks=sinks,
+    )  # fmt: skip
+    ref = reference.attention(q, k, v, sinks=sinks, scale=scale, dtype=torch.float64, **opts)
+    pt = reference.attention(q, k, v, sinks=sinks, scale=scale, dtype=dtype, **opts)
+    assert not out.isnan().any()
+    assert_fa_rule("out", out, pt.out, ref.out)
+    assert_fa_rule("lse", lse, pt.lse, ref.lse)
 
 
 def test_value_dim_layout_and_sinks(device):

@@ -60,12 +60,7 @@ def launch(
             return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
         return out.zero_(), lse.fill_(float("-inf"))
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
-    if (
-        varlen is None
-        and v.shape[-1] == q.shape[-1]
-        and config is None
-        and runtime.forward_tier(q.device) == "sm90"
-    ):
+    if varlen is None and config is None and runtime.forward_tier(q.device) == "sm90":
         from flashcore.ops import fwd_sm90
 
         flops = 4.0 * dims.batch * dims.heads * dims.seqlen_q * dims.seqlen_k * q.shape[-1]

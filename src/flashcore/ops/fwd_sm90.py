@@ -17,6 +17,13 @@ from flashcore.ops.launch import Descriptor, Launcher
 
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
+# MLA training shapes: Q and K at head dim 192, V and O at 128 (Q and K in three 64-column
+# panels: a TMA box is a power of two wide). Compiled for sm_90a (spill-free, 213 KB of shared
+# memory, tests/test_compile_hopper.py) but not yet run on a GPU: until
+# tests/test_value_dim.py::test_value_dim_gpu_sm90_forward_kernel has passed there, ``supports``
+# turns these shapes down and the portable forward runs them.
+MLA_HEAD_DIMS = (192, 128)
+MLA_VERIFIED = False
 
 
 class Sm90Config(NamedTuple):
@@ -41,6 +48,9 @@ class Sm90Config(NamedTuple):
 CONFIGS = {
     128: Sm90Config(2, 128, 2, 240, 168),
     64: Sm90Config(2, 128, 3, 240, 168),
+    # D=192 / Dv=128: Q 2 x 24 KB, K 2 x 48 KB, V 2 x 32 KB (208 KB): flat only (a persistent
+    # grid's second Q buffer would not fit).
+    192: Sm90Config(2, 128, 2, 240, 168, persistent=False),
 }
 # D=64, long sequences: 3 x 64 query rows (13 warps at 128 registers at entry, 160 + 160 + 168
 # for the consumers and 24 for the producer after setmaxnreg; 123 KB of shared memory). At
@@ -137,11 +147,12 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
-def dense_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def dense_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mla: bool = False) -> bool:
     """What both Hopper tiers (this forward, ``ops/bwd_sm90.py``) need of their inputs: an sm_90
     device with Gluon, fp16/bf16, head dim 64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)``
     / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, and strides the
-    copy engine accepts."""
+    copy engine accepts. ``mla``: instead, head dim 192 for Q and K and 128 for V
+    (``MLA_HEAD_DIMS``; the forward only)."""
     if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
         return False
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -149,7 +160,13 @@ def dense_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return False
     batch, heads, seqlen_q, head_dim = q.shape
-    if head_dim not in HEAD_DIMS or k.shape[-1] != head_dim or v.shape != k.shape:
+    if k.shape[-1] != head_dim or v.shape[:-1] != k.shape[:-1]:
+        return False
+    if mla:
+        dims_ok = (head_dim, v.shape[-1]) == MLA_HEAD_DIMS
+    else:
+        dims_ok = head_dim in HEAD_DIMS and v.shape[-1] == head_dim
+    if not dims_ok:
         return False
     if k.shape[0] != batch or heads % k.shape[1] != 0 or seqlen_q == 0 or k.shape[2] == 0:
         return False
@@ -168,12 +185,15 @@ def supports(
 ) -> bool:
     """Whether this tier runs the problem: an sm_90 device, fp16/bf16, head dim 64 or 128, dense
     (non-varlen) ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty
-    sequences, and strides the copy engine accepts. Causal, the sliding window, softcap and
-    ALiBi are all covered (flags of the one kernel), so ``causal``/``window``/``softcap``/``alibi``
-    never reject; they are taken so that the dispatch can call every tier alike."""
+    sequences, and strides the copy engine accepts; or the MLA head dims (``MLA_HEAD_DIMS``) once
+    ``MLA_VERIFIED``. Causal, the sliding window, softcap and ALiBi are all covered (flags of
+    the one kernel), so ``causal``/``window``/``softcap``/``alibi`` never reject; they are taken
+    so that the dispatch can call every tier alike."""
     del causal, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
+    if q.shape[-1] != v.shape[-1]:
+        return MLA_VERIFIED and dense_problem(q, k, v, mla=True)
     return dense_problem(q, k, v)
 
 
@@ -234,11 +254,13 @@ def attn_fwd_sm90(
         raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
     rows = 64
     block_m = rows * cfg.num_consumers
+    panel = 64 if head_dim == MLA_HEAD_DIMS[0] else head_dim  # Q/K column panels (192: three)
+    head_dim_v = v.shape[-1]
     descs = (
-        descriptor(q, [1, 1, rows, head_dim]),
-        descriptor(k, [1, 1, cfg.block_n, head_dim]),
-        descriptor(v, [1, 1, cfg.block_n, head_dim]),
-        descriptor(out, [1, 1, rows, head_dim]),
+        descriptor(q, [1, 1, rows, panel]),
+        descriptor(k, [1, 1, cfg.block_n, panel]),
+        descriptor(v, [1, 1, cfg.block_n, head_dim_v]),
+        descriptor(out, [1, 1, rows, head_dim_v]),
     )
     raw_max = softcap <= 0 and alibi is None and qk_scale > 0
     n_work = -(-seqlen_q // block_m) * batch * heads

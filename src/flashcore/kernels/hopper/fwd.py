@@ -123,6 +123,14 @@ Flags (``gl.constexpr``, compiled away when off):
   and ``p = exp2(s * qk_scale - m * qk_scale)`` is one FMA and one ex2 per score.
 - EVEN_N: Sk is a multiple of BLOCK_N, so tail tiles need no ``j < Sk`` mask.
 
+MLA head dims (D = 192 for Q and K, Dv = 128 for V and O; ``ops/fwd_sm90.py: MLA_HEAD_DIMS``). A
+TMA box is a power of two wide, so Q and K arrive in PANELS = 3 column panels of 64 (the q/k
+descriptors' box is 64 wide; slot s's panel i is buffer ``s * PANELS + i``) and ``Q K^T`` is
+one async wgmma per panel into the same accumulator (``fwd_steps._scores``; the wait that
+leaves ``P V`` running still leaves exactly that group). V, O and the accumulator take Dv from
+v_desc/o_desc; O goes out through the front of the Q slot in O's own layout. With one panel
+and Dv = D (every other config) the code is the same instructions as without these lines.
+
 Invariants. The head dim is contiguous and every descriptor stride is 16-byte aligned (launcher).
 Masked scores are -inf; a row whose keys are all hidden so far keeps ``m = -inf`` with ``p = 0``
 (the max is replaced by 0 before the exp2), so it ends with ``l = 0``: out 0, LSE -inf, never NaN.
@@ -199,11 +207,12 @@ def _consumer_tile(
     """This consumer's 64 rows of work item ``w`` (the program's tile number ``it``), from ring
     entry ``kv0`` and turn ``turn0`` on; returns the number of key tiles it took."""
     dtype: gl.constexpr = o_desc.dtype
+    HEAD_DIM_V: gl.constexpr = o_desc.block_type.shape[3]  # O's and V's; HEAD_DIM is Q's and K's
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
     )
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -249,8 +258,7 @@ def _consumer_tile(
         mbarrier.wait(q_ready.index(qi), (it // 2) & 1)
     else:
         qi = CONSUMER
-    q_tile = q_smem.index(qi)
-    q = q_tile.reshape([ROWS, HEAD_DIM])
+    PANELS: gl.constexpr = q_smem.shape[0] // (NUM_CONSUMERS * (2 if PERSISTENT else 1))
     if HAS_SINKS:
         # The sink is a key already seen, with weight exp2(sink - m) = 1 and no value
         # (``kernels/common.py: softmax_start``), in the units of the running max.
@@ -262,15 +270,15 @@ def _consumer_tile(
     else:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
         l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
     if hi > lo:
         if not PERSISTENT:
             mbarrier.wait(q_ready.index(qi), 0)
         m_i, l_i, acc = attend(
-            q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, t0, t1, lo,
-            full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-            softcap, slope, m_i, l_i, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N,
-            NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
+            q_smem, qi, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles,
+            t0, t1, lo, full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left,
+            window_right, softcap, slope, m_i, l_i, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM,
+            BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
         )  # fmt: skip
 
     empty = l_i == 0.0
@@ -283,9 +291,16 @@ def _consumer_tile(
     lse = gl.where(empty, float("-inf"), (m_out + gl.log2(l_safe)) * LN2)
 
     # Q's slot is free: its last reader, the final Q K^T, completed above.
-    q.store(acc.to(dtype))
+    q_tile = q_smem.index(qi * PANELS)
+    if (HEAD_DIM_V == HEAD_DIM) and (PANELS == 1):
+        o_tile = q_tile
+    else:
+        # O (Dv <= D: the launcher's MLA shapes) over the front of the slot's panels, in O's own
+        # layout: it is written and read (by the copy engine) through that layout alone.
+        o_tile = q_tile._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
+    o_tile.reshape([ROWS, HEAD_DIM_V]).store(acc.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], q_tile)
+    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_tile)
     offs_m = row0 + gl.arange(0, ROWS, layout=row_layout)
     lse_ptrs = LSE + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + offs_m
     gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
@@ -414,11 +429,16 @@ def attn_fwd_sm90_kernel(
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA block per slot (Gluon 3.6 has no starred
     # list in a kernel, hence the concatenation).
-    q_shape: gl.constexpr = [Q_SLOTS] + q_desc.block_type.shape  # noqa: RUF005
-    kv_shape: gl.constexpr = [NUM_STAGES] + k_desc.block_type.shape  # noqa: RUF005
+    # Q and K come in PANELS column panels each (head dim 192: three of 64; a TMA box is a power
+    # of two wide), slot s's panel i at s * PANELS + i; one panel otherwise. V and O have their
+    # own head dim (v_desc, o_desc: 128 at head dim 192, the MLA shapes; HEAD_DIM otherwise).
+    PANELS: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[3]
+    q_shape: gl.constexpr = [Q_SLOTS * PANELS] + q_desc.block_type.shape  # noqa: RUF005
+    k_shape: gl.constexpr = [NUM_STAGES * PANELS] + k_desc.block_type.shape  # noqa: RUF005
+    v_shape: gl.constexpr = [NUM_STAGES] + v_desc.block_type.shape  # noqa: RUF005
     q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, k_shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_shape, v_desc.layout)
     q_bars: gl.constexpr = [Q_SLOTS, 1]
     q_ready = gl.allocate_shared_memory(gl.int64, q_bars, mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())

@@ -44,6 +44,10 @@ def _producer_tile(
 ):
     """Loads of work item ``w``, this program's tile number ``it``, whose K/V tiles take ring
     entries ``kv0, kv0 + 1, ...``; returns how many it took."""
+    # Q and K arrive in PANELS column panels of PANEL (head dim 192: three of 64, as a TMA box
+    # must be a power of two wide); one panel otherwise.
+    PANEL: gl.constexpr = q_desc.block_type.shape[3]
+    PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES
     tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     off_b = off_bh // num_heads
@@ -62,20 +66,24 @@ def _producer_tile(
             mbarrier.wait(q_empty.index(qi), ((it // 2) & 1) ^ 1)
             bar = q_ready.index(qi)
             if hi > lo:
-                mbarrier.expect(bar, q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    q_desc, [off_b, off_h, start_m + c * ROWS, 0], bar, q_smem.index(qi)
-                )
+                mbarrier.expect(bar, PANELS * q_desc.block_type.nbytes)
+                for i in gl.static_range(PANELS):
+                    tma.async_copy_global_to_shared(
+                        q_desc, [off_b, off_h, start_m + c * ROWS, i * PANEL], bar,
+                        q_smem.index(qi * PANELS + i),
+                    )  # fmt: skip
             else:
                 mbarrier.arrive(bar, count=1)
     if hi > lo:
         if not PERSISTENT:
             for c in gl.static_range(NUM_CONSUMERS):
                 bar = q_ready.index(c)
-                mbarrier.expect(bar, q_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(
-                    q_desc, [off_b, off_h, start_m + c * ROWS, 0], bar, q_smem.index(c)
-                )
+                mbarrier.expect(bar, PANELS * q_desc.block_type.nbytes)
+                for i in gl.static_range(PANELS):
+                    tma.async_copy_global_to_shared(
+                        q_desc, [off_b, off_h, start_m + c * ROWS, i * PANEL], bar,
+                        q_smem.index(c * PANELS + i),
+                    )  # fmt: skip
         for t in range(n_tiles):
             g = kv0 + t
             slot = g % NUM_STAGES
@@ -83,10 +91,12 @@ def _producer_tile(
             start_n = lo + t * BLOCK_N
             mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # K of entry g - NUM_STAGES read
             kbar = k_ready.index(slot)
-            mbarrier.expect(kbar, k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                k_desc, [off_b, off_hk, start_n, 0], kbar, k_smem.index(slot)
-            )
+            mbarrier.expect(kbar, PANELS * k_desc.block_type.nbytes)
+            for i in gl.static_range(PANELS):
+                tma.async_copy_global_to_shared(
+                    k_desc, [off_b, off_hk, start_n, i * PANEL], kbar,
+                    k_smem.index(slot * PANELS + i),
+                )  # fmt: skip
             mbarrier.wait(kv_empty.index(NUM_STAGES + slot), phase ^ 1)  # and its V
             vbar = v_ready.index(slot)
             mbarrier.expect(vbar, v_desc.block_type.nbytes)

@@ -18,6 +18,19 @@ from flashcore.kernels.hopper.common import ROWS, softmax, tile_scores
 
 
 @gluon.jit
+def _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N: gl.constexpr, PANELS: gl.constexpr):
+    """Issue ``S = Q K^T`` (async) for Q slot ``qi`` against ring slot ``slot``: one wgmma, or
+    one per column panel into the same accumulator when Q and K come in panels (head dim 192)."""
+    PANEL: gl.constexpr = k_smem.shape[4]
+    s = zero_s
+    for i in gl.static_range(PANELS):
+        q = q_smem.index(qi * PANELS + i).reshape([ROWS, PANEL])
+        k_t = k_smem.index(slot * PANELS + i).reshape([BLOCK_N, PANEL]).permute((1, 0))
+        s = warpgroup_mma(q, k_t, s, use_acc=i > 0, is_async=True)
+    return s
+
+
+@gluon.jit
 def _sit_out(
     k_ready,
     v_ready,
@@ -47,7 +60,8 @@ def _sit_out(
 
 @gluon.jit
 def attend(
-    q,
+    q_smem,
+    qi,
     k_smem,
     v_smem,
     k_ready,
@@ -91,10 +105,11 @@ def attend(
     tiles ``[t0, t1)`` (all of them with two consumers) and sits out the others (``_sit_out``):
     turn ``t`` for tile ``t < t0``, ``t + 1`` for tile ``t >= t1``, one more when it computes
     none."""
+    HEAD_DIM_V: gl.constexpr = v_smem.shape[4]  # V's (and O's) head dim; HEAD_DIM is Q's and K's
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
     )
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
     # Three consumers (BLOCK_M = 192 rows against 128-key tiles) skip the tiles none of their
     # rows sees (at the causal diagonal, and all of them for rows past Sq), and hold 160
     # registers each: P goes to its operand form right after its softmax and the wait that
@@ -108,7 +123,7 @@ def attend(
                   PINGPONG, NUM_STAGES, True)  # fmt: skip
         if t1 > t0:
             m_i, l_i, acc = _steps(
-                q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0 + t0, turn0 + t0,
+                q_smem, qi, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0 + t0, turn0 + t0,
                 t1 - t0, lo + t0 * BLOCK_N, full_lo, full_hi, rows, seqlen_q, seqlen_k,
                 qk_scale, window_left, window_right, softcap, slope, m_i, l_i, acc, CONSUMER,
                 NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
@@ -122,7 +137,7 @@ def attend(
                   NUM_CONSUMERS, PINGPONG, NUM_STAGES, True)  # fmt: skip
     else:
         m_i, l_i, acc = _steps(
-            q, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, lo,
+            q_smem, qi, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, lo,
             full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope, m_i, l_i, acc, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N,
             NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
@@ -132,7 +147,8 @@ def attend(
 
 @gluon.jit
 def _steps(
-    q,
+    q_smem,
+    qi,
     k_smem,
     v_smem,
     k_ready,
@@ -171,13 +187,15 @@ def _steps(
 ):
     """Tiles ``0 .. n_tiles - 1`` (``n_tiles >= 1``) from key ``lo``, ring entry ``kv0`` and
     turn ``turn0`` on, each computed: the schedule of the module docstring."""
-    dtype: gl.constexpr = q.dtype
+    dtype: gl.constexpr = q_smem.dtype
     NEXT: gl.constexpr = (CONSUMER + 1) % NUM_CONSUMERS
+    HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
+    PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES  # Q and K column panels (_scores)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -185,14 +203,15 @@ def _steps(
     offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     CHECK_N: gl.constexpr = not EVEN_N
-    P_EARLY: gl.constexpr = NUM_CONSUMERS > 2  # see attend's SKIP
+    # See attend's SKIP; with Q and K in panels (head dim 192) it keeps the causal ragged build
+    # free of spills (32 B without).
+    P_EARLY: gl.constexpr = (NUM_CONSUMERS > 2) or (PANELS > 1)
 
     # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
     mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)
     if PINGPONG:
         mbarrier.wait(turn.index(CONSUMER), turn0 & 1)
-    k_t = k_smem.index(kv0 % NUM_STAGES).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-    s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+    s_tok = _scores(q_smem, qi, k_smem, kv0 % NUM_STAGES, zero_s, BLOCK_N, PANELS)
     if PINGPONG:
         mbarrier.arrive(turn.index(NEXT), count=1)
     s = warpgroup_mma_wait(0, deps=[s_tok])
@@ -213,14 +232,13 @@ def _steps(
         mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
         if PINGPONG:
             mbarrier.wait(turn.index(CONSUMER), (turn0 + t) & 1)
-        k_t = k_smem.index(slot).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0))
-        s_tok = warpgroup_mma(q, k_t, zero_s, use_acc=False, is_async=True)
+        s_tok = _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N, PANELS)
         # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
         acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
         if not P_EARLY:
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
-        v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM])
+        v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V])
         acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
         if PINGPONG:
             mbarrier.arrive(turn.index(NEXT), count=1)
@@ -248,7 +266,7 @@ def _steps(
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
     if not P_EARLY:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-    v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM])
+    v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM_V])
     acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(NEXT), count=1)
