@@ -1,7 +1,8 @@
 # One device call for the Hopper forward's MLA build (D=192, Dv=128; ops/fwd_sm90.py:
-# MLA_VERIFIED), from the repository root on the GPU machine, logs under $OUT: its GPU test (the
-# kernel launched directly, fp16 and bf16), then the MLA timings with the tier forced beside the
-# portable forward and SDPA (forward; the backward stays portable at these head dims).
+# MLA_HEAD_DIMS), from the repository root on the GPU machine, logs under $OUT: its GPU tests (the
+# kernel launched directly, fp16 and bf16, and the API path), then two runs of the MLA timings:
+# the tier forced and "auto" (the same kernel at the script's 4096 and 8192) beside SDPA (the
+# backward stays portable at these head dims).
 #
 #     bash scripts/gpu_mla_run.sh
 set -x

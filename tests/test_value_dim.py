@@ -125,6 +125,33 @@ def test_value_dim_gpu_sm90_forward_kernel(mc, layout, with_sinks, dtype, device
     assert_fa_rule("lse", lse, pt.lse, ref.lse)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_value_dim_gpu_sm90_tier(causal, layout, monkeypatch):
+    """MLA head dims through ``flashcore.attention``: "auto" at 4096 launches the Hopper forward
+    (never the portable one) and out and LSE meet the rule; under ``use_tier("sm90")`` at ragged
+    short lengths, out, LSE and the gradients (the portable backward at these head dims) too."""
+    from flashcore.ops import fwd, fwd_sm90, runtime
+
+    if runtime.capability(torch.device("cuda")) != (9, 0) or not runtime.sm90_verified():
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    calls = []
+    real = fwd_sm90.attn_fwd_sm90
+    monkeypatch.setattr(
+        fwd_sm90, "attn_fwd_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    monkeypatch.setattr(fwd, "kernel", lambda: pytest.fail("portable forward launched"))
+    q, k, v = make_qkv_dv(Case(1, 4, 2, 4096, 4096, 192), 128, torch.bfloat16, "cuda", layout)
+    out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=causal)
+    assert calls == [1]
+    monkeypatch.undo()
+    q, k, v = make_qkv_dv(Case(2, 4, 1, 300, 517, 192), 128, torch.float16, "cuda", layout)
+    with flashcore.use_tier("sm90"):
+        check_case(q, k, v, {"causal": causal})
+
+
 def test_value_dim_layout_and_sinks(device):
     """A (B, S, H, D) q gives a (B, S, H, Dv) out viewed as (B, H, S, Dv); sinks combine."""
     q, k, v = make_qkv_dv(Case(2, 4, 2, 20, 33, 32), 16, torch.float16, device, layout="bshd")

@@ -248,6 +248,10 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = Fa
 SM90_FWD_MIN_SEQLEN = 512
 SM90_FWD_MIN_SEQLEN_D64 = 512
 SM90_FWD_MIN_SEQLEN_D64_CAUSAL = 2048
+# The MLA head dims (Q/K 192, V 128; ops/fwd_sm90.py: MLA_HEAD_DIMS): timed only at 4096 and 8192
+# (H100, bf16, one run, scripts/feature_bench.py --cases mla): 1.84-1.95x the portable forward,
+# 1.11-1.17x SDPA. Shorter sequences were not timed, so they stay portable.
+SM90_FWD_MIN_SEQLEN_MLA = 4096
 SM90_FWD_MIN_FLOPS = 5e10
 
 
@@ -268,6 +272,8 @@ def sm90_forward(
         floor = SM90_FWD_MIN_SEQLEN
     elif head_dim == 64:
         floor = SM90_FWD_MIN_SEQLEN_D64_CAUSAL if causal else SM90_FWD_MIN_SEQLEN_D64
+    elif head_dim == 192:
+        floor = SM90_FWD_MIN_SEQLEN_MLA  # reached only with V's head dim 128 (supports)
     else:
         return False
     return min(seqlen_q, seqlen_k) >= floor
