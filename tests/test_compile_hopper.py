@@ -66,6 +66,9 @@ VARIANTS = [
     # V and O at 128; causal with a ragged last key tile.
     ("d192-v128-bf16-causal-ragged", 192, "bf16", 2, 128, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128}),
+    # Head dim 256 (ops/fwd_sm90.py: CONFIGS[256]): 64-key tiles; causal, a ragged last tile.
+    ("d256-fp16-causal-ragged", 256, "fp16", 2, 64, 2, 240, 168,
+     {**PLAIN, "causal": True, "even_n": False}),
 ]  # fmt: skip
 PERSISTENT_SUFFIX = "-persistent"
 

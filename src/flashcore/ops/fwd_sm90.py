@@ -24,6 +24,12 @@ DTYPES = (torch.float16, torch.bfloat16)
 # SDPA (docs/hopper_fwd.md, "MLA head dims"). ``MLA_VERIFIED`` False turns these shapes down.
 MLA_HEAD_DIMS = (192, 128)
 MLA_VERIFIED = True
+# Head dim 256 (Q, K, V): BLOCK_N = 64, flat, 197 KB of shared memory, compiled spill-free for
+# sm_90a (tests/test_compile_hopper.py) but not yet run on a GPU: until
+# tests/test_forward.py::test_forward_gpu_sm90_kernel_d256 has passed there, ``supports`` turns it
+# down and the portable forward runs it (also under use_tier("sm90")).
+WIDE_HEAD_DIM = 256
+WIDE_VERIFIED = False
 
 
 class Sm90Config(NamedTuple):
@@ -51,6 +57,9 @@ CONFIGS = {
     # D=192 / Dv=128: Q 2 x 24 KB, K 2 x 48 KB, V 2 x 32 KB (208 KB): flat only (a persistent
     # grid's second Q buffer would not fit).
     192: Sm90Config(2, 128, 2, 240, 168, persistent=False),
+    # D=256: 64-key tiles (Q 2 x 32 KB, K and V 2 x 32 KB each: 192 KB), flat only; the O
+    # accumulator alone takes 128 registers a thread.
+    256: Sm90Config(2, 64, 2, 240, 168, persistent=False),
 }
 # D=64, long sequences: 3 x 64 query rows (13 warps at 128 registers at entry, 160 + 160 + 168
 # for the consumers and 24 for the producer after setmaxnreg; 123 KB of shared memory). At
@@ -147,12 +156,19 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
-def dense_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mla: bool = False) -> bool:
+def dense_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mla: bool = False,
+    head_dims: tuple[int, ...] = HEAD_DIMS,
+) -> bool:
     """What both Hopper tiers (this forward, ``ops/bwd_sm90.py``) need of their inputs: an sm_90
     device with Gluon, fp16/bf16, head dim 64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)``
     / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, and strides the
     copy engine accepts. ``mla``: instead, head dim 192 for Q and K and 128 for V
-    (``MLA_HEAD_DIMS``; the forward only)."""
+    (``MLA_HEAD_DIMS``; the forward only); ``head_dims``: the equal head dims accepted."""
     if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
         return False
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -165,7 +181,7 @@ def dense_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mla: boo
     if mla:
         dims_ok = (head_dim, v.shape[-1]) == MLA_HEAD_DIMS
     else:
-        dims_ok = head_dim in HEAD_DIMS and v.shape[-1] == head_dim
+        dims_ok = head_dim in head_dims and v.shape[-1] == head_dim
     if not dims_ok:
         return False
     if k.shape[0] != batch or heads % k.shape[1] != 0 or seqlen_q == 0 or k.shape[2] == 0:
@@ -186,14 +202,16 @@ def supports(
     """Whether this tier runs the problem: an sm_90 device, fp16/bf16, head dim 64 or 128, dense
     (non-varlen) ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty
     sequences, and strides the copy engine accepts; or the MLA head dims (``MLA_HEAD_DIMS``) once
-    ``MLA_VERIFIED``. Causal, the sliding window, softcap and ALiBi are all covered (flags of
-    the one kernel), so ``causal``/``window``/``softcap``/``alibi`` never reject; they are taken
-    so that the dispatch can call every tier alike."""
+    ``MLA_VERIFIED``, head dim 256 once ``WIDE_VERIFIED``. Causal, the sliding window, softcap
+    and ALiBi are all covered (flags of the one kernel), so ``causal``/``window``/``softcap``/
+    ``alibi`` never reject; they are taken so that the dispatch can call every tier alike."""
     del causal, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
     if q.shape[-1] != v.shape[-1]:
         return MLA_VERIFIED and dense_problem(q, k, v, mla=True)
+    if q.shape[-1] == WIDE_HEAD_DIM:
+        return WIDE_VERIFIED and dense_problem(q, k, v, head_dims=(WIDE_HEAD_DIM,))
     return dense_problem(q, k, v)
 
 
