@@ -89,13 +89,15 @@ def compile_variant(variant) -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from flashcore.ops.fwd_sm90 import qk_panel
+
     label, head_dim, dtype, consumers, block_n, stages, regs, maxnreg, flags = variant
     fwd = _load_kernel_module()
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     # Signatures as a launch with Gluon TensorDescriptors specialises them (ops/fwd_sm90.py:
     # Q and K in 64-column panels at head dim 192, V and O at their own head dim).
     blocks = {"q_desc": 64, "o_desc": 64, "k_desc": block_n, "v_desc": block_n}
-    panel = 64 if head_dim == 192 else head_dim
+    panel = qk_panel(head_dim)
     head_dim_v = flags.get("value_head_dim", head_dim)
     signature = {}
     for name, rows in blocks.items():

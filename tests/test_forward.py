@@ -3,7 +3,7 @@ import torch
 
 import flashcore
 from flashcore import tuning
-from helpers import PortableLaunched, check_forward, make_qkv
+from helpers import PortableLaunched, check_forward, launch_sm90_forward, make_qkv
 from shapes import DTYPES, GPU, INTERP, Case
 
 
@@ -93,7 +93,7 @@ def test_forward_gpu_sm90_tier(case, dtype, causal, layout):
     check_forward(out, lse, q, k, v, causal=causal)
 
 
-# Head dim 256 on the Hopper forward (ops/fwd_sm90.py: WIDE_HEAD_DIM), launched directly:
+# Head dim 256 on the Hopper forward (ops/fwd_sm90.py: WIDE_HEAD_DIMS), launched directly:
 # ragged lengths both ways, GQA and MQA, causal with Sq > Sk (rows that see no key), (B, S, H, D)
 # views, window + softcap, ALiBi and sinks.
 D256_CASES = [
@@ -116,14 +116,11 @@ def test_forward_gpu_sm90_kernel_d256(case, opts, layout, dtype):
     """The Hopper forward at head dim 256 (64-key tiles), launched directly (``supports`` turns
     it down until this has passed on a GPU, ``WIDE_VERIFIED``): out and LSE against the float64
     reference, every element of out written."""
-    from flashcore.ops import fwd_sm90
-    from flashcore.ops import problem as pb
+    from flashcore.ops import fwd_sm90, runtime
 
     q, k, v = make_qkv(case, dtype, "cuda", layout=layout)
-    if not fwd_sm90.dense_problem(q, k, v, head_dims=(256,)):
+    if not fwd_sm90.dense_problem(q, k, v, (fwd_sm90.WIDE_HEAD_DIMS,)):
         pytest.skip("needs an sm_90 GPU with Gluon")
-    from flashcore.ops import runtime
-
     if not runtime.sm90_verified():
         pytest.skip("needs a Triton the sm90 tier was verified on")
     kw = {"causal": opts.get("causal", False)}
@@ -134,21 +131,7 @@ def test_forward_gpu_sm90_kernel_d256(case, opts, layout, dtype):
         kw["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, case.heads + 1, device="cuda") / 4)
     if opts.get("sinks"):
         kw["sinks"] = torch.randn(case.heads, device="cuda")
-    scale = case.head_dim**-0.5
-    alibi = kw.get("alibi_slopes")
-    sc = pb.scores(
-        kw["causal"], kw.get("window", (-1, -1)), kw.get("softcap", 0.0), scale,
-        alibi is not None, case.seqlen_q, case.seqlen_k,
-    )  # fmt: skip
-    lse = torch.full(q.shape[:3], float("nan"), device="cuda")
-    alibi_arg, stride_ab = pb.alibi_arg(alibi, lse)
-    out = torch.full(q.shape, float("nan"), dtype=dtype, device="cuda")
-    fwd_sm90.attn_fwd_sm90(
-        q, k, v, out, lse, causal=sc.is_causal, qk_scale=sc.qk_scale,
-        window_left=sc.window_left, window_right=sc.window_right, has_window=sc.has_window,
-        softcap=sc.softcap, alibi=None if alibi is None else alibi_arg, stride_ab=stride_ab,
-        sinks=kw.get("sinks"),
-    )  # fmt: skip
+    out, lse = launch_sm90_forward(q, k, v, **kw)
     assert not out.isnan().any()
     check_forward(out, lse, q, k, v, **kw)
 

@@ -12,7 +12,14 @@ import torch
 
 import flashcore
 from flashcore import reference
-from helpers import cu_seqlens, make_qkv, mask_options, record_backward_tiers, sm90_tier_runs
+from helpers import (
+    cu_seqlens,
+    launch_sm90_forward,
+    make_qkv,
+    mask_options,
+    record_backward_tiers,
+    sm90_tier_runs,
+)
 from numerics import assert_fa_rule
 from shapes import DTYPES, Case, MaskCase
 
@@ -307,11 +314,9 @@ SINK_CASES_SM90_FORWARD = [
     ("mc", "label"), SINK_CASES_SM90_FORWARD, ids=[c[1] for c in SINK_CASES_SM90_FORWARD]
 )
 def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
-    """The Hopper forward's HAS_SINKS build, launched directly (dispatch keeps sinks on the
-    portable forward until this has passed on a GPU): out and LSE against the reference with
-    every schedule, three consumers at D=64."""
+    """The Hopper forward's HAS_SINKS build, launched directly on every schedule, three consumers
+    at D=64 (the dispatch picks one schedule per shape): out and LSE against the reference."""
     from flashcore.ops import fwd_sm90
-    from flashcore.ops import problem as pb
 
     q, k, v = make_qkv(mc.case, dtype, device)
     if not (sm90_tier_runs(q.device) and fwd_sm90.dense_problem(q, k, v)):
@@ -321,23 +326,13 @@ def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
     opts = mask_options(mc, device)
     sinks = case_sinks(mc, device)
     c = mc.case
-    scale = c.head_dim**-0.5
-    window = opts.get("window") or (-1, -1)
-    sc = pb.scores(
-        mc.causal, window, opts.get("softcap") or 0.0, scale, False, c.seqlen_q, c.seqlen_k
-    )
     config = {
         "flat": fwd_sm90.CONFIGS[c.head_dim]._replace(persistent=False),
         "persistent": fwd_sm90.CONFIGS[c.head_dim]._replace(persistent=True),
         "three": fwd_sm90.D64_THREE._replace(persistent=False),
     }[schedule]
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:3], float("nan"), device=device)
-    fwd_sm90.attn_fwd_sm90(
-        q, k, v, out, lse, causal=sc.is_causal, qk_scale=sc.qk_scale,
-        window_left=sc.window_left, window_right=sc.window_right, has_window=sc.has_window,
-        softcap=sc.softcap, alibi=None, stride_ab=0, sinks=sinks, config=config,
-    )  # fmt: skip
+    out, lse = launch_sm90_forward(q, k, v, sinks=sinks, config=config, **opts)
+    scale = c.head_dim**-0.5
     ref = reference.attention(q, k, v, sinks=sinks, scale=scale, dtype=torch.float64, **opts)
     pt = reference.attention(q, k, v, sinks=sinks, scale=scale, dtype=dtype, **opts)
     assert_fa_rule("out", out, pt.out, ref.out)

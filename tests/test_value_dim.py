@@ -13,6 +13,7 @@ from helpers import (
     check_forward,
     check_varlen,
     cu_seqlens,
+    launch_sm90_forward,
     mask_options,
     sm90_tier_runs,
 )
@@ -91,33 +92,20 @@ MLA_CASES_SM90 = [
     ids=[f"{m.id}-{lay}{'-sinks' * s}" for m, lay, s in MLA_CASES_SM90],
 )
 def test_value_dim_gpu_sm90_forward_kernel(mc, layout, with_sinks, dtype, device):
-    """The Hopper forward at D = 192, Dv = 128, launched directly (``ops/fwd_sm90.py``:
-    ``supports`` turns these shapes down until this has passed on a GPU, ``MLA_VERIFIED``): out
-    and LSE against the float64 reference, every element of out written."""
+    """The Hopper forward at D = 192, Dv = 128, launched directly over every case (``supports``
+    turns these shapes down while ``MLA_VERIFIED`` is off): out and LSE against the float64
+    reference, every element of out written."""
     from flashcore.ops import fwd_sm90
-    from flashcore.ops import problem as pb
 
     q, k, v = make_qkv_dv(mc.case, 128, dtype, device, layout=layout)
-    if not (sm90_tier_runs(q.device) and fwd_sm90.dense_problem(q, k, v, mla=True)):
+    if not (
+        sm90_tier_runs(q.device) and fwd_sm90.dense_problem(q, k, v, (fwd_sm90.MLA_HEAD_DIMS,))
+    ):
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
     opts = mask_options(mc, device)
-    c = mc.case
-    sinks = torch.randn(c.heads, device=device) if with_sinks else None
-    scale = c.head_dim**-0.5
-    alibi = opts.get("alibi_slopes")
-    sc = pb.scores(
-        mc.causal, opts.get("window") or (-1, -1), opts.get("softcap") or 0.0, scale,
-        alibi is not None, c.seqlen_q, c.seqlen_k,
-    )  # fmt: skip
-    lse = torch.full(q.shape[:3], float("nan"), device=device)
-    alibi_arg, stride_ab = pb.alibi_arg(alibi, lse)
-    out = torch.full((*q.shape[:3], 128), float("nan"), dtype=dtype, device=device)
-    fwd_sm90.attn_fwd_sm90(
-        q, k, v, out, lse, causal=sc.is_causal, qk_scale=sc.qk_scale,
-        window_left=sc.window_left, window_right=sc.window_right, has_window=sc.has_window,
-        softcap=sc.softcap, alibi=None if alibi is None else alibi_arg, stride_ab=stride_ab,
-        sinks=sinks,
-    )  # fmt: skip
+    sinks = torch.randn(mc.case.heads, device=device) if with_sinks else None
+    out, lse = launch_sm90_forward(q, k, v, sinks=sinks, **opts)
+    scale = mc.case.head_dim**-0.5
     ref = reference.attention(q, k, v, sinks=sinks, scale=scale, dtype=torch.float64, **opts)
     pt = reference.attention(q, k, v, sinks=sinks, scale=scale, dtype=dtype, **opts)
     assert not out.isnan().any()

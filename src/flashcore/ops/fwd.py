@@ -81,7 +81,7 @@ def launch(
                 window_left=sc.window_left, window_right=sc.window_right,
                 has_window=sc.has_window, softcap=sc.softcap,
                 alibi=None if alibi_slopes is None else alibi, stride_ab=stride_ab,
-                sinks=None if sinks is None else sinks.contiguous(),
+                sinks=sinks,
             )  # fmt: skip
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and

@@ -15,21 +15,38 @@ import torch
 
 from flashcore.ops.launch import Descriptor, Launcher
 
-HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16)
+# (Q/K head dim, V head dim) pairs both Hopper tiers run (this forward, ops/bwd_sm90.py).
+DENSE_HEAD_DIMS = ((64, 64), (128, 128))
 # MLA training shapes: Q and K at head dim 192, V and O at 128 (Q and K in three 64-column
-# panels: a TMA box is a power of two wide). Compiled for sm_90a (spill-free, 213 KB of shared
-# memory, tests/test_compile_hopper.py); on the H100 tests/test_value_dim.py::
-# test_value_dim_gpu_sm90_forward_kernel passed (10 cases, fp16 and bf16) and it ran 1.11-1.17x
-# SDPA (docs/hopper_fwd.md, "MLA head dims"). ``MLA_VERIFIED`` False turns these shapes down.
+# panels, ``qk_panel``: a TMA box is a power of two wide). Compiled for sm_90a (spill-free, 213 KB
+# of shared memory, tests/test_compile_hopper.py); on the H100
+# tests/test_value_dim.py::test_value_dim_gpu_sm90_forward_kernel passed (10 cases, fp16 and
+# bf16) and it ran 1.11-1.17x SDPA (docs/hopper_fwd.md, "MLA head dims").
 MLA_HEAD_DIMS = (192, 128)
 MLA_VERIFIED = True
-# Head dim 256 (Q, K, V): BLOCK_N = 64, flat, 197 KB of shared memory, compiled spill-free for
-# sm_90a (tests/test_compile_hopper.py) but not yet run on a GPU: until
+# Head dim 256: BLOCK_N = 64, flat, 197 KB of shared memory, compiled spill-free for sm_90a
+# (tests/test_compile_hopper.py) but not yet run on a GPU: until
 # tests/test_forward.py::test_forward_gpu_sm90_kernel_d256 has passed there, ``supports`` turns it
 # down and the portable forward runs it (also under use_tier("sm90")).
-WIDE_HEAD_DIM = 256
+WIDE_HEAD_DIMS = (256, 256)
 WIDE_VERIFIED = False
+
+
+def forward_head_dims() -> tuple[tuple[int, int], ...]:
+    """The (Q/K, V) head dim pairs this forward takes: the dense ones, and each wider pair once
+    it has been verified on a GPU (read per call: benchmarks may set the flags)."""
+    return (
+        DENSE_HEAD_DIMS
+        + ((MLA_HEAD_DIMS,) if MLA_VERIFIED else ())
+        + ((WIDE_HEAD_DIMS,) if WIDE_VERIFIED else ())
+    )
+
+
+def qk_panel(head_dim: int) -> int:
+    """Width of the column panels Q and K are loaded in: the largest power of two dividing the
+    head dim (the whole of it at 64, 128, 256; 64 at 192, three panels)."""
+    return head_dim & -head_dim
 
 
 class Sm90Config(NamedTuple):
@@ -160,15 +177,12 @@ def dense_problem(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    mla: bool = False,
-    head_dims: tuple[int, ...] = HEAD_DIMS,
+    head_dims: tuple[tuple[int, int], ...] = DENSE_HEAD_DIMS,
 ) -> bool:
     """What both Hopper tiers (this forward, ``ops/bwd_sm90.py``) need of their inputs: an sm_90
-    device with Gluon, fp16/bf16, head dim 64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)``
-    / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, and strides the
-    copy engine accepts. ``mla``: instead, head dim 192 for Q and K and 128 for V
-    (``MLA_HEAD_DIMS``; the forward only); ``head_dims``: the equal head dims accepted."""
+    device with Gluon, fp16/bf16, a (Q/K, V) head dim pair in ``head_dims`` (64 or 128, V's equal
+    to Q/K's, by default), dense ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with
+    ``H % Hkv == 0``, non-empty sequences, and strides the copy engine accepts."""
     if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
         return False
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
@@ -178,11 +192,7 @@ def dense_problem(
     batch, heads, seqlen_q, head_dim = q.shape
     if k.shape[-1] != head_dim or v.shape[:-1] != k.shape[:-1]:
         return False
-    if mla:
-        dims_ok = (head_dim, v.shape[-1]) == MLA_HEAD_DIMS
-    else:
-        dims_ok = head_dim in head_dims and v.shape[-1] == head_dim
-    if not dims_ok:
+    if (head_dim, v.shape[-1]) not in head_dims:
         return False
     if k.shape[0] != batch or heads % k.shape[1] != 0 or seqlen_q == 0 or k.shape[2] == 0:
         return False
@@ -201,18 +211,14 @@ def supports(
 ) -> bool:
     """Whether this tier runs the problem: an sm_90 device, fp16/bf16, head dim 64 or 128, dense
     (non-varlen) ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty
-    sequences, and strides the copy engine accepts; or the MLA head dims (``MLA_HEAD_DIMS``) once
-    ``MLA_VERIFIED``, head dim 256 once ``WIDE_VERIFIED``. Causal, the sliding window, softcap
-    and ALiBi are all covered (flags of the one kernel), so ``causal``/``window``/``softcap``/
-    ``alibi`` never reject; they are taken so that the dispatch can call every tier alike."""
+    sequences, and strides the copy engine accepts; or the wider pairs of ``forward_head_dims``.
+    Causal, the sliding window, softcap and ALiBi are all covered (flags of the one kernel), so
+    ``causal``/``window``/``softcap``/``alibi`` never reject; they are taken so that the dispatch
+    can call every tier alike."""
     del causal, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
-    if q.shape[-1] != v.shape[-1]:
-        return MLA_VERIFIED and dense_problem(q, k, v, mla=True)
-    if q.shape[-1] == WIDE_HEAD_DIM:
-        return WIDE_VERIFIED and dense_problem(q, k, v, head_dims=(WIDE_HEAD_DIM,))
-    return dense_problem(q, k, v)
+    return dense_problem(q, k, v, forward_head_dims())
 
 
 def descriptor(t: torch.Tensor, block: list[int]) -> Descriptor:
@@ -272,7 +278,7 @@ def attn_fwd_sm90(
         raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
     rows = 64
     block_m = rows * cfg.num_consumers
-    panel = 64 if head_dim == MLA_HEAD_DIMS[0] else head_dim  # Q/K column panels (192: three)
+    panel = qk_panel(head_dim)
     head_dim_v = v.shape[-1]
     descs = (
         descriptor(q, [1, 1, rows, panel]),

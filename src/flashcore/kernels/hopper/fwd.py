@@ -258,7 +258,7 @@ def _consumer_tile(
         mbarrier.wait(q_ready.index(qi), (it // 2) & 1)
     else:
         qi = CONSUMER
-    PANELS: gl.constexpr = q_smem.shape[0] // (NUM_CONSUMERS * (2 if PERSISTENT else 1))
+    PANELS: gl.constexpr = HEAD_DIM // q_smem.shape[4]  # Q's column panels (the kernel's note)
     if HAS_SINKS:
         # The sink is a key already seen, with weight exp2(sink - m) = 1 and no value
         # (``kernels/common.py: softmax_start``), in the units of the running max.

@@ -13,6 +13,18 @@ from flashcore.kernels.hopper.common import ROWS, kv_tile_range, opaque, snake, 
 
 
 @gluon.jit
+def _load(desc, off_b, off_h, row, bar, smem, first, PANELS: gl.constexpr):
+    """One tile of ``desc`` from ``row`` on, by TMA onto ``bar`` (armed with its bytes), in PANELS
+    column panels of the descriptor's box width, into buffers ``first .. first + PANELS - 1``."""
+    PANEL: gl.constexpr = desc.block_type.shape[3]
+    mbarrier.expect(bar, PANELS * desc.block_type.nbytes)
+    for i in gl.static_range(PANELS):
+        tma.async_copy_global_to_shared(
+            desc, [off_b, off_h, row, i * PANEL], bar, smem.index(first + i)
+        )
+
+
+@gluon.jit
 def _producer_tile(
     q_desc,
     k_desc,
@@ -46,7 +58,6 @@ def _producer_tile(
     entries ``kv0, kv0 + 1, ...``; returns how many it took."""
     # Q and K arrive in PANELS column panels of PANEL (head dim 192: three of 64, as a TMA box
     # must be a power of two wide); one panel otherwise.
-    PANEL: gl.constexpr = q_desc.block_type.shape[3]
     PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES
     tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
@@ -66,43 +77,27 @@ def _producer_tile(
             mbarrier.wait(q_empty.index(qi), ((it // 2) & 1) ^ 1)
             bar = q_ready.index(qi)
             if hi > lo:
-                mbarrier.expect(bar, PANELS * q_desc.block_type.nbytes)
-                for i in gl.static_range(PANELS):
-                    tma.async_copy_global_to_shared(
-                        q_desc, [off_b, off_h, start_m + c * ROWS, i * PANEL], bar,
-                        q_smem.index(qi * PANELS + i),
-                    )  # fmt: skip
+                _load(q_desc, off_b, off_h, start_m + c * ROWS, bar, q_smem, qi * PANELS, PANELS)
             else:
                 mbarrier.arrive(bar, count=1)
     if hi > lo:
         if not PERSISTENT:
             for c in gl.static_range(NUM_CONSUMERS):
-                bar = q_ready.index(c)
-                mbarrier.expect(bar, PANELS * q_desc.block_type.nbytes)
-                for i in gl.static_range(PANELS):
-                    tma.async_copy_global_to_shared(
-                        q_desc, [off_b, off_h, start_m + c * ROWS, i * PANEL], bar,
-                        q_smem.index(c * PANELS + i),
-                    )  # fmt: skip
+                _load(
+                    q_desc, off_b, off_h, start_m + c * ROWS, q_ready.index(c), q_smem,
+                    c * PANELS, PANELS,
+                )  # fmt: skip
         for t in range(n_tiles):
             g = kv0 + t
             slot = g % NUM_STAGES
             phase = (g // NUM_STAGES) & 1
             start_n = lo + t * BLOCK_N
             mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # K of entry g - NUM_STAGES read
-            kbar = k_ready.index(slot)
-            mbarrier.expect(kbar, PANELS * k_desc.block_type.nbytes)
-            for i in gl.static_range(PANELS):
-                tma.async_copy_global_to_shared(
-                    k_desc, [off_b, off_hk, start_n, i * PANEL], kbar,
-                    k_smem.index(slot * PANELS + i),
-                )  # fmt: skip
-            mbarrier.wait(kv_empty.index(NUM_STAGES + slot), phase ^ 1)  # and its V
-            vbar = v_ready.index(slot)
-            mbarrier.expect(vbar, v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(
-                v_desc, [off_b, off_hk, start_n, 0], vbar, v_smem.index(slot)
+            _load(
+                k_desc, off_b, off_hk, start_n, k_ready.index(slot), k_smem, slot * PANELS, PANELS
             )
+            mbarrier.wait(kv_empty.index(NUM_STAGES + slot), phase ^ 1)  # and its V
+            _load(v_desc, off_b, off_hk, start_n, v_ready.index(slot), v_smem, slot, 1)
     return n_tiles
 
 
