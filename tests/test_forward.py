@@ -234,7 +234,9 @@ def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persi
         ("auto", (9, 0), (4, 16, 4096, 96), {}, "portable"),  # a head dim the tier lacks
         ("auto", (9, 0), (1, 16, 4096, 192), {}, "sm90"),  # MLA dims from 4096 (supports: Dv)
         ("auto", (9, 0), (4, 16, 2048, 192), {"causal": True}, "portable"),  # not timed there
-        ("auto", (9, 0), (1, 16, 8192, 256), {}, "portable"),  # built, not timed
+        ("auto", (9, 0), (1, 16, 8192, 256), {}, "sm90"),  # D=256 from 1024 on
+        ("auto", (9, 0), (8, 16, 1024, 256), {"causal": True}, "sm90"),
+        ("auto", (9, 0), (16, 16, 512, 256), {}, "portable"),  # not timed there
         ("auto", (9, 0), (4, 16, 4096, 128), {"window": (256, 0)}, "portable"),  # not timed
         ("auto", (9, 0), (4, 16, 4096, 128), {"softcap": 30.0}, "portable"),
         ("auto", (8, 0), (4, 16, 4096, 128), {}, "portable"),  # not a Hopper GPU

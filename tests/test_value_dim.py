@@ -130,7 +130,8 @@ def test_value_dim_gpu_sm90_tier(causal, layout, monkeypatch):
         fwd_sm90, "attn_fwd_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
     monkeypatch.setattr(fwd, "kernel", lambda: pytest.fail("portable forward launched"))
-    q, k, v = make_qkv_dv(Case(1, 4, 2, 4096, 4096, 192), 128, torch.bfloat16, "cuda", layout)
+    # (2, 4, 4096, 192): 5.2e10 FLOPs causal, above tuning.SM90_FWD_MIN_FLOPS
+    q, k, v = make_qkv_dv(Case(2, 4, 2, 4096, 4096, 192), 128, torch.bfloat16, "cuda", layout)
     out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
     check_forward(out, lse, q, k, v, causal=causal)
     assert calls == [1]

@@ -252,6 +252,11 @@ SM90_FWD_MIN_SEQLEN_D64_CAUSAL = 2048
 # (H100, bf16, one run, scripts/feature_bench.py --cases mla): 1.84-1.95x the portable forward,
 # 1.11-1.17x SDPA. Shorter sequences were not timed, so they stay portable.
 SM90_FWD_MIN_SEQLEN_MLA = 4096
+# Head dim 256 (ops/fwd_sm90.py: WIDE_HEAD_DIMS, 64-key tiles, flat): timed at 1024, 4096 and
+# 16384 (H100, bf16, two runs, 32k tokens, scripts/hopper_fwd.py bench --head-dims 256): 1.25-1.33x
+# the portable forward non-causal (0.98-1.13x cuDNN), 1.13-1.24x causal (0.92-0.99x cuDNN).
+# Shorter sequences were not timed.
+SM90_FWD_MIN_SEQLEN_D256 = 1024
 SM90_FWD_MIN_FLOPS = 5e10
 
 
@@ -274,6 +279,8 @@ def sm90_forward(
         floor = SM90_FWD_MIN_SEQLEN_D64_CAUSAL if causal else SM90_FWD_MIN_SEQLEN_D64
     elif head_dim == 192:
         floor = SM90_FWD_MIN_SEQLEN_MLA  # reached only with V's head dim 128 (supports)
+    elif head_dim == 256:
+        floor = SM90_FWD_MIN_SEQLEN_D256
     else:
         return False
     return min(seqlen_q, seqlen_k) >= floor
