@@ -14,7 +14,7 @@ candidate that fails to compile (shared memory) is listed as such. Registers and
 (spills) per thread come from the driver through the compiled kernels: ``255r/64B`` is 255
 registers and 64 bytes of local memory (Triton's ``n_spills`` counts 4-byte words).
 
-Usage: python scripts/bwd_kernel_sweep.py [--shape B,H,S,D ...] [--causal on|off|both]
+Usage: python scripts/bwd_kernel_sweep.py [--shape B,H,S,D[:Dv] ...] [--causal on|off|both]
        [--compile-only [--part I/N]]
 ``--compile-only`` runs each candidate once: several such processes in parallel (``--part``
 splits the candidates) fill Triton's cache before the timed run (one process, alone on the GPU).
@@ -54,6 +54,12 @@ DQ = {
         (32, 32, 4, 2), (64, 32, 8, 1),
     ],
 }  # fmt: skip
+# MLA head dims (Q/K 192 padded to 256 in the kernels, V 128): the D=256 lists' accumulators are
+# a third smaller here (dV and dO 128 wide), so larger key/query tiles may fit.
+DKDV["mla"] = DKDV[256] + [
+    (16, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2),
+]  # fmt: skip
+DQ["mla"] = DQ[256] + [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 2)]
 
 
 def noop(*args, **kwargs) -> None:
@@ -105,9 +111,10 @@ def main() -> None:
         ms_sdpa = 0.0 if args.compile_only else do_bench(sdpa_bwd, return_mode="median")
         qd, kd, vd = q.detach(), k.detach(), v.detach()
         o, lse = attn_fwd(qd, kd, vd, causal, scale)
-        default = bwd_config(d, 2, interpreted=False)
-        dk_list = DKDV[128 if d <= 128 else 256]
-        dq_list = DQ[128 if d <= 128 else 256]
+        dv = v.shape[-1]
+        default = bwd_config(max(d, dv), 2, interpreted=False)
+        group = "mla" if dv != d else 128 if d <= 128 else 256
+        dk_list, dq_list = DKDV[group], DQ[group]
 
         def run(cfg, o=o, lse=lse, do=do, qd=qd, kd=kd, vd=vd, causal=causal, scale=scale):
             return bwd_mod.launch(do, qd, kd, vd, o, lse, None, causal, scale, config=cfg)
@@ -129,7 +136,7 @@ def main() -> None:
             finally:
                 bwd_mod.kernels = saved
 
-        tag = f"B{b} H{h} S{s} D{d} causal={causal}"
+        tag = f"B{b} H{h} S{s} D{d}{f':{dv}' if dv != d else ''} causal={causal}"
         results = {"dkdv": [], "dq": []}
         cands = [("dkdv", c) for c in dk_list] + [("dq", c) for c in dq_list]
         for kernel, (m, n, w, st) in cands[part::parts]:
@@ -155,7 +162,7 @@ def main() -> None:
         if args.compile_only:
             print(tag, "compiled", flush=True)
             continue
-        print(f"{tag}: sdpa bwd {ms_sdpa:.3f} ms {tflops(b, h, s, d, causal, ms_sdpa):.0f} TF/s")
+        print(f"{tag}: sdpa bwd {ms_sdpa:.3f} ms {tflops(b, h, s, d, causal, ms_sdpa, dv):.0f} TF/s")
         best = {}
         for kernel in ("dkdv", "dq"):
             rows = sorted(results[kernel])
@@ -167,7 +174,7 @@ def main() -> None:
         for name, cfg in (("default", default), ("best pair", pair)):
             ms = timed(cfg)
             print(
-                f"  {name}: {cfg}: {ms:.3f} ms {tflops(b, h, s, d, causal, ms):.0f} TF/s "
+                f"  {name}: {cfg}: {ms:.3f} ms {tflops(b, h, s, d, causal, ms, dv):.0f} TF/s "
                 f"({ms_sdpa / ms:.2f}x sdpa) err {check(cfg):.1e}",
                 flush=True,
             )

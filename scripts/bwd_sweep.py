@@ -41,22 +41,31 @@ CANDIDATES = [
 ]
 
 
-def tflops(b, h, s, d, causal, ms):
-    return 2.5 * 4 * b * h * s * s * d / (2 if causal else 1) / ms / 1e9
+def tflops(b, h, s, d, causal, ms, dv=None):
+    """Backward TFLOP/s: ``2 B H S^2 (3 D + 2 Dv)`` (2.5x the forward's ``4 B H S^2 D`` when
+    ``Dv == D``), halved when causal."""
+    dv = d if dv is None else dv
+    return 2 * b * h * s * s * (3 * d + 2 * dv) / (2 if causal else 1) / ms / 1e9
 
 
 def problems(args: argparse.Namespace, default_shapes: list[tuple[int, ...]]):
     """For each ``--shape`` (or default) and ``--causal`` choice: ``(shape, causal, (q, k, v,
     do, out))`` with fp16 leaves that need gradients and SDPA's output on them."""
-    shapes = [tuple(map(int, s.split(","))) for s in args.shape] or default_shapes
+    # B,H,S,D or B,H,S,D:Dv (v and the output with their own head dim, as MLA's 192:128).
+    shapes = [tuple(s.split(",")) for s in args.shape] or default_shapes
     causals = {"on": (True,), "off": (False,), "both": (False, True)}[args.causal]
-    for (b, h, s, d), causal in itertools.product(shapes, causals):
-        q, k, v = (
+    for shape, causal in itertools.product(shapes, causals):
+        b, h, s = map(int, shape[:3])
+        d, _, dv = str(shape[3]).partition(":")
+        d = int(d)
+        dv = int(dv) if dv else d
+        q, k = (
             torch.randn(b, h, s, d, device="cuda", dtype=torch.float16, requires_grad=True)
-            for _ in range(3)
+            for _ in range(2)
         )
-        do = torch.randn_like(q)
+        v = torch.randn(b, h, s, dv, device="cuda", dtype=torch.float16, requires_grad=True)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        do = torch.randn_like(out)
         yield (b, h, s, d), causal, (q, k, v, do, out)
 
 

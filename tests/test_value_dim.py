@@ -160,6 +160,33 @@ def test_value_dim_varlen(device):
     assert out.shape == (q.shape[0], 4, 48)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_value_dim_gpu_mla_varlen(dtype):
+    """MLA head dims through the packed backward (the MLA tiles of ``tuning.bwd_config``, with
+    IS_VARLEN): ragged and empty sequences, GQA, causal."""
+    case = VarlenCase(8, 2, (300, 0, 517, 64, 1000), (300, 9, 700, 64, 999), 192)
+    q = torch.randn(sum(case.seqlens_q), 8, 192, device="cuda", dtype=dtype)
+    k = torch.randn(sum(case.seqlens_k), 2, 192, device="cuda", dtype=dtype)
+    v = torch.randn(sum(case.seqlens_k), 2, 128, device="cuda", dtype=dtype)
+    cu_q, cu_k = cu_seqlens(case.seqlens_q, "cuda"), cu_seqlens(case.seqlens_k, "cuda")
+    check_varlen(case, q, k, v, cu_q, cu_k, causal=True, backward=True)
+
+
+def test_mla_backward_tiles():
+    """The backward's tiles at MLA's head dims (measured on the H100) and where they do not
+    apply: equal head dims of 256, V the wider one, fp32, GPUs before Hopper."""
+    from flashcore import tuning
+
+    mla = tuning.bwd_config(192, 2, interpreted=False, head_dim_v=128)
+    assert (mla.block_m1, mla.block_n1, mla.block_m2, mla.block_n2) == (32, 128, 128, 64)
+    wide = tuning.bwd_config(256, 2, interpreted=False)
+    assert (wide.block_m1, wide.block_n1) == (32, 32)
+    assert tuning.bwd_config(256, 2, interpreted=False, head_dim_v=256) == wide
+    assert tuning.bwd_config(192, 4, interpreted=False, head_dim_v=128).num_stages == 1
+    assert tuning.bwd_config(192, 2, interpreted=False, head_dim_v=128, capability=(8, 0)) == wide
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 def test_value_dim_kvcache(paged, device):
     batch, heads, kv_heads, d, dv = 2, 4, 2, 48, 24

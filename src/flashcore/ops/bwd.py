@@ -180,6 +180,7 @@ def _plan(
         causal=causal,
         seqlen_q=seqlen_q,
         capability=runtime.capability(q.device),
+        head_dim_v=head_dim_v if head_dim_v != head_dim else None,
     )
     # The backward recomputes the forward's scores in base 2 (kernels/bwd.py, "LSE base").
     sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k)
