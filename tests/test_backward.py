@@ -237,6 +237,47 @@ def test_backward_gpu_sm90_tier(case, dtype, causal, layout):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", [False, True], ids=["grouped", "split"])
+@pytest.mark.parametrize(
+    ("case", "opts"),
+    [
+        (Case(2, 8, 2, 700, 1100, 128), {"causal": True}),
+        (Case(1, 4, 1, 513, 777, 64), {"window": (200, 30), "softcap": 20.0, "alibi": True}),
+    ],
+    ids=["gqa-causal", "mqa-window-softcap-alibi"],
+)
+def test_backward_gpu_sm90_group_split(case, opts, split, monkeypatch):
+    """GQA/MQA on the Hopper backward both ways (``bwd_sm90.split_group`` forced): a program per
+    kv head walking its group, and a program per query head with K/V repeated and dK/dV summed
+    per group; strided (B, S, H, D) gradients written in place."""
+    from flashcore.ops import bwd_sm90
+
+    sm90_or_skip()
+    monkeypatch.setattr(bwd_sm90, "split_group", lambda *args: split)
+    q, k, v = make_qkv(case, torch.bfloat16, "cuda", layout="bshd")
+    kw = dict(opts)
+    if kw.pop("alibi", False):
+        kw["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, case.heads + 1, device="cuda") / 4)
+    with flashcore.use_tier("sm90"):
+        _, dk, dv = check_backward(q, k, v, causal=kw.pop("causal", False), **kw)
+    assert (dk.stride(), dv.stride()) == (k.stride(), v.stride())
+
+
+def test_sm90_backward_group_split_rule():
+    """When GQA/MQA runs a program per query head: causal below two programs per SM, otherwise
+    only when it takes fewer waves than the grouped grid's longest program."""
+    from flashcore.ops.bwd_sm90 import split_group
+
+    full = (-1, -1)
+    assert not split_group(1, 16, 132, True, full)  # no group
+    assert split_group(4, 128, 132, True, full)  # (1, 16/4, 4096): 32 key blocks x 4
+    assert not split_group(4, 2048, 132, True, full)  # (8, 32/8, 4096)
+    assert split_group(4, 32, 132, False, full)  # one wave either way, a quarter of the steps
+    assert not split_group(4, 128, 132, False, full)  # 4 waves of 1/4 against 1 of 4/4
+    assert not split_group(4, 128, 132, True, (512, 0))  # a window: work spread evenly
+
+
+@pytest.mark.gpu
 def test_backward_gpu_sm90_lse_grad():
     case = Case(2, 8, 2, 1500, 1000, 128)
     q, k, v = make_qkv(case, torch.bfloat16, "cuda")

@@ -20,7 +20,7 @@ import torch
 from flashcore.ops import problem as pb
 
 # The forward tier's checks and descriptors, so that both tiers accept the same problems.
-from flashcore.ops.fwd_sm90 import dense_problem, descriptor, tma_ok
+from flashcore.ops.fwd_sm90 import dense_problem, descriptor, num_sms, tma_ok
 from flashcore.ops.launch import Launcher
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
@@ -88,6 +88,38 @@ def supports(
     return all(g is None or (g.shape == t.shape and tma_ok(g)) for g, t in ((dk, k), (dv, v)))
 
 
+def split_group(
+    groups: int, programs: int, sms: int, causal: bool, window: tuple[int, int]
+) -> bool:
+    """Whether to run a GQA/MQA backward with one program per query head instead of per kv head
+    (K and V repeated per query head, dK and dV summed over each group afterwards).
+
+    A program walks the query blocks of all ``groups`` query heads of its kv head, so with few
+    programs (``programs`` = key blocks x batch x kv heads) the longest one sets the time:
+    non-causal, ``groups`` steps' worth against ``ceil(programs * groups / sms)`` waves of the
+    split ones; causal, the first key block sees every query and the last almost none, so below
+    two programs per SM (``sms``) the grouped grid leaves SMs idle for up to half the time.
+    """
+    if groups <= 1:
+        return False
+    if causal and window == (-1, -1):
+        return programs < 2 * sms
+    return math.ceil(programs * groups / sms) < groups
+
+
+def _group_sum(
+    part: torch.Tensor, out: torch.Tensor | None, kv_heads: int, groups: int
+) -> torch.Tensor:
+    """The per-query-head gradients ``part`` ``(B, H, Sk, D)`` summed over each group of
+    ``groups`` heads into ``out`` ``(B, Hkv, Sk, D)`` (new when None), in one reduction kernel
+    (PyTorch accumulates fp16/bf16 sums in fp32)."""
+    b, _, s, d = part.shape
+    grouped = part.view(b, kv_heads, groups, s, d)
+    if out is None:
+        return grouped.sum(2)
+    return torch.sum(grouped, 2, out=out)
+
+
 def _tma_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself when the copy engine can address it, else a contiguous copy."""
     return t if tma_ok(t) else t.contiguous()
@@ -125,11 +157,21 @@ def attn_bwd_sm90(
     gradients are written into ``dq``, ``dk``, ``dv`` when given (tests pass NaN-filled ones to see
     every element written), else into new contiguous tensors, in the input dtype. ``config``
     overrides the tiles. Extra memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two
-    fp32 ``(B, H, Sq_pad)`` row buffers.
+    fp32 ``(B, H, Sq_pad)`` row buffers; where ``split_group`` says so (GQA/MQA with few
+    programs), K and V repeated per query head and dK, dV per query head (``4 B H Sk D`` x the
+    element size), summed over each group (in fp32) at the end.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     cfg = config or CONFIGS[head_dim]
+    groups = heads // kv_heads
+    programs = math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads
+    split = split_group(groups, programs, num_sms(q.device.index), causal, window)
+    if split:
+        dk_out, dv_out = dk, dv
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        dk = dv = None
+        kv_heads = heads
     dout, out = _tma_view(dout), _tma_view(out)
     lse = lse.contiguous()
     seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
@@ -192,4 +234,9 @@ def attn_bwd_sm90(
         )  # fmt: skip
     # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
     torch.mul(dq_acc, scale, out=dq)
+    if split:
+        dk, dv = (
+            _group_sum(part, out_, kv_heads // groups, groups)
+            for part, out_ in ((dk, dk_out), (dv, dv_out))
+        )
     return dq, dk, dv, delta[..., :seqlen_q]
