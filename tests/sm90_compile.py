@@ -82,6 +82,10 @@ FWD_SHORT_VARIANTS = [
     (128, "fp16", False, True),
 ]
 BWD_SHORT_VARIANTS = [(128, "bf16", True, False)]
+# MLA head dims (Q/K 192 in 256-wide tiles, V 128): the backward's own tiles
+# (tuning.bwd_config with head_dim_v), causal and ragged, and packed.
+BWD_MLA_VARIANTS = [((192, "bf16", True, False), False), ((192, "fp16", False, True), True)]
+MLA_HEAD_DIM_V = 128
 # Packed variable-length batches (IS_VARLEN): plain pointers, never EVEN_M/EVEN_N.
 FWD_VARLEN_VARIANTS = [(64, "bf16", False, False), (128, "fp16", True, False)]
 BWD_VARLEN_VARIANTS = [(128, "bf16", True, False)]
@@ -152,6 +156,7 @@ def fwd_consts(
     tma: bool = False,
     varlen: bool = False,
     seqlen_q: int = 1 << 30,
+    head_dim_v: int | None = None,
 ):
     """Constexprs of a launch; without varlen the cu_seqlens pointers are None, as the launchers
     pass them (Triton specialises a None argument into a constexpr). ``seqlen_q`` picks the
@@ -164,8 +169,8 @@ def fwd_consts(
     consts = {
         "HEAD_DIM": head_dim,
         "BLOCK_D": head_block(head_dim),
-        "HEAD_DIM_V": head_dim,
-        "BLOCK_DV": head_block(head_dim),
+        "HEAD_DIM_V": head_dim_v or head_dim,
+        "BLOCK_DV": head_block(head_dim_v or head_dim),
         "BLOCK_M": cfg.block_m,
         "BLOCK_N": cfg.block_n,
         "IS_CAUSAL": causal,
@@ -254,13 +259,17 @@ def main() -> int:
         + [(v, True, False) for v in BWD_VARLEN_VARIANTS]
         + [(v, False, True) for v in BWD_SHORT_VARIANTS]
     )
-    for variant, varlen, short in bwd_variants:
+    bwd_variants = [(v, varlen, short, None) for v, varlen, short in bwd_variants] + [
+        (v, varlen, False, MLA_HEAD_DIM_V) for v, varlen in BWD_MLA_VARIANTS
+    ]
+    for variant, varlen, short, head_dim_v in bwd_variants:
         head_dim, dtype, causal = variant[:3]
         seqlen_q = SHORT_SEQLEN if short else 1 << 30
         cfg = bwd_config(
-            head_dim, ELEM_SIZE[dtype], interpreted=False, causal=causal, seqlen_q=seqlen_q
-        )
-        flags, _ = fwd_consts(*variant, varlen=varlen)
+            max(head_dim, head_dim_v or 0), ELEM_SIZE[dtype], interpreted=False, causal=causal,
+            seqlen_q=seqlen_q, head_dim_v=head_dim_v,
+        )  # fmt: skip
+        flags, _ = fwd_consts(*variant, varlen=varlen, head_dim_v=head_dim_v)
         dkdv_options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         dq_options = {"num_warps": cfg.dq_warps, "num_stages": cfg.dq_stages}
         blocks = {
@@ -271,6 +280,9 @@ def main() -> int:
             consts = {**flags, "HAS_DLSE": True, "BLOCK_M": bm, "BLOCK_N": bn}
             compiled = compile_kernel(getattr(bwd, name), consts, dtype, options)
             row = report(name, variant, compiled, varlen=varlen, short=short)
+            if head_dim_v is not None:
+                row["variant"] += f"-dv{head_dim_v}"
+            row["head_dim_v"] = head_dim_v
             # Rows of the tile the kernel holds, the M of its products (wgmma takes 64 per
             # warpgroup; fewer go to mma.sync).
             row["tile_rows"] = bn if name == "attn_bwd_dkdv_kernel" else bm

@@ -93,3 +93,19 @@ def test_varlen_variants_compile(compiled):
         "attn_bwd_dkdv_kernel",
         "attn_bwd_dq_kernel",
     }
+
+
+def test_mla_backward_variants_compile(compiled):
+    # MLA head dims (Q/K 192 in 256-wide tiles, V 128) take the backward tiles of their own
+    # (tuning.bwd_config, head_dim_v): both kernels compile within shared memory (checked above
+    # for every row) and run their products on wgmma. Measured at these sizes (Triton 3.6.0):
+    # dK/dV 255 registers with 196-760 B of spills (like every dK/dV variant), dQ 254-255 with
+    # 0-56 B (the causal ragged build), 192 KB of shared memory.
+    rows = [row for row in compiled if row.get("head_dim_v") == 128]
+    assert {(row["kernel"], row["varlen"]) for row in rows} == {
+        ("attn_bwd_dkdv_kernel", False),
+        ("attn_bwd_dq_kernel", False),
+        ("attn_bwd_dkdv_kernel", True),
+        ("attn_bwd_dq_kernel", True),
+    }
+    assert all(row["has_wgmma"] for row in rows), rows
