@@ -4,8 +4,9 @@
 #   launched directly, and the API path), then two runs of its timings (the tier forced and
 #   "auto", the same kernel at the script's 4096 and 8192, beside SDPA; the backward stays
 #   portable at these head dims);
-# - head dim 256 (WIDE_HEAD_DIMS, off until WIDE_VERIFIED): its GPU test (the kernel launched
-#   directly), then its timings against the portable forward and cuDNN (flat schedule).
+# - head dim 256 (WIDE_HEAD_DIMS, on since its GPU test passed: WIDE_VERIFIED): its GPU test
+#   (the kernel launched directly), then its timings against the portable forward and cuDNN
+#   (flat schedule).
 #
 #     bash scripts/gpu_hopper_dims_run.sh
 set -x

@@ -113,9 +113,9 @@ D256_CASES = [
     ids=[f"{c.id}-{'-'.join(o) or 'plain'}-{lay}" for c, o, lay in D256_CASES],
 )
 def test_forward_gpu_sm90_kernel_d256(case, opts, layout, dtype):
-    """The Hopper forward at head dim 256 (64-key tiles), launched directly (``supports`` turns
-    it down until this has passed on a GPU, ``WIDE_VERIFIED``): out and LSE against the float64
-    reference, every element of out written."""
+    """The Hopper forward at head dim 256 (64-key tiles), launched directly (``WIDE_VERIFIED``
+    was set once this had passed on the H100): out and LSE against the float64 reference,
+    every element of out written."""
     from flashcore.ops import fwd_sm90, runtime
 
     q, k, v = make_qkv(case, dtype, "cuda", layout=layout)
