@@ -266,6 +266,7 @@ def test_backward_gpu_sm90_group_split(case, opts, split, monkeypatch):
 def test_sm90_backward_group_split_rule():
     """When GQA/MQA runs a program per query head: causal below two programs per SM, otherwise
     only when it takes fewer waves than the grouped grid's longest program."""
+    from flashcore.ops import bwd_sm90
     from flashcore.ops.bwd_sm90 import split_group
 
     full = (-1, -1)
@@ -275,6 +276,10 @@ def test_sm90_backward_group_split_rule():
     assert split_group(4, 32, 132, False, full)  # one wave either way, a quarter of the steps
     assert not split_group(4, 128, 132, False, full)  # 4 waves of 1/4 against 1 of 4/4
     assert not split_group(4, 128, 132, True, (512, 0))  # a window: work spread evenly
+    # Never more extra memory than SPLIT_MAX_BYTES (MQA with many heads at long keys).
+    limit = bwd_sm90.SPLIT_MAX_BYTES
+    assert split_group(4, 128, 132, True, full, limit)
+    assert not split_group(64, 256, 132, True, full, limit + 1)
 
 
 @pytest.mark.gpu

@@ -88,8 +88,20 @@ def supports(
     return all(g is None or (g.shape == t.shape and tma_ok(g)) for g, t in ((dk, k), (dv, v)))
 
 
+# The split's extra memory (K and V repeated per query head, dK and dV per query head: four
+# (B, H, Sk, D) tensors) at most this many bytes; past it the grouped grid runs. With fewer than
+# two programs per SM it is about G x 35 MB at D = 128 in 16-bit (G the group size), so this
+# binds only for large groups (MQA with many heads).
+SPLIT_MAX_BYTES = 512 * 2**20
+
+
 def split_group(
-    groups: int, programs: int, sms: int, causal: bool, window: tuple[int, int]
+    groups: int,
+    programs: int,
+    sms: int,
+    causal: bool,
+    window: tuple[int, int],
+    extra_bytes: int = 0,
 ) -> bool:
     """Whether to run a GQA/MQA backward with one program per query head instead of per kv head
     (K and V repeated per query head, dK and dV summed over each group afterwards).
@@ -99,8 +111,9 @@ def split_group(
     non-causal, ``groups`` steps' worth against ``ceil(programs * groups / sms)`` waves of the
     split ones; causal, the first key block sees every query and the last almost none, so below
     two programs per SM (``sms``) the grouped grid leaves SMs idle for up to half the time.
+    ``extra_bytes``: what the split would allocate; never more than ``SPLIT_MAX_BYTES``.
     """
-    if groups <= 1:
+    if groups <= 1 or extra_bytes > SPLIT_MAX_BYTES:
         return False
     if causal and window == (-1, -1):
         return programs < 2 * sms
@@ -159,14 +172,15 @@ def attn_bwd_sm90(
     overrides the tiles. Extra memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two
     fp32 ``(B, H, Sq_pad)`` row buffers; where ``split_group`` says so (GQA/MQA with few
     programs), K and V repeated per query head and dK, dV per query head (``4 B H Sk D`` x the
-    element size), summed over each group (in fp32) at the end.
+    element size, at most ``SPLIT_MAX_BYTES``), summed over each group (in fp32) at the end.
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     cfg = config or CONFIGS[head_dim]
     groups = heads // kv_heads
     programs = math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads
-    split = split_group(groups, programs, num_sms(q.device.index), causal, window)
+    extra = 4 * batch * heads * seqlen_k * head_dim * k.element_size()
+    split = split_group(groups, programs, num_sms(q.device.index), causal, window, extra)
     if split:
         dk_out, dv_out = dk, dv
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
