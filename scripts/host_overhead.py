@@ -3,7 +3,7 @@
 Usage: PYTHONPATH=src python scripts/host_overhead.py
 
 Each layer runs 400 times back to back with one synchronise at the end; at these shapes the host,
-not the GPU, sets the pace, so the per-call wall time is the host cost (docs/performance.md).
+not the GPU, sets the pace, so the per-call wall time is the host cost (docs/performance_host.md).
 """
 
 import cProfile

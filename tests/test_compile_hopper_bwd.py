@@ -168,7 +168,7 @@ def test_shared_memory_within_limit(compiled):
 # 8 B in the non-causal ragged variant; that one has none now).
 # The score options at D=128 hold more per step (the query-row index vector for the window's
 # masks on every step, tanh's values until dS for softcap, the distances for ALiBi): ptxas spills
-# 160-516 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance.md.
+# 160-516 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance_backward.md.
 SPILL_ALLOWANCE = {
     "d128-fp16-causal-ragged": 36,
     "d128-bf16-causal-window": 160,

@@ -51,8 +51,8 @@ def test_half_precision_dots_use_wgmma(compiled):
             continue
         if row["kernel"] == "attn_decode" or row.get("tile_rows", 64) < 64:
             # The decode tile has 16-32 rows (one kv head's query heads x Sq), the D=256 dK/dV
-            # tile 32 keys (faster than 64, docs/performance.md): under wgmma's 64 per warpgroup,
-            # Triton emits mma.sync, still the tensor cores.
+            # tile 32 keys (faster than 64, docs/performance_backward.md): under wgmma's 64 per
+            # warpgroup, Triton emits mma.sync, still the tensor cores.
             assert row["has_mma"], f"{row['kernel']} {row['variant']}: no mma in the PTX"
         else:
             assert row["has_wgmma"], f"{row['kernel']} {row['variant']}: no wgmma in the PTX"
@@ -70,12 +70,13 @@ def test_tiles_load_through_async_copies(compiled):
 def test_half_precision_kernels_do_not_spill(compiled):
     # Loop-carried pointer tensors once pushed the forward to 255 registers and 504 spill bytes.
     # The backward's dK/dV kernel holds two fp32 accumulators and spills at every head dim here
-    # (0.5-2.7 KB of spill traffic in these masked, ragged variants; docs/performance.md): only
-    # the forward and the decode kernel are held to this.
+    # (0.5-2.7 KB of spill traffic in these masked, ragged variants;
+    # docs/performance_backward.md): only the forward and the decode kernel are held to this.
     # The paged decode variant with every score flag (d128-fp16-rows8-paged1-split0, 8 warps)
     # compiles to 116 registers with Triton 3.6.0 (ptxas 12.8) and 125 with Triton 3.9.0 (its
-    # ptxas 13.4), no spills on either; with 4 warps 168 and 146, still none (docs/performance.md,
-    # "Decode"). The H100 machine's Triton 3.6 build spilled 36 bytes at 4 warps.
+    # ptxas 13.4), no spills on either; with 4 warps 168 and 146, still none
+    # (docs/performance_features.md, "Decode"). The H100 machine's Triton 3.6 build spilled 36
+    # bytes at 4 warps.
     versions = f"triton {metadata.version('triton')}"
     for row in compiled:
         if row["dtype"] != "fp32" and row["kernel"] in ("attn_fwd", "attn_decode"):

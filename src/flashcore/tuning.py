@@ -1,7 +1,8 @@
 """Block, warp and pipeline-depth choices for the kernels.
 
 Each choice is a frozen dataclass so it can key caches and print in reports. Heuristics that pick
-a config say, next to the choice, which measurement justifies it (docs/performance.md has the runs).
+a config say, next to the choice, which measurement justifies it (docs/performance*.md have the
+runs).
 
 The device's compute capability is an input. Every timed table here is an H100 (sm_90)
 measurement. Other GPUs: sm_90 and newer take the same tables (untimed beyond the H100); GPUs
@@ -56,7 +57,7 @@ def head_block(head_dim: int) -> int:
 # each into a tensor map at launch): (1, 8, 512, 64) causal took 28.4 us a call with them, 12.7
 # without (do_bench). 2**34 FLOPs is about 40 us of kernel time, under the ~50-70 us the host
 # needs for a call even without descriptors, so below it the host sets the pace either way
-# (docs/performance.md, "Descriptors or pointers").
+# (docs/performance_host.md, "Descriptors or pointers").
 TMA_MIN_FLOPS = 2**34
 
 
@@ -79,7 +80,7 @@ def fwd_config(
     ``flops`` (``4 * B * H * Sq * Sk * D``, halved when causal) at or below ``TMA_MIN_FLOPS``
     is a small problem: its own tiles, and no tensor descriptors unless ``graph`` (a call
     captured into a CUDA graph, whose replay costs the host nothing: there descriptors are
-    faster at every size measured, docs/performance.md).
+    faster at every size measured, docs/performance_host.md).
     """
     if interpreted:
         return INTERPRETER_FWD
@@ -173,7 +174,8 @@ def bwd_config(
 
     Half precision: each kernel's config picked on its own (the two are separate launches, so the
     fastest pair is the fastest of each) by ``scripts/bwd_kernel_sweep.py`` on the H100, fp16,
-    S = 1024, 4096 and 8192, causal and not (docs/performance.md, "Backward configs per kernel").
+    S = 1024, 4096 and 8192, causal and not (docs/performance_backward.md, "Backward configs per
+    kernel").
     """
     if interpreted:
         return INTERPRETER_BWD
@@ -218,18 +220,20 @@ def bwd_config(
 
 
 # The Hopper backward (ops/bwd_sm90.py) under the "auto" tier: from this many queries and keys
-# on. H100, bf16, 32k tokens (scripts/hopper_bwd.py bench, docs/performance.md): the kernel runs
-# 1.13-1.31x the portable backward at D=128 from S = 1024 on, 1.04-1.20x at D=64 except causal
-# S = 1024 (0.98x). Through autograd (flashcore-bench --mode bwd) its host path (Gluon's launch,
-# nine descriptors) made S = 1024 uneven: p20-p80 spreads of 30-40% and fp16 points at 0.5-0.8x
-# SDPA, where the portable backward is steady. So 2048 until that path is lighter.
+# on. H100, bf16, 32k tokens (scripts/hopper_bwd.py bench, docs/performance_backward.md): the
+# kernel runs 1.13-1.31x the portable backward at D=128 from S = 1024 on, 1.04-1.20x at D=64
+# except causal S = 1024 (0.98x). Through autograd (flashcore-bench --mode bwd) its host path
+# (Gluon's launch, nine descriptors) made S = 1024 uneven: p20-p80 spreads of 30-40% and fp16
+# points at 0.5-0.8x SDPA, where the portable backward is steady. So 2048 until that path is
+# lighter.
 SM90_BWD_MIN_SEQLEN = 2048
 
 
 def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = False) -> bool:
     """Whether "auto" takes the Hopper backward for this problem (where it measured faster).
     A sliding window at D=64 stays portable: 0.98-0.99x there (S = 2048, 8192), against
-    1.09-1.14x at D=128; softcap measured 1.29-1.56x, ALiBi 1.00-1.34x (docs/performance.md)."""
+    1.09-1.14x at D=128; softcap measured 1.29-1.56x, ALiBi 1.00-1.34x
+    (docs/performance_backward.md)."""
     if window and head_dim <= 64:
         return False
     return min(seqlen_q, seqlen_k) >= SM90_BWD_MIN_SEQLEN

@@ -4,7 +4,7 @@
 type, divisibility by 16 and equality with 1, each pointer's dtype and 16-byte alignment, each
 descriptor's dtype and block shape), builds its cache key from that and the options, and only then
 launches: about 40 us per launch on the H100 machine's host, more than the whole kernel at small
-shapes (docs/performance.md, "Host overhead"). ``Launcher`` keeps its own map to the compiled
+shapes (docs/performance_host.md, "Host overhead"). ``Launcher`` keeps its own map to the compiled
 kernels, keyed on a superset of that information:
 
 - the exact value of every scalar argument (so divisibility, ``== 1`` and int32/int64 range are

@@ -16,7 +16,7 @@ through it raises PyTorch's "no autograd formula" error.
 
 Eager calls on plain tensors skip the op dispatch (``attention``, ``attention_with_kvcache``):
 the ``torch.library`` layer costs about 80 us per call on the H100 machine's host, several times
-a small kernel (docs/performance.md, "Host overhead"). They run the same launchers directly,
+a small kernel (docs/performance_host.md, "Host overhead"). They run the same launchers directly,
 through a ``torch.autograd.Function`` with the op's context and backward when a gradient is
 needed. Anything that needs the ops themselves (torch.compile and export tracing, FakeTensor and
 other dispatch modes such as FlopCounterMode, functorch transforms, tensor subclasses) gets them.
