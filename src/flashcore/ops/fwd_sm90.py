@@ -22,7 +22,7 @@ DENSE_HEAD_DIMS = ((64, 64), (128, 128))
 # panels, ``qk_panel``: a TMA box is a power of two wide). Compiled for sm_90a (spill-free, 213 KB
 # of shared memory, tests/test_compile_hopper.py); on the H100
 # tests/test_value_dim.py::test_value_dim_gpu_sm90_forward_kernel passed (10 cases, fp16 and
-# bf16) and it ran 1.11-1.17x SDPA (docs/hopper_fwd.md, "MLA head dims").
+# bf16) and it ran 1.11-1.17x SDPA (docs/hopper_fwd_configs.md, "MLA head dims").
 MLA_HEAD_DIMS = (192, 128)
 MLA_VERIFIED = True
 # Head dim 256: BLOCK_N = 64, flat, 197 KB of shared memory, compiled spill-free for sm_90a
@@ -82,7 +82,7 @@ CONFIGS = {
 # for the consumers and 24 for the producer after setmaxnreg; 123 KB of shared memory). At
 # D=64 a step's exponentials take the multi-function unit about as long as its two products
 # take the tensor cores, so with two warpgroups their softmaxes overlap each other; a third
-# gives each softmax two products' time (docs/hopper_fwd.md, "Three consumers at D=64").
+# gives each softmax two products' time (docs/hopper_fwd_configs.md, "Three consumers at D=64").
 # Persistent non-causal, flat causal (measured: equal or ahead of the other schedule).
 D64_THREE = Sm90Config(3, 128, 3, 160, 128)
 # Three consumers from these lengths on (queries and keys); below them 192-row tiles lose
@@ -108,7 +108,7 @@ def pick_config(
 
 # Persistent up to this many key tiles per query tile (Sk <= 4096 at BLOCK_N = 128); D=128
 # non-causal only up to 16 (Sk <= 2048). Measured on the H100 (bf16, two runs, 32k tokens,
-# docs/hopper_fwd.md "Persistent schedule"), persistent / flat TFLOP/s: D=128 non-causal
+# docs/hopper_fwd_configs.md "Persistent schedule"), persistent / flat TFLOP/s: D=128 non-causal
 # +15-19% at S=512, +7% at 1k, +2-3% at 2k, -1..-3% at 4k; D=128 causal +2-5% at 512, +9-15% at
 # 1k, +8-9% at 2k, +4-5% at 4k (despite 16 B of spills in its persistent build); D=64
 # non-causal +30-31% at 512 ... -0..+1% at 4k; D=64 causal +10-12% at 512, +21-22% at 1k, +5-7%
