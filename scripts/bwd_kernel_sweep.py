@@ -112,7 +112,7 @@ def main() -> None:
         qd, kd, vd = q.detach(), k.detach(), v.detach()
         o, lse = attn_fwd(qd, kd, vd, causal, scale)
         dv = v.shape[-1]
-        default = bwd_config(max(d, dv), 2, interpreted=False)
+        default = bwd_config(max(d, dv), 2, interpreted=False, head_dim_v=dv if dv != d else None)
         group = "mla" if dv != d else 128 if d <= 128 else 256
         dk_list, dq_list = DKDV[group], DQ[group]
 
@@ -162,7 +162,8 @@ def main() -> None:
         if args.compile_only:
             print(tag, "compiled", flush=True)
             continue
-        print(f"{tag}: sdpa bwd {ms_sdpa:.3f} ms {tflops(b, h, s, d, causal, ms_sdpa, dv):.0f} TF/s")
+        sdpa_tf = tflops(b, h, s, d, causal, ms_sdpa, dv)
+        print(f"{tag}: sdpa bwd {ms_sdpa:.3f} ms {sdpa_tf:.0f} TF/s")
         best = {}
         for kernel in ("dkdv", "dq"):
             rows = sorted(results[kernel])

@@ -11,10 +11,11 @@ from helpers import (
     PortableLaunched,
     check_backward,
     make_qkv,
+    mask_options,
     record_backward_tiers,
     sm90_tier_runs,
 )
-from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case
+from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case, MaskCase
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -239,14 +240,14 @@ def test_backward_gpu_sm90_tier(case, dtype, causal, layout):
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["grouped", "split"])
 @pytest.mark.parametrize(
-    ("case", "opts"),
+    "mc",
     [
-        (Case(2, 8, 2, 700, 1100, 128), {"causal": True}),
-        (Case(1, 4, 1, 513, 777, 64), {"window": (200, 30), "softcap": 20.0, "alibi": True}),
+        MaskCase(Case(2, 8, 2, 700, 1100, 128), causal=True),
+        MaskCase(Case(1, 4, 1, 513, 777, 64), window=(200, 30), softcap=20.0, alibi="h"),
     ],
     ids=["gqa-causal", "mqa-window-softcap-alibi"],
 )
-def test_backward_gpu_sm90_group_split(case, opts, split, monkeypatch):
+def test_backward_gpu_sm90_group_split(mc, split, monkeypatch):
     """GQA/MQA on the Hopper backward both ways (``bwd_sm90.split_group`` forced): a program per
     kv head walking its group, and a program per query head with K/V repeated and dK/dV summed
     per group; strided (B, S, H, D) gradients written in place."""
@@ -254,12 +255,9 @@ def test_backward_gpu_sm90_group_split(case, opts, split, monkeypatch):
 
     sm90_or_skip()
     monkeypatch.setattr(bwd_sm90, "split_group", lambda *args: split)
-    q, k, v = make_qkv(case, torch.bfloat16, "cuda", layout="bshd")
-    kw = dict(opts)
-    if kw.pop("alibi", False):
-        kw["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, case.heads + 1, device="cuda") / 4)
+    q, k, v = make_qkv(mc.case, torch.bfloat16, "cuda", layout="bshd")
     with flashcore.use_tier("sm90"):
-        _, dk, dv = check_backward(q, k, v, causal=kw.pop("causal", False), **kw)
+        _, dk, dv = check_backward(q, k, v, **mask_options(mc, "cuda"))
     assert (dk.stride(), dv.stride()) == (k.stride(), v.stride())
 
 

@@ -3,8 +3,14 @@ import torch
 
 import flashcore
 from flashcore import tuning
-from helpers import PortableLaunched, check_forward, launch_sm90_forward, make_qkv
-from shapes import DTYPES, GPU, INTERP, Case
+from helpers import (
+    PortableLaunched,
+    check_forward,
+    launch_sm90_forward,
+    make_qkv,
+    mask_options,
+)
+from shapes import DTYPES, GPU, INTERP, Case, MaskCase
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -97,40 +103,35 @@ def test_forward_gpu_sm90_tier(case, dtype, causal, layout):
 # ragged lengths both ways, GQA and MQA, causal with Sq > Sk (rows that see no key), (B, S, H, D)
 # views, window + softcap, ALiBi and sinks.
 D256_CASES = [
-    (Case(2, 4, 2, 300, 517, 256), {"causal": True}, "bshd"),
-    (Case(1, 4, 1, 777, 1025, 256), {}, "bhsd"),
-    (Case(2, 4, 4, 700, 300, 256), {"causal": True, "sinks": True}, "bhsd"),
-    (Case(1, 4, 4, 513, 513, 256), {"window": (100, 20), "softcap": 30.0}, "bhsd"),
-    (Case(1, 4, 2, 390, 600, 256), {"alibi": True, "sinks": True}, "bshd"),
+    (MaskCase(Case(2, 4, 2, 300, 517, 256), causal=True), "bshd", False),
+    (MaskCase(Case(1, 4, 1, 777, 1025, 256)), "bhsd", False),
+    (MaskCase(Case(2, 4, 4, 700, 300, 256), causal=True), "bhsd", True),
+    (MaskCase(Case(1, 4, 4, 513, 513, 256), window=(100, 20), softcap=30.0), "bhsd", False),
+    (MaskCase(Case(1, 4, 2, 390, 600, 256), alibi="h"), "bshd", True),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(
-    ("case", "opts", "layout"),
+    ("mc", "layout", "with_sinks"),
     D256_CASES,
-    ids=[f"{c.id}-{'-'.join(o) or 'plain'}-{lay}" for c, o, lay in D256_CASES],
+    ids=[f"{m.id}-{lay}{'-sinks' * s}" for m, lay, s in D256_CASES],
 )
-def test_forward_gpu_sm90_kernel_d256(case, opts, layout, dtype):
+def test_forward_gpu_sm90_kernel_d256(mc, layout, with_sinks, dtype):
     """The Hopper forward at head dim 256 (64-key tiles), launched directly (``WIDE_VERIFIED``
     was set once this had passed on the H100): out and LSE against the float64 reference,
     every element of out written."""
     from flashcore.ops import fwd_sm90, runtime
 
-    q, k, v = make_qkv(case, dtype, "cuda", layout=layout)
+    q, k, v = make_qkv(mc.case, dtype, "cuda", layout=layout)
     if not fwd_sm90.dense_problem(q, k, v, (fwd_sm90.WIDE_HEAD_DIMS,)):
         pytest.skip("needs an sm_90 GPU with Gluon")
     if not runtime.sm90_verified():
         pytest.skip("needs a Triton the sm90 tier was verified on")
-    kw = {"causal": opts.get("causal", False)}
-    for name in ("window", "softcap"):
-        if name in opts:
-            kw[name] = opts[name]
-    if opts.get("alibi"):
-        kw["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, case.heads + 1, device="cuda") / 4)
-    if opts.get("sinks"):
-        kw["sinks"] = torch.randn(case.heads, device="cuda")
+    kw = mask_options(mc, "cuda")
+    if with_sinks:
+        kw["sinks"] = torch.randn(mc.case.heads, device="cuda")
     out, lse = launch_sm90_forward(q, k, v, **kw)
     assert not out.isnan().any()
     check_forward(out, lse, q, k, v, **kw)

@@ -120,14 +120,11 @@ def split_group(
     return math.ceil(programs * groups / sms) < groups
 
 
-def _group_sum(
-    part: torch.Tensor, out: torch.Tensor | None, kv_heads: int, groups: int
-) -> torch.Tensor:
+def _group_sum(part: torch.Tensor, out: torch.Tensor | None, groups: int) -> torch.Tensor:
     """The per-query-head gradients ``part`` ``(B, H, Sk, D)`` summed over each group of
-    ``groups`` heads into ``out`` ``(B, Hkv, Sk, D)`` (new when None), in one reduction kernel
-    (PyTorch accumulates fp16/bf16 sums in fp32)."""
-    b, _, s, d = part.shape
-    grouped = part.view(b, kv_heads, groups, s, d)
+    ``groups`` heads into ``out`` ``(B, H / groups, Sk, D)`` (new when None), in one reduction
+    kernel (PyTorch accumulates fp16/bf16 sums in fp32)."""
+    grouped = part.unflatten(1, (-1, groups))
     if out is None:
         return grouped.sum(2)
     return torch.sum(grouped, 2, out=out)
@@ -185,7 +182,6 @@ def attn_bwd_sm90(
         dk_out, dv_out = dk, dv
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         dk = dv = None
-        kv_heads = heads
     dout, out = _tma_view(dout), _tma_view(out)
     lse = lse.contiguous()
     seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
@@ -224,11 +220,12 @@ def attn_bwd_sm90(
             descriptor(dk, tile),
             descriptor(dv, tile),
         )
-        grid = (math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads,)
+        # With the split, k and v have a head per query head: groups of one.
+        grid = (math.ceil(seqlen_k / BLOCK_N) * batch * k.shape[1],)
         main(
             grid,
             (
-                *descs, alibi_ptr, kv_heads, heads // kv_heads, seqlen_q, seqlen_k, seqlen_pad,
+                *descs, alibi_ptr, k.shape[1], heads // k.shape[1], seqlen_q, seqlen_k, seqlen_pad,
                 sc.qk_scale, float(scale), sc.window_left, sc.window_right, sc.softcap,
                 stride_ab,
             ),
@@ -249,8 +246,5 @@ def attn_bwd_sm90(
     # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
     torch.mul(dq_acc, scale, out=dq)
     if split:
-        dk, dv = (
-            _group_sum(part, out_, kv_heads // groups, groups)
-            for part, out_ in ((dk, dk_out), (dv, dv_out))
-        )
+        dk, dv = _group_sum(dk, dk_out, groups), _group_sum(dv, dv_out, groups)
     return dq, dk, dv, delta[..., :seqlen_q]
