@@ -146,10 +146,8 @@ def test_sm90_tier_is_taken_on_hopper(monkeypatch):
     if runtime.capability(torch.device("cuda")) != (9, 0) or not runtime.sm90_verified():
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
     calls = []
-    real = fwd_sm90.attn_fwd_sm90
-    monkeypatch.setattr(
-        fwd_sm90, "attn_fwd_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(fwd, "kernel", lambda: pytest.fail("portable kernel launched"))
     q, k, v = make_qkv(Case(2, 8, 2, 300, 517, 128), torch.bfloat16, "cuda")
     with flashcore.use_tier("sm90"):
@@ -257,7 +255,11 @@ def test_forward_dispatch(monkeypatch, tier, capability, shape, options, want):
     monkeypatch.setattr(runtime, "capability", lambda device: capability)
     monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
     monkeypatch.setattr(fwd_sm90, "supports", lambda *args, **kwargs: True)
-    monkeypatch.setattr(fwd_sm90, "attn_fwd_sm90", lambda *args, **kwargs: ran.append("sm90"))
+    # The decision is kept per problem signature: start from none, and stand in for the
+    # Hopper launch (its plan needs a GPU).
+    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
+    monkeypatch.setattr(fwd_sm90, "plan", lambda *args, **kwargs: "plan")
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *args, **kwargs: ran.append("sm90"))
 
     def portable():
         ran.append("portable")

@@ -431,10 +431,8 @@ def test_attention_graph_sm90_forward(causal, monkeypatch):
     if not sm90_tier_runs(torch.device("cuda")):
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
     forwards = []
-    real = fwd_sm90.attn_fwd_sm90
-    monkeypatch.setattr(
-        fwd_sm90, "attn_fwd_sm90", lambda *a, **kw: forwards.append(1) or real(*a, **kw)
-    )
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
     tiers = record_backward_tiers(monkeypatch)
     # 1.4e11 FLOPs (6.9e10 causal): above tuning.SM90_FWD_MIN_FLOPS, so "auto" takes the tier.
     case = Case(4, 16, 4, 2048, 2048, 128)

@@ -125,10 +125,8 @@ def test_value_dim_gpu_sm90_tier(causal, layout, monkeypatch):
     if runtime.capability(torch.device("cuda")) != (9, 0) or not runtime.sm90_verified():
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
     calls = []
-    real = fwd_sm90.attn_fwd_sm90
-    monkeypatch.setattr(
-        fwd_sm90, "attn_fwd_sm90", lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    )
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     monkeypatch.setattr(fwd, "kernel", lambda: pytest.fail("portable forward launched"))
     # (2, 4, 4096, 192): 5.2e10 FLOPs causal, above tuning.SM90_FWD_MIN_FLOPS
     q, k, v = make_qkv_dv(Case(2, 4, 2, 4096, 4096, 192), 128, torch.bfloat16, "cuda", layout)

@@ -5,8 +5,9 @@ tier is chosen (``runtime.backward_tier``, ``tuning.sm90_backward``) and ``deter
 off; ``scripts/hopper_bwd.py`` calls it directly.
 
 One call: ``bwd_prep_kernel`` (delta with the portable tier's ``tile_delta``, lse2) into padded
-fp32 row buffers; the fp32 dQ accumulator zeroed; ``attn_bwd_sm90_kernel`` (dK, dV written, dQ
-reduce-added); dQ scaled and cast into ``dq`` (one elementwise kernel).
+fp32 row buffers, and the fp32 dQ accumulator zeroed (all three in one allocation);
+``attn_bwd_sm90_kernel`` (dK, dV written, dQ reduce-added); dQ scaled and cast into ``dq`` (one
+elementwise kernel).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from flashcore.ops import problem as pb
 
 # The forward tier's checks and descriptors, so that both tiers accept the same problems.
 from flashcore.ops.fwd_sm90 import dense_problem, descriptor, num_sms, tma_ok
-from flashcore.ops.launch import Launcher
+from flashcore.ops.launch import Launcher, cached
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
 BLOCK_N = 128  # keys per program
@@ -53,7 +54,7 @@ def kernels() -> tuple[Launcher, Launcher]:
     strides and padding (its swizzle and block come from the compiled metadata)."""
     from flashcore.kernels.hopper import bwd
 
-    return Launcher(bwd.bwd_prep_kernel, 6), Launcher(bwd.attn_bwd_sm90_kernel, 10)
+    return Launcher(bwd.bwd_prep_kernel, 7), Launcher(bwd.attn_bwd_sm90_kernel, 10)
 
 
 def supports(
@@ -88,10 +89,10 @@ def supports(
     return all(g is None or (g.shape == t.shape and tma_ok(g)) for g, t in ((dk, k), (dv, v)))
 
 
-# The split's extra memory (K and V repeated per query head, dK and dV per query head: four
-# (B, H, Sk, D) tensors) at most this many bytes; past it the grouped grid runs. With fewer than
-# two programs per SM it is about G x 35 MB at D = 128 in 16-bit (G the group size), so this
-# binds only for large groups (MQA with many heads).
+# The split's extra memory (dK and dV per query head: two (B, H, Sk, D) tensors) at most this
+# many bytes; past it the grouped grid runs. With fewer than two programs per SM it is about
+# G x 17 MB at D = 128 in 16-bit (G the group size), so this binds only for large groups (MQA
+# with many heads).
 SPLIT_MAX_BYTES = 512 * 2**20
 
 
@@ -104,7 +105,8 @@ def split_group(
     extra_bytes: int = 0,
 ) -> bool:
     """Whether to run a GQA/MQA backward with one program per query head instead of per kv head
-    (K and V repeated per query head, dK and dV summed over each group afterwards).
+    (each program reading its kv head's K and V, dK and dV written per query head and summed
+    over each group afterwards).
 
     A program walks the query blocks of all ``groups`` query heads of its kv head, so with few
     programs (``programs`` = key blocks x batch x kv heads) the longest one sets the time:
@@ -168,83 +170,137 @@ def attn_bwd_sm90(
     every element written), else into new contiguous tensors, in the input dtype. ``config``
     overrides the tiles. Extra memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two
     fp32 ``(B, H, Sq_pad)`` row buffers; where ``split_group`` says so (GQA/MQA with few
-    programs), K and V repeated per query head and dK, dV per query head (``4 B H Sk D`` x the
-    element size, at most ``SPLIT_MAX_BYTES``), summed over each group (in fp32) at the end.
+    programs), dK and dV per query head (``2 B H Sk D`` x the element size, at most
+    ``SPLIT_MAX_BYTES``), summed over each group (in fp32) at the end.
     """
-    batch, heads, seqlen_q, head_dim = q.shape
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    cfg = config or CONFIGS[head_dim]
-    groups = heads // kv_heads
-    programs = math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads
-    extra = 4 * batch * heads * seqlen_k * head_dim * k.element_size()
-    split = split_group(groups, programs, num_sms(q.device.index), causal, window, extra)
-    if split:
-        dk_out, dv_out = dk, dv
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        dk = dv = None
     dout, out = _tma_view(dout), _tma_view(out)
     lse = lse.contiguous()
-    seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
-    stats = torch.empty(2, batch, heads, seqlen_pad, device=q.device, dtype=torch.float32)
-    delta, lse2 = stats[0], stats[1]
-    dq_acc = torch.zeros(batch, heads, seqlen_q, head_dim, device=q.device, dtype=torch.float32)
+    # Everything but the tensors per problem signature (the split, grids, scalars, constexprs):
+    # tens of microseconds of Python a call otherwise (docs/performance_host.md).
+    key = (
+        q.shape, k.shape, q.dtype, out.stride(), dout.stride(),
+        None if dlse is None else dlse.stride(), lse.stride(), q.device, causal, scale, window,
+        softcap, None if alibi is None else (alibi.shape, alibi.stride()), config,
+    )  # fmt: skip
+    p = cached(_PLANS, key, lambda: _plan(
+        q, k, out, dout, lse, dlse, causal, scale, config, window, softcap, alibi,
+    ))  # fmt: skip
+    batch, heads, seqlen_q, head_dim = q.shape
+    if p.split:
+        dk_out, dv_out = dk, dv
+        dk = dv = None
+    # delta, lse2 and the dQ accumulator (zeroed by the prep kernel) in one fp32 allocation; the
+    # accumulator starts at a multiple of 64 floats (16-byte aligned for the copy engine).
+    rows = batch * heads * p.seqlen_pad
+    fp32 = torch.empty(2 * rows + q.numel(), device=q.device, dtype=torch.float32)
+    delta = fp32[:rows].view(batch, heads, p.seqlen_pad)
+    lse2 = fp32[rows : 2 * rows].view(-1)
+    dq_acc = fp32[2 * rows :].view(q.shape)
     dq = torch.empty_like(q) if dq is None else dq
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype) if dk is None else dk
-    dv = torch.empty(v.shape, device=v.device, dtype=v.dtype) if dv is None else dv
-    sc = pb.scores(causal, window, softcap, scale, alibi is not None, seqlen_q, seqlen_k)
-    alibi_ptr, stride_ab = pb.alibi_arg(alibi, lse)
+    grad_shape = (batch, p.grad_heads, k.shape[2], head_dim)
+    dk = torch.empty(grad_shape, device=k.device, dtype=k.dtype) if dk is None else dk
+    dv = torch.empty(grad_shape, device=v.device, dtype=v.dtype) if dv is None else dv
+    alibi_ptr = pb.alibi_arg(alibi, lse)[0]  # contiguous slopes (the plan's batch stride)
     dlse_arg = lse if dlse is None else dlse
-    dlse_strides = (0, 0) if dlse is None else (dlse.stride(0), dlse.stride(1))
     prep, main = kernels()
     with torch.cuda.device_of(q):
-        prep(
-            (seqlen_pad // ROWS * batch * heads,),
-            (
-                out, dout, dlse_arg, lse, delta, lse2,
-                out.stride(0), out.stride(1), out.stride(2),
-                dout.stride(0), dout.stride(1), dout.stride(2),
-                *dlse_strides, lse.stride(0), lse.stride(1),
-                heads, seqlen_q, seqlen_pad,
-            ),
-            {"HEAD_DIM": head_dim, "BLOCK_M": ROWS, "HAS_DLSE": dlse is not None, "num_warps": 4},
-        )  # fmt: skip
-        tile = [1, 1, ROWS, head_dim]
+        prep(p.prep_grid, (out, dout, dlse_arg, lse, delta, lse2, dq_acc, *p.prep_scalars),
+             p.prep_meta)  # fmt: skip
+        tile, dq_tile = [1, 1, ROWS, head_dim], [1, 1, ROWS, head_dim // 2]
         descs = (
             descriptor(q, tile),
             descriptor(k, tile),
             descriptor(v, tile),
             descriptor(dout, tile),
-            descriptor(lse2.view(-1), [ROWS]),
+            descriptor(lse2, [ROWS]),
             descriptor(delta.view(-1), [ROWS]),
-            descriptor(dq_acc, [1, 1, ROWS, head_dim // 2]),
+            descriptor(dq_acc, dq_tile),
             descriptor(dk, tile),
             descriptor(dv, tile),
         )
-        # With the split, k and v have a head per query head: groups of one.
-        grid = (math.ceil(seqlen_k / BLOCK_N) * batch * k.shape[1],)
-        main(
-            grid,
-            (
-                *descs, alibi_ptr, k.shape[1], heads // k.shape[1], seqlen_q, seqlen_k, seqlen_pad,
-                sc.qk_scale, float(scale), sc.window_left, sc.window_right, sc.softcap,
-                stride_ab,
-            ),
-            {
-                "HEAD_DIM": head_dim,
-                "NUM_STAGES": cfg.num_stages,
-                "CONSUMER_REGS": cfg.consumer_regs,
-                "IS_CAUSAL": sc.is_causal,
-                "HAS_WINDOW": sc.has_window,
-                "SOFTCAP": sc.has_softcap,
-                "HAS_ALIBI": sc.has_alibi,
-                "EVEN_N": seqlen_k % BLOCK_N == 0,
-                "ABLATE": cfg.ablate,
-                "num_warps": 4,
-                "maxnreg": cfg.maxnreg,
-            },
-        )  # fmt: skip
+        main(p.main_grid, (*descs, alibi_ptr, *p.main_scalars), p.main_meta)
     # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
     torch.mul(dq_acc, scale, out=dq)
-    if split:
+    if p.split:
+        groups = heads // k.shape[1]
         dk, dv = _group_sum(dk, dk_out, groups), _group_sum(dv, dv_out, groups)
     return dq, dk, dv, delta[..., :seqlen_q]
+
+
+class Plan(NamedTuple):
+    """A backward launch but its tensors (``_plan``)."""
+
+    split: bool
+    grad_heads: int
+    seqlen_pad: int
+    prep_grid: tuple[int]
+    prep_scalars: tuple
+    prep_meta: dict
+    main_grid: tuple[int]
+    main_scalars: tuple
+    main_meta: dict
+
+
+# Plans by problem signature (bounded by ops.launch.cached).
+_PLANS: dict[tuple, Plan] = {}
+
+
+def _plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    out: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    config: Sm90BwdConfig | None,
+    window: tuple[int, int],
+    softcap: float,
+    alibi: torch.Tensor | None,
+) -> Plan:
+    batch, heads, seqlen_q, head_dim = q.shape
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    cfg = config or CONFIGS[head_dim]
+    groups = heads // kv_heads
+    programs = math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads
+    extra = 2 * batch * heads * seqlen_k * head_dim * k.element_size()
+    split = split_group(groups, programs, num_sms(q.device.index), causal, window, extra)
+    # With the split, a program per query head (groups of one), each reading the K and V of kv
+    # head h // groups; dK and dV land per query head.
+    grad_heads = heads if split else kv_heads
+    seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
+    sc = pb.scores(causal, window, softcap, scale, alibi is not None, seqlen_q, seqlen_k)
+    stride_ab = 0 if alibi is None else pb.alibi_arg(alibi, lse)[1]
+    dlse_strides = (0, 0) if dlse is None else (dlse.stride(0), dlse.stride(1))
+    prep_scalars = (
+        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
+        dout.stride(2), *dlse_strides, lse.stride(0), lse.stride(1), heads, seqlen_q, seqlen_pad,
+    )  # fmt: skip
+    prep_meta = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_M": ROWS,
+        "HAS_DLSE": dlse is not None,
+        "num_warps": 4,
+    }
+    main_scalars = (
+        grad_heads, heads // grad_heads, groups if split else 1, seqlen_q, seqlen_k, seqlen_pad,
+        sc.qk_scale, float(scale), sc.window_left, sc.window_right, sc.softcap, stride_ab,
+    )  # fmt: skip
+    main_meta = {
+        "HEAD_DIM": head_dim,
+        "NUM_STAGES": cfg.num_stages,
+        "CONSUMER_REGS": cfg.consumer_regs,
+        "IS_CAUSAL": sc.is_causal,
+        "HAS_WINDOW": sc.has_window,
+        "SOFTCAP": sc.has_softcap,
+        "HAS_ALIBI": sc.has_alibi,
+        "EVEN_N": seqlen_k % BLOCK_N == 0,
+        "ABLATE": cfg.ablate,
+        "num_warps": 4,
+        "maxnreg": cfg.maxnreg,
+    }
+    return Plan(
+        split, grad_heads, seqlen_pad, (seqlen_pad // ROWS * batch * heads,), prep_scalars,
+        prep_meta, (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,
+    )  # fmt: skip

@@ -60,29 +60,26 @@ def launch(
             return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
         return out.zero_(), lse.fill_(float("-inf"))
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
+    aligned = all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))
     if varlen is None and config is None and runtime.forward_tier(q.device) == "sm90":
-        from flashcore.ops import fwd_sm90
+        # Whether the Hopper forward runs, and its launch, per problem signature (as the
+        # portable plan below): the tier's checks and choice cost tens of microseconds of
+        # Python a call otherwise (docs/performance_host.md, "The Hopper tier's host path").
+        key = (
+            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
+            q.dtype, q.device, causal, scale, window, softcap,
+            None if alibi_slopes is None else (alibi_slopes.dtype, stride_ab), sinks is None,
+            aligned, runtime.tier_forced(),
+        )  # fmt: skip
+        hopper = cached(_SM90_PLANS, key, lambda: _sm90_plan(
+            q, k, v, lse, causal, scale, window, softcap, alibi_slopes, stride_ab,
+            sinks is not None, dims,
+        ))  # fmt: skip
+        if hopper:
+            from flashcore.ops import fwd_sm90
 
-        flops = 4.0 * dims.batch * dims.heads * dims.seqlen_q * dims.seqlen_k * q.shape[-1]
-        wanted = runtime.tier_forced() or tuning.sm90_forward(
-            dims.seqlen_q,
-            dims.seqlen_k,
-            q.shape[-1],
-            flops / 2 if causal else flops,
-            options=window != (-1, -1) or softcap > 0 or alibi_slopes is not None,
-            causal=causal,
-        )
-        if wanted and fwd_sm90.supports(
-            q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes
-        ):
-            sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, *dims[3:])
-            fwd_sm90.attn_fwd_sm90(
-                q, k, v, out, lse, causal=sc.is_causal, qk_scale=sc.qk_scale,
-                window_left=sc.window_left, window_right=sc.window_right,
-                has_window=sc.has_window, softcap=sc.softcap,
-                alibi=None if alibi_slopes is None else alibi, stride_ab=stride_ab,
-                sinks=sinks,
-            )  # fmt: skip
+            fwd_sm90.launch(hopper, q, k, v, out, lse, alibi if alibi_slopes is not None else None,
+                            sinks)  # fmt: skip
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
     # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
@@ -94,7 +91,7 @@ def launch(
         scale, window, softcap, None if alibi_slopes is None else stride_ab, sinks is None,
         None if block_table is None else block_table.stride(0),
         None if varlen is None else dims, config,
-        all(t.data_ptr() % 16 == 0 for t in (q, k, v, out)), tuning.TMA_MIN_FLOPS, capturing,
+        aligned, tuning.TMA_MIN_FLOPS, capturing,
     )  # fmt: skip
     grid, tail, meta, tiles = cached(_PLANS, key, lambda: _plan(
         q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
@@ -116,8 +113,49 @@ def launch(
     return out, lse
 
 
-# Launch plans by problem signature (see launch; bounded by ops.launch.cached).
+# Launch plans by problem signature (see launch; bounded by ops.launch.cached); the Hopper
+# forward's hold its launch, or False where the portable kernel runs.
 _PLANS: dict[tuple, tuple] = {}
+_SM90_PLANS: dict[tuple, object] = {}
+
+
+def _sm90_plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    stride_ab: int,
+    has_sinks: bool,
+    dims: pb.Dims,
+):
+    """The Hopper forward's launch (``fwd_sm90.Plan``) where "auto" or ``use_tier("sm90")`` takes
+    it for this problem and the tier covers it, else False."""
+    from flashcore.ops import fwd_sm90
+
+    flops = 4.0 * dims.batch * dims.heads * dims.seqlen_q * dims.seqlen_k * q.shape[-1]
+    wanted = runtime.tier_forced() or tuning.sm90_forward(
+        dims.seqlen_q,
+        dims.seqlen_k,
+        q.shape[-1],
+        flops / 2 if causal else flops,
+        options=window != (-1, -1) or softcap > 0 or alibi_slopes is not None,
+        causal=causal,
+    )
+    if not wanted or not fwd_sm90.supports(
+        q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes
+    ):
+        return False
+    sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, *dims[3:])
+    return fwd_sm90.plan(
+        q, k, v, lse, causal=sc.is_causal, qk_scale=sc.qk_scale, window_left=sc.window_left,
+        window_right=sc.window_right, has_window=sc.has_window, softcap=sc.softcap,
+        alibi=alibi_slopes is not None, sinks=has_sinks, stride_ab=stride_ab,
+    )  # fmt: skip
 
 
 def _plan(

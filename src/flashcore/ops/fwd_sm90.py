@@ -241,6 +241,16 @@ def _layout(block: tuple[int, ...], dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype[dtype])
 
 
+class Plan(NamedTuple):
+    """Everything of a launch but the tensors (``plan``): the grid, the descriptors' boxes (q,
+    k, v, out), the scalar arguments and the constexprs."""
+
+    grid: tuple[int]
+    boxes: tuple[list[int], ...]
+    scalars: tuple
+    meta: dict
+
+
 def attn_fwd_sm90(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -269,65 +279,93 @@ def attn_fwd_sm90(
     float32 ``(H,)`` logits (natural units), contiguous. ``config`` overrides the tiles (for
     benchmarks).
     """
+    if not tma_ok(out):
+        raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
+    p = plan(
+        q, k, v, lse, causal=causal, qk_scale=qk_scale, window_left=window_left,
+        window_right=window_right, has_window=has_window, softcap=softcap,
+        alibi=alibi is not None, sinks=sinks is not None, stride_ab=stride_ab, config=config,
+    )  # fmt: skip
+    launch(p, q, k, v, out, lse, alibi, sinks)
+
+
+def plan(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    causal: bool,
+    qk_scale: float,
+    window_left: int,
+    window_right: int,
+    has_window: bool,
+    softcap: float,
+    alibi: bool,
+    sinks: bool,
+    stride_ab: int,
+    config: Sm90Config | None = None,
+) -> Plan:
+    """The launch of ``attn_fwd_sm90`` for these shapes and options (a function of q's, k's and
+    v's shapes, lse's strides, the device and the options only, so callers keep it per problem
+    signature)."""
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     cfg = config or pick_config(
-        head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi is not None
+        head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi
     )
-    if not tma_ok(out):
-        raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
     rows = 64
     block_m = rows * cfg.num_consumers
     panel = qk_panel(head_dim)
     head_dim_v = v.shape[-1]
-    descs = (
-        descriptor(q, [1, 1, rows, panel]),
-        descriptor(k, [1, 1, cfg.block_n, panel]),
-        descriptor(v, [1, 1, cfg.block_n, head_dim_v]),
-        descriptor(out, [1, 1, rows, head_dim_v]),
-    )
-    raw_max = softcap <= 0 and alibi is None and qk_scale > 0
+    boxes = (
+        [1, 1, rows, panel], [1, 1, cfg.block_n, panel], [1, 1, cfg.block_n, head_dim_v],
+        [1, 1, rows, head_dim_v],
+    )  # fmt: skip
+    raw_max = softcap <= 0 and not alibi and qk_scale > 0
     n_work = -(-seqlen_q // block_m) * batch * heads
     persistent = cfg.persistent
     if persistent is None:
         persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
     grid = (min(num_sms(q.device.index), n_work) if persistent else n_work,)
+    scalars = (
+        lse.stride(0), lse.stride(1), stride_ab, heads, heads // kv_heads, seqlen_q, seqlen_k,
+        float(qk_scale), window_left, window_right, float(softcap),
+    )  # fmt: skip
+    meta = {
+        "HEAD_DIM": head_dim,
+        "BLOCK_N": cfg.block_n,
+        "NUM_STAGES": cfg.num_stages,
+        "NUM_CONSUMERS": cfg.num_consumers,
+        "CONSUMER_REGS": cfg.consumer_regs,
+        "PINGPONG": cfg.pingpong,
+        "IS_CAUSAL": causal,
+        "HAS_WINDOW": has_window,
+        "SOFTCAP": softcap > 0,
+        "HAS_ALIBI": alibi,
+        "HAS_SINKS": sinks,
+        "RAW_MAX": raw_max,
+        "EVEN_N": seqlen_k % cfg.block_n == 0,
+        "PERSISTENT": persistent,
+        "num_warps": 4,
+        "maxnreg": cfg.maxnreg,
+    }
+    return Plan(grid, boxes, scalars, meta)
+
+
+def launch(
+    p: Plan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    alibi: torch.Tensor | None,
+    sinks: torch.Tensor | None,
+) -> None:
+    """Launch ``p`` on these tensors (which passed ``supports``, ``out`` ``tma_ok``)."""
+    descs = tuple(descriptor(t, box) for t, box in zip((q, k, v, out), p.boxes, strict=True))
+    # The LSE stands in for an absent ALiBi or sinks pointer (never read: its flag is off).
+    extra = (lse, lse if alibi is None else alibi, lse if sinks is None else sinks)
     with torch.cuda.device_of(q):
-        launcher()(
-            grid,
-            (
-                *descs,
-                lse,
-                lse if alibi is None else alibi,
-                lse if sinks is None else sinks,
-                lse.stride(0),
-                lse.stride(1),
-                stride_ab,
-                heads,
-                heads // kv_heads,
-                seqlen_q,
-                seqlen_k,
-                float(qk_scale),
-                window_left,
-                window_right,
-                float(softcap),
-            ),
-            {
-                "HEAD_DIM": head_dim,
-                "BLOCK_N": cfg.block_n,
-                "NUM_STAGES": cfg.num_stages,
-                "NUM_CONSUMERS": cfg.num_consumers,
-                "CONSUMER_REGS": cfg.consumer_regs,
-                "PINGPONG": cfg.pingpong,
-                "IS_CAUSAL": causal,
-                "HAS_WINDOW": has_window,
-                "SOFTCAP": softcap > 0,
-                "HAS_ALIBI": alibi is not None,
-                "HAS_SINKS": sinks is not None,
-                "RAW_MAX": raw_max,
-                "EVEN_N": seqlen_k % cfg.block_n == 0,
-                "PERSISTENT": persistent,
-                "num_warps": 4,
-                "maxnreg": cfg.maxnreg,
-            },
-        )
+        launcher()(p.grid, (*descs, *extra, *p.scalars), p.meta)

@@ -21,7 +21,12 @@ Grid. 1-D, ``cdiv(Sk, 128) * B * Hkv`` programs; program ``(n, b, hk)`` owns key
 group (``G = H // Hkv``, GQA/MQA summed in registers as the portable kernel does), the query
 blocks of 64 rows that can see the block (``q_blocks``: causal from the diagonal on). dK and dV
 are written once, by this program (no atomics); dQ is accumulated in an fp32 ``(B, H, Sq, D)``
-buffer (zeroed by the launcher) by ``cp.reduce.async.bulk.tensor ... .add`` (TMA reduce-add).
+buffer (zeroed by ``bwd_prep_kernel``) by ``cp.reduce.async.bulk.tensor ... .add`` (TMA
+reduce-add). The launcher's group split (``ops/bwd_sm90.py: split_group``) runs a GQA/MQA
+problem with one program per query head instead: ``kv_heads = H``, ``kv_group = 1``, and
+``kv_share = G``, so that program ``(n, b, h)`` loads K and V of kv head ``h // G`` and writes
+its dK, dV into a per-query-head buffer ``(B, H, Sk, D)`` that the launcher sums over each
+group; ``kv_share`` is 1 otherwise (Triton specialises the 1, so the division compiles away).
 
 Schedule (one CTA, ``gl.warp_specialize``): two consumer warpgroups (the default partition and
 worker 0; 240 registers each after ``setmaxnreg``) and a producer warp (worker 1, 24 registers).
@@ -166,6 +171,7 @@ def bwd_prep_kernel(
     LSE,
     DELTA,
     LSE2,
+    DQ_ACC,
     stride_ob,
     stride_oh,
     stride_om,
@@ -185,8 +191,10 @@ def bwd_prep_kernel(
 ):
     """Row stats of the backward, one (BLOCK_M, D) tile a program: ``delta = rowsum(dO * O) -
     dlse`` (``tile_delta``, as the portable dQ kernel) and ``lse2`` (``load_lse2``: +inf for a row
-    with no key and past Sq), written to ``(B, H, seqlen_pad)`` fp32 buffers (delta 0 past Sq).
-    Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``."""
+    with no key and past Sq), written to ``(B, H, seqlen_pad)`` fp32 buffers (delta 0 past Sq);
+    and the same rows of the fp32 dQ accumulator ``DQ_ACC`` (contiguous ``(B, H, Sq, D)``)
+    zeroed, for the main kernel's reduce-adds (launched after it on the same stream; one kernel
+    fewer than a separate fill). Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(seqlen_pad, BLOCK_M)
     off_bh = pid // n_tiles
@@ -207,6 +215,8 @@ def bwd_prep_kernel(
     out = off_bh.to(tl.int64) * seqlen_pad + offs_m
     tl.store(DELTA + out, tl.where(offs_m < seqlen_q, delta, 0.0))
     tl.store(LSE2 + out, lse2)
+    acc = DQ_ACC + (off_bh.to(tl.int64) * seqlen_q + rows) * HEAD_DIM + offs_d
+    tl.store(acc, tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=offs_m[:, None] < seqlen_q)
 
 
 @gluon.jit
@@ -259,6 +269,7 @@ def _producer(
     qd_empty,
     kv_heads,
     kv_group,
+    kv_share,
     seqlen_q,
     seqlen_k,
     seqlen_pad,
@@ -274,15 +285,17 @@ def _producer(
     off_bh = pid // n_blocks
     off_b = off_bh // kv_heads
     off_hk = off_bh % kv_heads
-    # K and V of the block, once (also for a block no query sees: the consumers wait for it).
+    # K and V of the block, once (also for a block no query sees: the consumers wait for it),
+    # from the kv head the program's heads share (itself unless the group is split).
+    kv_head = off_hk // kv_share
     KV_BYTES: gl.constexpr = 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
     mbarrier.expect(kv_ready, KV_BYTES)
     for c in gl.static_range(2):
         tma.async_copy_global_to_shared(
-            k_desc, [off_b, off_hk, start_n + c * ROWS, 0], kv_ready, k_smem.index(c)
+            k_desc, [off_b, kv_head, start_n + c * ROWS, 0], kv_ready, k_smem.index(c)
         )
         tma.async_copy_global_to_shared(
-            v_desc, [off_b, off_hk, start_n + c * ROWS, 0], kv_ready, v_smem.index(c)
+            v_desc, [off_b, kv_head, start_n + c * ROWS, 0], kv_ready, v_smem.index(c)
         )
     lo, n_m = q_blocks(
         start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
@@ -507,6 +520,7 @@ def attn_bwd_sm90_kernel(
     ALIBI,
     kv_heads,
     kv_group,
+    kv_share,
     seqlen_q,
     seqlen_k,
     seqlen_pad,
@@ -577,8 +591,8 @@ def attn_bwd_sm90_kernel(
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                 do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, kv_heads, kv_group,
-                seqlen_q, seqlen_k, seqlen_pad, window_left, window_right, NUM_STAGES, IS_CAUSAL,
-                HAS_WINDOW,
+                kv_share, seqlen_q, seqlen_k, seqlen_pad, window_left, window_right, NUM_STAGES,
+                IS_CAUSAL, HAS_WINDOW,
             )),
         ],
         [4, 1],
