@@ -258,34 +258,17 @@ def attn_fwd_sm90(
     out: torch.Tensor,
     lse: torch.Tensor,
     *,
-    causal: bool,
-    qk_scale: float,
-    window_left: int,
-    window_right: int,
-    has_window: bool,
-    softcap: float,
     alibi: torch.Tensor | None,
-    stride_ab: int,
     sinks: torch.Tensor | None = None,
-    config: Sm90Config | None = None,
+    **options,
 ) -> None:
     """Write ``out`` (like q) and ``lse`` (fp32 ``(B, H, Sq)``, contiguous) for inputs that passed
-    ``supports``.
-
-    ``qk_scale`` is ``scale * log2(e)``, or ``scale / c`` with softcap ``c`` > 0, when
-    ``softcap`` is ``c * log2(e)``. ``causal`` is bottom-right aligned; the window sides are the
-    portable launcher's (``ops.fwd.window_bounds``: unbounded as ``Sq + Sk``, HAS_WINDOW off when
-    neither binds). ``alibi`` holds float32 slopes read at ``b * stride_ab + h``; ``sinks``
-    float32 ``(H,)`` logits (natural units), contiguous. ``config`` overrides the tiles (for
-    benchmarks).
-    """
+    ``supports``: ``launch`` of ``plan``. ``alibi`` holds float32 slopes read at ``b *
+    stride_ab + h``; ``sinks`` float32 ``(H,)`` logits (natural units), contiguous; ``options``
+    are ``plan``'s other keywords."""
     if not tma_ok(out):
         raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
-    p = plan(
-        q, k, v, lse, causal=causal, qk_scale=qk_scale, window_left=window_left,
-        window_right=window_right, has_window=has_window, softcap=softcap,
-        alibi=alibi is not None, sinks=sinks is not None, stride_ab=stride_ab, config=config,
-    )  # fmt: skip
+    p = plan(q, k, v, lse, alibi=alibi is not None, sinks=sinks is not None, **options)
     launch(p, q, k, v, out, lse, alibi, sinks)
 
 
@@ -308,7 +291,14 @@ def plan(
 ) -> Plan:
     """The launch of ``attn_fwd_sm90`` for these shapes and options (a function of q's, k's and
     v's shapes, lse's strides, the device and the options only, so callers keep it per problem
-    signature)."""
+    signature).
+
+    ``qk_scale`` is ``scale * log2(e)``, or ``scale / c`` with softcap ``c`` > 0, when
+    ``softcap`` is ``c * log2(e)``. ``causal`` is bottom-right aligned; the window sides are the
+    portable launcher's (``ops.fwd.window_bounds``: unbounded as ``Sq + Sk``, HAS_WINDOW off when
+    neither binds). ``alibi`` and ``sinks``: whether those tensors come. ``config`` overrides
+    the tiles (for benchmarks).
+    """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     cfg = config or pick_config(
