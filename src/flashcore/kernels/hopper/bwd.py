@@ -33,7 +33,7 @@ worker 0; 240 registers each after ``setmaxnreg``) and a producer warp (worker 1
 Consumer c owns keys ``[64 c, 64 c + 64)`` of the block: its own K_c, V_c (shared memory, loaded
 once), its own dK_c, dV_c (fp32 registers, 64 x D each), its own dS^T tiles (two, alternating by
 step) and fp32 dQ staging tile. The two consumers share the Q / dO / lse2 / delta ring, read each
-other's dS^T and K for dQ, and meet once a step (``ds_ready``).
+other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, ``ds_free``).
 
 - Producer: K_c and V_c (four ``(1, 1, 64, D)`` TMA boxes) onto ``kv_ready`` (count 1, armed with
   ``expect`` of all four; one phase, waited with parity 0). Then for step t (query head g, query
@@ -52,15 +52,19 @@ other's dS^T and K for dQ, and meet once a step (``ds_ready``).
       wgmma.wait_group 0                      # dP^T done
       delta from the slot; dS^T = P^T * (dP^T - delta)
       dV  += wgmma(P^T (registers), dO) async
+      wait ds_free[b]                         # both consumers' dQ of step t - 2 read tile [b, *]
       dS^T -> shared (tile [b, c])
       dK  += wgmma(dS^T (registers), Q) async
       fence.proxy.async; wgmma.wait_group 0   # dV, dK done: every reader of the slot is done
       arrive qd_empty[slot]                   # count 2: both consumers
-      arrive ds_ready[b]; wait ds_ready[b]    # count 2: both dS^T tiles of the step written
-      dQ_c = wgmma(dS_0, K_0[:, cols c]) + wgmma(dS_1, K_1[:, cols c]); wait
-      cp.async.bulk.wait_group.read 0         # the staging tile's previous reduce has read it
-      dQ_c -> shared (fp32 staging tile c); fence.proxy.async
-      TMA reduce-add into dQ[b, h, m:m+64, cols c]
+      arrive ds_ready[b]                      # count 2: this consumer's dS^T tile written
+      dQ of step s = t - 1 (DQ_LAG) or s = t:
+          wait ds_ready[s % 2]                # both dS^T tiles of step s written
+          dQ_c = wgmma(dS_0, K_0[:, cols c]) + wgmma(dS_1, K_1[:, cols c]); wait
+          arrive ds_free[s % 2]
+          cp.async.bulk.wait_group.read 0     # the staging tile's previous reduce has read it
+          dQ_c -> shared (fp32 staging tile c); fence.proxy.async
+          TMA reduce-add into dQ[b, h_s, m_s:m_s+64, cols c]
 
   with ``cols c = [c D/2, (c + 1) D/2)``: each consumer computes half the columns of the step's
   dQ over all 128 keys (a 64 x D/2 accumulator, 32 registers at D=128) and reduce-adds it, so the
@@ -70,33 +74,49 @@ other's dS^T and K for dQ, and meet once a step (``ds_ready``).
   (C7512) and spilled at D=128. lse2 and delta are read from shared memory where they are used (a
   row vector in the score layout takes 16 registers a thread).
 
-  After the last step both consumers arrive on and wait ``ds_ready`` once more: the other
-  consumer's dQ products read this consumer's K tile, which the epilogue overwrites. Epilogue:
-  dK_c * scale and dV_c, cast, written into K_c's and V_c's slots, fence, TMA stores (rows past
-  Sk dropped by the copy engine), then ``store_wait(0)`` so that no bulk copy still reads shared
-  memory when the CTA exits.
+  DQ_LAG (every variant but softcap or ALiBi at D=128, where the two carried indices made ptxas
+  spill more and the kernel measured 2-15% slower): the dQ of step t runs in step t + 1, after
+  that step's dV and dK, and the last one after the loop. Waiting in step t for the other
+  consumer's dS^T of the same step made the two consumers run in lockstep, their elementwise
+  work and the dQ staging at the same time with the tensor cores idle; with a step of slack they
+  drift apart (D=128, H100: 6% fewer cycles at a fixed clock, 4-10% faster at the boost clock;
+  docs/performance_backward.md, "dQ a step late"). At t = 0 the lagged call is of "step -1": its
+  products read whatever the tiles hold and it reduces nothing (``live`` false), since a
+  run-time branch around the products made ptxas crash; it still takes part in the barrier
+  phases below. The staging tile's shared layout is a launcher choice (``ops/bwd_sm90.py:
+  dq_layout``: bank conflicts of its stores against the L2 requests of its reduce).
+
+  After the loop each consumer waits (``ds_free``) until the other's last dQ products, which read
+  this consumer's K tile, have completed. Epilogue: dK_c * scale and dV_c, cast, written into
+  K_c's and V_c's slots, fence, TMA stores (rows past Sk dropped by the copy engine), then
+  ``store_wait(0)`` so that no bulk copy still reads shared memory when the CTA exits.
 
 mbarrier phases (why nothing deadlocks). ``kv_ready`` completes once (the producer's first act,
 unconditional: a block whose keys no query sees still gets its K/V loaded, so both consumers'
 single wait with parity 0 returns). ``qd_ready[s]`` completes once per use of slot s, by the
 transaction count of its four loads; ``qd_empty[s]`` (count 2) once per use, when both consumers
 have arrived. Step t uses slot ``t % NUM_STAGES`` for the ``(t // NUM_STAGES)``-th time: the
-consumers wait ``qd_ready`` with parity ``(t // NUM_STAGES) & 1``, the producer waits
-``qd_empty`` with the opposite parity, i.e. for the completion of step ``t - NUM_STAGES``'s use
-(before any, the barrier's initial phase counts as completed with parity 1, so the first
-NUM_STAGES waits pass). Neither barrier can run two phases ahead of its waiter: ``qd_ready[s]``
-completes again only after the producer's wait on ``qd_empty[s]``, which needs both consumers'
-arrivals for the previous use, which come after their wait on that ``qd_ready`` phase; and
-symmetrically. ``ds_ready[b]`` (count 2) completes at steps t = b, b + 2, ... (and once after the
-last step, as step ``n_steps``), waited with parity ``(t // 2) & 1``; it cannot complete twice
-before a consumer's wait, since a consumer's arrival at step t + 2 follows its wait at step t + 1,
-which needs the other's arrival at t + 1, after that one's wait at t. The same chain keeps the
-dS^T tiles safe: tile ``[b, c]`` is rewritten at step t + 2 only after the other consumer's dQ
-product of step t (which reads it) has completed. Producer and consumers derive the same step
-count from the same arguments (``q_blocks``), and every consumer arrives on each barrier exactly
-once per step, after its waits (no early exit in between), so the counts match. The consumers'
-only other waits are on their own bulk copies (``store_wait``), which complete without anyone's
-help.
+consumers wait ``qd_ready`` with parity ``(t // NUM_STAGES) & 1``, the producer waits ``qd_empty``
+with the opposite parity, i.e. for the completion of step ``t - NUM_STAGES``'s use (before any, the
+barrier's initial phase counts as completed with parity 1, so the first NUM_STAGES waits pass).
+Neither barrier can run two phases ahead of its waiter: ``qd_ready[s]`` completes again only after
+the producer's wait on ``qd_empty[s]``, which needs both consumers' arrivals for the previous use,
+which come after their wait on that ``qd_ready`` phase; and symmetrically. ``ds_ready[b]`` (count
+2) completes at steps t = b, b + 2, ..., its k-th time for step ``2k + b``; the dQ of step s >= 0
+waits it with parity ``(s // 2) & 1``, step -1 with parity 1 (the initial phase counts as
+completed). It cannot complete twice before a consumer's wait: a consumer's own arrival for step s
++ 2 follows its wait for step s. ``ds_free[b]`` (count 2) completes once per dQ computed from tile
+set b, both consumers' products done: the k-th time for step ``2k + b - DQ_LAG * b`` (with DQ_LAG,
+step -1's call is buffer 1's first). Step t waits for step t - 2's, i.e. parity ``(t // 2 + 1 +
+DQ_LAG * b) & 1`` (t < 2: the initial phase); after the loop, for step n - 1's (n steps; n = 0: the
+initial phase or, with DQ_LAG, step -1's). Again no barrier runs two phases ahead of a waiter,
+since each completion needs the waiter's own arrival from a later point of its program. No
+deadlock: the other consumer's dQ of step t - 2 comes in its step t - 1 (or t - 2) after it waited
+ds_ready for a step this consumer has already written; its dS^T of step s needs only its own
+ds_free wait for step s - 2, which this consumer passed two steps before. So the consumers stay
+within a step of each other, and ``qd_empty`` (both arrivals) bounds the ring as before. The
+consumers' only other waits are on their own bulk copies (``store_wait``), which complete without
+anyone's help.
 
 Flags (``gl.constexpr``): IS_CAUSAL (bottom-right aligned: row i sees key j iff ``j <= i + Sk -
 Sq``; query blocks before the block's diagonal are skipped, blocks crossing it are masked at run
@@ -132,7 +152,6 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -143,24 +162,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
+from flashcore.kernels.hopper.bwd_dq import dq_step
 from flashcore.kernels.hopper.common import LOG2E, tanh
 
 ROWS = gl.constexpr(64)  # query rows per step, and keys per consumer warpgroup (one m64 wgmma)
 BLOCK_N = gl.constexpr(128)  # keys per program: two consumers x 64
-
-
-@builtin
-def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
-    """``cp.reduce.async.bulk.tensor`` with ``.add`` of the shared tile ``src`` into the
-    descriptor's tensor at ``coord`` (rows past the extent dropped). Triton 3.6's Gluon exposes
-    the builder call (``create_async_tma_reduce``) but no language function; this is that
-    function, written as ``tma.async_copy_shared_to_global`` is."""
-    from triton._C.libtriton import ir
-
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(
-        ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
-    )
 
 
 @triton.jit
@@ -336,6 +342,7 @@ def _consumer(
     qd_ready,
     qd_empty,
     ds_ready,
+    ds_free,
     dq_desc,
     dk_desc,
     dv_desc,
@@ -361,6 +368,10 @@ def _consumer(
     ABLATE: gl.constexpr,
 ):
     dtype: gl.constexpr = k_smem.dtype
+    # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
+    # there the carried head and query block tipped ptxas into 20-80% more spills, and those
+    # variants measured 2-15% slower with it.
+    DQ_LAG: gl.constexpr = HEAD_DIM == 64 or not (SOFTCAP or HAS_ALIBI)
     # S^T, dP^T: (64 keys, 64 query rows); dK, dV: (64 keys, D); dQ: (64 query rows, D).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
@@ -407,7 +418,13 @@ def _consumer(
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
 
     mbarrier.wait(kv_ready, 0)
-    for t in range(n_m * kv_group):
+    n_steps = n_m * kv_group
+    # The dQ of step t is computed in step t + 1 (and the last one after the loop): its wait for
+    # the other consumer's dS^T then has a step of slack, so the consumers need not run in
+    # lockstep, and one's elementwise work can run under the other's products.
+    prev_h = off_hk * kv_group
+    prev_m = lo
+    for t in range(n_steps):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
         slot = t % NUM_STAGES
@@ -459,10 +476,10 @@ def _consumer(
         ds = ds.to(dtype)
         p_op = gl.convert_layout(p.to(dtype), a_layout)
         dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-        # dQ = dS K_c takes dS as the A operand from shared memory (a transposed view of dS^T).
-        # dS^T double-buffered over steps: the other consumer's dQ product of step t reads this
-        # consumer's tile of step t, which is rewritten at step t + 2 only (see ds_ready).
+        # dS^T double-buffered over steps: tile [t % 2, c] was last read by both consumers' dQ
+        # products of step t - 2 (ds_free; see the docstring for the phases).
         buf = t % 2
+        mbarrier.wait(ds_free.index(buf), ((t // 2) + 1 + DQ_LAG * buf) & 1)
         ds_smem.index(2 * buf + CONSUMER).store(ds)
         ds_op = gl.convert_layout(ds, a_layout)
         dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
@@ -474,29 +491,35 @@ def _consumer(
         # Every reader of the slot is complete: S^T, dP^T, dV, dK and the lse2/delta loads
         # (Gluon syncs the warpgroup before the single-thread arrive).
         mbarrier.arrive(qd_empty.index(slot), count=1)
-        # This consumer's dS^T is in shared memory (written and fenced before the wait above);
-        # dQ needs the other's too.
+        # This consumer's dS^T of step t is in shared memory (written and fenced before the
+        # wait above).
         mbarrier.arrive(ds_ready.index(buf), count=1)
-        mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
-        if ABLATE < 2:
-            ds0 = ds_smem.index(2 * buf).permute((1, 0))
-            ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
-            dq_tok = warpgroup_mma(ds0, k0_cols, zero_dq, use_acc=False, is_async=True)
-            dq_tok = warpgroup_mma(ds1, k1_cols, dq_tok, is_async=True)
-            dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            # The staging tile was last read by the previous step's reduce: wait until the copy
-            # engine has read it (cp.async.bulk.wait_group.read).
-            tma.store_wait(0)
-            dq_tile.reshape([ROWS, DQ_COLS]).store(dq)
-            fence_async_shared()
-            if ABLATE == 0:
-                tma_reduce_add(dq_desc, [off_b, off_h, start_m, CONSUMER * DQ_COLS], dq_tile)
+        if DQ_LAG:
+            # The dQ of step t - 1 (at t = 0 of no step: computed from whatever the tiles hold,
+            # as a run-time branch around the products crashes ptxas, and not reduced).
+            dq_step(
+                ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t - 1,
+                t > 0, off_b, prev_h, prev_m, CONSUMER, ABLATE,
+            )  # fmt: skip
+            prev_h = off_h
+            prev_m = start_m
+        else:
+            dq_step(
+                ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t,
+                True, off_b, off_h, start_m, CONSUMER, ABLATE,
+            )  # fmt: skip
 
-    # Both consumers past their last step: the other's dQ products, which read this consumer's
-    # K tile, are complete before the tile is overwritten (one more phase of ds_ready).
-    n_steps = n_m * kv_group
-    mbarrier.arrive(ds_ready.index(n_steps % 2), count=1)
-    mbarrier.wait(ds_ready.index(n_steps % 2), (n_steps // 2) & 1)
+    # Until the other consumer's last dQ products, which read this consumer's K tile, have
+    # completed: the epilogue overwrites it. With DQ_LAG the last step's dQ (none without steps)
+    # comes first. (Phases: the docstring.)
+    if DQ_LAG:
+        dq_step(
+            ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq,
+            n_steps - 1, n_steps > 0, off_b, prev_h, prev_m, CONSUMER, ABLATE,
+        )  # fmt: skip
+        mbarrier.wait(ds_free.index((n_steps + 1) % 2), (n_steps // 2) & 1)
+    else:
+        mbarrier.wait(ds_free.index((n_steps + 1) % 2), ((n_steps + 1) // 2 + 1) & 1)
     # Epilogue: dK, dV through this consumer's K and V slots (their last readers are complete).
     k_c.store((dk * scale).to(dtype))
     v_c.store(dv.to(dtype))
@@ -561,12 +584,14 @@ def attn_bwd_sm90_kernel(
     qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(qd_ready.index(i), count=1)
         mbarrier.init(qd_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
 
     # The two consumers' argument tuples differ only in CONSUMER (0, 1). They are spelled out:
     # Triton 3.6's frontend has no starred tuples, and a concatenated tuple loses its constexprs.
@@ -574,16 +599,16 @@ def attn_bwd_sm90_kernel(
         [
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                kv_ready, qd_ready, qd_empty, ds_ready, dq_desc, dk_desc, dv_desc, kv_heads,
-                kv_group,
+                kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
+                kv_heads, kv_group,
                 seqlen_q, seqlen_k, qk_scale, scale, window_left, window_right, softcap, ALIBI,
                 stride_ab, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                 EVEN_N, ABLATE,
             )),
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                kv_ready, qd_ready, qd_empty, ds_ready, dq_desc, dk_desc, dv_desc, kv_heads,
-                kv_group,
+                kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
+                kv_heads, kv_group,
                 seqlen_q, seqlen_k, qk_scale, scale, window_left, window_right, softcap, ALIBI,
                 stride_ab, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                 EVEN_N, ABLATE,
