@@ -8,6 +8,8 @@ one entry, a change in anything Triton specialises on (alignment, sizes) makes a
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -65,6 +67,28 @@ def test_direct_and_op_paths_agree(causal, device, monkeypatch):
     def run():
         out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
         grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+        return out, lse, *grads
+
+    direct = run()
+    monkeypatch.setattr(ops, "direct", lambda *tensors: False)
+    via_op = run()
+    for a, b in zip(direct, via_op, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_direct_and_op_paths_agree_with_options(device, monkeypatch):
+    # GQA, a window, a softcap, (B, H) ALiBi slopes and sinks with a gradient: the eager
+    # Function carries the options outside its inputs and must still match the op bit for bit.
+    case = Case(2, 4, 2, 29, 41, 16)
+    q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.float32, device))
+    slopes = torch.rand(2, 4, device=device)
+    sinks = torch.randn(4, device=device, requires_grad=True)
+    options = dict(window=(9, 4), softcap=6.0, alibi_slopes=slopes, sinks=sinks, causal=True)
+    dout, dlse = torch.randn_like(q), torch.randn(q.shape[:3], device=device)
+
+    def run():
+        out, lse = flashcore.attention(q, k, v, return_lse=True, **options)
+        grads = torch.autograd.grad((out, lse), (q, k, v, sinks), (dout, dlse))
         return out, lse, *grads
 
     direct = run()
@@ -137,6 +161,71 @@ def test_launch_cache_backward_and_decode():
     outs = [flashcore.attention_with_kvcache(qd, k_cache, v_cache, cache_seqlens=seqlens)]
     outs.append(flashcore.attention_with_kvcache(qd, k_cache, v_cache, cache_seqlens=seqlens))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_launch_hit_calls_the_native_launcher(monkeypatch):
+    """A launch-cache hit calls ``CompiledKernel.run`` itself with what ``CompiledKernel[grid]``
+    passes it (Triton 3.6), less the launch metadata and the hooks, which do nothing while no
+    hook is registered; with a hook registered it launches through ``[grid]``, so the hook runs.
+    On the CPU: a stand-in for the compiled kernel's loaded handles and native launcher, and for
+    the driver's stream lookup."""
+    import triton
+    from triton import knobs
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.driver import driver
+
+    from flashcore.ops import launch
+
+    if not triton.__version__.startswith(launch.DIRECT_TRITON):
+        pytest.skip("the direct launch is taken only on the Triton versions it was read from")
+    native = []
+    kernel = object.__new__(CompiledKernel)
+    kernel.module, kernel.function, kernel.packed_metadata = "module", "function", "packed"
+    kernel._run = lambda *args: native.append(args)
+    kernel.name, kernel.src = "attn_fwd_kernel", None
+
+    class Driver:
+        @staticmethod
+        def get_current_device():
+            return 3
+
+        @staticmethod
+        def get_current_stream(device):
+            return f"stream of {device}"
+
+    class Jit:  # a compiled-mode JITFunction that returns the kernel above
+        __name__ = "attn_fwd_kernel"
+        device_caches = types.MappingProxyType({})  # what marks a compiled-mode JITFunction
+        arg_names = ("X", "n", "BLOCK")
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: kernel
+
+    monkeypatch.setattr(driver, "_active", Driver())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    launcher = launch.Launcher(Jit(), num_pointers=1)
+    x = torch.zeros(4)
+    launcher((5,), (x, 7), {"BLOCK": 16})  # a miss: through the JITFunction
+    assert native == []
+    launcher((5,), (x, 7), {"BLOCK": 16})
+    kernel[(5, 1, 1)](x, 7, 16)  # Triton's own path, for comparison
+    direct, own = native
+    assert direct[:6] == own[:6] == (5, 1, 1, "stream of 3", "function", "packed")
+    assert direct[9:] == own[9:] == (x, 7, 16)
+    assert direct[6:9] == (None, None, None)
+    assert own[7] is knobs.runtime.launch_enter_hook and not own[7].calls
+
+    def hook(metadata):
+        pass
+
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        launcher((5,), (x, 7), {"BLOCK": 16})
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    hooked = native[-1]
+    assert hooked[7] is knobs.runtime.launch_enter_hook
+    assert hooked[6].get()["name"] == "attn_fwd_kernel"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

@@ -59,10 +59,16 @@ def launch(
     one program (bit-identical over runs).
     """
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
-    q, k, v, out, dout = (pb.unit_stride_last_dim(t) for t in (q, k, v, out, dout))
-    dims = pb.problem_dims(q, k, varlen)
-    cu_q, cu_k = (None, None) if varlen is None else varlen[:2]
-    if q.numel() == 0 or k.numel() == 0 or dims.seqlen_q == 0 or dims.seqlen_k == 0:
+    q = pb.unit_stride_last_dim(q)
+    k = pb.unit_stride_last_dim(k)
+    v = pb.unit_stride_last_dim(v)
+    out = pb.unit_stride_last_dim(out)
+    dout = pb.unit_stride_last_dim(dout)
+    if varlen is None:
+        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+    else:
+        seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
+    if q.numel() == 0 or k.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
         # No query or no key: nothing depends on the other inputs. A row with no key has out = 0,
         # so its delta is -dlse.
         dsinks = None
@@ -74,13 +80,14 @@ def launch(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     if (
-        not (deterministic or torch.are_deterministic_algorithms_enabled())
-        and varlen is None
+        varlen is None
         and config is None
+        and not deterministic
         and runtime.backward_tier(q.device) == "sm90"
+        and not torch.are_deterministic_algorithms_enabled()
         and (
             runtime.tier_forced()
-            or sm90_backward(dims.seqlen_q, dims.seqlen_k, q.shape[-1], window != (-1, -1))
+            or sm90_backward(seqlen_q, seqlen_k, q.shape[-1], window != (-1, -1))
         )
     ):
         from flashcore.ops import bwd_sm90
@@ -103,15 +110,18 @@ def launch(
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(), dout.stride(),
         None if dlse is None else dlse.stride(), q.dtype, q.device, causal, scale, window,
         softcap, None if alibi_slopes is None else stride_ab,
-        None if varlen is None else dims,
+        None if varlen is None else pb.problem_dims(q, k, varlen),
         config,
     )  # fmt: skip
-    plan = cached(_PLANS, key, lambda: _plan(
-        q, k, v, out, dout, lse, dlse, dq, dk, dv, causal, scale, varlen, config,
-        window, softcap, alibi_slopes, stride_ab, dims,
-    ))  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = cached(_PLANS, key, lambda: _plan(
+            q, k, v, out, dout, lse, dlse, dq, dk, dv, causal, scale, varlen, config,
+            window, softcap, alibi_slopes, stride_ab, pb.problem_dims(q, k, varlen),
+        ))  # fmt: skip
     (q_grid, q_tail, q_meta), (kv_grid, kv_tail, kv_meta) = plan
     dq_kernel, dkdv_kernel = kernels()
+    cu_q, cu_k = (None, None) if varlen is None else varlen[:2]
     # Without an LSE gradient its pointer is never read: the LSE stands in.
     dlse_arg = lse if dlse is None else dlse
     # The dQ kernel writes delta, which the dK/dV kernel (same stream, launched after it) reads.

@@ -46,12 +46,13 @@ def launch(
     ``(num_blocks, Hkv, block_size, D)`` read through it, cu_seqlens_k giving each sequence's
     number of keys.
     """
-    q, k, v = (pb.unit_stride_last_dim(t) for t in (q, k, v))
-    dims = pb.problem_dims(q, k, varlen)
-    lse = torch.empty(pb.lse_shape(q, varlen is not None), dtype=torch.float32, device=q.device)
+    q = pb.unit_stride_last_dim(q)
+    k = pb.unit_stride_last_dim(k)
+    v = pb.unit_stride_last_dim(v)
+    lse = q.new_empty(pb.lse_shape(q, varlen is not None), dtype=torch.float32)
     # out has v's head dim (which may differ from q's and k's) and q's memory layout.
     out = pb.empty_rows_like(q, v.shape[-1])
-    if out.numel() == 0 or dims.seqlen_q == 0:
+    if out.numel() == 0 or (varlen is not None and varlen.max_seqlen_q == 0):
         return out, lse
     if k.numel() == 0:
         # Every row sees no key. Filled here rather than launched: k and v have no storage.
@@ -60,20 +61,26 @@ def launch(
             return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
         return out.zero_(), lse.fill_(float("-inf"))
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
-    aligned = all(t.data_ptr() % 16 == 0 for t in (q, k, v, out))
+    # All four 16-byte aligned: no low bit set in any address.
+    aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0
+    # What both plan keys below start with (an sm_90 GPU builds both for the problems the
+    # Hopper forward leaves to the portable kernel).
+    problem = (
+        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal,
+        scale, window, softcap,
+    )  # fmt: skip
     if varlen is None and config is None and runtime.forward_tier(q.device) == "sm90":
         # Whether the Hopper forward runs, and its launch, per problem signature (as the
         # portable plan below): the tier's checks and choice cost tens of microseconds of
         # Python a call otherwise (docs/performance_host.md, "The Hopper tier's host path").
         key = (
-            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
-            q.dtype, q.device, causal, scale, window, softcap,
+            *problem, out.stride(),
             None if alibi_slopes is None else (alibi_slopes.dtype, stride_ab), sinks is None,
             aligned, runtime.tier_forced(),
         )  # fmt: skip
         hopper = cached(_SM90_PLANS, key, lambda: _sm90_plan(
             q, k, v, lse, causal, scale, window, softcap, alibi_slopes, stride_ab,
-            sinks is not None, dims,
+            sinks is not None, pb.problem_dims(q, k, varlen),
         ))  # fmt: skip
         if hopper:
             from flashcore.ops import fwd_sm90
@@ -87,16 +94,18 @@ def launch(
     # has no host cost at replay, so small problems take descriptors there too (tuning).
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     key = (
-        q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal,
-        scale, window, softcap, None if alibi_slopes is None else stride_ab, sinks is None,
+        *problem, None if alibi_slopes is None else stride_ab, sinks is None,
         None if block_table is None else block_table.stride(0),
-        None if varlen is None else dims, config,
+        None if varlen is None else pb.problem_dims(q, k, varlen), config,
         aligned, tuning.TMA_MIN_FLOPS, capturing,
     )  # fmt: skip
-    grid, tail, meta, tiles = cached(_PLANS, key, lambda: _plan(
-        q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
-        stride_ab, sinks is not None, block_table, dims, capturing,
-    ))  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = cached(_PLANS, key, lambda: _plan(
+            q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
+            stride_ab, sinks is not None, block_table, pb.problem_dims(q, k, varlen), capturing,
+        ))  # fmt: skip
+    grid, tail, meta, tiles = plan
     if tiles is None:
         pointers = (q, k, v, out)
     else:

@@ -13,10 +13,27 @@ kernels, keyed on a superset of that information:
   tensor descriptor's base (its block shape is a function of the constexprs),
 - the constexprs and launch options, and the CUDA device.
 
-Equal keys therefore select the kernel Triton itself would have selected, which is then launched
-through ``CompiledKernel[grid]`` (Triton's own launcher, with its stream and hook handling). A miss
-launches through ``JITFunction`` (compiling if needed) and remembers what it returned. Under the
-interpreter every launch goes through ``JITFunction``: there is nothing compiled to keep.
+Equal keys therefore select the kernel Triton itself would have selected. A miss launches through
+``JITFunction`` (compiling if needed) and remembers what it returned. Under the interpreter every
+launch goes through ``JITFunction``: there is nothing compiled to keep.
+
+A hit calls the compiled kernel's native launcher (``CompiledKernel.run``) itself, with the
+arguments ``CompiledKernel[grid](*args)`` passes it in Triton 3.6 (``triton/compiler/compiler.py``):
+the grid padded to three dims, the current stream of the current device (the active driver's
+``get_current_stream``, ``torch._C._cuda_getCurrentRawStream`` for CUDA), the function handle, the
+packed metadata, the launch metadata and the two launch hooks, then the arguments and constexprs.
+``[grid]`` builds a closure per launch, looks the driver, device and stream up again and, since
+Triton 3.6's hooks are ``HookChain`` objects (never None), builds a ``LazyDict`` of launch
+metadata and has the native launcher call both chains, empty unless something registered a hook.
+With both chains empty (or None) those steps have no effect, so the hit passes None for the
+metadata and both hooks; while a hook is registered (a profiler such as proton) it launches
+through ``[grid]``, so every hook sees every launch. Kernels of another class than
+``CompiledKernel`` and Triton versions other than those read for this (``DIRECT_TRITON``) always
+launch through ``[grid]``. A hit of the forward's ``LoggingLauncher`` costs 3.8 us instead of
+6.7 us with ``[grid]``, the key built through a function per pointer and the log's timing around
+every launch (2-core CPU machine, 10 pointers and 30 scalars, a Python no-op standing in for the
+native launcher, best of 9 x 20000); all of ``CompiledKernel[grid](...)`` measured 28 us a launch
+on the H100 machine's host (docs/performance_host.md, "Host overhead").
 
 CUDA graphs: a hit reads nothing from the device and launches on the current stream, so it is
 captured like any other kernel (the keys hold pointer alignment, never addresses). A miss may
@@ -43,7 +60,9 @@ class Launcher:
     def __init__(self, fn: Any, num_pointers: int) -> None:
         self.fn = fn
         self.num_pointers = num_pointers
-        self.compiled: dict[tuple, tuple[Any, tuple]] = {}
+        # key -> (compiled kernel, constexprs in parameter order, whether ``run`` may be called
+        # directly: see the module docstring).
+        self.compiled: dict[tuple, tuple[Any, tuple, bool]] = {}
         self.interpreted = not hasattr(fn, "device_caches")
 
     def __call__(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None:
@@ -52,28 +71,90 @@ class Launcher:
         if self.interpreted:
             self.fn[grid](*full_descriptors(args), **meta)
             return
-        pointers = args[: self.num_pointers]
+        num_pointers = self.num_pointers
+        device = torch.cuda.current_device()
+        # Per pointer what Triton specialises it on (module docstring): None, a tensor's dtype and
+        # 16-byte alignment, or a descriptor's base dtype (its block shape follows from the
+        # constexprs). Inline: a function call per pointer cost ~1 us a launch of 10 pointers on
+        # the 2-core CPU machine.
         key = (
-            args[self.num_pointers :],
-            tuple(pointer_key(p) for p in pointers),
+            args[num_pointers:],
+            tuple([
+                None if p is None
+                else (p.dtype, p.data_ptr() % 16 == 0) if isinstance(p, torch.Tensor)
+                else p.base.dtype
+                for p in args[:num_pointers]
+            ]),
             tuple(meta.values()),
-            torch.cuda.current_device(),
-        )
+            device,
+        )  # fmt: skip
         hit = self.compiled.get(key)
         if hit is None:
-            try:
-                kernel = self.fn[grid](*full_descriptors(args), **meta)
-            except Exception as e:
-                if torch.cuda.is_current_stream_capturing():
-                    raise RuntimeError(first_launch_in_capture(self.fn)) from e
-                raise
-            if len(self.compiled) >= MAX_ENTRIES:
-                self.compiled.clear()
-            names = self.fn.arg_names[len(args) :]
-            self.compiled[key] = (kernel, tuple(meta[n] for n in names))
+            self.miss(key, grid, args, meta)
             return
-        kernel, constexprs = hit
-        kernel[grid + (1,) * (3 - len(grid))](*args, *constexprs)
+        kernel, constexprs, direct = hit
+        grid = grid + (1,) * (3 - len(grid))
+        if direct and _no_launch_hooks():
+            # CompiledKernel[grid](*args, *constexprs) without its per-launch Python (module
+            # docstring); the property ``run`` loads the module first if it was not.
+            kernel.run(
+                *grid, _driver.active.get_current_stream(device), kernel.function,
+                kernel.packed_metadata, None, None, None, *args, *constexprs,
+            )  # fmt: skip
+        else:
+            kernel[grid](*args, *constexprs)
+
+    def miss(self, key: tuple, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> Any:
+        """Launch through ``JITFunction`` (compiling if Triton has no kernel for this
+        specialisation) and remember the kernel under ``key``; returns it."""
+        try:
+            kernel = self.fn[grid](*full_descriptors(args), **meta)
+        except Exception as e:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(first_launch_in_capture(self.fn)) from e
+            raise
+        if len(self.compiled) >= MAX_ENTRIES:
+            self.compiled.clear()
+        names = self.fn.arg_names[len(args) :]
+        constexprs = tuple(meta[n] for n in names)
+        self.compiled[key] = (kernel, constexprs, _runs_directly(kernel))
+        return kernel
+
+
+# The Triton versions whose CompiledKernel.__getitem__ the direct launch repeats (module
+# docstring); read from triton 3.6.0's source.
+DIRECT_TRITON = ("3.6.",)
+# Set by _runs_directly, on the first compiled launch (importing flashcore imports no triton).
+_driver: Any = None
+_knobs: Any = None
+_hook_chain: Any = None
+
+
+def _runs_directly(kernel: Any) -> bool:
+    """Whether hits may call ``kernel.run`` themselves: a ``CompiledKernel`` of a Triton in
+    DIRECT_TRITON (any other object, such as a test's stand-in, launches through ``[grid]``)."""
+    global _driver, _knobs, _hook_chain
+    import triton
+
+    if not triton.__version__.startswith(DIRECT_TRITON):
+        return False
+    from triton import knobs
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.driver import driver
+
+    if type(kernel) is not CompiledKernel:
+        return False
+    _driver, _knobs, _hook_chain = driver, knobs, knobs.HookChain
+    return True
+
+
+def _no_launch_hooks() -> bool:
+    """Whether no launch hook would run: both of Triton's hooks None or chains without calls."""
+    runtime = _knobs.runtime
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return (enter is None or (type(enter) is _hook_chain and not enter.calls)) and (
+        leave is None or (type(leave) is _hook_chain and not leave.calls)
+    )
 
 
 def first_launch_in_capture(fn: Any) -> str:
@@ -139,13 +220,3 @@ def full_descriptors(args: tuple) -> tuple:
     """``args`` with each ``Descriptor`` made a TensorDescriptor: Triton's own launch path (and
     its interpreter) specialises on the real class."""
     return tuple(a.full() if isinstance(a, Descriptor) else a for a in args)
-
-
-def pointer_key(arg: Any) -> Any:
-    """What Triton specialises a pointer-position argument on (see the module docstring)."""
-    if arg is None:
-        return None
-    if isinstance(arg, torch.Tensor):
-        return arg.dtype, arg.data_ptr() % 16 == 0
-    # A TensorDescriptor: its block shape follows from the constexprs, which are in the key.
-    return arg.base.dtype

@@ -17,12 +17,15 @@ through it raises PyTorch's "no autograd formula" error.
 Eager calls on plain tensors skip the op dispatch (``attention``, ``attention_with_kvcache``):
 the ``torch.library`` layer costs about 80 us per call on the H100 machine's host, several times
 a small kernel (docs/performance_host.md, "Host overhead"). They run the same launchers directly,
-through a ``torch.autograd.Function`` with the op's context and backward when a gradient is
-needed. Anything that needs the ops themselves (torch.compile and export tracing, FakeTensor and
-other dispatch modes such as FlopCounterMode, functorch transforms, tensor subclasses) gets them.
+through a ``torch.autograd.Function`` (``_Attention``) that saves what the op's context saves and
+runs the launcher of its backward op when a gradient is needed. Anything that needs the ops
+themselves (torch.compile and export tracing, FakeTensor and other dispatch modes such as
+FlopCounterMode, functorch transforms, tensor subclasses) gets them.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -33,12 +36,17 @@ from flashcore.ops.problem import empty_rows_like, lse_shape, unit_stride_last_d
 
 def direct(*tensors: torch.Tensor | None) -> bool:
     """Whether a call may run the launchers directly rather than through the registered op."""
-    return (
-        not torch.compiler.is_compiling()
-        and torch._C._len_torch_dispatch_stack() == 0
-        and not torch._C._are_functorch_transforms_active()
-        and all(t is None or type(t) is torch.Tensor for t in tensors)
-    )
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._are_functorch_transforms_active()
+    ):
+        return False
+    return _PLAIN.issuperset(map(type, tensors))
+
+
+# Plain tensors and absent optional ones (not subclasses: those take the op).
+_PLAIN = frozenset((torch.Tensor, type(None)))
 
 
 def needs_grad(*tensors: torch.Tensor) -> bool:
@@ -133,40 +141,57 @@ def _attn_bwd_fake(dout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *arg
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes, sinks, block_table = inputs[:15]
-    out, lse = output
-    # deterministic (the last argument) may be left to its default by a direct call of the op.
-    ctx.deterministic = bool(inputs[15]) if len(inputs) > 15 else False
-    ctx.num_inputs = len(inputs)
+def _save(ctx, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scalars,
+          block_table, deterministic) -> None:  # fmt: skip
+    """What a backward needs, kept on ``ctx`` (the op's ``setup_context`` and ``_Attention``)."""
+    ctx.deterministic = deterministic
     # The backward runs on autograd's device thread, outside the caller's use_tier block.
     ctx.tier = runtime.current_tier()
     # A paged cache (attention_varlen's block_table) has no backward; the API refuses a
     # gradient before the forward, the op's backward raises.
     ctx.paged = block_table is not None
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks)
-    ctx.scalars = tuple(scalars)
+    ctx.scalars = scalars
     # An output whose gradient is not needed (usually lse) then arrives as None instead of a
     # materialised tensor of zeros.
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, op=attn_bwd):
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars, alibi_slopes, sinks, block_table = inputs[:15]
+    out, lse = output
+    ctx.num_inputs = len(inputs)
+    # deterministic (the last argument) may be left to its default by a direct call of the op.
+    _save(
+        ctx, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, tuple(scalars),
+        block_table, bool(inputs[15]) if len(inputs) > 15 else False,
+    )  # fmt: skip
+
+
+def _saved(ctx, dout: torch.Tensor | None) -> tuple:
+    """``(dout, *saved tensors)`` for a backward that has a gradient to pass on: ``dout`` with a
+    unit-stride last dim, zeros where only the LSE is differentiated (delta = -dlse and dV = 0
+    then, as dO = 0)."""
+    if ctx.paged:
+        raise NotImplementedError("attention_varlen with a block_table is forward-only")
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dout = unit_stride_last_dim(dout)
+    return dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks
+
+
+def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
+    """``attn_fwd``'s backward formula, through the ``attn_bwd`` op."""
     # No gradient for the offsets, the maxima, the options or the ALiBi slopes; nor, after the
     # sinks', for the block table and ``deterministic``.
     no_grads = (None,) * (2 + len(ctx.scalars) + 1)
     tail = (None,) * (ctx.num_inputs - 14)
     if dout is None and dlse is None:
         return None, None, None, *no_grads, None, *tail
-    if ctx.paged:
-        raise NotImplementedError("attention_varlen with a block_table is forward-only")
-    if dout is None:
-        # Only the LSE is differentiated: delta = -dlse and dV = 0 (dO = 0).
-        dout = torch.zeros_like(out)
-    dout = unit_stride_last_dim(dout)
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = _saved(ctx, dout)
     with runtime.use_tier(ctx.tier):
-        dq, dk, dv, dsinks = op(
+        dq, dk, dv, dsinks = attn_bwd(
             dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
             alibi_slopes, sinks, ctx.deterministic,
         )  # fmt: skip
@@ -177,31 +202,124 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 class _Attention(torch.autograd.Function):
-    """``attn_fwd``'s autograd formula without the op dispatch (eager calls). ``forward`` takes
+    """``attn_fwd``'s autograd formula without the op dispatch (eager calls): the same saved
+    tensors and the same launchers, so the same numbers bit for bit.
+
+    Inputs ``(q, k, v, sinks, options)``, ``options`` a tuple of the op's other arguments in
+    its order: only q, k, v and the sinks take a gradient, and every argument of ``apply`` costs
+    the call (16 arguments ~2.5 us more than 5 on the 2-core CPU machine). ``forward`` takes
     ``ctx`` itself: with a separate ``setup_context`` every ``apply`` would bind its arguments
-    through ``inspect.signature`` (tens of microseconds a call)."""
+    through ``inspect.signature`` (tens of microseconds a call).
+    """
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _attn_fwd(*inputs)
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, q, k, v, sinks, options):
+        cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, table, det = options
+        output = _attn_fwd(
+            q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, sinks,
+            table, det,
+        )  # fmt: skip
+        scalars = (max_q, max_k, causal, scale, left, right, softcap)
+        _save(ctx, q, k, v, *output, cu_q, cu_k, alibi, sinks, scalars, table, det)
         return output
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, op=_attn_bwd)
+        # once_differentiable runs the backward under no_grad and, where grad mode is on (a
+        # create_graph backward), makes a second differentiation raise. With grad mode off, as
+        # in every backward without create_graph, its wrapper changes nothing: skipped there.
+        if torch.is_grad_enabled():
+            return _once_differentiable_backward(ctx, dout, dlse)
+        return _direct_backward(ctx, dout, dlse)
 
 
-def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attn_fwd(*args)`` (differentiable), called directly when ``direct`` allows; ``args`` as
+def _direct_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
+    """``_Attention``'s gradients ``(dq, dk, dv, dsinks, None)``: ``_backward`` calling the
+    launcher that ``attn_bwd`` runs, ``bwd.launch``, itself."""
+    if dout is None and dlse is None:
+        return None, None, None, None, None
+    dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = _saved(ctx, dout)
+    max_q, max_k, causal, scale, left, right, softcap = ctx.scalars
+    varlen = varlen_of(cu_seqlens_q, cu_seqlens_k, max_q, max_k)
+    # use_tier's context manager costs a few microseconds; the tier usually is the one in effect.
+    tier = ctx.tier
+    with runtime.use_tier(tier) if tier != runtime.current_tier() else _SAME_TIER:
+        dq, dk, dv, dsinks = bwd.launch(
+            dout, q, k, v, out, lse, dlse, causal, scale, varlen=varlen, window=(left, right),
+            softcap=softcap, alibi_slopes=alibi_slopes, sinks=sinks,
+            deterministic=ctx.deterministic,
+        )  # fmt: skip
+    return dq, dk, dv, dsinks, None
+
+
+_once_differentiable_backward = once_differentiable(_direct_backward)
+_SAME_TIER = contextlib.nullcontext()
+# Function.apply less its Python wrapper (torch/autograd/function.py), which binds the arguments
+# where a Function defines setup_context (_Attention does not), sends calls under functorch
+# transforms elsewhere (``direct`` has ruled those out) and unwraps each tensor argument left
+# over from a finished transform (``attention`` does, with ``_unwrap``): the C++ apply that
+# wrapper ends in, ~2.4 us a call less on the 2-core CPU machine. As read in torch 2.13 (an
+# older release's wrapper has the same steps but the binding); other versions take the wrapper.
+_WRAPPER_READ = ("2.11.", "2.12.", "2.13.")
+if torch.__version__.startswith(_WRAPPER_READ):
+    _apply = super(torch.autograd.Function, _Attention).apply
+else:
+    _apply = _Attention.apply
+_unwrap = torch._C._functorch.unwrap_if_dead
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn_fwd(...)`` (differentiable), called directly when ``direct`` allows; arguments as
     ``attn_fwd`` takes them (the offsets None for dense inputs)."""
-    q, k, v, cu_seqlens_q, cu_seqlens_k, *_, alibi_slopes, sinks, block_table, _ = args
     if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, block_table):
-        return attn_fwd(*args)
-    if needs_grad(q, k, v) or (sinks is not None and needs_grad(sinks)):
-        return _Attention.apply(*args)
-    return _attn_fwd(*args)
+        return attn_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+            window_left, window_right, softcap, alibi_slopes, sinks, block_table, deterministic,
+        )  # fmt: skip
+    if torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (sinks is not None and sinks.requires_grad)
+    ):
+        # What Function.apply does to each tensor argument before the C++ apply: a functorch
+        # wrapper whose transform has finished becomes the tensor it wraps.
+        if cu_seqlens_q is not None:
+            cu_seqlens_q = _unwrap(cu_seqlens_q)
+        if cu_seqlens_k is not None:
+            cu_seqlens_k = _unwrap(cu_seqlens_k)
+        if alibi_slopes is not None:
+            alibi_slopes = _unwrap(alibi_slopes)
+        if sinks is not None:
+            sinks = _unwrap(sinks)
+        if block_table is not None:
+            block_table = _unwrap(block_table)
+        options = (
+            cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
+            window_right, softcap, alibi_slopes, block_table, deterministic,
+        )  # fmt: skip
+        return _apply(_unwrap(q), _unwrap(k), _unwrap(v), sinks, options)
+    return _attn_fwd(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+        window_left, window_right, softcap, alibi_slopes, sinks, block_table, deterministic,
+    )  # fmt: skip
 
 
 def _attn_kvcache(

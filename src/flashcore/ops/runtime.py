@@ -62,25 +62,22 @@ def _describe(meta: dict[str, Any]) -> str:
 class LoggingLauncher(Launcher):
     """A ``Launcher`` that logs the first launch of each compiled kernel it has not seen.
 
-    A miss of the launch cache (an entry added to ``compiled``) runs Triton's own launch, which
-    compiles only when Triton has no kernel for the specialisation: the kernel object it returned
-    tells the two apart. A hit costs one more call, two ``len`` and two clock reads (about
-    1 us on the 2-core CPU machine; docs/maintainers.md, "The launch path").
+    A miss of the launch cache (``Launcher.miss``) runs Triton's own launch, which compiles only
+    when Triton has no kernel for the specialisation: the kernel object it returned tells the two
+    apart. Hits are not touched (the timing wraps the miss only).
     """
 
     def __init__(self, fn: Any, num_pointers: int) -> None:
         super().__init__(fn, num_pointers)
         self.seen: set[int] = set()
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> None:
-        entries = len(self.compiled)
+    def miss(self, key: tuple, grid: tuple[int, ...], args: tuple, meta: dict[str, Any]) -> Any:
         start = time.perf_counter()
-        super().__call__(grid, args, meta)
-        if len(self.compiled) != entries:
-            self._new_entry(time.perf_counter() - start, meta)
+        compiled = super().miss(key, grid, args, meta)
+        self._new_entry(compiled, time.perf_counter() - start, meta)
+        return compiled
 
-    def _new_entry(self, seconds: float, meta: dict[str, Any]) -> None:
-        compiled, _ = next(reversed(self.compiled.values()))
+    def _new_entry(self, compiled: Any, seconds: float, meta: dict[str, Any]) -> None:
         if id(compiled) in self.seen:
             return  # a specialisation Triton already had, reached with other scalar values
         self.seen.add(id(compiled))
@@ -128,9 +125,17 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+# launch_on's context where the device is already right (reusable: it holds no state).
+_ON_DEVICE = contextlib.nullcontext()
+
+
 def launch_on(t: torch.Tensor) -> Any:
     """Triton launches on the current CUDA device, not on the tensors': make it ``t``'s (a no-op
-    context on the CPU)."""
+    context on the CPU, and where ``t`` is on the current device already: the usual case, in
+    which ``torch.cuda.device_of``'s guard would set the device it has, a few microseconds of
+    Python a launcher call)."""
+    if not t.is_cuda or t.get_device() == torch.cuda.current_device():
+        return _ON_DEVICE
     return torch.cuda.device_of(t)
 
 
