@@ -266,33 +266,20 @@ if torch.__version__.startswith(_WRAPPER_READ):
 else:
     _apply = _Attention.apply
 _unwrap = torch._C._functorch.unwrap_if_dead
+# attn_fwd's defaults of its last three arguments (sinks, block_table, deterministic).
+_OP_DEFAULTS = (None, None, False)
 
 
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor | None,
-    cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    alibi_slopes: torch.Tensor | None,
-    sinks: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attn_fwd(...)`` (differentiable), called directly when ``direct`` allows; arguments as
-    ``attn_fwd`` takes them (the offsets None for dense inputs)."""
+def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attn_fwd(*args)`` (differentiable), called directly when ``direct`` allows; ``args`` as
+    ``attn_fwd`` takes them (the offsets None for dense inputs; the last three may be left to
+    their defaults)."""
+    if len(args) < 16:
+        args = (*args, *_OP_DEFAULTS[len(args) - 13 :])
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
+     window_right, softcap, alibi_slopes, sinks, block_table, deterministic) = args  # fmt: skip
     if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, block_table):
-        return attn_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-            window_left, window_right, softcap, alibi_slopes, sinks, block_table, deterministic,
-        )  # fmt: skip
+        return attn_fwd(*args)
     if torch.is_grad_enabled() and (
         q.requires_grad
         or k.requires_grad
@@ -316,10 +303,7 @@ def attention(
             window_right, softcap, alibi_slopes, block_table, deterministic,
         )  # fmt: skip
         return _apply(_unwrap(q), _unwrap(k), _unwrap(v), sinks, options)
-    return _attn_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
-        window_left, window_right, softcap, alibi_slopes, sinks, block_table, deterministic,
-    )  # fmt: skip
+    return _attn_fwd(*args)
 
 
 def _attn_kvcache(
