@@ -93,9 +93,6 @@ def check_runnable(q: torch.Tensor) -> None:
 
 def check_inputs(q: object, k: object, v: object, packed: bool = False) -> None:
     """q, k, v as ``attention`` takes them, or packed ``(total, heads, head_dim)`` ones."""
-    if not packed and dense_inputs_valid(q, k, v):
-        check_runnable(q)
-        return
     q = check_tensor("q", q, packed)
     k = check_tensor("k", k, packed)
     v = check_tensor("v", v, packed)
@@ -106,41 +103,6 @@ def check_inputs(q: object, k: object, v: object, packed: bool = False) -> None:
     check_gqa(q.shape[1], k.shape[1], "k/v", empty_ok=True)
     check_head_dims(q.shape[-1], v.shape[-1], "v")
     check_runnable(q)
-
-
-def dense_inputs_valid(q: object, k: object, v: object) -> bool:
-    """Whether dense q, k, v pass every check of ``check_inputs`` before ``check_runnable``, in
-    one pass with no message built: the calls that pass (nearly all) skip the per-argument
-    checks, ~2 us of the API's Python on the 2-core CPU machine. False sends a call through
-    those checks, which raise with the argument's name."""
-    if not (
-        isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-    ):
-        return False
-    dtype, device = q.dtype, q.device
-    if (
-        q.dim() != 4
-        or k.dim() != 4
-        or v.dim() != 4
-        or dtype not in SUPPORTED_DTYPES
-        or k.dtype != dtype
-        or v.dtype != dtype
-        or k.device != device
-        or v.device != device
-    ):
-        return False
-    batch, heads, _, head_dim = q.shape
-    batch_k, kv_heads, seqlen_k, head_dim_k = k.shape
-    batch_v, kv_heads_v, seqlen_v, head_dim_v = v.shape
-    return (
-        batch_k == batch == batch_v
-        and kv_heads_v == kv_heads
-        and seqlen_v == seqlen_k
-        and head_dim_k == head_dim
-        and 1 <= head_dim <= MAX_HEAD_DIM
-        and 1 <= head_dim_v <= MAX_HEAD_DIM
-        and (heads == kv_heads or (kv_heads > 0 and heads % kv_heads == 0))
-    )
 
 
 def check_head_dims(head_dim: int, head_dim_v: int, v_name: str) -> None:

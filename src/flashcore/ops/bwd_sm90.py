@@ -19,6 +19,7 @@ from typing import NamedTuple
 import torch
 
 from flashcore.ops import problem as pb
+from flashcore.ops import runtime
 
 # The forward tier's checks and descriptors, so that both tiers accept the same problems.
 from flashcore.ops.fwd_sm90 import dense_problem, descriptor, num_sms, tma_ok
@@ -222,7 +223,7 @@ def attn_bwd_sm90(
     alibi_ptr = pb.alibi_arg(alibi, lse)[0]  # contiguous slopes (the plan's batch stride)
     dlse_arg = lse if dlse is None else dlse
     prep, main = kernels()
-    with torch.cuda.device_of(q):
+    with runtime.launch_on(q):
         prep(p.prep_grid, (out, dout, dlse_arg, lse, delta, lse2, dq_acc, *p.prep_scalars),
              p.prep_meta)  # fmt: skip
         tile, dq_tile = [1, 1, ROWS, head_dim], [1, 1, ROWS, head_dim // 2]

@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashcore.ops import runtime
 from flashcore.ops.launch import Descriptor, Launcher
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -357,5 +358,5 @@ def launch(
     descs = tuple(descriptor(t, box) for t, box in zip((q, k, v, out), p.boxes, strict=True))
     # The LSE stands in for an absent ALiBi or sinks pointer (never read: its flag is off).
     extra = (lse, lse if alibi is None else alibi, lse if sinks is None else sinks)
-    with torch.cuda.device_of(q):
+    with runtime.launch_on(q):
         launcher()(p.grid, (*descs, *extra, *p.scalars), p.meta)
