@@ -10,6 +10,12 @@ steps 1..63 of each consumer; ``--three``: the three-consumer D=64 config):
     e2  turn taken (the products are issued next)
     e6  ``P_{t-1} V_{t-1}`` done (after ``wait_group 0``; in SASS also after the softmax)
 
+and, on request, two more: ``--qk-stamp`` e3 after ``wait_group 1`` (``Q K_t^T`` done), and
+``--softmax-stamp`` e4 after the softmax, before ``wait_group 0``. A stamp is a branch, and ptxas
+moves the ``wait_group 0`` only within a basic block: with e3 alone the tree's schedule stays
+(the wait is still hoisted above the softmax, so e3-e6 is ``P V`` plus the softmax); with e4 the
+softmax runs under ``P V``, the intra-warpgroup overlap, so e3-e4 is the softmax's own time.
+
 and launches it through the tier's own launcher (same flags, same grid), the stamps going to a
 spare region past the LSE. It prints the medians over steps 8..59 of each gap and of the step
 period, and the lag between the two consumers' issues. No stamp sits between the two
@@ -37,7 +43,7 @@ CONSUMERS = 3  # stamp slots per CTA
 LOG2E = 1.4426950408889634
 
 
-def trace_source(offset: int) -> str:
+def trace_source(offset: int, qk_stamp: bool = False, softmax_stamp: bool = False) -> str:
     """The kernel's source with the stamps; they go to ``LSE + offset`` (fp32 elements). The key
     loop (``fwd_steps.py``, edited) is appended to ``fwd.py`` in place of its import."""
     steps_src = (KERNELS / "fwd_steps.py").read_text()
@@ -87,6 +93,20 @@ def _sit_out(""",
             "        mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)",
         ),
     ]
+    if qk_stamp:
+        edits.append((
+            "        s = warpgroup_mma_wait(1, deps=[s_tok])\n",
+            "        s = warpgroup_mma_wait(1, deps=[s_tok])\n"
+            "        _stamp(LSE, t, 3, CONSUMER, g)\n",
+        ))  # fmt: skip
+    if softmax_stamp:
+        edits.append((
+            "        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n"
+            "        acc, p_op = warpgroup_mma_wait(0",
+            "        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n"
+            "        _stamp(LSE, t, 4, CONSUMER, g)\n"
+            "        acc, p_op = warpgroup_mma_wait(0",
+        ))  # fmt: skip
     for old, new, *count in edits:
         if steps_src.count(old) != (count[0] if count else 1):
             raise SystemExit(f"kernels/hopper/fwd_steps.py changed; update this edit: {old!r}")
@@ -114,6 +134,8 @@ def main() -> None:
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--three", action="store_true", help="three consumers (D=64)")
+    parser.add_argument("--qk-stamp", action="store_true", help="e3: Q K^T done")
+    parser.add_argument("--softmax-stamp", action="store_true", help="e4: softmax done (pins)")
     args = parser.parse_args()
     d, s = args.head_dim, args.seqlen
     b, h = max(1, args.tokens // s), 16 if d == 128 else 32
@@ -125,7 +147,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fwd_trace.py"
-        path.write_text(trace_source(rows))
+        path.write_text(trace_source(rows, args.qk_stamp, args.softmax_stamp))
         spec = importlib.util.spec_from_file_location("flashcore_fwd_trace", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -159,6 +181,13 @@ def main() -> None:
             "products + softmax (e2-e6)": statistics.median(t[i, 6] - t[i, 2] for i in steps),
             "to next step (e6-e0')": statistics.median(t[i + 1, 0] - t[i, 6] for i in steps),
         }
+        if args.qk_stamp:
+            med["Q K^T (e2-e3)"] = statistics.median(t[i, 3] - t[i, 2] for i in steps)
+            end = 4 if args.softmax_stamp else 6
+            name = "softmax (e3-e4)" if args.softmax_stamp else "P V + softmax (e3-e6)"
+            med[name] = statistics.median(t[i, end] - t[i, 3] for i in steps)
+        if args.softmax_stamp:
+            med["rest of P V (e4-e6)"] = statistics.median(t[i, 6] - t[i, 4] for i in steps)
         print(f"  consumer {c}: " + ", ".join(f"{n} {x:.0f}" for n, x in med.items()))
     for c in range(1, config.num_consumers):
         lag = statistics.median(stamps[c, i, 2] - stamps[0, i, 2] for i in steps)

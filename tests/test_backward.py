@@ -7,6 +7,7 @@ import torch
 
 import flashcore
 from flashcore.ops import registry as ops
+from flashcore.tuning import sm90_backward
 from helpers import (
     PortableLaunched,
     check_backward,
@@ -323,8 +324,31 @@ def test_backward_auto_keeps_short_sequences_portable(monkeypatch):
     q, k, v = (
         t.requires_grad_() for t in make_qkv(Case(2, 8, 8, 512, 512, 128), torch.bfloat16, "cuda")
     )
-    flashcore.attention(q, k, v).sum().backward()
+    flashcore.attention(q, k, v, causal=True).sum().backward()
     assert ran == ["portable"]
+
+
+@pytest.mark.parametrize(
+    ("seqlen", "head_dim", "causal", "window", "want"),
+    [
+        (512, 128, False, False, True),  # D=128 non-causal from 512 on
+        (511, 128, False, False, False),
+        (512, 128, True, False, False),  # causal from 1024 on
+        (1024, 128, True, False, True),
+        (1024, 64, False, False, True),  # D=64 non-causal from 1024 on
+        (512, 64, False, False, False),
+        (1024, 64, True, False, False),  # D=64 causal from 2048 on
+        (2048, 64, True, False, True),
+        (8192, 64, False, True, False),  # a window at D=64 stays portable
+        (1024, 128, False, True, True),
+    ],
+)
+def test_sm90_backward_auto_rule(seqlen, head_dim, causal, window, want):
+    """Where "auto" takes the Hopper backward (tuning.sm90_backward: the measured crossovers);
+    the shorter side decides."""
+    assert sm90_backward(seqlen, seqlen, head_dim, window, causal) is want
+    assert sm90_backward(seqlen, 1 << 16, head_dim, window, causal) is want
+    assert sm90_backward(1 << 16, seqlen, head_dim, window, causal) is want
 
 
 @pytest.mark.gpu

@@ -225,11 +225,11 @@ def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persi
         ("auto", (9, 0), (4, 16, 4096, 128), {"causal": True}, "sm90"),
         ("auto", (9, 0), (32, 16, 512, 128), {}, "sm90"),
         ("auto", (9, 0), (64, 16, 511, 128), {}, "portable"),  # below SM90_FWD_MIN_SEQLEN
-        ("auto", (9, 0), (32, 16, 512, 128), {"causal": True}, "portable"),  # FLOPs floor
-        ("auto", (9, 0), (2, 8, 2048, 128), {}, "portable"),  # below SM90_FWD_MIN_FLOPS: host
+        ("auto", (9, 0), (32, 16, 512, 128), {"causal": True}, "sm90"),  # 3.4e10 FLOPs
+        ("auto", (9, 0), (1, 8, 2048, 128), {}, "portable"),  # below SM90_FWD_MIN_FLOPS: host
         ("auto", (9, 0), (32, 32, 512, 64), {}, "sm90"),  # D=64 non-causal from 512 on
-        ("auto", (9, 0), (8, 32, 2048, 64), {"causal": True}, "sm90"),  # causal from 2048 on
-        ("auto", (9, 0), (32, 32, 1024, 64), {"causal": True}, "portable"),
+        ("auto", (9, 0), (16, 32, 1024, 64), {"causal": True}, "sm90"),  # causal from 1024 on
+        ("auto", (9, 0), (32, 32, 512, 64), {"causal": True}, "portable"),
         ("auto", (9, 0), (4, 16, 4096, 96), {}, "portable"),  # a head dim the tier lacks
         ("auto", (9, 0), (1, 16, 4096, 192), {}, "sm90"),  # MLA dims from 4096 (supports: Dv)
         ("auto", (9, 0), (4, 16, 2048, 192), {"causal": True}, "portable"),  # not timed there

@@ -219,24 +219,36 @@ def bwd_config(
     return BwdConfig(32, 32, 128, 32, 4, 2, 8, 2)
 
 
-# The Hopper backward (ops/bwd_sm90.py) under the "auto" tier: from this many queries and keys
+# The Hopper backward (ops/bwd_sm90.py) under the "auto" tier: from these many queries and keys
 # on. H100, bf16, 32k tokens (scripts/hopper_bwd.py bench, docs/performance_backward.md): the
 # kernel runs 1.13-1.31x the portable backward at D=128 from S = 1024 on, 1.04-1.20x at D=64
-# except causal S = 1024 (0.98x). Through autograd (flashcore-bench --mode bwd) its host path
-# (Gluon's launch, nine descriptors) made S = 1024 uneven: p20-p80 spreads of 30-40% and fp16
-# points at 0.5-0.8x SDPA, where the portable backward is steady. So 2048 until that path is
-# lighter.
+# except causal S = 1024 (0.98x). Through autograd (flashcore-bench --mode bwd, the FA sweep's
+# shapes, two runs, after the leaner launch path; docs/performance_backward.md, "Shorter
+# sequences on the Hopper backward"): D=128 non-causal 1.15x at S = 512 and 1.22x at 1024, causal
+# 1.15x at 1024 but 0.96x at 512; D=64 non-causal 1.05x at 1024 but 0.68-0.91x at 512, causal
+# 0.96x at 1024 and 0.85x at 512.
 SM90_BWD_MIN_SEQLEN = 2048
+SM90_BWD_MIN_SEQLEN_D128 = 512
+SM90_BWD_MIN_SEQLEN_D128_CAUSAL = 1024
+SM90_BWD_MIN_SEQLEN_D64 = 1024
 
 
-def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = False) -> bool:
+def sm90_backward(
+    seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = False, causal: bool = False
+) -> bool:
     """Whether "auto" takes the Hopper backward for this problem (where it measured faster).
     A sliding window at D=64 stays portable: 0.98-0.99x there (S = 2048, 8192), against
     1.09-1.14x at D=128; softcap measured 1.29-1.56x, ALiBi 1.00-1.34x
     (docs/performance_backward.md)."""
     if window and head_dim <= 64:
         return False
-    return min(seqlen_q, seqlen_k) >= SM90_BWD_MIN_SEQLEN
+    if head_dim == 128:
+        floor = SM90_BWD_MIN_SEQLEN_D128_CAUSAL if causal else SM90_BWD_MIN_SEQLEN_D128
+    elif head_dim == 64 and not causal:
+        floor = SM90_BWD_MIN_SEQLEN_D64
+    else:
+        floor = SM90_BWD_MIN_SEQLEN
+    return min(seqlen_q, seqlen_k) >= floor
 
 
 # The Hopper forward (kernels/hopper/fwd.py) under "auto". H100, bf16, the FA sweep's shapes,
@@ -251,15 +263,17 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = Fa
 #   from S = 2048 on; causal from 4096 on 1.01-1.11x the two-consumer kernel (0.94-1.11x cuDNN).
 # The window, softcap and ALiBi variants were checked for numerics but not timed, so they stay
 # portable under "auto".
-# Host cost: an eager call through attention() costs 140-165 us of host time on the tier's
-# launcher against 80-100 us on the portable one (a loop of 300 eager causal calls at
-# (1, 2, 128, D), H100 machine, light descriptors; 170-210 with Gluon's own descriptors, about
-# 200 against 100 before the launch cache), so a problem
-# whose kernel takes less than that stays portable: below SM90_FWD_MIN_FLOPS (about 100 us at
-# 500 TFLOP/s; the sweep's smallest D=128 points, S = 512, have 6.9e10, 3.4e10 causal).
+# Host cost: an eager forward through attention() costs 87 us of host time a call on this tier
+# against 54 us on the portable one (H100 machine, (1, 4, 256, 128) bf16, best of 5 x 3000 calls,
+# after the leaner launch path; 140-165 against 80-100 before it), so a problem whose kernel takes
+# less than that stays portable: below SM90_FWD_MIN_FLOPS (about 110 us at the 265 TFLOP/s the
+# sweep's smallest causal D=128 point runs at; its points at S = 512 have 6.9e10 FLOPs, 3.4e10
+# causal). Through flashcore-bench (two runs, bf16, the sweep's shapes) the tier ran 1.07x the
+# portable forward at D=128 causal S = 512 and 1.04-1.05x at D=64 causal S = 1024, 0.86x at D=64
+# causal S = 512.
 SM90_FWD_MIN_SEQLEN = 512
 SM90_FWD_MIN_SEQLEN_D64 = 512
-SM90_FWD_MIN_SEQLEN_D64_CAUSAL = 2048
+SM90_FWD_MIN_SEQLEN_D64_CAUSAL = 1024
 # The MLA head dims (Q/K 192, V 128; ops/fwd_sm90.py: MLA_HEAD_DIMS): timed only at 4096 and 8192
 # (H100, bf16, one run, scripts/feature_bench.py --cases mla): 1.84-1.95x the portable forward,
 # 1.11-1.17x SDPA. Shorter sequences were not timed, so they stay portable.
@@ -269,7 +283,7 @@ SM90_FWD_MIN_SEQLEN_MLA = 4096
 # the portable forward non-causal (0.98-1.13x cuDNN), 1.13-1.24x causal (0.92-0.99x cuDNN).
 # Shorter sequences were not timed.
 SM90_FWD_MIN_SEQLEN_D256 = 1024
-SM90_FWD_MIN_FLOPS = 5e10
+SM90_FWD_MIN_FLOPS = 3e10
 
 
 def sm90_forward(

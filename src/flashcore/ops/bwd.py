@@ -87,7 +87,7 @@ def launch(
         and not torch.are_deterministic_algorithms_enabled()
         and (
             runtime.tier_forced()
-            or sm90_backward(seqlen_q, seqlen_k, q.shape[-1], window != (-1, -1))
+            or sm90_backward(seqlen_q, seqlen_k, q.shape[-1], window != (-1, -1), causal)
         )
     ):
         from flashcore.ops import bwd_sm90

@@ -180,10 +180,24 @@ def tile_scores(
 
 
 @gluon.jit
+def _row_reduce(x, like, IS_MAX: gl.constexpr):
+    """Row max or sum of a score-shaped tile, in the layout of the row vector ``like``: the even
+    and odd columns (each thread holds columns in pairs, so the split moves no data) combined
+    first, so that each thread's chain of dependent operations per row is half as long as
+    ``gl.max(x, 1)``'s (ptxas keeps the reduction's order)."""
+    even, odd = x.reshape([x.shape[0], x.shape[1] // 2, 2]).split()
+    if IS_MAX:
+        r = gl.max(gl.maximum(even, odd), 1)
+    else:
+        r = gl.sum(even + odd, 1)
+    return gl.convert_layout(r, like.type.layout)
+
+
+@gluon.jit
 def softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr):
     """One online-softmax step on a score tile: ``(p, alpha, m, l)``. A row with every score
     -inf so far keeps ``m = -inf`` and gets ``p = 0``, ``alpha = 0`` (its max is replaced by 0)."""
-    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_new = gl.maximum(m_i, _row_reduce(s, m_i, True))
     if RAW_MAX:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
         p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_ref, 1)))
@@ -192,5 +206,5 @@ def softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr):
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_ref, 1))
         alpha = gl.exp2(m_i - m_ref)
-    l_new = l_i * alpha + gl.sum(p, 1)
+    l_new = l_i * alpha + _row_reduce(p, m_i, False)
     return p, alpha, m_new, l_new
