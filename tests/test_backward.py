@@ -371,7 +371,8 @@ def test_backward_gpu_lse_grad():
     [
         ("auto", (9, 0), 2048, 128, True, (-1, -1), False, "sm90"),
         ("auto", (9, 0), 2048, 64, True, (-1, -1), False, "sm90"),
-        ("auto", (9, 0), 1024, 128, False, (-1, -1), False, "portable"),
+        ("auto", (9, 0), 1024, 128, False, (-1, -1), False, "sm90"),
+        ("auto", (9, 0), 512, 128, True, (-1, -1), False, "portable"),
         ("auto", (9, 0), 2048, 128, False, (-1, -1), True, "portable"),
         ("auto", (9, 0), 2048, 128, False, (256, 0), False, "sm90"),
         ("auto", (9, 0), 2048, 64, False, (256, 0), False, "portable"),
