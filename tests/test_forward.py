@@ -219,6 +219,63 @@ def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persi
 
 
 @pytest.mark.parametrize(
+    "shape, persistent, want",
+    [
+        # One batch row of 16 heads at 4k: 512 tiles of 32 lengths on 132 SMs. The snake over
+        # each head's tiles leaves the SMs a third idle (modelled); heaviest-first over all 16
+        # heads balances it.
+        ((1, 16, 4096, 128), True, (132, 16)),
+        # 4 heads of 8k (flat): heaviest first across all 4 (64 MB of K/V would pass the L2
+        # limit at 16 heads; 4 x 4 MB does not).
+        ((1, 4, 8192, 128), False, (256, 4)),
+        ((1, 32, 8192, 128), False, (2048, 8)),  # 8 heads' K and V are 32 MB
+        # 4 batch rows: the snake over whole heads pairs long and short tiles already.
+        ((4, 16, 4096, 128), True, (132, 1)),
+        # 24 heads of 4k: 128 programs hold 4 whole heads a wave, and the snake pairs their
+        # tiles; 132 would not (modelled 1.27x the even split against 1.03x).
+        ((1, 24, 4096, 128), True, (128, 1)),
+    ],
+)
+def test_sm90_causal_order(shape, persistent, want):
+    """The causal work order and grid the Hopper launcher takes, from its load model."""
+    from flashcore.ops import fwd_sm90
+
+    batch, heads, seqlen, head_dim = shape
+    costs = fwd_sm90.tile_costs(seqlen // 128, seqlen, seqlen, 128, 128, 0, False)
+    assert costs[0] == 1 + fwd_sm90.LPT_TILE_COST and costs[-1] == seqlen // 128 + 1
+    kv_bytes = seqlen * 2 * head_dim * 2
+    got = fwd_sm90.causal_order(costs, batch * heads, 132, persistent, kv_bytes)
+    assert got == want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "flat"])
+@pytest.mark.parametrize("order", [(1, 1), (4, 2), (4, 4), (7, 8)], ids=lambda o: f"{o[0]}x{o[1]}")
+def test_forward_gpu_sm90_causal_orders(order, persistent, monkeypatch):
+    """Every causal work order (``lpt_heads``) and a persistent grid of any size cover every tile
+    once: out and LSE against the reference (B * H = 8 heads, 8 query tiles each, 5 tiles with
+    a ragged last one)."""
+    from flashcore.ops import fwd_sm90
+    from helpers import sm90_tier_runs
+
+    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    grid, lpt_heads = order
+    for seqlen_q, seqlen_k in ((1024, 1024), (600, 700)):
+        q, k, v = make_qkv(Case(2, 4, 2, seqlen_q, seqlen_k, 128), torch.bfloat16, "cuda")
+
+        def order_of(costs, heads, sms, persistent_, kv_bytes, _grid=grid, _lpt=lpt_heads):
+            n_work = len(costs) * heads
+            return (min(_grid, n_work) if persistent_ else n_work), _lpt
+
+        monkeypatch.setattr(fwd_sm90, "causal_order", order_of)
+        config = fwd_sm90.CONFIGS[128]._replace(persistent=persistent)
+        out, lse = launch_sm90_forward(q, k, v, causal=True, config=config)
+        assert not out.isnan().any() and not lse.isnan().any()
+        check_forward(out, lse, q, k, v, causal=True)
+
+
+@pytest.mark.parametrize(
     "tier, capability, shape, options, want",
     [
         ("auto", (9, 0), (16, 16, 1024, 128), {}, "sm90"),

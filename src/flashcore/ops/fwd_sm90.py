@@ -127,6 +127,80 @@ def use_persistent(seqlen_k: int, head_dim: int, causal: bool, block_n: int) -> 
     return key_tiles <= PERSISTENT_MAX_KEY_TILES
 
 
+# Causal work orders (``kernels/hopper/common.py: work``). A causal query tile's cost grows
+# with its index, so the order in which tiles meet the SMs sets the tail. The flat grid's
+# programs are handed out as SMs free up (greedy, in order): heaviest first across groups of up
+# to LPT_MAX_HEADS heads balances it. The persistent grid deals items to programs in a fixed
+# snake (``snake``): each head's tiles last-first balances it when the grid holds whole heads
+# (132 SMs against 32 tiles a head does not: a list-scheduling model of (1, 16, 4096, 128)
+# puts the makespan at 1.5x the even split), so the launcher models the snake for a few grids
+# and orders and takes the shortest (``causal_order``). A group's heads read their K and V at
+# once: at most LPT_L2_BYTES of them (the H100 has 50 MB of L2), and at most LPT_MAX_HEADS, so
+# that every head has several tiles in flight reading its keys together.
+LPT_MAX_HEADS = 16
+LPT_L2_BYTES = 32 * 2**20
+# A tile's fixed cost (Q load, epilogue, pipeline fill) in key tiles, for the model.
+LPT_TILE_COST = 1.0
+# Grids tried below the SM count for the persistent snake (an eighth of the SMs at most).
+LPT_GRID_SLACK = 8
+
+
+def tile_costs(
+    n_m: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    block_m: int,
+    block_n: int,
+    window_left: int,
+    has_window: bool,
+) -> list[float]:
+    """Modelled cost of causal query tiles ``0 .. n_m - 1``: the key tiles each walks
+    (``kv_tile_range``) plus ``LPT_TILE_COST``."""
+    diag = seqlen_k - seqlen_q
+    costs = []
+    for t in range(n_m):
+        start = t * block_m
+        hi = min(seqlen_k, max(start + block_m + diag, 0))
+        lo = (max(start + diag - window_left, 0) // block_n) * block_n if has_window else 0
+        costs.append(max(-(-(hi - lo) // block_n), 0) + LPT_TILE_COST)
+    return costs
+
+
+def causal_order(
+    costs: list[float], heads: int, sms: int, persistent: bool, kv_bytes: int
+) -> tuple[int, int]:
+    """``(grid, lpt_heads)`` of a causal forward with per-tile ``costs`` over ``heads`` (B * H)
+    heads whose K and V take ``kv_bytes`` each: the flat grid takes the widest group the limits
+    allow; the persistent one the modelled-shortest snake over grids ``sms - sms //
+    LPT_GRID_SLACK .. sms`` and groups of 1 or the widest (ties to the full grid, then to 1)."""
+    n_m = len(costs)
+    n_work = n_m * heads
+    widest = max(
+        d for d in range(1, min(heads, LPT_MAX_HEADS) + 1)
+        if heads % d == 0 and (d == 1 or d * kv_bytes <= LPT_L2_BYTES)
+    )  # fmt: skip
+    if not persistent:
+        return n_work, widest
+    import torch  # the model's arithmetic, on the CPU
+
+    per_tile = torch.tensor(costs, dtype=torch.float64)
+    best = None
+    for group in dict.fromkeys((1, widest)):
+        # Item w's cost in this order (work): group, then tile last-first, then head.
+        order = per_tile.flip(0).repeat_interleave(group).repeat(heads // group)
+        top = min(sms, n_work)
+        for grid in range(top, max(top - sms // LPT_GRID_SLACK, 1) - 1, -1):
+            waves = -(-n_work // grid)
+            dealt = torch.zeros(waves * grid, dtype=torch.float64)
+            dealt[:n_work] = order
+            dealt = dealt.view(waves, grid)
+            dealt[1::2] = dealt[1::2].flip(1)
+            span = float(dealt.sum(0).max())
+            if best is None or span < best[0] * (1 - 1e-9):
+                best = (span, grid, group)
+    return best[1], best[2]
+
+
 @functools.cache
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (the persistent grid), cached per device."""
@@ -318,10 +392,19 @@ def plan(
     persistent = cfg.persistent
     if persistent is None:
         persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
-    grid = (min(num_sms(q.device.index), n_work) if persistent else n_work,)
+    grid, lpt_heads = (min(num_sms(q.device.index), n_work) if persistent else n_work), 1
+    if causal:
+        costs = tile_costs(
+            -(-seqlen_q // block_m), seqlen_q, seqlen_k, block_m, cfg.block_n, window_left,
+            has_window,
+        )  # fmt: skip
+        kv_bytes = seqlen_k * (head_dim + head_dim_v) * k.element_size()
+        grid, lpt_heads = causal_order(
+            costs, batch * heads, num_sms(q.device.index), persistent, kv_bytes
+        )
     scalars = (
         lse.stride(0), lse.stride(1), stride_ab, heads, heads // kv_heads, seqlen_q, seqlen_k,
-        float(qk_scale), window_left, window_right, float(softcap),
+        lpt_heads, float(qk_scale), window_left, window_right, float(softcap),
     )  # fmt: skip
     meta = {
         "HEAD_DIM": head_dim,
@@ -341,7 +424,7 @@ def plan(
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }
-    return Plan(grid, boxes, scalars, meta)
+    return Plan((grid,), boxes, scalars, meta)
 
 
 def launch(

@@ -67,13 +67,22 @@ def tanh(x):
 
 
 @gluon.jit
-def work(w, n_tiles, REVERSE: gl.constexpr):
-    """``(tile, off_bh)`` of work item ``w`` out of ``n_tiles * B * H``, as
-    ``common.program_tile``: a head's query tiles are consecutive, last-first with REVERSE."""
-    off_bh = w // n_tiles
-    tile = w % n_tiles
+def work(w, n_tiles, lpt_heads, REVERSE: gl.constexpr):
+    """``(tile, off_bh)`` of work item ``w`` out of ``n_tiles * B * H``. Without REVERSE, as
+    ``common.program_tile``: a head's query tiles are consecutive. With REVERSE (causal, where a
+    tile's cost grows with its index) heaviest first within groups of ``lpt_heads`` heads
+    (``lpt_heads`` divides ``B * H``): group g's items are its heads' last tiles, one per head,
+    then their second-to-last, and so on; ``lpt_heads = 1`` is each head's tiles last-first
+    (``ops/fwd_sm90.py: causal_order`` picks it)."""
     if REVERSE:
-        tile = n_tiles - 1 - tile
+        per_group = n_tiles * lpt_heads
+        group = w // per_group
+        r = w - group * per_group
+        tile = n_tiles - 1 - r // lpt_heads
+        off_bh = group * lpt_heads + r % lpt_heads
+    else:
+        off_bh = w // n_tiles
+        tile = w % n_tiles
     return tile, off_bh
 
 

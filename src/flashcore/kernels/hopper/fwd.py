@@ -184,6 +184,7 @@ def _consumer_tile(
     num_heads,
     seqlen_q,
     seqlen_k,
+    lpt_heads,
     qk_scale,
     window_left,
     window_right,
@@ -224,7 +225,7 @@ def _consumer_tile(
         seqlen_k = opaque(seqlen_k)
         stride_lb = opaque(stride_lb)
         stride_lh = opaque(stride_lh)
-    tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
+    tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
@@ -333,6 +334,7 @@ def _consumer(
     num_heads,
     seqlen_q,
     seqlen_k,
+    lpt_heads,
     qk_scale,
     window_left,
     window_right,
@@ -359,6 +361,7 @@ def _consumer(
         seqlen_q = opaque(seqlen_q)
         seqlen_k = opaque(seqlen_k)
         num_heads = opaque(num_heads)
+        lpt_heads = opaque(lpt_heads)
         stride_lh = opaque(stride_lh)
         stride_lb = opaque(stride_lb)
         n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(o_desc.shape[0]) * num_heads
@@ -370,7 +373,7 @@ def _consumer(
                 n = _consumer_tile(
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                     kv_empty, turn, LSE, ALIBI, SINKS, w, wave, kv, turns, stride_lb, stride_lh,
-                    stride_ab, num_heads, seqlen_q, seqlen_k, qk_scale, window_left,
+                    stride_ab, num_heads, seqlen_q, seqlen_k, lpt_heads, qk_scale, window_left,
                     window_right, softcap, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M,
                     BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
                     RAW_MAX, EVEN_N, PERSISTENT,
@@ -382,8 +385,8 @@ def _consumer(
         _consumer_tile(
             o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
             LSE, ALIBI, SINKS, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh, stride_ab,
-            num_heads, seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap, CONSUMER,
-            NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+            num_heads, seqlen_q, seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap,
+            CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
             HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
         )  # fmt: skip
 
@@ -404,6 +407,7 @@ def attn_fwd_sm90_kernel(
     kv_group,
     seqlen_q,
     seqlen_k,
+    lpt_heads,
     qk_scale,
     window_left,
     window_right,
@@ -478,22 +482,22 @@ def attn_fwd_sm90_kernel(
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
+                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 0,
+                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
+                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 1,
+                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (producer, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left,
-                    window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                    HAS_WINDOW, PERSISTENT,
+                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
+                    window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                    IS_CAUSAL, HAS_WINDOW, PERSISTENT,
                 )),
             ],
             [4, 1],
@@ -505,29 +509,29 @@ def attn_fwd_sm90_kernel(
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 0, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
+                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 0,
+                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 1, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
+                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 1,
+                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, qk_scale, window_left, window_right, softcap, 2, NUM_CONSUMERS,
-                    PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
+                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 2,
+                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (producer, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, window_left,
-                    window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                    HAS_WINDOW, PERSISTENT,
+                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
+                    window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                    IS_CAUSAL, HAS_WINDOW, PERSISTENT,
                 )),
             ],
             [4, 4, 1],

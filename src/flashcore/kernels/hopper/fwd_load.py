@@ -44,6 +44,7 @@ def _producer_tile(
     kv_group,
     seqlen_q,
     seqlen_k,
+    lpt_heads,
     window_left,
     window_right,
     BLOCK_M: gl.constexpr,
@@ -59,7 +60,7 @@ def _producer_tile(
     # Q and K arrive in PANELS column panels of PANEL (head dim 192: three of 64, as a TMA box
     # must be a power of two wide); one panel otherwise.
     PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES
-    tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
+    tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     off_b = off_bh // num_heads
     off_h = off_bh % num_heads
@@ -118,6 +119,7 @@ def producer(
     kv_group,
     seqlen_q,
     seqlen_k,
+    lpt_heads,
     window_left,
     window_right,
     BLOCK_M: gl.constexpr,
@@ -134,6 +136,7 @@ def producer(
         seqlen_q = opaque(seqlen_q)
         seqlen_k = opaque(seqlen_k)
         num_heads = opaque(num_heads)
+        lpt_heads = opaque(lpt_heads)
         n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(q_desc.shape[0]) * num_heads
         kv = 0
         for wave in range(gl.cdiv(n_work, grid)):
@@ -143,13 +146,13 @@ def producer(
                 kv += _producer_tile(
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                     v_ready, kv_empty, w, wave, kv, num_heads, kv_group, seqlen_q, seqlen_k,
-                    window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                    IS_CAUSAL, HAS_WINDOW, PERSISTENT,
+                    lpt_heads, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
+                    NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT,
                 )  # fmt: skip
     else:
         _producer_tile(
             q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
             kv_empty, gl.program_id(0), 0, 0, num_heads, kv_group, seqlen_q, seqlen_k,
-            window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-            HAS_WINDOW, PERSISTENT,
+            lpt_heads, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+            IS_CAUSAL, HAS_WINDOW, PERSISTENT,
         )  # fmt: skip
