@@ -9,6 +9,8 @@ import torch
 
 import flashcore
 from flashcore import tuning
+from flashcore.ops.problem import effective_window
+from flashcore.reference import visible_mask
 from helpers import (
     check_backward,
     check_forward,
@@ -74,10 +76,28 @@ def test_window_equivalences(device):
     full = run()
     for same_as_causal in (run(window=(-1, 0)), run(window=(-1, 9), causal=True)):
         assert all(torch.equal(a, b) for a, b in zip(causal, same_as_causal, strict=True))
-    for same_as_full in (run(window=(-1, -1)), run(window=(50, 40)), run(softcap=0.0)):
+    for same_as_full in (run(window=(-1, -1)), run(window=(50, 40)), run(window=(49, 39))):
         assert all(torch.equal(a, b) for a, b in zip(full, same_as_full, strict=True))
-    # A side that reaches past every key is unbounded; (49, 0) needs the window flag.
-    assert all(torch.equal(a, b) for a, b in zip(causal, run(window=(50, 0)), strict=True))
+    # A side that hides no key is unbounded: with Sq = 40 and Sk = 50 the last query sits at key
+    # 49, so a left side of 49 (transformers' sliding window of 50) hides nothing.
+    for same_as_causal in (run(window=(50, 0)), run(window=(49, 0))):
+        assert all(torch.equal(a, b) for a, b in zip(causal, same_as_causal, strict=True))
+
+
+def test_effective_window():
+    """``effective_window`` drops exactly the sides that hide no key: the same visible keys as
+    the window asked for (the reference's mask), and the window flag on only where one binds."""
+    for seqlen_q, seqlen_k in ((1, 1), (1, 7), (5, 5), (6, 3), (3, 9)):
+        for causal in (False, True):
+            for left in range(-1, seqlen_k + 2):
+                for right in range(-1, seqlen_q + 2):
+                    window = (left, right)
+                    got_causal, got = effective_window(causal, window, seqlen_q, seqlen_k)
+                    want = visible_mask(seqlen_q, seqlen_k, causal=causal, window=window)
+                    same = visible_mask(seqlen_q, seqlen_k, causal=got_causal, window=got)
+                    assert torch.equal(want, same), (causal, window, seqlen_q, seqlen_k)
+                    plain = visible_mask(seqlen_q, seqlen_k, causal=got_causal)
+                    assert (got != (-1, -1)) == (not torch.equal(plain, want)), (causal, window)
 
 
 def test_alibi_slopes_layouts(device):

@@ -68,6 +68,9 @@ def launch(
         seqlen_q, seqlen_k = q.shape[2], k.shape[2]
     else:
         seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
+    if window != (-1, -1):
+        # As the forward: a window that hides no key is none (the tier, split and plan see it).
+        causal, window = pb.effective_window(causal, window, seqlen_q, seqlen_k)
     if q.numel() == 0 or k.numel() == 0 or seqlen_q == 0 or seqlen_k == 0:
         # No query or no key: nothing depends on the other inputs. A row with no key has out = 0,
         # so its delta is -dlse.

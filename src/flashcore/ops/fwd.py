@@ -61,6 +61,14 @@ def launch(
             return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
         return out.zero_(), lse.fill_(float("-inf"))
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
+    # A window that hides no key is none (transformers' sliding window at its own length).
+    if window != (-1, -1):
+        if varlen is None:
+            causal, window = pb.effective_window(causal, window, q.shape[2], k.shape[2])
+        else:
+            causal, window = pb.effective_window(
+                causal, window, varlen.max_seqlen_q, varlen.max_seqlen_k
+            )
     # All four 16-byte aligned: no low bit set in any address.
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0
     # What both plan keys below start with (an sm_90 GPU builds both for the problems the
@@ -117,7 +125,9 @@ def launch(
     cu = (None, None) if varlen is None else varlen[:2]
     with runtime.launch_on(q):
         # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
-        table = lse if block_table is None else pb.page_table(block_table, k, meta["PAGED"])
+        # PAGED 1 and 3 read an entry a key row, clamped here rather than in the kernel.
+        lookups = 2 if meta["PAGED"] == 2 else 1
+        table = lse if block_table is None else pb.page_table(block_table, k, lookups)
         kernel()(grid, (*pointers, lse, *cu, alibi, sinks, table, *tail), meta)
     return out, lse
 
@@ -239,9 +249,24 @@ def _plan(
         USE_TMA=use_tma,
         IS_VARLEN=varlen is not None,
         HAS_SINKS=has_sinks,
-        # 2: every key tile lies in one page (kernels/fwd.py).
-        PAGED=0 if not paged else 2 if k.shape[2] % cfg.block_n == 0 else 1,
+        PAGED=paged_mode(k, v, cfg.block_n) if paged else 0,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return (pb.cdiv(seqlen_q, cfg.block_m) * batch * heads,), tail, meta, tiles
+
+
+def paged_mode(k: torch.Tensor, v: torch.Tensor, block_n: int) -> int:
+    """The forward kernel's PAGED for paged caches k, v ``(num_blocks, Hkv, block_size, D)`` read
+    in tiles of ``block_n`` keys (kernels/fwd.py): 2 where every tile lies in one page; 3 where
+    block_size is a power of two (then smaller than the tile) and every offset into either cache
+    fits in int32, as the kernel computes them there; else 1, a division a key row and 64-bit
+    offsets (other block sizes, and caches of 2**31 elements or more)."""
+    block_size = k.shape[2]
+    if block_size % block_n == 0:
+        return 2
+    # The largest element offset (+1) of either cache.
+    extent = max(
+        sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1 for t in (k, v)
+    )
+    return 3 if block_size & (block_size - 1) == 0 and extent <= 2**31 else 1

@@ -173,17 +173,33 @@ def window_bounds(
     """``(IS_CAUSAL, HAS_WINDOW, window_left, window_right)`` as the kernels take a window.
 
     ``left``/``right`` are ``flashcore.attention``'s (-1: unbounded). A right side of 0 is the
-    causal mask, which has its own flag (and causal overrides any right side). A side that no row
-    can reach (left >= Sk, right >= Sq) is unbounded, and an unbounded side is passed as
-    ``seqlen_q + seqlen_k``, so the kernels' index arithmetic needs no case for it and stays in
-    int32. HAS_WINDOW is off when neither side binds: the kernels are then the plain ones. For
-    decoding, ``seqlen_k`` is the cache capacity (every sequence's length is at most that).
+    causal mask, which has its own flag (and causal overrides any right side). A side that hides
+    no key is unbounded: the left one hides ``j < i + Sk - Sq - left``, nothing when
+    ``left >= Sk - 1`` (the last query sits at key position ``Sk - 1``); the right one hides
+    ``j > i + Sk - Sq + right``, nothing when ``right >= Sq - 1``. So transformers' sliding window
+    W at exactly W tokens (``left = W - 1``) is plain causal. With packed sequences ``seqlen_q``
+    and ``seqlen_k`` are the maxima, so a side unbounded here hides nothing in any sequence; for
+    decoding, ``seqlen_k`` is the cache capacity (every sequence's length is at most that). An
+    unbounded side is passed as ``seqlen_q + seqlen_k``, so the kernels' index arithmetic needs no
+    case for it and stays in int32. HAS_WINDOW is off when neither side binds: the kernels are
+    then the plain ones.
     """
     unbounded = seqlen_q + seqlen_k
     causal = causal or right == 0
-    left = unbounded if left < 0 or left >= seqlen_k else left
-    right = unbounded if causal or right < 0 or right >= seqlen_q else right
+    left = unbounded if left < 0 or left >= seqlen_k - 1 else left
+    right = unbounded if causal or right < 0 or right >= seqlen_q - 1 else right
     return causal, left < unbounded or right < unbounded, left, right
+
+
+def effective_window(
+    causal: bool, window: tuple[int, int], seqlen_q: int, seqlen_k: int
+) -> tuple[bool, tuple[int, int]]:
+    """``(causal, window)`` with the window's sides that hide no key as -1 and a right side of 0
+    as ``causal`` (``window_bounds``): the same problem in the form the launchers choose tiers,
+    splits and plans by, so a window that binds nothing costs nothing."""
+    causal, _, left, right = window_bounds(causal, *window, seqlen_q, seqlen_k)
+    unbounded = seqlen_q + seqlen_k
+    return causal, (-1 if left >= unbounded else left, -1 if right >= unbounded else right)
 
 
 def type_flags(
