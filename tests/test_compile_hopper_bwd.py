@@ -183,12 +183,14 @@ def test_shared_memory_within_limit(compiled):
 # The score options at D=128 hold more per step (the query-row index vector for the window's
 # masks on every step, tanh's values until dS for softcap, the distances for ALiBi): ptxas spills
 # 120-516 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance_backward.md.
+# The causal order across heads (``interleave``, a runtime group size) moved causal ALiBi from
+# 384 to 400 B; no other variant changed.
 SPILL_ALLOWANCE = {
     "d128-fp16-causal-ragged": 36,
     "d128-bf16-ragged": 100,
     "d128-bf16-causal-window": 160,
     "d128-bf16-softcap-window": 516,
-    "d128-fp16-causal-alibi": 384,
+    "d128-fp16-causal-alibi": 400,
 }
 
 

@@ -22,7 +22,7 @@ from flashcore.ops import problem as pb
 from flashcore.ops import runtime
 
 # The forward tier's checks and descriptors, so that both tiers accept the same problems.
-from flashcore.ops.fwd_sm90 import dense_problem, descriptor, num_sms, tma_ok
+from flashcore.ops.fwd_sm90 import dense_problem, descriptor, lpt_group, num_sms, tma_ok
 from flashcore.ops.launch import Descriptor, Launcher, cached
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
@@ -303,8 +303,15 @@ def _plan(
         "HAS_DLSE": dlse is not None,
         "num_warps": 4,
     }
+    lpt_heads = 1
+    if sc.is_causal and not sc.has_window:
+        # Heaviest key blocks first across heads: the flat grid is handed out in order as SMs
+        # free up (the forward's ``causal_order``); a group's heads read their Q and dO at once.
+        q_bytes = seqlen_q * 2 * head_dim * q.element_size()
+        lpt_heads = lpt_group(batch * grad_heads, q_bytes)
     main_scalars = (
-        grad_heads, heads // grad_heads, groups if split else 1, seqlen_q, seqlen_k, seqlen_pad,
+        grad_heads, heads // grad_heads, groups if split else 1, seqlen_q, seqlen_k, lpt_heads,
+        seqlen_pad,
         sc.qk_scale, float(scale), sc.window_left, sc.window_right, sc.softcap, stride_ab,
     )  # fmt: skip
     main_meta = {

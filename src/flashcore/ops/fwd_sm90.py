@@ -166,6 +166,16 @@ def tile_costs(
     return costs
 
 
+def lpt_group(heads: int, bytes_per_head: int) -> int:
+    """The most heads a causal order interleaves (``kernels/hopper/common.py: interleave``): a
+    divisor of ``heads`` (B * H), at most LPT_MAX_HEADS, whose reads (``bytes_per_head`` each)
+    fit LPT_L2_BYTES together; 1 where none does."""
+    return max(
+        d for d in range(1, min(heads, LPT_MAX_HEADS) + 1)
+        if heads % d == 0 and (d == 1 or d * bytes_per_head <= LPT_L2_BYTES)
+    )  # fmt: skip
+
+
 def causal_order(
     costs: list[float], heads: int, sms: int, persistent: bool, kv_bytes: int
 ) -> tuple[int, int]:
@@ -173,12 +183,8 @@ def causal_order(
     heads whose K and V take ``kv_bytes`` each: the flat grid takes the widest group the limits
     allow; the persistent one the modelled-shortest snake over grids ``sms - sms //
     LPT_GRID_SLACK .. sms`` and groups of 1 or the widest (ties to the full grid, then to 1)."""
-    n_m = len(costs)
-    n_work = n_m * heads
-    widest = max(
-        d for d in range(1, min(heads, LPT_MAX_HEADS) + 1)
-        if heads % d == 0 and (d == 1 or d * kv_bytes <= LPT_L2_BYTES)
-    )  # fmt: skip
+    n_work = len(costs) * heads
+    widest = lpt_group(heads, kv_bytes)
     if not persistent:
         return n_work, widest
     import torch  # the model's arithmetic, on the CPU

@@ -27,6 +27,9 @@ problem with one program per query head instead: ``kv_heads = H``, ``kv_group = 
 ``kv_share = G``, so that program ``(n, b, h)`` loads K and V of kv head ``h // G`` and writes
 its dK, dV into a per-query-head buffer ``(B, H, Sk, D)`` that the launcher sums over each
 group; ``kv_share`` is 1 otherwise (Triton specialises the 1, so the division compiles away).
+Programs map to (key block, head) by ``common.interleave``: groups of ``lpt_heads`` heads take
+their key blocks in turn, block 0 first, which causal makes the heaviest (it sees every query);
+``lpt_heads = 1`` (the launcher's choice without causal) is each head's blocks in order.
 
 Schedule (one CTA, ``gl.warp_specialize``): two consumer warpgroups (the default partition and
 worker 0; 240 registers each after ``setmaxnreg``) and a producer warp (worker 1, 24 registers).
@@ -163,7 +166,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
 from flashcore.kernels.hopper.bwd_dq import dq_step
-from flashcore.kernels.hopper.common import LOG2E, tanh
+from flashcore.kernels.hopper.common import LOG2E, interleave, tanh
 
 ROWS = gl.constexpr(64)  # query rows per step, and keys per consumer warpgroup (one m64 wgmma)
 BLOCK_N = gl.constexpr(128)  # keys per program: two consumers x 64
@@ -278,6 +281,7 @@ def _producer(
     kv_share,
     seqlen_q,
     seqlen_k,
+    lpt_heads,
     seqlen_pad,
     window_left,
     window_right,
@@ -287,8 +291,9 @@ def _producer(
 ):
     n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
     pid = gl.program_id(0)
-    start_n = (pid % n_blocks) * BLOCK_N
-    off_bh = pid // n_blocks
+    # Key blocks, heaviest first when causal, across groups of lpt_heads heads (the launcher's).
+    block, off_bh = interleave(pid, n_blocks, lpt_heads)
+    start_n = block * BLOCK_N
     off_b = off_bh // kv_heads
     off_hk = off_bh % kv_heads
     # K and V of the block, once (also for a block no query sees: the consumers wait for it),
@@ -350,6 +355,7 @@ def _consumer(
     kv_group,
     seqlen_q,
     seqlen_k,
+    lpt_heads,
     qk_scale,
     scale,
     window_left,
@@ -385,8 +391,9 @@ def _consumer(
 
     n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
     pid = gl.program_id(0)
-    start_n = (pid % n_blocks) * BLOCK_N
-    off_bh = pid // n_blocks
+    # Key blocks, heaviest first when causal, across groups of lpt_heads heads (the launcher's).
+    block, off_bh = interleave(pid, n_blocks, lpt_heads)
+    start_n = block * BLOCK_N
     off_b = off_bh // kv_heads
     off_hk = off_bh % kv_heads
     key0 = start_n + CONSUMER * ROWS
@@ -546,6 +553,7 @@ def attn_bwd_sm90_kernel(
     kv_share,
     seqlen_q,
     seqlen_k,
+    lpt_heads,
     seqlen_pad,
     qk_scale,
     scale,
@@ -600,24 +608,22 @@ def attn_bwd_sm90_kernel(
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                 kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
-                kv_heads, kv_group,
-                seqlen_q, seqlen_k, qk_scale, scale, window_left, window_right, softcap, ALIBI,
-                stride_ab, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                EVEN_N, ABLATE,
+                kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
+                window_right, softcap, ALIBI, stride_ab, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, ABLATE,
             )),
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                 kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
-                kv_heads, kv_group,
-                seqlen_q, seqlen_k, qk_scale, scale, window_left, window_right, softcap, ALIBI,
-                stride_ab, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                EVEN_N, ABLATE,
+                kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
+                window_right, softcap, ALIBI, stride_ab, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
+                HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, ABLATE,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
                 do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, kv_heads, kv_group,
-                kv_share, seqlen_q, seqlen_k, seqlen_pad, window_left, window_right, NUM_STAGES,
-                IS_CAUSAL, HAS_WINDOW,
+                kv_share, seqlen_q, seqlen_k, lpt_heads, seqlen_pad, window_left, window_right,
+                NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
             )),
         ],
         [4, 1],

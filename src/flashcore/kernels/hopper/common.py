@@ -67,22 +67,26 @@ def tanh(x):
 
 
 @gluon.jit
+def interleave(w, n_items, lpt_heads):
+    """``(i, off_bh)`` of work item ``w`` when each head has ``n_items`` items and groups of
+    ``lpt_heads`` heads (a divisor of ``B * H``) take them in turn: group g's items are its heads'
+    item 0, one per head, then their item 1, and so on. ``lpt_heads = 1`` is head-major (a head's
+    items consecutive). Causal kernels order each head's items heaviest first, so a group of
+    heads meets the SMs heaviest first (``ops/fwd_sm90.py: causal_order``)."""
+    per_group = n_items * lpt_heads
+    group = w // per_group
+    r = w - group * per_group
+    return r // lpt_heads, group * lpt_heads + r % lpt_heads
+
+
+@gluon.jit
 def work(w, n_tiles, lpt_heads, REVERSE: gl.constexpr):
-    """``(tile, off_bh)`` of work item ``w`` out of ``n_tiles * B * H``. Without REVERSE, as
-    ``common.program_tile``: a head's query tiles are consecutive. With REVERSE (causal, where a
-    tile's cost grows with its index) heaviest first within groups of ``lpt_heads`` heads
-    (``lpt_heads`` divides ``B * H``): group g's items are its heads' last tiles, one per head,
-    then their second-to-last, and so on; ``lpt_heads = 1`` is each head's tiles last-first
-    (``ops/fwd_sm90.py: causal_order`` picks it)."""
+    """``(tile, off_bh)`` of the forward's work item ``w`` out of ``n_tiles * B * H``
+    (``interleave``); REVERSE (causal, where a query tile's cost grows with its index) takes each
+    head's tiles last-first. Without REVERSE, as ``common.program_tile`` (``lpt_heads = 1``)."""
+    tile, off_bh = interleave(w, n_tiles, lpt_heads)
     if REVERSE:
-        per_group = n_tiles * lpt_heads
-        group = w // per_group
-        r = w - group * per_group
-        tile = n_tiles - 1 - r // lpt_heads
-        off_bh = group * lpt_heads + r % lpt_heads
-    else:
-        off_bh = w // n_tiles
-        tile = w % n_tiles
+        tile = n_tiles - 1 - tile
     return tile, off_bh
 
 
