@@ -114,7 +114,7 @@ def prefill(rows: list) -> None:
     flops = 4.0 * batch * heads * chunk * (length - chunk / 2) * d
     lens = torch.full((batch,), length, device="cuda", dtype=torch.int32)
     q4 = q.view(batch, chunk, heads, d).transpose(1, 2)
-    for block_size in (16, 256):
+    for block_size in (16, 32, 64, 256):
         per_seq = length // block_size
         pages = k.view(batch * per_seq, block_size, kv_heads, d).transpose(1, 2).contiguous()
         vpages = v.view(batch * per_seq, block_size, kv_heads, d).transpose(1, 2).contiguous()

@@ -89,6 +89,14 @@ MLA_HEAD_DIM_V = 128
 # Packed variable-length batches (IS_VARLEN): plain pointers, never EVEN_M/EVEN_N.
 FWD_VARLEN_VARIANTS = [(64, "bf16", False, False), (128, "fp16", True, False)]
 BWD_VARLEN_VARIANTS = [(128, "bf16", True, False)]
+# Packed queries against a paged cache (PAGED 1, 2, 3; kernels/fwd.py), causal, at the launcher's
+# tiles for the paged-prefill shapes: 1024 queries (64x64 tiles) and 4096 (128x128), plus every
+# score flag at 64x64. Compiled beside the dense varlen build of the same flags.
+FWD_PAGED_VARIANTS = [
+    ((128, "bf16", True, False), 1024),
+    ((128, "bf16", True, False), 4096),
+    ((128, "fp16", True, False, True), 1024),
+]
 PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
 # Decode: (head_dim, dtype, kv_group * Sq, paged, split). Every variant is causal; the paged ones
 # also compile the sliding window, softcap and ALiBi.
@@ -192,6 +200,18 @@ def fwd_consts(
     return consts, {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
 
 
+def pipeline(ttgir: str, ptx: str) -> dict:
+    """How the key loops move K/V: the depth of the (rows, D) shared buffers they copy into, the
+    copy groups the deepest wait leaves in flight, and the integer divisions left in the PTX."""
+    depths = re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x", ttgir)
+    waits = re.findall(r"ttg\.async_wait[^{]*\{num = (\d+)", ttgir)
+    return {
+        "kv_buffers": max(map(int, depths), default=0),
+        "copies_in_flight": max(map(int, waits), default=0),
+        "divisions": len(re.findall(r"\b(?:div|rem)\.[su]32", ptx)),
+    }
+
+
 def ptxas_resources(ptx: str) -> dict:
     """Registers per thread and spill bytes, as ptxas reports them for sm_90a (no driver needed)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -254,6 +274,16 @@ def main() -> int:
         consts, options = fwd_consts(*variant, varlen=True)
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options)
         print(json.dumps(report("attn_fwd", variant, compiled, varlen=True)), flush=True)
+    for (variant, seqlen_q), paged in itertools.product(FWD_PAGED_VARIANTS, (0, 1, 2, 3)):
+        consts, options = fwd_consts(*variant, varlen=True, seqlen_q=seqlen_q)
+        consts["PAGED"] = paged
+        compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options)
+        row = report("attn_fwd", variant, compiled, varlen=True)
+        row["case"] = row["variant"] + f"-sq{seqlen_q}"
+        row["variant"] = row["case"] + f"-paged{paged}"
+        row["paged"] = paged
+        row.update(pipeline(compiled.asm["ttgir"], compiled.asm["ptx"]))
+        print(json.dumps(row), flush=True)
     bwd_variants = (
         [(v, False, False) for v in BWD_VARIANTS]
         + [(v, True, False) for v in BWD_VARLEN_VARIANTS]

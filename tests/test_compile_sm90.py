@@ -86,6 +86,25 @@ def test_half_precision_kernels_do_not_spill(compiled):
             )
 
 
+def test_paged_forward_pipelines_as_dense(compiled):
+    # Pages are looked up a tile ahead of the loads that use them (kernels/fwd.py): each paged
+    # build keeps as many K/V buffers, and as many copies in flight across a step, as the dense
+    # varlen build of the same flags (3 and 2 at num_stages=3, Triton 3.6.0); looked up in the
+    # step itself they kept 2 buffers and waited for every copy at the top of each step. PAGED
+    # 3 (power-of-two pages) divides no more than the dense build: PAGED 1's division a key row
+    # made its key loop 789 SASS instructions a step against 400 dense (64x64 tiles, 16-key
+    # pages; PAGED 3: 477).
+    rows = [row for row in compiled if "paged" in row]
+    dense = {row["case"]: row for row in rows if row["paged"] == 0}
+    assert len(dense) == 3 and len(rows) == 12, [row["variant"] for row in rows]
+    for row in rows:
+        base = dense[row["case"]]
+        for key in ("kv_buffers", "copies_in_flight"):
+            assert row[key] == base[key], f"{row['variant']}: {key} {row[key]}, dense {base[key]}"
+        if row["paged"] == 3:
+            assert row["divisions"] <= base["divisions"], (row["variant"], row["divisions"])
+
+
 def test_varlen_variants_compile(compiled):
     # IS_VARLEN adds a prologue and an early exit to every kernel; each must still compile.
     kernels = {row["kernel"] for row in compiled if row["varlen"]}

@@ -150,3 +150,55 @@ def test_paged_varlen_both_gathers(block_n, device):
         q, k_dense, v_dense, cu_q, cu_k, causal=True, scale=0.25, dtype=torch.float32
     )
     assert_fa_rule("out", out, pt.out, ref.out)
+
+
+# (block_n, block_size, PAGED): pages below the key tile, powers of two (3, shifts and int32
+# offsets) or not (1, divisions), and tiles within one page (2).
+BLOCK_SIZES = [(64, 16, 3), (32, 16, 3), (64, 32, 3), (32, 48, 1), (64, 48, 1), (16, 32, 2)]
+
+
+@pytest.mark.parametrize("window", [None, (40, 0)], ids=["causal", "window"])
+@pytest.mark.parametrize(
+    ("block_n", "block_size", "paged"), BLOCK_SIZES, ids=[f"n{n}-bs{b}" for n, b, _ in BLOCK_SIZES]
+)
+def test_paged_varlen_block_sizes(block_n, block_size, paged, window, device):
+    """Each way a key tile finds its pages gives the dense numbers: causal and with a sliding
+    window (its masked band at the left edge), sequences ending mid-page and mid-tile and one
+    ending with its last page, so that the lookups a tile ahead meet every range's end."""
+    from flashcore.ops import fwd, problem
+    from flashcore.tuning import FwdConfig
+
+    seqlens_q, seqlens_k = (9, 50, 1), (150, 64, 33)
+    q, k, v, table, cu_q, cu_k, k_dense, v_dense = make_paged(
+        seqlens_q, seqlens_k, 2, 1, 16, 16, block_size, torch.float32, device
+    )
+    assert fwd.paged_mode(k, v, block_n) == paged
+    varlen = problem.Varlen(cu_q, cu_k, max(seqlens_q), max(seqlens_k))
+    config = FwdConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=1)
+    out, lse = fwd.launch(
+        q, k, v, True, 0.25, config, varlen, window=window or (-1, -1), block_table=table
+    )
+    options = {"causal": True, "scale": 0.25, "window": window}
+    ref = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, **options)
+    pt = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, dtype=torch.float32, **options)
+    assert_fa_rule("out", out, pt.out, ref.out)
+    assert_fa_rule("lse", lse, pt.lse.float(), ref.lse)
+
+
+def test_paged_mode():
+    """The launcher's choice of page lookup: a cache of 2**31 elements or more keeps 64-bit
+    offsets (PAGED 1) even for power-of-two pages below the tile."""
+    from flashcore.ops.fwd import paged_mode
+
+    def cache(pages: int, block_size: int, d: int = 128) -> torch.Tensor:
+        return torch.empty(pages, 8, block_size, d, device="meta")
+
+    assert paged_mode(cache(10, 256), cache(10, 256), 64) == 2
+    assert paged_mode(cache(10, 64), cache(10, 64), 64) == 2
+    assert paged_mode(cache(10, 16), cache(10, 16), 64) == 3
+    assert paged_mode(cache(10, 32), cache(10, 32), 128) == 3
+    assert paged_mode(cache(10, 48), cache(10, 48), 64) == 1
+    # 2**17 pages of 8 x 16 x 128 elements: offsets up to 2**31 - 1.
+    assert paged_mode(cache(2**17, 16), cache(2**17, 16), 64) == 3
+    assert paged_mode(cache(2**17 + 1, 16), cache(2**17 + 1, 16), 64) == 1
+    assert paged_mode(cache(2**17, 16), cache(2**17, 16, 256), 64) == 1

@@ -15,7 +15,8 @@ Each helper owns one concern so that a bug shows in one place and the probe kern
 - ``transform_scores``: softcap (``c * tanh(s / c)``) and ALiBi (``-slope * |i + Sk - Sq - j|``),
   on every tile; ``tanh`` is a portable fp32 tanh.
 - ``alibi_slope``: a head's ALiBi slope in the scores' units.
-- ``paged_rows``: where a key tile lies in a paged cache (page and row of each key).
+- ``page_lookup`` / ``page_row`` / ``paged_rows``: where a key tile lies in a paged cache (page
+  and row of each key).
 - ``softmax_start``: the running max and sum before the first key tile (a sink logit, if any).
 - ``online_softmax_step``: one step of the streaming softmax in base 2 (base e with EXP_E).
 - ``row_lse``: the natural-log logsumexp of a finished row, -inf for a row that saw no key.
@@ -354,31 +355,69 @@ def row_lse(m_i, l_i, EXP_E: tl.constexpr):
 
 
 @triton.jit
+def page_lookup(
+    bt_row, tile_n, cols, seqlen, block_size, num_blocks, MASKED: tl.constexpr, PAGED: tl.constexpr
+):
+    """Pages of key tile ``cols`` (starting at ``tile_n``) in a paged cache, 32-bit: key j is row
+    ``j % block_size`` (``page_row``) of page ``bt_row[j // block_size]``.
+
+    PAGED 2 (block_size a multiple of the tile): one lookup for the tile, a scalar (``tile_n`` a
+    multiple of the tile, as the key loops' starts are). PAGED 1: a lookup per key. PAGED 3
+    (block_size a power of two): a lookup per key too, indexed by a shift where PAGED 1 divides
+    (a signed division by the runtime block_size is ~15 instructions a key row on sm_90: 16-key
+    pages in 64-key tiles took 790 instructions a step of the key loop with PAGED 1, 477 with
+    PAGED 3, 400 dense; tests/sm90_compile.py). MASKED: keys from ``seqlen`` on (PAGED 2: a
+    tile starting there) read page 0, not the table; unmasked, every key of the tile must be
+    below ``seqlen``. Entries are clamped to
+    ``[0, num_blocks)`` (here for PAGED 2, negative ones to the last page; by the launcher for
+    PAGED 1 and 3, where a per-row clamp made the paged decode variant spill on sm_90,
+    tests/test_compile_sm90.py): a bad one reads another page of the cache (wrong numbers for its
+    own sequence), never memory outside it.
+    """
+    if PAGED == 2:
+        if MASKED:
+            page = tl.load(bt_row + tile_n // block_size, mask=tile_n < seqlen, other=0)
+        else:
+            page = tl.load(bt_row + tile_n // block_size)
+        page = tl.minimum(page.to(tl.uint32), num_blocks - 1)
+    else:
+        if PAGED == 3:
+            # log2(block_size): the exponent of a power of two's float, exact.
+            shift = (block_size.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+            idx = cols >> shift
+        else:
+            idx = cols // block_size
+        if MASKED:
+            page = tl.load(bt_row + idx, mask=cols < seqlen, other=0)
+        else:
+            page = tl.load(bt_row + idx)
+    return page
+
+
+@triton.jit
+def page_row(tile_n, cols, block_size, PAGED: tl.constexpr):
+    """Row of each key of tile ``cols`` within its page (``page_lookup``'s PAGED)."""
+    if PAGED == 2:
+        row = tile_n % block_size + (cols - tile_n)
+    elif PAGED == 3:
+        row = cols & (block_size - 1)  # a power of two (page_lookup)
+    else:
+        row = cols % block_size
+    return row
+
+
+@triton.jit
 def paged_rows(
     bt_row, tile_n, cols, seqlen, block_size, num_blocks, MASKED: tl.constexpr, PAGED: tl.constexpr
 ):
-    """``(page, row)`` of key tile ``cols`` (starting at ``tile_n``) in a paged cache: key j is
-    row ``j % block_size`` of page ``bt_row[j // block_size]``, so a key row's offset is
-    ``page * stride_page + row * stride_row``. PAGED 2 (block_size a multiple of the tile): one
-    lookup for the tile, ``page`` a scalar (``tile_n`` is below ``seqlen``, so its entry is one of
-    the sequence's pages); PAGED 1: a lookup per key, masked past ``seqlen`` in MASKED tiles.
-    Entries are clamped to ``[0, num_blocks)`` (here for PAGED 2, negative ones to the last page;
-    by the launcher for PAGED 1): a bad one reads another page of the cache (wrong numbers for its
-    own sequence), never memory outside it."""
-    if PAGED == 2:
-        page = tl.load(bt_row + tile_n // block_size)
-        page = tl.minimum(page.to(tl.uint32), num_blocks - 1).to(tl.int64)
-        row = tile_n % block_size + (cols - tile_n)
-    else:
-        if MASKED:
-            page = tl.load(bt_row + cols // block_size, mask=cols < seqlen, other=0)
-        else:
-            page = tl.load(bt_row + cols // block_size)
-        # The launcher clamps the table for this path (a per-row clamp here made the paged
-        # decode variant spill on sm_90, tests/test_compile_sm90.py).
-        page = page.to(tl.int64)
-        row = cols % block_size
-    return page, row
+    """``(page, row)`` of key tile ``cols`` (starting at ``tile_n``) in a paged cache, ``page``
+    int64, so that a key row's offset is ``page * stride_page + row * stride_row``: the page
+    (``page_lookup``; a scalar for PAGED 2, whose ``tile_n`` is below ``seqlen`` in every tile
+    the kernels visit, so its lookup is never masked) and the row within it (``page_row``)."""
+    page = page_lookup(
+        bt_row, tile_n, cols, seqlen, block_size, num_blocks, MASKED and PAGED != 2, PAGED
+    )
+    return page.to(tl.int64), page_row(tile_n, cols, block_size, PAGED)
 
 
 @triton.jit

@@ -53,7 +53,10 @@ Flags (``tl.constexpr``, compiled away when off):
   D)``; key j of sequence b is row ``j % block_size`` of page ``BLOCK_TABLE[b, j // block_size]``,
   and ``CU_K`` gives only each sequence's number of keys (FlashAttention-2's paged varlen). 1:
   each key row finds its page (any block_size); 2: block_size is a multiple of BLOCK_N, so a tile
-  is consecutive rows of one page, one lookup per tile. The base pointers stay at page 0.
+  is consecutive rows of one page, one lookup per tile; 3: as 1 for a power-of-two block_size
+  (shifts, not divisions) with int32 row offsets (the launcher checks that the caches allow
+  them). The base pointers stay at page 0. Pages are looked up a tile ahead of the loads that
+  use them (``_fwd_kv_loop``).
 - IS_VARLEN: packed variable-length batches (FlashAttention-2's varlen). Q and O are
   ``(total_q, H, D)``, K and V ``(total_k, Hkv, D)``, passed with batch stride 0; sequence b is
   rows ``[CU_Q[b], CU_Q[b+1])`` against rows ``[CU_K[b], CU_K[b+1])`` (int32 offsets). The
@@ -89,7 +92,8 @@ from flashcore.kernels.common import (
     load_tile,
     mask_scores,
     online_softmax_step,
-    paged_rows,
+    page_lookup,
+    page_row,
     program_tile,
     row_lse,
     softmax_start,
@@ -159,6 +163,13 @@ def _fwd_kv_loop(
     """
     tile_k = offs_n[:, None] * stride_kn + offs_d[None, :]
     tile_v = offs_n[:, None] * stride_vn + offs_dv[None, :]
+    if PAGED:
+        # The first tile's pages, masked: an empty range may start past Sk. Later lookups stay
+        # in the range, at most at its last tile (last_n).
+        pages = page_lookup(
+            bt_row, start_n, start_n + offs_n, seqlen_k, block_size, num_blocks, True, PAGED
+        )
+        last_n = start_n + tl.maximum(end_n - start_n - 1, 0) // BLOCK_N * BLOCK_N
     for tile_n in range(start_n, end_n, BLOCK_N):
         cols = tile_n + offs_n
         if USE_TMA:
@@ -166,10 +177,21 @@ def _fwd_kv_loop(
             v = v_base.load([tma_b, tma_h, tile_n, 0]).reshape(BLOCK_N, BLOCK_DV)
         elif PAGED:
             # Key j of the sequence is row j % block_size of page bt_row[j // block_size]; the
-            # bases stay at this kv head of page 0. Full tiles lie inside Sk.
-            page, row = paged_rows(
-                bt_row, tile_n, cols, seqlen_k, block_size, num_blocks, MASKED, PAGED
+            # bases stay at this kv head of page 0. Full tiles lie inside Sk. The pages are
+            # looked up a step ahead (the last step looks its own tile up again, never past the
+            # range): no tile address waits on a load of its own step, and Triton pipelines
+            # the tiles as the dense ones (three buffers at num_stages=3, a tile's copies in
+            # flight across steps); with the lookup in the step it kept two buffers and waited
+            # for every copy at the top of each step (TTGIR for sm_90).
+            page = pages
+            ahead = tl.minimum(tile_n + BLOCK_N, last_n)
+            pages = page_lookup(
+                bt_row, ahead, ahead + offs_n, seqlen_k, block_size, num_blocks, MASKED, PAGED
             )
+            if PAGED != 3:
+                # PAGED 3 offsets fit in int32 (the launcher checks the caches' extent).
+                page = page.to(tl.int64)
+            row = page_row(tile_n, cols, block_size, PAGED)
             k_ptrs = k_base + (page * stride_kb + row * stride_kn)[:, None] + offs_d[None, :]
             v_ptrs = v_base + (page * stride_vb + row * stride_vn)[:, None] + offs_dv[None, :]
             rows_even = EVEN_N or not MASKED
