@@ -241,7 +241,7 @@ def test_sm90_causal_order(shape, persistent, want):
     from flashcore.ops import fwd_sm90
 
     batch, heads, seqlen, head_dim = shape
-    costs = fwd_sm90.tile_costs(seqlen // 128, seqlen, seqlen, 128, 128, 0, False)
+    costs = fwd_sm90.tile_costs(seqlen, seqlen, 128, 128, 0, False)
     assert costs[0] == 1 + fwd_sm90.LPT_TILE_COST and costs[-1] == seqlen // 128 + 1
     kv_bytes = seqlen * 2 * head_dim * 2
     got = fwd_sm90.causal_order(costs, batch * heads, 132, persistent, kv_bytes)

@@ -63,12 +63,8 @@ def launch(
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
     # A window that hides no key is none (transformers' sliding window at its own length).
     if window != (-1, -1):
-        if varlen is None:
-            causal, window = pb.effective_window(causal, window, q.shape[2], k.shape[2])
-        else:
-            causal, window = pb.effective_window(
-                causal, window, varlen.max_seqlen_q, varlen.max_seqlen_k
-            )
+        lengths = (q.shape[2], k.shape[2]) if varlen is None else varlen[2:]
+        causal, window = pb.effective_window(causal, window, *lengths)
     # All four 16-byte aligned: no low bit set in any address.
     aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr()) % 16 == 0
     # What both plan keys below start with (an sm_90 GPU builds both for the problems the
@@ -125,9 +121,7 @@ def launch(
     cu = (None, None) if varlen is None else varlen[:2]
     with runtime.launch_on(q):
         # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
-        # PAGED 1 and 3 read an entry a key row, clamped here rather than in the kernel.
-        lookups = 2 if meta["PAGED"] == 2 else 1
-        table = lse if block_table is None else pb.page_table(block_table, k, lookups)
+        table = lse if block_table is None else pb.page_table(block_table, k, meta["PAGED"])
         kernel()(grid, (*pointers, lse, *cu, alibi, sinks, table, *tail), meta)
     return out, lse
 

@@ -146,7 +146,6 @@ LPT_GRID_SLACK = 8
 
 
 def tile_costs(
-    n_m: int,
     seqlen_q: int,
     seqlen_k: int,
     block_m: int,
@@ -154,11 +153,11 @@ def tile_costs(
     window_left: int,
     has_window: bool,
 ) -> list[float]:
-    """Modelled cost of causal query tiles ``0 .. n_m - 1``: the key tiles each walks
+    """Modelled cost of each causal query tile of ``block_m`` rows: the key tiles it walks
     (``kv_tile_range``) plus ``LPT_TILE_COST``."""
     diag = seqlen_k - seqlen_q
     costs = []
-    for t in range(n_m):
+    for t in range(-(-seqlen_q // block_m)):
         start = t * block_m
         hi = min(seqlen_k, max(start + block_m + diag, 0))
         lo = (max(start + diag - window_left, 0) // block_n) * block_n if has_window else 0
@@ -191,10 +190,10 @@ def causal_order(
 
     per_tile = torch.tensor(costs, dtype=torch.float64)
     best = None
+    top = min(sms, n_work)
     for group in dict.fromkeys((1, widest)):
         # Item w's cost in this order (work): group, then tile last-first, then head.
         order = per_tile.flip(0).repeat_interleave(group).repeat(heads // group)
-        top = min(sms, n_work)
         for grid in range(top, max(top - sms // LPT_GRID_SLACK, 1) - 1, -1):
             waves = -(-n_work // grid)
             dealt = torch.zeros(waves * grid, dtype=torch.float64)
@@ -400,10 +399,7 @@ def plan(
         persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
     grid, lpt_heads = (min(num_sms(q.device.index), n_work) if persistent else n_work), 1
     if causal:
-        costs = tile_costs(
-            -(-seqlen_q // block_m), seqlen_q, seqlen_k, block_m, cfg.block_n, window_left,
-            has_window,
-        )  # fmt: skip
+        costs = tile_costs(seqlen_q, seqlen_k, block_m, cfg.block_n, window_left, has_window)
         kv_bytes = seqlen_k * (head_dim + head_dim_v) * k.element_size()
         grid, lpt_heads = causal_order(
             costs, batch * heads, num_sms(q.device.index), persistent, kv_bytes

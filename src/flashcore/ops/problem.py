@@ -87,9 +87,10 @@ def packed_totals(
 
 
 def page_table(block_table: torch.Tensor, cache: torch.Tensor, paged: int) -> torch.Tensor:
-    """The block table as the kernels read it: with PAGED 1 (a lookup per key row) clamped to the
-    cache's pages here, one small launch; PAGED 2 clamps its one lookup a tile in the kernel."""
-    return block_table.clamp(0, cache.shape[0] - 1) if paged == 1 else block_table
+    """The block table as the kernels read it: with PAGED 1 and 3 (a lookup per key row) clamped
+    to the cache's pages here, one small launch; PAGED 2 clamps its one lookup a tile in the
+    kernel."""
+    return block_table if paged == 2 else block_table.clamp(0, cache.shape[0] - 1)
 
 
 def lse_shape(q: torch.Tensor, packed: bool) -> tuple[int, ...]:
