@@ -221,6 +221,91 @@ def test_launch_hit_calls_the_native_launcher(monkeypatch):
     assert hooked[6].get()["name"] == "attn_fwd_kernel"
 
 
+def test_launch_hit_keeps_the_tensor_maps(monkeypatch):
+    """A hit of a kernel with tensor-descriptor arguments calls the native launcher under
+    Triton's descriptor unpacking (``ops.launch.TensorMaps``) with exactly the arguments that
+    unpacking would give it, and encodes each distinct descriptor once: again only for another
+    base address or shape. On the CPU: Triton 3.6's own unpacking wrapper and ``CudaLauncher``
+    around a stand-in native launcher, and a stand-in encoder."""
+    import triton
+    from triton.backends.nvidia import driver as nvidia
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.driver import driver
+
+    from flashcore.ops import launch
+
+    if not triton.__version__.startswith(launch.DIRECT_TRITON):
+        pytest.skip("the direct launch is taken only on the Triton versions it was read from")
+    encoded = []
+
+    def encode(desc, meta):
+        encoded.append((desc.base.data_ptr(), tuple(desc.shape), meta["swizzle"]))
+        return [("map", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
+
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", encode)
+    native = []
+    signature = {"A": "tensordesc<fp16[1, 64]>", "X": "*fp32", "C": "tensordesc<fp16[1, 64]>",
+                 "n": "i32", "BLOCK": "constexpr"}  # fmt: skip
+    metas = [{"swizzle": 128}, {"swizzle": 64}]
+    run = object.__new__(nvidia.CudaLauncher)
+    run.launch = nvidia.wrap_handle_tensordesc(lambda *a: native.append(a), signature, metas)
+    run.num_ctas = 1
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.launch_cooperative_grid = run.launch_pdl = False
+    kernel = object.__new__(CompiledKernel)
+    kernel.module, kernel.function, kernel.packed_metadata = "module", "function", "packed"
+    kernel._run = run
+    kernel.name, kernel.src = "attn_bwd_sm90_kernel", None
+
+    class Driver:
+        @staticmethod
+        def get_current_device():
+            return 0
+
+        @staticmethod
+        def get_current_stream(device):
+            return 11
+
+    class Jit:
+        __name__ = "attn_bwd_sm90_kernel"
+        device_caches = types.MappingProxyType({})
+        arg_names = ("A", "X", "C", "n", "BLOCK")
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: kernel
+
+    monkeypatch.setattr(driver, "_active", Driver())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launcher = launch.Launcher(Jit(), num_pointers=3)
+    a, c, c2 = torch.zeros(4, 64), torch.zeros(8, 64), torch.zeros(8, 64)
+    x = torch.zeros(3)
+
+    def args(c_tensor):
+        return (launch.Descriptor(a, [1, 64]), x, launch.Descriptor(c_tensor, [1, 64]), 7)
+
+    launcher((5,), args(c), {"BLOCK": 16})  # a miss: through the JITFunction
+    assert native == [] and type(launcher.compiled[next(iter(launcher.compiled))][2]) is (
+        launch.TensorMaps
+    )
+    launcher((5,), args(c), {"BLOCK": 16})
+    assert len(encoded) == 2  # the first hit encodes both descriptors
+    launcher((5,), args(c), {"BLOCK": 16})
+    assert len(encoded) == 2  # the same tensors: nothing encoded again
+    kernel[(5, 1, 1)](*args(c), 16)  # Triton's own path: its wrapper encodes both again
+    assert len(encoded) == 4
+    first, again, own = native
+    assert first == again
+    assert first[:10] == own[:10] == (5, 1, 1, 11, "function", False, False, None, None, "packed")
+    assert first[10:13] == (None, None, None)
+    assert first[13:] == own[13:]
+    assert first[13:] == (("map", a.data_ptr(), 128), 4, 64, 64, 1, x,
+                          ("map", c.data_ptr(), 64), 8, 64, 64, 1, 7, 16)  # fmt: skip
+    launcher((5,), args(c2), {"BLOCK": 16})  # another base: that descriptor encoded again
+    assert encoded[4:] == [(c2.data_ptr(), (8, 64), 64)]
+    assert native[-1][19] == ("map", c2.data_ptr(), 64)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_launch_plans_follow_the_layout(causal, device):
     # ops.fwd/ops.bwd build the launch arguments once per problem signature; the same shape in

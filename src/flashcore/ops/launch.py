@@ -35,6 +35,11 @@ every launch (2-core CPU machine, 10 pointers and 30 scalars, a Python no-op sta
 native launcher, best of 9 x 20000); all of ``CompiledKernel[grid](...)`` measured 28 us a launch
 on the H100 machine's host (docs/performance_host.md, "Host overhead").
 
+A kernel with tensor-descriptor arguments goes one level further down on a hit (``TensorMaps``):
+Triton's launcher would encode every descriptor into a ``CUtensorMap`` on every launch; the
+encoded maps are kept per base address, shape and strides and passed to the native launcher
+directly (about 4 us a descriptor on the H100 machine's host; nine for the Hopper backward).
+
 CUDA graphs: a hit reads nothing from the device and launches on the current stream, so it is
 captured like any other kernel (the keys hold pointer alignment, never addresses). A miss may
 make Triton compile and load a kernel variant, and CUDA forbids loading a module during a stream
@@ -95,11 +100,16 @@ class Launcher:
         kernel, constexprs, direct = hit
         grid = grid + (1,) * (3 - len(grid))
         if direct and _no_launch_hooks():
+            stream = _driver.active.get_current_stream(device)
+            if type(direct) is TensorMaps:
+                # Below Triton's descriptor unpacking (``TensorMaps``).
+                direct.launch(grid, stream, kernel, args, num_pointers, constexprs)
+                return
             # CompiledKernel[grid](*args, *constexprs) without its per-launch Python (module
             # docstring); the property ``run`` loads the module first if it was not.
             kernel.run(
-                *grid, _driver.active.get_current_stream(device), kernel.function,
-                kernel.packed_metadata, None, None, None, *args, *constexprs,
+                *grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
+                *constexprs,
             )  # fmt: skip
         else:
             kernel[grid](*args, *constexprs)
@@ -117,7 +127,10 @@ class Launcher:
             self.compiled.clear()
         names = self.fn.arg_names[len(args) :]
         constexprs = tuple(meta[n] for n in names)
-        self.compiled[key] = (kernel, constexprs, _runs_directly(kernel))
+        direct = _runs_directly(kernel)
+        if direct:
+            direct = TensorMaps.of(kernel, self.num_pointers) or True
+        self.compiled[key] = (kernel, constexprs, direct)
         return kernel
 
 
@@ -146,6 +159,109 @@ def _runs_directly(kernel: Any) -> bool:
         return False
     _driver, _knobs, _hook_chain = driver, knobs, knobs.HookChain
     return True
+
+
+# Encoded tensor maps kept per compiled kernel; past this many the map starts over.
+MAX_TENSOR_MAPS = 1024
+
+
+class TensorMaps:
+    """The direct launch of a kernel with tensor-descriptor arguments, below Triton's unpacking.
+
+    In Triton 3.6 a compiled kernel's launcher (``CudaLauncher``) passes its arguments through
+    ``wrap_handle_tensordesc``, which, on every launch, expands each descriptor with
+    ``make_tensordesc_arg``: the 128-byte ``CUtensorMap`` encoded by the driver
+    (``fill_tma_descriptor``: base address, shape, strides, the box and swizzle of the compiled
+    metadata), then the shape and strides. That expansion depends on nothing but the
+    descriptor's base address, shape, strides and padding and the compiled metadata of its
+    position, so this class keeps it per (position, address, shape, strides, padding) and calls
+    the native launcher under the wrapper with the kept expansion: the same arguments, encoded
+    once per distinct tensor instead of once per launch (an eager training loop gets the same
+    addresses back from PyTorch's caching allocator step after step). The Hopper backward passes
+    nine descriptors a launch, its forward four.
+
+    ``of`` returns None (launch through ``CompiledKernel.run`` as other kernels do) unless the
+    launcher is that wrapper around a native launcher, every descriptor was lowered to a tensor
+    map, all of them are among the pointer arguments, and the kernel needs no global or profile
+    scratch (which ``CudaLauncher`` would allocate per launch)."""
+
+    __slots__ = ("coop", "encode", "maps", "metas", "native", "pdl")
+
+    def __init__(self, native: Any, metas: tuple, coop: bool, pdl: bool, encode: Any) -> None:
+        self.native = native
+        self.metas = metas  # per pointer argument: its descriptor's compiled metadata, or None
+        self.coop = coop
+        self.pdl = pdl
+        self.encode = encode
+        self.maps: dict[tuple, list] = {}
+
+    @classmethod
+    def of(cls, kernel: Any, num_pointers: int) -> TensorMaps | None:
+        from triton.backends.nvidia import driver as nvidia
+
+        run = kernel.run
+        wrapper = getattr(run, "launch", None)
+        code = getattr(wrapper, "__code__", None)
+        if code is None or wrapper.__closure__ is None:
+            return None  # no descriptor argument: Triton's launcher is the native one
+        cells = dict(zip(code.co_freevars, wrapper.__closure__, strict=True))
+        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+            return None
+        if nvidia._BASE_ARGS_FORMAT != "iiiKKppOOOOOO":  # what ``launch`` passes first
+            return None
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        indices = sorted(cells["tensordesc_indices"].cell_contents)
+        metas = cells["tensordesc_meta"].cell_contents
+        if (
+            not indices
+            or indices[-1] >= num_pointers
+            or metas is None
+            or len(metas) != len(indices)
+            or any(m is None for m in metas)
+        ):
+            return None
+        by_position: list = [None] * num_pointers
+        for i, meta in zip(indices, metas, strict=True):
+            by_position[i] = meta
+        return cls(
+            cells["launcher"].cell_contents, tuple(by_position), bool(run.launch_cooperative_grid),
+            bool(run.launch_pdl), nvidia.make_tensordesc_arg,
+        )  # fmt: skip
+
+    def launch(
+        self,
+        grid: tuple,
+        stream: int,
+        kernel: Any,
+        args: tuple,
+        num_pointers: int,
+        constexprs: tuple,
+    ) -> None:
+        maps = self.maps
+        front = []
+        for i in range(num_pointers):
+            a = args[i]
+            meta = self.metas[i]
+            if meta is None:
+                front.append(a)
+                continue
+            try:
+                key = (i, a.base.data_ptr(), a.shape, a.strides, a.padding)
+                expanded = maps.get(key)
+            except TypeError:  # a descriptor with list fields (Triton's own): not kept
+                key, expanded = None, None
+            if expanded is None:
+                expanded = self.encode(a, meta)
+                if key is not None:
+                    if len(maps) >= MAX_TENSOR_MAPS:
+                        maps.clear()
+                    maps[key] = expanded
+            front += expanded
+        self.native(
+            *grid, stream, kernel.function, self.coop, self.pdl, None, None,
+            kernel.packed_metadata, None, None, None, *front, *args[num_pointers:], *constexprs,
+        )  # fmt: skip
 
 
 def _no_launch_hooks() -> bool:
