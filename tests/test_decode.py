@@ -84,6 +84,29 @@ def test_decode_num_splits(case, num_splits, device):
     check_decode(*make_kvcache(case, torch.float16, device), causal=True, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("case", DECODE[:2], ids=["dense", "paged"])
+def test_decode_plans_follow_the_problem(case, device):
+    """``ops.decode`` builds its launch once per problem signature: a repeat (other lengths in
+    cache_seqlens, other cache contents) reuses the plan and is still right; another layout of
+    the same shape, another split count or a window gets its own."""
+    from flashcore.ops import decode
+
+    q, k, v, lens, table = make_kvcache(case, torch.float16, device)
+    decode._PLANS.clear()
+    check_decode(q, k, v, lens, table, causal=True, num_splits=2)
+    assert len(decode._PLANS) == 1
+    shorter = torch.clamp(lens - 5, min=0)
+    check_decode(q, k.clone(), v.clone(), shorter, table, causal=True, num_splits=2)
+    assert len(decode._PLANS) == 1
+    for options in ({"num_splits": 1}, {"num_splits": 2, "window": (7, 0)}):
+        check_decode(q, k, v, lens, table, causal=True, **options)
+    assert len(decode._PLANS) == 3
+    if table is None:  # the dense cache as (B, S, Hkv, D) storage: other strides
+        k_t, v_t = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+        check_decode(q, k_t, v_t, lens, table, causal=True, num_splits=2)
+        assert len(decode._PLANS) == 4
+
+
 FEATURES = {
     "window-causal": {"window": (20, -1)},
     "window-both-sides": {"window": (9, 4), "causal": False},

@@ -7,12 +7,13 @@ first kernel writes ``out``/``lse`` directly (its split stride is 0) and the com
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
-from flashcore.ops.launch import Launcher
+from flashcore.ops.launch import Launcher, cached
 from flashcore.tuning import (
     INTERPRETER_SMS,
     MAX_SPLITS,
@@ -79,27 +80,111 @@ def launch(
     chooses. ``alibi_slopes`` is None or fp32 ``(H,)`` or ``(B, H)``; ``sinks`` None or fp32
     ``(H,)``. ``out`` is contiguous
     ``(B, H, Sq, Dv)`` in q's dtype (Dv: v_cache's head dim), ``lse`` fp32 ``(B, H, Sq)``.
+    Everything but the tensors (configs, split count, grids, strides, scalars, constexprs) is
+    built once per problem signature (``_plan``): tens of microseconds of Python a call
+    otherwise, more than the kernels at short caches (docs/performance_host.md).
     """
     q, k_cache, v_cache = (pb.unit_stride_last_dim(t) for t in (q, k_cache, v_cache))
+    paged = block_table is not None
+    key = (
+        q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
+        q.dtype, q.device, None if paged else cache_seqlens.stride(0),
+        (block_table.shape, block_table.stride(0)) if paged else None,
+        None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()),
+        causal, scale, window_left, window_right, softcap, num_splits, sinks is None,
+        runtime.is_interpreted(),
+    )  # fmt: skip
+    p = _PLANS.get(key)
+    if p is None:
+        p = cached(_PLANS, key, lambda: _plan(
+            q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, causal, scale,
+            window_left, window_right, softcap, num_splits, sinks is not None,
+        ))  # fmt: skip
+    out = torch.empty(p.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(p.out_shape[:3], dtype=torch.float32, device=q.device)
+    if p.empty:
+        return out, lse
+    if p.no_keys:
+        if sinks is not None:
+            return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
+        return out.zero_(), lse.fill_(float("-inf"))
+    if p.num_splits == 1:
+        o_part, lse_part = out, lse
+    else:
+        o_part = torch.empty(p.part_shape, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(p.part_shape[:4], dtype=torch.float32, device=q.device)
+    if not paged:
+        table = cache_seqlens
+    elif p.clamp_table:
+        table = block_table.clamp(0, k_cache.shape[0] - 1)
+    else:
+        table = block_table
+    slopes = lse if alibi_slopes is None else alibi_slopes.contiguous()
+    split_kernel, combine_kernel = kernels()
+    with runtime.launch_on(q):
+        split_kernel(
+            p.grid,
+            (
+                q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes, sinks,
+                *p.split_scalars[0], table.stride(0), *p.split_scalars[1],
+            ),
+            p.split_meta,
+        )  # fmt: skip
+        if p.num_splits > 1:
+            combine_kernel(
+                p.combine_grid, (o_part, lse_part, out, lse, *p.combine_scalars), p.combine_meta
+            )
+    return out, lse
+
+
+class Plan(NamedTuple):
+    """A decode launch but its tensors (``_plan``)."""
+
+    out_shape: tuple[int, ...]
+    empty: bool  # nothing to compute (no query rows)
+    no_keys: bool  # no key in any cache: out 0 and the LSE of the sinks (or -inf)
+    num_splits: int
+    part_shape: tuple[int, ...]  # the fp32 partial outputs of the splits (num_splits > 1)
+    clamp_table: bool
+    grid: tuple[int, ...]
+    split_scalars: tuple[tuple, tuple]  # before and after the table's row stride
+    split_meta: dict
+    combine_grid: tuple[int, ...]
+    combine_scalars: tuple
+    combine_meta: dict
+
+
+# Plans by problem signature (bounded by ops.launch.cached).
+_PLANS: dict[tuple, Plan] = {}
+
+
+def _plan(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+    has_sinks: bool,
+) -> Plan:
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, head_dim_v = k_cache.shape[1], v_cache.shape[-1]
     paged = block_table is not None
     capacity = block_table.shape[1] * k_cache.shape[2] if paged else k_cache.shape[2]
-    out = torch.empty((batch, heads, seqlen_q, head_dim_v), dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse
-    if capacity == 0 or k_cache.shape[0] == 0:
-        # No key anywhere; the cache has no storage to launch on.
-        if sinks is not None:
-            return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
-        return out.zero_(), lse.fill_(float("-inf"))
-
+    out_shape = (batch, heads, seqlen_q, head_dim_v)
+    empty = batch * heads * seqlen_q * head_dim_v == 0
+    no_keys = capacity == 0 or k_cache.shape[0] == 0
+    if empty or no_keys:
+        return Plan(out_shape, empty, no_keys, 1, (), False, (), ((), ()), {}, (), (), {})
     interpreted = runtime.is_interpreted()
-    # Tiles sized for the wider of the two head dims.
     width = max(head_dim, head_dim_v)
     kv_group = heads // kv_heads
-    # Row tiles of the packed (query, head) rows: one for decoding, more for a prefill chunk.
     block_m = decode_block_m(kv_group, seqlen_q)
     row_tiles = pb.cdiv(kv_group * seqlen_q, block_m)
     cfg = decode_config(
@@ -110,72 +195,61 @@ def launch(
         num_splits = decode_num_splits(
             batch * row_tiles * kv_heads, capacity, cfg.block_n, _sms(q.device), paged=paged
         )
-    # Splits past the longest possible sequence would only write empty partials; more than
-    # MAX_SPLITS would make the combine's (splits, D) tile spill.
     num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
     exp_e = pb.uses_exp_e(q.dtype, interpreted)
-    # Sequence lengths live on the device; the capacity bounds them all (problem.window_bounds).
     sc = pb.scores(
         causal, (window_left, window_right), softcap, scale, alibi_slopes is not None,
         seqlen_q, capacity, exp_e=exp_e,
     )  # fmt: skip
-
+    # Contiguous out (B, H, Sq, Dv), LSE (B, H, Sq) and partials (splits, B, H, Sq[, Dv]).
+    out_strides = (heads * seqlen_q * head_dim_v, seqlen_q * head_dim_v, head_dim_v)
+    lse_strides = (heads * seqlen_q, seqlen_q, 1)
+    part_shape = (num_splits, *out_shape)
+    part_strides = (batch * heads * seqlen_q * head_dim_v, *out_strides)
+    lse_part_strides = (batch * heads * seqlen_q, *lse_strides)
     if num_splits == 1:
-        o_part, lse_part = out, lse
-        part_strides = (0, *out.stride()[:3]), (0, *lse.stride())
+        # The split kernel writes out and the LSE directly (split stride 0).
+        strides = ((0, *out_strides), (0, *lse_strides))
     else:
-        o_part = torch.empty(
-            (num_splits, batch, heads, seqlen_q, head_dim_v), dtype=torch.float32, device=q.device
-        )
-        lse_part = torch.empty(
-            (num_splits, batch, heads, seqlen_q), dtype=torch.float32, device=q.device
-        )
-        part_strides = o_part.stride()[:4], lse_part.stride()
-    # Unused pointer arguments get a real tensor: the flags compile their loads away.
-    table = block_table if paged else cache_seqlens
-    if paged and k_cache.shape[2] % cfg.block_n:
-        # PAGED 1 reads the entries as they are: clamp them to the cache's pages here.
-        table = block_table.clamp(0, k_cache.shape[0] - 1)
-    slopes, stride_ab = pb.alibi_arg(alibi_slopes, lse)
+        strides = (part_strides, lse_part_strides)
+    stride_ab = 0 if alibi_slopes is None else pb.alibi_arg(alibi_slopes, q)[1]
     flags = pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v)
-    split_kernel, combine_kernel = kernels()
-    with runtime.launch_on(q):
-        split_kernel(
-            (batch * kv_heads, num_splits, row_tiles),
-            (
-                q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes, sinks,
-                *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3],
-                *part_strides[0], *part_strides[1], table.stride(0), stride_ab,
-                kv_heads, kv_group, seqlen_q, capacity, k_cache.shape[2] if paged else 1,
-                k_cache.shape[0] if paged else 1, num_splits, *sc.scalars(),
-            ),
-            dict(
-                **flags,
-                **sc.flags(),
-                BLOCK_M=block_m,
-                BLOCK_N=cfg.block_n,
-                EVEN_M=kv_group * seqlen_q % block_m == 0,
-                # 2: every key tile lies in one page (kernels/decode.py).
-                PAGED=0 if not paged else 2 if k_cache.shape[2] % cfg.block_n == 0 else 1,
-                EXP_E=exp_e,
-                HAS_SINKS=sinks is not None,
-                num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages,
-            ),
-        )  # fmt: skip
-        if num_splits > 1:
-            combine_kernel(
-                (batch * heads * seqlen_q,),
-                (
-                    o_part, lse_part, out, lse,
-                    *o_part.stride()[:4], *lse_part.stride(), *out.stride()[:3], *lse.stride(),
-                    heads, seqlen_q, num_splits,
-                ),
-                dict(
-                    HEAD_DIM=head_dim_v,
-                    BLOCK_D=flags["BLOCK_DV"],
-                    BLOCK_S=max(2, pb.next_pow2(num_splits)),
-                    num_warps=4,
-                ),
-            )  # fmt: skip
-    return out, lse
+    before = (*q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], *strides[0],
+              *strides[1])  # fmt: skip
+    after = (
+        stride_ab, kv_heads, kv_group, seqlen_q, capacity, k_cache.shape[2] if paged else 1,
+        k_cache.shape[0] if paged else 1, num_splits, *sc.scalars(),
+    )  # fmt: skip
+    split_meta = dict(
+        **flags,
+        **sc.flags(),
+        BLOCK_M=block_m,
+        BLOCK_N=cfg.block_n,
+        EVEN_M=kv_group * seqlen_q % block_m == 0,
+        # 2: every key tile lies in one page (kernels/decode.py).
+        PAGED=0 if not paged else 2 if k_cache.shape[2] % cfg.block_n == 0 else 1,
+        EXP_E=exp_e,
+        HAS_SINKS=has_sinks,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    combine_scalars = (
+        *part_strides,
+        *lse_part_strides,
+        *out_strides,
+        *lse_strides,
+        heads,
+        seqlen_q,
+        num_splits,
+    )
+    combine_meta = dict(
+        HEAD_DIM=head_dim_v,
+        BLOCK_D=flags["BLOCK_DV"],
+        BLOCK_S=max(2, pb.next_pow2(num_splits)),
+        num_warps=4,
+    )
+    return Plan(
+        out_shape, False, False, num_splits, part_shape,
+        paged and k_cache.shape[2] % cfg.block_n != 0, (batch * kv_heads, num_splits, row_tiles),
+        (before, after), split_meta, (batch * heads * seqlen_q,), combine_scalars, combine_meta,
+    )  # fmt: skip
