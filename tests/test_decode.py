@@ -107,6 +107,24 @@ def test_decode_plans_follow_the_problem(case, device):
         assert len(decode._PLANS) == 4
 
 
+@pytest.mark.parametrize("case", DECODE[:2], ids=["dense", "paged"])
+def test_decode_strided_index_tensors(case, device):
+    """cache_seqlens as a strided view and a block table stored column-major (same values):
+    the same numbers as contiguous ones (the kernel reads length b at base + b and a table row
+    as base + j)."""
+    q, k, v, lens, table = make_kvcache(case, torch.float16, device)
+    wide = torch.full((2 * lens.shape[0],), 10**6, dtype=torch.int32, device=device)
+    wide[::2] = lens
+    strided = wide[::2]
+    assert strided.stride(0) == 2
+    odd_table = None if table is None else table.t().contiguous().t()
+    if odd_table is not None:
+        assert odd_table.stride(1) != 1
+    want = flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table)
+    got = flashcore.attention_with_kvcache(q, k, v, cache_seqlens=strided, block_table=odd_table)
+    assert torch.equal(want, got)
+
+
 FEATURES = {
     "window-causal": {"window": (20, -1)},
     "window-both-sides": {"window": (9, 4), "causal": False},

@@ -75,6 +75,23 @@ def test_paged_varlen(name, dtype, device):
     torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3)
 
 
+def test_paged_varlen_column_major_table(device):
+    # A block table whose rows are not contiguous (column-major storage, same values): the
+    # same numbers as the contiguous table (its rows are read as base + j).
+    seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, options = CASES["causal-gqa"]
+    q, k, v, table, cu_q, cu_k, _, _ = make_paged(
+        seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, torch.float16, device
+    )
+    column_major = table.t().contiguous().t()
+    assert column_major.stride(1) != 1 and torch.equal(column_major, table)
+    maxima = max(seqlens_q), max(seqlens_k)
+    want = flashcore.attention_varlen(q, k, v, cu_q, cu_k, *maxima, block_table=table, **options)
+    got = flashcore.attention_varlen(
+        q, k, v, cu_q, cu_k, *maxima, block_table=column_major, **options
+    )
+    assert torch.equal(want, got)
+
+
 @pytest.mark.gpu
 def test_paged_varlen_gpu():
     seqlens_q, seqlens_k = (512, 1, 1000, 37), (4096, 1, 1000, 3000)

@@ -65,6 +65,29 @@ def test_varlen_strided(device):
     check_varlen(case, q, k, v, cu_q, cu_k, causal=True, backward=True)
 
 
+def test_varlen_strided_offsets(device):
+    # cu_seqlens as strided views (every other element of a longer tensor): the same numbers,
+    # forward and backward, as with contiguous offsets (the kernels read offset b at base + b).
+    case = VarlenCase(2, 1, (9, 33, 20), (40, 12, 20), 32)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.float16, device)
+
+    def spread(cu):
+        wide = torch.full((2 * cu.shape[0],), 10**6, dtype=torch.int32, device=device)
+        wide[::2] = cu
+        return wide[::2]
+
+    strided = spread(cu_q), spread(cu_k)
+    assert strided[0].stride(0) == 2
+    outs = []
+    for offsets in ((cu_q, cu_k), strided):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = flashcore.attention_varlen(qq, kk, vv, *offsets, 33, 40, causal=True)
+        out.backward(torch.ones_like(out))
+        outs.append((out.detach(), qq.grad, kk.grad, vv.grad))
+    for want, got in zip(*outs, strict=True):
+        assert torch.equal(want, got)
+
+
 def test_varlen_zero_size(device, monkeypatch):
     from flashcore.ops import bwd
 

@@ -85,11 +85,15 @@ def launch(
     otherwise, more than the kernels at short caches (docs/performance_host.md).
     """
     q, k_cache, v_cache = (pb.unit_stride_last_dim(t) for t in (q, k_cache, v_cache))
+    # The kernel reads length b at ``base + b`` and block-table rows as ``base + j``: strided
+    # views of either are copied (tests/test_decode.py: test_decode_strided_index_tensors).
+    cache_seqlens = pb.unit_stride_last_dim(cache_seqlens)
     paged = block_table is not None
+    if paged:
+        block_table = pb.unit_stride_last_dim(block_table)
     key = (
         q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
-        q.dtype, q.device, None if paged else cache_seqlens.stride(0),
-        (block_table.shape, block_table.stride(0)) if paged else None,
+        q.dtype, q.device, (block_table.shape, block_table.stride(0)) if paged else None,
         None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()),
         causal, scale, window_left, window_right, softcap, num_splits, sinks is None,
         runtime.is_interpreted(),

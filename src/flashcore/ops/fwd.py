@@ -49,6 +49,8 @@ def launch(
     q = pb.unit_stride_last_dim(q)
     k = pb.unit_stride_last_dim(k)
     v = pb.unit_stride_last_dim(v)
+    if block_table is not None:
+        block_table = pb.unit_stride_last_dim(block_table)  # rows read as base + j
     lse = q.new_empty(pb.lse_shape(q, varlen is not None), dtype=torch.float32)
     # out has v's head dim (which may differ from q's and k's) and q's memory layout.
     out = pb.empty_rows_like(q, v.shape[-1])

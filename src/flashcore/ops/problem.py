@@ -50,7 +50,14 @@ def varlen_of(
     """The registered ops' optional packing arguments as a ``Varlen`` (None: dense inputs)."""
     if cu_seqlens_q is None or cu_seqlens_k is None:
         return None
-    return Varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    # The kernels read offset b at ``base + b``: a strided view (a slice with a step, an expand)
+    # is copied (a 1-D tensor of B + 1 ints).
+    return Varlen(
+        unit_stride_last_dim(cu_seqlens_q),
+        unit_stride_last_dim(cu_seqlens_k),
+        max_seqlen_q,
+        max_seqlen_k,
+    )
 
 
 class Dims(NamedTuple):
@@ -267,7 +274,8 @@ def empty_rows_like(t: torch.Tensor, last: int) -> torch.Tensor:
 
 
 def unit_stride_last_dim(t: torch.Tensor) -> torch.Tensor:
-    """The kernels address the head dim with unit stride; copy only a tensor that lacks it."""
+    """The kernels address the head dim with unit stride, and the int32 offsets, lengths and
+    block-table rows as ``base + i``; copy only a tensor that lacks it."""
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
