@@ -195,6 +195,53 @@ def test_generate_static_cache(device):
     check_generate(CASES["llama"], device, ids, mask, cache_implementation="static")
 
 
+def test_generate_static_cache_unpadded_decodes_from_cache(device, monkeypatch):
+    # A static cache of an unpadded batch: the decoding steps read each row's valid prefix of
+    # the cache through flashcore.attention_with_kvcache (split-KV), not through varlen.
+    import functools
+
+    calls = {"kvcache": 0, "varlen": 0}
+
+    def counted(name, fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(flashcore, "attention_with_kvcache",
+                        counted("kvcache", flashcore.attention_with_kvcache))  # fmt: skip
+    monkeypatch.setattr(
+        flashcore, "attention_varlen", counted("varlen", flashcore.attention_varlen)
+    )
+    ids, mask, _ = batch(device, lengths=(7, 7), seqlen=7)
+    check_generate(CASES["llama"], device, ids, mask, cache_implementation="static")
+    assert calls["kvcache"] > 0 and calls["varlen"] == 0, calls
+
+
+def test_mask_prefix():
+    # PaddingMask.prefix: valid keys from 0 to where the queries end (the decoding kernels' case).
+    ones = torch.ones(2, 10, dtype=torch.long)
+    static = fc_hf.mask_forward(2, 1, 16, q_offset=torch.tensor(9), attention_mask=ones)
+    assert static.prefix and static.bounds[1].tolist() == [10, 10]
+    left = ones.clone()
+    left[1, :3] = 0
+    assert not fc_hf.mask_forward(2, 1, 16, q_offset=torch.tensor(9), attention_mask=left).prefix
+    short = ones.clone()
+    short[1, 8:] = 0  # right padding: row 1's queries are past its valid keys
+    assert not fc_hf.mask_forward(2, 1, 16, q_offset=9, attention_mask=short).prefix
+    no_mask = fc_hf.mask_forward(2, 1, 16, q_offset=torch.tensor(9))
+    assert no_mask.prefix and no_mask.bounds[1].tolist() == [10, 10]
+    assert no_mask.bounds[1].is_contiguous()
+
+    class Config:
+        sliding_window = 4
+
+    sliding = fc_hf.mask_forward(2, 1, 16, q_offset=torch.tensor(9), local_size=4, config=Config())
+    assert sliding.sliding_window == 4 and not sliding.prefix
+
+
 def test_packed_sequences_with_flash_kwargs(device):
     # DataCollatorWithFlattening's FlashAttention options: one row, sequences back to back.
     model = build(CASES["qwen2_sliding"]).to(device)

@@ -24,7 +24,10 @@ GQA without ``repeat_kv``; the result is ``(B, Sq, H, D)`` and ``None`` for the 
   block at the end of a KV cache needs.
 - No padding, a few new queries against a KV cache without autograd (``Sq < Sk``,
   ``Sq * H / Hkv <= 128``): :func:`flashcore.attention_with_kvcache` (split-KV decoding) with
-  every row's ``cache_seqlens = Sk``.
+  every row's ``cache_seqlens = Sk``. The same for a cache filled from its start whose unused
+  slots follow the queries (a static cache of an unpadded batch, or a padding mask whose every
+  row is valid from its first key to the queries: :class:`PaddingMask` ``prefix``), with
+  ``cache_seqlens`` the valid length of each row.
 - Left or right padding (or both), with or without a cache: :func:`flashcore.attention_varlen`
   on the padded tensors as they are, without gathering the valid tokens and without reading
   anything back to the host: each row is cut into five sequences (pad queries with no key, pad
@@ -96,6 +99,10 @@ class PaddingMask:
     ``sliding_window`` is transformers' window of this mask kind (None for full attention).
     ``unsupported`` names what the mask asked for that FlashCore cannot honour; it is raised when
     a layer uses the mask, unless FlashAttention's packed options make the mask irrelevant.
+    ``prefix``: every row's valid keys are ``0 .. bounds[1][b] - 1`` and the queries are the last
+    ``q_length`` of them (a KV cache filled from its start, as a static cache decoding an
+    unpadded batch is), which is exactly what :func:`flashcore.attention_with_kvcache` computes
+    with ``cache_seqlens = bounds[1]``.
     """
 
     bounds: tuple[torch.Tensor, torch.Tensor] | None
@@ -104,6 +111,7 @@ class PaddingMask:
     kv_length: int
     sliding_window: int | None = None
     unsupported: str | None = None
+    prefix: bool = False
     # Varlen offsets already built for this mask, shared by the layers of the forward pass.
     _segments: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
         default_factory=dict, repr=False
@@ -205,7 +213,12 @@ def mask_forward(
         device = kwargs.get("device")
         start = torch.zeros(batch_size, dtype=torch.int32, device=device)
         end = torch.clamp(torch.as_tensor(offset + q_length, device=device), max=kv_length)
-        return dataclasses.replace(mask, bounds=(start, end.to(torch.int32).expand(batch_size)))
+        end = end.to(torch.int32).expand(batch_size).contiguous()
+        # A full-attention layer's static cache holds every position, so the queries end where
+        # the valid keys do (a tensor offset is transformers' cache_position, within the cache);
+        # a sliding layer's cache may be a rolling window, left to varlen.
+        prefix = window is None and (not isinstance(offset, int) or offset + q_length <= kv_length)
+        return dataclasses.replace(mask, bounds=(start, end), prefix=prefix)
     valid = attention_mask[:, kv_offset : kv_offset + kv_length].to(torch.bool)
     if valid.shape[1] < kv_length:
         valid = torch.nn.functional.pad(valid, (0, kv_length - valid.shape[1]))
@@ -213,13 +226,19 @@ def mask_forward(
     start = valid.int().argmax(1).to(torch.int32)
     last = (kv_length - 1 - valid.flip(1).int().argmax(1)).to(torch.int32)
     holes = (count > 0) & (last + 1 - start != count)
-    # The one read-back per mask: holes (an error) and a batch without padding (dense kernels).
-    has_holes, full = torch.stack((holes.any(), (count == kv_length).all())).tolist()
+    # Every row's valid keys from 0 on, ending where the queries do (a cache filled from its
+    # start): the decoding kernels' case (PaddingMask.prefix).
+    prefix = ((start == 0) & (count == offset + q_length)).all()
+    # The one read-back per mask: holes (an error), a batch without padding (dense kernels) and
+    # the prefix case.
+    has_holes, full, prefix = torch.stack(
+        (holes.any(), (count == kv_length).all(), prefix)
+    ).tolist()
     if has_holes:
         return dataclasses.replace(mask, unsupported=unsupported or _PADDING_HOLES)
     if full and at_end:
         return mask
-    return dataclasses.replace(mask, bounds=(start, start + count))
+    return dataclasses.replace(mask, bounds=(start, start + count), prefix=bool(prefix))
 
 
 def attention_forward(
@@ -299,8 +318,7 @@ def attention_forward(
     if s_aux is not None:
         options["sinks"] = s_aux.float()
 
-    batch, heads, seqlen_q, _ = query.shape
-    kv_heads, seqlen_k = key.shape[1], key.shape[2]
+    batch, seqlen_q, seqlen_k = query.shape[0], query.shape[2], key.shape[2]
     if packed:
         out = _packed(query, key, value, kwargs, causal, options)
     elif mask is not None and mask.unsupported is not None:
@@ -311,12 +329,7 @@ def attention_forward(
             f"the layer has {seqlen_q} and {seqlen_k}"
         )
     elif mask is None or mask.bounds is None:
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-        if (
-            not grad
-            and seqlen_q < seqlen_k
-            and seqlen_q * heads // max(kv_heads, 1) <= _DECODE_MAX_ROWS
-        ):
+        if _decoding(query, key, value):
             lens = torch.full((batch,), seqlen_k, dtype=torch.int32, device=query.device)
             out = _call(
                 flashcore.attention_with_kvcache, query, key, value, cache_seqlens=lens,
@@ -325,9 +338,25 @@ def attention_forward(
         else:
             out = _call(flashcore.attention, query, key, value, causal=causal, **options)
         out = out.transpose(1, 2)
+    elif mask.prefix and _decoding(query, key, value):
+        # A cache filled from its start (a static cache, unpadded): split-KV decoding over each
+        # row's valid keys instead of varlen's one program per (row, kv head).
+        out = _call(
+            flashcore.attention_with_kvcache, query, key, value, cache_seqlens=mask.bounds[1],
+            causal=causal, **options,
+        ).transpose(1, 2)  # fmt: skip
     else:
         out = _padded(query, key, value, mask, causal, options)
     return out, None
+
+
+def _decoding(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether the call is a few new queries against a cache without autograd: what
+    :func:`flashcore.attention_with_kvcache` takes (``Sq < Sk``, ``Sq * H / Hkv <= 128``)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return False
+    seqlen_q, heads, kv_heads = query.shape[2], query.shape[1], key.shape[1]
+    return seqlen_q < key.shape[2] and seqlen_q * heads // max(kv_heads, 1) <= _DECODE_MAX_ROWS
 
 
 @functools.cache
