@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 import gc
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from hopper_host import per_call  # scripts/: wall time per call of a loop, one synchronise
 
 import flashcore
 from flashcore.ops import bwd_sm90, fwd, launch
@@ -36,17 +36,6 @@ def set_kept_maps(on: bool) -> None:
                     launcher.compiled[key] = (kernel, constexprs, True)
             elif on and (id(launcher), key) in _kept:
                 launcher.compiled[key] = (kernel, constexprs, _kept[(id(launcher), key)])
-
-
-def per_call(fn, calls: int = 300) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def alternated(fns: dict, rounds: int, calls: int) -> dict:

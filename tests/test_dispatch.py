@@ -156,6 +156,40 @@ def test_launch_cache_backward_and_decode():
     assert torch.equal(outs[0], outs[1])
 
 
+def stand_in_launch(monkeypatch, run, arg_names, device=3):
+    """A launcher over a stand-in compiled kernel (loaded handles, ``run`` as its native
+    launcher) and a stand-in driver (``device``; its stream is ``f"stream of {device}"``), for
+    the CPU tests of the direct launch. Returns ``(kernel, Launcher class's module)``."""
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.driver import driver
+
+    kernel = object.__new__(CompiledKernel)
+    kernel.module, kernel.function, kernel.packed_metadata = "module", "function", "packed"
+    kernel._run = run
+    kernel.name, kernel.src = "attn_fwd_kernel", None
+
+    class Driver:
+        @staticmethod
+        def get_current_device():
+            return device
+
+        @staticmethod
+        def get_current_stream(dev):
+            return f"stream of {dev}"
+
+    class Jit:  # a compiled-mode JITFunction that returns the kernel above
+        __name__ = "attn_fwd_kernel"
+        device_caches = types.MappingProxyType({})  # what marks a compiled-mode JITFunction
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: kernel
+
+    Jit.arg_names = arg_names
+    monkeypatch.setattr(driver, "_active", Driver())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
+    return kernel, Jit()
+
+
 def test_launch_hit_calls_the_native_launcher(monkeypatch):
     """A launch-cache hit calls ``CompiledKernel.run`` itself with what ``CompiledKernel[grid]``
     passes it (Triton 3.6), less the launch metadata and the hooks, which do nothing while no
@@ -164,39 +198,16 @@ def test_launch_hit_calls_the_native_launcher(monkeypatch):
     the driver's stream lookup."""
     import triton
     from triton import knobs
-    from triton.compiler.compiler import CompiledKernel
-    from triton.runtime.driver import driver
 
     from flashcore.ops import launch
 
     if not triton.__version__.startswith(launch.DIRECT_TRITON):
         pytest.skip("the direct launch is taken only on the Triton versions it was read from")
     native = []
-    kernel = object.__new__(CompiledKernel)
-    kernel.module, kernel.function, kernel.packed_metadata = "module", "function", "packed"
-    kernel._run = lambda *args: native.append(args)
-    kernel.name, kernel.src = "attn_fwd_kernel", None
-
-    class Driver:
-        @staticmethod
-        def get_current_device():
-            return 3
-
-        @staticmethod
-        def get_current_stream(device):
-            return f"stream of {device}"
-
-    class Jit:  # a compiled-mode JITFunction that returns the kernel above
-        __name__ = "attn_fwd_kernel"
-        device_caches = types.MappingProxyType({})  # what marks a compiled-mode JITFunction
-        arg_names = ("X", "n", "BLOCK")
-
-        def __getitem__(self, grid):
-            return lambda *args, **meta: kernel
-
-    monkeypatch.setattr(driver, "_active", Driver())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    launcher = launch.Launcher(Jit(), num_pointers=1)
+    kernel, jit = stand_in_launch(
+        monkeypatch, lambda *args: native.append(args), ("X", "n", "BLOCK")
+    )
+    launcher = launch.Launcher(jit, num_pointers=1)
     x = torch.zeros(4)
     launcher((5,), (x, 7), {"BLOCK": 16})  # a miss: through the JITFunction
     assert native == []
@@ -229,8 +240,6 @@ def test_launch_hit_keeps_the_tensor_maps(monkeypatch):
     around a stand-in native launcher, and a stand-in encoder."""
     import triton
     from triton.backends.nvidia import driver as nvidia
-    from triton.compiler.compiler import CompiledKernel
-    from triton.runtime.driver import driver
 
     from flashcore.ops import launch
 
@@ -253,31 +262,8 @@ def test_launch_hit_keeps_the_tensor_maps(monkeypatch):
     run.global_scratch_size = run.profile_scratch_size = 0
     run.global_scratch_align = run.profile_scratch_align = 1
     run.launch_cooperative_grid = run.launch_pdl = False
-    kernel = object.__new__(CompiledKernel)
-    kernel.module, kernel.function, kernel.packed_metadata = "module", "function", "packed"
-    kernel._run = run
-    kernel.name, kernel.src = "attn_bwd_sm90_kernel", None
-
-    class Driver:
-        @staticmethod
-        def get_current_device():
-            return 0
-
-        @staticmethod
-        def get_current_stream(device):
-            return 11
-
-    class Jit:
-        __name__ = "attn_bwd_sm90_kernel"
-        device_caches = types.MappingProxyType({})
-        arg_names = ("A", "X", "C", "n", "BLOCK")
-
-        def __getitem__(self, grid):
-            return lambda *args, **meta: kernel
-
-    monkeypatch.setattr(driver, "_active", Driver())
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    launcher = launch.Launcher(Jit(), num_pointers=3)
+    kernel, jit = stand_in_launch(monkeypatch, run, ("A", "X", "C", "n", "BLOCK"), device=0)
+    launcher = launch.Launcher(jit, num_pointers=3)
     a, c, c2 = torch.zeros(4, 64), torch.zeros(8, 64), torch.zeros(8, 64)
     x = torch.zeros(3)
 
@@ -296,7 +282,8 @@ def test_launch_hit_keeps_the_tensor_maps(monkeypatch):
     assert len(encoded) == 4
     first, again, own = native
     assert first == again
-    assert first[:10] == own[:10] == (5, 1, 1, 11, "function", False, False, None, None, "packed")
+    assert first[:10] == own[:10] == (5, 1, 1, "stream of 0", "function", False, False, None, None,
+                                      "packed")  # fmt: skip
     assert first[10:13] == (None, None, None)
     assert first[13:] == own[13:]
     assert first[13:] == (("map", a.data_ptr(), 128), 4, 64, 64, 1, x,
