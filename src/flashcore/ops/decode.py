@@ -91,19 +91,18 @@ def launch(
     paged = block_table is not None
     if paged:
         block_table = pb.unit_stride_last_dim(block_table)
+    options = (causal, scale, window_left, window_right, softcap, num_splits, sinks is not None)
     key = (
         q.shape, q.stride(), k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
         q.dtype, q.device, (block_table.shape, block_table.stride(0)) if paged else None,
         None if alibi_slopes is None else (alibi_slopes.shape, alibi_slopes.stride()),
-        causal, scale, window_left, window_right, softcap, num_splits, sinks is None,
-        runtime.is_interpreted(),
+        options, runtime.is_interpreted(),
     )  # fmt: skip
     p = _PLANS.get(key)
     if p is None:
-        p = cached(_PLANS, key, lambda: _plan(
-            q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, causal, scale,
-            window_left, window_right, softcap, num_splits, sinks is not None,
-        ))  # fmt: skip
+        p = cached(
+            _PLANS, key, lambda: _plan(q, k_cache, v_cache, block_table, alibi_slopes, options)
+        )
     out = torch.empty(p.out_shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(p.out_shape[:3], dtype=torch.float32, device=q.device)
     if p.empty:
@@ -166,17 +165,13 @@ def _plan(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    num_splits: int,
-    has_sinks: bool,
+    options: tuple,
 ) -> Plan:
+    """``options``: ``(causal, scale, window_left, window_right, softcap, num_splits,
+    has_sinks)`` as ``launch`` takes them (``num_splits`` 0 chooses)."""
+    causal, scale, window_left, window_right, softcap, num_splits, has_sinks = options
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, head_dim_v = k_cache.shape[1], v_cache.shape[-1]
     paged = block_table is not None
