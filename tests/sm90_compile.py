@@ -98,11 +98,12 @@ FWD_PAGED_VARIANTS = [
     ((128, "fp16", True, False, True), 1024),
 ]
 PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
-# Decode: (head_dim, dtype, kv_group * Sq, paged, split). Every variant is causal; the paged ones
-# also compile the sliding window, softcap and ALiBi.
+# Decode: (head_dim, dtype, kv_group * Sq, paged (False, True = PAGED 1, or 3), split). Every
+# variant is causal; the paged ones also compile the sliding window, softcap and ALiBi.
 DECODE_VARIANTS = [
     (128, "bf16", 4, False, True),
     (128, "bf16", 4, True, True),
+    (128, "bf16", 4, 3, True),  # power-of-two pages smaller than the tile (PAGED 3)
     (128, "fp16", 8, True, False),
     (64, "fp16", 1, False, False),
     (256, "bf16", 4, True, True),
@@ -341,13 +342,13 @@ def main() -> int:
             "EVEN_M": rows == block_m,
             "PAGED": paged,
             "IS_CAUSAL": True,
-            "HAS_WINDOW": paged,
-            "SOFTCAP": paged,
-            "HAS_ALIBI": paged,
+            "HAS_WINDOW": bool(paged),
+            "SOFTCAP": bool(paged),
+            "HAS_ALIBI": bool(paged),
             "UPCAST": False,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
             "EXP_E": dtype == "fp32",
-            "HAS_SINKS": paged,
+            "HAS_SINKS": bool(paged),
             **({} if paged else {"SINKS": None}),
         }
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}

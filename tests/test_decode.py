@@ -125,6 +125,24 @@ def test_decode_strided_index_tensors(case, device):
     assert torch.equal(want, got)
 
 
+@pytest.mark.parametrize(("block_size", "mode"), [(16, 3), (32, 3), (48, 1), (64, 2)])
+def test_decode_paged_modes(block_size, mode, device, monkeypatch):
+    """Pages smaller than the key tile are looked up a key row at a time, by a shift and a mask
+    for a power-of-two page (PAGED 3) and a division otherwise (1); a page the tile's size, once
+    a tile (2). 64-key tiles here (the interpreter's default is the page's smallest, 16)."""
+    from flashcore.ops import decode
+
+    if device == "cpu":
+        monkeypatch.setattr(tuning, "INTERPRETER_DECODE", tuning.DecodeConfig(64, 4, 1))
+    case = DecodeCase(2, 4, 2, 2, 150, 32, (150, 61), block_size)
+    decode._PLANS.clear()
+    check_decode(*make_kvcache(case, torch.float16, device), causal=True, num_splits=2)
+    (plan,) = decode._PLANS.values()
+    if device == "cpu" or plan.split_meta["BLOCK_N"] == 64:
+        assert plan.split_meta["PAGED"] == mode
+    assert decode.paged_mode(block_size, 64) == mode
+
+
 FEATURES = {
     "window-causal": {"window": (20, -1)},
     "window-both-sides": {"window": (9, 4), "causal": False},

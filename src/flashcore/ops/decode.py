@@ -140,6 +140,16 @@ def launch(
     return out, lse
 
 
+def paged_mode(block_size: int, block_n: int) -> int:
+    """The decode kernel's PAGED for pages of ``block_size`` keys read in tiles of ``block_n``
+    (kernels/decode.py, ``common.page_lookup``): 2 where every tile lies in one page (one lookup
+    a tile); 3 where block_size is a power of two (a shift and a mask a key row); else 1 (a
+    division a key row). Its offsets are 64-bit in every mode."""
+    if block_size % block_n == 0:
+        return 2
+    return 3 if block_size & (block_size - 1) == 0 else 1
+
+
 class Plan(NamedTuple):
     """A decode launch but its tensors (``_plan``)."""
 
@@ -225,8 +235,7 @@ def _plan(
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         EVEN_M=kv_group * seqlen_q % block_m == 0,
-        # 2: every key tile lies in one page (kernels/decode.py).
-        PAGED=0 if not paged else 2 if k_cache.shape[2] % cfg.block_n == 0 else 1,
+        PAGED=paged_mode(k_cache.shape[2], cfg.block_n) if paged else 0,
         EXP_E=exp_e,
         HAS_SINKS=has_sinks,
         num_warps=cfg.num_warps,
