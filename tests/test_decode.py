@@ -130,7 +130,7 @@ def test_decode_paged_modes(block_size, mode, device, monkeypatch):
     """Pages smaller than the key tile are looked up a key row at a time, by a shift and a mask
     for a power-of-two page (PAGED 3) and a division otherwise (1); a page the tile's size, once
     a tile (2). 64-key tiles here (the interpreter's default is the page's smallest, 16)."""
-    from flashcore.ops import decode
+    from flashcore.ops import decode, fwd
 
     if device == "cpu":
         monkeypatch.setattr(tuning, "INTERPRETER_DECODE", tuning.DecodeConfig(64, 4, 1))
@@ -140,7 +140,8 @@ def test_decode_paged_modes(block_size, mode, device, monkeypatch):
     (plan,) = decode._PLANS.values()
     if device == "cpu" or plan.split_meta["BLOCK_N"] == 64:
         assert plan.split_meta["PAGED"] == mode
-    assert decode.paged_mode(block_size, 64) == mode
+    cache = torch.empty(1, 1, block_size, 32)
+    assert fwd.paged_mode(cache, cache, 64, int32_offsets=False) == mode
 
 
 FEATURES = {

@@ -41,7 +41,7 @@ Flags (``tl.constexpr``, compiled away when off):
   row ``j % block_size`` of block ``BLOCK_TABLE[b, j // block_size]`` (``common.paged_rows``):
   1 looks each key row's block up (any block_size), 2 one block per tile (block_size a multiple
   of BLOCK_N), 3 as 1 with a shift and a mask where 1 divides (block_size a power of two;
-  ``ops/decode.paged_mode``). Otherwise K/V are ``(B, Hkv, S_max, D)``.
+  ``ops/fwd.paged_mode``). Otherwise K/V are ``(B, Hkv, S_max, D)``.
 - IS_CAUSAL / HAS_WINDOW: the bounds above, passed as by the dense kernels
   (``ops/problem.window_bounds`` with the cache capacity as Sk: an unbounded side is Sq + capacity).
 - SOFTCAP: ``s = c * tanh(scale * q.k / c)``; the host folds the units as for every kernel

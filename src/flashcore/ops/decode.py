@@ -13,6 +13,7 @@ import torch
 
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
+from flashcore.ops.fwd import paged_mode
 from flashcore.ops.launch import Launcher, cached
 from flashcore.tuning import (
     INTERPRETER_SMS,
@@ -116,12 +117,8 @@ def launch(
     else:
         o_part = torch.empty(p.part_shape, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(p.part_shape[:4], dtype=torch.float32, device=q.device)
-    if not paged:
-        table = cache_seqlens
-    elif p.clamp_table:
-        table = block_table.clamp(0, k_cache.shape[0] - 1)
-    else:
-        table = block_table
+    # Unused pointer arguments get a real tensor: the flags compile their loads away.
+    table = pb.page_table(block_table, k_cache, p.split_meta["PAGED"]) if paged else cache_seqlens
     slopes = lse if alibi_slopes is None else alibi_slopes.contiguous()
     split_kernel, combine_kernel = kernels()
     with runtime.launch_on(q):
@@ -140,16 +137,6 @@ def launch(
     return out, lse
 
 
-def paged_mode(block_size: int, block_n: int) -> int:
-    """The decode kernel's PAGED for pages of ``block_size`` keys read in tiles of ``block_n``
-    (kernels/decode.py, ``common.page_lookup``): 2 where every tile lies in one page (one lookup
-    a tile); 3 where block_size is a power of two (a shift and a mask a key row); else 1 (a
-    division a key row). Its offsets are 64-bit in every mode."""
-    if block_size % block_n == 0:
-        return 2
-    return 3 if block_size & (block_size - 1) == 0 else 1
-
-
 class Plan(NamedTuple):
     """A decode launch but its tensors (``_plan``)."""
 
@@ -158,7 +145,6 @@ class Plan(NamedTuple):
     no_keys: bool  # no key in any cache: out 0 and the LSE of the sinks (or -inf)
     num_splits: int
     part_shape: tuple[int, ...]  # the fp32 partial outputs of the splits (num_splits > 1)
-    clamp_table: bool
     grid: tuple[int, ...]
     split_scalars: tuple[tuple, tuple]  # before and after the table's row stride
     split_meta: dict
@@ -190,10 +176,12 @@ def _plan(
     empty = batch * heads * seqlen_q * head_dim_v == 0
     no_keys = capacity == 0 or k_cache.shape[0] == 0
     if empty or no_keys:
-        return Plan(out_shape, empty, no_keys, 1, (), False, (), ((), ()), {}, (), (), {})
+        return Plan(out_shape, empty, no_keys, 1, (), (), ((), ()), {}, (), (), {})
     interpreted = runtime.is_interpreted()
+    # Tiles sized for the wider of the two head dims.
     width = max(head_dim, head_dim_v)
     kv_group = heads // kv_heads
+    # Row tiles of the packed (query, head) rows: one for decoding, more for a prefill chunk.
     block_m = decode_block_m(kv_group, seqlen_q)
     row_tiles = pb.cdiv(kv_group * seqlen_q, block_m)
     cfg = decode_config(
@@ -204,8 +192,11 @@ def _plan(
         num_splits = decode_num_splits(
             batch * row_tiles * kv_heads, capacity, cfg.block_n, _sms(q.device), paged=paged
         )
+    # Splits past the longest possible sequence would only write empty partials; more than
+    # MAX_SPLITS would make the combine's (splits, D) tile spill.
     num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
     exp_e = pb.uses_exp_e(q.dtype, interpreted)
+    # Sequence lengths live on the device; the capacity bounds them all (problem.window_bounds).
     sc = pb.scores(
         causal, (window_left, window_right), softcap, scale, alibi_slopes is not None,
         seqlen_q, capacity, exp_e=exp_e,
@@ -235,21 +226,17 @@ def _plan(
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         EVEN_M=kv_group * seqlen_q % block_m == 0,
-        PAGED=paged_mode(k_cache.shape[2], cfg.block_n) if paged else 0,
+        # 2: one page a tile; 3 and 1: a page a key row, the table clamped by the launcher
+        # (problem.page_table).
+        PAGED=paged_mode(k_cache, v_cache, cfg.block_n, int32_offsets=False) if paged else 0,
         EXP_E=exp_e,
         HAS_SINKS=has_sinks,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     combine_scalars = (
-        *part_strides,
-        *lse_part_strides,
-        *out_strides,
-        *lse_strides,
-        heads,
-        seqlen_q,
-        num_splits,
-    )
+        *part_strides, *lse_part_strides, *out_strides, *lse_strides, heads, seqlen_q, num_splits,
+    )  # fmt: skip
     combine_meta = dict(
         HEAD_DIM=head_dim_v,
         BLOCK_D=flags["BLOCK_DV"],
@@ -257,7 +244,6 @@ def _plan(
         num_warps=4,
     )
     return Plan(
-        out_shape, False, False, num_splits, part_shape,
-        paged and k_cache.shape[2] % cfg.block_n != 0, (batch * kv_heads, num_splits, row_tiles),
+        out_shape, False, False, num_splits, part_shape, (batch * kv_heads, num_splits, row_tiles),
         (before, after), split_meta, (batch * heads * seqlen_q,), combine_scalars, combine_meta,
     )  # fmt: skip

@@ -252,15 +252,19 @@ def _plan(
     return (pb.cdiv(seqlen_q, cfg.block_m) * batch * heads,), tail, meta, tiles
 
 
-def paged_mode(k: torch.Tensor, v: torch.Tensor, block_n: int) -> int:
-    """The forward kernel's PAGED for paged caches k, v ``(num_blocks, Hkv, block_size, D)`` read
-    in tiles of ``block_n`` keys (kernels/fwd.py): 2 where every tile lies in one page; 3 where
-    block_size is a power of two (then smaller than the tile) and every offset into either cache
-    fits in int32, as the kernel computes them there; else 1, a division a key row and 64-bit
-    offsets (other block sizes, and caches of 2**31 elements or more)."""
+def paged_mode(k: torch.Tensor, v: torch.Tensor, block_n: int, int32_offsets: bool = True) -> int:
+    """The PAGED of a kernel reading paged caches k, v ``(num_blocks, Hkv, block_size, D)`` in
+    tiles of ``block_n`` keys (``common.page_lookup``): 2 where every tile lies in one page; 3
+    where block_size is a power of two (then smaller than the tile), a shift and a mask a key row,
+    and, with ``int32_offsets`` (the forward, kernels/fwd.py, computes its offsets in int32 there),
+    every offset into either cache fits in int32; else 1, a division a key row and 64-bit
+    offsets (other block sizes, and caches of 2**31 elements or more). The decode kernel's
+    offsets are 64-bit in every mode (``int32_offsets=False``)."""
     block_size = k.shape[2]
     if block_size % block_n == 0:
         return 2
+    if not int32_offsets:
+        return 3 if block_size & (block_size - 1) == 0 else 1
     # The largest element offset (+1) of either cache.
     extent = max(
         sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1 for t in (k, v)
