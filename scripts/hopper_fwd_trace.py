@@ -126,6 +126,119 @@ def _sit_out(""",
     return src + "\n\n" + steps_src
 
 
+def trace_tiles_source(offset: int) -> str:
+    """The kernel's source with per-tile stamps in persistent program 0 (``--tiles``), to
+    ``LSE + offset``: for each of its first STEPS tiles and each consumer,
+
+        e0  tile entered            e1  its Q landed (``q_ready``)
+        e2  K_0 landed              e3  the prologue's softmax done
+        e4  the key loop returned (the last ``P V`` done)
+        e5  O in shared memory, its TMA store issued
+        e6  the store read (``store_wait``)   e7  the tile's key-tile count (a value)
+    """
+    steps_src = (KERNELS / "fwd_steps.py").read_text()
+    steps_src = steps_src[steps_src.index('"""', 3) + 3 :]
+    stamp = f"""@gluon.jit
+def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.constexpr = False):
+    if (gl.program_id(0) == 0) & (it < {STEPS}):
+        ptr = (LSE + {offset}).to(gl.pointer_type(gl.int64), bitcast=True)
+        if VALUE:
+            clock = x.to(gl.int64)
+        else:
+            clock = gl.inline_asm_elementwise(
+                "mov.u64 $0, %clock64;", "=l,r", [x], dtype=gl.int64, is_pure=False, pack=1
+            )
+        gl.store(ptr + (CONSUMER * {STEPS} + it) * {EVENTS} + e, clock)
+
+
+"""
+    edits = [
+        ("@gluon.jit\ndef _sit_out(", stamp + "@gluon.jit\ndef _sit_out("),
+        (
+            "    l_i,\n    CONSUMER: gl.constexpr,",
+            "    l_i,\n    LSE,\n    IT,\n    CONSUMER: gl.constexpr,",
+        ),
+        (
+            "    acc,\n    CONSUMER: gl.constexpr,",
+            "    acc,\n    LSE,\n    IT,\n    CONSUMER: gl.constexpr,",
+        ),
+        ("m_i, l_i, acc, CONSUMER,", "m_i, l_i, acc, LSE, IT, CONSUMER,", 2),
+        (
+            "    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)\n",
+            "    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)\n"
+            "    _tstamp(LSE, IT, 2, CONSUMER, kv0)\n",
+        ),
+        (
+            "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n    if P_EARLY:",
+            "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n"
+            "    _tstamp(LSE, IT, 3, CONSUMER, kv0)\n    if P_EARLY:",
+        ),
+    ]
+    for old, new, *count in edits:
+        if steps_src.count(old) != (count[0] if count else 1):
+            raise SystemExit(f"kernels/hopper/fwd_steps.py changed; update this edit: {old!r}")
+        steps_src = steps_src.replace(old, new)
+    src = (KERNELS / "fwd.py").read_text()
+    edits = [
+        ("from flashcore.kernels.hopper.fwd_steps import attend\n", ""),
+        (
+            "slope, m_i, l_i, CONSUMER, NUM_CONSUMERS,",
+            "slope, m_i, l_i, LSE, it, CONSUMER, NUM_CONSUMERS,",
+        ),
+        (
+            "    tile_m, off_b, off_h = work(\n",
+            "    _tstamp(LSE, it, 0, CONSUMER, w)\n    tile_m, off_b, off_h = work(\n",
+        ),
+        (
+            "        mbarrier.wait(q_ready.index(qi), (it // Q_BUFFERS) & 1)\n",
+            "        mbarrier.wait(q_ready.index(qi), (it // Q_BUFFERS) & 1)\n"
+            "        _tstamp(LSE, it, 1, CONSUMER, w)\n"
+            "        _tstamp(LSE, it, 7, CONSUMER, n_tiles, True)\n",
+        ),
+        (
+            "    empty = l_i == 0.0\n",
+            "    _tstamp(LSE, it, 4, CONSUMER, w)\n    empty = l_i == 0.0\n",
+        ),
+        (
+            "    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_tile)\n",
+            "    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_tile)\n"
+            "    _tstamp(LSE, it, 5, CONSUMER, w)\n",
+        ),
+        (
+            "        tma.store_wait(1)\n",
+            "        tma.store_wait(1)\n        _tstamp(LSE, it, 6, CONSUMER, w)\n",
+        ),
+    ]
+    for old, new in edits:
+        if src.count(old) != 1:
+            raise SystemExit(f"kernels/hopper/fwd.py changed; update this script's edit: {old!r}")
+        src = src.replace(old, new)
+    return src + "\n\n" + steps_src
+
+
+def report_tiles(stamps, num_consumers: int) -> None:
+    """Medians per key-tile count of each phase of a persistent program's tiles (``--tiles``)."""
+    names = ["Q wait (e0-e1)", "K_0 wait (e1-e2)", "prologue QK+softmax (e2-e3)",
+             "key loop (e3-e4)", "O to smem + store issue (e4-e5)", "store read (e5-e6)",
+             "to next tile (e6-e0')", "tile period (e0-e0')"]  # fmt: skip
+    for c in range(num_consumers):
+        t = stamps[c]
+        tiles = [i for i in range(1, STEPS - 1) if t[i, 0] > 0 and t[i + 1, 0] > 0]
+        by_n: dict[int, list[int]] = {}
+        for i in tiles:
+            by_n.setdefault(int(t[i, 7]), []).append(i)
+        for n, idx in sorted(by_n.items()):
+            gaps = [
+                [t[i, 1] - t[i, 0] for i in idx], [t[i, 2] - t[i, 1] for i in idx],
+                [t[i, 3] - t[i, 2] for i in idx], [t[i, 4] - t[i, 3] for i in idx],
+                [t[i, 5] - t[i, 4] for i in idx], [t[i, 6] - t[i, 5] for i in idx],
+                [t[i + 1, 0] - t[i, 6] for i in idx], [t[i + 1, 0] - t[i, 0] for i in idx],
+            ]  # fmt: skip
+            medians = (statistics.median(g) for g in gaps)
+            row = ", ".join(f"{nm} {m:.0f}" for nm, m in zip(names, medians, strict=True))
+            print(f"  consumer {c}, {n} key tiles ({len(idx)} tiles): {row}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlen", type=int, default=8192)
@@ -136,6 +249,7 @@ def main() -> None:
     parser.add_argument("--three", action="store_true", help="three consumers (D=64)")
     parser.add_argument("--qk-stamp", action="store_true", help="e3: Q K^T done")
     parser.add_argument("--softmax-stamp", action="store_true", help="e4: softmax done (pins)")
+    parser.add_argument("--tiles", action="store_true", help="per-tile stamps, persistent")
     args = parser.parse_args()
     d, s = args.head_dim, args.seqlen
     b, h = max(1, args.tokens // s), 16 if d == 128 else 32
@@ -147,7 +261,10 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "fwd_trace.py"
-        path.write_text(trace_source(rows, args.qk_stamp, args.softmax_stamp))
+        if args.tiles:
+            path.write_text(trace_tiles_source(rows))
+        else:
+            path.write_text(trace_source(rows, args.qk_stamp, args.softmax_stamp))
         spec = importlib.util.spec_from_file_location("flashcore_fwd_trace", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -155,7 +272,7 @@ def main() -> None:
         fwd_sm90.launcher.cache_clear()
         fwd_sm90.kernels = lambda: module  # the tier's launcher, on the trace build
         config = (fwd_sm90.D64_THREE if args.three else fwd_sm90.CONFIGS[d])._replace(
-            persistent=False
+            persistent=args.tiles
         )
         if args.stages:
             config = config._replace(num_stages=args.stages)
@@ -168,6 +285,10 @@ def main() -> None:
             )  # fmt: skip
         torch.cuda.synchronize()
     stamps = lse_buf[rows:].view(torch.int64).view(CONSUMERS, STEPS, EVENTS).cpu().double()
+    if args.tiles:
+        print(f"B={b} H={h} S={s} D={d} causal={args.causal} persistent, program 0: clocks")
+        report_tiles(stamps, config.num_consumers)
+        return
     steps = range(8, min(60, -(-s // config.block_n) - 1))
     if len(steps) < 4:
         raise SystemExit("too few key tiles per CTA to trace (use a longer --seqlen)")

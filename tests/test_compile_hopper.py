@@ -207,19 +207,20 @@ def compiled_rows(script: str, expected: int) -> list[dict]:
 
 
 def q_freed_after_store_read(ptx: str) -> int:
-    """How many ``cp.async.bulk.wait_group.read 0`` are followed, within a few instructions and
-    before any other bulk copy or mbarrier operation, by a ``bar.sync`` and then an
-    ``mbarrier.arrive``: a consumer freeing its Q slot once the copy engine has read O out of it,
-    all its threads past the wait."""
+    """How many ``cp.async.bulk.wait_group.read 1`` (every store read but the one just issued)
+    are followed, within a few dozen instructions and before any other bulk copy or mbarrier
+    operation, by a ``bar.sync`` and then an ``mbarrier.arrive``: a consumer freeing the previous
+    tile's Q slot once the copy engine has read that tile's O out of it, all its threads past
+    the wait, while its own store is still in flight."""
     count, state, seen = 0, None, 0
     for raw in ptx.splitlines():
         line = raw.split("//")[0].strip()
         if not line or line.startswith("."):
             continue
         seen += 1
-        if re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", line):
+        if re.search(r"cp\.async\.bulk\.wait_group\.read\s+1;", line):
             state, seen = "waited", 0
-        elif state and seen > 8:
+        elif state and seen > 32:
             state = None
         elif state == "waited" and re.search(r"\bbar\.sync\b", line):
             state = "synced"

@@ -331,6 +331,18 @@ class Plan(NamedTuple):
     meta: dict
 
 
+def fast_divisor(d: int) -> tuple[int, int]:
+    """``(magic, shift)`` for ``kernels/hopper/common.py: fast_div`` by ``d`` (1 <= d < 2**30):
+    ``n // d == (umulhi(n, magic) + n) >> shift`` for ``0 <= n < 2**30``, with ``shift =
+    ceil(log2 d)`` and the round-up multiplier ``magic = floor(2**32 (2**shift - d) / d) + 1``
+    (below 2**32; passed as the int32 of the same bits, which ``umulhi`` reads unsigned)."""
+    if not 1 <= d < 2**30:
+        raise ValueError(f"fast_divisor: divisor {d} outside [1, 2**30)")
+    shift = (d - 1).bit_length()
+    magic = ((1 << 32) * ((1 << shift) - d)) // d + 1
+    return (magic - (1 << 32) if magic >= 1 << 31 else magic), shift
+
+
 def attn_fwd_sm90(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -404,9 +416,11 @@ def plan(
         grid, lpt_heads = causal_order(
             costs, batch * heads, num_sms(q.device.index), persistent, kv_bytes
         )
+    n_tiles = -(-seqlen_q // block_m)
     scalars = (
         lse.stride(0), lse.stride(1), stride_ab, heads, heads // kv_heads, seqlen_q, seqlen_k,
-        lpt_heads, float(qk_scale), window_left, window_right, float(softcap),
+        lpt_heads, *fast_divisor(n_tiles * lpt_heads), *fast_divisor(lpt_heads),
+        *fast_divisor(heads), float(qk_scale), window_left, window_right, float(softcap),
     )  # fmt: skip
     meta = {
         "HEAD_DIM": head_dim,

@@ -11,6 +11,10 @@ from triton.experimental.gluon import language as gl
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)
 ROWS = gl.constexpr(64)  # query rows per consumer warpgroup (one m64 wgmma)
+# Q buffers of the persistent forward (per consumer): tile i's Q lands while tile i - 1 runs, and
+# its buffer is freed at the end of tile i + 1, when the copy engine has long read tile i's O out
+# of it (``kernels/hopper/fwd.py``, "Persistent schedule").
+Q_BUFFERS = gl.constexpr(3)
 
 
 @gluon.jit
@@ -80,14 +84,30 @@ def interleave(w, n_items, lpt_heads):
 
 
 @gluon.jit
-def work(w, n_tiles, lpt_heads, REVERSE: gl.constexpr):
-    """``(tile, off_bh)`` of the forward's work item ``w`` out of ``n_tiles * B * H``
-    (``interleave``); REVERSE (causal, where a query tile's cost grows with its index) takes each
-    head's tiles last-first. Without REVERSE, as ``common.program_tile`` (``lpt_heads = 1``)."""
-    tile, off_bh = interleave(w, n_tiles, lpt_heads)
+def fast_div(n, magic, shift):
+    """``n // d`` for ``0 <= n < 2**30``, from ``(magic, shift) = ops/fwd_sm90.py:
+    fast_divisor(d)`` (a round-up multiplier: ``(umulhi(n, magic) + n) >> shift``). A division
+    by a runtime value is about twenty instructions and a hundred clocks of dependent latency;
+    this is three."""
+    return (gl.umulhi(n, magic) + n) >> shift
+
+
+@gluon.jit
+def work(w, n_tiles, lpt_heads, num_heads, divisors, REVERSE: gl.constexpr):
+    """``(tile, off_b, off_h)`` of the forward's work item ``w`` out of ``n_tiles * B * H``, as
+    ``interleave`` orders them, with its divisions by ``n_tiles * lpt_heads``, ``lpt_heads`` and
+    ``num_heads`` done by ``fast_div`` (``divisors``: their six constants, ``fast_divisor``);
+    REVERSE (causal, where a query tile's cost grows with its index) takes each head's tiles
+    last-first. Without REVERSE and with ``lpt_heads = 1``, as ``common.program_tile``."""
+    group_m, group_s, lpt_m, lpt_s, heads_m, heads_s = divisors
+    group = fast_div(w, group_m, group_s)
+    r = w - group * (n_tiles * lpt_heads)
+    tile = fast_div(r, lpt_m, lpt_s)
+    off_bh = group * lpt_heads + (r - tile * lpt_heads)
     if REVERSE:
         tile = n_tiles - 1 - tile
-    return tile, off_bh
+    off_b = fast_div(off_bh, heads_m, heads_s)
+    return tile, off_b, off_bh - off_b * num_heads
 
 
 @gluon.jit

@@ -149,6 +149,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashcore.kernels.hopper.common import (
     LN2,
     LOG2E,
+    Q_BUFFERS,
     ROWS,
     kv_tile_range,
     opaque,
@@ -185,6 +186,7 @@ def _consumer_tile(
     seqlen_q,
     seqlen_k,
     lpt_heads,
+    divisors,
     qk_scale,
     window_left,
     window_right,
@@ -225,10 +227,10 @@ def _consumer_tile(
         seqlen_k = opaque(seqlen_k)
         stride_lb = opaque(stride_lb)
         stride_lh = opaque(stride_lh)
-    tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, IS_CAUSAL)
+    tile_m, off_b, off_h = work(
+        w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL
+    )
     start_m = tile_m * BLOCK_M
-    off_b = off_bh // num_heads
-    off_h = off_bh % num_heads
     row0 = start_m + CONSUMER * ROWS
     rows = gl.expand_dims(row0 + gl.arange(0, ROWS, layout=row_layout), 1)
     lo, full_lo, full_hi, hi = kv_tile_range(
@@ -254,9 +256,9 @@ def _consumer_tile(
         slope = 0.0
 
     if PERSISTENT:
-        qi = (it % 2) * NUM_CONSUMERS + CONSUMER
+        qi = (it % Q_BUFFERS) * NUM_CONSUMERS + CONSUMER
         # Every tile completes one q_ready phase, a tile with no key included (without a load).
-        mbarrier.wait(q_ready.index(qi), (it // 2) & 1)
+        mbarrier.wait(q_ready.index(qi), (it // Q_BUFFERS) & 1)
     else:
         qi = CONSUMER
     PANELS: gl.constexpr = HEAD_DIM // q_smem.shape[4]  # Q's column panels (the kernel's note)
@@ -305,11 +307,17 @@ def _consumer_tile(
     offs_m = row0 + gl.arange(0, ROWS, layout=row_layout)
     lse_ptrs = LSE + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + offs_m
     gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
-    # The copy engine has read O out of the slot (``wait_group.read``; Gluon puts a warpgroup
-    # barrier after it, before the arrive): the producer may land tile it + 2's Q there.
-    tma.store_wait(0)
     if PERSISTENT:
-        mbarrier.arrive(q_empty.index(qi), count=1)
+        # The copy engine has read the previous tile's O out of its slot (``wait_group.read``
+        # of all but the store just issued; Gluon puts a warpgroup barrier after it, before the
+        # arrive): the producer may land tile it + 2's Q there. Waiting for this tile's own
+        # store instead cost about 650 clocks a tile (the copy engine's read of the O tile).
+        tma.store_wait(1)
+        if it > 0:
+            prev = ((it + Q_BUFFERS - 1) % Q_BUFFERS) * NUM_CONSUMERS + CONSUMER
+            mbarrier.arrive(q_empty.index(prev), count=1)
+    else:
+        tma.store_wait(0)
     return n_tiles
 
 
@@ -335,6 +343,7 @@ def _consumer(
     seqlen_q,
     seqlen_k,
     lpt_heads,
+    divisors,
     qk_scale,
     window_left,
     window_right,
@@ -373,21 +382,22 @@ def _consumer(
                 n = _consumer_tile(
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
                     kv_empty, turn, LSE, ALIBI, SINKS, w, wave, kv, turns, stride_lb, stride_lh,
-                    stride_ab, num_heads, seqlen_q, seqlen_k, lpt_heads, qk_scale, window_left,
-                    window_right, softcap, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M,
-                    BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                    RAW_MAX, EVEN_N, PERSISTENT,
+                    stride_ab, num_heads, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale,
+                    window_left, window_right, softcap, CONSUMER, NUM_CONSUMERS, PINGPONG,
+                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
+                    HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )  # fmt: skip
                 kv += n
                 if n > 0:
                     turns += n + 1
+        tma.store_wait(0)  # the last tile's O read out of shared memory before the CTA ends
     else:
         _consumer_tile(
             o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
             LSE, ALIBI, SINKS, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh, stride_ab,
-            num_heads, seqlen_q, seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap,
-            CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-            HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
+            num_heads, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right,
+            softcap, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+            IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
         )  # fmt: skip
 
 
@@ -408,6 +418,12 @@ def attn_fwd_sm90_kernel(
     seqlen_q,
     seqlen_k,
     lpt_heads,
+    div_group_m,
+    div_group_s,
+    div_lpt_m,
+    div_lpt_s,
+    div_heads_m,
+    div_heads_s,
     qk_scale,
     window_left,
     window_right,
@@ -428,8 +444,8 @@ def attn_fwd_sm90_kernel(
     PERSISTENT: gl.constexpr = False,
 ):
     BLOCK_M: gl.constexpr = ROWS * NUM_CONSUMERS
-    # Persistent: two Q buffers, so that the next tile's Q lands during the current tile.
-    Q_SLOTS: gl.constexpr = NUM_CONSUMERS * (2 if PERSISTENT else 1)
+    # Persistent: Q_BUFFERS per consumer, so that the next tile's Q lands during this one.
+    Q_SLOTS: gl.constexpr = NUM_CONSUMERS * (Q_BUFFERS if PERSISTENT else 1)
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA block per slot (Gluon 3.6 has no starred
     # list in a kernel, hence the concatenation).
@@ -473,6 +489,7 @@ def attn_fwd_sm90_kernel(
     if PINGPONG:
         mbarrier.arrive(turn.index(0), count=1)
 
+    divisors = (div_group_m, div_group_s, div_lpt_m, div_lpt_s, div_heads_m, div_heads_s)
     # Argument tuples spelled out per partition: a tuple built by concatenation inside the kernel
     # turns its constexprs into tensors (Triton 3.6).
     gl.static_assert((NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumers")
@@ -482,20 +499,20 @@ def attn_fwd_sm90_kernel(
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 0,
+                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 0,
                     NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
                     HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 1,
+                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 1,
                     NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
                     HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (producer, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
+                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors,
                     window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                     IS_CAUSAL, HAS_WINDOW, PERSISTENT,
                 )),
@@ -509,27 +526,27 @@ def attn_fwd_sm90_kernel(
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 0,
+                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 0,
                     NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
                     HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 1,
+                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 1,
                     NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
                     HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (_consumer, (
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
                     turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, qk_scale, window_left, window_right, softcap, 2,
+                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 2,
                     NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
                     HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
                 )),
                 (producer, (
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
+                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors,
                     window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
                     IS_CAUSAL, HAS_WINDOW, PERSISTENT,
                 )),

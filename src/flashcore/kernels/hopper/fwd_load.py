@@ -9,7 +9,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from flashcore.kernels.hopper.common import ROWS, kv_tile_range, opaque, snake, work
+from flashcore.kernels.hopper.common import Q_BUFFERS, ROWS, kv_tile_range, opaque, snake, work
 
 
 @gluon.jit
@@ -45,6 +45,7 @@ def _producer_tile(
     seqlen_q,
     seqlen_k,
     lpt_heads,
+    divisors,
     window_left,
     window_right,
     BLOCK_M: gl.constexpr,
@@ -60,10 +61,10 @@ def _producer_tile(
     # Q and K arrive in PANELS column panels of PANEL (head dim 192: three of 64, as a TMA box
     # must be a power of two wide); one panel otherwise.
     PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES
-    tile_m, off_bh = work(w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, IS_CAUSAL)
+    tile_m, off_b, off_h = work(
+        w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL
+    )
     start_m = tile_m * BLOCK_M
-    off_b = off_bh // num_heads
-    off_h = off_bh % num_heads
     off_hk = off_h // kv_group
     lo, _, _, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
@@ -71,11 +72,12 @@ def _producer_tile(
     )  # fmt: skip
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
     if PERSISTENT:
-        # Q buffer it % 2, once its consumer has stored the O of tile it - 2 from it. A tile
-        # with no key completes q_ready without a load, so that every tile takes one phase.
+        # Q buffer it % Q_BUFFERS, once its consumer has stored the O of tile it - Q_BUFFERS
+        # from it. A tile with no key completes q_ready without a load, so that every tile
+        # takes one phase.
         for c in gl.static_range(NUM_CONSUMERS):
-            qi = (it % 2) * NUM_CONSUMERS + c
-            mbarrier.wait(q_empty.index(qi), ((it // 2) & 1) ^ 1)
+            qi = (it % Q_BUFFERS) * NUM_CONSUMERS + c
+            mbarrier.wait(q_empty.index(qi), ((it // Q_BUFFERS) & 1) ^ 1)
             bar = q_ready.index(qi)
             if hi > lo:
                 _load(q_desc, off_b, off_h, start_m + c * ROWS, bar, q_smem, qi * PANELS, PANELS)
@@ -120,6 +122,7 @@ def producer(
     seqlen_q,
     seqlen_k,
     lpt_heads,
+    divisors,
     window_left,
     window_right,
     BLOCK_M: gl.constexpr,
@@ -146,13 +149,13 @@ def producer(
                 kv += _producer_tile(
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                     v_ready, kv_empty, w, wave, kv, num_heads, kv_group, seqlen_q, seqlen_k,
-                    lpt_heads, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
+                    lpt_heads, divisors, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
                     NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT,
                 )  # fmt: skip
     else:
         _producer_tile(
             q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
             kv_empty, gl.program_id(0), 0, 0, num_heads, kv_group, seqlen_q, seqlen_k,
-            lpt_heads, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-            IS_CAUSAL, HAS_WINDOW, PERSISTENT,
+            lpt_heads, divisors, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
+            NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT,
         )  # fmt: skip
