@@ -248,6 +248,34 @@ def test_sm90_causal_order(shape, persistent, want):
     assert got == want
 
 
+def test_sm90_fast_divisor():
+    """The Hopper forward's work-item divisions (``kernels/hopper/common.py: fast_div``, a 32-bit
+    multiply-high, an add and a shift) equal ``//`` for every divisor the plan can pass, at the
+    numerators where rounding would show (multiples of the divisor and one below), computed
+    with the kernel's 32-bit wrap-around; out-of-range divisors are refused."""
+    import random
+
+    from flashcore.ops import fwd_sm90
+
+    rng = random.Random(0)
+    divisors = [*range(1, 2050), *(2**k + e for k in range(11, 30) for e in (-1, 0, 1))]
+    divisors += [rng.randrange(1, 2**30) for _ in range(2000)]
+    for d in divisors:
+        magic, shift = fwd_sm90.fast_divisor(d)
+        assert -(2**31) <= magic < 2**31 and 0 <= shift <= 30
+        numerators = {0, 1, d - 1, d, d + 1, 2**30 - 1, 2**30 - d}
+        numerators |= {
+            d * rng.randrange(1, max(2, 2**30 // d)) + e for e in (-1, 0) for _ in range(8)
+        }
+        for n in numerators:
+            if 0 <= n < 2**30:
+                hi = (n * (magic & 0xFFFFFFFF)) >> 32  # mul.hi.u32 of the int32's bits
+                assert (hi + n) >> shift == n // d, (n, d)
+    for bad in (0, -3, 2**30):
+        with pytest.raises(ValueError, match="fast_divisor"):
+            fwd_sm90.fast_divisor(bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "flat"])
 @pytest.mark.parametrize("order", [(1, 1), (4, 2), (4, 4), (7, 8)], ids=lambda o: f"{o[0]}x{o[1]}")
