@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import re
 import statistics
 import tempfile
 from pathlib import Path
@@ -41,6 +42,21 @@ KERNELS = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" 
 STEPS, EVENTS = 64, 8
 CONSUMERS = 3  # stamp slots per CTA
 LOG2E = 1.4426950408889634
+IMPORT_STEPS = "from flashcore.kernels.hopper.fwd_steps import attend\n"
+
+
+def _thread_args(steps_src: str, fwd_src: str) -> tuple[str, str]:
+    """Add ``LSE, IT`` (the stamps' base and the program's tile number) as the first parameters
+    of the key-loop functions (``attend``, ``_steps``, ``first``, ``loop``) and their calls."""
+    names = ("attend", "_steps", "first", "loop")
+    for name in names:
+        steps_src = steps_src.replace(f"def {name}(\n", f"def {name}(\n    LSE,\n    IT,\n")
+    call = re.compile(r"\b(" + "|".join(names) + r")\(\n(\s+)q_smem,")
+    steps_src, n_steps = call.subn(r"\1(\n\2LSE, IT, q_smem,", steps_src)
+    fwd_src, n_fwd = call.subn(r"\1(\n\2LSE, it, q_smem,", fwd_src)
+    if n_steps != 4 or n_fwd < 1 or any(f"def {n}(\n    LSE," not in steps_src for n in names):
+        raise SystemExit("kernels/hopper/fwd_steps.py changed; update _thread_args")
+    return steps_src, fwd_src
 
 
 def trace_source(offset: int, qk_stamp: bool = False, softmax_stamp: bool = False) -> str:
@@ -64,16 +80,6 @@ def _stamp(LSE, t, e: gl.constexpr, CONSUMER: gl.constexpr, x):
 @gluon.jit
 def _sit_out(""",
         ),
-        # LSE into attend and _steps, and through their calls.
-        (
-            "    l_i,\n    CONSUMER: gl.constexpr,",
-            "    l_i,\n    LSE,\n    CONSUMER: gl.constexpr,",
-        ),
-        (
-            "    acc,\n    CONSUMER: gl.constexpr,",
-            "    acc,\n    LSE,\n    CONSUMER: gl.constexpr,",
-        ),
-        ("m_i, l_i, acc, CONSUMER,", "m_i, l_i, acc, LSE, CONSUMER,", 2),
         (
             "        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)\n"
             "        if PINGPONG:\n"
@@ -112,13 +118,8 @@ def _sit_out(""",
             raise SystemExit(f"kernels/hopper/fwd_steps.py changed; update this edit: {old!r}")
         steps_src = steps_src.replace(old, new)
     src = (KERNELS / "fwd.py").read_text()
-    edits = [
-        ("from flashcore.kernels.hopper.fwd_steps import attend\n", ""),
-        (
-            "slope, m_i, l_i, CONSUMER, NUM_CONSUMERS,",
-            "slope, m_i, l_i, LSE, CONSUMER, NUM_CONSUMERS,",
-        ),
-    ]
+    steps_src, src = _thread_args(steps_src, src)
+    edits = [(IMPORT_STEPS, "")]
     for old, new in edits:
         if src.count(old) != 1:
             raise SystemExit(f"kernels/hopper/fwd.py changed; update this script's edit: {old!r}")
@@ -155,23 +156,14 @@ def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.const
     edits = [
         ("@gluon.jit\ndef _sit_out(", stamp + "@gluon.jit\ndef _sit_out("),
         (
-            "    l_i,\n    CONSUMER: gl.constexpr,",
-            "    l_i,\n    LSE,\n    IT,\n    CONSUMER: gl.constexpr,",
-        ),
-        (
-            "    acc,\n    CONSUMER: gl.constexpr,",
-            "    acc,\n    LSE,\n    IT,\n    CONSUMER: gl.constexpr,",
-        ),
-        ("m_i, l_i, acc, CONSUMER,", "m_i, l_i, acc, LSE, IT, CONSUMER,", 2),
-        (
-            "    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)\n",
-            "    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)\n"
-            "    _tstamp(LSE, IT, 2, CONSUMER, kv0)\n",
+            "    mbarrier.wait(k_ready.index(g % NUM_STAGES), (g // NUM_STAGES) & 1)\n",
+            "    mbarrier.wait(k_ready.index(g % NUM_STAGES), (g // NUM_STAGES) & 1)\n"
+            "    _tstamp(LSE, IT, 2, CONSUMER, g)\n",
         ),
         (
             "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n    if P_EARLY:",
             "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n"
-            "    _tstamp(LSE, IT, 3, CONSUMER, kv0)\n    if P_EARLY:",
+            "    _tstamp(LSE, IT, 3, CONSUMER, g)\n    if P_EARLY:",
         ),
     ]
     for old, new, *count in edits:
@@ -179,12 +171,9 @@ def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.const
             raise SystemExit(f"kernels/hopper/fwd_steps.py changed; update this edit: {old!r}")
         steps_src = steps_src.replace(old, new)
     src = (KERNELS / "fwd.py").read_text()
+    steps_src, src = _thread_args(steps_src, src)
     edits = [
-        ("from flashcore.kernels.hopper.fwd_steps import attend\n", ""),
-        (
-            "slope, m_i, l_i, CONSUMER, NUM_CONSUMERS,",
-            "slope, m_i, l_i, LSE, it, CONSUMER, NUM_CONSUMERS,",
-        ),
+        (IMPORT_STEPS, ""),
         (
             "    tile_m, off_b, off_h = work(\n",
             "    _tstamp(LSE, it, 0, CONSUMER, w)\n    tile_m, off_b, off_h = work(\n",
@@ -272,7 +261,8 @@ def main() -> None:
         fwd_sm90.launcher.cache_clear()
         fwd_sm90.kernels = lambda: module  # the tier's launcher, on the trace build
         config = (fwd_sm90.D64_THREE if args.three else fwd_sm90.CONFIGS[d])._replace(
-            persistent=args.tiles
+            persistent=args.tiles,
+            pipelined=False,  # the stamps are in the tile-by-tile code
         )
         if args.stages:
             config = config._replace(num_stages=args.stages)

@@ -93,20 +93,27 @@ def fast_div(n, magic, shift):
 
 
 @gluon.jit
-def work(w, n_tiles, lpt_heads, num_heads, divisors, REVERSE: gl.constexpr):
+def work(w, n_tiles, lpt_heads, num_heads, divisors, REVERSE: gl.constexpr, FAST: gl.constexpr):
     """``(tile, off_b, off_h)`` of the forward's work item ``w`` out of ``n_tiles * B * H``, as
-    ``interleave`` orders them, with its divisions by ``n_tiles * lpt_heads``, ``lpt_heads`` and
-    ``num_heads`` done by ``fast_div`` (``divisors``: their six constants, ``fast_divisor``);
-    REVERSE (causal, where a query tile's cost grows with its index) takes each head's tiles
-    last-first. Without REVERSE and with ``lpt_heads = 1``, as ``common.program_tile``."""
-    group_m, group_s, lpt_m, lpt_s, heads_m, heads_s = divisors
-    group = fast_div(w, group_m, group_s)
-    r = w - group * (n_tiles * lpt_heads)
-    tile = fast_div(r, lpt_m, lpt_s)
-    off_bh = group * lpt_heads + (r - tile * lpt_heads)
+    ``interleave`` orders them; REVERSE (causal, where a query tile's cost grows with its index)
+    takes each head's tiles last-first. Without REVERSE and with ``lpt_heads = 1``, as
+    ``common.program_tile``. FAST (the persistent grid, which decodes a work item per tile):
+    the divisions by ``n_tiles * lpt_heads``, ``lpt_heads`` and ``num_heads`` by ``fast_div``
+    (``divisors``: their six constants, ``fast_divisor``); the flat grid decodes once per
+    program and keeps plain divisions (with the constants live, its causal ragged D=128 build
+    spilled 32 B)."""
+    if FAST:
+        group_m, group_s, lpt_m, lpt_s, heads_m, heads_s = divisors
+        group = fast_div(w, group_m, group_s)
+        r = w - group * (n_tiles * lpt_heads)
+        tile = fast_div(r, lpt_m, lpt_s)
+        off_bh = group * lpt_heads + (r - tile * lpt_heads)
+        off_b = fast_div(off_bh, heads_m, heads_s)
+    else:
+        tile, off_bh = interleave(w, n_tiles, lpt_heads)
+        off_b = off_bh // num_heads
     if REVERSE:
         tile = n_tiles - 1 - tile
-    off_b = fast_div(off_bh, heads_m, heads_s)
     return tile, off_b, off_bh - off_b * num_heads
 
 

@@ -228,7 +228,7 @@ def _consumer_tile(
         stride_lb = opaque(stride_lb)
         stride_lh = opaque(stride_lh)
     tile_m, off_b, off_h = work(
-        w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL
+        w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL, PERSISTENT
     )
     start_m = tile_m * BLOCK_M
     row0 = start_m + CONSUMER * ROWS

@@ -62,7 +62,7 @@ def _producer_tile(
     # must be a power of two wide); one panel otherwise.
     PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES
     tile_m, off_b, off_h = work(
-        w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL
+        w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL, PERSISTENT
     )
     start_m = tile_m * BLOCK_M
     off_hk = off_h // kv_group
