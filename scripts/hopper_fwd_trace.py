@@ -261,8 +261,7 @@ def main() -> None:
         fwd_sm90.launcher.cache_clear()
         fwd_sm90.kernels = lambda: module  # the tier's launcher, on the trace build
         config = (fwd_sm90.D64_THREE if args.three else fwd_sm90.CONFIGS[d])._replace(
-            persistent=args.tiles,
-            pipelined=False,  # the stamps are in the tile-by-tile code
+            persistent=args.tiles
         )
         if args.stages:
             config = config._replace(num_stages=args.stages)
