@@ -204,15 +204,20 @@ def test_small_problems_skip_descriptors():
         (64, 2048, True, False, 2, None),
         (64, 8192, False, True, 2, None),  # window, softcap or ALiBi: two consumers
         (128, 8192, False, False, 2, None),
+        (128, 512, True, False, 2, None),  # 64-key tiles (checked below)
+        (128, 768, True, False, 2, None),
     ],
 )
 def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persistent):
     """The Hopper forward's tiles per problem: three consumer warpgroups at D=64 from the
-    measured lengths on, persistent when not causal."""
+    measured lengths on, persistent when not causal; 64-key tiles for causal D=128 problems of
+    at most 512 queries and keys."""
     from flashcore.ops import fwd_sm90
 
     cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, causal, options)
     assert (cfg.num_consumers, cfg.persistent) == (consumers, persistent)
+    short_causal = head_dim == 128 and causal and not options and seqlen <= 512
+    assert cfg.block_n == (64 if short_causal else 128)
     # Shorter queries than keys (or the reverse) decide by the shorter side.
     short = fwd_sm90.pick_config(head_dim, 256, seqlen, causal, options)
     assert short.num_consumers == 2

@@ -94,16 +94,27 @@ D64_THREE = Sm90Config(3, 128, 3, 160, 128)
 # registers, so they keep two.
 D64_THREE_MIN_SEQLEN = 1024
 D64_THREE_MIN_SEQLEN_CAUSAL = 4096
+# D=128, causal, at most 512 queries and keys: 64-key tiles in 4 slots (Q 3 x 2 x 16 KB + K/V
+# 4 x 32 KB: 224 KB persistent). Each query tile then spends half as many key columns on the
+# masked half of its diagonal tile. H100, bf16, three rounds in one process, persistent, the
+# FA sweep's batch (16k tokens), TFLOP/s 128-key / 64-key tiles (cuDNN): S = 256 143 / 155
+# (170), 512 273 / 292-294 (315-316), 768 378 / 352 (384), 1024 427-438 / 387-388 (414-420).
+D128_SHORT_CAUSAL = Sm90Config(2, 64, 4, 240, 168)
+D128_SHORT_CAUSAL_MAX_SEQLEN = 512
 
 
 def pick_config(
     head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, options: bool
 ) -> Sm90Config:
-    """The launch config of a problem: ``CONFIGS``, or three consumers at D=64 where they
-    measured faster (``options``: a window, softcap or ALiBi is on)."""
+    """The launch config of a problem: ``CONFIGS``, three consumers at D=64 or 64-key tiles for
+    short causal problems at D=128 where they measured faster (``options``: a window, softcap
+    or ALiBi is on)."""
     floor = D64_THREE_MIN_SEQLEN_CAUSAL if causal else D64_THREE_MIN_SEQLEN
     if head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor:
         return D64_THREE._replace(persistent=not causal)
+    short = max(seqlen_q, seqlen_k) <= D128_SHORT_CAUSAL_MAX_SEQLEN
+    if head_dim == 128 and causal and not options and short:
+        return D128_SHORT_CAUSAL
     return CONFIGS[head_dim]
 
 
