@@ -257,6 +257,8 @@ def sm90_backward(
 #   run), 0.96-1.08x cuDNN from 2048 on; at S = 512 (persistent) 1.30x the portable forward
 #   non-causal and 1.10x causal (0.99x and 0.85x cuDNN; before the K/V release fix it was
 #   0.72-1.09x the portable one).
+#   Since then, causal D=128 at S <= 512 takes 64-key tiles (ops/fwd_sm90.py: D128_SHORT_CAUSAL):
+#   0.92-0.94x cuDNN at S = 512 through the API.
 # - D=64, two consumer warpgroups (persistent at these lengths): 1.04-1.10x the portable forward
 #   non-causal at S = 512, about equal at 1024; causal 1.04x at 2048, equal at 1024, 0.84x at
 #   512. Three consumer warpgroups (ops/fwd_sm90.py: pick_config): 1.06-1.12x cuDNN non-causal
