@@ -59,6 +59,24 @@ def _thread_args(steps_src: str, fwd_src: str) -> tuple[str, str]:
     return steps_src, fwd_src
 
 
+def _build(steps_src: str, steps_edits: list, fwd_edits: list) -> str:
+    """One module: ``fwd.py`` with ``fwd_edits`` (and without its import of the key loop), then
+    ``steps_src`` with ``steps_edits``, the stamps' arguments threaded through both. Each edit
+    ``(old, new[, count])`` must match exactly ``count`` (default 1) times."""
+    src = (KERNELS / "fwd.py").read_text()
+    for name, edits in (("fwd_steps", steps_edits), ("fwd", [*fwd_edits, (IMPORT_STEPS, "")])):
+        for old, new, *count in edits:
+            text = steps_src if name == "fwd_steps" else src
+            if text.count(old) != (count[0] if count else 1):
+                raise SystemExit(f"kernels/hopper/{name}.py changed; update this edit: {old!r}")
+            if name == "fwd_steps":
+                steps_src = steps_src.replace(old, new)
+            else:
+                src = src.replace(old, new)
+    steps_src, src = _thread_args(steps_src, src)
+    return src + "\n\n" + steps_src
+
+
 def trace_source(offset: int, qk_stamp: bool = False, softmax_stamp: bool = False) -> str:
     """The kernel's source with the stamps; they go to ``LSE + offset`` (fp32 elements). The key
     loop (``fwd_steps.py``, edited) is appended to ``fwd.py`` in place of its import."""
@@ -113,18 +131,7 @@ def _sit_out(""",
             "        _stamp(LSE, t, 4, CONSUMER, g)\n"
             "        acc, p_op = warpgroup_mma_wait(0",
         ))  # fmt: skip
-    for old, new, *count in edits:
-        if steps_src.count(old) != (count[0] if count else 1):
-            raise SystemExit(f"kernels/hopper/fwd_steps.py changed; update this edit: {old!r}")
-        steps_src = steps_src.replace(old, new)
-    src = (KERNELS / "fwd.py").read_text()
-    steps_src, src = _thread_args(steps_src, src)
-    edits = [(IMPORT_STEPS, "")]
-    for old, new in edits:
-        if src.count(old) != 1:
-            raise SystemExit(f"kernels/hopper/fwd.py changed; update this script's edit: {old!r}")
-        src = src.replace(old, new)
-    return src + "\n\n" + steps_src
+    return _build(steps_src, edits, [])
 
 
 def trace_tiles_source(offset: int) -> str:
@@ -166,14 +173,7 @@ def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.const
             "    _tstamp(LSE, IT, 3, CONSUMER, g)\n    if P_EARLY:",
         ),
     ]
-    for old, new, *count in edits:
-        if steps_src.count(old) != (count[0] if count else 1):
-            raise SystemExit(f"kernels/hopper/fwd_steps.py changed; update this edit: {old!r}")
-        steps_src = steps_src.replace(old, new)
-    src = (KERNELS / "fwd.py").read_text()
-    steps_src, src = _thread_args(steps_src, src)
-    edits = [
-        (IMPORT_STEPS, ""),
+    fwd_edits = [
         (
             "    tile_m, off_b, off_h = work(\n",
             "    _tstamp(LSE, it, 0, CONSUMER, w)\n    tile_m, off_b, off_h = work(\n",
@@ -198,11 +198,7 @@ def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.const
             "        tma.store_wait(1)\n        _tstamp(LSE, it, 6, CONSUMER, w)\n",
         ),
     ]
-    for old, new in edits:
-        if src.count(old) != 1:
-            raise SystemExit(f"kernels/hopper/fwd.py changed; update this script's edit: {old!r}")
-        src = src.replace(old, new)
-    return src + "\n\n" + steps_src
+    return _build(steps_src, edits, fwd_edits)
 
 
 def report_tiles(stamps, num_consumers: int) -> None:
