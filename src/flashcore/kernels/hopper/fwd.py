@@ -72,17 +72,19 @@ on odd ones, mapped to a tile by the same ``work`` as the flat grid (a head's ti
 causal last-first). The snake matters for causal: with ``grid % n_m == 0`` (132 SMs, S = 512)
 a plain stride gives every program the same query tile in each wave, its longest tile or its
 shortest; the snake pairs them (a list-scheduling model of 32k tokens puts the plain stride's
-makespan at 1.5x the snake's at S = 512, equal from 16k). Shared memory holds two Q buffers
-(``q_smem[b * 2 + c]``, ``b = wave % 2``: the next tile's Q lands during the current tile), the
-K/V ring, and per Q slot a ``q_empty`` barrier (count 1). Phase bookkeeping, per program:
+makespan at 1.5x the snake's at S = 512, equal from 16k). Shared memory holds Q_BUFFERS = 3 Q
+buffers (``q_smem[b * NUM_CONSUMERS + c]``, ``b = wave % 3``: the next tile's Q lands during the
+current tile, and a slot is reused only three tiles later), the K/V ring, and per Q slot a
+``q_empty`` barrier (count 1). Each tile's work item is decoded with multiply-high divisions
+(``common.fast_div``, constants from the launcher's plan). Phase bookkeeping, per program:
 
 - ``wave`` counts the program's tiles (every wave but the last gives it one). Q slot
-  ``(wave % 2, c)``: the producer waits ``q_empty`` with parity ``(wave // 2) & 1 ^ 1`` (the first
+  ``(wave % 3, c)``: the producer waits ``q_empty`` with parity ``(wave // 3) & 1 ^ 1`` (the first
   use of each buffer passes), then completes ``q_ready`` (a TMA load with ``expect``; for a tile
   that sees no key a plain arrive, so that every tile takes exactly one phase); consumer c waits
-  ``q_ready`` with parity ``(wave // 2) & 1`` for every tile, key or not, and arrives on
-  ``q_empty`` after its O has left the slot. Neither barrier can run two phases ahead of its
-  waiter: each completion needs the other side's previous one.
+  ``q_ready`` with parity ``(wave // 3) & 1`` for every tile, key or not, and at the end of tile
+  i arrives on the ``q_empty`` of tile i - 1's slot (the one tile i + 2 takes). Neither barrier
+  can run two phases ahead of its waiter: each completion needs the other side's previous one.
 - ``kv`` counts the K/V tiles the program has loaded, over all its tiles (a tile with no key adds
   0); tile ``g = kv0 + t`` uses slot ``g % NUM_STAGES`` with parity ``(g // NUM_STAGES) & 1`` on
   ``k_ready``/``v_ready`` and ``^ 1`` on ``kv_empty``, exactly as the flat kernel's ``t`` does, so
@@ -93,14 +95,16 @@ K/V ring, and per Q slot a ``q_empty`` barrier (count 1). Phase bookkeeping, per
   so they take the same number of turns per tile and the alternation carries over.
 - No deadlock: the producer's waits (``kv_empty``, ``q_empty``) need consumer progress made
   before the consumers wait for what that load brings (the ring as in the flat kernel; the Q
-  of tile i + 1 needs only tile i - 1's stores). A consumer's waits need the producer's loads,
-  issued in tile order, and the other consumer's turn, at most one turn behind.
+  of tile i + 1 needs only tile i - 2's slot, freed at the end of tile i - 1). A consumer's
+  waits need the producer's loads, issued in tile order, and the other consumer's turn, at most
+  one turn behind.
 - O store: O goes into the consumer's own Q slot and leaves by TMA as in the flat kernel, then
-  ``tma.store_wait(0)`` (``cp.async.bulk.wait_group.read``: the copy engine has read the slot;
-  Gluon puts a warpgroup barrier between it and the single-thread arrive) before ``q_empty``. The
-  producer reuses that buffer only for tile i + 2, so the wait does not delay the next Q;
-  a plain ``gl.store`` from the accumulator layout would drop the copy engine's clipping at Sq
-  and need O's pointer and strides.
+  ``tma.store_wait(1)`` (``cp.async.bulk.wait_group.read`` of all but the store just issued: the
+  copy engine has read tile i - 1's O; Gluon puts a warpgroup barrier between it and the
+  single-thread arrive) before that slot's ``q_empty``, so no tile waits for its own store's read
+  (about 650 clocks a tile with two buffers); the last store is waited for after the loop. A
+  plain ``gl.store`` from the accumulator layout would drop the copy engine's clipping at Sq and
+  need O's pointer and strides.
 
 Key tiles. ``kv_tile_range`` (the same split as ``kernels/common.py``) gives the tiles the CTA's
 rows can see, ``[lo, hi)``, and the ones every row sees entirely, ``[full_lo, full_hi)``; all
