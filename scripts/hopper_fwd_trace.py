@@ -47,14 +47,14 @@ IMPORT_STEPS = "from flashcore.kernels.hopper.fwd_steps import attend\n"
 
 def _thread_args(steps_src: str, fwd_src: str) -> tuple[str, str]:
     """Add ``LSE, IT`` (the stamps' base and the program's tile number) as the first parameters
-    of the key-loop functions (``attend``, ``_steps``, ``first``, ``loop``) and their calls."""
-    names = ("attend", "_steps", "first", "loop")
+    of the key-loop functions (``attend``, ``_steps``) and their calls."""
+    names = ("attend", "_steps")
     for name in names:
         steps_src = steps_src.replace(f"def {name}(\n", f"def {name}(\n    LSE,\n    IT,\n")
     call = re.compile(r"\b(" + "|".join(names) + r")\(\n(\s+)q_smem,")
     steps_src, n_steps = call.subn(r"\1(\n\2LSE, IT, q_smem,", steps_src)
     fwd_src, n_fwd = call.subn(r"\1(\n\2LSE, it, q_smem,", fwd_src)
-    if n_steps != 4 or n_fwd < 1 or any(f"def {n}(\n    LSE," not in steps_src for n in names):
+    if n_steps != 2 or n_fwd < 1 or any(f"def {n}(\n    LSE," not in steps_src for n in names):
         raise SystemExit("kernels/hopper/fwd_steps.py changed; update _thread_args")
     return steps_src, fwd_src
 
@@ -163,14 +163,14 @@ def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.const
     edits = [
         ("@gluon.jit\ndef _sit_out(", stamp + "@gluon.jit\ndef _sit_out("),
         (
-            "    mbarrier.wait(k_ready.index(g % NUM_STAGES), (g // NUM_STAGES) & 1)\n",
-            "    mbarrier.wait(k_ready.index(g % NUM_STAGES), (g // NUM_STAGES) & 1)\n"
-            "    _tstamp(LSE, IT, 2, CONSUMER, g)\n",
+            "    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)\n",
+            "    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)\n"
+            "    _tstamp(LSE, IT, 2, CONSUMER, kv0)\n",
         ),
         (
             "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n    if P_EARLY:",
             "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n"
-            "    _tstamp(LSE, IT, 3, CONSUMER, g)\n    if P_EARLY:",
+            "    _tstamp(LSE, IT, 3, CONSUMER, kv0)\n    if P_EARLY:",
         ),
     ]
     fwd_edits = [

@@ -186,155 +186,11 @@ def _steps(
     EVEN_N: gl.constexpr,
 ):
     """Tiles ``0 .. n_tiles - 1`` (``n_tiles >= 1``) from key ``lo``, ring entry ``kv0`` and
-    turn ``turn0`` on, each computed: the schedule of the module docstring (``first``,
-    ``loop``, ``last``)."""
-    p, p_op, alpha, m_i, l_i = first(
-        q_smem, qi, k_smem, k_ready, kv_empty, turn, kv0, turn0, lo, full_lo, full_hi, rows,
-        seqlen_q, seqlen_k, qk_scale, window_left, window_right, softcap, slope, m_i, l_i,
-        CONSUMER, NUM_CONSUMERS, PINGPONG, v_smem.shape[4], BLOCK_N, NUM_STAGES, IS_CAUSAL,
-        HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
-    )  # fmt: skip
-    p, p_op, alpha, m_i, l_i, acc = loop(
-        q_smem, qi, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, lo,
-        full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
-        softcap, slope, p, p_op, alpha, m_i, l_i, acc, CONSUMER, NUM_CONSUMERS, PINGPONG,
-        BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
-    )  # fmt: skip
-    # With three consumers, or Q and K in panels (head dim 192: it keeps the causal ragged build
-    # free of spills, 32 B without), P goes to its operand form right after its softmax (see
-    # ``attend``'s SKIP) rather than under the next ``Q K^T``.
-    P_EARLY: gl.constexpr = (NUM_CONSUMERS > 2) or (k_smem.shape[0] // NUM_STAGES > 1)
-    acc = last(
-        v_smem, v_ready, kv_empty, turn, kv0 + n_tiles - 1, turn0 + n_tiles, p, p_op, alpha,
-        acc, CONSUMER, NUM_CONSUMERS, PINGPONG, BLOCK_N, NUM_STAGES, P_EARLY,
-    )  # fmt: skip
-    return m_i, l_i, acc
-
-
-@gluon.jit
-def first(
-    q_smem,
-    qi,
-    k_smem,
-    k_ready,
-    kv_empty,
-    turn,
-    g,
-    turn_t,
-    lo,
-    full_lo,
-    full_hi,
-    rows,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    slope,
-    m_i,
-    l_i,
-    CONSUMER: gl.constexpr,
-    NUM_CONSUMERS: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    HEAD_DIM_V: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    HAS_WINDOW: gl.constexpr,
-    SOFTCAP: gl.constexpr,
-    HAS_ALIBI: gl.constexpr,
-    RAW_MAX: gl.constexpr,
-    EVEN_N: gl.constexpr,
-):
-    """A work tile's first key tile (ring entry ``g``, turn ``turn_t``, keys from ``lo``): its
-    scores and softmax, one turn on the tensor cores; returns ``(p, p_op, alpha, m, l)`` (``p_op``
-    the operand form when P_EARLY, else a placeholder)."""
-    dtype: gl.constexpr = q_smem.dtype
-    NEXT: gl.constexpr = (CONSUMER + 1) % NUM_CONSUMERS
-    PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES  # Q and K column panels (_scores)
-    P_EARLY: gl.constexpr = (NUM_CONSUMERS > 2) or (PANELS > 1)  # see _steps
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
-    )
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-
-    mbarrier.wait(k_ready.index(g % NUM_STAGES), (g // NUM_STAGES) & 1)
-    if PINGPONG:
-        mbarrier.wait(turn.index(CONSUMER), turn_t & 1)
-    s_tok = _scores(q_smem, qi, k_smem, g % NUM_STAGES, zero_s, BLOCK_N, PANELS)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(NEXT), count=1)
-    s = warpgroup_mma_wait(0, deps=[s_tok])
-    mbarrier.arrive(kv_empty.index(g % NUM_STAGES), count=1)  # K read
-    s = tile_scores(
-        s, lo, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, window_left,
-        window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
-        not EVEN_N,
-    )  # fmt: skip
-    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
-    if P_EARLY:
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-    else:
-        p_op = gl.zeros([ROWS, BLOCK_N], dtype, layout=p_layout)  # unused placeholder
-    return p, p_op, alpha, m_i, l_i
-
-
-@gluon.jit
-def loop(
-    q_smem,
-    qi,
-    k_smem,
-    v_smem,
-    k_ready,
-    v_ready,
-    kv_empty,
-    turn,
-    kv0,
-    turn0,
-    n_tiles,
-    lo,
-    full_lo,
-    full_hi,
-    rows,
-    seqlen_q,
-    seqlen_k,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
-    slope,
-    p,
-    p_op,
-    alpha,
-    m_i,
-    l_i,
-    acc,
-    CONSUMER: gl.constexpr,
-    NUM_CONSUMERS: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    HAS_WINDOW: gl.constexpr,
-    SOFTCAP: gl.constexpr,
-    HAS_ALIBI: gl.constexpr,
-    RAW_MAX: gl.constexpr,
-    EVEN_N: gl.constexpr,
-):
-    """Steps 1 .. n_tiles - 1 of a work tile whose first key tile (entry ``kv0``, turn
-    ``turn0``) ``first`` computed: ``Q K_t^T`` and ``P_{t-1} V_{t-1}`` in flight, tile t's
-    softmax; returns the last tile's ``(p, p_op, alpha, m, l)`` and O without its ``P V``."""
+    turn ``turn0`` on, each computed: the schedule of the module docstring."""
     dtype: gl.constexpr = q_smem.dtype
     NEXT: gl.constexpr = (CONSUMER + 1) % NUM_CONSUMERS
     HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
     PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES  # Q and K column panels (_scores)
-    P_EARLY: gl.constexpr = (NUM_CONSUMERS > 2) or (PANELS > 1)  # see _steps
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
@@ -342,9 +198,32 @@ def loop(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    CHECK_N: gl.constexpr = not EVEN_N
+    # See attend's SKIP; with Q and K in panels (head dim 192) it keeps the causal ragged build
+    # free of spills (32 B without).
+    P_EARLY: gl.constexpr = (NUM_CONSUMERS > 2) or (PANELS > 1)
+
+    # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
+    mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), turn0 & 1)
+    s_tok = _scores(q_smem, qi, k_smem, kv0 % NUM_STAGES, zero_s, BLOCK_N, PANELS)
+    if PINGPONG:
+        mbarrier.arrive(turn.index(NEXT), count=1)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    mbarrier.arrive(kv_empty.index(kv0 % NUM_STAGES), count=1)  # K_0 read
+    s = tile_scores(
+        s, lo, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k, qk_scale, window_left,
+        window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
+        CHECK_N,
+    )  # fmt: skip
+    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+    if P_EARLY:
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     for t in range(1, n_tiles):
         g = kv0 + t
@@ -369,7 +248,7 @@ def loop(
         s = tile_scores(
             s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
             qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
-            SOFTCAP, HAS_ALIBI, RAW_MAX, not EVEN_N,
+            SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
         )  # fmt: skip
         # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
         p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
@@ -377,49 +256,20 @@ def loop(
         mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
         if P_EARLY:
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-    return p, p_op, alpha, m_i, l_i, acc
 
-
-@gluon.jit
-def last(
-    v_smem,
-    v_ready,
-    kv_empty,
-    turn,
-    g,
-    turn_t,
-    p,
-    p_op,
-    alpha,
-    acc,
-    CONSUMER: gl.constexpr,
-    NUM_CONSUMERS: gl.constexpr,
-    PINGPONG: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr,
-    P_EARLY: gl.constexpr,
-):
-    """A work tile's last ``P V`` (ring entry ``g``, turn ``turn_t``), into O rescaled by the
-    last ``alpha``; returns O."""
-    dtype: gl.constexpr = v_smem.dtype
-    NEXT: gl.constexpr = (CONSUMER + 1) % NUM_CONSUMERS
-    HEAD_DIM_V: gl.constexpr = v_smem.shape[4]
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
-    )
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-    slot = g % NUM_STAGES
-    mbarrier.wait(v_ready.index(slot), (g // NUM_STAGES) & 1)
+    # The last tile's P V.
+    g = kv0 + n_tiles - 1
+    last = g % NUM_STAGES
+    mbarrier.wait(v_ready.index(last), (g // NUM_STAGES) & 1)
     if PINGPONG:
-        mbarrier.wait(turn.index(CONSUMER), turn_t & 1)
+        mbarrier.wait(turn.index(CONSUMER), (turn0 + n_tiles) & 1)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
     if not P_EARLY:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
-    v_t = v_smem.index(slot).reshape([BLOCK_N, HEAD_DIM_V])
+    v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM_V])
     acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
     if PINGPONG:
         mbarrier.arrive(turn.index(NEXT), count=1)
     acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
-    mbarrier.arrive(kv_empty.index(NUM_STAGES + slot), count=1)
-    return acc
+    mbarrier.arrive(kv_empty.index(NUM_STAGES + last), count=1)
+    return m_i, l_i, acc
