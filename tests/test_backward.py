@@ -394,6 +394,8 @@ def test_backward_dispatch(
     monkeypatch.setattr(runtime, "capability", lambda device: capability)
     monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
     monkeypatch.setattr(bwd_sm90, "supports", lambda *args, **kwargs: True)
+    # The decision is kept per problem signature: start from none.
+    monkeypatch.setattr(bwd, "_SM90", {})
 
     def sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv, **kwargs):
         ran.append("sm90")
@@ -420,6 +422,7 @@ def test_backward_dispatch_honours_torch_deterministic(monkeypatch):
     monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
     monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
     monkeypatch.setattr(bwd_sm90, "supports", lambda *args, **kwargs: True)
+    monkeypatch.setattr(bwd, "_SM90", {})
     monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", lambda *a, **kw: pytest.fail("sm90 ran"))
 
     def portable():

@@ -88,21 +88,32 @@ def launch(
         and not deterministic
         and runtime.backward_tier(q.device) == "sm90"
         and not torch.are_deterministic_algorithms_enabled()
-        and (
-            runtime.tier_forced()
-            or sm90_backward(seqlen_q, seqlen_k, q.shape[-1], window != (-1, -1), causal)
-        )
     ):
-        from flashcore.ops import bwd_sm90
+        # Whether the Hopper backward runs, per problem signature (its tuning choice and its
+        # checks, about 25 us of Python a call otherwise on the H100 machine's host): dq, dk, dv
+        # are fresh ``empty_like`` tensors, so their strides follow from the inputs' and their
+        # addresses are aligned; the inputs' alignment is part of the key.
+        aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+        key = (
+            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
+            causal, window, None if alibi_slopes is None else alibi_slopes.dtype, aligned,
+            runtime.tier_forced(),
+        )  # fmt: skip
+        hopper = _SM90.get(key)
+        if hopper is None:
+            hopper = cached(_SM90, key, lambda: _takes_sm90(
+                q, k, v, dq, dk, dv, causal, window, alibi_slopes, seqlen_q, seqlen_k
+            ))  # fmt: skip
+        if hopper:
+            from flashcore.ops import bwd_sm90
 
-        if bwd_sm90.supports(
-            q, k, v, dq, dk, dv, window=window, softcap=softcap, alibi=alibi_slopes, sinks=sinks
-        ):
             delta = bwd_sm90.attn_bwd_sm90(
                 dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv,
                 window=window, softcap=softcap, alibi=alibi_slopes,
             )[3]  # fmt: skip
-            return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
+            if sinks is None:
+                return dq, dk, dv, None
+            return dq, dk, dv, sink_grad(sinks, lse, delta[..., :seqlen_q])
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
@@ -155,8 +166,33 @@ def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> to
     return -(p * delta).sum(dim=[d for d in range(lse.dim()) if d != heads_dim])
 
 
-# Launch plans by problem signature (see launch; bounded by ops.launch.cached).
+# Launch plans by problem signature (see launch; bounded by ops.launch.cached), and whether the
+# Hopper backward runs.
 _PLANS: dict[tuple, tuple] = {}
+_SM90: dict[tuple, bool] = {}
+
+
+def _takes_sm90(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    window: tuple[int, int],
+    alibi_slopes: torch.Tensor | None,
+    seqlen_q: int,
+    seqlen_k: int,
+) -> bool:
+    """Whether ``launch`` runs the Hopper backward on a device where it may (``use_tier("sm90")``
+    or ``tuning.sm90_backward``'s choice, and ``bwd_sm90.supports``)."""
+    from flashcore.ops import bwd_sm90
+
+    wanted = runtime.tier_forced() or sm90_backward(
+        seqlen_q, seqlen_k, q.shape[-1], window != (-1, -1), causal
+    )
+    return wanted and bwd_sm90.supports(q, k, v, dq, dk, dv, window=window, alibi=alibi_slopes)
 
 
 def _plan(

@@ -22,7 +22,7 @@ from flashcore.ops import problem as pb
 from flashcore.ops import runtime
 
 # The forward tier's checks and descriptors, so that both tiers accept the same problems.
-from flashcore.ops.fwd_sm90 import dense_problem, descriptor, lpt_group, num_sms, tma_ok
+from flashcore.ops.fwd_sm90 import box_layout, dense_problem, lpt_group, num_sms, tma_ok
 from flashcore.ops.launch import Descriptor, Launcher, cached
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
@@ -152,11 +152,6 @@ def _group_sum(part: torch.Tensor, out: torch.Tensor | None, groups: int) -> tor
     return torch.sum(grouped, 2, out=out)
 
 
-def _tma_view(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself when the copy engine can address it, else a contiguous copy."""
-    return t if tma_ok(t) else t.contiguous()
-
-
 def attn_bwd_sm90(
     dout: torch.Tensor,
     q: torch.Tensor,
@@ -178,8 +173,8 @@ def attn_bwd_sm90(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, delta)`` of ``out, lse = attention(q, k, v, causal, scale)`` for inputs that
     passed ``supports`` (with the same ``dq``, ``dk``, ``dv``; not checked again here, the caller
-    has); ``delta`` is ``rowsum(dout * out) -
-    dlse``, fp32 ``(B, H, Sq)`` (a view), for the sinks' gradient.
+    has); ``delta`` is ``rowsum(dout * out) - dlse``, fp32 ``(B, H, Sq_pad)`` with ``Sq_pad =
+    cdiv(Sq, 64) * 64`` and zeros past Sq (``delta[..., :Sq]`` for the sinks' gradient).
 
     ``q``, ``out``, ``dout``: ``(B, H, Sq, D)``; ``k``, ``v``: ``(B, Hkv, Sk, D)`` (any strides the
     copy engine accepts; ``(B, S, H, D)`` storage passed as ``.transpose(1, 2)`` works; ``dout``
@@ -193,66 +188,77 @@ def attn_bwd_sm90(
     programs), dK and dV per query head (``2 B H Sk D`` x the element size, at most
     ``SPLIT_MAX_BYTES``), summed over each group (in fp32) at the end.
     """
-    dout, out = _tma_view(dout), _tma_view(out)
-    lse = lse.contiguous()
-    # Everything but the tensors per problem signature (the split, grids, scalars, constexprs):
-    # tens of microseconds of Python a call otherwise (docs/performance_host.md).
+    # Everything but the tensors per problem signature (the split, grids, scalars, constexprs,
+    # descriptor layouts, whether out and dout need a copy the copy engine can address): tens of
+    # microseconds of Python a call otherwise (docs/performance_host.md).
+    aligned = (out.data_ptr() | dout.data_ptr()) % 16 == 0
     key = (
-        q.shape, k.shape, q.dtype, out.stride(), dout.stride(),
+        q.shape, k.shape, q.dtype, out.stride(), dout.stride(), aligned,
         None if dlse is None else dlse.stride(), lse.stride(), q.device, causal, scale, window,
         softcap, None if alibi is None else (alibi.shape, alibi.stride()), config,
     )  # fmt: skip
-    p = cached(_PLANS, key, lambda: _plan(
-        q, k, out, dout, lse, dlse, causal, scale, config, window, softcap, alibi,
-    ))  # fmt: skip
-    batch, heads, seqlen_q, head_dim = q.shape
+    p = _PLANS.get(key)
+    if p is None:
+        p = cached(_PLANS, key, lambda: _plan(
+            q, k, out, dout, lse, dlse, causal, scale, config, window, softcap, alibi,
+        ))  # fmt: skip
+    if p.copy_out:
+        out = out.contiguous()
+    if p.copy_dout:
+        dout = dout.contiguous()
+    lse = lse.contiguous()
     if p.split:
         dk_out, dv_out = dk, dv
         dk = dv = None
-    # delta, lse2 and the dQ accumulator (zeroed by the prep kernel) in one fp32 allocation; the
-    # accumulator starts at a multiple of 64 floats (16-byte aligned for the copy engine).
-    rows = batch * heads * p.seqlen_pad
+    # delta, lse2 and the dQ accumulator (zeroed by the prep kernel) in one fp32 allocation, cut
+    # in one call; the accumulator starts at a multiple of 64 floats (16-byte aligned for the copy
+    # engine).
+    rows = p.rows
     fp32 = torch.empty(2 * rows + q.numel(), device=q.device, dtype=torch.float32)
-    delta = fp32[:rows].view(batch, heads, p.seqlen_pad)
-    lse2 = fp32[rows : 2 * rows].view(-1)
-    dq_acc = fp32[2 * rows :].view(q.shape)
+    delta, lse2, dq_acc = fp32.split_with_sizes((rows, rows, q.numel()))
+    dq_acc = dq_acc.view(q.shape)
     dq = torch.empty_like(q) if dq is None else dq
-    grad_shape = (batch, p.grad_heads, k.shape[2], head_dim)
-    dk = torch.empty(grad_shape, device=k.device, dtype=k.dtype) if dk is None else dk
-    dv = torch.empty(grad_shape, device=v.device, dtype=v.dtype) if dv is None else dv
-    alibi_ptr = pb.alibi_arg(alibi, lse)[0]  # contiguous slopes (the plan's batch stride)
+    dk = torch.empty(p.grad_shape, device=k.device, dtype=k.dtype) if dk is None else dk
+    dv = torch.empty(p.grad_shape, device=v.device, dtype=v.dtype) if dv is None else dv
+    alibi_ptr = lse if alibi is None else alibi.contiguous()  # the plan's batch stride
     dlse_arg = lse if dlse is None else dlse
     prep, main = kernels()
+    tile, rows_1d, dq_tile = p.layouts
     with runtime.launch_on(q):
         prep(p.prep_grid, (out, dout, dlse_arg, lse, delta, lse2, dq_acc, *p.prep_scalars),
              p.prep_meta)  # fmt: skip
-        tile, dq_tile = [1, 1, ROWS, head_dim], [1, 1, ROWS, head_dim // 2]
+        box, dq_box = p.boxes
         descs = (
-            descriptor(q, tile),
-            descriptor(k, tile),
-            descriptor(v, tile),
-            descriptor(dout, tile),
-            descriptor(lse2, [ROWS]),
-            descriptor(delta.view(-1), [ROWS]),
-            Descriptor(dq_acc, dq_tile, dq_layout(head_dim)),
-            descriptor(dk, tile),
-            descriptor(dv, tile),
+            Descriptor(q, box, tile),
+            Descriptor(k, box, tile),
+            Descriptor(v, box, tile),
+            Descriptor(dout, box, tile),
+            Descriptor(lse2, [ROWS], rows_1d),
+            Descriptor(delta, [ROWS], rows_1d),
+            Descriptor(dq_acc, dq_box, dq_tile),
+            Descriptor(dk, box, tile),
+            Descriptor(dv, box, tile),
         )
         main(p.main_grid, (*descs, alibi_ptr, *p.main_scalars), p.main_meta)
     # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
     torch.mul(dq_acc, scale, out=dq)
     if p.split:
-        groups = heads // k.shape[1]
+        groups = q.shape[1] // k.shape[1]
         dk, dv = _group_sum(dk, dk_out, groups), _group_sum(dv, dv_out, groups)
-    return dq, dk, dv, delta[..., :seqlen_q]
+    return dq, dk, dv, delta.view(p.delta_shape)
 
 
 class Plan(NamedTuple):
     """A backward launch but its tensors (``_plan``)."""
 
     split: bool
-    grad_heads: int
-    seqlen_pad: int
+    grad_shape: tuple[int, ...]  # of the dK, dV the kernel writes (per query head when split)
+    rows: int  # B * H * seqlen_pad: the length of each fp32 row-stat buffer
+    delta_shape: tuple[int, ...]  # (B, H, seqlen_pad)
+    copy_out: bool  # out and dout need a contiguous copy (strides the copy engine refuses)
+    copy_dout: bool
+    boxes: tuple[list[int], list[int]]  # of the (B, H, S, D) tiles and of the dQ accumulator's
+    layouts: tuple  # their shared layouts: tiles, fp32 row stats, dQ accumulator
     prep_grid: tuple[int]
     prep_scalars: tuple
     prep_meta: dict
@@ -279,6 +285,12 @@ def _plan(
     softcap: float,
     alibi: torch.Tensor | None,
 ) -> Plan:
+    # The strides the launches will see: out and dout as given where the copy engine can address
+    # them (else contiguous copies, as each call then makes), the LSE contiguous.
+    copy_out, copy_dout = not tma_ok(out), not tma_ok(dout)
+    out = out.contiguous() if copy_out else out
+    dout = dout.contiguous() if copy_dout else dout
+    lse = lse.contiguous()
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     cfg = config or CONFIGS[head_dim]
@@ -327,7 +339,16 @@ def _plan(
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }
+    box = [1, 1, ROWS, head_dim]
+    dq_box = [1, 1, ROWS, head_dim // 2]
+    layouts = (
+        box_layout(tuple(box), q.dtype),
+        box_layout((ROWS,), torch.float32),
+        dq_layout(head_dim),
+    )
     return Plan(
-        split, grad_heads, seqlen_pad, (seqlen_pad // ROWS * batch * heads,), prep_scalars,
-        prep_meta, (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,
+        split, (batch, grad_heads, seqlen_k, head_dim), batch * heads * seqlen_pad,
+        (batch, heads, seqlen_pad), copy_out, copy_dout, (box, dq_box), layouts,
+        (seqlen_pad // ROWS * batch * heads,), prep_scalars, prep_meta,
+        (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,
     )  # fmt: skip

@@ -317,11 +317,11 @@ def descriptor(t: torch.Tensor, block: list[int]) -> Descriptor:
     kernel: the default NVMMA swizzle for tiles, none for a 1-D run of fp32 row stats. A light
     ``ops.launch.Descriptor`` (Gluon's own ``TensorDescriptor`` validates on every build; the
     callers have checked ``tma_ok``), made the real one on a launcher miss."""
-    return Descriptor(t, block, _layout(tuple(block), t.dtype))
+    return Descriptor(t, block, box_layout(tuple(block), t.dtype))
 
 
 @functools.cache
-def _layout(block: tuple[int, ...], dtype: torch.dtype):
+def box_layout(block: tuple[int, ...], dtype: torch.dtype):
     """The shared layout of a descriptor's box, once per box and dtype (``get_default_for`` costs
     about 13 us of Python a call; a backward builds nine descriptors)."""
     from triton.experimental.gluon import language as gl
