@@ -89,10 +89,11 @@ def launch(
         and runtime.backward_tier(q.device) == "sm90"
         and not torch.are_deterministic_algorithms_enabled()
     ):
-        # Whether the Hopper backward runs, per problem signature (its tuning choice and its
-        # checks, about 25 us of Python a call otherwise on the H100 machine's host): dq, dk, dv
-        # are fresh ``empty_like`` tensors, so their strides follow from the inputs' and their
-        # addresses are aligned; the inputs' alignment is part of the key.
+        # Whether the Hopper backward runs, per problem signature (its tuning choice and the
+        # tier's checks ran on every call before; docs/performance_host.md, "The Hopper
+        # backward's launcher"): dq, dk, dv are fresh ``empty_like`` tensors, so their strides
+        # follow from the inputs' and their addresses are aligned; the inputs' alignment is part
+        # of the key.
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
         key = (
             q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,

@@ -220,7 +220,7 @@ def attn_bwd_sm90(
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty(p.grad_shape, device=k.device, dtype=k.dtype) if dk is None else dk
     dv = torch.empty(p.grad_shape, device=v.device, dtype=v.dtype) if dv is None else dv
-    alibi_ptr = lse if alibi is None else alibi.contiguous()  # the plan's batch stride
+    alibi_ptr = pb.alibi_arg(alibi, lse)[0]  # contiguous slopes (the plan's batch stride)
     dlse_arg = lse if dlse is None else dlse
     prep, main = kernels()
     tile, rows_1d, dq_tile = p.layouts
