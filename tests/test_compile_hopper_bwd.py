@@ -6,15 +6,17 @@ file is that subprocess's script: ``python tests/test_compile_hopper_bwd.py`` pr
 per variant, with ``PYTHONPATH=src``). What the tests hold the compiled code to:
 
 - shared memory within the 227 KiB a Hopper block may use; no local-memory spills;
-- the register split: ``setmaxnreg`` 240 for the consumer warpgroups and 24 for the producer, no
-  C7508 ("setmaxnreg ignored") or C7515 ("wgmma serialized") warning;
+- the register split: ``setmaxnreg`` 240 for the consumer warpgroups (200 at D=64, where a third
+  warpgroup computes dQ with 96) and 24 for the producer, no C7508 ("setmaxnreg ignored") or
+  C7515 ("wgmma serialized") warning;
 - the five products on the tensor cores: ``S^T`` and ``dP^T`` with both operands in shared memory,
   ``dV`` and ``dK`` with their A operand (P^T, dS^T) in registers, ``dQ`` from shared memory;
 - dQ leaves by the copy engine's reduce-add (``cp.reduce.async.bulk.tensor ... .add``), dK and dV
   by TMA stores, Q / dO / K / V arrive by TMA loads;
 - the orderings the schedule rests on: a dQ staging tile is rewritten only after the copy engine
-  has read it for the previous reduce, and written by every thread before the next reduce is
-  issued; a Q/dO slot is freed only after the products that read it have completed.
+  has read it for the reduce that last used it (``cp.async.bulk.wait_group.read``: 0 with a tile
+  per consumer, 1 where the dQ warpgroup alternates two), and written by every thread before the
+  next reduce is issued; a Q/dO slot is freed only after the products that read it have completed.
 """
 
 from __future__ import annotations
@@ -30,19 +32,20 @@ from test_compile_hopper import assemble, assert_register_split, compiled_rows
 
 SMEM_LIMIT = 227 * 1024
 
-# (label, head_dim, dtype, causal, even_n, stages, consumer_regs, maxnreg[, options]): the
-# launcher's configs (ops/bwd_sm90.py: CONFIGS). Ragged Sq changes no constexpr (the copy engine
-# clips and pads); ragged Sk turns EVEN_N off (a key mask on the block that crosses Sk, when not
-# causal). options: the score flags on (HAS_WINDOW, SOFTCAP, HAS_ALIBI).
+# (label, head_dim, dtype, causal, even_n[, options]), each compiled with the launcher's config
+# for its head dim (ops/bwd_sm90.py: CONFIGS; at D=64 the dQ warpgroup). Ragged Sq changes no
+# constexpr (the copy engine clips and pads); ragged Sk turns EVEN_N off (a key mask on the block
+# that crosses Sk, when not causal). options: the score flags on (HAS_WINDOW, SOFTCAP, HAS_ALIBI).
 VARIANTS = [
-    ("d128-bf16", 128, "bf16", False, True, 2, 240, 168),
-    ("d128-fp16-causal-ragged", 128, "fp16", True, False, 2, 240, 168),
-    ("d64-bf16-causal", 64, "bf16", True, True, 2, 240, 168),
-    ("d128-bf16-ragged", 128, "bf16", False, False, 2, 240, 168),
-    ("d128-bf16-causal-window", 128, "bf16", True, True, 2, 240, 168, ("HAS_WINDOW",)),
-    ("d128-bf16-softcap-window", 128, "bf16", False, False, 2, 240, 168, ("HAS_WINDOW", "SOFTCAP")),
-    ("d128-fp16-causal-alibi", 128, "fp16", True, False, 2, 240, 168, ("HAS_ALIBI",)),
-    ("d64-bf16-all", 64, "bf16", False, False, 2, 240, 168, ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")),
+    ("d128-bf16", 128, "bf16", False, True),
+    ("d128-fp16-causal-ragged", 128, "fp16", True, False),
+    ("d64-bf16-causal", 64, "bf16", True, True),
+    ("d64-fp16-ragged", 64, "fp16", False, False),
+    ("d128-bf16-ragged", 128, "bf16", False, False),
+    ("d128-bf16-causal-window", 128, "bf16", True, True, ("HAS_WINDOW",)),
+    ("d128-bf16-softcap-window", 128, "bf16", False, False, ("HAS_WINDOW", "SOFTCAP")),
+    ("d128-fp16-causal-alibi", 128, "fp16", True, False, ("HAS_ALIBI",)),
+    ("d64-bf16-all", 64, "bf16", False, False, ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")),
 ]
 SCORE_FLAGS = ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")
 
@@ -55,8 +58,9 @@ def compile_variant(variant) -> dict:
     from flashcore.kernels.hopper import bwd
     from flashcore.ops import bwd_sm90
 
-    label, head_dim, dtype, causal, even_n, stages, regs, maxnreg, *rest = variant
+    label, head_dim, dtype, causal, even_n, *rest = variant
     options = rest[0] if rest else ()
+    cfg = bwd_sm90.CONFIGS[head_dim]
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     # Signatures as a launch with Gluon TensorDescriptors specialises them (ops/bwd_sm90.py).
     signature = {}
@@ -64,14 +68,16 @@ def compile_variant(variant) -> dict:
         block = [1, 1, 64, head_dim]
         layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
-    block = [1, 1, 64, head_dim // 2]  # each consumer reduces half the columns (DQ_COLS)
+    # The launcher's dQ box: half of D per consumer, or 64 columns a reduce of the dQ warpgroup.
+    block = [1, 1, 64, 64 if cfg.dq_warpgroup else head_dim // 2]
     signature["dq_desc"] = f"tensordesc<fp32{block},{bwd_sm90.dq_layout(head_dim)!r}>"
     row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     for name in ("lse_desc", "delta_desc"):
         signature[name] = f"tensordesc<fp32[64],{row_layout!r}>"
     consts = dict(
-        HEAD_DIM=head_dim, NUM_STAGES=stages, CONSUMER_REGS=regs, IS_CAUSAL=causal,
-        EVEN_N=even_n, ABLATE=0, **{flag: flag in options for flag in SCORE_FLAGS},
+        HEAD_DIM=head_dim, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
+        IS_CAUSAL=causal, EVEN_N=even_n, DQ_WARPGROUP=cfg.dq_warpgroup, DQ_REGS=cfg.dq_regs,
+        ABLATE=0, **{flag: flag in options for flag in SCORE_FLAGS},
     )  # fmt: skip
     fn = bwd.attn_bwd_sm90_kernel
     for name in fn.arg_names:
@@ -85,9 +91,11 @@ def compile_variant(variant) -> dict:
             signature[name] = "i32"
     signature = {name: signature[name] for name in fn.arg_names}
     src = GluonASTSource(fn, signature, consts, {})
-    ptx, _, report = assemble(src, maxnreg)
+    ptx, _, report = assemble(src, cfg.maxnreg)
     return {
         "variant": label,
+        "consumer_regs": cfg.consumer_regs,
+        "dq_regs": cfg.dq_regs if cfg.dq_warpgroup else None,
         **report,
         "wgmma_ptx": len(re.findall(r"wgmma\.mma_async", ptx)),
         "tma_reduce_add": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.\S*add", ptx)),
@@ -96,6 +104,7 @@ def compile_variant(variant) -> dict:
         "atomics": len(re.findall(r"\b(red|atom)\.global", ptx)),
         # The kernel's DQ_LAG rule: softcap or ALiBi at D=128 keep each step's dQ in its step.
         "dq_in_step": head_dim == 128 and ("SOFTCAP" in options or "HAS_ALIBI" in options),
+        "dq_warpgroup": cfg.dq_warpgroup,
         **schedule_facts(ptx),
     }
 
@@ -184,8 +193,10 @@ def test_shared_memory_within_limit(compiled):
 # masks on every step, tanh's values until dS for softcap, the distances for ALiBi): ptxas spills
 # 120-516 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance_backward.md.
 # The causal order across heads (``interleave``, a runtime group size) moved causal ALiBi from
-# 384 to 400 B; no other variant changed.
+# 384 to 400 B; no other variant changed. At D=64 the consumers have 200 registers beside the dQ
+# warpgroup: all three score options at once spill 16 B there (none with any one of them).
 SPILL_ALLOWANCE = {
+    "d64-bf16-all": 16,
     "d128-fp16-causal-ragged": 36,
     "d128-bf16-ragged": 100,
     "d128-bf16-causal-window": 160,
@@ -204,6 +215,11 @@ def test_no_spills(compiled):
 
 def test_register_split(compiled):
     assert_register_split(compiled)
+    # The dQ warpgroup (D=64) sets its own count (a 64 x 64 fp32 accumulator needs 32 a thread).
+    for row in compiled:
+        if row["dq_regs"] is not None:
+            pairs = {tuple(p) for p in row["setmaxnreg"]}
+            assert ("inc", row["dq_regs"]) in pairs, f"{row['variant']}: {pairs}"
 
 
 def test_products_on_tensor_cores(compiled):
@@ -233,9 +249,10 @@ def test_slot_freed_after_its_products(compiled):
     # arrive (its dS^T tile written), both after the wait that completes dV and dK, and the
     # ds_free arrive after the wait that completes a step's dQ products (which read both dS^T
     # tiles); with the dQ a step late (DQ_LAG), one more ds_free arrive after the loop, after the
-    # last dQ products.
+    # last dQ products. With the dQ warpgroup (D=64) the consumers arrive qd_empty and ds_ready,
+    # and the dQ warpgroup ds_free after its products of a step and dq_done after its last ones.
     for row in compiled:
-        frees = 6 if row["dq_in_step"] else 8
+        frees = 6 if row["dq_in_step"] or row["dq_warpgroup"] else 8
         assert row["frees"] == frees, f"{row['variant']}: {row['frees']} mbarrier arrives"
         assert row["frees_ordered"] == frees, (
             f"{row['variant']}: {row['frees_ordered']} of {row['frees']} arrives after the wait"

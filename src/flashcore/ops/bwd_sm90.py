@@ -51,19 +51,29 @@ def dq_layout(head_dim: int):
 
 class Sm90BwdConfig(NamedTuple):
     """``num_stages`` slots of the Q/dO ring; ``consumer_regs`` per consumer thread after
-    ``setmaxnreg`` (the producer warp keeps 24); ``maxnreg`` the cap at entry (12 warps)."""
+    ``setmaxnreg`` (the producer warp keeps 24); ``maxnreg`` the cap at entry (9 warps, 13 with
+    the dQ warpgroup: at most 65536 registers in all)."""
 
     num_stages: int = 2
     consumer_regs: int = 240
     maxnreg: int = 168
+    dq_warpgroup: bool = False
+    """dQ on a warpgroup of its own (``dq_regs`` registers a thread) instead of in the consumers'
+    steps (``kernels/hopper/bwd.py``, "Schedule")."""
+    dq_regs: int = 96
     ablate: int = 0
     """Measurement only (wrong dQ): 1 computes dQ but never reduces it into memory, 2 skips dQ
     (``scripts/hopper_bwd.py bench --ablate``)."""
 
 
-# D=128: K, V 64 KB, Q/dO ring 2 x 32 KB, dS^T 16 KB, dQ staging 64 KB: 214400 B of shared
-# memory with the barriers and row stats. D=64: about half (116096 B).
-CONFIGS = {128: Sm90BwdConfig(), 64: Sm90BwdConfig()}
+# Shared memory (the kernel's docstring, "Invariants"): 198 KB at D=128, 133 KB at D=64. At D=64
+# dQ runs on its own warpgroup (4-10% faster, H100; docs/performance_backward.md, "dQ on a
+# warpgroup of its own"): 2 x 128 x 200 + 128 x 96 + 32 x 24 registers after setmaxnreg. At D=128
+# the consumers need 240 and the split does not fit.
+CONFIGS = {
+    128: Sm90BwdConfig(),
+    64: Sm90BwdConfig(consumer_regs=200, maxnreg=128, dq_warpgroup=True, dq_regs=96),
+}
 
 
 @functools.cache
@@ -335,12 +345,16 @@ def _plan(
         "SOFTCAP": sc.has_softcap,
         "HAS_ALIBI": sc.has_alibi,
         "EVEN_N": seqlen_k % BLOCK_N == 0,
+        "DQ_WARPGROUP": cfg.dq_warpgroup,
+        "DQ_REGS": cfg.dq_regs,
         "ABLATE": cfg.ablate,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }
     box = [1, 1, ROWS, head_dim]
-    dq_box = [1, 1, ROWS, head_dim // 2]
+    # The dQ warpgroup reduce-adds 64 columns at a time (all of D=64); each consumer otherwise
+    # its half of D.
+    dq_box = [1, 1, ROWS, 64 if cfg.dq_warpgroup else head_dim // 2]
     layouts = (
         box_layout(tuple(box), q.dtype),
         box_layout((ROWS,), torch.float32),

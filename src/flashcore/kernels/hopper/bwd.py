@@ -94,6 +94,32 @@ other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, `
   K_c's and V_c's slots, fence, TMA stores (rows past Sk dropped by the copy engine), then
   ``store_wait(0)`` so that no bulk copy still reads shared memory when the CTA exits.
 
+DQ_WARPGROUP (the launcher's choice at D=64, ``ops/bwd_sm90.py: CONFIGS``): the dQ phase leaves
+the consumers' steps for a third warpgroup (worker 1; the producer becomes worker 2; registers
+200 / 96 / 24). A consumer's step ends at its ``ds_ready`` arrive; ``ds_free`` (count 1) is
+arrived by the dQ warpgroup alone, and a consumer writes dS^T tile ``[t % 2, c]`` after waiting it
+with parity ``((t // 2) & 1) ^ 1`` (step t - 2's dQ products done; the first two pass). The dQ
+warpgroup, step t::
+
+      wait ds_ready[t % 2] with parity (t // 2) & 1    # both dS^T tiles of step t written
+      for each 64 columns h of D (one at D=64):
+          dQ_h = wgmma(dS_0, K_0[:, h]) + wgmma(dS_1, K_1[:, h]); wait
+          (after the last h) arrive ds_free[t % 2]
+          cp.async.bulk.wait_group.read 1               # two staging tiles in turn: the reduce
+          dQ_h -> shared (staging tile); fence.proxy.async  # that last used this one has read it
+          TMA reduce-add into dQ[b, h_t, m_t:m_t+64, h]
+
+  then arrives ``dq_done`` (count 1), which the consumers wait (parity 0) before their epilogue
+  overwrites K. Phases: ``ds_ready[b]``'s k-th completion is step 2k + b, and it cannot complete
+  again before the dQ warpgroup's wait for it (the consumers' next arrivals on it follow their
+  ``ds_free`` wait for this step's products); ``ds_free[b]``'s k-th completion is step 2k + b's
+  dQ, which needs both consumers' ``ds_ready`` arrival for that step, made after their wait for
+  the previous completion. The consumers' lockstep with each other goes (no dQ of the other's
+  keys in their steps); ``qd_empty`` still bounds the ring. At D=64 (H100, bf16, 32k tokens) it
+  measured 4-10% faster than the dQ in the consumers' steps (docs/performance_backward.md, "dQ on
+  a warpgroup of its own"); at D=128 the consumers need their 240 registers and the split does
+  not fit (``setmaxnreg`` totals within the 64K of an SM).
+
 mbarrier phases (why nothing deadlocks). ``kv_ready`` completes once (the producer's first act,
 unconditional: a block whose keys no query sees still gets its K/V loaded, so both consumers'
 single wait with parity 0 returns). ``qd_ready[s]`` completes once per use of slot s, by the
@@ -135,17 +161,22 @@ softcap, then ALiBi, then the masks); the window's query-block range in ``q_bloc
 masks on every step; with SOFTCAP dS is multiplied by ``1 - tanh^2`` (the gradient with respect
 to ``scale q.k``); the ALiBi slope is read once a step (its query head). ABLATE
 (measurement only, wrong dQ): 1 computes dQ but does not reduce it; 2 skips the dQ products
-(Triton 3.6's ptxas crashes on that variant).
+(Triton 3.6's ptxas crashes on that variant; with DQ_WARPGROUP it is 1).
 
 Invariants. Head dim 64 or 128 and unit stride on D; every descriptor stride is 16-byte aligned
 (launcher). Shared memory at D=128: K, V 32 KB each, Q/dO ring 2 x 2 x 16 KB, dS^T 2 x 2 x 8 KB,
-fp32 dQ staging 2 x 16 KB, row stats 1 KB, barriers: 198048 B; at D=64 116128 B.
+fp32 dQ staging 2 x 16 KB, row stats 1 KB, barriers: 198048 B; at D=64 with the dQ warpgroup
+132600 B (its two staging tiles are 64 x 64 fp32).
 
 Compiled (CPU, ptxas of Triton 3.6's wheel, sm_90a; ``tests/test_compile_hopper_bwd.py``):
-``setmaxnreg`` 240 / 24, no C75xx warning; spills 0 B without score options except 24-36 B
-(scalars) for D=128 fp16 causal with ragged Sk; with window, softcap or ALiBi at D=128 160-516 B
-(see the test's allowance); none at D=64. A run-time branch around the dQ products (one
-consumer computing the whole dQ of a step, alternating) made ptxas crash (SIGSEGV).
+``setmaxnreg`` 240 / 24 (D=64: 200 / 96 / 24), no C75xx warning; spills 0 B without score options
+except 24-36 B (scalars) for D=128 fp16 causal with ragged Sk; with window, softcap or ALiBi at
+D=128 160-516 B (see the test's allowance); at D=64 16 B with all three at once. A run-time
+branch around the dQ products (one consumer computing the whole dQ of a step, alternating) made
+ptxas crash (SIGSEGV), and so did a consumer step with no dQ phase and nothing after its
+``ds_ready`` arrive: ptxas 12.8's optimizer (Triton 3.6's wheel), at -O1 and above; the
+consumers then wait for no bulk copy (``tma.store_wait(0)``) there, and ptxas 13.0 compiles the
+step either way.
 
 Not covered (the launcher's ``supports`` says no): varlen, a value head dim different from
 Q/K's, head dims other than 64 and 128. Sinks need nothing here (the launcher's caller).
@@ -165,7 +196,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
-from flashcore.kernels.hopper.bwd_dq import dq_step
+from flashcore.kernels.hopper.bwd_dq import dq_step, tma_reduce_add
 from flashcore.kernels.hopper.common import LOG2E, interleave, tanh
 
 ROWS = gl.constexpr(64)  # query rows per step, and keys per consumer warpgroup (one m64 wgmma)
@@ -348,6 +379,7 @@ def _consumer(
     qd_empty,
     ds_ready,
     ds_free,
+    dq_done,
     dq_desc,
     dk_desc,
     dv_desc,
@@ -371,6 +403,7 @@ def _consumer(
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
     EVEN_N: gl.constexpr,
+    DQ_WARPGROUP: gl.constexpr,
     ABLATE: gl.constexpr,
 ):
     dtype: gl.constexpr = k_smem.dtype
@@ -412,7 +445,7 @@ def _consumer(
     v_c = v_tile.reshape([ROWS, HEAD_DIM])
     # dQ of a step: this consumer computes its half of the columns (DQ_COLS = D / 2), over both
     # consumers' keys (K_0 and K_1 with both dS^T tiles), and reduce-adds it.
-    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
     k0_cols = k_smem.index(0).reshape([ROWS, HEAD_DIM]).slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
     k1_cols = k_smem.index(1).reshape([ROWS, HEAD_DIM]).slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
     dq_tile = dq_smem.index(CONSUMER)
@@ -486,7 +519,11 @@ def _consumer(
         # dS^T double-buffered over steps: tile [t % 2, c] was last read by both consumers' dQ
         # products of step t - 2 (ds_free; see the docstring for the phases).
         buf = t % 2
-        mbarrier.wait(ds_free.index(buf), ((t // 2) + 1 + DQ_LAG * buf) & 1)
+        if DQ_WARPGROUP:
+            # Freed by the dQ warpgroup's products of step t - 2 (the first two pass).
+            mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+        else:
+            mbarrier.wait(ds_free.index(buf), ((t // 2) + 1 + DQ_LAG * buf) & 1)
         ds_smem.index(2 * buf + CONSUMER).store(ds)
         ds_op = gl.convert_layout(ds, a_layout)
         dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
@@ -501,7 +538,12 @@ def _consumer(
         # This consumer's dS^T of step t is in shared memory (written and fenced before the
         # wait above).
         mbarrier.arrive(ds_ready.index(buf), count=1)
-        if DQ_LAG:
+        if DQ_WARPGROUP:
+            # A wait for no bulk copy (this consumer has none outstanding): without an
+            # instruction here ptxas 12.8 (Triton 3.6's) crashes (SIGSEGV) on the step with no
+            # dQ phase; ptxas 13.0 compiles it either way.
+            tma.store_wait(0)
+        elif DQ_LAG:
             # The dQ of step t - 1 (at t = 0 of no step: computed from whatever the tiles hold,
             # as a run-time branch around the products crashes ptxas, and not reduced).
             dq_step(
@@ -519,7 +561,10 @@ def _consumer(
     # Until the other consumer's last dQ products, which read this consumer's K tile, have
     # completed: the epilogue overwrites it. With DQ_LAG the last step's dQ (none without steps)
     # comes first. (Phases: the docstring.)
-    if DQ_LAG:
+    if DQ_WARPGROUP:
+        # The dQ warpgroup's last products (which read both K tiles) have completed.
+        mbarrier.wait(dq_done, 0)
+    elif DQ_LAG:
         dq_step(
             ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq,
             n_steps - 1, n_steps > 0, off_b, prev_h, prev_m, CONSUMER, ABLATE,
@@ -533,6 +578,82 @@ def _consumer(
     fence_async_shared()
     tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, key0, 0], k_tile)
     tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, key0, 0], v_tile)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _dq_warpgroup(
+    ds_smem,
+    k_smem,
+    dq_smem,
+    kv_ready,
+    ds_ready,
+    ds_free,
+    dq_done,
+    dq_desc,
+    kv_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    lpt_heads,
+    window_left,
+    window_right,
+    HEAD_DIM: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    ABLATE: gl.constexpr,
+):
+    """DQ_WARPGROUP: every step's dQ (all D columns, over both consumers' keys) on a warpgroup
+    of its own, reduce-added from two staging tiles in turn, so that the consumers' steps hold
+    no dQ phase (docstring, "Schedule")."""
+    n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+    pid = gl.program_id(0)
+    block, off_bh = interleave(pid, n_blocks, lpt_heads)
+    start_n = block * BLOCK_N
+    off_b = off_bh // kv_heads
+    off_hk = off_bh % kv_heads
+    lo, n_m = q_blocks(
+        start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
+    )
+    # DQ_COLS columns a reduce (the descriptor's box): all D at D=64, halves at D=128 (a 64 x 64
+    # fp32 accumulator either way), through two staging tiles in turn.
+    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
+    DQ_SPLIT: gl.constexpr = HEAD_DIM // DQ_COLS
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
+    )
+    zero_dq = gl.zeros([ROWS, DQ_COLS], gl.float32, layout=dq_layout)
+    k0 = k_smem.index(0).reshape([ROWS, HEAD_DIM])
+    k1 = k_smem.index(1).reshape([ROWS, HEAD_DIM])
+    mbarrier.wait(kv_ready, 0)
+    for t in range(n_m * kv_group):
+        off_h = off_hk * kv_group + t // n_m
+        start_m = lo + (t % n_m) * ROWS
+        buf = t % 2
+        # Both consumers' dS^T tiles of step t are written (the k-th completion is step 2k + buf).
+        mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+        ds0 = ds_smem.index(2 * buf).permute((1, 0))
+        ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
+        for h in gl.static_range(DQ_SPLIT):
+            dq_tok = warpgroup_mma(
+                ds0, k0.slice(h * DQ_COLS, DQ_COLS, dim=1), zero_dq, use_acc=False, is_async=True
+            )
+            dq_tok = warpgroup_mma(
+                ds1, k1.slice(h * DQ_COLS, DQ_COLS, dim=1), dq_tok, is_async=True
+            )
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+            if h == DQ_SPLIT - 1:
+                mbarrier.arrive(ds_free.index(buf), count=1)
+            # The staging tile was last read by the reduce issued two before this one: at most
+            # one reduce (the last one) may still be reading shared memory.
+            stage = dq_smem.index((t * DQ_SPLIT + h) % 2)
+            tma.store_wait(1)
+            stage.reshape(dq.shape).store(dq)
+            fence_async_shared()
+            if ABLATE == 0:
+                tma_reduce_add(dq_desc, [off_b, off_h, start_m, h * DQ_COLS], stage)
+    # Nothing reads K any more: the consumers may overwrite it with dK, dV.
+    mbarrier.arrive(dq_done, count=1)
     tma.store_wait(0)
 
 
@@ -569,6 +690,8 @@ def attn_bwd_sm90_kernel(
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
     EVEN_N: gl.constexpr,
+    DQ_WARPGROUP: gl.constexpr = False,
+    DQ_REGS: gl.constexpr = 96,
     ABLATE: gl.constexpr = 0,
 ):
     dtype: gl.constexpr = q_desc.dtype
@@ -593,39 +716,75 @@ def attn_bwd_sm90_kernel(
     qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    done_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    dq_done = done_bar.index(0)
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(dq_done, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(qd_ready.index(i), count=1)
         mbarrier.init(qd_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
-        mbarrier.init(ds_free.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=1 if DQ_WARPGROUP else 2)
 
     # The two consumers' argument tuples differ only in CONSUMER (0, 1). They are spelled out:
     # Triton 3.6's frontend has no starred tuples, and a concatenated tuple loses its constexprs.
-    gl.warp_specialize(
-        [
-            (_consumer, (
-                q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
-                kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
-                window_right, softcap, ALIBI, stride_ab, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
-                HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, ABLATE,
-            )),
-            (_consumer, (
-                q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_desc, dk_desc, dv_desc,
-                kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
-                window_right, softcap, ALIBI, stride_ab, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL,
-                HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, ABLATE,
-            )),
-            (_producer, (
-                q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
-                do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, kv_heads, kv_group,
-                kv_share, seqlen_q, seqlen_k, lpt_heads, seqlen_pad, window_left, window_right,
-                NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-            )),
-        ],
-        [4, 1],
-        [CONSUMER_REGS, 24],
-    )  # fmt: skip
+    if DQ_WARPGROUP:
+        gl.warp_specialize(
+            [
+                (_consumer, (
+                    q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                    kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
+                    dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
+                    window_left, window_right, softcap, ALIBI, stride_ab, 0, HEAD_DIM, NUM_STAGES,
+                    IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
+                )),
+                (_consumer, (
+                    q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                    kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
+                    dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
+                    window_left, window_right, softcap, ALIBI, stride_ab, 1, HEAD_DIM, NUM_STAGES,
+                    IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
+                )),
+                (_dq_warpgroup, (
+                    ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc,
+                    kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, window_left, window_right,
+                    HEAD_DIM, IS_CAUSAL, HAS_WINDOW, ABLATE,
+                )),
+                (_producer, (
+                    q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
+                    do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, kv_heads, kv_group,
+                    kv_share, seqlen_q, seqlen_k, lpt_heads, seqlen_pad, window_left, window_right,
+                    NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                )),
+            ],
+            [4, 4, 1],
+            [CONSUMER_REGS, DQ_REGS, 24],
+        )  # fmt: skip
+    else:
+        gl.warp_specialize(
+            [
+                (_consumer, (
+                    q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                    kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
+                    dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
+                    window_left, window_right, softcap, ALIBI, stride_ab, 0, HEAD_DIM, NUM_STAGES,
+                    IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
+                )),
+                (_consumer, (
+                    q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+                    kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
+                    dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
+                    window_left, window_right, softcap, ALIBI, stride_ab, 1, HEAD_DIM, NUM_STAGES,
+                    IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
+                )),
+                (_producer, (
+                    q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
+                    do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, kv_heads, kv_group,
+                    kv_share, seqlen_q, seqlen_k, lpt_heads, seqlen_pad, window_left, window_right,
+                    NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                )),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, 24],
+        )  # fmt: skip
