@@ -6,8 +6,8 @@ file is that subprocess's script: ``python tests/test_compile_hopper_bwd.py`` pr
 per variant, with ``PYTHONPATH=src``). What the tests hold the compiled code to:
 
 - shared memory within the 227 KiB a Hopper block may use; no local-memory spills;
-- the register split: ``setmaxnreg`` 240 for the consumer warpgroups (200 at D=64, where a third
-  warpgroup computes dQ with 96) and 24 for the producer, no C7508 ("setmaxnreg ignored") or
+- the register split: ``setmaxnreg`` 240 for the consumer warpgroups (192 and 200 at D=64, where
+  a third warpgroup computes dQ with 96) and 24 for the producer, no C7508 ("setmaxnreg ignored") or
   C7515 ("wgmma serialized") warning;
 - the five products on the tensor cores: ``S^T`` and ``dP^T`` with both operands in shared memory,
   ``dV`` and ``dK`` with their A operand (P^T, dS^T) in registers, ``dQ`` from shared memory;

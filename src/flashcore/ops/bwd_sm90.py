@@ -68,8 +68,9 @@ class Sm90BwdConfig(NamedTuple):
 
 # Shared memory (the kernel's docstring, "Invariants"): 198 KB at D=128, 133 KB at D=64. At D=64
 # dQ runs on its own warpgroup (4-10% faster, H100; docs/performance_backward.md, "dQ on a
-# warpgroup of its own"): 2 x 128 x 200 + 128 x 96 + 32 x 24 registers after setmaxnreg. At D=128
-# the consumers need 240 and the split does not fit.
+# warpgroup of its own"): 128 x (192 + 200 + 96 + 24) registers after setmaxnreg (consumer 0,
+# the default partition, gets what the others leave). At D=128 the consumers need 240 each and
+# the split does not fit.
 CONFIGS = {
     128: Sm90BwdConfig(),
     64: Sm90BwdConfig(consumer_regs=200, maxnreg=128, dq_warpgroup=True, dq_regs=96),

@@ -94,12 +94,14 @@ other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, `
   K_c's and V_c's slots, fence, TMA stores (rows past Sk dropped by the copy engine), then
   ``store_wait(0)`` so that no bulk copy still reads shared memory when the CTA exits.
 
-DQ_WARPGROUP (the launcher's choice at D=64, ``ops/bwd_sm90.py: CONFIGS``): the dQ phase leaves
-the consumers' steps for a third warpgroup (worker 1; the producer becomes worker 2; registers
-200 / 96 / 24). A consumer's step ends at its ``ds_ready`` arrive; ``ds_free`` (count 1) is
-arrived by the dQ warpgroup alone, and a consumer writes dS^T tile ``[t % 2, c]`` after waiting it
-with parity ``((t // 2) & 1) ^ 1`` (step t - 2's dQ products done; the first two pass). The dQ
-warpgroup, step t::
+DQ_WARPGROUP (the launcher's choice at D=64, ``ops/bwd_sm90.py: CONFIGS``): the dQ phase leaves the
+consumers' steps for a third warpgroup (worker 1; the producer becomes worker 2). Registers a
+thread: consumer 1 200, the dQ warpgroup 96, the producer 24, and consumer 0 (the default
+partition) what they leave of 512: 192 (Gluon counts the producer warp as a warpgroup). A
+consumer's step ends at its ``ds_ready`` arrive; ``ds_free`` (count 1) is arrived by the dQ
+warpgroup alone, and a consumer writes dS^T tile ``[t % 2, c]`` after waiting it with parity
+``((t // 2) & 1) ^ 1`` (step t - 2's dQ products done; the first two pass). The dQ warpgroup,
+step t::
 
       wait ds_ready[t % 2] with parity (t // 2) & 1    # both dS^T tiles of step t written
       for each 64 columns h of D (one at D=64):
@@ -169,14 +171,14 @@ fp32 dQ staging 2 x 16 KB, row stats 1 KB, barriers: 198048 B; at D=64 with the 
 132600 B (its two staging tiles are 64 x 64 fp32).
 
 Compiled (CPU, ptxas of Triton 3.6's wheel, sm_90a; ``tests/test_compile_hopper_bwd.py``):
-``setmaxnreg`` 240 / 24 (D=64: 200 / 96 / 24), no C75xx warning; spills 0 B without score options
-except 24-36 B (scalars) for D=128 fp16 causal with ragged Sk; with window, softcap or ALiBi at
-D=128 160-516 B (see the test's allowance); at D=64 16 B with all three at once. A run-time
-branch around the dQ products (one consumer computing the whole dQ of a step, alternating) made
-ptxas crash (SIGSEGV), and so did a consumer step with no dQ phase and nothing after its
-``ds_ready`` arrive: ptxas 12.8's optimizer (Triton 3.6's wheel), at -O1 and above; the
-consumers then wait for no bulk copy (``tma.store_wait(0)``) there, and ptxas 13.0 compiles the
-step either way.
+``setmaxnreg`` 240 / 24 (D=64: 192, 200 / 96 / 24), no C75xx warning; spills 0 B without score
+options except 24-36 B (scalars) for D=128 fp16 causal with ragged Sk; with window, softcap or
+ALiBi at D=128 160-516 B (see the test's allowance); at D=64 16 B with all three at once. A
+run-time branch around the dQ products (one consumer computing the whole dQ of a step, alternating)
+made ptxas crash (SIGSEGV), and so did a consumer step with no dQ phase and nothing after its
+``ds_ready`` arrive: ptxas 12.8's optimizer (Triton 3.6's wheel), at -O1 and above; the consumers
+then wait for no bulk copy (``tma.store_wait(0)``) there, and ptxas 13.0 compiles the step either
+way.
 
 Not covered (the launcher's ``supports`` says no): varlen, a value head dim different from
 Q/K's, head dims other than 64 and 128. Sinks need nothing here (the launcher's caller).
