@@ -329,26 +329,24 @@ def test_backward_auto_keeps_short_sequences_portable(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("seqlen", "head_dim", "causal", "window", "want"),
+    ("seqlen", "head_dim", "causal", "want"),
     [
-        (512, 128, False, False, True),  # D=128 non-causal from 512 on
-        (511, 128, False, False, False),
-        (512, 128, True, False, False),  # causal from 1024 on
-        (1024, 128, True, False, True),
-        (1024, 64, False, False, True),  # D=64 non-causal from 1024 on
-        (512, 64, False, False, False),
-        (1024, 64, True, False, False),  # D=64 causal from 2048 on
-        (2048, 64, True, False, True),
-        (8192, 64, False, True, False),  # a window at D=64 stays portable
-        (1024, 128, False, True, True),
+        (512, 128, False, True),  # D=128 non-causal from 512 on
+        (511, 128, False, False),
+        (512, 128, True, False),  # causal from 1024 on
+        (1024, 128, True, True),
+        (1024, 64, False, True),  # D=64 from 1024 on, causal or not
+        (512, 64, False, False),
+        (1023, 64, True, False),
+        (1024, 64, True, True),
     ],
 )
-def test_sm90_backward_auto_rule(seqlen, head_dim, causal, window, want):
+def test_sm90_backward_auto_rule(seqlen, head_dim, causal, want):
     """Where "auto" takes the Hopper backward (tuning.sm90_backward: the measured crossovers);
     the shorter side decides."""
-    assert sm90_backward(seqlen, seqlen, head_dim, window, causal) is want
-    assert sm90_backward(seqlen, 1 << 16, head_dim, window, causal) is want
-    assert sm90_backward(1 << 16, seqlen, head_dim, window, causal) is want
+    assert sm90_backward(seqlen, seqlen, head_dim, causal) is want
+    assert sm90_backward(seqlen, 1 << 16, head_dim, causal) is want
+    assert sm90_backward(1 << 16, seqlen, head_dim, causal) is want
 
 
 @pytest.mark.gpu
@@ -375,7 +373,9 @@ def test_backward_gpu_lse_grad():
         ("auto", (9, 0), 512, 128, True, (-1, -1), False, "portable"),
         ("auto", (9, 0), 2048, 128, False, (-1, -1), True, "portable"),
         ("auto", (9, 0), 2048, 128, False, (256, 0), False, "sm90"),
-        ("auto", (9, 0), 2048, 64, False, (256, 0), False, "portable"),
+        ("auto", (9, 0), 2048, 64, False, (256, 0), False, "sm90"),
+        ("auto", (9, 0), 1024, 64, True, (-1, -1), False, "sm90"),
+        ("auto", (9, 0), 512, 64, True, (-1, -1), False, "portable"),
         ("sm90", (9, 0), 128, 64, False, (-1, -1), False, "sm90"),
         ("sm90", (9, 0), 128, 64, False, (-1, -1), True, "portable"),
         ("portable", (9, 0), 4096, 128, False, (-1, -1), False, "portable"),

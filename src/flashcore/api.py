@@ -44,7 +44,7 @@ def use_tier(name: str):
     without window, softcap or ALiBi at head dim 128 from 512 queries and keys on, at head dim
     64 from 512 (causal: 1024) on, and 3e10 FLOPs up (``tuning.sm90_forward``), the sm90
     backward at head dim 128 from 512 queries and keys on (causal: 1024), at 64 from 1024
-    (causal: 2048) (``tuning.sm90_backward``), the portable kernels otherwise. Varlen and
+    (``tuning.sm90_backward``), the portable kernels otherwise. Varlen and
     decoding always run on the portable tier. The choice is scoped to the current thread (a
     ``contextvars`` variable), never global; a backward runs on the tier that was in effect at
     its forward (eager calls; a graph compiled by ``torch.compile`` takes "auto" in its

@@ -226,28 +226,23 @@ def bwd_config(
 # shapes, two runs, after the leaner launch path; docs/performance_backward.md, "Shorter
 # sequences on the Hopper backward"): D=128 non-causal 1.15x at S = 512 and 1.22x at 1024, causal
 # 1.15x at 1024 but 0.96x at 512; D=64 non-causal 1.05x at 1024 but 0.68-0.91x at 512, causal
-# 0.96x at 1024 and 0.85x at 512.
-SM90_BWD_MIN_SEQLEN = 2048
+# 0.96x at 1024 and 0.85x at 512. With dQ on a warpgroup of its own at D=64 (docs/
+# performance_backward.md, "dQ on a warpgroup of its own", two runs): causal 1.05x at 1024,
+# 0.91x at 512; non-causal 0.97x at 512; a window (256, 0) 1.01-1.05x at 2048 and 8192.
 SM90_BWD_MIN_SEQLEN_D128 = 512
 SM90_BWD_MIN_SEQLEN_D128_CAUSAL = 1024
 SM90_BWD_MIN_SEQLEN_D64 = 1024
 
 
-def sm90_backward(
-    seqlen_q: int, seqlen_k: int, head_dim: int, window: bool = False, causal: bool = False
-) -> bool:
+def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool = False) -> bool:
     """Whether "auto" takes the Hopper backward for this problem (where it measured faster).
-    A sliding window at D=64 stays portable: 0.98-0.99x there (S = 2048, 8192), against
-    1.09-1.14x at D=128; softcap measured 1.29-1.56x, ALiBi 1.00-1.34x
-    (docs/performance_backward.md)."""
-    if window and head_dim <= 64:
-        return False
+    A sliding window measured 1.01-1.05x the portable backward at D=64 (S = 2048, 8192) and
+    1.09-1.14x at D=128; softcap 1.29-1.56x, ALiBi 1.00-1.34x (docs/performance_backward.md):
+    none of them changes the choice."""
     if head_dim == 128:
         floor = SM90_BWD_MIN_SEQLEN_D128_CAUSAL if causal else SM90_BWD_MIN_SEQLEN_D128
-    elif head_dim == 64 and not causal:
-        floor = SM90_BWD_MIN_SEQLEN_D64
     else:
-        floor = SM90_BWD_MIN_SEQLEN
+        floor = SM90_BWD_MIN_SEQLEN_D64
     return min(seqlen_q, seqlen_k) >= floor
 
 

@@ -190,9 +190,7 @@ def _takes_sm90(
     or ``tuning.sm90_backward``'s choice, and ``bwd_sm90.supports``)."""
     from flashcore.ops import bwd_sm90
 
-    wanted = runtime.tier_forced() or sm90_backward(
-        seqlen_q, seqlen_k, q.shape[-1], window != (-1, -1), causal
-    )
+    wanted = runtime.tier_forced() or sm90_backward(seqlen_q, seqlen_k, q.shape[-1], causal)
     return wanted and bwd_sm90.supports(q, k, v, dq, dk, dv, window=window, alibi=alibi_slopes)
 
 
