@@ -618,7 +618,8 @@ def _dq_warpgroup(
         start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
     )
     # DQ_COLS columns a reduce (the descriptor's box): all D at D=64, halves at D=128 (a 64 x 64
-    # fp32 accumulator either way), through two staging tiles in turn.
+    # fp32 accumulator either way), through two staging tiles in turn. (D=128 compiles but is no
+    # launcher config and was never run: its consumers need 240 registers, docstring.)
     DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
     DQ_SPLIT: gl.constexpr = HEAD_DIM // DQ_COLS
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
