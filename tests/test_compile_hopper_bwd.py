@@ -68,8 +68,8 @@ def compile_variant(variant) -> dict:
         block = [1, 1, 64, head_dim]
         layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
-    # The launcher's dQ box: half of D per consumer, or 64 columns a reduce of the dQ warpgroup.
-    block = [1, 1, 64, 64 if cfg.dq_warpgroup else head_dim // 2]
+    # The launcher's dQ box: half of D per consumer, or all of it for the dQ warpgroup.
+    block = [1, 1, 64, head_dim if cfg.dq_warpgroup else head_dim // 2]
     signature["dq_desc"] = f"tensordesc<fp32{block},{bwd_sm90.dq_layout(head_dim)!r}>"
     row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     for name in ("lse_desc", "delta_desc"):

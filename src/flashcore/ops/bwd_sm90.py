@@ -59,7 +59,7 @@ class Sm90BwdConfig(NamedTuple):
     maxnreg: int = 168
     dq_warpgroup: bool = False
     """dQ on a warpgroup of its own (``dq_regs`` registers a thread) instead of in the consumers'
-    steps (``kernels/hopper/bwd.py``, "Schedule")."""
+    steps (``kernels/hopper/bwd.py``, "DQ_WARPGROUP"); head dim 64 only."""
     dq_regs: int = 96
     ablate: int = 0
     """Measurement only (wrong dQ): 1 computes dQ but never reduces it into memory, 2 skips dQ
@@ -305,6 +305,8 @@ def _plan(
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     cfg = config or CONFIGS[head_dim]
+    if cfg.dq_warpgroup and head_dim != 64:
+        raise ValueError(f"config: dq_warpgroup takes head dim 64, not {head_dim}")
     groups = heads // kv_heads
     programs = math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads
     extra = 2 * batch * heads * seqlen_k * head_dim * k.element_size()
@@ -353,9 +355,8 @@ def _plan(
         "maxnreg": cfg.maxnreg,
     }
     box = [1, 1, ROWS, head_dim]
-    # The dQ warpgroup reduce-adds 64 columns at a time (all of D=64); each consumer otherwise
-    # its half of D.
-    dq_box = [1, 1, ROWS, 64 if cfg.dq_warpgroup else head_dim // 2]
+    # The dQ warpgroup reduce-adds all D columns of a step; each consumer otherwise its half.
+    dq_box = [1, 1, ROWS, head_dim if cfg.dq_warpgroup else head_dim // 2]
     layouts = (
         box_layout(tuple(box), q.dtype),
         box_layout((ROWS,), torch.float32),

@@ -104,12 +104,11 @@ warpgroup alone, and a consumer writes dS^T tile ``[t % 2, c]`` after waiting it
 step t::
 
       wait ds_ready[t % 2] with parity (t // 2) & 1    # both dS^T tiles of step t written
-      for each 64 columns h of D (one at D=64):
-          dQ_h = wgmma(dS_0, K_0[:, h]) + wgmma(dS_1, K_1[:, h]); wait
-          (after the last h) arrive ds_free[t % 2]
-          cp.async.bulk.wait_group.read 1               # two staging tiles in turn: the reduce
-          dQ_h -> shared (staging tile); fence.proxy.async  # that last used this one has read it
-          TMA reduce-add into dQ[b, h_t, m_t:m_t+64, h]
+      dQ = wgmma(dS_0, K_0) + wgmma(dS_1, K_1); wait   # all D columns
+      arrive ds_free[t % 2]
+      cp.async.bulk.wait_group.read 1                  # staging tile t % 2: step t - 2's reduce
+      dQ -> shared (staging tile t % 2); fence.proxy.async   # has read it
+      TMA reduce-add into dQ[b, h_t, m_t:m_t+64, :]
 
   then arrives ``dq_done`` (count 1), which the consumers wait (parity 0) before their epilogue
   overwrites K. Phases: ``ds_ready[b]``'s k-th completion is step 2k + b, and it cannot complete
@@ -617,15 +616,12 @@ def _dq_warpgroup(
     lo, n_m = q_blocks(
         start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
     )
-    # DQ_COLS columns a reduce (the descriptor's box): all D at D=64, halves at D=128 (a 64 x 64
-    # fp32 accumulator either way), through two staging tiles in turn. (D=128 compiles but is no
-    # launcher config and was never run: its consumers need 240 registers, docstring.)
-    DQ_COLS: gl.constexpr = dq_desc.block_type.shape[3]
-    DQ_SPLIT: gl.constexpr = HEAD_DIM // DQ_COLS
+    # All D columns of a step in one 64 x D fp32 accumulator (D=64 only: the launcher's config;
+    # at D=128 the consumers need 240 registers, docstring), through two staging tiles in turn.
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
-    zero_dq = gl.zeros([ROWS, DQ_COLS], gl.float32, layout=dq_layout)
+    zero_dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=dq_layout)
     k0 = k_smem.index(0).reshape([ROWS, HEAD_DIM])
     k1 = k_smem.index(1).reshape([ROWS, HEAD_DIM])
     mbarrier.wait(kv_ready, 0)
@@ -637,24 +633,18 @@ def _dq_warpgroup(
         mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
         ds0 = ds_smem.index(2 * buf).permute((1, 0))
         ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
-        for h in gl.static_range(DQ_SPLIT):
-            dq_tok = warpgroup_mma(
-                ds0, k0.slice(h * DQ_COLS, DQ_COLS, dim=1), zero_dq, use_acc=False, is_async=True
-            )
-            dq_tok = warpgroup_mma(
-                ds1, k1.slice(h * DQ_COLS, DQ_COLS, dim=1), dq_tok, is_async=True
-            )
-            dq = warpgroup_mma_wait(0, deps=[dq_tok])
-            if h == DQ_SPLIT - 1:
-                mbarrier.arrive(ds_free.index(buf), count=1)
-            # The staging tile was last read by the reduce issued two before this one: at most
-            # one reduce (the last one) may still be reading shared memory.
-            stage = dq_smem.index((t * DQ_SPLIT + h) % 2)
-            tma.store_wait(1)
-            stage.reshape(dq.shape).store(dq)
-            fence_async_shared()
-            if ABLATE == 0:
-                tma_reduce_add(dq_desc, [off_b, off_h, start_m, h * DQ_COLS], stage)
+        dq_tok = warpgroup_mma(ds0, k0, zero_dq, use_acc=False, is_async=True)
+        dq_tok = warpgroup_mma(ds1, k1, dq_tok, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=[dq_tok])
+        mbarrier.arrive(ds_free.index(buf), count=1)
+        # Staging tile t % 2 was last read by step t - 2's reduce: at most one reduce (step
+        # t - 1's) may still be reading shared memory.
+        stage = dq_smem.index(t % 2)
+        tma.store_wait(1)
+        stage.reshape(dq.shape).store(dq)
+        fence_async_shared()
+        if ABLATE == 0:
+            tma_reduce_add(dq_desc, [off_b, off_h, start_m, 0], stage)
     # Nothing reads K any more: the consumers may overwrite it with dK, dV.
     mbarrier.arrive(dq_done, count=1)
     tma.store_wait(0)
