@@ -198,7 +198,8 @@ def test_small_problems_skip_descriptors():
     "head_dim, seqlen, causal, options, consumers, persistent",
     [
         (64, 4096, False, False, 3, True),
-        (64, 1024, False, False, 3, True),
+        (64, 2048, False, False, 3, True),
+        (64, 1024, False, False, 2, None),  # two consumers below 2048 (and by the grid)
         (64, 512, False, False, 2, None),  # the launcher's schedule by length
         (64, 4096, True, False, 3, False),
         (64, 2048, True, False, 2, None),
@@ -221,6 +222,29 @@ def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persi
     # Shorter queries than keys (or the reverse) decide by the shorter side.
     short = fwd_sm90.pick_config(head_dim, 256, seqlen, causal, options)
     assert short.num_consumers == 2
+
+
+@pytest.mark.parametrize(
+    "batch_heads, seqlen, consumers",
+    [
+        (128, 4096, 3),  # 2816 tiles of 192 rows: 22 rounds on 132 SMs against 32 of 128 rows
+        (256, 2048, 3),
+        (32, 16384, 3),
+        (8, 4096, 2),  # 176 tiles: a second round for 44 SMs; 256 of 128 rows fill two
+        (16, 2048, 2),
+        (32, 4096, 2),  # modelled level (1.004): two
+    ],
+)
+def test_sm90_three_consumers_by_grid(batch_heads, seqlen, consumers):
+    """Non-causal D=64: three consumer warpgroups only where the rounds of 192-row tiles on the
+    SMs beat those of 128-row tiles by the model (``fwd_sm90.three_consumers_pay``)."""
+    from flashcore.ops import fwd_sm90
+
+    cfg = fwd_sm90.pick_config(64, seqlen, seqlen, False, False, grid=(batch_heads, 132))
+    assert cfg.num_consumers == consumers
+    # Causal keeps its own rule (three from 4096, flat), whatever the grid.
+    causal = fwd_sm90.pick_config(64, 4096, 4096, True, False, grid=(batch_heads, 132))
+    assert (causal.num_consumers, causal.persistent) == (3, False)
 
 
 @pytest.mark.parametrize(
@@ -317,6 +341,13 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, monkeypatch):
         ("auto", (9, 0), (64, 16, 511, 128), {}, "portable"),  # below SM90_FWD_MIN_SEQLEN
         ("auto", (9, 0), (32, 16, 512, 128), {"causal": True}, "sm90"),  # 3.4e10 FLOPs
         ("auto", (9, 0), (1, 8, 2048, 128), {}, "portable"),  # below SM90_FWD_MIN_FLOPS: host
+        # Captured into a CUDA graph: SM90_FWD_MIN_FLOPS_GRAPH (kernel time alone).
+        ("auto", (9, 0), (1, 8, 2048, 128), {"graph": True}, "sm90"),
+        ("auto", (9, 0), (2, 8, 2048, 64), {"causal": True, "graph": True}, "sm90"),  # 8.6e9
+        ("auto", (9, 0), (2, 8, 2048, 64), {"causal": True}, "portable"),
+        ("auto", (9, 0), (1, 8, 1024, 128), {"causal": True, "graph": True}, "portable"),  # 2.1e9
+        ("auto", (9, 0), (1, 8, 512, 64), {"graph": True}, "portable"),
+        ("auto", (9, 0), (32, 32, 512, 64), {"causal": True, "graph": True}, "portable"),  # length
         ("auto", (9, 0), (32, 32, 512, 64), {}, "sm90"),  # D=64 non-causal from 512 on
         ("auto", (9, 0), (16, 32, 1024, 64), {"causal": True}, "sm90"),  # causal from 1024 on
         ("auto", (9, 0), (32, 32, 512, 64), {"causal": True}, "portable"),
@@ -359,6 +390,8 @@ def test_forward_dispatch(monkeypatch, tier, capability, shape, options, want):
     q = torch.zeros(shape, dtype=torch.bfloat16)
     options = {"causal": False, **options}
     causal = options.pop("causal")
+    graph = options.pop("graph", False)
+    monkeypatch.setattr(runtime, "capturing", lambda t: graph)
     with flashcore.use_tier(tier), contextlib.suppress(PortableLaunched):
         fwd.launch(q, q, q, causal, 0.125, **options)
     assert ran == [want]

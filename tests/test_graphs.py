@@ -45,6 +45,19 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 REPLAYS = 3
 
 
+@pytest.fixture(autouse=True)
+def _eager_forward_tier_in_capture(monkeypatch):
+    """A captured forward takes the Hopper tier from smaller problems on than an eager one
+    (``tuning.SM90_FWD_MIN_FLOPS_GRAPH``); these tests compare replays with eager "auto" calls
+    bit for bit, so the capture here decides as an eager call would, except in the test of
+    that choice (``test_capture_takes_sm90_forward_below_the_eager_floor``). The tier choices
+    kept per problem signature start from none either way."""
+    from flashcore.ops import fwd
+
+    monkeypatch.setattr(tuning, "SM90_FWD_MIN_FLOPS_GRAPH", tuning.SM90_FWD_MIN_FLOPS)
+    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
+
+
 @contextlib.contextmanager
 def no_sync():
     """Any synchronising CUDA call inside raises (``torch.cuda.set_sync_debug_mode``)."""
@@ -468,3 +481,36 @@ def test_attention_graph_sm90_forward(causal, monkeypatch):
         assert_equal(("out", "lse"), static[:2], want[:2])
         assert_equal(("dk", "dv"), static[3:], want[3:])
         assert_dq(exact, static[2], want[2], q, k, v, dout, causal=causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_capture_takes_sm90_forward_below_the_eager_floor(causal, monkeypatch):
+    # (2, 8, 2048, 64): 1.7e10 FLOPs (8.6e9 causal), under tuning.SM90_FWD_MIN_FLOPS, so an eager
+    # call takes the portable forward (cheaper on the host) and a captured one the Gluon forward
+    # (faster on the GPU; SM90_FWD_MIN_FLOPS_GRAPH). The capture compiles that variant itself:
+    # the warm-up never ran it. A replay equals an eager call on the same tier bit for bit.
+    from flashcore.ops import fwd, fwd_sm90
+
+    if not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    monkeypatch.undo()  # the module fixture's floor: back to the real one, choices made afresh
+    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
+    forwards = []
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    q, k, v = make_qkv(Case(2, 8, 8, 2048, 2048, 64), torch.bfloat16, "cuda")
+
+    def call():
+        return flashcore.attention(q, k, v, causal=causal, return_lse=True)
+
+    call()
+    assert not forwards, "an eager call of this size took the Gluon forward"
+    graph, static = capture(call)
+    assert forwards, "the captured call did not take the Gluon forward"
+    for _ in range(REPLAYS):
+        refill(q, k, v)
+        graph.replay()
+        with no_sync(), flashcore.use_tier("sm90"):
+            want = call()
+        assert_equal(("out", "lse"), static, want)

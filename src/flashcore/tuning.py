@@ -281,6 +281,15 @@ SM90_FWD_MIN_SEQLEN_MLA = 4096
 # Shorter sequences were not timed.
 SM90_FWD_MIN_SEQLEN_D256 = 1024
 SM90_FWD_MIN_FLOPS = 3e10
+# A call captured into a CUDA graph costs no host time at replay, so there the floor is where
+# the kernels themselves cross (H100, bf16, CUDA-graph replays of both tiers and SDPA in one
+# process, two rounds, us; Hopper / portable): 1.1e9 FLOPs (1, 8, 512, 128) 10.8 / 8.6 and
+# causal (1, 16, 512, 128) 11-12.5 / 8.7; 2.1e9 causal (1, 8, 1024, 128) 17.2 / 13.8 and
+# (1, 16, 1024, 64) 14.2 / 14.6; 4.3e9 causal (2, 8, 1024, 128) 17.3 / 19.0, (1, 8, 2048, 64)
+# 23.4 / 24.9 and non-causal (1, 8, 1024, 128) 16.6 / 18.0; 8.6e9 causal (2, 8, 2048, 64) 25.9 /
+# 35.3 (SDPA 36.3), non-causal (2, 16, 1024, 64) 23.8 / 23.9; 1.7e10 causal (2, 8, 2048, 128)
+# 33.0-34.3 / 54.6-55.3 (SDPA 52.6-53.5), non-causal (2, 8, 2048, 64) 41.5 / 43.0.
+SM90_FWD_MIN_FLOPS_GRAPH = 3e9
 
 
 def sm90_forward(
@@ -290,11 +299,13 @@ def sm90_forward(
     flops: float,
     options: bool = False,
     causal: bool = False,
+    graph: bool = False,
 ) -> bool:
     """Whether "auto" takes the Hopper forward for this problem (where it measured faster);
     ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``options``: a window,
-    softcap or ALiBi is on."""
-    if options or flops < SM90_FWD_MIN_FLOPS:
+    softcap or ALiBi is on; ``graph``: the call is being captured into a CUDA graph (the
+    kernels' time alone counts)."""
+    if options or flops < (SM90_FWD_MIN_FLOPS_GRAPH if graph else SM90_FWD_MIN_FLOPS):
         return False
     if head_dim == 128:
         floor = SM90_FWD_MIN_SEQLEN

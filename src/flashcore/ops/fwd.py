@@ -75,6 +75,9 @@ def launch(
         q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device, causal,
         scale, window, softcap,
     )  # fmt: skip
+    # A call captured into a CUDA graph has no host cost at replay: the Hopper forward from
+    # smaller problems on, and descriptors for small portable ones too (tuning).
+    capturing = runtime.capturing(q)
     if varlen is None and config is None and runtime.forward_tier(q.device) == "sm90":
         # Whether the Hopper forward runs, and its launch, per problem signature (as the
         # portable plan below): the tier's checks and choice cost tens of microseconds of
@@ -82,11 +85,11 @@ def launch(
         key = (
             *problem, out.stride(),
             None if alibi_slopes is None else (alibi_slopes.dtype, stride_ab), sinks is None,
-            aligned, runtime.tier_forced(),
+            aligned, runtime.tier_forced(), capturing,
         )  # fmt: skip
         hopper = cached(_SM90_PLANS, key, lambda: _sm90_plan(
             q, k, v, lse, causal, scale, window, softcap, alibi_slopes, stride_ab,
-            sinks is not None, pb.problem_dims(q, k, varlen),
+            sinks is not None, pb.problem_dims(q, k, varlen), capturing,
         ))  # fmt: skip
         if hopper:
             from flashcore.ops import fwd_sm90
@@ -96,9 +99,7 @@ def launch(
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
     # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
-    # and constexprs are built once per problem signature. A call captured into a CUDA graph
-    # has no host cost at replay, so small problems take descriptors there too (tuning).
-    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    # and constexprs are built once per problem signature.
     key = (
         *problem, None if alibi_slopes is None else stride_ab, sinks is None,
         None if block_table is None else block_table.stride(0),
@@ -147,9 +148,10 @@ def _sm90_plan(
     stride_ab: int,
     has_sinks: bool,
     dims: pb.Dims,
+    capturing: bool = False,
 ):
     """The Hopper forward's launch (``fwd_sm90.Plan``) where "auto" or ``use_tier("sm90")`` takes
-    it for this problem and the tier covers it, else False."""
+    it for this problem and the tier covers it, else False (``capturing``: into a CUDA graph)."""
     from flashcore.ops import fwd_sm90
 
     flops = 4.0 * dims.batch * dims.heads * dims.seqlen_q * dims.seqlen_k * q.shape[-1]
@@ -160,6 +162,7 @@ def _sm90_plan(
         flops / 2 if causal else flops,
         options=window != (-1, -1) or softcap > 0 or alibi_slopes is not None,
         causal=causal,
+        graph=capturing,
     )
     if not wanted or not fwd_sm90.supports(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes

@@ -90,10 +90,34 @@ D64_THREE = Sm90Config(3, 128, 3, 160, 128)
 # more to the causal diagonal and to the last partial tile than the overlap gains (H100, bf16
 # and fp16, scripts/hopper_fwd.py bench: the best three-consumer schedule 0.71-0.77x the best
 # two-consumer one causal at S = 512 and 1024, 0.93-0.95x at 2048, 0.85-0.86x non-causal at
-# 512, 1.03-1.09x non-causal at 1024). The window, softcap and ALiBi builds spill at 160
-# registers, so they keep two.
-D64_THREE_MIN_SEQLEN = 1024
+# 512). The window, softcap and ALiBi builds spill at 160 registers, so they keep two.
+D64_THREE_MIN_SEQLEN = 2048
 D64_THREE_MIN_SEQLEN_CAUSAL = 4096
+# Non-causal, the grid decides too (``three_consumers_pay``): a program's tile is 192 rows
+# against 128, so a problem of few tiles a head or few heads leaves whole SMs idle in its last
+# round. Model: the time of a schedule is its rounds (``ceil(tiles / SMs)``) times its rows a
+# tile, over its speed a row; three consumers run a row D64_THREE_SPEEDUP times as fast as two
+# at long key loops and are taken when the model puts them D64_THREE_MARGIN ahead. H100, bf16,
+# CUDA-graph replays (an A/B of both configs through ``plan(config=...)``, three rounds; time
+# three / two consumers): (8, 32, 2048) 0.94, (4, 32, 4096) 0.91, (2, 32, 8192) 0.88,
+# (1, 32, 16384) 0.90, (2, 16, 4096) 0.96, (1, 16, 4096) 0.99, (1, 8, 4096) 1.31, (2, 8, 2048)
+# 1.28; at S = 1024 1.035 at (16, 32), 1.07 at (4, 16) and 1.35 at (2, 16), where the length
+# floor above now keeps two (it was 1024). The model: 0.92, 0.92, 0.88, 0.88, 1.00, 1.00, 1.34,
+# 1.34; at S = 1024 1.00, 1.00, 1.34.
+D64_THREE_SPEEDUP = 1.12
+D64_THREE_MARGIN = 0.97
+
+
+def three_consumers_pay(seqlen_q: int, batch_heads: int, sms: int) -> bool:
+    """Whether 192-row tiles on ``sms`` SMs beat 128-row ones by the model above."""
+
+    def cost(rows: int, speed: float) -> float:
+        tiles = -(-seqlen_q // rows) * batch_heads
+        return -(-tiles // sms) * rows / speed
+
+    return cost(192, D64_THREE_SPEEDUP) <= D64_THREE_MARGIN * cost(128, 1.0)
+
+
 # D=128, causal, at most 512 queries and keys: 64-key tiles in 4 slots (Q 3 x 2 x 16 KB + K/V
 # 4 x 32 KB: 224 KB persistent). Each query tile then spends half as many key columns on the
 # masked half of its diagonal tile. H100, bf16, three rounds in one process, persistent, the
@@ -104,13 +128,20 @@ D128_SHORT_CAUSAL_MAX_SEQLEN = 512
 
 
 def pick_config(
-    head_dim: int, seqlen_q: int, seqlen_k: int, causal: bool, options: bool
+    head_dim: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool,
+    options: bool,
+    grid: tuple[int, int] | None = None,
 ) -> Sm90Config:
     """The launch config of a problem: ``CONFIGS``, three consumers at D=64 or 64-key tiles for
     short causal problems at D=128 where they measured faster (``options``: a window, softcap
-    or ALiBi is on)."""
+    or ALiBi is on; ``grid``: ``(batch * heads, SMs)``, for the non-causal D=64 choice, which
+    assumes a full grid without it)."""
     floor = D64_THREE_MIN_SEQLEN_CAUSAL if causal else D64_THREE_MIN_SEQLEN
-    if head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor:
+    long = head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor
+    if long and (causal or grid is None or three_consumers_pay(seqlen_q, *grid)):
         return D64_THREE._replace(persistent=not causal)
     short = max(seqlen_q, seqlen_k) <= D128_SHORT_CAUSAL_MAX_SEQLEN
     if head_dim == 128 and causal and not options and short:
@@ -405,8 +436,9 @@ def plan(
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     cfg = config or pick_config(
-        head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi
-    )
+        head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi,
+        grid=(batch * heads, num_sms(q.device.index)),
+    )  # fmt: skip
     rows = 64
     block_m = rows * cfg.num_consumers
     panel = qk_panel(head_dim)

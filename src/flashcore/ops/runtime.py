@@ -139,6 +139,12 @@ def launch_on(t: torch.Tensor) -> Any:
     return torch.cuda.device_of(t)
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a launch for ``t`` is being captured into a CUDA graph (on the current stream),
+    where the host's cost of a call is paid once, not at every replay."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 # Kernel tiers: "portable" (the tl kernels, every device and the interpreter) and "sm90" (the
 # Gluon kernels of kernels/hopper, Hopper only). "auto" is the default choice.
 TIERS = ("auto", "portable", "sm90")
