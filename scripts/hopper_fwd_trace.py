@@ -42,7 +42,7 @@ KERNELS = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" 
 STEPS, EVENTS = 64, 8
 CONSUMERS = 3  # stamp slots per CTA
 LOG2E = 1.4426950408889634
-IMPORT_STEPS = "from flashcore.kernels.hopper.fwd_steps import attend\n"
+IMPORT_STEPS = "from flashcore.kernels.hopper.fwd_steps import attend, skips\n"
 
 
 def _thread_args(steps_src: str, fwd_src: str) -> tuple[str, str]:

@@ -58,9 +58,12 @@ VARIANTS = [
      {**PLAIN, "causal": True, "even_n": False}),
     ("d64-fp16-causal-ragged-three-persistent", 64, "fp16", 3, 128, 3, 160, 128,
      {**PLAIN, "causal": True, "even_n": False, "persistent": True}),
-    # D=128 causal at most 512 long (ops/fwd_sm90.py: D128_SHORT_CAUSAL): 64-key tiles, 4 slots.
+    # Causal at most 512 long (ops/fwd_sm90.py: SHORT_CAUSAL): 64-key tiles, 4 slots, each
+    # consumer skipping the key tiles its rows do not see.
     ("d128-fp16-causal-ragged-n64-persistent", 128, "fp16", 2, 64, 4, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "persistent": True}),
+    ("d64-bf16-causal-n64-persistent", 64, "bf16", 2, 64, 4, 240, 168,
+     {**PLAIN, "causal": True, "persistent": True}),
     # Sinks (HAS_SINKS), with both consumer counts.
     ("d128-bf16-sinks", 128, "bf16", 2, 128, 2, 240, 168, {**PLAIN, "sinks": True}),
     ("d64-bf16-causal-sinks-three", 64, "bf16", 3, 128, 3, 160, 128,
@@ -361,7 +364,7 @@ PERSISTENT_EXTRA_SPILL = {FEATURES + PERSISTENT_SUFFIX: 8}
 def test_persistent_spills_no_more_than_flat(compiled):
     by_name = {row["variant"]: row for row in compiled}
     persistent = [name for name in by_name if name.endswith(PERSISTENT_SUFFIX)]
-    assert len(persistent) == 6, sorted(by_name)
+    assert len(persistent) == 7, sorted(by_name)
     for name in persistent:
         flat = by_name.get(name.removesuffix(PERSISTENT_SUFFIX))
         if flat is None:  # a persistent build with no flat twin: no spills at all

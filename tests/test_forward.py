@@ -206,18 +206,19 @@ def test_small_problems_skip_descriptors():
         (64, 8192, False, True, 2, None),  # window, softcap or ALiBi: two consumers
         (128, 8192, False, False, 2, None),
         (128, 512, True, False, 2, None),  # 64-key tiles (checked below)
+        (64, 512, True, False, 2, None),
         (128, 768, True, False, 2, None),
     ],
 )
 def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persistent):
     """The Hopper forward's tiles per problem: three consumer warpgroups at D=64 from the
-    measured lengths on, persistent when not causal; 64-key tiles for causal D=128 problems of
-    at most 512 queries and keys."""
+    measured lengths on, persistent when not causal; 64-key tiles for causal problems of at
+    most 512 queries and keys."""
     from flashcore.ops import fwd_sm90
 
     cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, causal, options)
     assert (cfg.num_consumers, cfg.persistent) == (consumers, persistent)
-    short_causal = head_dim == 128 and causal and not options and seqlen <= 512
+    short_causal = causal and not options and seqlen <= 512
     assert cfg.block_n == (64 if short_causal else 128)
     # Shorter queries than keys (or the reverse) decide by the shorter side.
     short = fwd_sm90.pick_config(head_dim, 256, seqlen, causal, options)
@@ -305,6 +306,34 @@ def test_sm90_fast_divisor():
             fwd_sm90.fast_divisor(bad)
 
 
+# Causal, at most 512 queries and keys: 64-key tiles where the first consumer of each 128-row
+# tile skips the key tiles its rows do not see (ops/fwd_sm90.py: SHORT_CAUSAL). Ragged both ways,
+# GQA/MQA, Sq > Sk (rows that see no key), one tile.
+SHORT_CAUSAL_SHAPES = [(2, 4, 2, 300, 300), (1, 3, 3, 512, 512), (2, 2, 1, 129, 450),
+                       (1, 2, 2, 64, 64), (3, 2, 2, 200, 77), (2, 4, 4, 448, 320)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("shape", SHORT_CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_gpu_sm90_short_causal(shape, head_dim, dtype):
+    """The Hopper forward's short causal tiles: out and LSE against the float64 reference."""
+    from flashcore.ops import fwd_sm90
+    from helpers import sm90_tier_runs
+
+    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    batch, heads, kv_heads, seqlen_q, seqlen_k = shape
+    assert fwd_sm90.pick_config(head_dim, seqlen_q, seqlen_k, True, False) == (
+        fwd_sm90.SHORT_CAUSAL
+    )
+    q, k, v = make_qkv(Case(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim), dtype, "cuda")
+    out, lse = launch_sm90_forward(q, k, v, causal=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    check_forward(out, lse, q, k, v, causal=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "flat"])
 @pytest.mark.parametrize("order", [(1, 1), (4, 2), (4, 4), (7, 8)], ids=lambda o: f"{o[0]}x{o[1]}")
@@ -347,10 +376,11 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, monkeypatch):
         ("auto", (9, 0), (2, 8, 2048, 64), {"causal": True}, "portable"),
         ("auto", (9, 0), (1, 8, 1024, 128), {"causal": True, "graph": True}, "portable"),  # 2.1e9
         ("auto", (9, 0), (1, 8, 512, 64), {"graph": True}, "portable"),
-        ("auto", (9, 0), (32, 32, 512, 64), {"causal": True, "graph": True}, "portable"),  # length
+        ("auto", (9, 0), (16, 32, 768, 64), {"causal": True, "graph": True}, "portable"),  # length
         ("auto", (9, 0), (32, 32, 512, 64), {}, "sm90"),  # D=64 non-causal from 512 on
         ("auto", (9, 0), (16, 32, 1024, 64), {"causal": True}, "sm90"),  # causal from 1024 on
-        ("auto", (9, 0), (32, 32, 512, 64), {"causal": True}, "portable"),
+        ("auto", (9, 0), (32, 32, 512, 64), {"causal": True}, "sm90"),  # 64-key tiles
+        ("auto", (9, 0), (16, 32, 768, 64), {"causal": True}, "portable"),  # 513..1023
         ("auto", (9, 0), (4, 16, 4096, 96), {}, "portable"),  # a head dim the tier lacks
         ("auto", (9, 0), (1, 16, 4096, 192), {}, "sm90"),  # MLA dims from 4096 (supports: Dv)
         ("auto", (9, 0), (4, 16, 2048, 192), {"causal": True}, "portable"),  # not timed there

@@ -118,13 +118,17 @@ def three_consumers_pay(seqlen_q: int, batch_heads: int, sms: int) -> bool:
     return cost(192, D64_THREE_SPEEDUP) <= D64_THREE_MARGIN * cost(128, 1.0)
 
 
-# D=128, causal, at most 512 queries and keys: 64-key tiles in 4 slots (Q 3 x 2 x 16 KB + K/V
-# 4 x 32 KB: 224 KB persistent). Each query tile then spends half as many key columns on the
-# masked half of its diagonal tile. H100, bf16, three rounds in one process, persistent, the
-# FA sweep's batch (16k tokens), TFLOP/s 128-key / 64-key tiles (cuDNN): S = 256 143 / 155
-# (170), 512 273 / 292-294 (315-316), 768 378 / 352 (384), 1024 427-438 / 387-388 (414-420).
-D128_SHORT_CAUSAL = Sm90Config(2, 64, 4, 240, 168)
-D128_SHORT_CAUSAL_MAX_SEQLEN = 512
+# Causal, at most 512 queries and keys (D=128 and D=64): 64-key tiles in 4 slots (at D=128 Q 3 x
+# 2 x 16 KB + K/V 4 x 32 KB: 224 KB persistent). Each query tile then spends half as many key
+# columns on the masked half of its diagonal tile, and the first consumer skips the last key
+# tile, which none of its rows sees (``kernels/hopper/fwd_steps.py: skips``). H100, bf16, three
+# rounds in one process, persistent, the FA sweep's batch (16k tokens), TFLOP/s 128-key /
+# 64-key tiles (cuDNN), D=128, before the skip: S = 256 143 / 155 (170), 512 273 / 292-294
+# (315-316), 768 378 / 352 (384), 1024 427-438 / 387-388 (414-420). With the skip (its A/B:
+# docs/hopper_fwd_configs.md, "The first consumer skips ...") D=64 S = 512 228 against the
+# portable forward's 217 (cuDNN 258); D=64 S = 1024 280 against 307 for 128-key tiles.
+SHORT_CAUSAL = Sm90Config(2, 64, 4, 240, 168)
+SHORT_CAUSAL_MAX_SEQLEN = 512
 
 
 def pick_config(
@@ -136,16 +140,16 @@ def pick_config(
     grid: tuple[int, int] | None = None,
 ) -> Sm90Config:
     """The launch config of a problem: ``CONFIGS``, three consumers at D=64 or 64-key tiles for
-    short causal problems at D=128 where they measured faster (``options``: a window, softcap
+    short causal problems at D=64 and 128 where they measured faster (``options``: a window, softcap
     or ALiBi is on; ``grid``: ``(batch * heads, SMs)``, for the non-causal D=64 choice, which
     assumes a full grid without it)."""
     floor = D64_THREE_MIN_SEQLEN_CAUSAL if causal else D64_THREE_MIN_SEQLEN
     long = head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor
     if long and (causal or grid is None or three_consumers_pay(seqlen_q, *grid)):
         return D64_THREE._replace(persistent=not causal)
-    short = max(seqlen_q, seqlen_k) <= D128_SHORT_CAUSAL_MAX_SEQLEN
-    if head_dim == 128 and causal and not options and short:
-        return D128_SHORT_CAUSAL
+    short = max(seqlen_q, seqlen_k) <= SHORT_CAUSAL_MAX_SEQLEN
+    if head_dim in (64, 128) and causal and not options and short:
+        return SHORT_CAUSAL
     return CONFIGS[head_dim]
 
 

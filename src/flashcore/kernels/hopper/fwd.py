@@ -161,7 +161,7 @@ from flashcore.kernels.hopper.common import (
     work,
 )
 from flashcore.kernels.hopper.fwd_load import producer
-from flashcore.kernels.hopper.fwd_steps import attend
+from flashcore.kernels.hopper.fwd_steps import attend, skips
 
 
 @gluon.jit
@@ -244,7 +244,7 @@ def _consumer_tile(
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
     t0 = 0
     t1 = n_tiles
-    if NUM_CONSUMERS > 2:
+    if skips(NUM_CONSUMERS, BLOCK_N, IS_CAUSAL):
         # The tiles this consumer's rows see, [t0, t1) of the CTA's (none past Sq).
         own_lo, _, _, own_hi = kv_tile_range(
             row0, seqlen_q, seqlen_k, window_left, window_right, ROWS, BLOCK_N, IS_CAUSAL,

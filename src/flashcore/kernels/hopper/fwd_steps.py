@@ -30,6 +30,12 @@ def _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N: gl.constexpr, PANELS: gl.
     return s
 
 
+@gluon.constexpr_function
+def skips(num_consumers, block_n, is_causal):
+    """Whether each consumer computes only the key tiles its own rows see (``attend``)."""
+    return num_consumers > 2 or (is_causal and block_n < ROWS * num_consumers)
+
+
 @gluon.jit
 def _sit_out(
     k_ready,
@@ -114,8 +120,10 @@ def attend(
     # rows sees (at the causal diagonal, and all of them for rows past Sq), and hold 160
     # registers each: P goes to its operand form right after its softmax and the wait that
     # frees the previous one (``_steps``), so that the 16-bit P, not the fp32 one, stays live
-    # while the next Q K^T writes its accumulator. Two consumers compute every tile.
-    SKIP: gl.constexpr = NUM_CONSUMERS > 2
+    # while the next Q K^T writes its accumulator. Two consumers skip them causal with key
+    # tiles narrower than the CTA's 128 rows (the first consumer's last diagonal tile; the
+    # second's last step then runs beside the first's epilogue), else compute every tile.
+    SKIP: gl.constexpr = skips(NUM_CONSUMERS, BLOCK_N, IS_CAUSAL)
 
     if SKIP:
         for t in range(0, t0):
