@@ -56,13 +56,15 @@ def main() -> None:
         ms_sdpa = bench(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
         ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).float()
         auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device)
-        default = tuned_config(d, 2, interpreted=False)
+        default = tuned_config(d, 2, interpreted=False, capacity=s)
         rows = []
         splits_grid = sorted({max(1, auto // 4), max(1, auto // 2), auto, auto * 2, auto * 4})
         for cfg, splits in itertools.product(configs, splits_grid):
             if splits > 64:
                 continue
             decode.decode_config = lambda *a, cfg=cfg, **kw: cfg
+            # Launch plans are kept per problem signature and split count, not per config.
+            decode._PLANS.clear()
             try:
                 call = functools.partial(
                     flashcore.attention_with_kvcache,
@@ -80,6 +82,7 @@ def main() -> None:
                 continue
             finally:
                 decode.decode_config = tuned_config
+                decode._PLANS.clear()
             rows.append((ms, cfg, splits, f"err {err:.1e}"))
         rows.sort(key=lambda r: r[0])
         print(f"B{b} H{h}/{hkv} S{s} D{d}: sdpa {ms_sdpa * 1e3:.1f} us {mbytes / ms_sdpa:.0f} "

@@ -330,16 +330,23 @@ def test_decode_validation(name, device, no_launch):
 
 
 def test_decode_config_and_splits_by_cache():
-    """Decided on the host alone (H100: 132 SMs): a long dense cache streams 128-key tiles over
-    half a wave of programs, a short one 64-key tiles over a full wave, a paged one three waves."""
+    """Decided on the host alone (H100: 132 SMs): a long dense cache streams 128-key tiles, a
+    short one 64-key tiles; a dense cache over few (batch, kv head) pairs splits over a wave of
+    programs rounded down, over more pairs half a wave (long) or a wave rounded up (short); a
+    paged one over three waves."""
     long = tuning.decode_config(128, 2, interpreted=False, capacity=32768)
     short = tuning.decode_config(128, 2, interpreted=False, capacity=4096)
     paged = tuning.decode_config(128, 2, interpreted=False, paged=True, capacity=32768)
     chunk = tuning.decode_config(128, 2, interpreted=False, rows=64, capacity=32768)
     assert (long.block_n, short.block_n, paged.block_n, chunk.block_n) == (128, 64, 64, 64)
     assert tuning.decode_num_splits(64, 32768, 128, 132) == 2
-    assert tuning.decode_num_splits(8, 32768, 128, 132) == 9
+    assert tuning.decode_num_splits(8, 32768, 128, 132) == 16  # 128 programs, not 136
+    assert tuning.decode_num_splits(16, 16384, 128, 132) == 8
+    assert tuning.decode_num_splits(32, 16384, 128, 132) == 4
     assert tuning.decode_num_splits(8, 4096, 64, 132) == 16
+    assert tuning.decode_num_splits(64, 4096, 64, 132) == 2
+    assert tuning.decode_num_splits(128, 4096, 64, 132) == 2  # a wave rounded up
+    assert tuning.decode_num_splits(128, 32768, 128, 132) == 1  # half a wave
     assert tuning.decode_num_splits(64, 32768, 64, 132, paged=True) == 7
     # Smaller head dims keep 64-key tiles (the 128-key tile spilled at D=64 with Triton 3.9).
     assert tuning.decode_config(64, 2, interpreted=False, capacity=32768).block_n == 64

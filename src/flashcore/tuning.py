@@ -359,8 +359,9 @@ def decode_block_m(kv_group: int, seqlen_q: int) -> int:
     return min(MAX_DECODE_ROWS, max(16, 1 << (kv_group * seqlen_q - 1).bit_length()))
 
 
-# A dense cache at least this long streams 128-key tiles and splits for bandwidth (half a wave of
-# programs); a shorter one is latency-bound: 64-key tiles, a full wave.
+# A dense cache at least this long streams 128-key tiles (decode_config); with many (batch, kv
+# head) pairs it splits over half a wave of programs, a shorter one over a full wave
+# (decode_num_splits).
 DECODE_LONG_CACHE = 8192
 
 
@@ -409,17 +410,31 @@ def decode_num_splits(
 ) -> int:
     """Splits per (batch, kv head) so that the grid covers enough of the GPU.
 
-    A dense cache of at least DECODE_LONG_CACHE keys: half the SMs. One program streams its split
-    at ~47 GB/s on the H100, so 64 of them already read at the copy bandwidth (B=8, 8 kv heads,
-    32k keys, one split: 3.04 TB/s); more splits only add partial results to write and combine
-    (7 splits: 2.79 TB/s; B=1: 9 splits 2.54 TB/s against 2.39 with 50; scripts/decode_sweep.py).
-    A shorter dense cache: one wave (latency-bound: more programs, fewer tiles each). A paged
+    A dense cache over at most half as many (batch, kv head) pairs as SMs: a program an SM, the
+    count rounded down (a program past the wave is a second round for its SM). CUDA-graph replays
+    on the H100 (bf16, 32 query heads over 8 kv heads, D=128; us, against the rule before, which
+    aimed at half the SMs from DECODE_LONG_CACHE keys on and at all of them, rounded up, below):
+    B=1 16 splits at 8k / 16k / 32k keys 12.5 / 29.9 / 51.7 against 16.8 / 31.1 / 53.3 with 9
+    (SDPA 11.6 / 29.4 / 50.9); B=2 8 splits 29.9 / 51.3 / 94.8 against 30.5 / 52.9 / 98.3 with 5
+    (SDPA 29.4 / 50.6 / 93.9; 9 splits, 144 programs, 58.2 / 113 at 16k / 32k); B=4 4 splits
+    29.3 / 95.1 at 4k / 16k against 30.7 / 100.2 with 5 / 3 (SDPA 28.9 / 94.3); B=8, 4k: 2
+    splits 50.5 against 54.2 with 3 (SDPA 50.8). More pairs than that: a dense cache of at least
+    DECODE_LONG_CACHE keys, half the SMs (one program streams its split at ~47 GB/s, so 64 of
+    them already read at the copy bandwidth); a shorter one a full wave, rounded up. A paged
     cache: three waves (its gathers read slower per program: at B=8, 32k keys two splits read
     0.67-0.76x SDPA's bandwidth, seven 0.85-0.93x).
     ``max_seqlen`` is the cache capacity (the true lengths live on the device; reading them would
     synchronise). Fewer splits when each would stream fewer than MIN_TILES_PER_SPLIT tiles.
     """
-    programs = 3 * num_sms if paged else num_sms if max_seqlen < DECODE_LONG_CACHE else num_sms // 2
-    want = -(-programs // max(batch_kv_heads, 1))
+    pairs = max(batch_kv_heads, 1)
+    if paged:
+        want = -(-3 * num_sms // pairs)
+    elif pairs <= num_sms // 2:
+        # A program an SM, rounded down: one past the wave would be a second round for its SM.
+        want = num_sms // pairs
+    elif max_seqlen < DECODE_LONG_CACHE:
+        want = -(-num_sms // pairs)
+    else:
+        want = -(-(num_sms // 2) // pairs)
     by_length = max(1, max_seqlen // (block_n * MIN_TILES_PER_SPLIT))
     return max(1, min(want, by_length, MAX_SPLITS))
