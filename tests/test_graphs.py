@@ -514,3 +514,34 @@ def test_capture_takes_sm90_forward_below_the_eager_floor(causal, monkeypatch):
         with no_sync(), flashcore.use_tier("sm90"):
             want = call()
         assert_equal(("out", "lse"), static, want)
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_takes_sm90_forward_below_the_eager_floor(_fresh_dynamo, monkeypatch):
+    # The same choice under torch.compile's CUDA graph trees: the warm-up step runs eagerly (the
+    # portable forward at this size), the recording step captures (and compiles) the Gluon
+    # forward, the replays run it. Forward only; each replay against an eager call on that tier.
+    from flashcore.ops import fwd, fwd_sm90
+
+    if not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    monkeypatch.undo()  # the module fixture's floor: back to the real one, choices made afresh
+    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
+    forwards = []
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+
+    def block(q, k, v):
+        return flashcore.attention(q, k, v, causal=True)
+
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    q, k, v = make_qkv(Case(2, 8, 8, 2048, 2048, 64), torch.bfloat16, "cuda")
+    for step in range(REPLAYS + 2):
+        refill(q, k, v)
+        torch.compiler.cudagraph_mark_step_begin()
+        out = compiled(q, k, v).clone()
+        assert bool(forwards) == (step > 0), (step, len(forwards))
+        with no_sync(), flashcore.use_tier("sm90" if step > 0 else "auto"):
+            want = block(q, k, v)
+        assert_equal(("out",), out, want)
+    assert _fresh_dynamo["inductor"]["cudagraph_skips"] == 0
