@@ -483,6 +483,22 @@ def test_attention_graph_sm90_forward(causal, monkeypatch):
         assert_dq(exact, static[2], want[2], q, k, v, dout, causal=causal)
 
 
+def _gluon_forwards_at_the_real_floors(monkeypatch) -> list:
+    """For the tests of the capture's own choice: skip without the sm90 tier, undo the module
+    fixture (the real floors, tier choices made afresh), and return a list that gains an entry
+    per Gluon forward launch."""
+    from flashcore.ops import fwd, fwd_sm90
+
+    if not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    monkeypatch.undo()
+    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
+    forwards = []
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    return forwards
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_capture_takes_sm90_forward_below_the_eager_floor(causal, monkeypatch):
@@ -490,15 +506,7 @@ def test_capture_takes_sm90_forward_below_the_eager_floor(causal, monkeypatch):
     # call takes the portable forward (cheaper on the host) and a captured one the Gluon forward
     # (faster on the GPU; SM90_FWD_MIN_FLOPS_GRAPH). The capture compiles that variant itself:
     # the warm-up never ran it. A replay equals an eager call on the same tier bit for bit.
-    from flashcore.ops import fwd, fwd_sm90
-
-    if not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
-    monkeypatch.undo()  # the module fixture's floor: back to the real one, choices made afresh
-    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
-    forwards = []
-    real = fwd_sm90.launch
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    forwards = _gluon_forwards_at_the_real_floors(monkeypatch)
     q, k, v = make_qkv(Case(2, 8, 8, 2048, 2048, 64), torch.bfloat16, "cuda")
 
     def call():
@@ -521,15 +529,7 @@ def test_reduce_overhead_takes_sm90_forward_below_the_eager_floor(_fresh_dynamo,
     # The same choice under torch.compile's CUDA graph trees: the warm-up step runs eagerly (the
     # portable forward at this size), the recording step captures (and compiles) the Gluon
     # forward, the replays run it. Forward only; each replay against an eager call on that tier.
-    from flashcore.ops import fwd, fwd_sm90
-
-    if not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
-    monkeypatch.undo()  # the module fixture's floor: back to the real one, choices made afresh
-    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
-    forwards = []
-    real = fwd_sm90.launch
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    forwards = _gluon_forwards_at_the_real_floors(monkeypatch)
 
     def block(q, k, v):
         return flashcore.attention(q, k, v, causal=True)
