@@ -64,6 +64,14 @@ VARIANTS = [
      {**PLAIN, "causal": True, "even_n": False, "persistent": True}),
     ("d64-bf16-causal-n64-persistent", 64, "bf16", 2, 64, 4, 240, 168,
      {**PLAIN, "causal": True, "persistent": True}),
+    # One consumer a CTA, two CTAs an SM (ops/fwd_sm90.py: ONE), persistent: D=64 128-key
+    # tiles, D=128 64-key tiles, 2 slots each; 128 registers at entry over 8 warps.
+    ("d64-bf16-one-causal-ragged-persistent", 64, "bf16", 1, 128, 2, 232, 128,
+     {**PLAIN, "causal": True, "even_n": False, "persistent": True}),
+    ("d64-fp16-one-sinks-persistent", 64, "fp16", 1, 128, 2, 232, 128,
+     {**PLAIN, "sinks": True, "persistent": True}),
+    ("d128-fp16-one-causal-ragged-sinks-persistent", 128, "fp16", 1, 64, 2, 232, 128,
+     {**PLAIN, "causal": True, "even_n": False, "sinks": True, "persistent": True}),
     # Sinks (HAS_SINKS), with both consumer counts.
     ("d128-bf16-sinks", 128, "bf16", 2, 128, 2, 240, 168, {**PLAIN, "sinks": True}),
     ("d64-bf16-causal-sinks-three", 64, "bf16", 3, 128, 3, 160, 128,
@@ -112,7 +120,7 @@ def compile_variant(variant) -> dict:
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
     consts = dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=stages, NUM_CONSUMERS=consumers,
-        CONSUMER_REGS=regs, PINGPONG=True, IS_CAUSAL=flags["causal"],
+        CONSUMER_REGS=regs, PINGPONG=consumers > 1, IS_CAUSAL=flags["causal"],
         HAS_WINDOW=flags["window"], SOFTCAP=flags["softcap"], HAS_ALIBI=flags["alibi"],
         HAS_SINKS=flags.get("sinks", False),
         RAW_MAX=flags["raw_max"], EVEN_N=flags["even_n"],
@@ -134,6 +142,7 @@ def compile_variant(variant) -> dict:
     ptx, sass, report = assemble(src, maxnreg)
     return {
         "variant": label,
+        "consumers": consumers,
         "block_n": block_n,
         "consumer_regs": regs,
         **report,
@@ -347,6 +356,21 @@ def test_shared_memory_within_limit(compiled):
         assert row["shared"] <= SMEM_LIMIT, f"{row['variant']}: {row['shared']} B"
 
 
+# An SM's shared memory, and what the hardware reserves per CTA beside the kernel's own.
+SM_SHARED = 228 * 1024
+CTA_RESERVED = 1024
+
+
+def test_one_consumer_fits_two_ctas_an_sm(compiled):
+    """The one-consumer builds run two CTAs an SM (ops/fwd_sm90.py: ONE, ``ctas_per_sm``): their
+    shared memory and their registers at entry (8 warps at 128) must leave room for two."""
+    ones = [row for row in compiled if row["consumers"] == 1]
+    assert len(ones) == 3, [row["variant"] for row in compiled]
+    for row in ones:
+        assert 2 * (row["shared"] + CTA_RESERVED) <= SM_SHARED, f"{row['variant']}: {row['shared']}"
+        assert 2 * 256 * row["registers"] <= 65536, f"{row['variant']}: {row['registers']}"
+
+
 def test_no_spills(compiled):
     # The variant with every feature flag on (window, softcap, ALiBi, ragged) spills at 240
     # registers (about 2 KB of local traffic at D=64, docs/hopper_fwd.md); the others must not.
@@ -364,7 +388,7 @@ PERSISTENT_EXTRA_SPILL = {FEATURES + PERSISTENT_SUFFIX: 8}
 def test_persistent_spills_no_more_than_flat(compiled):
     by_name = {row["variant"]: row for row in compiled}
     persistent = [name for name in by_name if name.endswith(PERSISTENT_SUFFIX)]
-    assert len(persistent) == 7, sorted(by_name)
+    assert len(persistent) == 10, sorted(by_name)
     for name in persistent:
         flat = by_name.get(name.removesuffix(PERSISTENT_SUFFIX))
         if flat is None:  # a persistent build with no flat twin: no spills at all
@@ -377,7 +401,8 @@ def test_persistent_spills_no_more_than_flat(compiled):
 
 def test_persistent_frees_q_after_the_store_read(compiled):
     for row in compiled:
-        want = 2 if row["variant"].endswith(PERSISTENT_SUFFIX) else 0
+        # One per consumer warpgroup.
+        want = row["consumers"] if row["variant"].endswith(PERSISTENT_SUFFIX) else 0
         assert row["q_freed_after_store_read"] >= want, (
             f"{row['variant']}: {row['q_freed_after_store_read']} Q slots freed after the read"
         )
@@ -385,8 +410,8 @@ def test_persistent_frees_q_after_the_store_read(compiled):
 
 def assert_register_split(rows: list[dict]) -> None:
     """The producer warp drops to 24 registers, the consumer warpgroups rise to theirs (240 with
-    two, 160 with three), and ptxas warned of nothing (C7508 if it ignored setmaxnreg, C7515 if
-    it serialised the wgmmas)."""
+    two, 160 with three, 232 with one), and ptxas warned of nothing (C7508 if it ignored
+    setmaxnreg, C7515 if it serialised the wgmmas)."""
     for row in rows:
         pairs = {tuple(p) for p in row["setmaxnreg"]}
         assert ("dec", 24) in pairs, f"{row['variant']}: {pairs}"

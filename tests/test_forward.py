@@ -202,49 +202,63 @@ def test_small_problems_skip_descriptors():
         (64, 1024, False, False, 2, None),  # two consumers below 2048 (and by the grid)
         (64, 512, False, False, 2, None),  # the launcher's schedule by length
         (64, 4096, True, False, 3, False),
-        (64, 2048, True, False, 2, None),
-        (64, 8192, False, True, 2, None),  # window, softcap or ALiBi: two consumers
+        (64, 2048, True, False, 1, True),  # one consumer a CTA, causal below 4096
+        (64, 512, True, False, 1, True),
+        (64, 2048, True, True, 2, None),  # window, softcap or ALiBi: two consumers
+        (64, 8192, False, True, 2, None),
         (128, 8192, False, False, 2, None),
-        (128, 512, True, False, 2, None),  # 64-key tiles (checked below)
-        (64, 512, True, False, 2, None),
+        (128, 512, True, False, 1, True),  # one consumer a CTA, causal up to 512
         (128, 768, True, False, 2, None),
+        (128, 512, True, True, 2, None),
     ],
 )
 def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persistent):
-    """The Hopper forward's tiles per problem: three consumer warpgroups at D=64 from the
-    measured lengths on, persistent when not causal; 64-key tiles for causal problems of at
-    most 512 queries and keys."""
+    """The Hopper forward's tiles per problem (a full grid): three consumer warpgroups at D=64
+    from the measured lengths on, persistent when not causal; one consumer a CTA, two CTAs an
+    SM, for causal problems up to 4095 (D=64) or 512 (D=128) queries and keys."""
     from flashcore.ops import fwd_sm90
 
     cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, causal, options)
     assert (cfg.num_consumers, cfg.persistent) == (consumers, persistent)
-    short_causal = causal and not options and seqlen <= 512
-    assert cfg.block_n == (64 if short_causal else 128)
-    # Shorter queries than keys (or the reverse) decide by the shorter side.
-    short = fwd_sm90.pick_config(head_dim, 256, seqlen, causal, options)
-    assert short.num_consumers == 2
+    if consumers == 1:
+        assert cfg == fwd_sm90.ONE[head_dim] and cfg.ctas_per_sm == 2 and not cfg.pingpong
+        assert cfg.block_n == (128 if head_dim == 64 else 64)
+    else:
+        assert cfg.ctas_per_sm == 1 and cfg.block_n == 128
+    # Queries and keys of different lengths: the longer side decides the causal one-consumer
+    # rule, the shorter one the three-consumer rule.
+    if causal and not options:
+        longer = fwd_sm90.pick_config(head_dim, 256, 8192, causal, options)
+        assert longer == fwd_sm90.CONFIGS[head_dim]
 
 
 @pytest.mark.parametrize(
-    "batch_heads, seqlen, consumers",
+    "head_dim, batch_heads, seqlen, consumers",
     [
-        (128, 4096, 3),  # 2816 tiles of 192 rows: 22 rounds on 132 SMs against 32 of 128 rows
-        (256, 2048, 3),
-        (32, 16384, 3),
-        (8, 4096, 2),  # 176 tiles: a second round for 44 SMs; 256 of 128 rows fill two
-        (16, 2048, 2),
-        (32, 4096, 2),  # modelled level (1.004): two
+        (64, 128, 4096, 3),  # 2816 tiles of 192 rows: 22 rounds on 132 SMs against 32 of 128 rows
+        (64, 256, 2048, 3),
+        (64, 32, 16384, 3),
+        (64, 8, 4096, 1),  # 256 tiles of 128 rows: at most two rounds, one consumer a CTA
+        (64, 16, 2048, 1),
+        (64, 8, 512, 1),
+        (64, 32, 2048, 2),  # 512 tiles: four rounds
+        (64, 32, 4096, 2),  # three consumers modelled level (1.004): two
+        (128, 8, 1024, 1),  # 64 tiles: half a round
+        (128, 16, 1024, 2),
+        (128, 16, 2048, 2),
     ],
 )
-def test_sm90_three_consumers_by_grid(batch_heads, seqlen, consumers):
-    """Non-causal D=64: three consumer warpgroups only where the rounds of 192-row tiles on the
-    SMs beat those of 128-row tiles by the model (``fwd_sm90.three_consumers_pay``)."""
+def test_sm90_consumers_by_grid(head_dim, batch_heads, seqlen, consumers):
+    """Non-causal: three consumer warpgroups (D=64) only where the rounds of 192-row tiles on the
+    SMs beat those of 128-row tiles by the model (``fwd_sm90.three_consumers_pay``); one consumer
+    a CTA where 128-row tiles fill at most ``ONE_MAX_ROUNDS`` rounds (``one_consumer_pays``)."""
     from flashcore.ops import fwd_sm90
 
-    cfg = fwd_sm90.pick_config(64, seqlen, seqlen, False, False, grid=(batch_heads, 132))
+    grid = (batch_heads, 132)
+    cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, False, False, grid=grid)
     assert cfg.num_consumers == consumers
-    # Causal keeps its own rule (three from 4096, flat), whatever the grid.
-    causal = fwd_sm90.pick_config(64, 4096, 4096, True, False, grid=(batch_heads, 132))
+    # Causal D=64 keeps its own rule (three from 4096, flat), whatever the grid.
+    causal = fwd_sm90.pick_config(64, 4096, 4096, True, False, grid=grid)
     assert (causal.num_consumers, causal.persistent) == (3, False)
 
 
@@ -306,32 +320,66 @@ def test_sm90_fast_divisor():
             fwd_sm90.fast_divisor(bad)
 
 
-# Causal, at most 512 queries and keys: 64-key tiles where the first consumer of each 128-row
-# tile skips the key tiles its rows do not see (ops/fwd_sm90.py: SHORT_CAUSAL). Ragged both ways,
-# GQA/MQA, Sq > Sk (rows that see no key), one tile.
+# Short causal problems: one consumer a CTA, two CTAs an SM (ops/fwd_sm90.py: ONE, what the
+# launcher picks), and two consumers with 64-key tiles, where the first consumer of each 128-row
+# tile skips the key tiles its rows do not see (``fwd_steps.skips``). Ragged both ways, GQA/MQA,
+# Sq > Sk (rows that see no key), one tile, and (last) more tiles than two programs an SM take
+# in one round.
 SHORT_CAUSAL_SHAPES = [(2, 4, 2, 300, 300), (1, 3, 3, 512, 512), (2, 2, 1, 129, 450),
-                       (1, 2, 2, 64, 64), (3, 2, 2, 200, 77), (2, 4, 4, 448, 320)]  # fmt: skip
+                       (1, 2, 2, 64, 64), (3, 2, 2, 200, 77), (2, 4, 4, 448, 320),
+                       (8, 8, 2, 500, 500)]  # fmt: skip
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["auto", "two-n64"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("shape", SHORT_CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_forward_gpu_sm90_short_causal(shape, head_dim, dtype):
-    """The Hopper forward's short causal tiles: out and LSE against the float64 reference."""
+def test_forward_gpu_sm90_short_causal(shape, head_dim, dtype, schedule):
+    """The Hopper forward's short causal configs: out and LSE against the float64 reference."""
     from flashcore.ops import fwd_sm90
     from helpers import sm90_tier_runs
 
     if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
     batch, heads, kv_heads, seqlen_q, seqlen_k = shape
-    assert fwd_sm90.pick_config(head_dim, seqlen_q, seqlen_k, True, False) == (
-        fwd_sm90.SHORT_CAUSAL
-    )
+    if schedule == "auto":
+        config = None
+        picked = fwd_sm90.pick_config(head_dim, seqlen_q, seqlen_k, True, False)
+        assert picked == fwd_sm90.ONE[head_dim]
+    else:
+        config = fwd_sm90.Sm90Config(2, 64, 4, 240, 168)
     q, k, v = make_qkv(Case(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim), dtype, "cuda")
-    out, lse = launch_sm90_forward(q, k, v, causal=True)
+    out, lse = launch_sm90_forward(q, k, v, causal=True, config=config)
     assert not out.isnan().any() and not lse.isnan().any()
     check_forward(out, lse, q, k, v, causal=True)
+
+
+# One consumer a CTA beyond short causal problems: non-causal and causal, ragged, GQA/MQA,
+# Sq > Sk and Sq < Sk, several tiles a program (the persistent grid is two programs an SM).
+ONE_CASES = [
+    (Case(2, 8, 2, 1000, 1000, 64), False), (Case(1, 4, 1, 777, 1500, 64), True),
+    (Case(2, 4, 4, 1300, 600, 64), True), (Case(4, 16, 4, 2048, 2048, 64), True),
+    (Case(2, 8, 2, 1000, 1000, 128), False), (Case(1, 4, 1, 777, 1500, 128), True),
+    (Case(2, 4, 4, 1300, 600, 128), True), (Case(3, 8, 8, 333, 4096, 128), False),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(("case", "causal"), ONE_CASES, ids=lambda x: getattr(x, "id", str(x)))
+def test_forward_gpu_sm90_one_consumer(case, causal, dtype):
+    """``fwd_sm90.ONE`` launched directly at lengths and grids it is not picked for: out and LSE
+    against the float64 reference, every element written."""
+    from flashcore.ops import fwd_sm90
+    from helpers import sm90_tier_runs
+
+    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    q, k, v = make_qkv(case, dtype, "cuda")
+    out, lse = launch_sm90_forward(q, k, v, causal=causal, config=fwd_sm90.ONE[case.head_dim])
+    assert not out.isnan().any() and not lse.isnan().any()
+    check_forward(out, lse, q, k, v, causal=causal)
 
 
 @pytest.mark.gpu
@@ -376,11 +424,12 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, monkeypatch):
         ("auto", (9, 0), (2, 8, 2048, 64), {"causal": True}, "portable"),
         ("auto", (9, 0), (1, 8, 1024, 128), {"causal": True, "graph": True}, "portable"),  # 2.1e9
         ("auto", (9, 0), (1, 8, 512, 64), {"graph": True}, "portable"),
-        ("auto", (9, 0), (16, 32, 768, 64), {"causal": True, "graph": True}, "portable"),  # length
+        ("auto", (9, 0), (16, 32, 768, 64), {"causal": True, "graph": True}, "sm90"),
         ("auto", (9, 0), (32, 32, 512, 64), {}, "sm90"),  # D=64 non-causal from 512 on
-        ("auto", (9, 0), (16, 32, 1024, 64), {"causal": True}, "sm90"),  # causal from 1024 on
-        ("auto", (9, 0), (32, 32, 512, 64), {"causal": True}, "sm90"),  # 64-key tiles
-        ("auto", (9, 0), (16, 32, 768, 64), {"causal": True}, "portable"),  # 513..1023
+        ("auto", (9, 0), (16, 32, 1024, 64), {"causal": True}, "sm90"),
+        ("auto", (9, 0), (32, 32, 512, 64), {"causal": True}, "sm90"),  # one consumer a CTA
+        ("auto", (9, 0), (16, 32, 768, 64), {"causal": True}, "sm90"),
+        ("auto", (9, 0), (64, 32, 511, 64), {"causal": True}, "portable"),  # below 512
         ("auto", (9, 0), (4, 16, 4096, 96), {}, "portable"),  # a head dim the tier lacks
         ("auto", (9, 0), (1, 16, 4096, 192), {}, "sm90"),  # MLA dims from 4096 (supports: Dv)
         ("auto", (9, 0), (4, 16, 2048, 192), {"causal": True}, "portable"),  # not timed there

@@ -308,14 +308,15 @@ SINK_CASES_SM90_FORWARD = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["flat", "persistent", "three"])
+@pytest.mark.parametrize("schedule", ["flat", "persistent", "three", "one"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(
     ("mc", "label"), SINK_CASES_SM90_FORWARD, ids=[c[1] for c in SINK_CASES_SM90_FORWARD]
 )
 def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
     """The Hopper forward's HAS_SINKS build, launched directly on every schedule, three consumers
-    at D=64 (the dispatch picks one schedule per shape): out and LSE against the reference."""
+    at D=64 and one a CTA (the dispatch picks one schedule per shape): out and LSE against the
+    reference."""
     from flashcore.ops import fwd_sm90
 
     q, k, v = make_qkv(mc.case, dtype, device)
@@ -323,6 +324,8 @@ def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
     if schedule == "three" and mc.case.head_dim != 64:
         pytest.skip("three consumers are a D=64 config")
+    if schedule == "one" and (mc.window is not None or mc.softcap or mc.alibi):
+        pytest.skip("one consumer a CTA is taken without a window, softcap or ALiBi")
     opts = mask_options(mc, device)
     sinks = case_sinks(mc, device)
     c = mc.case
@@ -330,6 +333,7 @@ def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
         "flat": fwd_sm90.CONFIGS[c.head_dim]._replace(persistent=False),
         "persistent": fwd_sm90.CONFIGS[c.head_dim]._replace(persistent=True),
         "three": fwd_sm90.D64_THREE._replace(persistent=False),
+        "one": fwd_sm90.ONE[c.head_dim],
     }[schedule]
     out, lse = launch_sm90_forward(q, k, v, sinks=sinks, config=config, **opts)
     scale = c.head_dim**-0.5

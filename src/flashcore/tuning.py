@@ -252,8 +252,8 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool = Fa
 #   run), 0.96-1.08x cuDNN from 2048 on; at S = 512 (persistent) 1.30x the portable forward
 #   non-causal and 1.10x causal (0.99x and 0.85x cuDNN; before the K/V release fix it was
 #   0.72-1.09x the portable one).
-#   Since then, causal D=128 at S <= 512 takes 64-key tiles (ops/fwd_sm90.py: SHORT_CAUSAL):
-#   0.92-0.94x cuDNN at S = 512 through the API.
+#   Since then, causal D=128 at S <= 512 takes one consumer a CTA and two CTAs an SM
+#   (ops/fwd_sm90.py: ONE; before it, 64-key tiles with two consumers at 0.92-0.94x cuDNN).
 # - D=64, two consumer warpgroups (persistent at these lengths): 1.04-1.10x the portable forward
 #   non-causal at S = 512, about equal at 1024; causal 1.04x at 2048, equal at 1024, 0.84x at
 #   512. Three consumer warpgroups (ops/fwd_sm90.py: pick_config): 1.06-1.12x cuDNN non-causal
@@ -270,12 +270,10 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool = Fa
 # causal S = 512.
 SM90_FWD_MIN_SEQLEN = 512
 SM90_FWD_MIN_SEQLEN_D64 = 512
-SM90_FWD_MIN_SEQLEN_D64_CAUSAL = 1024
-# Causal D=64 of at most 512 queries and keys runs 64-key tiles (ops/fwd_sm90.py: SHORT_CAUSAL),
-# where the first consumer skips the key tile none of its rows sees: 228 TFLOP/s against the
-# portable forward's 217 at the FA sweep's (32, 32, 512) (H100, bf16, three rounds in one
-# process); longer causal D=64 problems below SM90_FWD_MIN_SEQLEN_D64_CAUSAL stay portable.
-SM90_FWD_D64_SHORT_CAUSAL_MAX = 512
+# Causal D=64 up to 4095 queries and keys runs one consumer a CTA, two CTAs an SM
+# (ops/fwd_sm90.py: ONE): at the FA sweep's batch 249 TFLOP/s against the portable forward's 220
+# at S = 512 and 298 against 287 at 1024, and 275 against 202 at (2, 16, 1024) (H100, bf16,
+# CUDA-graph replays, three rounds in one process), so it takes the same floor as non-causal.
 # The MLA head dims (Q/K 192, V 128; ops/fwd_sm90.py: MLA_HEAD_DIMS): timed only at 4096 and 8192
 # (H100, bf16, one run, scripts/feature_bench.py --cases mla): 1.84-1.95x the portable forward,
 # 1.11-1.17x SDPA. Shorter sequences were not timed, so they stay portable.
@@ -315,8 +313,7 @@ def sm90_forward(
     if head_dim == 128:
         floor = SM90_FWD_MIN_SEQLEN
     elif head_dim == 64:
-        short = max(seqlen_q, seqlen_k) <= SM90_FWD_D64_SHORT_CAUSAL_MAX
-        floor = SM90_FWD_MIN_SEQLEN_D64_CAUSAL if causal and not short else SM90_FWD_MIN_SEQLEN_D64
+        floor = SM90_FWD_MIN_SEQLEN_D64
     elif head_dim == 192:
         floor = SM90_FWD_MIN_SEQLEN_MLA  # reached only with V's head dim 128 (supports)
     elif head_dim == 256:

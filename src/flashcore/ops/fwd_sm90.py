@@ -53,9 +53,10 @@ def qk_panel(head_dim: int) -> int:
 class Sm90Config(NamedTuple):
     """Tiles of one launch: ``NUM_CONSUMERS`` warpgroups of 64 query rows, ``BLOCK_N`` keys per
     tile, ``NUM_STAGES`` K/V slots; ``consumer_regs`` per consumer thread (the producer warp
-    keeps 24), ``maxnreg`` the cap at entry that the register split is carved from.
-    ``persistent``: one program per SM looping over the tiles (True), one program per tile
-    (False), or the launcher's choice by shape (None, ``use_persistent``)."""
+    keeps 24; with one consumer, the default partition, it takes what the producer leaves and
+    the field is not read), ``maxnreg`` the cap at entry that the register split is carved from.
+    ``persistent``: ``ctas_per_sm`` programs per SM looping over the tiles (True), one program
+    per tile (False), or the launcher's choice by shape (None, ``use_persistent``)."""
 
     num_consumers: int
     block_n: int
@@ -64,6 +65,7 @@ class Sm90Config(NamedTuple):
     maxnreg: int
     pingpong: bool = True
     persistent: bool | None = None
+    ctas_per_sm: int = 1
 
 
 # D=128: 2 x 64 query rows, 128-key tiles, 2 slots (Q 32 KB + K/V 128 KB of shared memory);
@@ -118,17 +120,49 @@ def three_consumers_pay(seqlen_q: int, batch_heads: int, sms: int) -> bool:
     return cost(192, D64_THREE_SPEEDUP) <= D64_THREE_MARGIN * cost(128, 1.0)
 
 
-# Causal, at most 512 queries and keys (D=128 and D=64): 64-key tiles in 4 slots (at D=128 Q 3 x
-# 2 x 16 KB + K/V 4 x 32 KB: 224 KB persistent). Each query tile then spends half as many key
-# columns on the masked half of its diagonal tile, and the first consumer skips the last key
-# tile, which none of its rows sees (``kernels/hopper/fwd_steps.py: skips``). H100, bf16, three
-# rounds in one process, persistent, the FA sweep's batch (16k tokens), TFLOP/s 128-key /
-# 64-key tiles (cuDNN), D=128, before the skip: S = 256 143 / 155 (170), 512 273 / 292-294
-# (315-316), 768 378 / 352 (384), 1024 427-438 / 387-388 (414-420). With the skip (its A/B:
-# docs/hopper_fwd_configs.md, "The first consumer skips ...") D=64 S = 512 228 against the
-# portable forward's 217 (cuDNN 258); D=64 S = 1024 280 against 307 for 128-key tiles.
-SHORT_CAUSAL = Sm90Config(2, 64, 4, 240, 168)
-SHORT_CAUSAL_MAX_SEQLEN = 512
+# One consumer warpgroup of 64 query rows a CTA and two CTAs an SM, persistent over twice as
+# many programs as SMs (8 warps at 128 registers at entry, 232 for the consumer and 24 for the
+# producer after setmaxnreg; D=64 128-key tiles in 2 slots, 90 KB of shared memory a CTA; D=128
+# 64-key tiles in 2 slots, 115 KB: two fit the SM's 228 KB). The SM still holds two consumer
+# warpgroups, but each walks its own work tile with no turn to wait for, so one CTA's tile ends
+# (the last P V, the epilogue, the next Q) while the other's products run, and the 64-row
+# tiles halve the rows a causal diagonal wastes and double the tiles a small grid has. H100,
+# bf16, CUDA-graph replays of both configs through ``plan(config=...)``, three rounds in one
+# process (docs/hopper_fwd_configs.md, "One consumer a CTA, two CTAs an SM"), TFLOP/s two
+# consumers / one: D=64 causal (32, 32, 512) 231 / 249, (16, 32, 1024) 294 / 298, (2, 16,
+# 1024) 248 / 275, (2, 8, 2048) 332 / 348, (8, 32, 2048) 349 / 348, (1, 32, 4096) against three
+# consumers 392 / 393; D=64 non-causal (1, 8, 512) 60 / 88, (2, 8, 2048) 405 / 426, (1, 32,
+# 1024) 364 / 386, but (4, 8, 2048) 426 / 413 and (32, 32, 512) 377 / 361; D=128 causal (32,
+# 16, 512) 280 / 313, (8, 16, 512) 261 / 283, (1, 8, 1024) 128 / 150, but (16, 16, 1024) 399 /
+# 376 and (2, 8, 2048) 501 / 418; D=128 non-causal (1, 8, 1024) 261 / 323, but (2, 8, 2048) 569
+# / 504. At D=128 128-key tiles do not fit (180 KB, spills).
+ONE_D64 = Sm90Config(1, 128, 2, 232, 128, pingpong=False, persistent=True, ctas_per_sm=2)
+ONE_D128 = Sm90Config(1, 64, 2, 232, 128, pingpong=False, persistent=True, ctas_per_sm=2)
+ONE = {64: ONE_D64, 128: ONE_D128}
+# Where one consumer is taken (``one_consumer_pays``): causal up to these lengths (D=64: below
+# the three-consumer floor; D=128: 512), and otherwise where the two-consumer grid of 128-row
+# tiles fills at most ONE_MAX_ROUNDS rounds of the SMs (D=64: 2; D=128: half of one).
+ONE_CAUSAL_MAX_SEQLEN = {64: D64_THREE_MIN_SEQLEN_CAUSAL - 1, 128: 512}
+ONE_MAX_ROUNDS = {64: 2.0, 128: 0.5}
+
+
+def one_consumer_pays(
+    head_dim: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    causal: bool,
+    grid: tuple[int, int] | None,
+) -> bool:
+    """Whether the one-consumer, two-CTA config (``ONE``) is taken, by the measured rule above;
+    ``grid``: ``(batch * heads, SMs)`` (without it, a full grid is assumed)."""
+    if head_dim not in ONE:
+        return False
+    if causal and max(seqlen_q, seqlen_k) <= ONE_CAUSAL_MAX_SEQLEN[head_dim]:
+        return True
+    if grid is None:
+        return False
+    batch_heads, sms = grid
+    return -(-seqlen_q // 128) * batch_heads <= ONE_MAX_ROUNDS[head_dim] * sms
 
 
 def pick_config(
@@ -139,17 +173,16 @@ def pick_config(
     options: bool,
     grid: tuple[int, int] | None = None,
 ) -> Sm90Config:
-    """The launch config of a problem: ``CONFIGS``, three consumers at D=64 or 64-key tiles for
-    short causal problems at D=64 and 128 where they measured faster (``options``: a window, softcap
-    or ALiBi is on; ``grid``: ``(batch * heads, SMs)``, for the non-causal D=64 choice, which
-    assumes a full grid without it)."""
+    """The launch config of a problem: ``CONFIGS``, three consumers at D=64 where they measured
+    faster, or one consumer a CTA for short causal problems and small grids (``options``: a
+    window, softcap or ALiBi is on, which keeps ``CONFIGS``' two consumers short of three;
+    ``grid``: ``(batch * heads, SMs)``, which assumes a full grid without it)."""
     floor = D64_THREE_MIN_SEQLEN_CAUSAL if causal else D64_THREE_MIN_SEQLEN
     long = head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor
     if long and (causal or grid is None or three_consumers_pay(seqlen_q, *grid)):
         return D64_THREE._replace(persistent=not causal)
-    short = max(seqlen_q, seqlen_k) <= SHORT_CAUSAL_MAX_SEQLEN
-    if head_dim in (64, 128) and causal and not options and short:
-        return SHORT_CAUSAL
+    if not options and one_consumer_pays(head_dim, seqlen_q, seqlen_k, causal, grid):
+        return ONE[head_dim]
     return CONFIGS[head_dim]
 
 
@@ -456,13 +489,12 @@ def plan(
     persistent = cfg.persistent
     if persistent is None:
         persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
-    grid, lpt_heads = (min(num_sms(q.device.index), n_work) if persistent else n_work), 1
+    slots = num_sms(q.device.index) * cfg.ctas_per_sm
+    grid, lpt_heads = (min(slots, n_work) if persistent else n_work), 1
     if causal:
         costs = tile_costs(seqlen_q, seqlen_k, block_m, cfg.block_n, window_left, has_window)
         kv_bytes = seqlen_k * (head_dim + head_dim_v) * k.element_size()
-        grid, lpt_heads = causal_order(
-            costs, batch * heads, num_sms(q.device.index), persistent, kv_bytes
-        )
+        grid, lpt_heads = causal_order(costs, batch * heads, slots, persistent, kv_bytes)
     n_tiles = -(-seqlen_q // block_m)
     scalars = (
         lse.stride(0), lse.stride(1), stride_ab, heads, heads // kv_heads, seqlen_q, seqlen_k,

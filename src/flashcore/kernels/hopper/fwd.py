@@ -60,6 +60,12 @@ Schedule (one CTA, ``gl.warp_specialize``):
   P goes to its 16-bit operand form right after the ``wait_group 0`` that frees the previous
   one, so that the fp32 P is not live while the next ``Q K^T`` fills its accumulator (160
   registers).
+- One consumer (``ops/fwd_sm90.py: ONE``): the default partition alone, 64-row work tiles, no
+  ping-pong (PINGPONG off), and a register cap at entry low enough (128 over the 8 warps Gluon
+  makes of one warpgroup and the producer warp padded to a warpgroup) and shared memory small
+  enough for two CTAs an SM. The two CTAs' consumers share the tensor cores with no turns
+  between them, so one CTA's tile boundary (its last ``P V``, epilogue and next Q) runs while
+  the other's products do; the persistent grid has two programs an SM.
 - Epilogue, per consumer: ``O / l`` cast to the output dtype, written into this consumer's Q
   slot (its last reader, the final ``Q K^T``, has completed), ``fence.proxy.async``, one TMA
   store of the ``(1, 1, 64, D)`` block (the copy engine drops rows past Sq); the LSE row by row
@@ -496,8 +502,28 @@ def attn_fwd_sm90_kernel(
     divisors = (div_group_m, div_group_s, div_lpt_m, div_lpt_s, div_heads_m, div_heads_s)
     # Argument tuples spelled out per partition: a tuple built by concatenation inside the kernel
     # turns its constexprs into tensors (Triton 3.6).
-    gl.static_assert((NUM_CONSUMERS == 2) | (NUM_CONSUMERS == 3), "two or three consumers")
-    if NUM_CONSUMERS == 2:
+    gl.static_assert((NUM_CONSUMERS >= 1) & (NUM_CONSUMERS <= 3), "one to three consumers")
+    if NUM_CONSUMERS == 1:
+        gl.warp_specialize(
+            [
+                (_consumer, (
+                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
+                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 0,
+                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
+                )),
+                (producer, (
+                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors,
+                    window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+                    IS_CAUSAL, HAS_WINDOW, PERSISTENT,
+                )),
+            ],
+            [1],
+            [24],
+        )  # fmt: skip
+    elif NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
                 (_consumer, (
