@@ -202,7 +202,8 @@ def test_small_problems_skip_descriptors():
         (64, 1024, False, False, 2, None),  # two consumers below 2048 (and by the grid)
         (64, 512, False, False, 2, None),  # the launcher's schedule by length
         (64, 4096, True, False, 3, False),
-        (64, 2048, True, False, 1, True),  # one consumer a CTA, causal below 4096
+        (64, 2048, True, False, 2, None),
+        (64, 1024, True, False, 1, True),  # one consumer a CTA, causal up to 1024
         (64, 512, True, False, 1, True),
         (64, 2048, True, True, 2, None),  # window, softcap or ALiBi: two consumers
         (64, 8192, False, True, 2, None),
@@ -215,7 +216,7 @@ def test_small_problems_skip_descriptors():
 def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persistent):
     """The Hopper forward's tiles per problem (a full grid): three consumer warpgroups at D=64
     from the measured lengths on, persistent when not causal; one consumer a CTA, two CTAs an
-    SM, for causal problems up to 4095 (D=64) or 512 (D=128) queries and keys."""
+    SM, for causal problems up to 1024 (D=64) or 512 (D=128) queries and keys."""
     from flashcore.ops import fwd_sm90
 
     cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, causal, options)

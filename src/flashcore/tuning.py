@@ -270,7 +270,7 @@ def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool = Fa
 # causal S = 512.
 SM90_FWD_MIN_SEQLEN = 512
 SM90_FWD_MIN_SEQLEN_D64 = 512
-# Causal D=64 up to 4095 queries and keys runs one consumer a CTA, two CTAs an SM
+# Causal D=64 up to 1024 queries and keys runs one consumer a CTA, two CTAs an SM
 # (ops/fwd_sm90.py: ONE): at the FA sweep's batch 249 TFLOP/s against the portable forward's 220
 # at S = 512 and 298 against 287 at 1024, and 275 against 202 at (2, 16, 1024) (H100, bf16,
 # CUDA-graph replays, three rounds in one process), so it takes the same floor as non-causal.
