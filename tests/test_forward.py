@@ -222,8 +222,9 @@ def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persi
     cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, causal, options)
     assert (cfg.num_consumers, cfg.persistent) == (consumers, persistent)
     if consumers == 1:
-        assert cfg == fwd_sm90.ONE[head_dim] and cfg.ctas_per_sm == 2 and not cfg.pingpong
-        assert cfg.block_n == (128 if head_dim == 64 else 64)
+        # Causal D=64 over a full grid: three CTAs an SM with 64-key tiles.
+        want = fwd_sm90.ONE_D64_THREE_CTAS if head_dim == 64 else fwd_sm90.ONE[head_dim]
+        assert cfg == want and not cfg.pingpong
     else:
         assert cfg.ctas_per_sm == 1 and cfg.block_n == 128
     # Queries and keys of different lengths: the longer side decides the causal one-consumer
@@ -252,7 +253,7 @@ def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persi
 def test_sm90_consumers_by_grid(head_dim, batch_heads, seqlen, consumers):
     """Non-causal: three consumer warpgroups (D=64) only where the rounds of 192-row tiles on the
     SMs beat those of 128-row tiles by the model (``fwd_sm90.three_consumers_pay``); one consumer
-    a CTA where 128-row tiles fill at most ``ONE_MAX_ROUNDS`` rounds (``one_consumer_pays``)."""
+    a CTA where 128-row tiles fill at most ``ONE_MAX_ROUNDS`` rounds (``one_consumer``)."""
     from flashcore.ops import fwd_sm90
 
     grid = (batch_heads, 132)
@@ -261,6 +262,27 @@ def test_sm90_consumers_by_grid(head_dim, batch_heads, seqlen, consumers):
     # Causal D=64 keeps its own rule (three from 4096, flat), whatever the grid.
     causal = fwd_sm90.pick_config(64, 4096, 4096, True, False, grid=grid)
     assert (causal.num_consumers, causal.persistent) == (3, False)
+
+
+@pytest.mark.parametrize(
+    "batch_heads, seqlen, ctas",
+    [
+        (1024, 512, 3),  # the FA sweep's (32, 32, 512): 31 rounds of 128-row tiles
+        (256, 512, 3),  # 7.8 rounds
+        (128, 512, 2),  # 3.9 rounds
+        (512, 1024, 3),
+        (32, 1024, 2),
+        (8, 512, 2),
+    ],
+)
+def test_sm90_causal_d64_ctas_by_grid(batch_heads, seqlen, ctas):
+    """Causal D=64 up to 1024: one consumer a CTA, three CTAs an SM with 64-key tiles from
+    ``ONE_THREE_CTAS_MIN_ROUNDS`` rounds of 128-row tiles on, two with 128-key tiles below."""
+    from flashcore.ops import fwd_sm90
+
+    cfg = fwd_sm90.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
+    assert (cfg.num_consumers, cfg.ctas_per_sm) == (1, ctas)
+    assert cfg.block_n == (64 if ctas == 3 else 128)
 
 
 @pytest.mark.parametrize(
@@ -332,7 +354,7 @@ SHORT_CAUSAL_SHAPES = [(2, 4, 2, 300, 300), (1, 3, 3, 512, 512), (2, 2, 1, 129, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["auto", "two-n64"])
+@pytest.mark.parametrize("schedule", ["auto", "one", "one-3-ctas", "two-n64"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("shape", SHORT_CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
@@ -343,13 +365,15 @@ def test_forward_gpu_sm90_short_causal(shape, head_dim, dtype, schedule):
 
     if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    if schedule == "one-3-ctas" and head_dim != 64:
+        pytest.skip("three CTAs an SM are a D=64 config")
     batch, heads, kv_heads, seqlen_q, seqlen_k = shape
-    if schedule == "auto":
-        config = None
-        picked = fwd_sm90.pick_config(head_dim, seqlen_q, seqlen_k, True, False)
-        assert picked == fwd_sm90.ONE[head_dim]
-    else:
-        config = fwd_sm90.Sm90Config(2, 64, 4, 240, 168)
+    config = {
+        "auto": None,
+        "one": fwd_sm90.ONE[head_dim],
+        "one-3-ctas": fwd_sm90.ONE_D64_THREE_CTAS,
+        "two-n64": fwd_sm90.Sm90Config(2, 64, 4, 240, 168),
+    }[schedule]
     q, k, v = make_qkv(Case(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim), dtype, "cuda")
     out, lse = launch_sm90_forward(q, k, v, causal=True, config=config)
     assert not out.isnan().any() and not lse.isnan().any()

@@ -308,7 +308,7 @@ SINK_CASES_SM90_FORWARD = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["flat", "persistent", "three", "one"])
+@pytest.mark.parametrize("schedule", ["flat", "persistent", "three", "one", "one-3-ctas"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(
     ("mc", "label"), SINK_CASES_SM90_FORWARD, ids=[c[1] for c in SINK_CASES_SM90_FORWARD]
@@ -322,9 +322,9 @@ def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
     q, k, v = make_qkv(mc.case, dtype, device)
     if not (sm90_tier_runs(q.device) and fwd_sm90.dense_problem(q, k, v)):
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
-    if schedule == "three" and mc.case.head_dim != 64:
-        pytest.skip("three consumers are a D=64 config")
-    if schedule == "one" and (mc.window is not None or mc.softcap or mc.alibi):
+    if schedule in ("three", "one-3-ctas") and mc.case.head_dim != 64:
+        pytest.skip("a D=64 config")
+    if schedule.startswith("one") and (mc.window is not None or mc.softcap or mc.alibi):
         pytest.skip("one consumer a CTA is taken without a window, softcap or ALiBi")
     opts = mask_options(mc, device)
     sinks = case_sinks(mc, device)
@@ -334,6 +334,7 @@ def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
         "persistent": fwd_sm90.CONFIGS[c.head_dim]._replace(persistent=True),
         "three": fwd_sm90.D64_THREE._replace(persistent=False),
         "one": fwd_sm90.ONE[c.head_dim],
+        "one-3-ctas": fwd_sm90.ONE_D64_THREE_CTAS,
     }[schedule]
     out, lse = launch_sm90_forward(q, k, v, sinks=sinks, config=config, **opts)
     scale = c.head_dim**-0.5

@@ -139,7 +139,15 @@ def three_consumers_pay(seqlen_q: int, batch_heads: int, sms: int) -> bool:
 ONE_D64 = Sm90Config(1, 128, 2, 232, 128, pingpong=False, persistent=True, ctas_per_sm=2)
 ONE_D128 = Sm90Config(1, 64, 2, 232, 128, pingpong=False, persistent=True, ctas_per_sm=2)
 ONE = {64: ONE_D64, 128: ONE_D128}
-# Where one consumer is taken (``one_consumer_pays``): causal up to these lengths, and otherwise
+# Causal D=64 up to 1024 queries and keys over a grid of at least ONE_THREE_CTAS_MIN_ROUNDS
+# rounds of 128-row tiles: 64-key tiles and three CTAs an SM (80 registers at entry, 136 for the
+# consumer after setmaxnreg, 58 KB of shared memory a CTA). H100, the same A/B (three rounds,
+# TFLOP/s two CTAs / three): bf16 (32, 32, 512) 250 / 272 by do_bench and 249 / 267 fp16,
+# (8, 32, 512) 231 / 240, (16, 32, 1024) 313 / 324, (20, 32, 768) 279 / 288; but fewer tiles
+# lose: (4, 32, 512) 229 / 214, (2, 16, 1024) 278 / 243, (1, 8, 512) 41 / 38.
+ONE_D64_THREE_CTAS = Sm90Config(1, 64, 2, 136, 80, pingpong=False, persistent=True, ctas_per_sm=3)
+ONE_THREE_CTAS_MIN_ROUNDS = 6.0
+# Where one consumer is taken (``one_consumer``): causal up to these lengths, and otherwise
 # where the two-consumer grid of 128-row tiles fills at most ONE_MAX_ROUNDS rounds of the SMs
 # (D=64: 2; D=128: half of one). Through flashcore-bench's FA sweep (bf16, two runs) one
 # consumer at D=64 causal 2048 read 365-366 TFLOP/s against 375-376 for two consumers in the
@@ -148,23 +156,26 @@ ONE_CAUSAL_MAX_SEQLEN = {64: 1024, 128: 512}
 ONE_MAX_ROUNDS = {64: 2.0, 128: 0.5}
 
 
-def one_consumer_pays(
+def one_consumer(
     head_dim: int,
     seqlen_q: int,
     seqlen_k: int,
     causal: bool,
     grid: tuple[int, int] | None,
-) -> bool:
-    """Whether the one-consumer, two-CTA config (``ONE``) is taken, by the measured rule above;
-    ``grid``: ``(batch * heads, SMs)`` (without it, a full grid is assumed)."""
+) -> Sm90Config | None:
+    """The one-consumer config a problem takes by the measured rules above (``ONE`` or
+    ``ONE_D64_THREE_CTAS``), or None; ``grid``: ``(batch * heads, SMs)`` (without it, a full grid
+    is assumed)."""
     if head_dim not in ONE:
-        return False
+        return None
+    rounds = None if grid is None else -(-seqlen_q // 128) * grid[0] / grid[1]
     if causal and max(seqlen_q, seqlen_k) <= ONE_CAUSAL_MAX_SEQLEN[head_dim]:
-        return True
-    if grid is None:
-        return False
-    batch_heads, sms = grid
-    return -(-seqlen_q // 128) * batch_heads <= ONE_MAX_ROUNDS[head_dim] * sms
+        if head_dim == 64 and (rounds is None or rounds >= ONE_THREE_CTAS_MIN_ROUNDS):
+            return ONE_D64_THREE_CTAS
+        return ONE[head_dim]
+    if rounds is not None and rounds <= ONE_MAX_ROUNDS[head_dim]:
+        return ONE[head_dim]
+    return None
 
 
 def pick_config(
@@ -183,9 +194,8 @@ def pick_config(
     long = head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor
     if long and (causal or grid is None or three_consumers_pay(seqlen_q, *grid)):
         return D64_THREE._replace(persistent=not causal)
-    if not options and one_consumer_pays(head_dim, seqlen_q, seqlen_k, causal, grid):
-        return ONE[head_dim]
-    return CONFIGS[head_dim]
+    one = None if options else one_consumer(head_dim, seqlen_q, seqlen_k, causal, grid)
+    return one or CONFIGS[head_dim]
 
 
 # Persistent up to this many key tiles per query tile (Sk <= 4096 at BLOCK_N = 128); D=128
