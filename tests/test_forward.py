@@ -448,7 +448,10 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, monkeypatch):
         ("auto", (9, 0), (2, 8, 2048, 64), {"causal": True, "graph": True}, "sm90"),  # 8.6e9
         ("auto", (9, 0), (2, 8, 2048, 64), {"causal": True}, "portable"),
         ("auto", (9, 0), (1, 8, 1024, 128), {"causal": True, "graph": True}, "portable"),  # 2.1e9
-        ("auto", (9, 0), (1, 8, 512, 64), {"graph": True}, "portable"),
+        ("auto", (9, 0), (1, 8, 512, 64), {"graph": True}, "sm90"),  # D=64: no FLOP floor
+        ("auto", (9, 0), (1, 1, 512, 64), {"causal": True, "graph": True}, "sm90"),
+        ("auto", (9, 0), (1, 8, 511, 64), {"graph": True}, "portable"),  # the length floor
+        ("auto", (9, 0), (1, 8, 512, 128), {"graph": True}, "portable"),  # 1.1e9 at D=128
         ("auto", (9, 0), (16, 32, 768, 64), {"causal": True, "graph": True}, "sm90"),
         ("auto", (9, 0), (32, 32, 512, 64), {}, "sm90"),  # D=64 non-causal from 512 on
         ("auto", (9, 0), (16, 32, 1024, 64), {"causal": True}, "sm90"),

@@ -293,6 +293,14 @@ SM90_FWD_MIN_FLOPS = 3e10
 # 35.3 (SDPA 36.3), non-causal (2, 16, 1024, 64) 23.8 / 23.9; 1.7e10 causal (2, 8, 2048, 128)
 # 33.0-34.3 / 54.6-55.3 (SDPA 52.6-53.5), non-causal (2, 8, 2048, 64) 41.5 / 43.0.
 SM90_FWD_MIN_FLOPS_GRAPH = 3e9
+# At D=64 the captured Hopper forward (one consumer a CTA at these sizes, ops/fwd_sm90.py: ONE)
+# beat the portable one at every size measured from the length floor on, so captured D=64
+# calls have no FLOP floor: H100, bf16, CUDA-graph replays, three rounds in one process,
+# TFLOP/s Hopper / portable: (1, 1, 512) 11.4 / 10.8 and causal (3.4e7 FLOPs) 5.3 / 4.8, (1, 2,
+# 512) causal 10.8 / 9.4, (1, 4, 512) 44.5 / 41.3 and causal 21.0 / 18.8, (1, 8, 512) 87.4 / 82.4
+# and causal 41.4 / 37.1, (2, 4, 768) causal 71.9 / 64.9, (1, 2, 1024) causal 28.0 / 24.0, (1, 8,
+# 1024) causal 107 / 94.
+SM90_FWD_MIN_FLOPS_GRAPH_D64 = 0.0
 
 
 def sm90_forward(
@@ -308,7 +316,11 @@ def sm90_forward(
     ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``options``: a window,
     softcap or ALiBi is on; ``graph``: the call is being captured into a CUDA graph (the
     kernels' time alone counts)."""
-    if options or flops < (SM90_FWD_MIN_FLOPS_GRAPH if graph else SM90_FWD_MIN_FLOPS):
+    if graph:
+        min_flops = SM90_FWD_MIN_FLOPS_GRAPH_D64 if head_dim == 64 else SM90_FWD_MIN_FLOPS_GRAPH
+    else:
+        min_flops = SM90_FWD_MIN_FLOPS
+    if options or flops < min_flops:
         return False
     if head_dim == 128:
         floor = SM90_FWD_MIN_SEQLEN
