@@ -50,9 +50,8 @@ def _eager_forward_tier_in_capture(monkeypatch):
     """A captured forward takes the Hopper tier from smaller problems on than an eager one
     (``tuning.SM90_FWD_MIN_FLOPS_GRAPH`` and ``_D64``); these tests compare replays with eager
     "auto" calls bit for bit, so the capture here decides as an eager call would, except in the
-    test of
-    that choice (``test_capture_takes_sm90_forward_below_the_eager_floor``). The tier choices
-    kept per problem signature start from none either way."""
+    tests of that choice (``test_capture_takes_sm90_forward_below_the_eager_floor``). The tier
+    choices kept per problem signature start from none either way."""
     from flashcore.ops import fwd
 
     monkeypatch.setattr(tuning, "SM90_FWD_MIN_FLOPS_GRAPH", tuning.SM90_FWD_MIN_FLOPS)
