@@ -408,12 +408,13 @@ def test_forward_gpu_sm90_one_consumer(case, causal, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("consumers", [2, 1], ids=["two-consumers", "one-consumer"])
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "flat"])
 @pytest.mark.parametrize("order", [(1, 1), (4, 2), (4, 4), (7, 8)], ids=lambda o: f"{o[0]}x{o[1]}")
-def test_forward_gpu_sm90_causal_orders(order, persistent, monkeypatch):
+def test_forward_gpu_sm90_causal_orders(order, persistent, consumers, monkeypatch):
     """Every causal work order (``lpt_heads``) and a persistent grid of any size cover every tile
     once: out and LSE against the reference (B * H = 8 heads, 8 query tiles each, 5 tiles with
-    a ragged last one)."""
+    a ragged last one; with one consumer a CTA, 64-row tiles: 16 and 10)."""
     from flashcore.ops import fwd_sm90
     from helpers import sm90_tier_runs
 
@@ -428,7 +429,8 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, monkeypatch):
             return (min(_grid, n_work) if persistent_ else n_work), _lpt
 
         monkeypatch.setattr(fwd_sm90, "causal_order", order_of)
-        config = fwd_sm90.CONFIGS[128]._replace(persistent=persistent)
+        base = fwd_sm90.CONFIGS[128] if consumers == 2 else fwd_sm90.ONE[128]
+        config = base._replace(persistent=persistent)
         out, lse = launch_sm90_forward(q, k, v, causal=True, config=config)
         assert not out.isnan().any() and not lse.isnan().any()
         check_forward(out, lse, q, k, v, causal=True)
