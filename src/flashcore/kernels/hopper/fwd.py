@@ -333,31 +333,7 @@ def _consumer_tile(
 
 @gluon.jit
 def _consumer(
-    o_desc,
-    q_smem,
-    k_smem,
-    v_smem,
-    q_ready,
-    q_empty,
-    k_ready,
-    v_ready,
-    kv_empty,
-    turn,
-    LSE,
-    ALIBI,
-    SINKS,
-    stride_lb,
-    stride_lh,
-    stride_ab,
-    num_heads,
-    seqlen_q,
-    seqlen_k,
-    lpt_heads,
-    divisors,
-    qk_scale,
-    window_left,
-    window_right,
-    softcap,
+    run,
     CONSUMER: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr,
     PINGPONG: gl.constexpr,
@@ -374,6 +350,13 @@ def _consumer(
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr,
 ):
+    """Consumer ``CONSUMER``'s partition: its tiles one after another (persistent), or its
+    program's one tile; ``run`` holds the kernel's runtime values (``attn_fwd_sm90_kernel``)."""
+    (
+        o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, LSE,
+        ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k, lpt_heads,
+        divisors, qk_scale, window_left, window_right, softcap,
+    ) = run  # fmt: skip
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
@@ -500,25 +483,28 @@ def attn_fwd_sm90_kernel(
         mbarrier.arrive(turn.index(0), count=1)
 
     divisors = (div_group_m, div_group_s, div_lpt_m, div_lpt_s, div_heads_m, div_heads_s)
-    # Argument tuples spelled out per partition: a tuple built by concatenation inside the kernel
-    # turns its constexprs into tensors (Triton 3.6).
+    # Each partition kind's runtime values in one tuple, built once; the constexprs are spelled
+    # out inline in each partition's argument tuple, because a tuple that holds constexprs in a
+    # variable inside the kernel turns them into tensors (Triton 3.6).
+    run = (
+        o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, LSE,
+        ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k, lpt_heads,
+        divisors, qk_scale, window_left, window_right, softcap,
+    )  # fmt: skip
+    loads = (
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+        kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left,
+        window_right,
+    )  # fmt: skip
     gl.static_assert((NUM_CONSUMERS >= 1) & (NUM_CONSUMERS <= 3), "one to three consumers")
     if NUM_CONSUMERS == 1:
         gl.warp_specialize(
             [
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 0,
-                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (producer, (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors,
-                    window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                    IS_CAUSAL, HAS_WINDOW, PERSISTENT,
-                )),
+                (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                             RAW_MAX, EVEN_N, PERSISTENT)),
+                (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                            HAS_WINDOW, PERSISTENT)),
             ],
             [1],
             [24],
@@ -526,26 +512,14 @@ def attn_fwd_sm90_kernel(
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize(
             [
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 0,
-                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 1,
-                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (producer, (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors,
-                    window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                    IS_CAUSAL, HAS_WINDOW, PERSISTENT,
-                )),
+                (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                             RAW_MAX, EVEN_N, PERSISTENT)),
+                (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                             RAW_MAX, EVEN_N, PERSISTENT)),
+                (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                            HAS_WINDOW, PERSISTENT)),
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
@@ -553,33 +527,17 @@ def attn_fwd_sm90_kernel(
     else:
         gl.warp_specialize(
             [
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 0,
-                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 1,
-                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (_consumer, (
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-                    turn, LSE, ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap, 2,
-                    NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
-                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
-                )),
-                (producer, (
-                    q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors,
-                    window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-                    IS_CAUSAL, HAS_WINDOW, PERSISTENT,
-                )),
+                (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                             RAW_MAX, EVEN_N, PERSISTENT)),
+                (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                             RAW_MAX, EVEN_N, PERSISTENT)),
+                (_consumer, (run, 2, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
+                             NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                             RAW_MAX, EVEN_N, PERSISTENT)),
+                (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                            HAS_WINDOW, PERSISTENT)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, 24],

@@ -106,25 +106,7 @@ def _producer_tile(
 
 @gluon.jit
 def producer(
-    q_desc,
-    k_desc,
-    v_desc,
-    q_smem,
-    k_smem,
-    v_smem,
-    q_ready,
-    q_empty,
-    k_ready,
-    v_ready,
-    kv_empty,
-    num_heads,
-    kv_group,
-    seqlen_q,
-    seqlen_k,
-    lpt_heads,
-    divisors,
-    window_left,
-    window_right,
+    run,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr,
@@ -133,6 +115,13 @@ def producer(
     HAS_WINDOW: gl.constexpr,
     PERSISTENT: gl.constexpr,
 ):
+    """The producer warp's partition; ``run`` holds the kernel's runtime values it needs
+    (``kernels/hopper/fwd.py: attn_fwd_sm90_kernel``)."""
+    (
+        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+        kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left,
+        window_right,
+    ) = run  # fmt: skip
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = gl.num_programs(0)
