@@ -9,8 +9,9 @@ per variant, with ``PYTHONPATH=src``). What the tests hold the compiled code to:
 - the register split: ``setmaxnreg`` 240 for the consumer warpgroups (192 and 200 at D=64, where
   a third warpgroup computes dQ with 96) and 24 for the producer, no C7508 ("setmaxnreg ignored") or
   C7515 ("wgmma serialized") warning;
-- the five products on the tensor cores: ``S^T`` and ``dP^T`` with both operands in shared memory,
-  ``dV`` and ``dK`` with their A operand (P^T, dS^T) in registers, ``dQ`` from shared memory;
+- the five products on the tensor cores: ``S^T`` and ``dP^T`` with both operands in shared memory
+  (at D=64 without score options their A operands, K and V, in registers: KV_REGS), ``dV`` and
+  ``dK`` with their A operand (P^T, dS^T) in registers, ``dQ`` from shared memory;
 - dQ leaves by the copy engine's reduce-add (``cp.reduce.async.bulk.tensor ... .add``), dK and dV
   by TMA stores, Q / dO / K / V arrive by TMA loads;
 - the orderings the schedule rests on: a dQ staging tile is rewritten only after the copy engine
@@ -46,6 +47,7 @@ VARIANTS = [
     ("d128-bf16-softcap-window", 128, "bf16", False, False, ("HAS_WINDOW", "SOFTCAP")),
     ("d128-fp16-causal-alibi", 128, "fp16", True, False, ("HAS_ALIBI",)),
     ("d64-bf16-all", 64, "bf16", False, False, ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")),
+    ("d64-fp16-causal-window-ragged", 64, "fp16", True, False, ("HAS_WINDOW",)),
 ]
 SCORE_FLAGS = ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")
 
@@ -77,7 +79,9 @@ def compile_variant(variant) -> dict:
     consts = dict(
         HEAD_DIM=head_dim, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
         IS_CAUSAL=causal, EVEN_N=even_n, DQ_WARPGROUP=cfg.dq_warpgroup, DQ_REGS=cfg.dq_regs,
-        ABLATE=0, **{flag: flag in options for flag in SCORE_FLAGS},
+        ABLATE=0,
+        KV_REGS=bwd_sm90.kv_in_registers(cfg, *(flag in options for flag in SCORE_FLAGS)),
+        **{flag: flag in options for flag in SCORE_FLAGS},
     )  # fmt: skip
     fn = bwd.attn_bwd_sm90_kernel
     for name in fn.arg_names:
@@ -105,6 +109,7 @@ def compile_variant(variant) -> dict:
         # The kernel's DQ_LAG rule: softcap or ALiBi at D=128 keep each step's dQ in its step.
         "dq_in_step": head_dim == 128 and ("SOFTCAP" in options or "HAS_ALIBI" in options),
         "dq_warpgroup": cfg.dq_warpgroup,
+        "kv_regs": consts["KV_REGS"],
         **schedule_facts(ptx),
     }
 
@@ -194,8 +199,12 @@ def test_shared_memory_within_limit(compiled):
 # 120-516 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance_backward.md.
 # The causal order across heads (``interleave``, a runtime group size) moved causal ALiBi from
 # 384 to 400 B; no other variant changed. At D=64 the consumers have 200 registers beside the dQ
-# warpgroup: all three score options at once spill 16 B there (none with any one of them).
+# warpgroup: all three score options at once spill 16 B there (none with any one of them). With
+# K and V in registers (KV_REGS) a consumer spills two scalars (16 B, stored and loaded once in
+# its epilogue, outside the loop).
 SPILL_ALLOWANCE = {
+    "d64-bf16-causal": 16,
+    "d64-fp16-ragged": 16,
     "d64-bf16-all": 16,
     "d128-fp16-causal-ragged": 36,
     "d128-bf16-ragged": 100,
@@ -223,11 +232,18 @@ def test_register_split(compiled):
 
 
 def test_products_on_tensor_cores(compiled):
-    # Per consumer: S^T, dP^T and dQ take A from shared memory, dV and dK from registers.
+    # Per consumer: S^T, dP^T and dQ take A from shared memory, dV and dK from registers; with
+    # KV_REGS (D=64) S^T and dP^T take theirs (K, V) from registers too. A product with a
+    # reduction of depth K is K / 16 HGMMA instructions in the SASS: at D=64 each of the two
+    # consumers' four products is 4, and the dQ warpgroup's two (over both consumers' 64 keys) 8.
     for row in compiled:
         assert row["wgmma_ptx"] > 0, f"{row['variant']}: no wgmma in PTX"
         assert row["hgmma_shared_a"] > 0, f"{row['variant']}: no shared-A HGMMA"
         assert row["hgmma_register_a"] > 0, f"{row['variant']}: dV/dK do not take A from registers"
+        if row["kv_regs"]:
+            assert (row["hgmma_register_a"], row["hgmma_shared_a"]) == (32, 8), row["variant"]
+        elif row["dq_warpgroup"]:
+            assert (row["hgmma_register_a"], row["hgmma_shared_a"]) == (16, 24), row["variant"]
 
 
 def test_dq_by_tma_reduce_add(compiled):

@@ -61,6 +61,9 @@ class Sm90BwdConfig(NamedTuple):
     """dQ on a warpgroup of its own (``dq_regs`` registers a thread) instead of in the consumers'
     steps (``kernels/hopper/bwd.py``, "DQ_WARPGROUP"); head dim 64 only."""
     dq_regs: int = 96
+    kv_regs: bool = False
+    """K and V of each consumer's keys held in registers as the A operands of ``S^T`` and
+    ``dP^T`` (``kernels/hopper/bwd.py``, "KV_REGS"), where ``kv_in_registers`` allows it."""
     ablate: int = 0
     """Measurement only (wrong dQ): 1 computes dQ but never reduces it into memory, 2 skips dQ
     (``scripts/hopper_bwd.py bench --ablate``)."""
@@ -69,12 +72,22 @@ class Sm90BwdConfig(NamedTuple):
 # Shared memory (the kernel's docstring, "Invariants"): 198 KB at D=128, 133 KB at D=64. At D=64
 # dQ runs on its own warpgroup (4-10% faster, H100; docs/performance_backward.md, "dQ on a
 # warpgroup of its own"): 128 x (192 + 200 + 96 + 24) registers after setmaxnreg (consumer 0,
-# the default partition, gets what the others leave). At D=128 the consumers need 240 each and
-# the split does not fit.
+# the default partition, gets what the others leave), and the consumers hold K and V in
+# registers (2-13% faster; "K and V as register operands at D = 64"). At D=128 the consumers
+# need 240 each and neither fits.
 CONFIGS = {
     128: Sm90BwdConfig(),
-    64: Sm90BwdConfig(consumer_regs=200, maxnreg=128, dq_warpgroup=True, dq_regs=96),
+    64: Sm90BwdConfig(consumer_regs=200, maxnreg=128, dq_warpgroup=True, dq_regs=96, kv_regs=True),
 }
+
+
+def kv_in_registers(cfg: Sm90BwdConfig, window: bool, softcap: bool, alibi: bool) -> bool:
+    """Whether the kernel takes K and V as register operands (``KV_REGS``): as the config says,
+    without score options. With softcap or ALiBi ptxas 12.8 (Triton 3.6's) spilled 268-1156 B at
+    D=64 or crashed; with a window it compiled (32 B of spills) but measured 1-4% slower (H100,
+    bf16, (256, 0) causal at 2048 and 8192; docs/performance_backward.md, "K and V as register
+    operands at D = 64")."""
+    return cfg.kv_regs and not (window or softcap or alibi)
 
 
 @functools.cache
@@ -351,6 +364,7 @@ def _plan(
         "DQ_WARPGROUP": cfg.dq_warpgroup,
         "DQ_REGS": cfg.dq_regs,
         "ABLATE": cfg.ablate,
+        "KV_REGS": kv_in_registers(cfg, sc.has_window, sc.has_softcap, sc.has_alibi),
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }

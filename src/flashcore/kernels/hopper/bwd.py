@@ -121,6 +121,17 @@ step t::
   a warpgroup of its own"); at D=128 the consumers need their 240 registers and the split does
   not fit (``setmaxnreg`` totals within the 64K of an SM).
 
+KV_REGS (the launcher's choice at D=64 without window, softcap or ALiBi, ``ops/bwd_sm90.py:
+kv_in_registers``): each consumer loads its K_c and V_c once, after ``kv_ready``, into the A-operand
+layout of ``S^T`` and ``dP^T`` (16 registers a thread each at D=64), so that those two products
+read only Q and dO from shared memory: 32 KB fewer a step of the 192 KB the step's products,
+copies, staging and dS^T tiles move through shared memory, the bound at D=64
+(docs/performance_backward.md, "K and V as register operands at D = 64"). The shared K and V
+tiles stay: the dQ warpgroup reads K from them, and the epilogue stores dK, dV through them. At
+D=128 the two tiles would take 64 registers a thread beside the consumers' 224 of accumulators.
+With softcap or ALiBi at D=64 ptxas 12.8 spilled 268-1156 B or crashed (SIGSEGV), and with a
+window the build measured 1-4% slower, so those variants keep K and V in shared memory.
+
 mbarrier phases (why nothing deadlocks). ``kv_ready`` completes once (the producer's first act,
 unconditional: a block whose keys no query sees still gets its K/V loaded, so both consumers'
 single wait with parity 0 returns). ``qd_ready[s]`` completes once per use of slot s, by the
@@ -171,8 +182,9 @@ fp32 dQ staging 2 x 16 KB, row stats 1 KB, barriers: 198048 B; at D=64 with the 
 
 Compiled (CPU, ptxas of Triton 3.6's wheel, sm_90a; ``tests/test_compile_hopper_bwd.py``):
 ``setmaxnreg`` 240 / 24 (D=64: 192, 200 / 96 / 24), no C75xx warning; spills 0 B without score
-options except 24-36 B (scalars) for D=128 fp16 causal with ragged Sk; with window, softcap or
-ALiBi at D=128 160-516 B (see the test's allowance); at D=64 16 B with all three at once. A
+options except 24-36 B (scalars) for D=128 fp16 causal with ragged Sk and 16 B (two scalars, once
+in a consumer's epilogue) at D=64 with KV_REGS; with window, softcap or ALiBi at D=128 160-516 B
+(see the test's allowance); at D=64 16 B with all three at once. A
 run-time branch around the dQ products (one consumer computing the whole dQ of a step, alternating)
 made ptxas crash (SIGSEGV), and so did a consumer step with no dQ phase and nothing after its
 ``ds_ready`` arrive: ptxas 12.8's optimizer (Triton 3.6's wheel), at -O1 and above; the consumers
@@ -406,6 +418,7 @@ def _consumer(
     EVEN_N: gl.constexpr,
     DQ_WARPGROUP: gl.constexpr,
     ABLATE: gl.constexpr,
+    KV_REGS: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
@@ -459,6 +472,13 @@ def _consumer(
     dv = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
 
     mbarrier.wait(kv_ready, 0)
+    if KV_REGS:
+        ka_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        k_a = k_c.load(ka_layout)
+        v_a = v_c.load(ka_layout)
+    else:
+        k_a = k_c
+        v_a = v_c
     n_steps = n_m * kv_group
     # The dQ of step t is computed in step t + 1 (and the last one after the loop): its wait for
     # the other consumer's dS^T then has a step of slack, so the consumers need not run in
@@ -472,8 +492,8 @@ def _consumer(
         mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
         q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
         do = do_smem.index(slot).reshape([ROWS, HEAD_DIM])
-        s_tok = warpgroup_mma(k_c, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(v_c, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(k_a, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v_a, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         # lse2 and delta are read from shared memory where they are used: in the score layout a
         # row vector takes 16 registers a thread, and loaded early they overlapped S^T, dP^T, dK
@@ -686,6 +706,7 @@ def attn_bwd_sm90_kernel(
     DQ_WARPGROUP: gl.constexpr = False,
     DQ_REGS: gl.constexpr = 96,
     ABLATE: gl.constexpr = 0,
+    KV_REGS: gl.constexpr = False,
 ):
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA box per slot.
@@ -731,6 +752,7 @@ def attn_bwd_sm90_kernel(
                     dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                     window_left, window_right, softcap, ALIBI, stride_ab, 0, HEAD_DIM, NUM_STAGES,
                     IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
+                    KV_REGS,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -738,6 +760,7 @@ def attn_bwd_sm90_kernel(
                     dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                     window_left, window_right, softcap, ALIBI, stride_ab, 1, HEAD_DIM, NUM_STAGES,
                     IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
+                    KV_REGS,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc,
@@ -763,6 +786,7 @@ def attn_bwd_sm90_kernel(
                     dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                     window_left, window_right, softcap, ALIBI, stride_ab, 0, HEAD_DIM, NUM_STAGES,
                     IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
+                    KV_REGS,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -770,6 +794,7 @@ def attn_bwd_sm90_kernel(
                     dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                     window_left, window_right, softcap, ALIBI, stride_ab, 1, HEAD_DIM, NUM_STAGES,
                     IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
+                    KV_REGS,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
