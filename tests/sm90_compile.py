@@ -16,12 +16,14 @@ import tempfile
 
 assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from flashcore.kernels import bwd, decode, fwd, probes  # noqa: E402
+from flashcore.ops.bwd import d_panels  # noqa: E402
 from flashcore.tuning import (  # noqa: E402
     bwd_config,
     decode_block_m,
@@ -296,11 +298,15 @@ def main() -> int:
     for variant, varlen, short, head_dim_v in bwd_variants:
         head_dim, dtype, causal = variant[:3]
         seqlen_q = SHORT_SEQLEN if short else 1 << 30
+        # The backward's column panels of Q/K (ops/bwd.py): 192 as 128 + 64 for 16-bit inputs.
+        torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+        block_d, block_d2 = d_panels(head_dim, torch_dtype[dtype])
         cfg = bwd_config(
             max(head_dim, head_dim_v or 0), ELEM_SIZE[dtype], interpreted=False, causal=causal,
-            seqlen_q=seqlen_q, head_dim_v=head_dim_v,
+            seqlen_q=seqlen_q, head_dim_v=head_dim_v, panels=block_d2 > 0,
         )  # fmt: skip
         flags, _ = fwd_consts(*variant, varlen=varlen, head_dim_v=head_dim_v)
+        flags["BLOCK_D"], flags["BLOCK_D2"] = block_d, block_d2
         dkdv_options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         dq_options = {"num_warps": cfg.dq_warps, "num_stages": cfg.dq_stages}
         blocks = {

@@ -116,11 +116,13 @@ def test_varlen_variants_compile(compiled):
 
 
 def test_mla_backward_variants_compile(compiled):
-    # MLA head dims (Q/K 192 in 256-wide tiles, V 128) take the backward tiles of their own
-    # (tuning.bwd_config, head_dim_v): both kernels compile within shared memory (checked above
-    # for every row) and run their products on wgmma. Measured at these sizes (Triton 3.6.0):
-    # dK/dV 255 registers with 196-760 B of spills (like every dK/dV variant), dQ 254-255 with
-    # 0-56 B (the causal ragged build), 192 KB of shared memory.
+    # MLA head dims (Q/K 192 in 128 + 64 column panels for 16-bit inputs, ops/bwd.py: d_panels;
+    # V 128) take the backward tiles of their own (tuning.bwd_config, head_dim_v, panels): both
+    # kernels compile within shared memory (checked above for every row) and run their products
+    # on wgmma. In one 256-wide tile (Triton 3.6.0) dK/dV took 255 registers with 164-760 B of
+    # spills and dQ 252-255 with 0-56 B and 192 KB of shared memory; in panels with the same
+    # tiles 255 with 24-424 B and 219-249 with none in 160 KB (two stages), which leaves room
+    # for the third stage the launcher takes.
     rows = [row for row in compiled if row.get("head_dim_v") == 128]
     assert {(row["kernel"], row["varlen"]) for row in rows} == {
         ("attn_bwd_dkdv_kernel", False),

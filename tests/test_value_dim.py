@@ -3,6 +3,8 @@ decoding against the reference; out (and dv) have v's head dim."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -26,6 +28,10 @@ DV_CASES = [
     (MaskCase(Case(2, 4, 2, 37, 53, 48)), 32),
     (MaskCase(Case(1, 2, 1, 45, 30, 16), causal=True), 80),
     (MaskCase(Case(1, 4, 2, 40, 70, 32), window=(9, 2), softcap=4.0, alibi="h"), 16),
+    # Q/K head dim 192: the backward tiles Q, K, dQ, dK in two panels, 128 + 64 (ops/bwd.py:
+    # d_panels), with V at MLA's 128 and at 192.
+    (MaskCase(Case(1, 2, 1, 37, 70, 192), causal=True), 128),
+    (MaskCase(Case(1, 2, 2, 45, 33, 192), window=(9, 2), softcap=4.0, alibi="h"), 192),
 ]
 
 DV_CASES_GPU = [
@@ -34,6 +40,16 @@ DV_CASES_GPU = [
     (MaskCase(Case(2, 8, 8, 600, 600, 64), window=(128, 0), softcap=20.0), 256),
     (MaskCase(Case(1, 4, 1, 300, 517, 256), causal=True, alibi="bh"), 96),
 ]
+
+
+def test_backward_d_panels():
+    """The backward's column panels: 192 in 128 + 64 for 16-bit inputs, one tile otherwise."""
+    from flashcore.ops.bwd import d_panels
+
+    assert d_panels(192, torch.float16) == d_panels(192, torch.bfloat16) == (128, 64)
+    assert d_panels(192, torch.float32) == (256, 0)
+    assert d_panels(128, torch.bfloat16) == (128, 0)
+    assert d_panels(80, torch.float16) == (128, 0)
 
 
 def make_qkv_dv(case: Case, head_dim_v: int, dtype, device, layout: str = "bhsd"):
@@ -178,6 +194,13 @@ def test_mla_backward_tiles():
 
     mla = tuning.bwd_config(192, 2, interpreted=False, head_dim_v=128)
     assert (mla.block_m1, mla.block_n1, mla.block_m2, mla.block_n2) == (32, 128, 128, 64)
+    assert (mla.num_stages, mla.dq_stages) == (2, 2)
+    # Q/K in 128 + 64 column panels (ops/bwd.py: d_panels): the same tiles with a third stage,
+    # for dQ always and for dK/dV without causal.
+    panels = tuning.bwd_config(192, 2, interpreted=False, head_dim_v=128, panels=True)
+    assert panels == dataclasses.replace(mla, num_stages=3, num_stages2=3)
+    causal = tuning.bwd_config(192, 2, interpreted=False, head_dim_v=128, panels=True, causal=True)
+    assert causal == dataclasses.replace(mla, num_stages2=3)
     wide = tuning.bwd_config(256, 2, interpreted=False)
     assert (wide.block_m1, wide.block_n1) == (32, 32)
     assert tuning.bwd_config(256, 2, interpreted=False, head_dim_v=256) == wide

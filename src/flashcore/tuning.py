@@ -168,9 +168,11 @@ def bwd_config(
     seqlen_q: int = 1 << 30,
     capability: tuple[int, int] = HOPPER,
     head_dim_v: int | None = None,
+    panels: bool = False,
 ) -> BwdConfig:
     """Backward config for a padded head dim (the wider of Q/K's and V's), element size in
-    bytes, mask and (longest) query length; ``head_dim_v``: V's head dim when it differs.
+    bytes, mask and (longest) query length; ``head_dim_v``: V's head dim when it differs;
+    ``panels``: Q and K tiled in two column panels (``ops/bwd.py: d_panels``).
 
     Half precision: each kernel's config picked on its own (the two are separate launches, so the
     fastest pair is the fastest of each) by ``scripts/bwd_kernel_sweep.py`` on the H100, fp16,
@@ -213,6 +215,14 @@ def bwd_config(
         # fp16, each kernel timed alone over 12 dK/dV and 11 dQ candidates): 2.90 ms against
         # 5.31 for the D=256 tiles below non-causal (308 against 168 TFLOP/s), 1.53 against 2.78
         # causal; the same pair was the fastest both ways.
+        if panels:
+            # Q/K in 128 + 64 column panels (192): the same tiles fit a third stage (dQ 205 KB of
+            # shared memory, 222 registers; dK/dV non-causal 144 KB, 245, no spills). H100, bf16,
+            # (2, 16, 4096) and (1, 16, 8192), rotated rounds in one process: 375-391 TFLOP/s
+            # non-causal against 330-336 with two stages each and 309-315 in one 256-wide tile;
+            # causal 310-342 against 293-325 in one tile, where a third dK/dV stage measured
+            # slower (282-309) (docs/performance_features.md, "MLA backward in column panels").
+            return BwdConfig(32, 128, 128, 64, 8, 2 if causal else 3, 8, 3)
         return BwdConfig(32, 128, 128, 64, 8, 2, 8, 2)
     # D=256: dK/dV 32x32, 4 warps: 4.98 vs 8.19 ms (16x64, 8 warps, the earlier untimed pick;
     # S=4096 non-causal); dQ 128x32, 8 warps: 1.98 vs 4.39 ms. Backward 1.8x faster.

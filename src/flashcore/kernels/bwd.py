@@ -40,6 +40,12 @@ Flags (``tl.constexpr``, compiled away when off):
   row masks.
 - HEAD_DIM < BLOCK_D: head dims that are not powers of two are padded with masked loads.
   HEAD_DIM_V / BLOCK_DV: the value head dim (V, O, dO, dV), which may differ from Q/K's.
+- BLOCK_D2 > 0: Q, K, dQ and dK in two column panels, ``[0, BLOCK_D)`` and ``[BLOCK_D, BLOCK_D +
+  BLOCK_D2)`` (HEAD_DIM > BLOCK_D), instead of one tile padded to the next power of two: at
+  HEAD_DIM = 192, 128 + 64 columns where one tile would be 256. The score products accumulate
+  both panels (``S = Q_1 K_1^T + Q_2 K_2^T``), and dQ and dK keep an accumulator per panel. The
+  launcher takes it for 16-bit inputs only (``ops/bwd.py: d_panels``): with fp32 inputs the
+  score product is one fp64 product rounded once (``dot_nt``).
 - HAS_DLSE (dQ kernel): subtract the LSE gradient from delta.
 - UPCAST: compute in fp32 from fp32 copies of the tiles (so P and dS are not rounded to bf16
   either). Needed only by Triton 3.6's interpreter, which does bf16 arithmetic on the raw bit
@@ -100,6 +106,9 @@ def _bwd_dkdv_q_loop(
     dv,
     k,
     v,
+    dk2,
+    k2,
+    offs_d2,
     q_base,
     do_base,
     lse_ptrs,
@@ -132,16 +141,21 @@ def _bwd_dkdv_q_loop(
     EVEN_M: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    EVEN_D2: tl.constexpr,
 ):
     """Visit query tiles ``[start_m, end_m)`` of one head, bases already at row ``start_m``.
 
     MASKED selects the causal-diagonal variant. ``q_base``/``do_base`` are scalar pointers; tile
     pointers are rebuilt from them each step (carrying (BLOCK_M, D) pointer tensors through the loop
     made the kernel spill, as it did the forward's). Returns the accumulators and the bases and
-    row-stat pointers advanced past the last tile, so consecutive ranges chain.
+    row-stat pointers advanced past the last tile, so consecutive ranges chain. With BLOCK_D2,
+    ``k2``, ``dk2`` and ``offs_d2`` are the second column panel's (module docstring).
     """
     tile_q = offs_tm[:, None] * stride_qm + offs_d[None, :]
     tile_do = offs_tm[:, None] * stride_dom + offs_dv[None, :]
+    if BLOCK_D2 > 0:
+        tile_q2 = offs_tm[:, None] * stride_qm + offs_d2[None, :]
     for tile_m in range(start_m, end_m, BLOCK_M):
         rows = tile_m + offs_tm
         q = load_tile(q_base + tile_q, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
@@ -152,7 +166,13 @@ def _bwd_dkdv_q_loop(
             do = do.to(tl.float32)
         # Transposed products (S^T = K Q^T): K, V and P^T, dS^T are the register operands, Q and
         # dO the freshly loaded ones, so no register tile needs a transpose.
-        st = dot_nt(k, q, DOT_PRECISION) * qk_scale
+        st = dot_nt(k, q, DOT_PRECISION)
+        if BLOCK_D2 > 0:
+            q2 = load_tile(q_base + tile_q2, rows, seqlen_q, offs_d2, HEAD_DIM, EVEN_M, EVEN_D2)
+            if UPCAST:
+                q2 = q2.to(tl.float32)
+            st = tl.dot(k2, tl.trans(q2), st, input_precision=DOT_PRECISION)
+        st = st * qk_scale
         st, tt = transform_scores(
             st, rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI
         )
@@ -169,11 +189,13 @@ def _bwd_dkdv_q_loop(
             # d(c * tanh(x / c)) / dx = 1 - tanh^2: dS with respect to the uncapped scores.
             dst = dst * (1.0 - tt * tt)
         dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        if BLOCK_D2 > 0:
+            dk2 = tl.dot(dst.to(q2.dtype), q2, dk2, input_precision=DOT_PRECISION)
         q_base += BLOCK_M * stride_qm
         do_base += BLOCK_M * stride_dom
         lse_ptrs += BLOCK_M
         delta_ptrs += BLOCK_M
-    return dk, dv, q_base, do_base, lse_ptrs, delta_ptrs
+    return dk, dv, dk2, q_base, do_base, lse_ptrs, delta_ptrs
 
 
 @triton.jit
@@ -223,6 +245,7 @@ def attn_bwd_dkdv_kernel(
     grad_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -242,7 +265,8 @@ def attn_bwd_dkdv_kernel(
     start_n = tile_n * BLOCK_N
     off_b = (off_bh // kv_heads).to(tl.int64)
     off_hk = (off_bh % kv_heads).to(tl.int64)
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D or BLOCK_D2 > 0
+    EVEN_D2: tl.constexpr = HEAD_DIM == BLOCK_D + BLOCK_D2
     EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
     if IS_VARLEN:
         # Packed sequences (see the forward): move the bases to this sequence's first rows.
@@ -287,6 +311,23 @@ def attn_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    # The second column panel of Q, K and dK (module docstring, BLOCK_D2); placeholders without.
+    offs_d2 = 0
+    k2 = 0.0
+    dk2 = 0.0
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        k2_ptrs = (
+            K
+            + off_b * stride_kb
+            + off_hk * stride_kh
+            + col0 * stride_kn
+            + (offs_tn[:, None] * stride_kn + offs_d2[None, :])
+        )
+        k2 = load_tile(k2_ptrs, offs_n, seqlen_k, offs_d2, HEAD_DIM, EVEN_N, EVEN_D2)
+        if UPCAST:
+            k2 = k2.to(tl.float32)
+        dk2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
 
     lo, mid, full_hi, hi = q_tile_range(
         start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
@@ -302,33 +343,34 @@ def attn_bwd_dkdv_kernel(
         lse_ptrs = LSE + stats_off + offs_tm
         delta_ptrs = DELTA + stats_off + offs_tm
         slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, False)
-        dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, offs_dv,
-            lo, mid,
+        dk, dv, dk2, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
+            dk, dv, k, v, dk2, k2, offs_d2, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm,
+            offs_n, offs_d, offs_dv, lo, mid,
             stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
             HAS_ALIBI, True,
-            EVEN_M, UPCAST, DOT_PRECISION,
+            EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
         )  # fmt: skip
-        dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
-            dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d, offs_dv,
-            mid, full_hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale, window_left,
-            window_right, softcap, slope,
+        dk, dv, dk2, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
+            dk, dv, k, v, dk2, k2, offs_d2, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm,
+            offs_n, offs_d, offs_dv, mid, full_hi, stride_qm, stride_dom, seqlen_q, seqlen_k,
+            qk_scale, window_left, window_right, softcap, slope,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
             HAS_ALIBI, False,
-            EVEN_M, UPCAST, DOT_PRECISION,
+            EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
         )  # fmt: skip
         if HAS_WINDOW:
             # Query rows past the window's left edge of the block's first key: masked again.
-            dk, dv, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
-                dk, dv, k, v, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm, offs_n, offs_d,
+            dk, dv, dk2, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
+                dk, dv, k, v, dk2, k2, offs_d2, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm,
+                offs_n, offs_d,
                 offs_dv, full_hi, hi, stride_qm, stride_dom, seqlen_q, seqlen_k, qk_scale,
                 window_left,
                 window_right, softcap, slope,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
                 HAS_ALIBI, True,
-                EVEN_M, UPCAST, DOT_PRECISION,
+                EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
             )  # fmt: skip
 
     dk *= grad_scale
@@ -349,6 +391,13 @@ def attn_bwd_dkdv_kernel(
     store_tile(
         dk_ptrs, dk.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d, HEAD_DIM, EVEN_N, EVEN_D
     )
+    if BLOCK_D2 > 0:
+        dk2 *= grad_scale
+        store_tile(
+            DK + off_b * stride_dkb + off_hk * stride_dkh + col0 * stride_dkn
+            + (offs_tn[:, None] * stride_dkn + offs_d2[None, :]),
+            dk2.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d2, HEAD_DIM, EVEN_N, EVEN_D2,
+        )  # fmt: skip
     store_tile(
         dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, EVEN_N, EVEN_DV
     )
@@ -358,6 +407,9 @@ def attn_bwd_dkdv_kernel(
 def _bwd_dq_kv_loop(
     dq,
     q,
+    dq2,
+    q2,
+    offs_d2,
     do,
     lse2,
     delta,
@@ -391,15 +443,20 @@ def _bwd_dq_kv_loop(
     EVEN_N: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    EVEN_D2: tl.constexpr,
 ):
     """Visit key tiles ``[start_n, end_n)`` with k/v pointers already at ``start_n``.
 
     MASKED selects the masked-tail variant (causal band, ragged end of Sk). ``k_base``/``v_base``
     are scalar pointers; tile pointers are rebuilt from them each step (no loop-carried pointer
-    tensors, see the forward's ``_fwd_kv_loop``).
+    tensors, see the forward's ``_fwd_kv_loop``). With BLOCK_D2, ``q2``, ``dq2`` and ``offs_d2``
+    are the second column panel's (module docstring).
     """
     tile_k = offs_n[:, None] * stride_kn + offs_d[None, :]
     tile_v = offs_n[:, None] * stride_vn + offs_dv[None, :]
+    if BLOCK_D2 > 0:
+        tile_k2 = offs_n[:, None] * stride_kn + offs_d2[None, :]
     for tile_n in range(start_n, end_n, BLOCK_N):
         cols = tile_n + offs_n
         # Full tiles lie inside Sk by construction; only the masked tail can run past it.
@@ -409,7 +466,13 @@ def _bwd_dq_kv_loop(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = dot_nt(q, k, DOT_PRECISION) * qk_scale
+        s = dot_nt(q, k, DOT_PRECISION)
+        if BLOCK_D2 > 0:
+            k2 = load_tile(k_base + tile_k2, cols, seqlen_k, offs_d2, HEAD_DIM, rows_even, EVEN_D2)
+            if UPCAST:
+                k2 = k2.to(tl.float32)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+        s = s * qk_scale
         s, t = transform_scores(
             s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI
         )
@@ -424,9 +487,11 @@ def _bwd_dq_kv_loop(
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        if BLOCK_D2 > 0:
+            dq2 = tl.dot(ds.to(k2.dtype), k2, dq2, input_precision=DOT_PRECISION)
         k_base += BLOCK_N * stride_kn
         v_base += BLOCK_N * stride_vn
-    return dq, k_base, v_base
+    return dq, dq2, k_base, v_base
 
 
 @triton.jit
@@ -480,6 +545,7 @@ def attn_bwd_dq_kernel(
     grad_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -500,7 +566,8 @@ def attn_bwd_dq_kernel(
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)
     off_hk = off_h // kv_group
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D or BLOCK_D2 > 0
+    EVEN_D2: tl.constexpr = HEAD_DIM == BLOCK_D + BLOCK_D2
     EVEN_DV: tl.constexpr = HEAD_DIM_V == BLOCK_DV
     if IS_VARLEN:
         # Packed sequences (see the forward): move the bases to this sequence's first rows.
@@ -565,6 +632,23 @@ def attn_bwd_dq_kernel(
         do = do.to(tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # The second column panel of Q, K and dQ (module docstring, BLOCK_D2); placeholders without.
+    offs_d2 = 0
+    q2 = 0.0
+    dq2 = 0.0
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        q2_ptrs = (
+            Q
+            + off_b * stride_qb
+            + off_h * stride_qh
+            + row0 * stride_qm
+            + (offs_tm[:, None] * stride_qm + offs_d2[None, :])
+        )
+        q2 = load_tile(q2_ptrs, offs_m, seqlen_q, offs_d2, HEAD_DIM, EVEN_M, EVEN_D2)
+        if UPCAST:
+            q2 = q2.to(tl.float32)
+        dq2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
     slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, False)
     lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
@@ -573,32 +657,32 @@ def attn_bwd_dq_kernel(
     if HAS_WINDOW:
         k_base += lo.to(tl.int64) * stride_kn
         v_base += lo.to(tl.int64) * stride_vn
-        dq, k_base, v_base = _bwd_dq_kv_loop(
-            dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
-            lo, full_lo,
+        dq, dq2, k_base, v_base = _bwd_dq_kv_loop(
+            dq, q, dq2, q2, offs_d2, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d,
+            offs_dv, lo, full_lo,
             stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
             HAS_ALIBI, True, EVEN_N,
-            UPCAST, DOT_PRECISION,
+            UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
         )  # fmt: skip
-    dq, k_base, v_base = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
+    dq, dq2, k_base, v_base = _bwd_dq_kv_loop(
+        dq, q, dq2, q2, offs_d2, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
         full_lo, full_hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
         softcap, slope,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
         False, EVEN_N,
-        UPCAST, DOT_PRECISION,
+        UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
     )  # fmt: skip
-    dq, k_base, v_base = _bwd_dq_kv_loop(
-        dq, q, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
+    dq, dq2, k_base, v_base = _bwd_dq_kv_loop(
+        dq, q, dq2, q2, offs_d2, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
         full_hi, hi,
         stride_kn, stride_vn, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
         softcap, slope,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
         True, EVEN_N,
-        UPCAST, DOT_PRECISION,
+        UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
     )  # fmt: skip
 
     dq *= grad_scale
@@ -612,3 +696,10 @@ def attn_bwd_dq_kernel(
     store_tile(
         dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D
     )
+    if BLOCK_D2 > 0:
+        dq2 *= grad_scale
+        store_tile(
+            DQ + off_b * stride_dqb + off_h * stride_dqh + row0 * stride_dqm
+            + (offs_tm[:, None] * stride_dqm + offs_d2[None, :]),
+            dq2.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d2, HEAD_DIM, EVEN_M, EVEN_D2,
+        )  # fmt: skip

@@ -10,7 +10,18 @@ import torch
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
 from flashcore.ops.launch import Launcher, cached
-from flashcore.tuning import BwdConfig, bwd_config, sm90_backward
+from flashcore.tuning import BwdConfig, bwd_config, head_block, sm90_backward
+
+
+def d_panels(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+    """``(BLOCK_D, BLOCK_D2)``: the column panels the backward kernels tile Q, K, dQ and dK with
+    (``kernels/bwd.py``, "BLOCK_D2"). Head dim 192 with 16-bit inputs (MLA's query/key head dim)
+    takes 128 + 64 columns instead of one 256-wide tile padded by a quarter; everything else one
+    tile (``BLOCK_D2 = 0``). fp32 inputs keep one tile: their score product is one fp64 product
+    rounded once, which two panels would round twice."""
+    if head_dim == 192 and dtype in (torch.float16, torch.bfloat16):
+        return 128, 64
+    return head_block(head_dim), 0
 
 
 @functools.cache
@@ -220,6 +231,7 @@ def _plan(
     batch, heads, kv_heads, seqlen_q, seqlen_k = dims
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     interpreted = runtime.is_interpreted()
+    block_d, block_d2 = d_panels(head_dim, q.dtype)
     # Tiles sized for the wider of the two head dims.
     cfg = config or bwd_config(
         max(head_dim, head_dim_v),
@@ -229,10 +241,12 @@ def _plan(
         seqlen_q=seqlen_q,
         capability=runtime.capability(q.device),
         head_dim_v=head_dim_v if head_dim_v != head_dim else None,
+        panels=block_d2 > 0,
     )
     # The backward recomputes the forward's scores in base 2 (kernels/bwd.py, "LSE base").
     sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k)
     flags = dict(**pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v), **sc.flags())
+    flags["BLOCK_D"], flags["BLOCK_D2"] = block_d, block_d2
 
     def even(seqlen: int, block: int) -> bool:
         # Packed sequences have lengths of their own: every edge may be ragged.
