@@ -289,13 +289,12 @@ def attn_bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     col0 = start_n.to(tl.int64)
-    k_ptrs = (
-        K
-        + off_b * stride_kb
-        + off_hk * stride_kh
-        + col0 * stride_kn
-        + (offs_tn[:, None] * stride_kn + offs_d[None, :])
-    )
+    # Row bases of the K and dK tiles (each column panel adds its own columns).
+    k_rows = K + off_b * stride_kb + off_hk * stride_kh + col0 * stride_kn
+    k_rows += offs_tn[:, None] * stride_kn
+    dk_rows = DK + off_b * stride_dkb + off_hk * stride_dkh + col0 * stride_dkn
+    dk_rows += offs_tn[:, None] * stride_dkn
+    k_ptrs = k_rows + offs_d[None, :]
     v_ptrs = (
         V
         + off_b * stride_vb
@@ -317,14 +316,9 @@ def attn_bwd_dkdv_kernel(
     dk2 = 0.0
     if BLOCK_D2 > 0:
         offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        k2_ptrs = (
-            K
-            + off_b * stride_kb
-            + off_hk * stride_kh
-            + col0 * stride_kn
-            + (offs_tn[:, None] * stride_kn + offs_d2[None, :])
+        k2 = load_tile(
+            k_rows + offs_d2[None, :], offs_n, seqlen_k, offs_d2, HEAD_DIM, EVEN_N, EVEN_D2
         )
-        k2 = load_tile(k2_ptrs, offs_n, seqlen_k, offs_d2, HEAD_DIM, EVEN_N, EVEN_D2)
         if UPCAST:
             k2 = k2.to(tl.float32)
         dk2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
@@ -374,13 +368,7 @@ def attn_bwd_dkdv_kernel(
             )  # fmt: skip
 
     dk *= grad_scale
-    dk_ptrs = (
-        DK
-        + off_b * stride_dkb
-        + off_hk * stride_dkh
-        + col0 * stride_dkn
-        + (offs_tn[:, None] * stride_dkn + offs_d[None, :])
-    )
+    dk_ptrs = dk_rows + offs_d[None, :]
     dv_ptrs = (
         DV
         + off_b * stride_dvb
@@ -394,9 +382,8 @@ def attn_bwd_dkdv_kernel(
     if BLOCK_D2 > 0:
         dk2 *= grad_scale
         store_tile(
-            DK + off_b * stride_dkb + off_hk * stride_dkh + col0 * stride_dkn
-            + (offs_tn[:, None] * stride_dkn + offs_d2[None, :]),
-            dk2.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d2, HEAD_DIM, EVEN_N, EVEN_D2,
+            dk_rows + offs_d2[None, :], dk2.to(DK.dtype.element_ty), offs_n, seqlen_k, offs_d2,
+            HEAD_DIM, EVEN_N, EVEN_D2,
         )  # fmt: skip
     store_tile(
         dv_ptrs, dv.to(DV.dtype.element_ty), offs_n, seqlen_k, offs_dv, HEAD_DIM_V, EVEN_N, EVEN_DV
@@ -591,13 +578,12 @@ def attn_bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     row0 = start_m.to(tl.int64)
-    q_ptrs = (
-        Q
-        + off_b * stride_qb
-        + off_h * stride_qh
-        + row0 * stride_qm
-        + (offs_tm[:, None] * stride_qm + offs_d[None, :])
-    )
+    # Row bases of the Q and dQ tiles (each column panel adds its own columns).
+    q_rows = Q + off_b * stride_qb + off_h * stride_qh + row0 * stride_qm
+    q_rows += offs_tm[:, None] * stride_qm
+    dq_rows = DQ + off_b * stride_dqb + off_h * stride_dqh + row0 * stride_dqm
+    dq_rows += offs_tm[:, None] * stride_dqm
+    q_ptrs = q_rows + offs_d[None, :]
     do_ptrs = (
         DO
         + off_b * stride_dob
@@ -638,14 +624,9 @@ def attn_bwd_dq_kernel(
     dq2 = 0.0
     if BLOCK_D2 > 0:
         offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        q2_ptrs = (
-            Q
-            + off_b * stride_qb
-            + off_h * stride_qh
-            + row0 * stride_qm
-            + (offs_tm[:, None] * stride_qm + offs_d2[None, :])
+        q2 = load_tile(
+            q_rows + offs_d2[None, :], offs_m, seqlen_q, offs_d2, HEAD_DIM, EVEN_M, EVEN_D2
         )
-        q2 = load_tile(q2_ptrs, offs_m, seqlen_q, offs_d2, HEAD_DIM, EVEN_M, EVEN_D2)
         if UPCAST:
             q2 = q2.to(tl.float32)
         dq2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
@@ -686,20 +667,13 @@ def attn_bwd_dq_kernel(
     )  # fmt: skip
 
     dq *= grad_scale
-    dq_ptrs = (
-        DQ
-        + off_b * stride_dqb
-        + off_h * stride_dqh
-        + row0 * stride_dqm
-        + (offs_tm[:, None] * stride_dqm + offs_d[None, :])
-    )
+    dq_ptrs = dq_rows + offs_d[None, :]
     store_tile(
         dq_ptrs, dq.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D
     )
     if BLOCK_D2 > 0:
         dq2 *= grad_scale
         store_tile(
-            DQ + off_b * stride_dqb + off_h * stride_dqh + row0 * stride_dqm
-            + (offs_tm[:, None] * stride_dqm + offs_d2[None, :]),
-            dq2.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d2, HEAD_DIM, EVEN_M, EVEN_D2,
+            dq_rows + offs_d2[None, :], dq2.to(DQ.dtype.element_ty), offs_m, seqlen_q, offs_d2,
+            HEAD_DIM, EVEN_M, EVEN_D2,
         )  # fmt: skip
