@@ -137,6 +137,35 @@ def test_launch_cache_reuses_and_respecialises():
 
 
 @pytest.mark.gpu
+def test_launch_hit_with_a_host_tensor_raises():
+    """A hit passes tensors to Triton's native launcher as bare addresses (``ops.launch``,
+    "Addresses"); a host tensor in place of a device one must still raise, not launch a kernel
+    on a host address: it misses (the key holds each tensor's device kind), and Triton's own
+    launch raises."""
+    import triton
+    import triton.language as tl
+
+    from flashcore.ops import launch
+
+    @triton.jit
+    def copy(X, Y, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(Y + i, tl.load(X + i, mask=i < n), mask=i < n)
+
+    launcher = launch.Launcher(copy, num_pointers=2)
+    x = torch.arange(16, device="cuda", dtype=torch.float32)
+    y = torch.zeros_like(x)
+    for _ in range(2):  # a miss, then a hit
+        launcher((1,), (x, y, 16), {"BLOCK": 16})
+    assert torch.equal(y, x) and len(launcher.compiled) == 1
+    with pytest.raises(ValueError, match="cpu tensor"):
+        launcher((1,), (x.cpu(), y, 16), {"BLOCK": 16})
+    y.zero_()
+    launcher((1,), (x, y, 16), {"BLOCK": 16})
+    assert torch.equal(y, x)  # the context is intact
+
+
+@pytest.mark.gpu
 def test_launch_cache_backward_and_decode():
     q, k, v = _qkv("cuda", torch.bfloat16, b=2, h=4, s=150, d=64, grad=True)
     dout = torch.randn_like(q)
@@ -215,7 +244,8 @@ def test_launch_hit_calls_the_native_launcher(monkeypatch):
     kernel[(5, 1, 1)](x, 7, 16)  # Triton's own path, for comparison
     direct, own = native
     assert direct[:6] == own[:6] == (5, 1, 1, "stream of 3", "function", "packed")
-    assert direct[9:] == own[9:] == (x, 7, 16)
+    # Tensors reach the native launcher as their addresses, which it takes as they are.
+    assert direct[9:] == (x.data_ptr(), 7, 16) and own[9:] == (x, 7, 16)
     assert direct[6:9] == (None, None, None)
     assert own[7] is knobs.runtime.launch_enter_hook and not own[7].calls
 
@@ -285,9 +315,11 @@ def test_launch_hit_keeps_the_tensor_maps(monkeypatch):
     assert first[:10] == own[:10] == (5, 1, 1, "stream of 0", "function", False, False, None, None,
                                       "packed")  # fmt: skip
     assert first[10:13] == (None, None, None)
-    assert first[13:] == own[13:]
-    assert first[13:] == (("map", a.data_ptr(), 128), 4, 64, 64, 1, x,
-                          ("map", c.data_ptr(), 64), 8, 64, 64, 1, 7, 16)  # fmt: skip
+    expanded = (("map", a.data_ptr(), 128), 4, 64, 64, 1, x, ("map", c.data_ptr(), 64), 8, 64,
+                64, 1, 7, 16)  # fmt: skip
+    assert own[13:] == expanded
+    # The plain pointer argument as its address (test_launch_hit_calls_the_native_launcher).
+    assert first[13:] == (*expanded[:5], x.data_ptr(), *expanded[6:])
     launcher((5,), args(c2), {"BLOCK": 16})  # another base: that descriptor encoded again
     assert encoded[4:] == [(c2.data_ptr(), (8, 64), 64)]
     assert native[-1][19] == ("map", c2.data_ptr(), 64)

@@ -35,6 +35,14 @@ every launch (2-core CPU machine, 10 pointers and 30 scalars, a Python no-op sta
 native launcher, best of 9 x 20000); all of ``CompiledKernel[grid](...)`` measured 28 us a launch
 on the H100 machine's host (docs/performance_host.md, "Host overhead").
 
+Addresses: a hit passes each tensor argument as its address (``data_ptr()``, an int), which
+Triton 3.6's native launcher takes as it is; given the tensor, it calls ``data_ptr()`` itself
+and asks the driver whether the address is device memory (``cuPointerGetAttribute``), once per
+pointer argument per launch. That query turns a host tensor's launch into a Python error rather
+than a kernel reading host addresses, and the key keeps that: it holds whether each tensor is on
+a GPU, so a host tensor never hits an entry of device ones, and a miss launches the tensors
+through Triton, which raises its error (the API's checks name the argument before that).
+
 A kernel with tensor-descriptor arguments goes one level further down on a hit (``TensorMaps``):
 Triton's launcher would encode every descriptor into a ``CUtensorMap`` on every launch; the
 encoded maps are kept per base address, shape and strides and passed to the native launcher
@@ -78,17 +86,20 @@ class Launcher:
             return
         num_pointers = self.num_pointers
         device = torch.cuda.current_device()
+        # Each tensor's address, read once: for the key and, on a direct hit, as the argument
+        # itself (module docstring, "Addresses").
+        pointers = [p.data_ptr() if isinstance(p, torch.Tensor) else p for p in args[:num_pointers]]
         # Per pointer what Triton specialises it on (module docstring): None, a tensor's dtype and
-        # 16-byte alignment, or a descriptor's base dtype (its block shape follows from the
-        # constexprs). Inline: a function call per pointer cost ~1 us a launch of 10 pointers on
-        # the 2-core CPU machine.
+        # 16-byte alignment (and whether it is on a GPU: "Addresses"), or a descriptor's base
+        # dtype (its block shape follows from the constexprs). Inline: a function call per
+        # pointer cost ~1 us a launch of 10 pointers on the 2-core CPU machine.
         key = (
             args[num_pointers:],
             tuple([
-                None if p is None
-                else (p.dtype, p.data_ptr() % 16 == 0) if isinstance(p, torch.Tensor)
+                None if a is None
+                else (p.dtype, a % 16 == 0, p.is_cuda) if type(a) is int
                 else p.base.dtype
-                for p in args[:num_pointers]
+                for p, a in zip(args[:num_pointers], pointers, strict=True)
             ]),
             tuple(meta.values()),
             device,
@@ -103,13 +114,13 @@ class Launcher:
             stream = _driver.active.get_current_stream(device)
             if type(direct) is TensorMaps:
                 # Below Triton's descriptor unpacking (``TensorMaps``).
-                direct.launch(grid, stream, kernel, args, num_pointers, constexprs)
+                direct.launch(grid, stream, kernel, pointers, args[num_pointers:], constexprs)
                 return
             # CompiledKernel[grid](*args, *constexprs) without its per-launch Python (module
             # docstring); the property ``run`` loads the module first if it was not.
             kernel.run(
-                *grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
-                *constexprs,
+                *grid, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                *pointers, *args[num_pointers:], *constexprs,
             )  # fmt: skip
         else:
             kernel[grid](*args, *constexprs)
@@ -234,14 +245,14 @@ class TensorMaps:
         grid: tuple,
         stream: int,
         kernel: Any,
-        args: tuple,
-        num_pointers: int,
+        pointers: list,
+        scalars: tuple,
         constexprs: tuple,
     ) -> None:
+        """``pointers``: the pointer arguments, tensors already as their addresses."""
         maps = self.maps
         front = []
-        for i in range(num_pointers):
-            a = args[i]
+        for i, a in enumerate(pointers):
             meta = self.metas[i]
             if meta is None:
                 front.append(a)
@@ -260,7 +271,7 @@ class TensorMaps:
             front += expanded
         self.native(
             *grid, stream, kernel.function, self.coop, self.pdl, None, None,
-            kernel.packed_metadata, None, None, None, *front, *args[num_pointers:], *constexprs,
+            kernel.packed_metadata, None, None, None, *front, *scalars, *constexprs,
         )  # fmt: skip
 
 
