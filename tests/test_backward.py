@@ -11,6 +11,7 @@ from flashcore.tuning import sm90_backward
 from helpers import (
     PortableLaunched,
     check_backward,
+    check_forward,
     make_qkv,
     mask_options,
     record_backward_tiers,
@@ -433,3 +434,45 @@ def test_backward_dispatch_honours_torch_deterministic(monkeypatch):
     q = torch.zeros(1, 1, 4096, 128, dtype=torch.bfloat16)
     with pytest.raises(PortableLaunched):
         bwd.launch(q, q, q, q, q, torch.zeros(1, 1, 4096), None, False, 0.125)
+
+
+# Head dims between 64 and 128 on the Hopper tiers (ops/fwd_sm90.py: PADDED_HEAD_DIMS): the D = 128
+# kernels over 128-column boxes, which the copy engine pads with zeros on loads and clips on
+# stores. Ragged lengths both ways, GQA and MQA, causal with Sq > Sk, (B, S, H, D) views, a window
+# with softcap, ALiBi, and a gradient through the LSE.
+PADDED_CASES = [
+    (MaskCase(Case(2, 4, 2, 300, 517, 96), causal=True), "bshd", False),
+    (MaskCase(Case(1, 4, 1, 777, 1025, 80)), "bhsd", True),
+    (MaskCase(Case(2, 4, 4, 700, 300, 112), causal=True), "bhsd", False),
+    (MaskCase(Case(1, 4, 4, 513, 513, 96), window=(100, 20), softcap=30.0), "bhsd", False),
+    (MaskCase(Case(1, 4, 2, 390, 600, 72), alibi="h"), "bshd", False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("mc", "layout", "with_dlse"),
+    PADDED_CASES,
+    ids=[f"{m.id}-{lay}{'-dlse' * g}" for m, lay, g in PADDED_CASES],
+)
+def test_sm90_padded_head_dims(monkeypatch, mc, layout, with_dlse, dtype):
+    """Forward and backward at head dims 72-112 through the Hopper tiers (``use_tier("sm90")``;
+    ``PADDED_VERIFIED`` set on for the test, as it was verified with it), both launchers
+    recorded: out, LSE, dq, dk and dv against the float64 reference."""
+    from flashcore.ops import fwd_sm90
+
+    sm90_or_skip()
+    monkeypatch.setattr(fwd_sm90, "PADDED_VERIFIED", True)
+    forwards = []
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a: forwards.append(1) or real(*a))
+    backwards = record_backward_tiers(monkeypatch)
+    q, k, v = make_qkv(mc.case, dtype, "cuda", layout=layout)
+    kw = mask_options(mc, "cuda")
+    dlse = torch.randn(q.shape[:3], device="cuda") if with_dlse else None
+    with flashcore.use_tier("sm90"):
+        out, lse = flashcore.attention(q, k, v, return_lse=True, **kw)
+        check_forward(out, lse, q, k, v, **kw)
+        check_backward(q, k, v, dlse=dlse, **kw)
+    assert forwards == [1, 1] and backwards == ["sm90"]

@@ -199,9 +199,10 @@ def _takes_sm90(
 ) -> bool:
     """Whether ``launch`` runs the Hopper backward on a device where it may (``use_tier("sm90")``
     or ``tuning.sm90_backward``'s choice, and ``bwd_sm90.supports``)."""
-    from flashcore.ops import bwd_sm90
+    from flashcore.ops import bwd_sm90, fwd_sm90
 
-    wanted = runtime.tier_forced() or sm90_backward(seqlen_q, seqlen_k, q.shape[-1], causal)
+    head_dim = fwd_sm90.kernel_head_dim(q.shape[-1])  # 128 for fwd_sm90.PADDED_HEAD_DIMS
+    wanted = runtime.tier_forced() or sm90_backward(seqlen_q, seqlen_k, head_dim, causal)
     return wanted and bwd_sm90.supports(q, k, v, dq, dk, dv, window=window, alibi=alibi_slopes)
 
 

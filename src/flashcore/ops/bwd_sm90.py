@@ -18,11 +18,20 @@ from typing import NamedTuple
 
 import torch
 
+from flashcore.ops import fwd_sm90, runtime
 from flashcore.ops import problem as pb
-from flashcore.ops import runtime
 
 # The forward tier's checks and descriptors, so that both tiers accept the same problems.
-from flashcore.ops.fwd_sm90 import box_layout, dense_problem, lpt_group, num_sms, tma_ok
+from flashcore.ops.fwd_sm90 import (
+    DENSE_HEAD_DIMS,
+    PADDED_HEAD_DIMS,
+    box_layout,
+    dense_problem,
+    kernel_head_dim,
+    lpt_group,
+    num_sms,
+    tma_ok,
+)
 from flashcore.ops.launch import Descriptor, Launcher, cached
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
@@ -116,7 +125,8 @@ def supports(
 ) -> bool:
     """Whether this kernel computes the problem's gradients into ``dq``, ``dk``, ``dv`` (when
     given: shaped like q, k, v; dk and dv with strides the copy engine accepts): an sm_90 device,
-    fp16/bf16, head dim 64 or 128 (V's equal to Q/K's), dense ``(B, H, Sq, D)`` /
+    fp16/bf16, head dim 64 or 128, or one of ``fwd_sm90.PADDED_HEAD_DIMS`` (72-120, run by the
+    D = 128 kernel) once verified (V's equal to Q/K's), dense ``(B, H, Sq, D)`` /
     ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, strides the copy
     engine accepts, with any of causal, window, softcap, ALiBi and sinks. Not packed batches (the
     caller's check)."""
@@ -126,7 +136,8 @@ def supports(
     del sinks, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
-    if not dense_problem(q, k, v):
+    head_dims = DENSE_HEAD_DIMS + (PADDED_HEAD_DIMS if fwd_sm90.PADDED_VERIFIED else ())
+    if not dense_problem(q, k, v, head_dims):
         return False
     if dq is not None and dq.shape != q.shape:
         return False
@@ -315,14 +326,17 @@ def _plan(
     out = out.contiguous() if copy_out else out
     dout = dout.contiguous() if copy_dout else dout
     lse = lse.contiguous()
-    batch, heads, seqlen_q, head_dim = q.shape
+    batch, heads, seqlen_q, real_head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    # The tiles' width: 128 for fwd_sm90.PADDED_HEAD_DIMS (boxes wider than the tensors, whose
+    # columns past the head dim the copy engine reads as zeros and drops on stores).
+    head_dim = kernel_head_dim(real_head_dim)
     cfg = config or CONFIGS[head_dim]
     if cfg.dq_warpgroup and head_dim != 64:
         raise ValueError(f"config: dq_warpgroup takes head dim 64, not {head_dim}")
     groups = heads // kv_heads
     programs = math.ceil(seqlen_k / BLOCK_N) * batch * kv_heads
-    extra = 2 * batch * heads * seqlen_k * head_dim * k.element_size()
+    extra = 2 * batch * heads * seqlen_k * real_head_dim * k.element_size()
     split = split_group(groups, programs, num_sms(q.device.index), causal, window, extra)
     # With the split, a program per query head (groups of one), each reading the K and V of kv
     # head h // groups; dK and dV land per query head.
@@ -336,7 +350,8 @@ def _plan(
         dout.stride(2), *dlse_strides, lse.stride(0), lse.stride(1), heads, seqlen_q, seqlen_pad,
     )  # fmt: skip
     prep_meta = {
-        "HEAD_DIM": head_dim,
+        "HEAD_DIM": real_head_dim,
+        "BLOCK_D": head_dim,
         "BLOCK_M": ROWS,
         "HAS_DLSE": dlse is not None,
         "num_warps": 4,
@@ -345,7 +360,7 @@ def _plan(
     if sc.is_causal and not sc.has_window:
         # Heaviest key blocks first across heads: the flat grid is handed out in order as SMs
         # free up (the forward's ``causal_order``); a group's heads read their Q and dO at once.
-        q_bytes = seqlen_q * 2 * head_dim * q.element_size()
+        q_bytes = seqlen_q * 2 * real_head_dim * q.element_size()
         lpt_heads = lpt_group(batch * grad_heads, q_bytes)
     main_scalars = (
         grad_heads, heads // grad_heads, groups if split else 1, seqlen_q, seqlen_k, lpt_heads,
@@ -377,7 +392,7 @@ def _plan(
         dq_layout(head_dim),
     )
     return Plan(
-        split, (batch, grad_heads, seqlen_k, head_dim), batch * heads * seqlen_pad,
+        split, (batch, grad_heads, seqlen_k, real_head_dim), batch * heads * seqlen_pad,
         (batch, heads, seqlen_pad), copy_out, copy_dout, (box, dq_box), layouts,
         (seqlen_pad // ROWS * batch * heads,), prep_scalars, prep_meta,
         (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,

@@ -154,11 +154,13 @@ def _sm90_plan(
     it for this problem and the tier covers it, else False (``capturing``: into a CUDA graph)."""
     from flashcore.ops import fwd_sm90
 
-    flops = 4.0 * dims.batch * dims.heads * dims.seqlen_q * dims.seqlen_k * q.shape[-1]
+    # The kernels' head dim: 128 for those between 64 and 128 (fwd_sm90.PADDED_HEAD_DIMS).
+    head_dim = fwd_sm90.kernel_head_dim(q.shape[-1])
+    flops = 4.0 * dims.batch * dims.heads * dims.seqlen_q * dims.seqlen_k * head_dim
     wanted = runtime.tier_forced() or tuning.sm90_forward(
         dims.seqlen_q,
         dims.seqlen_k,
-        q.shape[-1],
+        head_dim,
         flops / 2 if causal else flops,
         options=window != (-1, -1) or softcap > 0 or alibi_slopes is not None,
         causal=causal,

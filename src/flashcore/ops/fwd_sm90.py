@@ -34,14 +34,34 @@ WIDE_HEAD_DIMS = (256, 256)
 WIDE_VERIFIED = True
 
 
+# Head dims between 64 and 128 (rows of 16-byte multiples: 72, 80, ..., 120; V's equal) run the
+# D = 128 kernels of both Hopper tiers: every tile's box is 128 columns wide over the narrower
+# tensors, so the copy engine fills the columns past D with zeros on loads (they add nothing to
+# Q K^T, and P V's extra output columns are zero) and drops them on stores and reduce-adds
+# (``kernel_head_dim``). The portable kernels pad these head dims to 128 as well (``BLOCK_D``).
+# On the H100 tests/test_backward.py::test_sm90_padded_head_dims passed (10 cases, fp16 and bf16:
+# head dims 72-112, forward and backward through both Hopper tiers) and the tiers ran 1.09-1.36x
+# (forward) and 1.24-1.54x (backward) the portable ones at 80, 96 and 112
+# (docs/hopper_fwd_configs.md, "Head dims between 64 and 128").
+PADDED_HEAD_DIMS = tuple((d, d) for d in range(72, 128, 8))
+PADDED_VERIFIED = True
+
+
 def forward_head_dims() -> tuple[tuple[int, int], ...]:
-    """The (Q/K, V) head dim pairs this forward takes: the dense ones, and each wider pair once
-    it has been verified on a GPU (read per call: benchmarks may set the flags)."""
+    """The (Q/K, V) head dim pairs this forward takes: the dense ones, and each wider or padded
+    pair once it has been verified on a GPU (read per call: benchmarks may set the flags)."""
     return (
         DENSE_HEAD_DIMS
         + ((MLA_HEAD_DIMS,) if MLA_VERIFIED else ())
         + ((WIDE_HEAD_DIMS,) if WIDE_VERIFIED else ())
+        + (PADDED_HEAD_DIMS if PADDED_VERIFIED else ())
     )
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim the Hopper kernels are built for when the tensors' is ``head_dim``: 128 for
+    ``PADDED_HEAD_DIMS``, ``head_dim`` itself otherwise."""
+    return 128 if 64 < head_dim < 128 else head_dim
 
 
 def qk_panel(head_dim: int) -> int:
@@ -382,7 +402,8 @@ def supports(
 ) -> bool:
     """Whether this tier runs the problem: an sm_90 device, fp16/bf16, head dim 64 or 128, dense
     (non-varlen) ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty
-    sequences, and strides the copy engine accepts; or the wider pairs of ``forward_head_dims``.
+    sequences, and strides the copy engine accepts; or the wider and padded pairs of
+    ``forward_head_dims``.
     Causal, the sliding window, softcap and ALiBi are all covered (flags of the one kernel), so
     ``causal``/``window``/``softcap``/``alibi`` never reject; they are taken so that the dispatch
     can call every tier alike."""
@@ -484,6 +505,9 @@ def plan(
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    # The tiles' width (``PADDED_HEAD_DIMS``: boxes wider than the tensors).
+    head_dim = kernel_head_dim(head_dim)
+    head_dim_v = kernel_head_dim(v.shape[-1])
     cfg = config or pick_config(
         head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi,
         grid=(batch * heads, num_sms(q.device.index)),
@@ -491,7 +515,6 @@ def plan(
     rows = 64
     block_m = rows * cfg.num_consumers
     panel = qk_panel(head_dim)
-    head_dim_v = v.shape[-1]
     boxes = (
         [1, 1, rows, panel], [1, 1, cfg.block_n, panel], [1, 1, cfg.block_n, head_dim_v],
         [1, 1, rows, head_dim_v],
@@ -505,7 +528,7 @@ def plan(
     grid, lpt_heads = (min(slots, n_work) if persistent else n_work), 1
     if causal:
         costs = tile_costs(seqlen_q, seqlen_k, block_m, cfg.block_n, window_left, has_window)
-        kv_bytes = seqlen_k * (head_dim + head_dim_v) * k.element_size()
+        kv_bytes = seqlen_k * (k.shape[-1] + v.shape[-1]) * k.element_size()
         grid, lpt_heads = causal_order(costs, batch * heads, slots, persistent, kv_bytes)
     n_tiles = -(-seqlen_q // block_m)
     scalars = (

@@ -239,6 +239,7 @@ def bwd_prep_kernel(
     seqlen_q,
     seqlen_pad,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr,
 ):
@@ -247,7 +248,8 @@ def bwd_prep_kernel(
     with no key and past Sq), written to ``(B, H, seqlen_pad)`` fp32 buffers (delta 0 past Sq);
     and the same rows of the fp32 dQ accumulator ``DQ_ACC`` (contiguous ``(B, H, Sq, D)``)
     zeroed, for the main kernel's reduce-adds (launched after it on the same stream; one kernel
-    fewer than a separate fill). Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``."""
+    fewer than a separate fill). Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``. ``BLOCK_D``: the
+    main kernel's head dim, a power of two of at least ``HEAD_DIM`` (the tensors')."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(seqlen_pad, BLOCK_M)
     off_bh = pid // n_tiles
@@ -255,21 +257,25 @@ def bwd_prep_kernel(
     off_b = (off_bh // num_heads).to(tl.int64)
     off_h = (off_bh % num_heads).to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]  # Sq x row stride may pass 2**31
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + rows * stride_om + offs_d
     do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + rows * stride_dom + offs_d
-    do = tl.load(do_ptrs, mask=offs_m[:, None] < seqlen_q, other=0.0)
+    in_tile = offs_m[:, None] < seqlen_q
+    if HEAD_DIM < BLOCK_D:
+        in_tile = in_tile & (offs_d[None, :] < HEAD_DIM)
+    do = tl.load(do_ptrs, mask=in_tile, other=0.0)
     dlse_ptrs = DLSE + off_b * stride_dlb + off_h * stride_dlh + offs_m
     delta = tile_delta(
-        o_ptrs, do, dlse_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, False, True, HAS_DLSE
-    )
+        o_ptrs, do, dlse_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, False, HEAD_DIM == BLOCK_D,
+        HAS_DLSE,
+    )  # fmt: skip
     lse2 = load_lse2(LSE + off_b * stride_lb + off_h * stride_lh + offs_m, offs_m, seqlen_q, False)
     out = off_bh.to(tl.int64) * seqlen_pad + offs_m
     tl.store(DELTA + out, tl.where(offs_m < seqlen_q, delta, 0.0))
     tl.store(LSE2 + out, lse2)
     acc = DQ_ACC + (off_bh.to(tl.int64) * seqlen_q + rows) * HEAD_DIM + offs_d
-    tl.store(acc, tl.zeros([BLOCK_M, HEAD_DIM], tl.float32), mask=offs_m[:, None] < seqlen_q)
+    tl.store(acc, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=in_tile)
 
 
 @gluon.jit
