@@ -446,6 +446,10 @@ PADDED_CASES = [
     (MaskCase(Case(2, 4, 4, 700, 300, 112), causal=True), "bhsd", False),
     (MaskCase(Case(1, 4, 4, 513, 513, 96), window=(100, 20), softcap=30.0), "bhsd", False),
     (MaskCase(Case(1, 4, 2, 390, 600, 72), alibi="h"), "bshd", False),
+    # Below 64, on the D = 64 kernels (fwd_sm90.NARROW_HEAD_DIMS).
+    (MaskCase(Case(2, 4, 2, 300, 517, 56), causal=True), "bshd", False),
+    (MaskCase(Case(1, 4, 1, 777, 1025, 48)), "bhsd", True),
+    (MaskCase(Case(1, 4, 4, 513, 513, 48), window=(100, 20), softcap=30.0), "bhsd", False),
 ]
 
 
@@ -457,13 +461,14 @@ PADDED_CASES = [
     ids=[f"{m.id}-{lay}{'-dlse' * g}" for m, lay, g in PADDED_CASES],
 )
 def test_sm90_padded_head_dims(monkeypatch, mc, layout, with_dlse, dtype):
-    """Forward and backward at head dims 72-112 through the Hopper tiers (``use_tier("sm90")``;
-    ``PADDED_VERIFIED`` set on for the test, as it was verified with it), both launchers
+    """Forward and backward at head dims 48-112 through the Hopper tiers (``use_tier("sm90")``;
+    ``PADDED_VERIFIED`` and ``NARROW_VERIFIED`` set on for the test), both launchers
     recorded: out, LSE, dq, dk and dv against the float64 reference."""
     from flashcore.ops import fwd_sm90
 
     sm90_or_skip()
     monkeypatch.setattr(fwd_sm90, "PADDED_VERIFIED", True)
+    monkeypatch.setattr(fwd_sm90, "NARROW_VERIFIED", True)
     forwards = []
     real = fwd_sm90.launch
     monkeypatch.setattr(fwd_sm90, "launch", lambda *a: forwards.append(1) or real(*a))

@@ -136,7 +136,11 @@ def supports(
     del sinks, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
-    head_dims = DENSE_HEAD_DIMS + (PADDED_HEAD_DIMS if fwd_sm90.PADDED_VERIFIED else ())
+    head_dims = (
+        DENSE_HEAD_DIMS
+        + (PADDED_HEAD_DIMS if fwd_sm90.PADDED_VERIFIED else ())
+        + (fwd_sm90.NARROW_HEAD_DIMS if fwd_sm90.NARROW_VERIFIED else ())
+    )
     if not dense_problem(q, k, v, head_dims):
         return False
     if dq is not None and dq.shape != q.shape:
