@@ -314,7 +314,7 @@ def main() -> int:
             "attn_bwd_dq_kernel": (cfg.block_m2, cfg.block_n2, dq_options),
         }
         for name, (bm, bn, options) in blocks.items():
-            consts = {**flags, "HAS_DLSE": True, "BLOCK_M": bm, "BLOCK_N": bn}
+            consts = {**flags, "HAS_DLSE": True, "BLOCK_M": bm, "BLOCK_N": bn, "ALIGN": 1}
             compiled = compile_kernel(getattr(bwd, name), consts, dtype, options)
             row = report(name, variant, compiled, varlen=varlen, short=short)
             if head_dim_v is not None:

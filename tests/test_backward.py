@@ -481,3 +481,22 @@ def test_sm90_padded_head_dims(monkeypatch, mc, layout, with_dlse, dtype):
         check_forward(out, lse, q, k, v, **kw)
         check_backward(q, k, v, dlse=dlse, **kw)
     assert forwards == [1, 1] and backwards == ["sm90"]
+
+
+def test_stride_align():
+    from flashcore.ops.problem import stride_align
+
+    assert stride_align((56 * 300, 56, 56 * 300 * 4), 2) == 8  # head dim 56: 112-byte rows
+    assert stride_align((64 * 300, 64, 64), 2) == 1  # multiples of 16: Triton's own
+    assert stride_align((52, 52), 2) == 1  # rows not 16-byte multiples
+    assert stride_align((44, 44 * 8), 4) == 4  # fp32
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_backward_rows_of_16_byte_multiples(layout, device):
+    """Head dim 56 (row strides 16-byte multiples but not multiples of 16 elements): the portable
+    backward is told so (``ALIGN``, ``kernels/common.py: aligned``) and stays exact."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    q, k, v = make_qkv(Case(1, 2, 2, 33, 47, 56), dtype, device, layout=layout)
+    with flashcore.use_tier("portable"):
+        check_backward(q, k, v, causal=True)

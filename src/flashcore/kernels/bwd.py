@@ -85,6 +85,7 @@ import triton.language as tl
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import (
     alibi_slope,
+    aligned,
     dot_nt,
     kv_tile_range,
     load_lse2,
@@ -259,7 +260,14 @@ def attn_bwd_dkdv_kernel(
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr,
+    ALIGN: tl.constexpr = 1,
 ):
+    stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm, ALIGN)
+    stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = aligned(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_dob, stride_doh, stride_dom = aligned(stride_dob, stride_doh, stride_dom, ALIGN)
+    stride_dkb, stride_dkh, stride_dkn = aligned(stride_dkb, stride_dkh, stride_dkn, ALIGN)
+    stride_dvb, stride_dvh, stride_dvn = aligned(stride_dvb, stride_dvh, stride_dvn, ALIGN)
     # Causal key tiles are seen by fewer query rows the later they start: in order, heaviest first.
     tile_n, off_bh = program_tile(tl.cdiv(seqlen_k, BLOCK_N), False)
     start_n = tile_n * BLOCK_N
@@ -547,7 +555,14 @@ def attn_bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     HAS_DLSE: tl.constexpr,
+    ALIGN: tl.constexpr = 1,
 ):
+    stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm, ALIGN)
+    stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = aligned(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_ob, stride_oh, stride_om = aligned(stride_ob, stride_oh, stride_om, ALIGN)
+    stride_dob, stride_doh, stride_dom = aligned(stride_dob, stride_doh, stride_dom, ALIGN)
+    stride_dqb, stride_dqh, stride_dqm = aligned(stride_dqb, stride_dqh, stride_dqm, ALIGN)
     tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     off_b = (off_bh // num_heads).to(tl.int64)

@@ -41,6 +41,21 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def aligned(b, h, m, ALIGN: tl.constexpr):
+    """A tensor's batch, head and row strides, declared multiples of ``ALIGN`` elements when
+    ALIGN > 1 (the launcher checked them: ``ops.problem.stride_align``). Triton specialises an
+    integer argument only on divisibility by 16, so rows of a head dim such as 56 (a 112-byte row
+    stride) would otherwise be read one element at a time. Written as ``x // ALIGN * ALIGN``
+    (the same value), which the compiler's alignment analysis reads as a multiple of ALIGN:
+    ``tl.multiple_of`` on a kernel argument is dropped (Triton 3.6)."""
+    if ALIGN > 1:
+        b = b // ALIGN * ALIGN
+        h = h // ALIGN * ALIGN
+        m = m // ALIGN * ALIGN
+    return b, h, m
+
+
+@triton.jit
 def load_tile(
     ptrs,
     offs_r,

@@ -262,11 +262,17 @@ def _plan(
             EVEN_M=even(seqlen_q, block_m),
             EVEN_N=even(seqlen_k, block_n),
             IS_VARLEN=varlen is not None,
+            ALIGN=align,
             num_warps=warps,
             num_stages=stages,
         )
 
     strides = functools.partial(pb.row_strides, varlen=varlen)
+    # Row strides that are 16-byte multiples without being multiples of 16 elements (head dims
+    # such as 56): declared to the kernels, which otherwise read such rows an element at a time.
+    align = pb.stride_align(
+        tuple(x for t in (q, k, v, out, dout, dq, dk, dv) for x in strides(t)), q.element_size()
+    )
     if dlse is None:
         dlse_strides = (0, 0, 0)
     else:

@@ -112,6 +112,16 @@ def row_strides(t: torch.Tensor, varlen: Varlen | None) -> tuple[int, int, int]:
     return t.stride()[:3] if varlen is None else (0, t.stride(1), t.stride(0))
 
 
+def stride_align(strides: tuple[int, ...], element_size: int) -> int:
+    """``ALIGN`` of the kernels that read rows by pointers (``kernels/common.py: aligned``): the
+    elements in 16 bytes when every stride is a multiple of it but not every one of 16 (which
+    Triton specialises on by itself), else 1."""
+    vec = 16 // element_size
+    if all(s % 16 == 0 for s in strides) or any(s % vec for s in strides):
+        return 1
+    return vec
+
+
 def stats_strides(t: torch.Tensor, varlen: Varlen | None) -> tuple[int, ...]:
     """(batch, head) strides of row stats ``(B, H, Sq)``, or of packed ones ``(H, total_q)``."""
     return t.stride()[:-1] if varlen is None else (0, *t.stride()[:-1])
