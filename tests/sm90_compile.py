@@ -197,6 +197,7 @@ def fwd_consts(
         "IS_VARLEN": varlen,
         "HAS_SINKS": masks,
         "PAGED": False,
+        "ALIGN": 1,
         **({} if varlen else {"CU_Q": None, "CU_K": None}),
         **({} if masks else {"SINKS": None}),
     }

@@ -507,3 +507,20 @@ def test_forward_dispatch(monkeypatch, tier, capability, shape, options, want):
     with flashcore.use_tier(tier), contextlib.suppress(PortableLaunched):
         fwd.launch(q, q, q, causal, 0.125, **options)
     assert ran == [want]
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_forward_rows_of_16_byte_multiples(monkeypatch, layout, device):
+    """Head dim 56 through the pointer path (tiles moved without descriptors): its row strides are
+    16-byte multiples but not multiples of 16 elements, which the launcher declares (``ALIGN``,
+    ``kernels/common.py: aligned``); the result stays exact."""
+    from flashcore.ops import fwd
+    from flashcore.ops import problem as pb
+
+    monkeypatch.setattr(pb, "tma_compatible", lambda t: False)  # every forward takes pointers
+    monkeypatch.setattr(fwd, "_PLANS", {})
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    q, k, v = make_qkv(Case(2, 2, 1, 45, 77, 56), dtype, device, layout=layout)
+    with flashcore.use_tier("portable"):
+        out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=True)

@@ -87,6 +87,7 @@ import triton.language as tl
 
 from flashcore.kernels.common import (
     alibi_slope,
+    aligned,
     dot_nt,
     kv_tile_range,
     load_tile,
@@ -283,7 +284,13 @@ def attn_fwd_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     PAGED: tl.constexpr,
+    ALIGN: tl.constexpr = 1,
 ):
+    # Row strides of 16-byte multiples (common.aligned; a paged cache's are page, head, row).
+    stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm, ALIGN)
+    stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn, ALIGN)
+    stride_vb, stride_vh, stride_vn = aligned(stride_vb, stride_vh, stride_vn, ALIGN)
+    stride_ob, stride_oh, stride_om = aligned(stride_ob, stride_oh, stride_om, ALIGN)
     tile_m, off_bh = program_tile(tl.cdiv(seqlen_q, BLOCK_M), IS_CAUSAL)
     start_m = tile_m * BLOCK_M
     tma_b = off_bh // num_heads

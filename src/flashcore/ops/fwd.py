@@ -251,6 +251,9 @@ def _plan(
         IS_VARLEN=varlen is not None,
         HAS_SINKS=has_sinks,
         PAGED=paged_mode(k, v, cfg.block_n) if paged else 0,
+        # Row strides of 16-byte multiples declared to the pointer path (kernels/common.py:
+        # aligned); the descriptors of the TMA path carry their own.
+        ALIGN=pb.stride_align(tail[:12], q.element_size()),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
