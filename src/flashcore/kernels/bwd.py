@@ -102,6 +102,35 @@ from flashcore.kernels.varlen import seq_bounds
 
 
 @triton.jit
+def _second_panel(
+    rows,
+    offs_r,
+    n_rows,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_D2: tl.constexpr,
+    EVEN_R: tl.constexpr,
+    EVEN_D2: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """The second column panel (module docstring, BLOCK_D2) of the program's own tile, K's in the
+    dK/dV kernel and Q's in the dQ kernel, whose row pointers are ``rows``: ``(column offsets,
+    tile, zero fp32 accumulator)``; placeholders without a second panel."""
+    offs_d2 = 0
+    tile = 0.0
+    acc = 0.0
+    if BLOCK_D2 > 0:
+        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
+        tile = load_tile(
+            rows + offs_d2[None, :], offs_r, n_rows, offs_d2, HEAD_DIM, EVEN_R, EVEN_D2
+        )
+        if UPCAST:
+            tile = tile.to(tl.float32)
+        acc = tl.zeros([offs_r.shape[0], BLOCK_D2], dtype=tl.float32)
+    return offs_d2, tile, acc
+
+
+@triton.jit
 def _bwd_dkdv_q_loop(
     dk,
     dv,
@@ -318,18 +347,9 @@ def attn_bwd_dkdv_kernel(
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
-    # The second column panel of Q, K and dK (module docstring, BLOCK_D2); placeholders without.
-    offs_d2 = 0
-    k2 = 0.0
-    dk2 = 0.0
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        k2 = load_tile(
-            k_rows + offs_d2[None, :], offs_n, seqlen_k, offs_d2, HEAD_DIM, EVEN_N, EVEN_D2
-        )
-        if UPCAST:
-            k2 = k2.to(tl.float32)
-        dk2 = tl.zeros([BLOCK_N, BLOCK_D2], dtype=tl.float32)
+    offs_d2, k2, dk2 = _second_panel(
+        k_rows, offs_n, seqlen_k, HEAD_DIM, BLOCK_D, BLOCK_D2, EVEN_N, EVEN_D2, UPCAST
+    )
 
     lo, mid, full_hi, hi = q_tile_range(
         start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
@@ -633,18 +653,9 @@ def attn_bwd_dq_kernel(
         do = do.to(tl.float32)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    # The second column panel of Q, K and dQ (module docstring, BLOCK_D2); placeholders without.
-    offs_d2 = 0
-    q2 = 0.0
-    dq2 = 0.0
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        q2 = load_tile(
-            q_rows + offs_d2[None, :], offs_m, seqlen_q, offs_d2, HEAD_DIM, EVEN_M, EVEN_D2
-        )
-        if UPCAST:
-            q2 = q2.to(tl.float32)
-        dq2 = tl.zeros([BLOCK_M, BLOCK_D2], dtype=tl.float32)
+    offs_d2, q2, dq2 = _second_panel(
+        q_rows, offs_m, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_D2, EVEN_M, EVEN_D2, UPCAST
+    )
     slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, False)
     lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,

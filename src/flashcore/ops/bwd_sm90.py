@@ -18,18 +18,18 @@ from typing import NamedTuple
 
 import torch
 
-from flashcore.ops import fwd_sm90, runtime
 from flashcore.ops import problem as pb
+from flashcore.ops import runtime
 
 # The forward tier's checks and descriptors, so that both tiers accept the same problems.
 from flashcore.ops.fwd_sm90 import (
     DENSE_HEAD_DIMS,
-    PADDED_HEAD_DIMS,
     box_layout,
     dense_problem,
     kernel_head_dim,
     lpt_group,
     num_sms,
+    padded_head_dims,
     tma_ok,
 )
 from flashcore.ops.launch import Descriptor, Launcher, cached
@@ -125,8 +125,8 @@ def supports(
 ) -> bool:
     """Whether this kernel computes the problem's gradients into ``dq``, ``dk``, ``dv`` (when
     given: shaped like q, k, v; dk and dv with strides the copy engine accepts): an sm_90 device,
-    fp16/bf16, head dim 64 or 128, or one of ``fwd_sm90.PADDED_HEAD_DIMS`` (72-120, run by the
-    D = 128 kernel) once verified (V's equal to Q/K's), dense ``(B, H, Sq, D)`` /
+    fp16/bf16, head dim 64 or 128, or one of ``fwd_sm90.padded_head_dims`` (72-120 run by the
+    D = 128 kernel, 48 and 56 by the D = 64 one) (V's equal to Q/K's), dense ``(B, H, Sq, D)`` /
     ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, strides the copy
     engine accepts, with any of causal, window, softcap, ALiBi and sinks. Not packed batches (the
     caller's check)."""
@@ -136,12 +136,7 @@ def supports(
     del sinks, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
-    head_dims = (
-        DENSE_HEAD_DIMS
-        + (PADDED_HEAD_DIMS if fwd_sm90.PADDED_VERIFIED else ())
-        + (fwd_sm90.NARROW_HEAD_DIMS if fwd_sm90.NARROW_VERIFIED else ())
-    )
-    if not dense_problem(q, k, v, head_dims):
+    if not dense_problem(q, k, v, DENSE_HEAD_DIMS + padded_head_dims()):
         return False
     if dq is not None and dq.shape != q.shape:
         return False

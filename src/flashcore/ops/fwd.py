@@ -232,9 +232,11 @@ def _plan(
     kv_strides = (k.stride()[:3], v.stride()[:3]) if paged else (
         pb.row_strides(k, varlen), pb.row_strides(v, varlen),
     )  # fmt: skip
+    tile_strides = (
+        *pb.row_strides(q, varlen), *kv_strides[0], *kv_strides[1], *pb.row_strides(out, varlen),
+    )  # fmt: skip
     tail = (
-        *pb.row_strides(q, varlen), *kv_strides[0], *kv_strides[1],
-        *pb.row_strides(out, varlen), *pb.stats_strides(lse, varlen), stride_ab,
+        *tile_strides, *pb.stats_strides(lse, varlen), stride_ab,
         block_table.stride(0) if paged else 0, k.shape[2] if paged else 1,
         k.shape[0] if paged else 1, heads, heads // kv_heads, seqlen_q, seqlen_k,
         *pb.packed_totals(q, k, varlen, block_table), *sc.scalars(),
@@ -253,7 +255,7 @@ def _plan(
         PAGED=paged_mode(k, v, cfg.block_n) if paged else 0,
         # Row strides of 16-byte multiples declared to the pointer path (kernels/common.py:
         # aligned); the descriptors of the TMA path carry their own.
-        ALIGN=pb.stride_align(tail[:12], q.element_size()),
+        ALIGN=pb.stride_align(tile_strides, q.element_size()),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

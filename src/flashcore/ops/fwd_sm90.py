@@ -61,8 +61,15 @@ def forward_head_dims() -> tuple[tuple[int, int], ...]:
         DENSE_HEAD_DIMS
         + ((MLA_HEAD_DIMS,) if MLA_VERIFIED else ())
         + ((WIDE_HEAD_DIMS,) if WIDE_VERIFIED else ())
-        + (PADDED_HEAD_DIMS if PADDED_VERIFIED else ())
-        + (NARROW_HEAD_DIMS if NARROW_VERIFIED else ())
+        + padded_head_dims()
+    )
+
+
+def padded_head_dims() -> tuple[tuple[int, int], ...]:
+    """The padded pairs both Hopper tiers take (``PADDED_HEAD_DIMS``, ``NARROW_HEAD_DIMS``), each
+    once verified (read per call, as ``forward_head_dims``)."""
+    return (PADDED_HEAD_DIMS if PADDED_VERIFIED else ()) + (
+        NARROW_HEAD_DIMS if NARROW_VERIFIED else ()
     )
 
 
