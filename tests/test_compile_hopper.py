@@ -152,6 +152,8 @@ def compile_variant(variant) -> dict:
         "exp2_under_pv_ptx": ptx_exp2_while_product_runs(ptx),
         "exp2_under_pv_sass": exp2_while_product_runs(sass, SASS_WAITS),
         "q_freed_after_store_read": q_freed_after_store_read(ptx),
+        "lazy_rescale": lazy_rescale_branches(sass),
+        "head_dim_v": head_dim_v,
     }
 
 
@@ -404,6 +406,41 @@ def test_persistent_spills_no_more_than_flat(compiled):
         budget = flat["spill_bytes"] + PERSISTENT_EXTRA_SPILL.get(name, 0)
         got = by_name[name]["spill_bytes"]
         assert got <= budget, f"{name}: {got} B of spills, flat {flat['spill_bytes']} B"
+
+
+def lazy_rescale_branches(sass: str) -> int:
+    """How many warp votes (``VOTE.ANY``) are followed, before any other instruction but
+    independent ones, by a branch over at least 32 ``FMUL`` and nothing else: a consumer's O
+    rescale behind a warp-uniform branch (``kernels/hopper/common.py: rescale`` with LAZY)."""
+    lines = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+    count = 0
+    for i, line in enumerate(lines):
+        if not line.startswith("VOTE.ANY P"):
+            continue
+        for j in range(i + 1, min(i + 64, len(lines))):
+            branch = re.match(r"@!P\d BRA 0x([0-9a-f]+)", lines[j])
+            if branch:
+                body = lines[j + 1 : j + 1 + 256]
+                muls = 0
+                for op in body:
+                    if not op.startswith("FMUL"):
+                        break
+                    muls += 1
+                count += muls >= 32
+                break
+    return count
+
+
+def test_lazy_rescale_only_where_taken(compiled):
+    """The O rescale sits behind a per-warp branch where the accumulator is wider than the key
+    tile (``common.lazy_rescale``: head dim 256, and 128 with 64-key tiles), once per consumer
+    step and once after the key loop; elsewhere the build is the one without it."""
+    for row in compiled:
+        lazy = row["head_dim_v"] > row["block_n"]
+        if lazy:
+            assert row["lazy_rescale"] >= 2 * row["consumers"], row
+        else:
+            assert row["lazy_rescale"] == 0, row
 
 
 def test_persistent_frees_q_after_the_store_read(compiled):

@@ -524,3 +524,58 @@ def test_forward_rows_of_16_byte_multiples(monkeypatch, layout, device):
     with flashcore.use_tier("portable"):
         out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
     check_forward(out, lse, q, k, v, causal=True)
+
+
+# Running maxima that keep rising past the softmax's slack (kernels/hopper/common.py:
+# RESCALE_SLACK): a key component that grows along the sequence, seen by some query rows only.
+# Each warp rescales its O only when one of its rows needs it (``rescale``: rows r and r + 8 of
+# each 16 are a thread's two rows), so the rows that rise are rows r + 8 only, rows r only, or
+# scattered, against rows whose max never moves.
+RISING = [
+    ("hi", Case(2, 4, 2, 1000, 1000, 128), False, None),
+    ("lo", Case(1, 4, 4, 700, 900, 128), True, None),
+    ("scattered", Case(2, 4, 1, 777, 1500, 64), False, None),
+    ("hi", Case(1, 4, 2, 1500, 1500, 64), True, "three"),
+    ("lo", Case(2, 4, 4, 500, 500, 64), True, "one"),
+    ("hi", Case(2, 4, 4, 600, 600, 128), True, "one"),
+    ("lo", Case(1, 4, 2, 700, 1100, 256), False, None),
+    ("scattered", Case(1, 4, 4, 900, 900, 96), True, None),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("rows", "case", "causal", "config"),
+    RISING,
+    ids=[f"{r}-{c.id}-{'causal' if ca else 'full'}-{cf or 'auto'}" for r, c, ca, cf in RISING],
+)
+def test_forward_gpu_sm90_rising_max(rows, case, causal, config, dtype):
+    """Rows whose running max moves many times (and by more than the slack) beside rows whose
+    max never moves, on the Hopper forward: out and LSE against the float64 reference."""
+    from flashcore.ops import fwd_sm90
+    from helpers import sm90_tier_runs
+
+    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    cfg = {
+        None: None,
+        "three": fwd_sm90.D64_THREE,
+        "one": fwd_sm90.ONE.get(case.head_dim),
+    }[config]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = make_qkv(case, torch.float32, "cuda")
+    i = torch.arange(case.seqlen_q, device="cuda")
+    sel = {
+        "hi": i % 16 >= 8,
+        "lo": i % 16 < 8,
+        "scattered": torch.rand(case.seqlen_q, device="cuda", generator=gen) < 0.1,
+    }[rows]
+    # Scores of the selected rows rise by about 45 (log2 units) over the keys: several moves of
+    # the max past the slack of 8, in every key tile's softmax step.
+    k[..., 0] = torch.linspace(0.0, 24.0, case.seqlen_k, device="cuda")
+    q[..., 0] = torch.where(sel, 16.0, 0.0)[None, None] * case.head_dim**0.5 / 128**0.5
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    out, lse = launch_sm90_forward(q, k, v, causal=causal, config=cfg)
+    assert not out.isnan().any() and not lse.isnan().any()
+    check_forward(out, lse, q, k, v, causal=causal)

@@ -233,11 +233,37 @@ def _row_reduce(x, like, IS_MAX: gl.constexpr):
     return gl.convert_layout(r, like.type.layout)
 
 
+# How far (log2 units) a row's running max may rise above the max its exponentials and its O
+# accumulator are kept against before both are rescaled (``softmax`` and ``rescale`` with LAZY):
+# P then stays within 2^8, and a warp whose rows all keep theirs skips the accumulator's
+# multiplies. Taken where the O accumulator is wider than the key tile (``lazy_rescale``).
+RESCALE_SLACK = gl.constexpr(8.0)
+
+
+@gluon.constexpr_function
+def lazy_rescale(head_dim_v, block_n):
+    """Whether a consumer's softmax keeps its rows' max within RESCALE_SLACK instead of moving
+    it at every step: where a step's O rescale (``head_dim_v / 2`` multiplies a thread) is at
+    least twice its exponentials (``block_n / 2``): head dim 256, and 128 with 64-key tiles.
+    At D = 128 with 128-key tiles it measured within the rounds' spread, and the exact max
+    keeps a row's largest weight exactly 1 (docs/hopper_fwd_configs.md, "Lazy O rescale")."""
+    return head_dim_v > block_n
+
+
 @gluon.jit
-def softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr):
-    """One online-softmax step on a score tile: ``(p, alpha, m, l)``. A row with every score
-    -inf so far keeps ``m = -inf`` and gets ``p = 0``, ``alpha = 0`` (its max is replaced by 0)."""
+def softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr, LAZY: gl.constexpr):
+    """One online-softmax step on a score tile: ``(p, alpha, m, l)``, ``m`` the max the row's
+    exponentials are taken against. Without LAZY, the row's running max; with it, moved to the
+    running max only when that rises more than RESCALE_SLACK above it (always from -inf), so
+    that ``alpha`` is exactly 1 at most steps and ``p <= 2^RESCALE_SLACK``. A row with every
+    score -inf so far keeps ``m = -inf`` and gets ``p = 0`` (``alpha = 0`` without LAZY)."""
     m_new = gl.maximum(m_i, _row_reduce(s, m_i, True))
+    if LAZY:
+        if RAW_MAX:
+            moved = m_new * qk_scale > m_i * qk_scale + RESCALE_SLACK
+        else:
+            moved = m_new > m_i + RESCALE_SLACK
+        m_new = gl.where(moved, m_new, m_i)
     if RAW_MAX:
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
         p = gl.exp2(gl.fma(s, qk_scale, -gl.expand_dims(m_ref, 1)))
@@ -246,5 +272,48 @@ def softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr):
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
         p = gl.exp2(s - gl.expand_dims(m_ref, 1))
         alpha = gl.exp2(m_i - m_ref)
+    if LAZY:
+        alpha = gl.where(moved, alpha, 1.0)
     l_new = l_i * alpha + _row_reduce(p, m_i, False)
     return p, alpha, m_new, l_new
+
+
+@gluon.constexpr_function
+def _rescale_asm(n):
+    """PTX of ``rescale`` for ``n`` accumulator registers a thread: ``$0..$n-1`` out (tied to
+    ``$n..$2n-1`` in), the row factors at ``$2n..$3n-1``. Registers ``4j, 4j+1`` of a thread's
+    wgmma accumulator are in its row r, ``4j+2, 4j+3`` in row r + 8 (the m64nNk16 fragment), so
+    ``$2n`` and ``$2n+2`` are its two rows' factors."""
+    mul = "".join(f"mul.f32 ${i}, ${n + i}, ${2 * n + i};\n" for i in range(n))
+    return (
+        "{\n.reg .pred %fc_a;\n.reg .pred %fc_b;\n"
+        f"setp.neu.f32 %fc_a, ${2 * n}, 0f3F800000;\n"
+        f"setp.neu.f32 %fc_b, ${2 * n + 2}, 0f3F800000;\n"
+        "or.pred %fc_a, %fc_a, %fc_b;\n"
+        "vote.sync.any.pred %fc_a, %fc_a, 0xffffffff;\n"
+        "@!%fc_a bra.uni fc_kept;\n"
+        f"{mul}fc_kept:\n}}"
+    )
+
+
+@gluon.constexpr_function
+def _rescale_constraints(n):
+    return ",".join(["=f"] * n + [str(i) for i in range(n)] + ["f"] * n)
+
+
+@gluon.jit
+def rescale(acc, alpha, LAZY: gl.constexpr):
+    """``acc * alpha`` by rows (``alpha`` in the layout of ``acc``'s rows). With LAZY, as one
+    branch per warp: a warp in which every row's factor is 1 (``softmax`` kept its max) skips
+    the multiplies."""
+    a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    if LAZY:
+        a = gl.broadcast(a, acc)[0]
+        N: gl.constexpr = acc.shape[0] * acc.shape[1] // (32 * gl.num_warps())
+        acc = gl.inline_asm_elementwise(
+            _rescale_asm(N), _rescale_constraints(N), [acc, a], dtype=gl.float32,
+            is_pure=True, pack=N,
+        )  # fmt: skip
+    else:
+        acc = acc * a
+    return acc

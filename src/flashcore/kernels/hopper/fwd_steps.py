@@ -14,7 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashcore.kernels.hopper.common import ROWS, softmax, tile_scores
+from flashcore.kernels.hopper.common import ROWS, lazy_rescale, rescale, softmax, tile_scores
 
 
 @gluon.jit
@@ -207,13 +207,13 @@ def _steps(
     )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    orow_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_n = gl.arange(0, BLOCK_N, layout=col_layout)
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     CHECK_N: gl.constexpr = not EVEN_N
     # See attend's SKIP; with Q and K in panels (head dim 192) it keeps the causal ragged build
     # free of spills (32 B without).
     P_EARLY: gl.constexpr = (NUM_CONSUMERS > 2) or (PANELS > 1)
+    LAZY: gl.constexpr = lazy_rescale(HEAD_DIM_V, BLOCK_N)
 
     # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
     mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)
@@ -229,7 +229,7 @@ def _steps(
         window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX,
         CHECK_N,
     )  # fmt: skip
-    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)
     if P_EARLY:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
@@ -242,7 +242,7 @@ def _steps(
             mbarrier.wait(turn.index(CONSUMER), (turn0 + t) & 1)
         s_tok = _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N, PANELS)
         # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
-        acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+        acc = rescale(acc, alpha, LAZY)
         if not P_EARLY:
             p_op = gl.convert_layout(p.to(dtype), p_layout)
         mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
@@ -259,7 +259,7 @@ def _steps(
             SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
         )  # fmt: skip
         # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
-        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)
+        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)
         acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
         mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
         if P_EARLY:
@@ -271,7 +271,7 @@ def _steps(
     mbarrier.wait(v_ready.index(last), (g // NUM_STAGES) & 1)
     if PINGPONG:
         mbarrier.wait(turn.index(CONSUMER), (turn0 + n_tiles) & 1)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, orow_layout), 1)
+    acc = rescale(acc, alpha, LAZY)
     if not P_EARLY:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
     v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM_V])
