@@ -464,8 +464,11 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, consumers, monkeypatc
         # takes 96 at all is supports', stood in for here).
         ("auto", (9, 0), (4, 16, 4096, 96), {}, "sm90"),
         ("auto", (9, 0), (4, 16, 4096, 40), {}, "portable"),  # a head dim the tier lacks
-        ("auto", (9, 0), (1, 16, 4096, 192), {}, "sm90"),  # MLA dims from 4096 (supports: Dv)
-        ("auto", (9, 0), (4, 16, 2048, 192), {"causal": True}, "portable"),  # not timed there
+        # V's head dim equal to Q's: 192 is timed as the D = 256 kernel it runs
+        # (fwd_sm90.WIDE_PADDED_HEAD_DIMS), from 1024 on; MLA's (192, 128) in test_value_dim.
+        ("auto", (9, 0), (1, 16, 4096, 192), {}, "sm90"),
+        ("auto", (9, 0), (4, 16, 2048, 192), {"causal": True}, "sm90"),
+        ("auto", (9, 0), (16, 16, 512, 160), {}, "portable"),
         ("auto", (9, 0), (1, 16, 8192, 256), {}, "sm90"),  # D=256 from 1024 on
         ("auto", (9, 0), (8, 16, 1024, 256), {"causal": True}, "sm90"),
         ("auto", (9, 0), (16, 16, 512, 256), {}, "portable"),  # not timed there
@@ -579,3 +582,64 @@ def test_forward_gpu_sm90_rising_max(rows, case, causal, config, dtype):
     out, lse = launch_sm90_forward(q, k, v, causal=causal, config=cfg)
     assert not out.isnan().any() and not lse.isnan().any()
     check_forward(out, lse, q, k, v, causal=causal)
+
+
+# Head dims between 128 and 256 with V's equal (ops/fwd_sm90.py: WIDE_PADDED_HEAD_DIMS) on the
+# Hopper forward: the D = 256 kernel over 256-column boxes, zero-filled past the head dim on
+# loads and clipped on the O store. Ragged lengths both ways, GQA and MQA, causal with Sq > Sk,
+# (B, S, H, D) views, window with softcap, ALiBi, sinks; one case takes its gradients too (the
+# backward is portable at these head dims and reads the Hopper forward's out and LSE).
+WIDE_PADDED_CASES = [
+    (MaskCase(Case(2, 4, 2, 300, 517, 192), causal=True), "bshd", False, True),
+    (MaskCase(Case(1, 4, 1, 777, 1025, 160)), "bhsd", False, False),
+    (MaskCase(Case(2, 4, 4, 700, 300, 224), causal=True), "bhsd", True, False),
+    (MaskCase(Case(1, 4, 4, 513, 513, 136), window=(100, 20), softcap=30.0), "bhsd", False, False),
+    (MaskCase(Case(1, 4, 2, 390, 600, 248), alibi="h"), "bshd", False, False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("mc", "layout", "with_sinks", "with_grads"),
+    WIDE_PADDED_CASES,
+    ids=[f"{m.id}-{lay}{'-sinks' * s}{'-grads' * g}" for m, lay, s, g in WIDE_PADDED_CASES],
+)
+def test_forward_gpu_sm90_wide_padded(monkeypatch, mc, layout, with_sinks, with_grads, dtype):
+    """Head dims 136-248 through ``use_tier("sm90")`` (``WIDE_PADDED_VERIFIED`` set on for the
+    test), the Hopper launch recorded: out and LSE (and gradients) against the float64
+    reference."""
+    from flashcore.ops import fwd_sm90
+    from helpers import check_backward, sm90_tier_runs
+
+    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    monkeypatch.setattr(fwd_sm90, "WIDE_PADDED_VERIFIED", True)
+    forwards = []
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a: forwards.append(1) or real(*a))
+    q, k, v = make_qkv(mc.case, dtype, "cuda", layout=layout)
+    kw = mask_options(mc, "cuda")
+    if with_sinks:
+        kw["sinks"] = torch.randn(mc.case.heads, device="cuda")
+    with flashcore.use_tier("sm90"):
+        out, lse = flashcore.attention(q, k, v, return_lse=True, **kw)
+        assert forwards == [1]
+        assert not out.isnan().any() and not lse.isnan().any()
+        check_forward(out, lse, q, k, v, **kw)
+        if with_grads:
+            check_backward(q, k, v, **kw)
+
+
+def test_sm90_kernel_head_dims():
+    """The forward kernel's head dims: 128 for 72-120, 64 for 48 and 56, 256 for 136-248 with V's
+    equal; MLA's (192, 128) and the kernels' own head dims as they are."""
+    from flashcore.ops.fwd_sm90 import kernel_head_dims
+
+    assert kernel_head_dims(96, 96) == (128, 128)
+    assert kernel_head_dims(56, 56) == (64, 64)
+    assert kernel_head_dims(192, 192) == kernel_head_dims(136, 136) == (256, 256)
+    assert kernel_head_dims(248, 248) == (256, 256)
+    assert kernel_head_dims(192, 128) == (192, 128)
+    assert kernel_head_dims(128, 128) == (128, 128)
+    assert kernel_head_dims(256, 256) == (256, 256)

@@ -154,8 +154,9 @@ def _sm90_plan(
     it for this problem and the tier covers it, else False (``capturing``: into a CUDA graph)."""
     from flashcore.ops import fwd_sm90
 
-    # The kernels' head dim: 128 for those between 64 and 128 (fwd_sm90.PADDED_HEAD_DIMS).
-    head_dim = fwd_sm90.kernel_head_dim(q.shape[-1])
+    # The kernels' head dim: 128 for those between 64 and 128 (fwd_sm90.PADDED_HEAD_DIMS), 256
+    # for those between 128 and 256 with V's equal (WIDE_PADDED_HEAD_DIMS).
+    head_dim = fwd_sm90.kernel_head_dims(q.shape[-1], v.shape[-1])[0]
     flops = 4.0 * dims.batch * dims.heads * dims.seqlen_q * dims.seqlen_k * head_dim
     wanted = runtime.tier_forced() or tuning.sm90_forward(
         dims.seqlen_q,

@@ -52,6 +52,14 @@ PADDED_VERIFIED = True
 # (docs/hopper_fwd_configs.md, "Head dims between 64 and 128").
 NARROW_HEAD_DIMS = ((48, 48), (56, 56))
 NARROW_VERIFIED = True
+# Head dims between 128 and 256 (136, 144, ..., 248; V's equal, so not MLA's (192, 128)) run the
+# D = 256 forward the same way, over 256-column boxes; the portable kernels pad them to 256 as
+# well. Forward only: the Hopper backward has no D = 256 kernel, so their backward stays portable.
+# On the H100 tests/test_forward.py::test_forward_gpu_sm90_wide_padded passed (10 cases, fp16 and
+# bf16: head dims 136-248) and the forward ran 1.28-1.54x the portable one at 160, 192 and 224
+# (docs/hopper_fwd_configs.md, "Head dims between 128 and 256").
+WIDE_PADDED_HEAD_DIMS = tuple((d, d) for d in range(136, 256, 8))
+WIDE_PADDED_VERIFIED = True
 
 
 def forward_head_dims() -> tuple[tuple[int, int], ...]:
@@ -62,6 +70,7 @@ def forward_head_dims() -> tuple[tuple[int, int], ...]:
         + ((MLA_HEAD_DIMS,) if MLA_VERIFIED else ())
         + ((WIDE_HEAD_DIMS,) if WIDE_VERIFIED else ())
         + padded_head_dims()
+        + (WIDE_PADDED_HEAD_DIMS if WIDE_PADDED_VERIFIED and WIDE_VERIFIED else ())
     )
 
 
@@ -79,6 +88,14 @@ def kernel_head_dim(head_dim: int) -> int:
     if (head_dim, head_dim) in PADDED_HEAD_DIMS:
         return 128
     return 64 if (head_dim, head_dim) in NARROW_HEAD_DIMS else head_dim
+
+
+def kernel_head_dims(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """The forward kernel's (Q/K, V) head dims for tensors of ``(head_dim, head_dim_v)``: (256,
+    256) for ``WIDE_PADDED_HEAD_DIMS``, else ``kernel_head_dim`` of each."""
+    if (head_dim, head_dim_v) in WIDE_PADDED_HEAD_DIMS:
+        return 256, 256
+    return kernel_head_dim(head_dim), kernel_head_dim(head_dim_v)
 
 
 def qk_panel(head_dim: int) -> int:
@@ -522,9 +539,9 @@ def plan(
     """
     batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    # The tiles' width (``PADDED_HEAD_DIMS``: boxes wider than the tensors).
-    head_dim = kernel_head_dim(head_dim)
-    head_dim_v = kernel_head_dim(v.shape[-1])
+    # The tiles' width (``PADDED_HEAD_DIMS``, ``WIDE_PADDED_HEAD_DIMS``: boxes wider than the
+    # tensors).
+    head_dim, head_dim_v = kernel_head_dims(head_dim, v.shape[-1])
     cfg = config or pick_config(
         head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi,
         grid=(batch * heads, num_sms(q.device.index)),
