@@ -382,16 +382,19 @@ def test_one_consumer_fits_its_ctas_an_sm(compiled):
 
 def test_no_spills(compiled):
     # The variant with every feature flag on (window, softcap, ALiBi, ragged) spills at 240
-    # registers (about 2 KB of local traffic at D=64, docs/hopper_fwd.md); the others must not.
+    # registers (44 B at D=64; about 2 KB before softcap's five-instruction tanh,
+    # docs/hopper_fwd.md); the others must not.
     for row in compiled:
         if row["variant"].startswith(FEATURES):
             continue
         assert row["spill_bytes"] == 0, f"{row['variant']}: {row['spill_bytes']} B of spills"
 
 
-# Bytes the persistent build may spill beyond the flat one: 8 B with every feature flag on
-# (2364 B against 2356 B: one more value of the tile loop, outside the key loop), 0 otherwise.
-PERSISTENT_EXTRA_SPILL = {FEATURES + PERSISTENT_SUFFIX: 8}
+# Bytes the persistent build may spill beyond the flat one: 32 B with every feature flag on (76 B
+# against 44 B since softcap's tanh takes five instructions, kernels/hopper/common.py: tanh; it
+# was 2372 B against 2364 B before: values of the tile loop, one of them reloaded in the key
+# loop), 0 otherwise.
+PERSISTENT_EXTRA_SPILL = {FEATURES + PERSISTENT_SUFFIX: 32}
 
 
 def test_persistent_spills_no_more_than_flat(compiled):

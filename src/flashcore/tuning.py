@@ -294,6 +294,16 @@ SM90_FWD_MIN_SEQLEN_MLA = 4096
 # Shorter sequences were not timed.
 SM90_FWD_MIN_SEQLEN_D256 = 1024
 SM90_FWD_MIN_FLOPS = 3e10
+# With a sliding window or softcap (not ALiBi), from these many queries and keys on. H100, bf16,
+# both tiers through use_tier in one process, three rounds (docs/hopper_fwd_configs.md,
+# "Softcap's tanh in five instructions"; portable / Hopper time): window (1024, 0) causal 1.21x
+# at (8, 16, 2048, 128), 1.12x at (2, 16, 8192, 128), 1.09x at (4, 32, 4096, 64), 1.27x at (4, 8,
+# 4096, 256), window (512, 512) 1.18x at (2, 16, 8192, 128), but (128, 128) 0.72x at (32, 32, 512,
+# 64); softcap 30 1.36x at (4, 16, 4096, 128), 1.18x causal, 1.17x at (4, 32, 4096, 64), 1.50x
+# causal at (4, 8, 4096, 256), but causal 0.77x at (16, 16, 1024, 128) and 0.64x at (32, 16, 512,
+# 128). ALiBi stays portable: 1.05x causal at (4, 16, 4096, 128) but 0.86x at (4, 32, 4096, 64).
+SM90_FWD_MIN_SEQLEN_WINDOW = 2048
+SM90_FWD_MIN_SEQLEN_SOFTCAP = 4096
 # A call captured into a CUDA graph costs no host time at replay, so there the floor is where
 # the kernels themselves cross (H100, bf16, CUDA-graph replays of both tiers and SDPA in one
 # process, two rounds, us; Hopper / portable): 1.1e9 FLOPs (1, 8, 512, 128) 10.8 / 8.6 and
@@ -318,19 +328,27 @@ def sm90_forward(
     seqlen_k: int,
     head_dim: int,
     flops: float,
-    options: bool = False,
     causal: bool = False,
     graph: bool = False,
+    *,
+    window: bool = False,
+    softcap: bool = False,
+    alibi: bool = False,
 ) -> bool:
     """Whether "auto" takes the Hopper forward for this problem (where it measured faster);
-    ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``options``: a window,
-    softcap or ALiBi is on; ``graph``: the call is being captured into a CUDA graph (the
+    ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``window``, ``softcap``,
+    ``alibi``: those options are on; ``graph``: the call is being captured into a CUDA graph (the
     kernels' time alone counts)."""
     if graph:
         min_flops = SM90_FWD_MIN_FLOPS_GRAPH_D64 if head_dim == 64 else SM90_FWD_MIN_FLOPS_GRAPH
     else:
         min_flops = SM90_FWD_MIN_FLOPS
-    if options or flops < min_flops:
+    if alibi or flops < min_flops:
+        return False
+    shortest = min(seqlen_q, seqlen_k)
+    if (window and shortest < SM90_FWD_MIN_SEQLEN_WINDOW) or (
+        softcap and shortest < SM90_FWD_MIN_SEQLEN_SOFTCAP
+    ):
         return False
     if head_dim == 128:
         floor = SM90_FWD_MIN_SEQLEN

@@ -163,9 +163,11 @@ def _sm90_plan(
         dims.seqlen_k,
         head_dim,
         flops / 2 if causal else flops,
-        options=window != (-1, -1) or softcap > 0 or alibi_slopes is not None,
         causal=causal,
         graph=capturing,
+        window=window != (-1, -1),
+        softcap=softcap > 0,
+        alibi=alibi_slopes is not None,
     )
     if not wanted or not fwd_sm90.supports(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes
