@@ -472,13 +472,16 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, consumers, monkeypatc
         ("auto", (9, 0), (1, 16, 8192, 256), {}, "sm90"),  # D=256 from 1024 on
         ("auto", (9, 0), (8, 16, 1024, 256), {"causal": True}, "sm90"),
         ("auto", (9, 0), (16, 16, 512, 256), {}, "portable"),  # not timed there
-        # A window from 2048 queries and keys on, softcap from 4096 (tuning), ALiBi never.
+        # A window from 2048 queries and keys on, softcap from 4096, ALiBi at head dim 128 from
+        # 4096 (tuning).
         ("auto", (9, 0), (4, 16, 4096, 128), {"window": (256, 0)}, "sm90"),
         ("auto", (9, 0), (8, 16, 2048, 128), {"window": (256, 0), "causal": True}, "sm90"),
         ("auto", (9, 0), (16, 16, 1024, 128), {"window": (256, 256)}, "portable"),
         ("auto", (9, 0), (4, 16, 4096, 128), {"softcap": 30.0}, "sm90"),
         ("auto", (9, 0), (8, 16, 2048, 128), {"softcap": 30.0}, "portable"),
-        ("auto", (9, 0), (4, 16, 4096, 128), {"alibi_slopes": torch.ones(16)}, "portable"),
+        ("auto", (9, 0), (4, 16, 4096, 128), {"alibi_slopes": torch.ones(16)}, "sm90"),
+        ("auto", (9, 0), (8, 16, 2048, 128), {"alibi_slopes": torch.ones(16)}, "portable"),
+        ("auto", (9, 0), (4, 32, 4096, 64), {"alibi_slopes": torch.ones(32)}, "portable"),
         ("auto", (8, 0), (4, 16, 4096, 128), {}, "portable"),  # not a Hopper GPU
         ("sm90", (9, 0), (1, 1, 512, 64), {"window": (256, 0)}, "sm90"),  # asked for: all of it
         ("sm90", (8, 0), (4, 16, 4096, 128), {}, "portable"),

@@ -42,7 +42,7 @@ def use_tier(name: str):
     lengths; the backward those and sinks (never with ``deterministic``).
     ``"auto"`` (the default): each tier where it measured faster on the H100: the sm90 forward
     at head dims 128 and 64 from 512 queries and keys on (a window from 2048, softcap from 4096,
-    ALiBi never), and
+    ALiBi at head dim 128 from 4096), and
     3e10 FLOPs up (3e9 captured into a CUDA graph, no floor at head dim 64;
     ``tuning.sm90_forward``), the sm90
     backward at head dim 128 from 512 queries and keys on (causal: 1024), at 64 from 1024

@@ -301,9 +301,13 @@ SM90_FWD_MIN_FLOPS = 3e10
 # 4096, 256), window (512, 512) 1.18x at (2, 16, 8192, 128), but (128, 128) 0.72x at (32, 32, 512,
 # 64); softcap 30 1.36x at (4, 16, 4096, 128), 1.18x causal, 1.17x at (4, 32, 4096, 64), 1.50x
 # causal at (4, 8, 4096, 256), but causal 0.77x at (16, 16, 1024, 128) and 0.64x at (32, 16, 512,
-# 128). ALiBi stays portable: 1.05x causal at (4, 16, 4096, 128) but 0.86x at (4, 32, 4096, 64).
+# 128). ALiBi (since its distance is taken in fp32, docs/hopper_fwd_configs.md, "ALiBi's
+# distance in fp32"): 1.15-1.17x at (4, 16, 4096, 128) causal and not, 1.03x causal at (16, 16,
+# 1024, 128), but 0.96x causal at (4, 32, 4096, 64) and 1.00x at (2, 32, 8192, 64): head dim 128
+# from 4096 on.
 SM90_FWD_MIN_SEQLEN_WINDOW = 2048
 SM90_FWD_MIN_SEQLEN_SOFTCAP = 4096
+SM90_FWD_MIN_SEQLEN_ALIBI = 4096
 # A call captured into a CUDA graph costs no host time at replay, so there the floor is where
 # the kernels themselves cross (H100, bf16, CUDA-graph replays of both tiers and SDPA in one
 # process, two rounds, us; Hopper / portable): 1.1e9 FLOPs (1, 8, 512, 128) 10.8 / 8.6 and
@@ -343,12 +347,14 @@ def sm90_forward(
         min_flops = SM90_FWD_MIN_FLOPS_GRAPH_D64 if head_dim == 64 else SM90_FWD_MIN_FLOPS_GRAPH
     else:
         min_flops = SM90_FWD_MIN_FLOPS
-    if alibi or flops < min_flops:
+    if flops < min_flops:
         return False
     shortest = min(seqlen_q, seqlen_k)
     if (window and shortest < SM90_FWD_MIN_SEQLEN_WINDOW) or (
         softcap and shortest < SM90_FWD_MIN_SEQLEN_SOFTCAP
     ):
+        return False
+    if alibi and (head_dim != 128 or shortest < SM90_FWD_MIN_SEQLEN_ALIBI):
         return False
     if head_dim == 128:
         floor = SM90_FWD_MIN_SEQLEN

@@ -337,8 +337,10 @@ def transform_scores(
         t = tanh(s)
         s = t * softcap
     if HAS_ALIBI:
-        dist = rows + (seqlen_k - seqlen_q) - cols
-        s = s - slope * tl.abs(dist).to(tl.float32)
+        # In fp32 from the row and column vectors (exact below 2^24 positions): a subtraction and
+        # an FMA a score, where the integer distance took a conversion too.
+        dist = (rows + (seqlen_k - seqlen_q)).to(tl.float32) - cols.to(tl.float32)
+        s = s - slope * tl.abs(dist)
     return s, t
 
 

@@ -165,8 +165,10 @@ def scores(
         if SOFTCAP:
             s = tanh(s) * softcap
         if HAS_ALIBI:
-            dist = rows + (seqlen_k - seqlen_q) - cols
-            s = s - slope * gl.abs(dist).to(gl.float32)
+            # In fp32 from the row and column vectors (exact below 2^24 positions): a
+            # subtraction and an FMA a score, where the integer distance took a conversion too.
+            dist = (rows + (seqlen_k - seqlen_q)).to(gl.float32) - cols.to(gl.float32)
+            s = s - slope * gl.abs(dist)
     if MASKED:
         if CHECK_N:
             s = gl.where(cols < seqlen_k, s, float("-inf"))
