@@ -211,9 +211,11 @@ def _steps(
     zero_s = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     CHECK_N: gl.constexpr = not EVEN_N
     # See attend's SKIP; with Q and K in panels (head dim 192) it keeps the causal ragged build
-    # free of spills (32 B without), and with a window the D = 128 builds (496 B causal, 112 B
-    # persistent causal, 20 B non-causal without).
-    P_EARLY: gl.constexpr = (NUM_CONSUMERS > 2) or (PANELS > 1) or HAS_WINDOW
+    # free of spills (32 B without), and with a window, softcap or ALiBi the D = 128 builds (up
+    # to 496 B without: docs/hopper_fwd_configs.md, "Score-option builds").
+    P_EARLY: gl.constexpr = (
+        (NUM_CONSUMERS > 2) or (PANELS > 1) or HAS_WINDOW or SOFTCAP or HAS_ALIBI
+    )
     LAZY: gl.constexpr = lazy_rescale(HEAD_DIM_V, BLOCK_N)
 
     # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
