@@ -294,8 +294,8 @@ SM90_FWD_MIN_SEQLEN_MLA = 4096
 # Shorter sequences were not timed.
 SM90_FWD_MIN_SEQLEN_D256 = 1024
 SM90_FWD_MIN_FLOPS = 3e10
-# With a sliding window or softcap (not ALiBi), from these many queries and keys on. H100, bf16,
-# both tiers through use_tier in one process, three rounds (docs/hopper_fwd_configs.md,
+# With a sliding window, softcap or ALiBi, from these many queries and keys on. H100, bf16, both
+# tiers through use_tier in one process, three rounds (docs/hopper_fwd_configs.md,
 # "Softcap's tanh in five instructions"; portable / Hopper time): window (1024, 0) causal 1.21x
 # at (8, 16, 2048, 128), 1.12x at (2, 16, 8192, 128), 1.09x at (4, 32, 4096, 64), 1.27x at (4, 8,
 # 4096, 256), window (512, 512) 1.18x at (2, 16, 8192, 128), but (128, 128) 0.72x at (32, 32, 512,
@@ -366,7 +366,7 @@ def sm90_forward(
         floor = SM90_FWD_MIN_SEQLEN_D256
     else:
         return False
-    return min(seqlen_q, seqlen_k) >= floor
+    return shortest >= floor
 
 
 @dataclass(frozen=True)
