@@ -180,27 +180,39 @@ def sm90_tier_runs(device: torch.device) -> bool:
 
 
 def launch_sm90_forward(
-    q, k, v, *, causal=False, window=None, softcap=None, alibi_slopes=None, sinks=None, config=None
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    window=None,
+    softcap=None,
+    alibi_slopes=None,
+    sinks=None,
+    config=None,
+    varlen=None,
 ):
     """The Hopper forward launched directly (no dispatch, no ``supports``: for builds the
     dispatch does not take yet, and for configs it would not pick) into NaN-filled out and LSE,
     so that an element it never writes shows; returns ``(out, lse)``. Options as
-    ``flashcore.attention`` takes them; ``config`` an ``Sm90Config`` (None: the launcher's)."""
+    ``flashcore.attention`` takes them; ``config`` an ``Sm90Config`` (None: the launcher's);
+    ``varlen`` an ``ops.problem.Varlen`` for packed q, k, v."""
     from flashcore.ops import fwd_sm90
     from flashcore.ops import problem as pb
 
+    lengths = (q.shape[2], k.shape[2]) if varlen is None else varlen[2:]
     sc = pb.scores(
         causal, window or (-1, -1), softcap or 0.0, q.shape[-1] ** -0.5,
-        alibi_slopes is not None, q.shape[2], k.shape[2],
+        alibi_slopes is not None, *lengths,
     )  # fmt: skip
-    lse = torch.full(q.shape[:3], float("nan"), device=q.device)
+    lse = torch.full(pb.lse_shape(q, varlen is not None), float("nan"), device=q.device)
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
-    out = torch.full((*q.shape[:3], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    out = torch.full((*q.shape[:-1], v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     fwd_sm90.attn_fwd_sm90(
         q, k, v, out, lse, causal=sc.is_causal, qk_scale=sc.qk_scale,
         window_left=sc.window_left, window_right=sc.window_right, has_window=sc.has_window,
         softcap=sc.softcap, alibi=None if alibi_slopes is None else alibi, stride_ab=stride_ab,
-        sinks=sinks, config=config,
+        sinks=sinks, config=config, varlen=varlen,
     )  # fmt: skip
     return out, lse
 

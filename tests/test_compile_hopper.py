@@ -86,6 +86,16 @@ VARIANTS = [
     # Head dim 256 (ops/fwd_sm90.py: CONFIGS[256]): 64-key tiles; causal, a ragged last tile.
     ("d256-fp16-causal-ragged", 256, "fp16", 2, 64, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False}),
+    # Packed batches (VARLEN): the producer's bounded V loads and the consumers' row-masked O
+    # stores, in the schedules the launcher picks by the longest lengths.
+    ("d128-bf16-causal-varlen-persistent", 128, "bf16", 2, 128, 2, 240, 168,
+     {**PLAIN, "causal": True, "even_n": False, "varlen": True, "persistent": True}),
+    ("d64-fp16-varlen-three-persistent", 64, "fp16", 3, 128, 3, 160, 128,
+     {**PLAIN, "even_n": False, "varlen": True, "persistent": True}),
+    ("d64-bf16-one3-causal-varlen-persistent", 64, "bf16", 1, 64, 2, 136, 80,
+     {**PLAIN, "causal": True, "even_n": False, "varlen": True, "persistent": True}),
+    ("d256-fp16-causal-varlen", 256, "fp16", 2, 64, 2, 240, 168,
+     {**PLAIN, "causal": True, "even_n": False, "varlen": True}),
 ]  # fmt: skip
 PERSISTENT_SUFFIX = "-persistent"
 
@@ -127,7 +137,7 @@ def compile_variant(variant) -> dict:
         HAS_WINDOW=flags["window"], SOFTCAP=flags["softcap"], HAS_ALIBI=flags["alibi"],
         HAS_SINKS=flags.get("sinks", False),
         RAW_MAX=flags["raw_max"], EVEN_N=flags["even_n"],
-        PERSISTENT=flags.get("persistent", False),
+        PERSISTENT=flags.get("persistent", False), VARLEN=flags.get("varlen", False),
     )  # fmt: skip
     fn = fwd.attn_fwd_sm90_kernel
     for name in fn.arg_names:
@@ -135,12 +145,20 @@ def compile_variant(variant) -> dict:
             signature[name] = "constexpr"
         elif name in ("LSE", "ALIBI", "SINKS"):
             signature[name] = "*fp32"
+        elif name == "O":
+            signature[name] = f"*{dtype}"
+        elif name in ("CU_Q", "CU_K"):
+            signature[name] = "*i32"
         elif name in ("qk_scale", "softcap"):
             signature[name] = "fp32"
         elif name not in signature:
             signature[name] = "i32"
     signature = {name: signature[name] for name in fn.arg_names}
-    attrs = {(fn.arg_names.index("LSE"),): [["tt.divisibility", 16]]}
+    # As a launch specialises them: 16-byte aligned pointers, O's strides multiples of 16.
+    attrs = {
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name in ("LSE", "O", "CU_Q", "stride_ot", "stride_oh")
+    }
     src = GluonASTSource(fn, signature, consts, attrs)
     ptx, sass, report = assemble(src, maxnreg)
     return {
@@ -154,6 +172,8 @@ def compile_variant(variant) -> dict:
         "q_freed_after_store_read": q_freed_after_store_read(ptx),
         "lazy_rescale": lazy_rescale_branches(sass),
         "head_dim_v": head_dim_v,
+        "varlen": flags.get("varlen", False),
+        "fenced_arrives": fenced_arrives(ptx),
     }
 
 
@@ -371,7 +391,7 @@ def test_one_consumer_fits_its_ctas_an_sm(compiled):
     ONE_D64_THREE_CTAS, ``ctas_per_sm``: as many as their registers at entry over 8 warps allow,
     two at 128 and three at 80): their shared memory must leave room for as many."""
     ones = [row for row in compiled if row["consumers"] == 1]
-    assert len(ones) == 4, [row["variant"] for row in compiled]
+    assert len(ones) == 5, [row["variant"] for row in compiled]
     for row in ones:
         ctas = 65536 // (256 * row["registers"])
         assert ctas == (3 if row["variant"].startswith("d64-bf16-one3") else 2), row["variant"]
@@ -384,8 +404,10 @@ def test_no_spills(compiled):
     # Every variant, the one with every feature flag on (window, softcap, ALiBi, ragged) too: it
     # spilled about 2 KB at D=64 until softcap's tanh took five instructions and P went to its
     # operand form early with a window (kernels/hopper/common.py: tanh, fwd_steps.py: P_EARLY).
+    # The packed (VARLEN) builds spilled 16-88 B until the values the partitions compute alike
+    # were kept out of the entry block (kernels/hopper/common.py: opaque, programs).
     persistent = [row for row in compiled if row["variant"].endswith(PERSISTENT_SUFFIX)]
-    assert len(persistent) == 11, sorted(row["variant"] for row in compiled)
+    assert len(persistent) == 14, sorted(row["variant"] for row in compiled)
     for row in compiled:
         assert row["spill_bytes"] == 0, f"{row['variant']}: {row['spill_bytes']} B of spills"
 
@@ -423,6 +445,37 @@ def test_lazy_rescale_only_where_taken(compiled):
             assert row["lazy_rescale"] >= 2 * row["consumers"], row
         else:
             assert row["lazy_rescale"] == 0, row
+
+
+def fenced_arrives(ptx: str) -> int:
+    """How many ``fence.proxy.async.shared::cta`` are followed, within a few instructions and
+    before any bulk copy, by a plain ``mbarrier.arrive``: shared memory written by threads and
+    handed to the tensor cores through a barrier (the producer's bounded V load,
+    ``fwd_load._load_v_bounded``; the O stores' fences lead to a TMA store instead)."""
+    count, seen = 0, None
+    for raw in ptx.splitlines():
+        line = raw.split("//")[0].strip()
+        if not line or line.startswith("."):
+            continue
+        if "fence.proxy.async.shared::cta" in line:
+            seen = 0
+        elif seen is not None:
+            seen += 1
+            if "cp.async.bulk" in line or seen > 8:
+                seen = None
+            elif re.search(r"mbarrier\.arrive\.shared::cta\.b64", line):
+                count, seen = count + 1, None
+    return count
+
+
+def test_varlen_bounds_the_sequences_last_v_tile(compiled):
+    """The packed builds zero the rows of a sequence's last V tile that are not its own and
+    fence them before the consumers' barrier completes; no other build has that path."""
+    for row in compiled:
+        if row["varlen"]:
+            assert row["fenced_arrives"] >= 1, row["variant"]
+        else:
+            assert row["fenced_arrives"] == 0, row["variant"]
 
 
 def test_persistent_frees_q_after_the_store_read(compiled):

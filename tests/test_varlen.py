@@ -129,3 +129,106 @@ def test_varlen_gpu_no_sync():
         out.backward(torch.ones_like(out))
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# Packed batches through the Hopper forward (use_tier("sm90")): sequences shorter than a
+# consumer's 64 rows, empty ones, lengths at and past the tiles' edges, and the builds the
+# launcher picks from the longest lengths: (case, V's head dim, options).
+VARLEN_SM90 = [
+    # D = 128: two consumers, flat or persistent (by the longest length).
+    (VarlenCase(8, 2, (300, 1, 0, 129, 64, 1000), (517, 64, 10, 129, 0, 1000), 128), 128, {}),
+    (VarlenCase(8, 2, (300, 1, 0, 129, 64, 1000), (517, 64, 10, 129, 0, 1000), 128), 128,
+     {"causal": True}),
+    # D = 64: three consumers (longest lengths past 2048), and causal up to 512 one consumer a
+    # CTA (two or three CTAs an SM by the grid).
+    (VarlenCase(4, 4, (2500, 17, 2049, 1), (2500, 300, 2049, 2), 64), 64, {}),
+    (VarlenCase(8, 8, (200, 511, 33, 480), (200, 511, 40, 480), 64), 64, {"causal": True}),
+    (VarlenCase(2, 1, (200, 511, 33, 480), (300, 500, 40, 480), 64), 64, {"causal": True}),
+    # Head dims 256, MLA's (192, 128) and a padded 80 (O's columns past 80 never written).
+    (VarlenCase(4, 2, (300, 77, 700), (517, 64, 700), 256), 256, {"causal": True}),
+    (VarlenCase(4, 4, (300, 77, 700), (517, 64, 700), 192), 128, {"causal": True}),
+    (VarlenCase(4, 2, (300, 77, 700), (517, 64, 700), 80), 80, {}),
+    # Window, softcap, ALiBi (per-sequence slopes) and sinks.
+    (VarlenCase(4, 2, (300, 1, 129, 900), (517, 64, 129, 900), 128), 128,
+     {"window": (100, 20), "softcap": 30.0}),
+    (VarlenCase(4, 2, (300, 1, 129, 900), (517, 64, 129, 900), 128), 128,
+     {"causal": True, "alibi": "bh", "sinks": True}),
+]  # fmt: skip
+
+
+def _sm90_case_id(entry) -> str:
+    case, dv, opts = entry
+    names = "-".join(k if v is True else f"{k}{v}" for k, v in opts.items())
+    return f"{case.id}-v{dv}" + (f"-{names}" if names else "")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("case", "dv", "opts"), VARLEN_SM90, ids=[_sm90_case_id(e) for e in VARLEN_SM90]
+)
+def test_varlen_gpu_sm90(monkeypatch, case, dv, opts, dtype):
+    """The Hopper forward on packed batches (the launch recorded): out and LSE per sequence
+    against the float64 reference, and every row written (the same bits as a direct launch into
+    NaN-filled tensors)."""
+    from flashcore.ops import fwd_sm90
+    from flashcore.ops.problem import Varlen
+    from helpers import launch_sm90_forward, sm90_tier_runs
+
+    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    forwards = []
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a: forwards.append(1) or real(*a))
+    q, k, v, cu_q, cu_k = make_varlen(case, dtype, "cuda")
+    if dv != case.head_dim:
+        v = torch.randn(*v.shape[:-1], dv, dtype=dtype, device="cuda")
+    opts = dict(opts)
+    causal = opts.pop("causal", False)
+    if opts.pop("alibi", None):
+        opts["alibi_slopes"] = torch.rand(len(case.seqlens_q), case.heads, device="cuda")
+    if opts.pop("sinks", False):
+        opts["sinks"] = torch.randn(case.heads, device="cuda")
+    with flashcore.use_tier("sm90"):
+        out, lse, _ = check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=False, **opts)
+    assert forwards == [1]
+    maxima = max(case.seqlens_q), max(case.seqlens_k)
+    direct = launch_sm90_forward(q, k, v, causal=causal, varlen=Varlen(cu_q, cu_k, *maxima), **opts)
+    assert torch.equal(direct[0], out) and torch.equal(direct[1], lse)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_gpu_sm90_sequences_isolated(causal, head_dim):
+    """A sequence's key tiles reach into the next sequence's rows (or past the last offset):
+    whatever those rows hold, NaN or inf included, the sequence's results are the same bits.
+    The Hopper forward zeroes those V rows before ``P V`` (``0 * inf`` would be NaN)."""
+    from helpers import sm90_tier_runs
+
+    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    case = VarlenCase(4, 2, (100, 37, 260, 5), (130, 37, 300, 9), head_dim)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+    maxima = max(case.seqlens_q), max(case.seqlens_k)
+
+    def run(k, v):
+        with flashcore.use_tier("sm90"):
+            return flashcore.attention_varlen(
+                q, k, v, cu_q, cu_k, *maxima, causal=causal, return_lse=True
+            )
+
+    out, lse = run(k, v)
+    assert not out.isnan().any()
+    # Rows past the last offset hold NaN.
+    pad = torch.full((45, *k.shape[1:]), float("nan"), dtype=k.dtype, device="cuda")
+    got = run(torch.cat([k, pad]), torch.cat([v, pad]))
+    assert torch.equal(got[0], out) and torch.equal(got[1], lse)
+    # Sequence 1's keys and values are inf: the other sequences' rows keep their bits.
+    k1, v1 = k.clone(), v.clone()
+    k1[130:167], v1[130:167] = float("inf"), float("inf")
+    got_out, got_lse = run(k1, v1)
+    others = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    others[100:137] = False
+    assert torch.equal(got_out[others], out[others])
+    assert torch.equal(got_lse[:, others], lse[:, others])

@@ -78,24 +78,25 @@ def launch(
     # A call captured into a CUDA graph has no host cost at replay: the Hopper forward from
     # smaller problems on, and descriptors for small portable ones too (tuning).
     capturing = runtime.capturing(q)
-    if varlen is None and config is None and runtime.forward_tier(q.device) == "sm90":
+    if block_table is None and config is None and runtime.forward_tier(q.device) == "sm90":
         # Whether the Hopper forward runs, and its launch, per problem signature (as the
         # portable plan below): the tier's checks and choice cost tens of microseconds of
         # Python a call otherwise (docs/performance_host.md, "The Hopper tier's host path").
         key = (
             *problem, out.stride(),
             None if alibi_slopes is None else (alibi_slopes.dtype, stride_ab), sinks is None,
-            aligned, runtime.tier_forced(), capturing,
+            None if varlen is None else pb.problem_dims(q, k, varlen), aligned,
+            runtime.tier_forced(), capturing,
         )  # fmt: skip
         hopper = cached(_SM90_PLANS, key, lambda: _sm90_plan(
-            q, k, v, lse, causal, scale, window, softcap, alibi_slopes, stride_ab,
-            sinks is not None, pb.problem_dims(q, k, varlen), capturing,
+            q, k, v, out, lse, causal, scale, window, softcap, alibi_slopes, stride_ab,
+            sinks is not None, varlen, capturing,
         ))  # fmt: skip
         if hopper:
             from flashcore.ops import fwd_sm90
 
             fwd_sm90.launch(hopper, q, k, v, out, lse, alibi if alibi_slopes is not None else None,
-                            sinks)  # fmt: skip
+                            sinks, varlen)  # fmt: skip
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
     # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
@@ -139,6 +140,7 @@ def _sm90_plan(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    out: torch.Tensor,
     lse: torch.Tensor,
     causal: bool,
     scale: float,
@@ -147,20 +149,26 @@ def _sm90_plan(
     alibi_slopes: torch.Tensor | None,
     stride_ab: int,
     has_sinks: bool,
-    dims: pb.Dims,
+    varlen: pb.Varlen | None,
     capturing: bool = False,
 ):
     """The Hopper forward's launch (``fwd_sm90.Plan``) where "auto" or ``use_tier("sm90")`` takes
     it for this problem and the tier covers it, else False (``capturing``: into a CUDA graph)."""
     from flashcore.ops import fwd_sm90
 
+    dims = pb.problem_dims(q, k, varlen)
     # The kernels' head dim: 128 for those between 64 and 128 (fwd_sm90.PADDED_HEAD_DIMS), 256
     # for those between 128 and 256 with V's equal (WIDE_PADDED_HEAD_DIMS).
     head_dim = fwd_sm90.kernel_head_dims(q.shape[-1], v.shape[-1])[0]
-    flops = 4.0 * dims.batch * dims.heads * dims.seqlen_q * dims.seqlen_k * head_dim
+    # "auto" judges a packed batch by its mean lengths (the offsets stay on the device; the
+    # totals may include rows past the last offset, so these are upper bounds).
+    seqlen_q, seqlen_k = (
+        dims[3:] if varlen is None else (q.shape[0] / dims.batch, k.shape[0] / dims.batch)
+    )
+    flops = 4.0 * dims.batch * dims.heads * seqlen_q * seqlen_k * head_dim
     wanted = runtime.tier_forced() or tuning.sm90_forward(
-        dims.seqlen_q,
-        dims.seqlen_k,
+        seqlen_q,
+        seqlen_k,
         head_dim,
         flops / 2 if causal else flops,
         causal=causal,
@@ -170,14 +178,18 @@ def _sm90_plan(
         alibi=alibi_slopes is not None,
     )
     if not wanted or not fwd_sm90.supports(
-        q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes
-    ):
+        q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes,
+        varlen=varlen is not None,
+    ):  # fmt: skip
+        return False
+    if varlen is not None and not fwd_sm90.tma_ok(fwd_sm90.packed_view(out)):
         return False
     sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, *dims[3:])
     return fwd_sm90.plan(
         q, k, v, lse, causal=sc.is_causal, qk_scale=sc.qk_scale, window_left=sc.window_left,
         window_right=sc.window_right, has_window=sc.has_window, softcap=sc.softcap,
-        alibi=alibi_slopes is not None, sinks=has_sinks, stride_ab=stride_ab,
+        alibi=alibi_slopes is not None, sinks=has_sinks, stride_ab=stride_ab, varlen=varlen,
+        out_strides=(0, 0) if varlen is None else out.stride()[:2],
     )  # fmt: skip
 
 

@@ -15,6 +15,7 @@ import torch
 
 from flashcore.ops import runtime
 from flashcore.ops.launch import Descriptor, Launcher
+from flashcore.ops.problem import Varlen
 
 DTYPES = (torch.float16, torch.bfloat16)
 # (Q/K head dim, V head dim) pairs both Hopper tiers run (this forward, ops/bwd_sm90.py).
@@ -367,9 +368,10 @@ def kernels() -> ModuleType:
 
 @functools.cache
 def launcher() -> Launcher:
-    """The kernel's ``Launcher`` (its four descriptors, LSE, ALIBI and SINKS come first):
-    Triton's per-call argument binding is skipped once a signature has been compiled."""
-    return Launcher(kernels().attn_fwd_sm90_kernel, 7)
+    """The kernel's ``Launcher`` (its four descriptors, LSE, ALIBI, SINKS, O and the two offset
+    tensors come first): Triton's per-call argument binding is skipped once a signature has been
+    compiled."""
+    return Launcher(kernels().attn_fwd_sm90_kernel, 10)
 
 
 @functools.cache
@@ -424,6 +426,35 @@ def dense_problem(
     return all(tma_ok(t) for t in (q, k, v))
 
 
+def packed_view(t: torch.Tensor) -> torch.Tensor:
+    """A packed ``(total, heads, D)`` tensor as the ``(1, heads, total, D)`` view the kernels'
+    4-D descriptors take (VARLEN: batch coordinate 0, each sequence's rows from its offset)."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def packed_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    head_dims: tuple[tuple[int, int], ...],
+) -> bool:
+    """``dense_problem`` for packed (varlen) inputs: q ``(total_q, H, D)``, k and v ``(total_k,
+    Hkv, D)`` with ``H % Hkv == 0`` and rows, whose ``packed_view`` the copy engine can address."""
+    if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
+        return False
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return False
+    if k.shape[-1] != q.shape[-1] or v.shape[:-1] != k.shape[:-1]:
+        return False
+    if (q.shape[-1], v.shape[-1]) not in head_dims:
+        return False
+    if q.shape[1] % k.shape[1] != 0 or q.shape[0] == 0 or k.shape[0] == 0:
+        return False
+    return all(tma_ok(packed_view(t)) for t in (q, k, v))
+
+
 def supports(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -433,17 +464,20 @@ def supports(
     window: tuple[int, int] | None,
     softcap: float,
     alibi: torch.Tensor | None,
+    varlen: bool = False,
 ) -> bool:
     """Whether this tier runs the problem: an sm_90 device, fp16/bf16, head dim 64 or 128, dense
-    (non-varlen) ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty
-    sequences, and strides the copy engine accepts; or the wider and padded pairs of
-    ``forward_head_dims``.
+    ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty
+    sequences, and strides the copy engine accepts, or with ``varlen`` packed ``(total, heads,
+    D)`` ones (``packed_problem``); or the wider and padded pairs of ``forward_head_dims``.
     Causal, the sliding window, softcap and ALiBi are all covered (flags of the one kernel), so
     ``causal``/``window``/``softcap``/``alibi`` never reject; they are taken so that the dispatch
     can call every tier alike."""
     del causal, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
+    if varlen:
+        return packed_problem(q, k, v, forward_head_dims())
     return dense_problem(q, k, v, forward_head_dims())
 
 
@@ -498,16 +532,20 @@ def attn_fwd_sm90(
     *,
     alibi: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
+    varlen: Varlen | None = None,
     **options,
 ) -> None:
-    """Write ``out`` (like q) and ``lse`` (fp32 ``(B, H, Sq)``, contiguous) for inputs that passed
-    ``supports``: ``launch`` of ``plan``. ``alibi`` holds float32 slopes read at ``b *
-    stride_ab + h``; ``sinks`` float32 ``(H,)`` logits (natural units), contiguous; ``options``
-    are ``plan``'s other keywords."""
-    if not tma_ok(out):
+    """Write ``out`` (like q) and ``lse`` (fp32 ``(B, H, Sq)``, contiguous; packed ``(H,
+    total_q)`` with ``varlen``) for inputs that passed ``supports``: ``launch`` of ``plan``.
+    ``alibi`` holds float32 slopes read at ``b * stride_ab + h``; ``sinks`` float32 ``(H,)``
+    logits (natural units), contiguous; ``options`` are ``plan``'s other keywords."""
+    if not tma_ok(out if varlen is None else packed_view(out)):
         raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
-    p = plan(q, k, v, lse, alibi=alibi is not None, sinks=sinks is not None, **options)
-    launch(p, q, k, v, out, lse, alibi, sinks)
+    p = plan(
+        q, k, v, lse, alibi=alibi is not None, sinks=sinks is not None, varlen=varlen,
+        out_strides=(0, 0) if varlen is None else out.stride()[:2], **options,
+    )  # fmt: skip
+    launch(p, q, k, v, out, lse, alibi, sinks, varlen)
 
 
 def plan(
@@ -526,6 +564,8 @@ def plan(
     sinks: bool,
     stride_ab: int,
     config: Sm90Config | None = None,
+    varlen: Varlen | None = None,
+    out_strides: tuple[int, int] = (0, 0),
 ) -> Plan:
     """The launch of ``attn_fwd_sm90`` for these shapes and options (a function of q's, k's and
     v's shapes, lse's strides, the device and the options only, so callers keep it per problem
@@ -535,10 +575,18 @@ def plan(
     ``softcap`` is ``c * log2(e)``. ``causal`` is bottom-right aligned; the window sides are the
     portable launcher's (``ops.fwd.window_bounds``: unbounded as ``Sq + Sk``, HAS_WINDOW off when
     neither binds). ``alibi`` and ``sinks``: whether those tensors come. ``config`` overrides
-    the tiles (for benchmarks).
+    the tiles (for benchmarks). ``varlen``: q, k and v are packed (``packed_problem``; the
+    lengths below are the longest sequence's), and ``out_strides`` are out's row and head
+    strides, which the kernel stores a sequence's last query rows with.
     """
-    batch, heads, seqlen_q, head_dim = q.shape
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    if varlen is None:
+        batch, heads, seqlen_q, head_dim = q.shape
+        kv_heads, seqlen_k = k.shape[1], k.shape[2]
+        totals = (0, 0)
+    else:
+        batch, heads, head_dim = varlen.batch, q.shape[1], q.shape[2]
+        kv_heads, seqlen_q, seqlen_k = k.shape[1], varlen.max_seqlen_q, varlen.max_seqlen_k
+        totals = (q.shape[0], k.shape[0])
     # The tiles' width (``PADDED_HEAD_DIMS``, ``WIDE_PADDED_HEAD_DIMS``: boxes wider than the
     # tensors).
     head_dim, head_dim_v = kernel_head_dims(head_dim, v.shape[-1])
@@ -565,10 +613,13 @@ def plan(
         kv_bytes = seqlen_k * (k.shape[-1] + v.shape[-1]) * k.element_size()
         grid, lpt_heads = causal_order(costs, batch * heads, slots, persistent, kv_bytes)
     n_tiles = -(-seqlen_q // block_m)
+    # The LSE's batch and head strides: (B, H, Sq), or packed (H, total_q) with batch stride 0.
+    lse_strides = lse.stride()[:2] if varlen is None else (0, lse.stride(0))
     scalars = (
-        lse.stride(0), lse.stride(1), stride_ab, heads, heads // kv_heads, seqlen_q, seqlen_k,
-        lpt_heads, *fast_divisor(n_tiles * lpt_heads), *fast_divisor(lpt_heads),
-        *fast_divisor(heads), float(qk_scale), window_left, window_right, float(softcap),
+        *lse_strides, stride_ab, *out_strides, heads, heads // kv_heads, batch, seqlen_q,
+        seqlen_k, *totals, lpt_heads, *fast_divisor(n_tiles * lpt_heads),
+        *fast_divisor(lpt_heads), *fast_divisor(heads), float(qk_scale), window_left,
+        window_right, float(softcap),
     )  # fmt: skip
     meta = {
         "HEAD_DIM": head_dim,
@@ -583,8 +634,9 @@ def plan(
         "HAS_ALIBI": alibi,
         "HAS_SINKS": sinks,
         "RAW_MAX": raw_max,
-        "EVEN_N": seqlen_k % cfg.block_n == 0,
+        "EVEN_N": varlen is None and seqlen_k % cfg.block_n == 0,
         "PERSISTENT": persistent,
+        "VARLEN": varlen is not None,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }
@@ -600,10 +652,19 @@ def launch(
     lse: torch.Tensor,
     alibi: torch.Tensor | None,
     sinks: torch.Tensor | None,
+    varlen: Varlen | None = None,
 ) -> None:
-    """Launch ``p`` on these tensors (which passed ``supports``, ``out`` ``tma_ok``)."""
-    descs = tuple(descriptor(t, box) for t, box in zip((q, k, v, out), p.boxes, strict=True))
-    # The LSE stands in for an absent ALiBi or sinks pointer (never read: its flag is off).
-    extra = (lse, lse if alibi is None else alibi, lse if sinks is None else sinks)
+    """Launch ``p`` on these tensors (which passed ``supports``, ``out`` ``tma_ok``; packed ones
+    with their ``varlen`` offsets, as ``p`` was planned)."""
+    tensors = (q, k, v, out)
+    if varlen is not None:
+        tensors = tuple(packed_view(t) for t in tensors)
+    descs = tuple(descriptor(t, box) for t, box in zip(tensors, p.boxes, strict=True))
+    # The LSE stands in for an absent ALiBi, sinks or offsets pointer (never read: its flag is
+    # off), out for O (read only with VARLEN).
+    extra = (
+        lse, lse if alibi is None else alibi, lse if sinks is None else sinks, out,
+        *((lse, lse) if varlen is None else varlen[:2]),
+    )  # fmt: skip
     with runtime.launch_on(q):
         launcher()(p.grid, (*descs, *extra, *p.scalars), p.meta)

@@ -55,6 +55,33 @@ def kv_tile_range(
 
 
 @gluon.jit
+def seq_bounds(CU, b, total):
+    """``(first row, length)`` of packed sequence b, as ``kernels/varlen.py: seq_bounds`` but in
+    int32 (the TMA coordinates' type): ``CU[b]`` and ``CU[b + 1]`` clamped to ``[0, total]``, the
+    end to at least the start, so offsets that are not prefix sums give wrong numbers for their
+    own sequence, never an access outside the tensors."""
+    start = gl.minimum(gl.maximum(gl.load(CU + b), 0), total)
+    end = gl.minimum(gl.maximum(gl.load(CU + b + 1), start), total)
+    return start, end - start
+
+
+@gluon.jit
+def sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN: gl.constexpr):
+    """``(q_start, k_start, seqlen_q, seqlen_k, desc_b)`` of work item batch ``off_b``: with VARLEN
+    its packed sequence's first rows and lengths, and batch coordinate 0 in the ``(1, heads,
+    total, D)`` descriptors; dense, rows from 0, the problem's lengths and ``off_b`` itself."""
+    if VARLEN:
+        q_start, seqlen_q = seq_bounds(CU_Q, off_b, total_q)
+        k_start, seqlen_k = seq_bounds(CU_K, off_b, total_k)
+        desc_b = 0
+    else:
+        q_start = 0
+        k_start = 0
+        desc_b = off_b
+    return q_start, k_start, seqlen_q, seqlen_k, desc_b
+
+
+@gluon.jit
 def tanh(x):
     """fp32 tanh for the softcap of 16-bit problems: ``1 - 2 / (2^(2 x log2 e) + 1)`` with an
     approximate reciprocal (``div.full``). Its absolute error is about 1e-7 everywhere, which is
@@ -124,6 +151,21 @@ def opaque(x):
     return gl.inline_asm_elementwise(
         "mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
     )
+
+
+@gluon.jit
+def programs(pid, VARLEN: gl.constexpr):
+    """``gl.num_programs(0)`` for a persistent partition; with VARLEN read by a side-effecting
+    ``mov`` (``pid`` only orders it). LLVM (Triton 3.6) merges the partitions' reads of
+    ``%nctaid.x`` into one in the entry block, before ``setmaxnreg``, and in the VARLEN builds,
+    whose partitions hold a few more values, ptxas spilled it (24-28 B at D = 128)."""
+    if VARLEN:
+        n = gl.inline_asm_elementwise(
+            "mov.u32 $0, %nctaid.x;", "=r,r", [pid], dtype=gl.int32, is_pure=False, pack=1
+        )
+    else:
+        n = gl.num_programs(0)
+    return n
 
 
 @gluon.jit

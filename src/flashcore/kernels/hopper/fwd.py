@@ -163,11 +163,42 @@ from flashcore.kernels.hopper.common import (
     ROWS,
     kv_tile_range,
     opaque,
+    programs,
+    sequence,
     snake,
     work,
 )
 from flashcore.kernels.hopper.fwd_load import producer
 from flashcore.kernels.hopper.fwd_steps import attend, skips
+
+
+@gluon.jit
+def _store_o(o_desc, o_tile, acc, off_b, off_h, row):
+    """O out through its shared-memory tile (a Q slot) by one TMA store of rows ``row ..``."""
+    o_tile.reshape([o_tile.shape[2], o_tile.shape[3]]).store(acc.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row, 0], o_tile)
+
+
+@gluon.jit
+def _store_o_rows(O, o_desc, o_tile, acc, row, n_rows, off_h, stride_ot, stride_oh):
+    """O's first ``n_rows`` rows only, from ``row`` on (VARLEN: the rows after them are the next
+    sequence's), through the same shared-memory tile: written in the accumulator's layout, read
+    back in 16-byte row pieces and stored with a row mask (and a column mask at 8-column
+    granularity: O's real width, below the tile's for the padded head dims; every head dim the
+    tier takes is a multiple of 8, so the stores stay 16 bytes wide)."""
+    ROWS_T: gl.constexpr = o_tile.shape[2]
+    DV: gl.constexpr = o_tile.shape[3]
+    tile = o_tile.reshape([ROWS_T, DV])
+    tile.store(acc.to(o_desc.dtype))
+    TC: gl.constexpr = DV // 8 if DV < 256 else 32  # threads along a row, 8 columns each
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [4, 1], [1, 0])
+    o = tile.load(layout)
+    r = gl.arange(0, ROWS_T, layout=gl.SliceLayout(1, layout))
+    c = gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, layout)), 0)
+    offs = gl.expand_dims((row + r).to(gl.int64) * stride_ot, 1) + c
+    mask = gl.expand_dims(r < n_rows, 1) & (c // 8 < o_desc.shape[3] // 8)
+    gl.store(O + off_h.to(gl.int64) * stride_oh + offs, o, mask=mask)
 
 
 @gluon.jit
@@ -185,6 +216,9 @@ def _consumer_tile(
     LSE,
     ALIBI,
     SINKS,
+    O,
+    CU_Q,
+    CU_K,
     w,
     it,
     kv0,
@@ -192,6 +226,8 @@ def _consumer_tile(
     stride_lb,
     stride_lh,
     stride_ab,
+    stride_ot,
+    stride_oh,
     num_heads,
     seqlen_q,
     seqlen_k,
@@ -201,6 +237,8 @@ def _consumer_tile(
     window_left,
     window_right,
     softcap,
+    total_q,
+    total_k,
     CONSUMER: gl.constexpr,
     NUM_CONSUMERS: gl.constexpr,
     PINGPONG: gl.constexpr,
@@ -216,6 +254,7 @@ def _consumer_tile(
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """This consumer's 64 rows of work item ``w`` (the program's tile number ``it``), from ring
     entry ``kv0`` and turn ``turn0`` on; returns the number of key tiles it took."""
@@ -237,16 +276,28 @@ def _consumer_tile(
         seqlen_k = opaque(seqlen_k)
         stride_lb = opaque(stride_lb)
         stride_lh = opaque(stride_lh)
+    if VARLEN:
+        # Flat too: the sign extensions of O's strides and the query tiles' count were hoisted
+        # into the entry block and spilled (16-36 B at head dims 192 and 256).
+        seqlen_q = opaque(seqlen_q)
+        stride_ot = opaque(stride_ot)
+        stride_oh = opaque(stride_oh)
     tile_m, off_b, off_h = work(
         w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL, PERSISTENT
     )
     start_m = tile_m * BLOCK_M
     row0 = start_m + CONSUMER * ROWS
     rows = gl.expand_dims(row0 + gl.arange(0, ROWS, layout=row_layout), 1)
+    q_start, _, seqlen_q, seqlen_k, desc_b = sequence(
+        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
+    )
     lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
         IS_CAUSAL, HAS_WINDOW,
     )  # fmt: skip
+    if VARLEN:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if start_m >= seqlen_q:
+            hi = lo  # a query tile past its sequence's end (as the producer's)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
     t0 = 0
     t1 = n_tiles
@@ -311,18 +362,39 @@ def _consumer_tile(
         # O (Dv <= D: the launcher's MLA shapes) over the front of the slot's panels, in O's own
         # layout: it is written and read (by the copy engine) through that layout alone.
         o_tile = q_tile._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
-    o_tile.reshape([ROWS, HEAD_DIM_V]).store(acc.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_tile)
+    if VARLEN:
+        # Rows past the sequence's end are the next sequence's: a tile that reaches them is
+        # written from registers with a row mask (and, for the padded head dims, a column
+        # mask: the copy engine's clipping at O's real width).
+        clipped = row0 + ROWS > seqlen_q
+        if clipped:
+            _store_o_rows(
+                O, o_desc, o_tile, acc, q_start + row0, seqlen_q - row0, off_h, stride_ot,
+                stride_oh,
+            )  # fmt: skip
+        else:
+            _store_o(o_desc, o_tile, acc, desc_b, off_h, q_start + row0)
+    else:
+        _store_o(o_desc, o_tile, acc, off_b, off_h, row0)
     offs_m = row0 + gl.arange(0, ROWS, layout=row_layout)
-    lse_ptrs = LSE + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + offs_m
+    lse_ptrs = (
+        LSE + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + q_start + offs_m
+    )
     gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
     if PERSISTENT:
         # The copy engine has read the previous tile's O out of its slot (``wait_group.read``
         # of all but the store just issued; Gluon puts a warpgroup barrier after it, before the
         # arrive): the producer may land tile it + 2's Q there. Waiting for this tile's own
         # store instead cost about 650 clocks a tile (the copy engine's read of the O tile).
-        tma.store_wait(1)
+        # A tile written from registers issued no store: all of them, the previous tile's
+        # included, must have been read.
+        if VARLEN:
+            if clipped:
+                tma.store_wait(0)
+            else:
+                tma.store_wait(1)
+        else:
+            tma.store_wait(1)
         if it > 0:
             prev = ((it + Q_BUFFERS - 1) % Q_BUFFERS) * NUM_CONSUMERS + CONSUMER
             mbarrier.arrive(q_empty.index(prev), count=1)
@@ -349,24 +421,26 @@ def _consumer(
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """Consumer ``CONSUMER``'s partition: its tiles one after another (persistent), or its
     program's one tile; ``run`` holds the kernel's runtime values (``attn_fwd_sm90_kernel``)."""
     (
         o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, LSE,
-        ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k, lpt_heads,
-        divisors, qk_scale, window_left, window_right, softcap,
+        ALIBI, SINKS, O, CU_Q, CU_K, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh,
+        num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left,
+        window_right, softcap, total_q, total_k,
     ) = run  # fmt: skip
     if PERSISTENT:
         pid = gl.program_id(0)
-        grid = gl.num_programs(0)
+        grid = programs(pid, VARLEN)
         seqlen_q = opaque(seqlen_q)
         seqlen_k = opaque(seqlen_k)
         num_heads = opaque(num_heads)
         lpt_heads = opaque(lpt_heads)
         stride_lh = opaque(stride_lh)
         stride_lb = opaque(stride_lb)
-        n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(o_desc.shape[0]) * num_heads
+        n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(batch) * num_heads
         kv = 0
         turns = 0
         for wave in range(gl.cdiv(n_work, grid)):
@@ -374,11 +448,12 @@ def _consumer(
             if w < n_work:
                 n = _consumer_tile(
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                    kv_empty, turn, LSE, ALIBI, SINKS, w, wave, kv, turns, stride_lb, stride_lh,
-                    stride_ab, num_heads, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale,
-                    window_left, window_right, softcap, CONSUMER, NUM_CONSUMERS, PINGPONG,
-                    HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
-                    HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
+                    kv_empty, turn, LSE, ALIBI, SINKS, O, CU_Q, CU_K, w, wave, kv, turns,
+                    stride_lb, stride_lh, stride_ab, stride_ot, stride_oh, num_heads, seqlen_q,
+                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap,
+                    total_q, total_k, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M,
+                    BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
+                    RAW_MAX, EVEN_N, PERSISTENT, VARLEN,
                 )  # fmt: skip
                 kv += n
                 if n > 0:
@@ -387,10 +462,11 @@ def _consumer(
     else:
         _consumer_tile(
             o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-            LSE, ALIBI, SINKS, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh, stride_ab,
-            num_heads, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right,
-            softcap, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-            IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT,
+            LSE, ALIBI, SINKS, O, CU_Q, CU_K, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh,
+            stride_ab, stride_ot, stride_oh, num_heads, seqlen_q, seqlen_k, lpt_heads, divisors,
+            qk_scale, window_left, window_right, softcap, total_q, total_k, CONSUMER,
+            NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+            HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT, VARLEN,
         )  # fmt: skip
 
 
@@ -403,13 +479,21 @@ def attn_fwd_sm90_kernel(
     LSE,
     ALIBI,
     SINKS,
+    O,
+    CU_Q,
+    CU_K,
     stride_lb,
     stride_lh,
     stride_ab,
+    stride_ot,
+    stride_oh,
     num_heads,
     kv_group,
+    batch,
     seqlen_q,
     seqlen_k,
+    total_q,
+    total_k,
     lpt_heads,
     div_group_m,
     div_group_s,
@@ -435,6 +519,7 @@ def attn_fwd_sm90_kernel(
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr = False,
+    VARLEN: gl.constexpr = False,
 ):
     BLOCK_M: gl.constexpr = ROWS * NUM_CONSUMERS
     # Persistent: Q_BUFFERS per consumer, so that the next tile's Q lands during this one.
@@ -474,6 +559,12 @@ def attn_fwd_sm90_kernel(
             mbarrier.init(q_empty.index(c), count=1)
     else:
         q_empty = q_ready  # never touched
+    if VARLEN:
+        # The producer's own barrier for bounded V loads (fwd_load._load_v_bounded).
+        fix_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(fix_bar.index(0), count=1)
+    else:
+        fix_bar = q_ready  # never touched
     # Ping-pong: consumer c issues its products after waiting turn[c] and passes the turn on to
     # c + 1 once they are issued; consumer 0 holds the first turn.
     turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -488,13 +579,14 @@ def attn_fwd_sm90_kernel(
     # variable inside the kernel turns them into tensors (Triton 3.6).
     run = (
         o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, LSE,
-        ALIBI, SINKS, stride_lb, stride_lh, stride_ab, num_heads, seqlen_q, seqlen_k, lpt_heads,
-        divisors, qk_scale, window_left, window_right, softcap,
+        ALIBI, SINKS, O, CU_Q, CU_K, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh,
+        num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left,
+        window_right, softcap, total_q, total_k,
     )  # fmt: skip
     loads = (
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-        kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left,
-        window_right,
+        kv_empty, fix_bar.index(0), CU_Q, CU_K, num_heads, kv_group, batch, seqlen_q, seqlen_k,
+        lpt_heads, divisors, window_left, window_right, total_q, total_k,
     )  # fmt: skip
     gl.static_assert((NUM_CONSUMERS >= 1) & (NUM_CONSUMERS <= 3), "one to three consumers")
     if NUM_CONSUMERS == 1:
@@ -502,9 +594,9 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT)),
+                            HAS_WINDOW, PERSISTENT, VARLEN)),
             ],
             [1],
             [24],
@@ -514,12 +606,12 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT)),
+                            HAS_WINDOW, PERSISTENT, VARLEN)),
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
@@ -529,15 +621,15 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
                 (_consumer, (run, 2, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT)),
+                            HAS_WINDOW, PERSISTENT, VARLEN)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, 24],

@@ -7,9 +7,18 @@ across tiles.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from flashcore.kernels.hopper.common import Q_BUFFERS, ROWS, kv_tile_range, opaque, snake, work
+from flashcore.kernels.hopper.common import (
+    Q_BUFFERS,
+    ROWS,
+    kv_tile_range,
+    opaque,
+    programs,
+    sequence,
+    snake,
+    work,
+)
 
 
 @gluon.jit
@@ -25,6 +34,42 @@ def _load(desc, off_b, off_h, row, bar, smem, first, PANELS: gl.constexpr):
 
 
 @gluon.jit
+def _zero_rows(tile, keep):
+    """Zero rows ``keep ..`` of a ``[rows, D]`` NVMMA-swizzled tile in shared memory, by this
+    warp, in 8-row by 64-column pieces (the swizzle's atom: slices along both dims stay
+    addressable). Each piece that reaches past ``keep`` is read, masked and written back."""
+    ROWS_T: gl.constexpr = tile.shape[0]
+    COLS: gl.constexpr = tile.shape[1]
+    PIECE_C: gl.constexpr = 64 if COLS > 64 else COLS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    r = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, layout)), 1)
+    for i in gl.static_range(ROWS_T // 8):
+        if i * 8 + 8 > keep:
+            for c in gl.static_range(COLS // PIECE_C):
+                piece = tile.slice(i * 8, 8, dim=0).slice(c * PIECE_C, PIECE_C, dim=1)
+                x = piece.load(layout)
+                piece.store(gl.where(r + i * 8 >= keep, gl.zeros_like(x), x))
+
+
+@gluon.jit
+def _load_v_bounded(desc, off_b, off_h, row, keep, bar, fix_bar, n_fix, smem, slot):
+    """V tile ``slot`` from ``row`` on, of which only the first ``keep`` rows are this sequence's
+    (VARLEN, the sequence's last key tile): the rows after them hold the next sequence's values
+    or unset memory, and a NaN or inf there would turn ``P V``'s zero weights into NaN. The tile
+    lands on the producer's own ``fix_bar`` (phase ``n_fix & 1``), the warp zeroes the foreign
+    rows, fences them for the tensor cores' (async) reads, and only then completes ``bar``
+    (``v_ready``, count 1) with a plain arrive."""
+    mbarrier.expect(fix_bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [off_b, off_h, row, 0], fix_bar, smem.index(slot))
+    mbarrier.wait(fix_bar, n_fix & 1)
+    BLOCK_N: gl.constexpr = desc.block_type.shape[2]
+    DV: gl.constexpr = desc.block_type.shape[3]
+    _zero_rows(smem.index(slot).reshape([BLOCK_N, DV]), keep)
+    fence_async_shared()
+    mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
 def _producer_tile(
     q_desc,
     k_desc,
@@ -37,9 +82,13 @@ def _producer_tile(
     k_ready,
     v_ready,
     kv_empty,
+    fix_bar,
+    CU_Q,
+    CU_K,
     w,
     it,
     kv0,
+    n_fix,
     num_heads,
     kv_group,
     seqlen_q,
@@ -48,6 +97,8 @@ def _producer_tile(
     divisors,
     window_left,
     window_right,
+    total_q,
+    total_k,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr,
@@ -55,21 +106,32 @@ def _producer_tile(
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     PERSISTENT: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """Loads of work item ``w``, this program's tile number ``it``, whose K/V tiles take ring
-    entries ``kv0, kv0 + 1, ...``; returns how many it took."""
+    entries ``kv0, kv0 + 1, ...``, after ``n_fix`` bounded V loads (``_load_v_bounded``);
+    returns how many ring entries it took and the bounded loads' new count."""
     # Q and K arrive in PANELS column panels of PANEL (head dim 192: three of 64, as a TMA box
     # must be a power of two wide); one panel otherwise.
     PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES
+    if VARLEN:
+        seqlen_q = opaque(seqlen_q)  # as the consumers' (kernels/hopper/fwd.py: _consumer_tile)
     tile_m, off_b, off_h = work(
         w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL, PERSISTENT
     )
     start_m = tile_m * BLOCK_M
     off_hk = off_h // kv_group
+    q_start, k_start, seqlen_q, seqlen_k, off_b = sequence(
+        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
+    )
     lo, _, _, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
         IS_CAUSAL, HAS_WINDOW,
     )  # fmt: skip
+    if VARLEN:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if start_m >= seqlen_q:
+            hi = lo  # a query tile past its sequence's end: no rows, nothing to load
+    n_fix = gl.to_tensor(n_fix)  # the flat grid passes 0
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
     if PERSISTENT:
         # Q buffer it % Q_BUFFERS, once its consumer has stored the O of tile it - Q_BUFFERS
@@ -80,14 +142,17 @@ def _producer_tile(
             mbarrier.wait(q_empty.index(qi), ((it // Q_BUFFERS) & 1) ^ 1)
             bar = q_ready.index(qi)
             if hi > lo:
-                _load(q_desc, off_b, off_h, start_m + c * ROWS, bar, q_smem, qi * PANELS, PANELS)
+                _load(
+                    q_desc, off_b, off_h, q_start + start_m + c * ROWS, bar, q_smem,
+                    qi * PANELS, PANELS,
+                )  # fmt: skip
             else:
                 mbarrier.arrive(bar, count=1)
     if hi > lo:
         if not PERSISTENT:
             for c in gl.static_range(NUM_CONSUMERS):
                 _load(
-                    q_desc, off_b, off_h, start_m + c * ROWS, q_ready.index(c), q_smem,
+                    q_desc, off_b, off_h, q_start + start_m + c * ROWS, q_ready.index(c), q_smem,
                     c * PANELS, PANELS,
                 )  # fmt: skip
         for t in range(n_tiles):
@@ -97,11 +162,27 @@ def _producer_tile(
             start_n = lo + t * BLOCK_N
             mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # K of entry g - NUM_STAGES read
             _load(
-                k_desc, off_b, off_hk, start_n, k_ready.index(slot), k_smem, slot * PANELS, PANELS
-            )
+                k_desc, off_b, off_hk, k_start + start_n, k_ready.index(slot), k_smem,
+                slot * PANELS, PANELS,
+            )  # fmt: skip
             mbarrier.wait(kv_empty.index(NUM_STAGES + slot), phase ^ 1)  # and its V
-            _load(v_desc, off_b, off_hk, start_n, v_ready.index(slot), v_smem, slot, 1)
-    return n_tiles
+            if VARLEN:
+                # Rows past the sequence's keys that the tensor holds (the copy engine fills
+                # only rows past the tensor's end with zeros): a bounded load.
+                if (start_n + BLOCK_N > seqlen_k) & (k_start + seqlen_k < total_k):
+                    _load_v_bounded(
+                        v_desc, off_b, off_hk, k_start + start_n, seqlen_k - start_n,
+                        v_ready.index(slot), fix_bar, n_fix, v_smem, slot,
+                    )  # fmt: skip
+                    n_fix += 1
+                else:
+                    _load(
+                        v_desc, off_b, off_hk, k_start + start_n, v_ready.index(slot), v_smem,
+                        slot, 1,
+                    )  # fmt: skip
+            else:
+                _load(v_desc, off_b, off_hk, start_n, v_ready.index(slot), v_smem, slot, 1)
+    return n_tiles, n_fix
 
 
 @gluon.jit
@@ -114,37 +195,42 @@ def producer(
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     PERSISTENT: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """The producer warp's partition; ``run`` holds the kernel's runtime values it needs
     (``kernels/hopper/fwd.py: attn_fwd_sm90_kernel``)."""
     (
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-        kv_empty, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left,
-        window_right,
+        kv_empty, fix_bar, CU_Q, CU_K, num_heads, kv_group, batch, seqlen_q, seqlen_k, lpt_heads,
+        divisors, window_left, window_right, total_q, total_k,
     ) = run  # fmt: skip
     if PERSISTENT:
         pid = gl.program_id(0)
-        grid = gl.num_programs(0)
+        grid = programs(pid, VARLEN)
         seqlen_q = opaque(seqlen_q)
         seqlen_k = opaque(seqlen_k)
         num_heads = opaque(num_heads)
         lpt_heads = opaque(lpt_heads)
-        n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(q_desc.shape[0]) * num_heads
+        n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(batch) * num_heads
         kv = 0
+        n_fix = 0
         for wave in range(gl.cdiv(n_work, grid)):
             # Every wave but the last gives each program a tile, so the wave is the tile count.
             w = snake(wave, pid, grid)
             if w < n_work:
-                kv += _producer_tile(
+                n, n_fix = _producer_tile(
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, w, wave, kv, num_heads, kv_group, seqlen_q, seqlen_k,
-                    lpt_heads, divisors, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-                    NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT,
+                    v_ready, kv_empty, fix_bar, CU_Q, CU_K, w, wave, kv, n_fix, num_heads,
+                    kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right,
+                    total_q, total_k, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                    HAS_WINDOW, PERSISTENT, VARLEN,
                 )  # fmt: skip
+                kv += n
     else:
         _producer_tile(
             q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-            kv_empty, gl.program_id(0), 0, 0, num_heads, kv_group, seqlen_q, seqlen_k,
-            lpt_heads, divisors, window_left, window_right, BLOCK_M, BLOCK_N, NUM_STAGES,
-            NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT,
+            kv_empty, fix_bar, CU_Q, CU_K, gl.program_id(0), 0, 0, 0, num_heads, kv_group,
+            seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right, total_q, total_k,
+            BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT,
+            VARLEN,
         )  # fmt: skip
