@@ -1,0 +1,124 @@
+"""Packed (varlen) forward on the GPU: FlashCore's tiers side by side, and FlashAttention-4's
+varlen forward when ``flash_attn.cute`` imports.
+
+Each batch is a list of sequence lengths (queries = keys), packed ``(total, H, D)`` bf16; every
+provider runs in this process, timed with ``triton.testing.do_bench`` (median of its repetitions)
+over ``--rounds`` rotated rounds. FLOPs count each sequence's visible (query, key) pairs: ``4 H D
+L^2`` non-causal, ``4 H D L (L + 1) / 2`` causal. As a yardstick without varlen, "dense" runs
+the same token count as one ``(B, H, L, D)`` batch of equal lengths (``--dense-len``) through
+"auto" and through cuDNN's SDPA.
+
+Usage: PYTHONPATH=src python scripts/varlen_bench.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+import triton
+
+import flashcore
+
+
+def batches() -> dict[str, list[int]]:
+    rng = random.Random(0)
+    return {
+        "mixed256-4k": [rng.randint(256, 4096) for _ in range(16)],
+        "equal2k": [2048] * 16,
+        "short16-512": [rng.randint(16, 512) for _ in range(192)],
+        "long8k+tail": [8192, 8192, 1000, 77, 3],
+    }
+
+
+def flops(lengths: list[int], heads: int, head_dim: int, causal: bool) -> float:
+    pairs = sum(n * (n + 1) / 2 if causal else n * n for n in lengths)
+    return 4.0 * heads * head_dim * pairs
+
+
+def direct(q, k, v, cu, top, causal, persistent):
+    """The Hopper forward's launch with the launcher's config for these lengths, its schedule
+    forced (``persistent``), planned once: the kernel alone, no dispatch."""
+    from flashcore.ops import fwd_sm90
+    from flashcore.ops import problem as pb
+
+    varlen = pb.Varlen(cu, cu, top, top)
+    batch, heads, head_dim = cu.shape[0] - 1, q.shape[1], q.shape[2]
+    sc = pb.scores(causal, (-1, -1), 0.0, head_dim**-0.5, False, top, top)
+    lse = torch.empty(heads, q.shape[0], device=q.device)
+    out = torch.empty_like(q)
+    grid = (batch * heads, fwd_sm90.num_sms(q.device.index))
+    cfg = fwd_sm90.pick_config(head_dim, top, top, causal, False, grid=grid)
+    cfg = cfg._replace(persistent=persistent)
+    p = fwd_sm90.plan(
+        q, k, v, lse, causal=sc.is_causal, qk_scale=sc.qk_scale, window_left=sc.window_left,
+        window_right=sc.window_right, has_window=sc.has_window, softcap=sc.softcap, alibi=False,
+        sinks=False, stride_ab=0, config=cfg, varlen=varlen, out_strides=out.stride()[:2],
+    )  # fmt: skip
+    return lambda: fwd_sm90.launch(p, q, k, v, out, lse, None, None, varlen)
+
+
+def fa4_varlen():
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:  # FA4 absent or broken: skip the provider
+        return None
+    return flash_attn_varlen_func
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dims", default="128,64")
+    args = parser.parse_args()
+    fa4 = fa4_varlen()
+    dev = "cuda"
+    for head_dim in map(int, args.head_dims.split(",")):
+        for name, lengths in batches().items():
+            for causal in (False, True):
+                total = sum(lengths)
+                q, k, v = (
+                    torch.randn(total, args.heads, head_dim, dtype=torch.bfloat16, device=dev)
+                    for _ in range(3)
+                )
+                cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=dev)
+                cu = cu.to(torch.int32)
+                top = max(lengths)
+
+                def tier(t, q=q, k=k, v=v, cu=cu, top=top, causal=causal):
+                    def run():
+                        with flashcore.use_tier(t):
+                            return flashcore.attention_varlen(
+                                q, k, v, cu, cu, top, top, causal=causal
+                            )
+
+                    return run
+
+                providers = {t: tier(t) for t in ("portable", "sm90", "auto")}
+                for persistent in (False, True):
+                    name_p = "sm90-persistent" if persistent else "sm90-flat"
+                    providers[name_p] = direct(q, k, v, cu, top, causal, persistent)
+                if fa4 is not None:
+                    providers["fa4"] = lambda q=q, k=k, v=v, cu=cu, top=top, causal=causal: fa4(
+                        q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=top,
+                        max_seqlen_k=top, causal=causal,
+                    )  # fmt: skip
+                fl = flops(lengths, args.heads, head_dim, causal)
+                times: dict[str, list[float]] = {p: [] for p in providers}
+                for r in range(args.rounds):
+                    order = list(providers)
+                    order = order[r % len(order) :] + order[: r % len(order)]
+                    for p in order:
+                        times[p].append(triton.testing.do_bench(providers[p], warmup=25, rep=100))
+                cells = []
+                for p, ts in times.items():
+                    best = sorted(ts)[len(ts) // 2]
+                    cells.append(f"{p} {best * 1e3:8.1f} us {fl / best / 1e9:6.1f} TF/s")
+                label = f"D={head_dim} {name:12s} {'causal' if causal else 'full  '} tokens={total}"
+                print(label, " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
