@@ -139,8 +139,8 @@ VARLEN_SM90 = [
     (VarlenCase(8, 2, (300, 1, 0, 129, 64, 1000), (517, 64, 10, 129, 0, 1000), 128), 128, {}),
     (VarlenCase(8, 2, (300, 1, 0, 129, 64, 1000), (517, 64, 10, 129, 0, 1000), 128), 128,
      {"causal": True}),
-    # D = 64 (the config by the mean lengths, fwd_sm90.plan): three consumers (means past
-    # 2048), and causal up to 1024 one consumer a CTA, two or three CTAs an SM by the grid.
+    # D = 64 (the config by the longest lengths, fwd_sm90.plan): three consumers, and causal up
+    # to 1024 one consumer a CTA, two or three CTAs an SM by the grid.
     (VarlenCase(4, 4, (4000, 3000, 2100, 1), (4000, 3000, 2100, 2), 64), 64, {}),
     (VarlenCase(8, 8, (200, 511, 33, 480), (200, 511, 40, 480), 64), 64, {"causal": True}),
     (VarlenCase(40, 8, (200, 511, 33, 480, 300, 400, 64, 450), (200, 511, 40, 480, 300, 400,

@@ -590,15 +590,12 @@ def plan(
     # The tiles' width (``PADDED_HEAD_DIMS``, ``WIDE_PADDED_HEAD_DIMS``: boxes wider than the
     # tensors).
     head_dim, head_dim_v = kernel_head_dims(head_dim, v.shape[-1])
-    # The config and schedule follow a packed batch's mean lengths (``typical``; the grid
-    # its longest). H100, bf16, scripts/varlen_bench.py, 16 sequences of 256-4096 tokens: by
-    # the longest (4096), D = 64 causal took three consumers and ran 0.92x the portable
-    # forward (docs/hopper_fwd_configs.md, "Packed batches").
-    typical_q, typical_k = (
-        (seqlen_q, seqlen_k) if varlen is None else (totals[0] // batch, totals[1] // batch)
-    )
+    # A packed batch takes the config and schedule of its longest lengths. H100, bf16,
+    # scripts/varlen_bench.py: by the mean lengths instead, 8192, 8192, 1000, 77 and 3 tokens
+    # at D = 64 causal ran 0.88x (two consumers for three), and 16 sequences of 256-4096 the
+    # same (docs/hopper_fwd_configs.md, "Packed batches").
     cfg = config or pick_config(
-        head_dim, typical_q, typical_k, causal, has_window or softcap > 0 or alibi,
+        head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi,
         grid=(batch * heads, num_sms(q.device.index)),
     )  # fmt: skip
     rows = 64
@@ -612,7 +609,7 @@ def plan(
     n_work = -(-seqlen_q // block_m) * batch * heads
     persistent = cfg.persistent
     if persistent is None:
-        persistent = use_persistent(typical_k, head_dim, causal, cfg.block_n)
+        persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
     slots = num_sms(q.device.index) * cfg.ctas_per_sm
     grid, lpt_heads = (min(slots, n_work) if persistent else n_work), 1
     if causal:
