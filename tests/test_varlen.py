@@ -233,3 +233,28 @@ def test_varlen_gpu_sm90_sequences_isolated(causal, head_dim):
     others[100:137] = False
     assert torch.equal(got_out[others], out[others])
     assert torch.equal(got_lse[:, others], lse[:, others])
+
+
+def test_varlen_sm90_auto_judges_mean_lengths(monkeypatch):
+    """ "auto" takes the Hopper forward for a packed batch by its mean lengths (total rows over
+    sequences) on the dense thresholds, not by its longest sequence; planned with the packing."""
+    from flashcore.ops import fwd, fwd_sm90
+    from flashcore.ops.problem import Varlen
+
+    monkeypatch.setattr(fwd_sm90, "supports", lambda *a, **kw: kw["varlen"])
+    monkeypatch.setattr(fwd_sm90, "plan", lambda *a, **kw: ("plan", kw["varlen"]))
+
+    def wanted(total, batch, longest):
+        q = torch.empty(total, 16, 128, dtype=torch.bfloat16)
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        varlen = Varlen(cu, cu, longest, longest)
+        lse = torch.empty(16, total)
+        plan = fwd._sm90_plan(
+            q, q, q, q, lse, False, 0.1, (-1, -1), 0.0, None, 0, False, varlen, False
+        )
+        assert plan is False or plan == ("plan", varlen)
+        return plan is not False
+
+    assert wanted(16 * 2048, 16, 4096)
+    assert not wanted(192 * 277, 192, 4096)  # mean 277: below the 512 floor at D = 128
+    assert not wanted(1000, 1, 1000)  # one sequence, but under 3e10 FLOPs

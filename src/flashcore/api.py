@@ -38,16 +38,18 @@ def use_tier(name: str):
     ``"sm90"``: the Gluon kernels of ``kernels/hopper`` (warp-specialised, TMA, async wgmma) on an
     sm_90 GPU (H100/H200) with a Triton version they were verified on (3.6), for fp16/bf16 dense
     inputs with head dim 64 or 128 and 16-byte aligned strides; anything else they do not cover
-    runs on the portable tier. The forward covers causal, window, softcap, ALiBi, GQA and any
-    lengths; the backward those and sinks (never with ``deterministic``).
+    runs on the portable tier. The forward covers causal, window, softcap, ALiBi, sinks, GQA,
+    any lengths and packed (varlen) batches; the backward all but varlen (never with
+    ``deterministic``).
     ``"auto"`` (the default): each tier where it measured faster on the H100: the sm90 forward
     at head dims 128 and 64 from 512 queries and keys on (a window from 2048, softcap from 4096,
     ALiBi at head dim 128 from 4096), and
     3e10 FLOPs up (3e9 captured into a CUDA graph, no floor at head dim 64;
     ``tuning.sm90_forward``), the sm90
     backward at head dim 128 from 512 queries and keys on (causal: 1024), at 64 from 1024
-    (``tuning.sm90_backward``), the portable kernels otherwise. Varlen and
-    decoding always run on the portable tier. The choice is scoped to the current thread (a
+    (``tuning.sm90_backward``), the portable kernels otherwise. A packed (varlen) batch
+    without a block table takes the sm90 forward by the same rules on its mean lengths; its
+    backward, paged prefill and decoding always run on the portable tier. The choice is scoped to the current thread (a
     ``contextvars`` variable), never global; a backward runs on the tier that was in effect at
     its forward (eager calls; a graph compiled by ``torch.compile`` takes "auto" in its
     backward)::

@@ -132,6 +132,23 @@ Flags (``gl.constexpr``, compiled away when off):
 - RAW_MAX: no softcap or ALiBi and ``qk_scale > 0``: the row max is taken on the raw products
   and ``p = exp2(s * qk_scale - m * qk_scale)`` is one FMA and one ex2 per score.
 - EVEN_N: Sk is a multiple of BLOCK_N, so tail tiles need no ``j < Sk`` mask.
+- VARLEN: packed sequences (FlashAttention-2's varlen). The descriptors are ``(1, heads, total,
+  D)`` views of the ``(total, heads, D)`` tensors; ``batch`` counts sequences and ``seqlen_q``/
+  ``seqlen_k`` are the longest (they size the grid); each work item reads its sequence's first
+  rows and lengths from CU_Q/CU_K (``common.sequence``, clamped to ``total_q``/``total_k``) and
+  runs as a problem of those lengths from those rows; a query tile past its sequence's end sees
+  no key and writes nothing. Rows past a sequence's end are the next sequence's (or rows past
+  the last offset), not zeros, so: Q rows there only make rows that are never stored; K rows
+  there give scores the ``j < Sk`` mask replaces with -inf (a select: a NaN there never
+  reaches the softmax); V rows there would meet P's zeros in ``P V``, where ``0 * inf`` is NaN,
+  so the producer loads a sequence's last V tile onto its own barrier, zeroes the foreign rows
+  (``fwd_load._load_v_bounded``: 8 x 64 pieces, read, masked, written back), fences them for
+  the async proxy and then completes ``v_ready`` with a plain arrive; and a consumer whose 64
+  rows pass the sequence's end writes O through its shared-memory tile, read back in 16-byte
+  row pieces and stored with a row mask into O (``_store_o_rows``), instead of the TMA store
+  (persistent: it then waits for every earlier store's read before freeing a Q slot). The LSE
+  is ``(H, total_q)`` (``stride_lb`` 0). Off, the kernel is the same instructions as without
+  these lines.
 
 MLA head dims (D = 192 for Q and K, Dv = 128 for V and O; ``ops/fwd_sm90.py: MLA_HEAD_DIMS``). A
 TMA box is a power of two wide, so Q and K arrive in PANELS = 3 column panels of 64 (the q/k
