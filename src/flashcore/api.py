@@ -49,10 +49,10 @@ def use_tier(name: str):
     backward at head dim 128 from 512 queries and keys on (causal: 1024), at 64 from 1024
     (``tuning.sm90_backward``), the portable kernels otherwise. A packed (varlen) batch
     without a block table takes the sm90 forward by the same rules on its mean lengths; its
-    backward, paged prefill and decoding always run on the portable tier. The choice is scoped to the current thread (a
-    ``contextvars`` variable), never global; a backward runs on the tier that was in effect at
-    its forward (eager calls; a graph compiled by ``torch.compile`` takes "auto" in its
-    backward)::
+    backward, paged prefill and decoding always run on the portable tier. The choice is
+    scoped to the current thread (a ``contextvars`` variable), never global; a backward runs
+    on the tier that was in effect at its forward (eager calls; a graph compiled by
+    ``torch.compile`` takes "auto" in its backward)::
 
         with flashcore.use_tier("sm90"):
             out = flashcore.attention(q, k, v, causal=True)
