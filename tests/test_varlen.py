@@ -135,13 +135,18 @@ def test_varlen_gpu_no_sync():
 # consumer's 64 rows, empty ones, lengths at and past the tiles' edges, and the builds the
 # launcher picks from the longest lengths: (case, V's head dim, options).
 VARLEN_SM90 = [
-    # D = 128: two consumers, flat or persistent (by the longest length).
+    # D = 128: two consumers, on the flat grid (lengths that vary: fwd_sm90.varlen_spread) or
+    # the persistent one (lengths near equal).
+    (VarlenCase(8, 2, (1000, 1003, 990, 1017), (1000, 1003, 990, 1017), 128), 128, {}),
+    (VarlenCase(8, 2, (1000, 1003, 990, 1017), (1100, 1003, 990, 1017), 128), 128,
+     {"causal": True}),
     (VarlenCase(8, 2, (300, 1, 0, 129, 64, 1000), (517, 64, 10, 129, 0, 1000), 128), 128, {}),
     (VarlenCase(8, 2, (300, 1, 0, 129, 64, 1000), (517, 64, 10, 129, 0, 1000), 128), 128,
      {"causal": True}),
     # D = 64 (the config by the longest lengths, fwd_sm90.plan): three consumers, and causal up
     # to 1024 one consumer a CTA, two or three CTAs an SM by the grid.
     (VarlenCase(4, 4, (4000, 3000, 2100, 1), (4000, 3000, 2100, 2), 64), 64, {}),
+    (VarlenCase(4, 4, (2100, 2048, 2200, 2150), (2100, 2048, 2200, 2150), 64), 64, {}),
     (VarlenCase(8, 8, (200, 511, 33, 480), (200, 511, 40, 480), 64), 64, {"causal": True}),
     (VarlenCase(40, 8, (200, 511, 33, 480, 300, 400, 64, 450), (200, 511, 40, 480, 300, 400,
      64, 450), 64), 64, {"causal": True}),
@@ -258,3 +263,14 @@ def test_varlen_sm90_auto_judges_mean_lengths(monkeypatch):
     assert wanted(16 * 2048, 16, 4096)
     assert not wanted(192 * 277, 192, 4096)  # mean 277: below the 512 floor at D = 128
     assert not wanted(1000, 1, 1000)  # one sequence, but under 3e10 FLOPs
+
+
+def test_varlen_spread_takes_the_flat_grid():
+    """A packed batch whose grid rows (batch x longest) reach 1.25x its rows runs the flat grid
+    (``fwd_sm90.varlen_spread``); equal lengths, and dense problems, keep the launcher's choice."""
+    from flashcore.ops.fwd_sm90 import varlen_spread
+
+    assert varlen_spread(16, 4096, 39600)  # 256-4096 tokens: 1.65x
+    assert not varlen_spread(16, 2048, 16 * 2048)  # equal lengths
+    assert not varlen_spread(16, 2048, 16 * 1700)  # 1.20x
+    assert not varlen_spread(4, 2048, 0)  # dense

@@ -352,6 +352,26 @@ def causal_order(
     return best[1], best[2]
 
 
+# A packed batch whose lengths vary runs the flat grid: the persistent one deals work items to
+# programs in a fixed order, blind to their lengths (the grid's longest, an empty tile past a
+# short sequence's end), and the hardware's hand-out balances them. H100, bf16,
+# scripts/varlen_bench.py, the same config on either grid (docs/hopper_fwd_configs.md, "Packed
+# batches"), flat / persistent time: 16 sequences of 256-4096 tokens 0.91-0.92 (D = 64
+# non-causal) and 0.95-0.96 (D = 128 causal), 192 of 16-512 0.91-0.92 and 0.83 (D = 128; but
+# 1.05-1.07 at D = 64 non-causal, where "auto" runs the portable forward), 8192,
+# 8192, 1000, 77 and 3 tokens 0.95-0.96 (D = 64 non-causal) and 0.99-1.01 (D = 128); 16 x 2048
+# 0.99-1.16 (the rule leaves it persistent). Taken where the grid's rows (batch x the longest)
+# are at least VARLEN_FLAT_SPREAD times the packed rows, with two or three consumers (the
+# one-consumer configs, two or three CTAs an SM, were not timed flat with varlen).
+VARLEN_FLAT_SPREAD = 1.25
+
+
+def varlen_spread(batch: int, longest: int, total: int) -> bool:
+    """Whether a packed batch of ``total`` rows in ``batch`` sequences, the longest ``longest``
+    (``total`` 0: dense), varies enough in length for the flat grid (``VARLEN_FLAT_SPREAD``)."""
+    return total > 0 and batch * longest >= VARLEN_FLAT_SPREAD * total
+
+
 @functools.cache
 def num_sms(device_index: int) -> int:
     """Streaming multiprocessors of a CUDA device (the persistent grid), cached per device."""
@@ -610,6 +630,8 @@ def plan(
     persistent = cfg.persistent
     if persistent is None:
         persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
+    if config is None and varlen_spread(batch, seqlen_q, totals[0]) and cfg.num_consumers > 1:
+        persistent = False
     slots = num_sms(q.device.index) * cfg.ctas_per_sm
     grid, lpt_heads = (min(slots, n_work) if persistent else n_work), 1
     if causal:
