@@ -274,3 +274,15 @@ def test_varlen_spread_takes_the_flat_grid():
     assert not varlen_spread(16, 2048, 16 * 2048)  # equal lengths
     assert not varlen_spread(16, 2048, 16 * 1700)  # 1.20x
     assert not varlen_spread(4, 2048, 0)  # dense
+
+
+def test_varlen_sm90_d64_mean_floor():
+    """At head dim 64 "auto" takes the Hopper forward for a packed batch from a mean length of
+    2048 on (``tuning.SM90_FWD_MIN_SEQLEN_VARLEN_D64``); dense problems keep their floor."""
+    from flashcore import tuning
+
+    flops = 1e12
+    assert not tuning.sm90_forward(1277, 1277, 64, flops, varlen=True)
+    assert tuning.sm90_forward(2048, 2048, 64, flops, varlen=True)
+    assert tuning.sm90_forward(1277, 1277, 64, flops)
+    assert tuning.sm90_forward(1277, 1277, 128, flops, varlen=True)

@@ -48,7 +48,8 @@ def use_tier(name: str):
     ``tuning.sm90_forward``), the sm90
     backward at head dim 128 from 512 queries and keys on (causal: 1024), at 64 from 1024
     (``tuning.sm90_backward``), the portable kernels otherwise. A packed (varlen) batch
-    without a block table takes the sm90 forward by the same rules on its mean lengths; its
+    without a block table takes the sm90 forward by the same rules on its mean lengths (at
+    head dim 64 from a mean of 2048 on); its
     backward, paged prefill and decoding always run on the portable tier. The choice is
     scoped to the current thread (a ``contextvars`` variable), never global; a backward runs
     on the tier that was in effect at its forward (eager calls; a graph compiled by

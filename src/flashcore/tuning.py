@@ -325,6 +325,14 @@ SM90_FWD_MIN_FLOPS_GRAPH = 3e9
 # and causal 41.4 / 37.1, (2, 4, 768) causal 71.9 / 64.9, (1, 2, 1024) causal 28.0 / 24.0, (1, 8,
 # 1024) causal 107 / 94.
 SM90_FWD_MIN_FLOPS_GRAPH_D64 = 0.0
+# A packed (varlen) batch at head dim 64 from this mean length on (queries and keys; the other
+# floors above apply to the mean lengths too). H100, bf16, 16 heads, both tiers in one process
+# (docs/hopper_fwd_configs.md, "Packed batches"; portable / Hopper time): 24 sequences of
+# 512-2048 tokens (mean 1277) 0.87x and causal 0.76x with the config it took (two consumers,
+# flat), the best of five configs tried 0.96x and 0.91x; 16 x 2048 1.09-1.16x and causal
+# 1.04-1.09x, 16 of 256-4096 (mean 2475) 1.05-1.09x and causal 0.90-1.02x, two of 8192 with
+# three short ones 1.16-1.18x.
+SM90_FWD_MIN_SEQLEN_VARLEN_D64 = 2048
 
 
 def sm90_forward(
@@ -338,11 +346,13 @@ def sm90_forward(
     window: bool = False,
     softcap: bool = False,
     alibi: bool = False,
+    varlen: bool = False,
 ) -> bool:
     """Whether "auto" takes the Hopper forward for this problem (where it measured faster);
     ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``window``, ``softcap``,
-    ``alibi``: those options are on; ``graph``: the call is being captured into a CUDA graph (the
-    kernels' time alone counts)."""
+    ``alibi``: those options are on; ``varlen``: a packed batch, whose lengths are its mean
+    ones; ``graph``: the call is being captured into a CUDA graph (the kernels' time alone
+    counts)."""
     if graph:
         min_flops = SM90_FWD_MIN_FLOPS_GRAPH_D64 if head_dim == 64 else SM90_FWD_MIN_FLOPS_GRAPH
     else:
@@ -355,6 +365,8 @@ def sm90_forward(
     ):
         return False
     if alibi and (head_dim != 128 or shortest < SM90_FWD_MIN_SEQLEN_ALIBI):
+        return False
+    if varlen and head_dim == 64 and shortest < SM90_FWD_MIN_SEQLEN_VARLEN_D64:
         return False
     if head_dim == 128:
         floor = SM90_FWD_MIN_SEQLEN

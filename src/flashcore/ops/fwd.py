@@ -176,6 +176,7 @@ def _sm90_plan(
         window=window != (-1, -1),
         softcap=softcap > 0,
         alibi=alibi_slopes is not None,
+        varlen=varlen is not None,
     )
     if not wanted or not fwd_sm90.supports(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes,
