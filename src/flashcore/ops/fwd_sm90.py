@@ -420,6 +420,15 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
+def _tier_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int) -> bool:
+    """An sm_90 device with Gluon, and q, k, v all fp16 or all bf16, each of ``dims`` dims."""
+    if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
+        return False
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return False
+    return q.dim() == dims and k.dim() == dims and v.dim() == dims
+
+
 def dense_problem(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -430,11 +439,7 @@ def dense_problem(
     device with Gluon, fp16/bf16, a (Q/K, V) head dim pair in ``head_dims`` (64 or 128, V's equal
     to Q/K's, by default), dense ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with
     ``H % Hkv == 0``, non-empty sequences, and strides the copy engine accepts."""
-    if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
-        return False
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+    if not _tier_inputs(q, k, v, 4):
         return False
     batch, heads, seqlen_q, head_dim = q.shape
     if k.shape[-1] != head_dim or v.shape[:-1] != k.shape[:-1]:
@@ -460,11 +465,7 @@ def packed_problem(
 ) -> bool:
     """``dense_problem`` for packed (varlen) inputs: q ``(total_q, H, D)``, k and v ``(total_k,
     Hkv, D)`` with ``H % Hkv == 0`` and rows, whose ``packed_view`` the copy engine can address."""
-    if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
-        return False
-    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return False
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+    if not _tier_inputs(q, k, v, 3):
         return False
     if k.shape[-1] != q.shape[-1] or v.shape[:-1] != k.shape[:-1]:
         return False
