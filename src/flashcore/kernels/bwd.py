@@ -204,8 +204,9 @@ def _bwd_dkdv_q_loop(
             st = tl.dot(k2, tl.trans(q2), st, input_precision=DOT_PRECISION)
         st = st * qk_scale
         st, tt = transform_scores(
-            st, rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI
-        )
+            st, rows[None, :], offs_n[:, None], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI,
+            q.dtype != tl.float32,
+        )  # fmt: skip
         if MASKED:
             st = mask_scores_t(
                 st, offs_n, rows, seqlen_q, seqlen_k, window_left, window_right,
@@ -489,8 +490,9 @@ def _bwd_dq_kv_loop(
             s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
         s = s * qk_scale
         s, t = transform_scores(
-            s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI
-        )
+            s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, cap, slope, SOFTCAP, HAS_ALIBI,
+            k.dtype != tl.float32,
+        )  # fmt: skip
         if MASKED:
             s = mask_scores(
                 s, offs_m, cols, seqlen_q, seqlen_k, window_left, window_right,

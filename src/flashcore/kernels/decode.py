@@ -155,8 +155,9 @@ def _decode_kv_loop(
         # Query qi of Sq against a sequence of L keys sits at position qi + L - Sq: the dense
         # kernels' bottom-right alignment, so their transform and mask apply as they are.
         s, _t = transform_scores(
-            s, qi[:, None], cols[None, :], seqlen_q, seqlen, softcap, slope, SOFTCAP, HAS_ALIBI
-        )
+            s, qi[:, None], cols[None, :], seqlen_q, seqlen, softcap, slope, SOFTCAP, HAS_ALIBI,
+            k.dtype != tl.float32,
+        )  # fmt: skip
         if MASKED:
             s = mask_by_index(
                 s, qi[:, None], cols[None, :], seqlen_q, seqlen, window_left, window_right,

@@ -209,7 +209,7 @@ def _fwd_kv_loop(
         s = dot_nt(q, k, DOT_PRECISION) * qk_scale
         s, _t = transform_scores(
             s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, softcap, slope,
-            SOFTCAP, HAS_ALIBI,
+            SOFTCAP, HAS_ALIBI, k.dtype != tl.float32,
         )  # fmt: skip
         if MASKED:
             s = mask_scores(

@@ -99,7 +99,7 @@ def probe_scores_kernel(
         s = dot_nt(q, k, DOT_PRECISION) * qk_scale
         s, _t = transform_scores(
             s, offs_m[:, None], cols[None, :], seqlen_q, seqlen_k, softcap, slope, SOFTCAP,
-            HAS_ALIBI,
+            HAS_ALIBI, k.dtype != tl.float32,
         )  # fmt: skip
         if (start_n < full_lo) | (start_n >= full_hi):
             s = mask_scores(
