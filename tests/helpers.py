@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import flashcore
@@ -177,6 +178,23 @@ def sm90_tier_runs(device: torch.device) -> bool:
     from flashcore.ops import runtime
 
     return runtime.capability(device) == (9, 0) and runtime.sm90_verified()
+
+
+def require_sm90() -> None:
+    """Skip the calling test unless the Hopper tier can run here (``sm90_tier_runs``)."""
+    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
+        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+
+
+def record_sm90_forwards(monkeypatch) -> list:
+    """A list that gains an entry per Hopper forward launch (``ops.fwd_sm90.launch``, which
+    still runs)."""
+    from flashcore.ops import fwd_sm90
+
+    forwards = []
+    real = fwd_sm90.launch
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    return forwards
 
 
 def launch_sm90_forward(

@@ -15,7 +15,8 @@ from helpers import (
     make_qkv,
     mask_options,
     record_backward_tiers,
-    sm90_tier_runs,
+    record_sm90_forwards,
+    require_sm90,
 )
 from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case, MaskCase
 
@@ -220,11 +221,6 @@ SM90_BWD = [c for c in BWD_GPU if c.head_dim in (64, 128)] + [
 ]
 
 
-def sm90_or_skip():
-    if not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -255,7 +251,7 @@ def test_backward_gpu_sm90_group_split(mc, split, monkeypatch):
     per group; strided (B, S, H, D) gradients written in place."""
     from flashcore.ops import bwd_sm90
 
-    sm90_or_skip()
+    require_sm90()
     monkeypatch.setattr(bwd_sm90, "split_group", lambda *args: split)
     q, k, v = make_qkv(mc.case, torch.bfloat16, "cuda", layout="bshd")
     with flashcore.use_tier("sm90"):
@@ -307,7 +303,7 @@ def test_backward_tier_choice(monkeypatch, tier, deterministic, torch_flag, want
     """Which backward runs: the tier in effect at the forward (the backward runs on autograd's
     thread, outside the block), never the Hopper one with ``deterministic`` or under
     ``torch.use_deterministic_algorithms``; "auto" takes it for long sequences."""
-    sm90_or_skip()
+    require_sm90()
     ran = record_backward_tiers(monkeypatch)
     q, k, v = make_qkv(Case(1, 4, 2, 4096, 4096, 128), torch.bfloat16, "cuda")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -320,7 +316,7 @@ def test_backward_tier_choice(monkeypatch, tier, deterministic, torch_flag, want
 
 @pytest.mark.gpu
 def test_backward_auto_keeps_short_sequences_portable(monkeypatch):
-    sm90_or_skip()
+    require_sm90()
     ran = record_backward_tiers(monkeypatch)
     q, k, v = (
         t.requires_grad_() for t in make_qkv(Case(2, 8, 8, 512, 512, 128), torch.bfloat16, "cuda")
@@ -466,12 +462,10 @@ def test_sm90_padded_head_dims(monkeypatch, mc, layout, with_dlse, dtype):
     recorded: out, LSE, dq, dk and dv against the float64 reference."""
     from flashcore.ops import fwd_sm90
 
-    sm90_or_skip()
+    require_sm90()
     monkeypatch.setattr(fwd_sm90, "PADDED_VERIFIED", True)
     monkeypatch.setattr(fwd_sm90, "NARROW_VERIFIED", True)
-    forwards = []
-    real = fwd_sm90.launch
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *a: forwards.append(1) or real(*a))
+    forwards = record_sm90_forwards(monkeypatch)
     backwards = record_backward_tiers(monkeypatch)
     q, k, v = make_qkv(mc.case, dtype, "cuda", layout=layout)
     kw = mask_options(mc, "cuda")

@@ -9,6 +9,8 @@ from helpers import (
     launch_sm90_forward,
     make_qkv,
     mask_options,
+    record_sm90_forwards,
+    require_sm90,
 )
 from shapes import DTYPES, GPU, INTERP, Case, MaskCase
 
@@ -141,13 +143,10 @@ def test_forward_gpu_sm90_kernel_d256(mc, layout, with_sinks, dtype):
 def test_sm90_tier_is_taken_on_hopper(monkeypatch):
     """On an H100/H200 with a verified Triton, use_tier("sm90") really launches the Gluon kernel
     (and the portable one not at all) for a covered problem."""
-    from flashcore.ops import fwd, fwd_sm90, runtime
+    from flashcore.ops import fwd
 
-    if runtime.capability(torch.device("cuda")) != (9, 0) or not runtime.sm90_verified():
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
-    calls = []
-    real = fwd_sm90.launch
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    require_sm90()
+    calls = record_sm90_forwards(monkeypatch)
     monkeypatch.setattr(fwd, "kernel", lambda: pytest.fail("portable kernel launched"))
     q, k, v = make_qkv(Case(2, 8, 2, 300, 517, 128), torch.bfloat16, "cuda")
     with flashcore.use_tier("sm90"):
@@ -361,10 +360,8 @@ SHORT_CAUSAL_SHAPES = [(2, 4, 2, 300, 300), (1, 3, 3, 512, 512), (2, 2, 1, 129, 
 def test_forward_gpu_sm90_short_causal(shape, head_dim, dtype, schedule):
     """The Hopper forward's short causal configs: out and LSE against the float64 reference."""
     from flashcore.ops import fwd_sm90
-    from helpers import sm90_tier_runs
 
-    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    require_sm90()
     if schedule == "one-3-ctas" and head_dim != 64:
         pytest.skip("three CTAs an SM are a D=64 config")
     batch, heads, kv_heads, seqlen_q, seqlen_k = shape
@@ -397,10 +394,8 @@ def test_forward_gpu_sm90_one_consumer(case, causal, dtype):
     """``fwd_sm90.ONE`` launched directly at lengths and grids it is not picked for: out and LSE
     against the float64 reference, every element written."""
     from flashcore.ops import fwd_sm90
-    from helpers import sm90_tier_runs
 
-    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    require_sm90()
     q, k, v = make_qkv(case, dtype, "cuda")
     out, lse = launch_sm90_forward(q, k, v, causal=causal, config=fwd_sm90.ONE[case.head_dim])
     assert not out.isnan().any() and not lse.isnan().any()
@@ -416,10 +411,8 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, consumers, monkeypatc
     once: out and LSE against the reference (B * H = 8 heads, 8 query tiles each, 5 tiles with
     a ragged last one; with one consumer a CTA, 64-row tiles: 16 and 10)."""
     from flashcore.ops import fwd_sm90
-    from helpers import sm90_tier_runs
 
-    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    require_sm90()
     grid, lpt_heads = order
     for seqlen_q, seqlen_k in ((1024, 1024), (600, 700)):
         q, k, v = make_qkv(Case(2, 4, 2, seqlen_q, seqlen_k, 128), torch.bfloat16, "cuda")
@@ -565,10 +558,8 @@ def test_forward_gpu_sm90_rising_max(rows, case, causal, config, dtype):
     """Rows whose running max moves many times (and by more than the slack) beside rows whose
     max never moves, on the Hopper forward: out and LSE against the float64 reference."""
     from flashcore.ops import fwd_sm90
-    from helpers import sm90_tier_runs
 
-    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    require_sm90()
     cfg = {
         None: None,
         "three": fwd_sm90.D64_THREE,
@@ -618,14 +609,11 @@ def test_forward_gpu_sm90_wide_padded(monkeypatch, mc, layout, with_sinks, with_
     test), the Hopper launch recorded: out and LSE (and gradients) against the float64
     reference."""
     from flashcore.ops import fwd_sm90
-    from helpers import check_backward, sm90_tier_runs
+    from helpers import check_backward
 
-    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    require_sm90()
     monkeypatch.setattr(fwd_sm90, "WIDE_PADDED_VERIFIED", True)
-    forwards = []
-    real = fwd_sm90.launch
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *a: forwards.append(1) or real(*a))
+    forwards = record_sm90_forwards(monkeypatch)
     q, k, v = make_qkv(mc.case, dtype, "cuda", layout=layout)
     kw = mask_options(mc, "cuda")
     if with_sinks:

@@ -35,6 +35,8 @@ from helpers import (
     make_qkv,
     make_varlen,
     record_backward_tiers,
+    record_sm90_forwards,
+    require_sm90,
     sm90_tier_runs,
 )
 from shapes import DETERMINISM, MASKS_GPU, VARLEN_GPU, Case
@@ -454,13 +456,9 @@ def test_attention_graph_sm90_forward(causal, monkeypatch):
     # The Gluon forward (the default at D=128 from 1024 tokens on an H100) through its Launcher,
     # with the backward, captured and replayed on new inputs. Forward and dk, dv exact; dq by
     # FlashAttention's rule where the Hopper backward reduce-adds it.
-    from flashcore.ops import fwd_sm90
 
-    if not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
-    forwards = []
-    real = fwd_sm90.launch
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    require_sm90()
+    forwards = record_sm90_forwards(monkeypatch)
     tiers = record_backward_tiers(monkeypatch)
     # 1.4e11 FLOPs (6.9e10 causal): above tuning.SM90_FWD_MIN_FLOPS, so "auto" takes the tier.
     case = Case(4, 16, 4, 2048, 2048, 128)
@@ -488,15 +486,12 @@ def _gluon_forwards_at_the_real_floors(monkeypatch) -> list:
     """For the tests of the capture's own choice: skip without the sm90 tier, undo the module
     fixture (the real floors, tier choices made afresh), and return a list that gains an entry
     per Gluon forward launch."""
-    from flashcore.ops import fwd, fwd_sm90
+    from flashcore.ops import fwd
 
-    if not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    require_sm90()
     monkeypatch.undo()
     monkeypatch.setattr(fwd, "_SM90_PLANS", {})
-    forwards = []
-    real = fwd_sm90.launch
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
+    forwards = record_sm90_forwards(monkeypatch)
     return forwards
 
 

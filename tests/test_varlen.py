@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashcore
-from helpers import check_varlen, cu_seqlens, make_varlen
+from helpers import check_varlen, cu_seqlens, make_varlen, record_sm90_forwards, require_sm90
 from shapes import DTYPES, VARLEN, VARLEN_GPU, VarlenCase
 
 
@@ -177,15 +177,11 @@ def test_varlen_gpu_sm90(monkeypatch, case, dv, opts, dtype):
     """The Hopper forward on packed batches (the launch recorded): out and LSE per sequence
     against the float64 reference, and every row written (the same bits as a direct launch into
     NaN-filled tensors)."""
-    from flashcore.ops import fwd_sm90
     from flashcore.ops.problem import Varlen
-    from helpers import launch_sm90_forward, sm90_tier_runs
+    from helpers import launch_sm90_forward
 
-    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
-    forwards = []
-    real = fwd_sm90.launch
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *a: forwards.append(1) or real(*a))
+    require_sm90()
+    forwards = record_sm90_forwards(monkeypatch)
     q, k, v, cu_q, cu_k = make_varlen(case, dtype, "cuda")
     if dv != case.head_dim:
         v = torch.randn(*v.shape[:-1], dv, dtype=dtype, device="cuda")
@@ -210,10 +206,8 @@ def test_varlen_gpu_sm90_sequences_isolated(causal, head_dim):
     """A sequence's key tiles reach into the next sequence's rows (or past the last offset):
     whatever those rows hold, NaN or inf included, the sequence's results are the same bits.
     The Hopper forward zeroes those V rows before ``P V`` (``0 * inf`` would be NaN)."""
-    from helpers import sm90_tier_runs
 
-    if not torch.cuda.is_available() or not sm90_tier_runs(torch.device("cuda")):
-        pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
+    require_sm90()
     case = VarlenCase(4, 2, (100, 37, 260, 5), (130, 37, 300, 9), head_dim)
     q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
     maxima = max(case.seqlens_q), max(case.seqlens_k)
