@@ -82,6 +82,32 @@ def sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN: gl
 
 
 @gluon.jit
+def work_kv_range(
+    start_m,
+    seqlen_q,
+    seqlen_k,
+    window_left,
+    window_right,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    VARLEN: gl.constexpr,
+):
+    """``kv_tile_range`` of a work tile, as the producer and the consumers both take it: with
+    VARLEN (a grid sized by the longest sequence) a query tile past its own sequence's end sees
+    no key (``hi = lo``: nothing loaded, nothing stored)."""
+    lo, full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
+    if VARLEN:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if start_m >= seqlen_q:
+            hi = lo
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
 def tanh(x):
     """fp32 tanh for the softcap of 16-bit problems: ``1 - 2 / (2^(2 x log2 e) + 1)`` with an
     approximate reciprocal (``div.full``). Its absolute error is about 1e-7 everywhere, which is

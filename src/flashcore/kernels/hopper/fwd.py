@@ -184,6 +184,7 @@ from flashcore.kernels.hopper.common import (
     sequence,
     snake,
     work,
+    work_kv_range,
 )
 from flashcore.kernels.hopper.fwd_load import producer
 from flashcore.kernels.hopper.fwd_steps import attend, skips
@@ -308,13 +309,10 @@ def _consumer_tile(
     q_start, _, seqlen_q, seqlen_k, desc_b = sequence(
         CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
     )
-    lo, full_lo, full_hi, hi = kv_tile_range(
+    lo, full_lo, full_hi, hi = work_kv_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
-        IS_CAUSAL, HAS_WINDOW,
+        IS_CAUSAL, HAS_WINDOW, VARLEN,
     )  # fmt: skip
-    if VARLEN:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if start_m >= seqlen_q:
-            hi = lo  # a query tile past its sequence's end (as the producer's)
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
     t0 = 0
     t1 = n_tiles
