@@ -287,17 +287,40 @@ def tile_scores(
 
 
 @gluon.jit
-def _row_reduce(x, like, IS_MAX: gl.constexpr):
-    """Row max or sum of a score-shaped tile, in the layout of the row vector ``like``: the even
-    and odd columns (each thread holds columns in pairs, so the split moves no data) combined
-    first, so that each thread's chain of dependent operations per row is half as long as
+def _row_max(x, like):
+    """Row max of a score-shaped tile, in the layout of the row vector ``like``: the even and odd
+    columns (each thread holds columns in pairs, so the split moves no data) combined first, so
+    that each thread's chain of dependent operations per row is half as long as
     ``gl.max(x, 1)``'s (ptxas keeps the reduction's order)."""
     even, odd = x.reshape([x.shape[0], x.shape[1] // 2, 2]).split()
-    if IS_MAX:
-        r = gl.max(gl.maximum(even, odd), 1)
-    else:
-        r = gl.sum(even + odd, 1)
-    return gl.convert_layout(r, like.type.layout)
+    return gl.convert_layout(gl.max(gl.maximum(even, odd), 1), like.type.layout)
+
+
+@gluon.jit
+def _thread_sums(p):
+    """Row sums of a score-shaped tile within each thread, ``[rows, 4]``: the wgmma accumulator
+    holds a row in a quad of four threads, each with its columns in pairs eight apart (column
+    ``8 j + 2 lane + pair``), so summing the pair, then ``j``, never leaves the thread. The row's
+    total is the sum over the quad (``row_total``), taken once after the key loop instead of by
+    shuffles at every step."""
+    x = p.reshape([p.shape[0], p.shape[1] // 8, 4, 2])
+    return gl.sum(gl.sum(x, 3), 1)
+
+
+@gluon.jit
+def sums_start(total, BLOCK_N: gl.constexpr):
+    """The running row sums before the first key tile (``softmax``'s ``l``): each thread's share
+    ``[rows, 4]`` of a row total ``total`` (0, or a sink's 1), a quarter each (exact)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    return _thread_sums(gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)) + total * 0.25
+
+
+@gluon.jit
+def row_total(l_i, like):
+    """The row sums whose shares ``softmax`` carries, in the layout of the row vector ``like``."""
+    return gl.convert_layout(gl.sum(l_i, 1), like.type.layout)
 
 
 # How far (log2 units) a row's running max may rise above the max its exponentials and its O
@@ -323,8 +346,10 @@ def softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr, LAZY: gl.constexpr):
     exponentials are taken against. Without LAZY, the row's running max; with it, moved to the
     running max only when that rises more than RESCALE_SLACK above it (always from -inf), so
     that ``alpha`` is exactly 1 at most steps and ``p <= 2^RESCALE_SLACK``. A row with every
-    score -inf so far keeps ``m = -inf`` and gets ``p = 0`` (``alpha = 0`` without LAZY)."""
-    m_new = gl.maximum(m_i, _row_reduce(s, m_i, True))
+    score -inf so far keeps ``m = -inf`` and gets ``p = 0`` (``alpha = 0`` without LAZY).
+    ``l`` is the running row sums as each thread's share (``sums_start``, ``row_total``): the
+    quad's shuffles leave the step (docs/hopper_fwd_configs.md, "Row sums per thread")."""
+    m_new = gl.maximum(m_i, _row_max(s, m_i))
     if LAZY:
         if RAW_MAX:
             moved = m_new * qk_scale > m_i * qk_scale + RESCALE_SLACK
@@ -341,7 +366,8 @@ def softmax(s, m_i, l_i, qk_scale, RAW_MAX: gl.constexpr, LAZY: gl.constexpr):
         alpha = gl.exp2(m_i - m_ref)
     if LAZY:
         alpha = gl.where(moved, alpha, 1.0)
-    l_new = l_i * alpha + _row_reduce(p, m_i, False)
+    a = gl.convert_layout(alpha, gl.SliceLayout(1, l_i.type.layout))
+    l_new = l_i * gl.expand_dims(a, 1) + _thread_sums(p)
     return p, alpha, m_new, l_new
 
 

@@ -181,8 +181,10 @@ from flashcore.kernels.hopper.common import (
     kv_tile_range,
     opaque,
     programs,
+    row_total,
     sequence,
     snake,
+    sums_start,
     work,
     work_kv_range,
 )
@@ -345,10 +347,10 @@ def _consumer_tile(
         if RAW_MAX:
             sink = sink / qk_scale  # raw q.k units (RAW_MAX has qk_scale > 0)
         m_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout) + sink
-        l_i = gl.full([ROWS], 1.0, gl.float32, layout=row_layout)
+        l_i = sums_start(1.0, BLOCK_N)
     else:
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
-        l_i = gl.full([ROWS], 0.0, gl.float32, layout=row_layout)
+        l_i = sums_start(0.0, BLOCK_N)
     acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
     if hi > lo:
         if not PERSISTENT:
@@ -360,6 +362,7 @@ def _consumer_tile(
             BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
         )  # fmt: skip
 
+    l_i = row_total(l_i, m_i)
     empty = l_i == 0.0
     l_safe = gl.where(empty, 1.0, l_i)
     acc = acc / gl.expand_dims(gl.convert_layout(l_safe, orow_layout), 1)
