@@ -534,6 +534,22 @@ def test_assembled_code_keeps_the_overlap(compiled):
         )
 
 
+# The builds whose softmax is pinned under its own P V (kernels/hopper/fwd.py: OWN_PV): three
+# consumers, causal, flat, without sinks, a window, softcap or ALiBi.
+OWN_PV_VARIANTS = {"d64-fp16-causal-ragged-three"}
+
+
+def test_own_pv_overlap_where_taken(compiled):
+    # Where OWN_PV is taken ptxas keeps one score tile's exponentials between the wait that
+    # leaves P V running and the wait for it; the builds without it keep the hoisted wait.
+    for row in compiled:
+        tile = row["block_n"] * 64 // 128
+        if row["variant"] in OWN_PV_VARIANTS:
+            assert row["exp2_under_pv_sass"] >= tile, row
+        elif row["variant"].startswith(("d128", "d64-bf16-three")):
+            assert row["exp2_under_pv_sass"] == 0, row
+
+
 def test_trace_build_still_applies():
     """``scripts/hopper_fwd_trace.py`` edits the kernel's source as text; a change to the key loop
     that its edits no longer match fails here, not later on the GPU machine."""

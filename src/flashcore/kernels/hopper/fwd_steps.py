@@ -104,6 +104,7 @@ def attend(
     HAS_ALIBI: gl.constexpr,
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
+    OWN_PV: gl.constexpr = False,
 ):
     """The key loop of one work tile (``n_tiles >= 1``): ring entries ``kv0 .. kv0 + n_tiles -
     1``, turns ``turn0 .. turn0 + n_tiles``, from the running max and sum ``(m_i, l_i)`` (a
@@ -135,7 +136,7 @@ def attend(
                 t1 - t0, lo + t0 * BLOCK_N, full_lo, full_hi, rows, seqlen_q, seqlen_k,
                 qk_scale, window_left, window_right, softcap, slope, m_i, l_i, acc, CONSUMER,
                 NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
+                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, OWN_PV,
             )  # fmt: skip
         else:
             _sit_out(k_ready, v_ready, kv_empty, turn, kv0, turn0 + t0, CONSUMER, NUM_CONSUMERS,
@@ -148,7 +149,7 @@ def attend(
             q_smem, qi, k_smem, v_smem, k_ready, v_ready, kv_empty, turn, kv0, turn0, n_tiles, lo,
             full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope, m_i, l_i, acc, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N,
-            NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
+            NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, OWN_PV,
         )  # fmt: skip
     return m_i, l_i, acc
 
@@ -192,6 +193,7 @@ def _steps(
     HAS_ALIBI: gl.constexpr,
     RAW_MAX: gl.constexpr,
     EVEN_N: gl.constexpr,
+    OWN_PV: gl.constexpr,
 ):
     """Tiles ``0 .. n_tiles - 1`` (``n_tiles >= 1``) from key ``lo``, ring entry ``kv0`` and
     turn ``turn0`` on, each computed: the schedule of the module docstring."""
@@ -263,6 +265,12 @@ def _steps(
         )  # fmt: skip
         # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
         p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)
+        if OWN_PV:
+            # K_t's phase completed above and cannot complete again before this consumer frees
+            # the slot: a wait that passes at once, but a loop, which ptxas does not move its
+            # DEPBAR across (docs/hopper_fwd.md, "Compile-time evidence"), so the exponentials
+            # stay before the wait for P_{t-1} V_{t-1}.
+            mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
         acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
         mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
         if P_EARLY:
