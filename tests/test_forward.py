@@ -377,6 +377,33 @@ def test_forward_gpu_sm90_short_causal(shape, head_dim, dtype, schedule):
     check_forward(out, lse, q, k, v, causal=True)
 
 
+# Three consumers, causal, on the flat grid: each softmax under its own P V (kernels/hopper/fwd.py:
+# OWN_PV, what "auto" runs at D = 64 causal from 4096 keys). Ragged both ways, GQA/MQA, Sq > Sk
+# (rows that see no key), a single key tile, and many tiles.
+THREE_CAUSAL_SHAPES = [(1, 4, 2, 1500, 1500), (2, 3, 1, 700, 1100), (1, 4, 4, 1025, 513),
+                       (2, 2, 2, 100, 100), (1, 8, 2, 4096, 4096)]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("shape", THREE_CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_gpu_sm90_three_causal_flat(shape, dtype):
+    """The three-consumer causal flat build (OWN_PV): out and LSE against the float64 reference,
+    and the same bits as "auto" where "auto" takes it."""
+    from flashcore.ops import fwd_sm90
+
+    require_sm90()
+    batch, heads, kv_heads, seqlen_q, seqlen_k = shape
+    q, k, v = make_qkv(Case(batch, heads, kv_heads, seqlen_q, seqlen_k, 64), dtype, "cuda")
+    config = fwd_sm90.D64_THREE._replace(persistent=False)
+    out, lse = launch_sm90_forward(q, k, v, causal=True, config=config)
+    assert not out.isnan().any() and not lse.isnan().any()
+    check_forward(out, lse, q, k, v, causal=True)
+    if seqlen_q == seqlen_k == 4096:
+        auto_out, auto_lse = launch_sm90_forward(q, k, v, causal=True)
+        assert torch.equal(auto_out, out) and torch.equal(auto_lse, lse)
+
+
 # One consumer a CTA beyond short causal problems: non-causal and causal, ragged, GQA/MQA,
 # Sq > Sk and Sq < Sk, several tiles a program (the persistent grid is two programs an SM).
 ONE_CASES = [
@@ -540,6 +567,7 @@ RISING = [
     ("lo", Case(1, 4, 4, 700, 900, 128), True, None),
     ("scattered", Case(2, 4, 1, 777, 1500, 64), False, None),
     ("hi", Case(1, 4, 2, 1500, 1500, 64), True, "three"),
+    ("scattered", Case(1, 4, 2, 1200, 1300, 64), True, "three-flat"),
     ("lo", Case(2, 4, 4, 500, 500, 64), True, "one"),
     ("hi", Case(2, 4, 4, 600, 600, 128), True, "one"),
     ("lo", Case(1, 4, 2, 700, 1100, 256), False, None),
@@ -563,6 +591,7 @@ def test_forward_gpu_sm90_rising_max(rows, case, causal, config, dtype):
     cfg = {
         None: None,
         "three": fwd_sm90.D64_THREE,
+        "three-flat": fwd_sm90.D64_THREE._replace(persistent=False),
         "one": fwd_sm90.ONE.get(case.head_dim),
     }[config]
     gen = torch.Generator(device="cuda").manual_seed(7)
