@@ -7,7 +7,8 @@
 # Usage:   scripts/sanitize.sh [TOOL ...]          default: memcheck racecheck initcheck synccheck
 # Env:     SANITIZE_LOG_DIR   where the full logs go (default: out/sanitize)
 #          SANITIZE_ARGS      extra arguments for the driver, e.g. "--dtypes fp16 --no-backward"
-#          SANITIZE_KERNELS   only check kernels whose name matches, e.g. "regex:attn"
+#          SANITIZE_KERNELS   only check kernels whose name matches, as compute-sanitizer
+#                             --kernel-name takes it: key=value, e.g. "kns=attn" (a substring)
 #          COMPUTE_SANITIZER  the binary (default: on PATH, else /usr/local/cuda/bin)
 #
 # memcheck and initcheck run with PYTORCH_NO_CUDA_MEMORY_CACHING=1: with PyTorch's caching
