@@ -125,11 +125,11 @@ def _sit_out(""",
         ))  # fmt: skip
     if softmax_stamp:
         edits.append((
-            "        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n"
-            "        acc, p_op = warpgroup_mma_wait(0",
-            "        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n"
+            "        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)\n"
+            "        if OWN_PV:",
+            "        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)\n"
             "        _stamp(LSE, t, 4, CONSUMER, g)\n"
-            "        acc, p_op = warpgroup_mma_wait(0",
+            "        if OWN_PV:",
         ))  # fmt: skip
     return _build(steps_src, edits, [])
 
@@ -168,8 +168,9 @@ def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.const
             "    _tstamp(LSE, IT, 2, CONSUMER, kv0)\n",
         ),
         (
-            "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n    if P_EARLY:",
-            "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX)\n"
+            "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)\n"
+            "    if P_EARLY:",
+            "    p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)\n"
             "    _tstamp(LSE, IT, 3, CONSUMER, kv0)\n    if P_EARLY:",
         ),
     ]
@@ -189,13 +190,13 @@ def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.const
             "    _tstamp(LSE, it, 4, CONSUMER, w)\n    empty = l_i == 0.0\n",
         ),
         (
-            "    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_tile)\n",
-            "    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row0, 0], o_tile)\n"
-            "    _tstamp(LSE, it, 5, CONSUMER, w)\n",
+            "        _store_o(o_desc, o_tile, acc, off_b, off_h, row0)\n",
+            "        _store_o(o_desc, o_tile, acc, off_b, off_h, row0)\n"
+            "        _tstamp(LSE, it, 5, CONSUMER, w)\n",
         ),
         (
-            "        tma.store_wait(1)\n",
-            "        tma.store_wait(1)\n        _tstamp(LSE, it, 6, CONSUMER, w)\n",
+            "        if it > 0:\n            prev = ",
+            "        _tstamp(LSE, it, 6, CONSUMER, w)\n        if it > 0:\n            prev = ",
         ),
     ]
     return _build(steps_src, edits, fwd_edits)

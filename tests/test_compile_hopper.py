@@ -562,6 +562,12 @@ def test_trace_build_still_applies():
     source = module.trace_source(0)
     assert source.count("        _stamp(LSE, t, ") == 4  # four stamps in the key loop
     assert "from flashcore.kernels.hopper.fwd_steps import" not in source
+    # --qk-stamp and --softmax-stamp: one more stamp each; --tiles: a stamp at each of the
+    # persistent tile's eight events.
+    source = module.trace_source(0, qk_stamp=True, softmax_stamp=True)
+    assert source.count("        _stamp(LSE, t, ") == 6
+    source = module.trace_tiles_source(0)
+    assert len(set(re.findall(r"_tstamp\(LSE, (?:IT|it), (\d)", source))) == 8
 
 
 def main() -> int:
