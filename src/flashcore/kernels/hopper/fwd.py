@@ -45,7 +45,11 @@ Schedule (one CTA, ``gl.warp_specialize``):
   the tensor cores. ptxas (Triton 3.6's) hoists ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` above them in
   SASS, so in the assembled code a warpgroup's softmax waits for its own ``P V``; the overlap
   that remains is between warpgroups (``tests/test_compile_hopper.py`` holds both facts,
-  ``docs/hopper_fwd.md``). With PINGPONG, consumer c waits ``turn[c]`` before issuing its two
+  ``docs/hopper_fwd.md``), except in the three-consumer causal flat build (``OWN_PV``), where a
+  second wait on ``k_ready[t]`` before ``wait_group 0`` keeps the exponentials ahead of it (the
+  only build where that measured faster). A row's sum is carried as each thread's share of it
+  (``common.sums_start``), joined across the row's four threads once, after the last tile.
+  With PINGPONG, consumer c waits ``turn[c]`` before issuing its two
   products and arrives on ``turn[c + 1]`` after (consumer 0 holds the first turn), so the
   warpgroups take the tensor cores in turn. The loop is entered with tile 0's softmax done
   (prologue) and left with the last tile's ``P V`` issued in the epilogue. Each ``kv_empty``
