@@ -28,9 +28,13 @@ def kv_tile_range(
     BLOCK_N: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
+    VARLEN: gl.constexpr = False,
 ):
     """``(lo, full_lo, full_hi, hi)``: key tiles of rows ``[start_m, start_m + BLOCK_M)``, as
-    ``kernels/common.py:kv_tile_range`` (tiles in ``[full_lo, full_hi)`` need no mask)."""
+    ``kernels/common.py:kv_tile_range`` (tiles in ``[full_lo, full_hi)`` need no mask). With
+    VARLEN (a grid sized by the longest sequence) rows starting past their own sequence's end
+    see no key (``hi = lo``: nothing loaded, nothing stored); the producer and the consumers
+    take a work tile's range from here alike."""
     diag = seqlen_k - seqlen_q
     if IS_CAUSAL:
         hi = gl.minimum(seqlen_k, gl.maximum(start_m + BLOCK_M + diag, 0))
@@ -51,6 +55,9 @@ def kv_tile_range(
     else:
         lo = 0
         full_lo = 0
+    if VARLEN:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        if start_m >= seqlen_q:
+            hi = lo
     return lo, full_lo, full_hi, hi
 
 
@@ -79,32 +86,6 @@ def sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN: gl
         k_start = 0
         desc_b = off_b
     return q_start, k_start, seqlen_q, seqlen_k, desc_b
-
-
-@gluon.jit
-def work_kv_range(
-    start_m,
-    seqlen_q,
-    seqlen_k,
-    window_left,
-    window_right,
-    BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    IS_CAUSAL: gl.constexpr,
-    HAS_WINDOW: gl.constexpr,
-    VARLEN: gl.constexpr,
-):
-    """``kv_tile_range`` of a work tile, as the producer and the consumers both take it: with
-    VARLEN (a grid sized by the longest sequence) a query tile past its own sequence's end sees
-    no key (``hi = lo``: nothing loaded, nothing stored)."""
-    lo, full_lo, full_hi, hi = kv_tile_range(
-        start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
-        IS_CAUSAL, HAS_WINDOW,
-    )  # fmt: skip
-    if VARLEN:  # noqa: SIM102 (a constexpr branch around a runtime one)
-        if start_m >= seqlen_q:
-            hi = lo
-    return lo, full_lo, full_hi, hi
 
 
 @gluon.jit

@@ -190,7 +190,6 @@ from flashcore.kernels.hopper.common import (
     snake,
     sums_start,
     work,
-    work_kv_range,
 )
 from flashcore.kernels.hopper.fwd_load import producer
 from flashcore.kernels.hopper.fwd_steps import attend, skips
@@ -315,7 +314,7 @@ def _consumer_tile(
     q_start, _, seqlen_q, seqlen_k, desc_b = sequence(
         CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
     )
-    lo, full_lo, full_hi, hi = work_kv_range(
+    lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
         IS_CAUSAL, HAS_WINDOW, VARLEN,
     )  # fmt: skip

@@ -12,12 +12,12 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from flashcore.kernels.hopper.common import (
     Q_BUFFERS,
     ROWS,
+    kv_tile_range,
     opaque,
     programs,
     sequence,
     snake,
     work,
-    work_kv_range,
 )
 
 
@@ -124,7 +124,7 @@ def _producer_tile(
     q_start, k_start, seqlen_q, seqlen_k, off_b = sequence(
         CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
     )
-    lo, _, _, hi = work_kv_range(
+    lo, _, _, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
         IS_CAUSAL, HAS_WINDOW, VARLEN,
     )  # fmt: skip
