@@ -37,9 +37,11 @@ def flops(lengths: list[int], heads: int, head_dim: int, causal: bool) -> float:
     return 4.0 * heads * head_dim * pairs
 
 
-def direct(q, k, v, cu, top, causal, persistent):
+def direct(q, k, v, cu, top, causal, persistent, use_work_list=True):
     """The Hopper forward's launch with the launcher's config for these lengths, its schedule
-    forced (``persistent``), planned once: the kernel alone, no dispatch."""
+    forced (``persistent``; the flat grid over the work list, or with ``use_work_list`` off
+    sized by the longest sequence), planned once: the kernel alone, no dispatch (the flat grid
+    builds its work list at every call, as the API's calls do)."""
     from flashcore.ops import fwd_sm90
     from flashcore.ops import problem as pb
 
@@ -55,6 +57,7 @@ def direct(q, k, v, cu, top, causal, persistent):
         q, k, v, lse, causal=sc.is_causal, qk_scale=sc.qk_scale, window_left=sc.window_left,
         window_right=sc.window_right, has_window=sc.has_window, softcap=sc.softcap, alibi=False,
         sinks=False, stride_ab=0, config=cfg, varlen=varlen, out_strides=out.stride()[:2],
+        use_work_list=use_work_list,
     )  # fmt: skip
     return lambda: fwd_sm90.launch(p, q, k, v, out, lse, None, None, varlen)
 
@@ -97,9 +100,9 @@ def main() -> None:
                     return run
 
                 providers = {t: tier(t) for t in ("portable", "sm90", "auto")}
-                for persistent in (False, True):
-                    name_p = "sm90-persistent" if persistent else "sm90-flat"
-                    providers[name_p] = direct(q, k, v, cu, top, causal, persistent)
+                providers["sm90-flat"] = direct(q, k, v, cu, top, causal, False)
+                providers["sm90-longest"] = direct(q, k, v, cu, top, causal, False, False)
+                providers["sm90-persistent"] = direct(q, k, v, cu, top, causal, True)
                 if fa4 is not None:
                     providers["fa4"] = lambda q=q, k=k, v=v, cu=cu, top=top, causal=causal: fa4(
                         q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=top,

@@ -209,12 +209,14 @@ def launch_sm90_forward(
     sinks=None,
     config=None,
     varlen=None,
+    use_work_list=True,
 ):
     """The Hopper forward launched directly (no dispatch, no ``supports``: for builds the
     dispatch does not take yet, and for configs it would not pick) into NaN-filled out and LSE,
     so that an element it never writes shows; returns ``(out, lse)``. Options as
     ``flashcore.attention`` takes them; ``config`` an ``Sm90Config`` (None: the launcher's);
-    ``varlen`` an ``ops.problem.Varlen`` for packed q, k, v."""
+    ``varlen`` an ``ops.problem.Varlen`` for packed q, k, v (``use_work_list``: as
+    ``fwd_sm90.plan`` takes it)."""
     from flashcore.ops import fwd_sm90
     from flashcore.ops import problem as pb
 
@@ -230,7 +232,7 @@ def launch_sm90_forward(
         q, k, v, out, lse, causal=sc.is_causal, qk_scale=sc.qk_scale,
         window_left=sc.window_left, window_right=sc.window_right, has_window=sc.has_window,
         softcap=sc.softcap, alibi=None if alibi_slopes is None else alibi, stride_ab=stride_ab,
-        sinks=sinks, config=config, varlen=varlen,
+        sinks=sinks, config=config, varlen=varlen, use_work_list=use_work_list,
     )  # fmt: skip
     return out, lse
 

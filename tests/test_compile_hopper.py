@@ -96,6 +96,12 @@ VARIANTS = [
      {**PLAIN, "causal": True, "even_n": False, "varlen": True, "persistent": True}),
     ("d256-fp16-causal-varlen", 256, "fp16", 2, 64, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "varlen": True}),
+    # ... and the flat grid over a work list (VARLEN 2: lengths that vary), two and three
+    # consumers.
+    ("d128-bf16-causal-varlen-list", 128, "bf16", 2, 128, 2, 240, 168,
+     {**PLAIN, "causal": True, "even_n": False, "varlen": 2}),
+    ("d64-fp16-causal-varlen-list-three", 64, "fp16", 3, 128, 3, 160, 128,
+     {**PLAIN, "causal": True, "even_n": False, "varlen": 2}),
 ]  # fmt: skip
 PERSISTENT_SUFFIX = "-persistent"
 
@@ -147,7 +153,7 @@ def compile_variant(variant) -> dict:
             signature[name] = "*fp32"
         elif name == "O":
             signature[name] = f"*{dtype}"
-        elif name in ("CU_Q", "CU_K"):
+        elif name in ("CU_Q", "CU_K", "WORK"):
             signature[name] = "*i32"
         elif name in ("qk_scale", "softcap"):
             signature[name] = "fp32"

@@ -234,6 +234,48 @@ def test_varlen_gpu_sm90_sequences_isolated(causal, head_dim):
     assert torch.equal(got_lse[:, others], lse[:, others])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("head_dim", "opts"),
+    [(128, {}), (128, {"causal": True}), (64, {"causal": True}), (64, {}),
+     (128, {"window": (300, 40)}), (128, {"causal": True, "sinks": True})],
+    ids=["d128", "d128-causal", "d64-causal", "d64", "d128-window", "d128-causal-sinks"],
+)  # fmt: skip
+def test_varlen_gpu_sm90_work_list(monkeypatch, head_dim, opts):
+    """Lengths that vary take the flat grid over a work list (``ops/work_list.py``): the same
+    bits as the flat grid sized by the longest sequence, every row written (NaN-filled out and
+    LSE), for sequences empty, shorter than a consumer's rows, at and past the tiles' edges,
+    more of them than the list program takes at once, and Sq != Sk."""
+    from flashcore.ops import fwd_sm90
+    from flashcore.ops.problem import Varlen
+    from helpers import launch_sm90_forward
+
+    require_sm90()
+    lens_q = (4000, 1, 0, 129, 64, 1000, 2100, 33, 700, 1500, 191, 192, 193, 3000, 5, 256, 900)
+    lens_k = (4000, 64, 10, 129, 0, 1100, 2100, 40, 700, 1500, 191, 200, 193, 3100, 5, 256, 900)
+    case = VarlenCase(4, 2, lens_q, lens_k, head_dim)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+    opts = dict(opts)
+    if opts.pop("sinks", False):
+        opts["sinks"] = torch.randn(case.heads, device="cuda")
+    varlen = Varlen(cu_q, cu_k, max(lens_q), max(lens_k))
+    plans = []
+    real = fwd_sm90.plan
+
+    def recorded(*args, **kwargs):
+        plans.append(real(*args, **kwargs))
+        return plans[-1]
+
+    monkeypatch.setattr(fwd_sm90, "plan", recorded)
+    listed = launch_sm90_forward(q, k, v, varlen=varlen, **opts)
+    longest = launch_sm90_forward(q, k, v, varlen=varlen, use_work_list=False, **opts)
+    assert plans[0].work is not None and plans[0].meta["VARLEN"] == 2
+    assert plans[1].work is None and plans[1].meta["VARLEN"] == 1
+    assert plans[0].grid[0] < plans[1].grid[0]
+    assert not listed[0].isnan().any() and not listed[1].isnan().any()
+    assert torch.equal(listed[0], longest[0]) and torch.equal(listed[1], longest[1])
+
+
 def test_varlen_sm90_auto_judges_mean_lengths(monkeypatch):
     """ "auto" takes the Hopper forward for a packed batch by its mean lengths (total rows over
     sequences) on the dense thresholds, not by its longest sequence; planned with the packing."""
@@ -280,3 +322,68 @@ def test_varlen_sm90_d64_mean_floor():
     assert tuning.sm90_forward(2048, 2048, 64, flops, varlen=True)
     assert tuning.sm90_forward(1277, 1277, 64, flops)
     assert tuning.sm90_forward(1277, 1277, 128, flops, varlen=True)
+
+
+def _work_list_reference(lens_q, lens_k, block_m, block_n, causal, window, max_tiles):
+    """Every (sequence, query tile) of a packed batch with its cost (the key tiles its rows
+    see, plus one), as ``kernels/varlen.py: work_list_kernel`` counts them."""
+    items = []
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        for t in range(min(-(-lq // block_m), max_tiles)):
+            rows = range(t * block_m, min((t + 1) * block_m, lq))
+            keys = set()
+            for i in rows:
+                hi = min(lk, i + lk - lq + 1) if causal else lk
+                lo = max(i + lk - lq - window[0], 0) if window else 0
+                if window and not causal:
+                    hi = min(lk, i + lk - lq + window[1] + 1)
+                keys |= set(range(lo, max(hi, lo)))
+            # Whole key tiles from the block's first to its last visible key.
+            n = (max(keys) // block_n - min(keys) // block_n + 1) if keys else 0
+            items.append((b * 65536 + t, n + 1))
+    return items
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_k", "causal", "window", "block_m", "max_q"),
+    [
+        ((421, 1316, 0, 4017, 1, 128, 129), None, False, None, 128, None),
+        ((421, 1316, 0, 4017, 1, 128, 129), None, True, None, 192, None),
+        ((300, 77, 700, 64), (517, 64, 10, 700), True, None, 64, None),
+        ((300, 77, 700, 64), (517, 64, 10, 700), False, (100, 20), 128, None),
+        ((300, 77, 700, 64), (517, 64, 10, 700), True, (200, 0), 128, None),
+        # 40 sequences (three chunks of them), the grid's longest below the real one (the tiles
+        # past it are not listed), and sequences of more tiles than a chunk takes.
+        (tuple(range(1, 400, 10)), None, True, None, 128, 200),
+        ((4017, 30, 2500), (4017, 30, 2600), True, None, 16, None),
+    ],
+    ids=["full", "causal", "causal-ragged-k", "window", "causal-window", "many", "long"],
+)
+def test_work_list(lens_q, lens_k, causal, window, block_m, max_q):
+    """The Hopper forward's work list of a packed batch (built by one program on the device):
+    every query tile of every sequence once, costliest first, -1 after the last; a sequence
+    gives at most the grid's tiles (``max_seqlen_q``)."""
+    from flashcore.ops import work_list
+
+    lens_k = lens_k or lens_q
+    block_n = 64
+    cu_q, cu_k = cu_seqlens(lens_q, "cpu"), cu_seqlens(lens_k, "cpu")
+    max_q = max_q or max(lens_q)
+    if window:
+        left, right = window[0], window[1] if not causal else max_q + max(lens_k)
+    else:
+        left = right = 0
+    plan = work_list.plan(
+        len(lens_q), sum(lens_q), sum(lens_k), max_q, max(lens_k), block_m, block_n,
+        causal=causal, window_left=left, window_right=right, has_window=window is not None,
+    )  # fmt: skip
+    got = work_list.build(plan, cu_q, cu_k)[: plan.size].tolist()
+    want = _work_list_reference(
+        lens_q, lens_k, block_m, block_n, causal, window and (left, right), -(-max_q // block_m)
+    )
+    assert plan.size >= len(want)
+    assert got[len(want) :] == [-1] * (plan.size - len(want))
+    assert sorted(got[: len(want)]) == sorted(code for code, _ in want)
+    cost = dict(want)
+    placed = [cost[code] for code in got[: len(want)]]
+    assert placed == sorted(placed, reverse=True)

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashcore.ops import runtime
+from flashcore.ops import runtime, work_list
 from flashcore.ops.launch import Descriptor, Launcher
 from flashcore.ops.problem import Varlen
 
@@ -388,10 +388,10 @@ def kernels() -> ModuleType:
 
 @functools.cache
 def launcher() -> Launcher:
-    """The kernel's ``Launcher`` (its four descriptors, LSE, ALIBI, SINKS, O and the two offset
-    tensors come first): Triton's per-call argument binding is skipped once a signature has been
-    compiled."""
-    return Launcher(kernels().attn_fwd_sm90_kernel, 10)
+    """The kernel's ``Launcher`` (its four descriptors, LSE, ALIBI, SINKS, O, the two offset
+    tensors and the work list come first): Triton's per-call argument binding is skipped once a
+    signature has been compiled."""
+    return Launcher(kernels().attn_fwd_sm90_kernel, 11)
 
 
 @functools.cache
@@ -524,12 +524,13 @@ def box_layout(block: tuple[int, ...], dtype: torch.dtype):
 
 class Plan(NamedTuple):
     """Everything of a launch but the tensors (``plan``): the grid, the descriptors' boxes (q,
-    k, v, out), the scalar arguments and the constexprs."""
+    k, v, out), the scalar arguments, the constexprs and a packed batch's work list."""
 
     grid: tuple[int]
     boxes: tuple[list[int], ...]
     scalars: tuple
     meta: dict
+    work: work_list.WorkList | None = None  # a packed batch's work list (VARLEN 2)
 
 
 def fast_divisor(d: int) -> tuple[int, int]:
@@ -587,6 +588,7 @@ def plan(
     config: Sm90Config | None = None,
     varlen: Varlen | None = None,
     out_strides: tuple[int, int] = (0, 0),
+    use_work_list: bool = True,
 ) -> Plan:
     """The launch of ``attn_fwd_sm90`` for these shapes and options (a function of q's, k's and
     v's shapes, lse's strides, the device and the options only, so callers keep it per problem
@@ -598,7 +600,9 @@ def plan(
     neither binds). ``alibi`` and ``sinks``: whether those tensors come. ``config`` overrides
     the tiles (for benchmarks). ``varlen``: q, k and v are packed (``packed_problem``; the
     lengths below are the longest sequence's), and ``out_strides`` are out's row and head
-    strides, which the kernel stores a sequence's last query rows with.
+    strides, which the kernel stores a sequence's last query rows with. A packed batch on the
+    flat grid takes its tiles from a work list (``ops/work_list.py``) unless ``use_work_list``
+    is off (for benchmarks).
     """
     if varlen is None:
         batch, heads, seqlen_q, head_dim = q.shape
@@ -635,7 +639,15 @@ def plan(
         persistent = False
     slots = num_sms(q.device.index) * cfg.ctas_per_sm
     grid, lpt_heads = (min(slots, n_work) if persistent else n_work), 1
-    if causal:
+    work = None
+    if varlen is not None and not persistent and use_work_list:
+        work = work_list.plan(
+            batch, *totals, seqlen_q, seqlen_k, block_m, cfg.block_n, causal=causal,
+            window_left=window_left, window_right=window_right, has_window=has_window,
+        )  # fmt: skip
+    if work is not None:
+        grid = work.size * heads
+    elif causal:
         costs = tile_costs(seqlen_q, seqlen_k, block_m, cfg.block_n, window_left, has_window)
         kv_bytes = seqlen_k * (k.shape[-1] + v.shape[-1]) * k.element_size()
         grid, lpt_heads = causal_order(costs, batch * heads, slots, persistent, kv_bytes)
@@ -663,11 +675,11 @@ def plan(
         "RAW_MAX": raw_max,
         "EVEN_N": varlen is None and seqlen_k % cfg.block_n == 0,
         "PERSISTENT": persistent,
-        "VARLEN": varlen is not None,
+        "VARLEN": 0 if varlen is None else 2 if work is not None else 1,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }
-    return Plan((grid,), boxes, scalars, meta)
+    return Plan((grid,), boxes, scalars, meta, work)
 
 
 def launch(
@@ -687,11 +699,12 @@ def launch(
     if varlen is not None:
         tensors = tuple(packed_view(t) for t in tensors)
     descs = tuple(descriptor(t, box) for t, box in zip(tensors, p.boxes, strict=True))
-    # The LSE stands in for an absent ALiBi, sinks or offsets pointer (never read: its flag is
-    # off), out for O (read only with VARLEN).
+    # The LSE stands in for an absent ALiBi, sinks, offsets or work list pointer (never read:
+    # its flag is off), out for O (read only with VARLEN).
+    work = lse if p.work is None else work_list.build(p.work, *varlen[:2])
     extra = (
         lse, lse if alibi is None else alibi, lse if sinks is None else sinks, out,
-        *((lse, lse) if varlen is None else varlen[:2]),
+        *((lse, lse) if varlen is None else varlen[:2]), work,
     )  # fmt: skip
     with runtime.launch_on(q):
         launcher()(p.grid, (*descs, *extra, *p.scalars), p.meta)

@@ -149,6 +149,35 @@ def work(w, n_tiles, lpt_heads, num_heads, divisors, REVERSE: gl.constexpr, FAST
 
 
 @gluon.jit
+def work_item(
+    WORK,
+    w,
+    seqlen_q,
+    lpt_heads,
+    num_heads,
+    divisors,
+    BLOCK_M: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+    VARLEN: gl.constexpr,
+):
+    """``(tile, off_b, off_h)`` of the forward's work item ``w``: ``work``'s, or with a work
+    list (``VARLEN == 2``, the flat grid of a packed batch) entry ``w // num_heads`` of WORK
+    (``kernels/varlen.py: work_list_kernel``: ``b * 2**16 + t``, costliest first) for head ``w %
+    num_heads``."""
+    if VARLEN == 2:
+        code = gl.load(WORK + w // num_heads)
+        tile = code & 0xFFFF
+        off_b = code >> 16
+        off_h = w % num_heads
+    else:
+        tile, off_b, off_h = work(
+            w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL, PERSISTENT
+        )
+    return tile, off_b, off_h
+
+
+@gluon.jit
 def opaque(x):
     """``x`` (int32) through a side-effecting ``mov``, so that nothing computed from it leaves
     its partition. Without it, in the persistent loops, LLVM's codegen (Triton 3.6) hoists what

@@ -152,7 +152,12 @@ Flags (``gl.constexpr``, compiled away when off):
   row pieces and stored with a row mask into O (``_store_o_rows``), instead of the TMA store
   (persistent: it then waits for every earlier store's read before freeing a Q slot). The LSE
   is ``(H, total_q)`` (``stride_lb`` 0). Off, the kernel is the same instructions as without
-  these lines.
+  these lines. ``VARLEN == 2`` (the flat grid where lengths vary: ``ops/fwd_sm90.py:
+  work_list``): program ``w`` takes entry ``w // heads`` of WORK for head ``w % heads``
+  (``common.work_item``), a list of the batch's real query tiles, costliest first, built on
+  the device by ``kernels/varlen.py: work_list_kernel`` (no tile past a sequence's end, and the
+  hardware hands the heaviest tiles of all sequences to the SMs first); the grid's programs past
+  the list's end read -1 and return before anything else.
 
 MLA head dims (D = 192 for Q and K, Dv = 128 for V and O; ``ops/fwd_sm90.py: MLA_HEAD_DIMS``). A
 TMA box is a power of two wide, so Q and K arrive in PANELS = 3 column panels of 64 (the q/k
@@ -189,7 +194,7 @@ from flashcore.kernels.hopper.common import (
     sequence,
     snake,
     sums_start,
-    work,
+    work_item,
 )
 from flashcore.kernels.hopper.fwd_load import producer
 from flashcore.kernels.hopper.fwd_steps import attend, skips
@@ -242,6 +247,7 @@ def _consumer_tile(
     O,
     CU_Q,
     CU_K,
+    WORK,
     w,
     it,
     kv0,
@@ -305,8 +311,8 @@ def _consumer_tile(
         seqlen_q = opaque(seqlen_q)
         stride_ot = opaque(stride_ot)
         stride_oh = opaque(stride_oh)
-    tile_m, off_b, off_h = work(
-        w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL, PERSISTENT
+    tile_m, off_b, off_h = work_item(
+        WORK, w, seqlen_q, lpt_heads, num_heads, divisors, BLOCK_M, IS_CAUSAL, PERSISTENT, VARLEN
     )
     start_m = tile_m * BLOCK_M
     row0 = start_m + CONSUMER * ROWS
@@ -457,7 +463,7 @@ def _consumer(
     program's one tile; ``run`` holds the kernel's runtime values (``attn_fwd_sm90_kernel``)."""
     (
         o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, LSE,
-        ALIBI, SINKS, O, CU_Q, CU_K, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh,
+        ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh,
         num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left,
         window_right, softcap, total_q, total_k,
     ) = run  # fmt: skip
@@ -478,7 +484,7 @@ def _consumer(
             if w < n_work:
                 n = _consumer_tile(
                     o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                    kv_empty, turn, LSE, ALIBI, SINKS, O, CU_Q, CU_K, w, wave, kv, turns,
+                    kv_empty, turn, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, w, wave, kv, turns,
                     stride_lb, stride_lh, stride_ab, stride_ot, stride_oh, num_heads, seqlen_q,
                     seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap,
                     total_q, total_k, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M,
@@ -492,7 +498,7 @@ def _consumer(
     else:
         _consumer_tile(
             o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-            LSE, ALIBI, SINKS, O, CU_Q, CU_K, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh,
+            LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh,
             stride_ab, stride_ot, stride_oh, num_heads, seqlen_q, seqlen_k, lpt_heads, divisors,
             qk_scale, window_left, window_right, softcap, total_q, total_k, CONSUMER,
             NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
@@ -512,6 +518,7 @@ def attn_fwd_sm90_kernel(
     O,
     CU_Q,
     CU_K,
+    WORK,
     stride_lb,
     stride_lh,
     stride_ab,
@@ -552,6 +559,11 @@ def attn_fwd_sm90_kernel(
     VARLEN: gl.constexpr = False,
 ):
     BLOCK_M: gl.constexpr = ROWS * NUM_CONSUMERS
+    if VARLEN == 2:  # noqa: SIM102 (one condition would load WORK in every build)
+        # The grid is sized for the most tiles the packed rows can make; past the list's end
+        # (-1) there is nothing to do.
+        if gl.load(WORK + gl.program_id(0) // num_heads) < 0:
+            return
     # Persistent: Q_BUFFERS per consumer, so that the next tile's Q lands during this one.
     Q_SLOTS: gl.constexpr = NUM_CONSUMERS * (Q_BUFFERS if PERSISTENT else 1)
     dtype: gl.constexpr = q_desc.dtype
@@ -609,13 +621,14 @@ def attn_fwd_sm90_kernel(
     # variable inside the kernel turns them into tensors (Triton 3.6).
     run = (
         o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, LSE,
-        ALIBI, SINKS, O, CU_Q, CU_K, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh,
+        ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh,
         num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left,
         window_right, softcap, total_q, total_k,
     )  # fmt: skip
     loads = (
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-        kv_empty, fix_bar.index(0), CU_Q, CU_K, num_heads, kv_group, batch, seqlen_q, seqlen_k,
+        kv_empty, fix_bar.index(0), CU_Q, CU_K, WORK, num_heads, kv_group, batch, seqlen_q,
+        seqlen_k,
         lpt_heads, divisors, window_left, window_right, total_q, total_k,
     )  # fmt: skip
     gl.static_assert((NUM_CONSUMERS >= 1) & (NUM_CONSUMERS <= 3), "one to three consumers")

@@ -17,7 +17,7 @@ from flashcore.kernels.hopper.common import (
     programs,
     sequence,
     snake,
-    work,
+    work_item,
 )
 
 
@@ -85,6 +85,7 @@ def _producer_tile(
     fix_bar,
     CU_Q,
     CU_K,
+    WORK,
     w,
     it,
     kv0,
@@ -116,8 +117,8 @@ def _producer_tile(
     PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES
     if VARLEN:
         seqlen_q = opaque(seqlen_q)  # as the consumers' (kernels/hopper/fwd.py: _consumer_tile)
-    tile_m, off_b, off_h = work(
-        w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL, PERSISTENT
+    tile_m, off_b, off_h = work_item(
+        WORK, w, seqlen_q, lpt_heads, num_heads, divisors, BLOCK_M, IS_CAUSAL, PERSISTENT, VARLEN
     )
     start_m = tile_m * BLOCK_M
     off_hk = off_h // kv_group
@@ -198,7 +199,8 @@ def producer(
     (``kernels/hopper/fwd.py: attn_fwd_sm90_kernel``)."""
     (
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-        kv_empty, fix_bar, CU_Q, CU_K, num_heads, kv_group, batch, seqlen_q, seqlen_k, lpt_heads,
+        kv_empty, fix_bar, CU_Q, CU_K, WORK, num_heads, kv_group, batch, seqlen_q, seqlen_k,
+        lpt_heads,
         divisors, window_left, window_right, total_q, total_k,
     ) = run  # fmt: skip
     if PERSISTENT:
@@ -217,7 +219,7 @@ def producer(
             if w < n_work:
                 n, n_fix = _producer_tile(
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, fix_bar, CU_Q, CU_K, w, wave, kv, n_fix, num_heads,
+                    v_ready, kv_empty, fix_bar, CU_Q, CU_K, WORK, w, wave, kv, n_fix, num_heads,
                     kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right,
                     total_q, total_k, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                     HAS_WINDOW, PERSISTENT, VARLEN,
@@ -226,7 +228,7 @@ def producer(
     else:
         _producer_tile(
             q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-            kv_empty, fix_bar, CU_Q, CU_K, gl.program_id(0), 0, 0, 0, num_heads, kv_group,
+            kv_empty, fix_bar, CU_Q, CU_K, WORK, gl.program_id(0), 0, 0, 0, num_heads, kv_group,
             seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right, total_q, total_k,
             BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT,
             VARLEN,
