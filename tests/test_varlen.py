@@ -324,24 +324,17 @@ def test_varlen_sm90_d64_mean_floor():
     assert tuning.sm90_forward(1277, 1277, 128, flops, varlen=True)
 
 
-def _work_list_reference(lens_q, lens_k, block_m, block_n, causal, window, max_tiles):
-    """Every (sequence, query tile) of a packed batch with its cost (the key tiles its rows
-    see, plus one), as ``kernels/varlen.py: work_list_kernel`` counts them."""
-    items = []
-    for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
-        for t in range(min(-(-lq // block_m), max_tiles)):
-            rows = range(t * block_m, min((t + 1) * block_m, lq))
-            keys = set()
-            for i in rows:
-                hi = min(lk, i + lk - lq + 1) if causal else lk
-                lo = max(i + lk - lq - window[0], 0) if window else 0
-                if window and not causal:
-                    hi = min(lk, i + lk - lq + window[1] + 1)
-                keys |= set(range(lo, max(hi, lo)))
-            # Whole key tiles from the block's first to its last visible key.
-            n = (max(keys) // block_n - min(keys) // block_n + 1) if keys else 0
-            items.append((b * 65536 + t, n + 1))
-    return items
+def _last_tile_cost(lq, lk, block_m, block_n, causal, window, n_tiles):
+    """Key tiles of ``block_n`` the rows of query tile ``n_tiles - 1`` see, plus one (bottom-right
+    causal, window ``(left, right)``), counted row by row."""
+    keys = set()
+    for i in range((n_tiles - 1) * block_m, min(n_tiles * block_m, lq)):
+        hi = min(lk, i + lk - lq + 1) if causal else lk
+        lo = max(i + lk - lq - window[0], 0) if window else 0
+        if window and not causal:
+            hi = min(lk, i + lk - lq + window[1] + 1)
+        keys |= set(range(lo, max(hi, lo)))
+    return (max(keys) // block_n - min(keys) // block_n + 2) if keys else 1
 
 
 @pytest.mark.parametrize(
@@ -352,21 +345,22 @@ def _work_list_reference(lens_q, lens_k, block_m, block_n, causal, window, max_t
         ((300, 77, 700, 64), (517, 64, 10, 700), True, None, 64, None),
         ((300, 77, 700, 64), (517, 64, 10, 700), False, (100, 20), 128, None),
         ((300, 77, 700, 64), (517, 64, 10, 700), True, (200, 0), 128, None),
-        # 40 sequences (three chunks of them), the grid's longest below the real one (the tiles
-        # past it are not listed), and sequences of more tiles than a chunk takes.
-        (tuple(range(1, 400, 10)), None, True, None, 128, 200),
+        # 100 sequences (two chunks of them), the grid's longest below the real one (the tiles
+        # past it are not listed), and sequences of more programs than a chunk writes.
+        (tuple(range(1, 1000, 10)), None, True, None, 128, 500),
         ((4017, 30, 2500), (4017, 30, 2600), True, None, 16, None),
     ],
     ids=["full", "causal", "causal-ragged-k", "window", "causal-window", "many", "long"],
 )
 def test_work_list(lens_q, lens_k, causal, window, block_m, max_q):
     """The Hopper forward's work list of a packed batch (built by one program on the device):
-    every query tile of every sequence once, costliest first, -1 after the last; a sequence
-    gives at most the grid's tiles (``max_seqlen_q``)."""
+    each sequence's programs (``heads`` per query tile, at most the grid's tiles from
+    ``max_seqlen_q``) as consecutive pairs ``(b, 0 .. n - 1)``, every sequence once, costliest
+    (by its last tile) first, then ``(-1, 0)`` to the end."""
     from flashcore.ops import work_list
 
     lens_k = lens_k or lens_q
-    block_n = 64
+    heads, block_n = 3, 64
     cu_q, cu_k = cu_seqlens(lens_q, "cpu"), cu_seqlens(lens_k, "cpu")
     max_q = max_q or max(lens_q)
     if window:
@@ -374,16 +368,27 @@ def test_work_list(lens_q, lens_k, causal, window, block_m, max_q):
     else:
         left = right = 0
     plan = work_list.plan(
-        len(lens_q), sum(lens_q), sum(lens_k), max_q, max(lens_k), block_m, block_n,
+        len(lens_q), heads, sum(lens_q), sum(lens_k), max_q, max(lens_k), block_m, block_n,
         causal=causal, window_left=left, window_right=right, has_window=window is not None,
     )  # fmt: skip
-    got = work_list.build(plan, cu_q, cu_k)[: plan.size].tolist()
-    want = _work_list_reference(
-        lens_q, lens_k, block_m, block_n, causal, window and (left, right), -(-max_q // block_m)
-    )
-    assert plan.size >= len(want)
-    assert got[len(want) :] == [-1] * (plan.size - len(want))
-    assert sorted(got[: len(want)]) == sorted(code for code, _ in want)
-    cost = dict(want)
-    placed = [cost[code] for code in got[: len(want)]]
+    pairs = work_list.build(plan, cu_q, cu_k)[: 2 * plan.size].view(-1, 2).tolist()
+    want = {}
+    for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
+        n_tiles = min(-(-lq // block_m), -(-max_q // block_m))
+        if n_tiles:
+            cost = _last_tile_cost(
+                lq, lk, block_m, block_n, causal, window and (left, right), n_tiles
+            )
+            want[b] = (n_tiles * heads, cost)
+    n = sum(items for items, _ in want.values())
+    assert plan.size >= n
+    assert pairs[n:] == [[-1, 0]] * (plan.size - n)
+    runs = []  # (b, length) of each run of pairs with one b
+    for i, (b, r) in enumerate(pairs[:n]):
+        if i == 0 or b != pairs[i - 1][0]:
+            runs.append([b, 0])
+        assert r == runs[-1][1]
+        runs[-1][1] += 1
+    assert sorted(runs) == sorted([b, items] for b, (items, _) in want.items())
+    placed = [want[b][1] for b, _ in runs]
     assert placed == sorted(placed, reverse=True)

@@ -27,26 +27,15 @@ def seq_bounds(CU, b, total):
 
 
 @triton.jit
-def _sequences(CU_Q, CU_K, b0, batch, total_q, total_k, max_tiles, BLOCK_M, CHUNK_B: tl.constexpr):
-    """Lengths and query-tile counts of sequences ``b0 .. b0 + CHUNK_B - 1`` (0 past the batch);
-    a sequence's tiles stop at ``max_tiles`` (the grid's, from the stated longest length)."""
-    offs_b = b0 + tl.arange(0, CHUNK_B)
-    in_batch = offs_b < batch
-    b = tl.minimum(offs_b, batch - 1)
-    _, len_q = seq_bounds(CU_Q, b, total_q)
-    _, len_k = seq_bounds(CU_K, b, total_k)
-    len_q = tl.where(in_batch, len_q, 0)
-    n_tiles = tl.minimum(tl.cdiv(len_q, BLOCK_M), max_tiles)
-    return offs_b, len_q, tl.where(in_batch, len_k, 0), n_tiles
-
-
-@triton.jit
-def _items(
-    offs_b,
-    len_q,
-    len_k,
-    n_tiles,
-    t0,
+def _sequences(
+    CU_Q,
+    CU_K,
+    b0,
+    batch,
+    total_q,
+    total_k,
+    max_tiles,
+    num_heads,
     window_left,
     window_right,
     BLOCK_M,
@@ -54,23 +43,25 @@ def _items(
     N_COSTS: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
-    CHUNK_T: tl.constexpr,
+    CHUNK_B: tl.constexpr,
 ):
-    """``(valid, cost, code)`` of query tiles ``t0 .. t0 + CHUNK_T - 1`` of each sequence: the
-    key tiles the tile's rows see plus one for its fixed work (``ops/fwd_sm90.py: tile_costs``,
-    capped at ``N_COSTS - 1``; 0 where ``valid`` is not), and its code ``b * 2**16 + t``."""
-    t = tl.expand_dims(t0 + tl.arange(0, CHUNK_T), 0)
-    valid = t < tl.expand_dims(n_tiles, 1)
-    lq = tl.expand_dims(len_q, 1)
-    lk = tl.expand_dims(len_k, 1)
+    """``(b, items, cost)`` of sequences ``b0 .. b0 + CHUNK_B - 1``: ``items`` is its number of
+    programs, ``num_heads`` per query tile of BLOCK_M rows (0 past the batch; at most
+    ``max_tiles`` tiles, the grid's, from the stated longest length), and ``cost`` the key tiles
+    of BLOCK_N its last query tile sees plus one (``kernels/common.py: kv_tile_range``, capped at
+    ``N_COSTS - 1``): the heaviest causal tile, every tile without a mask."""
+    offs_b = b0 + tl.arange(0, CHUNK_B)
+    in_batch = offs_b < batch
+    b = tl.minimum(offs_b, batch - 1)
+    _, len_q = seq_bounds(CU_Q, b, total_q)
+    _, len_k = seq_bounds(CU_K, b, total_k)
+    n_tiles = tl.where(in_batch, tl.minimum(tl.cdiv(len_q, BLOCK_M), max_tiles), 0)
     lo, _, _, hi = kv_tile_range(
-        t * BLOCK_M, lq, lk, window_left, window_right, BLOCK_M, BLOCK_N, IS_CAUSAL, HAS_WINDOW
-    )
+        (n_tiles - 1) * BLOCK_M, len_q, len_k, window_left, window_right, BLOCK_M, BLOCK_N,
+        IS_CAUSAL, HAS_WINDOW,
+    )  # fmt: skip
     cost = tl.minimum(tl.maximum(tl.cdiv(hi - lo, BLOCK_N), 0) + 1, N_COSTS - 1)
-    # Cost 0 for the lanes that are no tile (every tile costs at least 1).
-    cost = tl.where(valid, cost, 0)
-    code = tl.expand_dims(offs_b, 1) * 65536 + t
-    return valid, cost, code
+    return offs_b, n_tiles * num_heads, cost
 
 
 @triton.jit
@@ -82,6 +73,7 @@ def work_list_kernel(
     total_q,
     total_k,
     max_tiles,
+    num_heads,
     size,
     window_left,
     window_right,
@@ -91,49 +83,55 @@ def work_list_kernel(
     IS_CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     CHUNK_B: tl.constexpr,
-    CHUNK_T: tl.constexpr,
+    CHUNK_R: tl.constexpr,
 ):
-    """The work list of a packed batch, one program: every query tile of ``BLOCK_M`` rows of
-    every sequence (the first ``max_tiles`` of each) as ``b * 2**16 + t``, costliest first, in
-    ``WORK[0 .. n)``, and -1 in ``WORK[n .. size)``. A tile's cost is the number of key tiles
-    of ``BLOCK_N`` its rows see (``kernels/common.py: kv_tile_range``, bottom-right causal,
-    window) plus one. ``WORK[size .. size + N_COSTS)`` is scratch (one counter per cost).
+    """The work list of a packed batch, one program: for each sequence b with ``n`` programs
+    (``num_heads`` per query tile), the pairs ``(b, r)``, ``r = 0 .. n - 1``, one after another
+    in ``WORK[2 i], WORK[2 i + 1]``; the sequences costliest first (by their last query tile's
+    key tiles, ``_sequences``); then ``(-1, 0)`` up to ``size`` pairs.
+    ``WORK[2 size .. 2 size + 2 N_COSTS)`` is scratch (a count and a counter per cost).
 
-    A counting sort: a histogram of the costs, each cost's first place (the costlier tiles
-    before it), then each tile's place by an atomic increment of its cost's counter. The order
-    among tiles of equal cost is whatever the atomics give; the forward computes each tile the
-    same way wherever it stands in the list, so its results do not depend on it. The Hopper
-    forward's flat grid takes item ``w // heads`` for head ``w % heads``: every head of the
-    costliest tiles first, which the hardware hands to the SMs in order (longest first)."""
+    A program of the Hopper forward's flat grid takes pair ``w`` and runs program ``r`` of a
+    grid over sequence b alone, in the order the dense grid has (``kernels/hopper/common.py:
+    work_item``): a sequence's heads and tiles stay together as there, so that the programs in
+    flight share their K and V in the L2, and no program falls past a sequence's end. The
+    sequences' order is a counting sort (each sequence's place by an atomic add of its programs
+    to its cost's counter), so sequences of equal cost come in whatever order the atomics give;
+    the forward computes each program the same way wherever it stands, so its results do not
+    depend on it."""
     costs = tl.arange(0, N_COSTS)
-    hist = tl.zeros([N_COSTS], dtype=tl.int32)
-    for b0 in range(0, batch, CHUNK_B):
-        offs_b, len_q, len_k, n_tiles = _sequences(
-            CU_Q, CU_K, b0, batch, total_q, total_k, max_tiles, BLOCK_M, CHUNK_B
-        )
-        for t0 in range(0, tl.max(n_tiles, 0), CHUNK_T):
-            valid, cost, _ = _items(
-                offs_b, len_q, len_k, n_tiles, t0, window_left, window_right, BLOCK_M, BLOCK_N,
-                N_COSTS, IS_CAUSAL, HAS_WINDOW, CHUNK_T,
-            )  # fmt: skip
-            hist += tl.histogram(tl.reshape(cost, [CHUNK_B * CHUNK_T]), N_COSTS)
-    hist = tl.where(costs > 0, hist, 0)
-    n_items = tl.sum(hist, 0)
-    # Exchanged rather than stored: the counters are then only ever touched by atomics, at the
-    # L2, in program order behind the barrier.
-    tl.atomic_xchg(WORK + size + costs, tl.cumsum(hist, 0, reverse=True) - hist)
+    COUNT = WORK + 2 * size
+    NEXT = COUNT + N_COSTS
+    # The scratch is only ever touched by atomics (at the L2), ordered by the barriers.
+    tl.atomic_xchg(COUNT + costs, 0)
     tl.debug_barrier()
     for b0 in range(0, batch, CHUNK_B):
-        offs_b, len_q, len_k, n_tiles = _sequences(
-            CU_Q, CU_K, b0, batch, total_q, total_k, max_tiles, BLOCK_M, CHUNK_B
-        )
-        for t0 in range(0, tl.max(n_tiles, 0), CHUNK_T):
-            valid, cost, code = _items(
-                offs_b, len_q, len_k, n_tiles, t0, window_left, window_right, BLOCK_M, BLOCK_N,
-                N_COSTS, IS_CAUSAL, HAS_WINDOW, CHUNK_T,
-            )  # fmt: skip
-            place = tl.atomic_add(WORK + size + cost, 1, mask=valid)
-            tl.store(WORK + place, code, mask=valid)
-    for i0 in range(0, size, CHUNK_B * CHUNK_T):
-        i = i0 + tl.arange(0, CHUNK_B * CHUNK_T)
-        tl.store(WORK + i, -1, mask=(i >= n_items) & (i < size))
+        offs_b, items, cost = _sequences(
+            CU_Q, CU_K, b0, batch, total_q, total_k, max_tiles, num_heads, window_left,
+            window_right, BLOCK_M, BLOCK_N, N_COSTS, IS_CAUSAL, HAS_WINDOW, CHUNK_B,
+        )  # fmt: skip
+        tl.atomic_add(COUNT + cost, items, mask=items > 0)
+    tl.debug_barrier()
+    count = tl.atomic_add(COUNT + costs, 0)
+    n_items = tl.sum(count, 0)
+    # Descending cost: a cost's first place is after every costlier program.
+    tl.atomic_xchg(NEXT + costs, tl.cumsum(count, 0, reverse=True) - count)
+    tl.debug_barrier()
+    r = tl.expand_dims(tl.arange(0, CHUNK_R), 0)
+    for b0 in range(0, batch, CHUNK_B):
+        offs_b, items, cost = _sequences(
+            CU_Q, CU_K, b0, batch, total_q, total_k, max_tiles, num_heads, window_left,
+            window_right, BLOCK_M, BLOCK_N, N_COSTS, IS_CAUSAL, HAS_WINDOW, CHUNK_B,
+        )  # fmt: skip
+        first = tl.expand_dims(tl.atomic_add(NEXT + cost, items, mask=items > 0), 1)
+        b = tl.expand_dims(offs_b, 1)
+        n = tl.expand_dims(items, 1)
+        for r0 in range(0, tl.max(items, 0), CHUNK_R):
+            keep = r0 + r < n
+            tl.store(WORK + 2 * (first + r0 + r), b, mask=keep)
+            tl.store(WORK + 2 * (first + r0 + r) + 1, r0 + r, mask=keep)
+    for i0 in range(0, size, CHUNK_B * CHUNK_R):
+        i = i0 + tl.arange(0, CHUNK_B * CHUNK_R)
+        rest = (i >= n_items) & (i < size)
+        tl.store(WORK + 2 * i, -1, mask=rest)
+        tl.store(WORK + 2 * i + 1, 0, mask=rest)

@@ -642,14 +642,15 @@ def plan(
     work = None
     if varlen is not None and not persistent and use_work_list:
         work = work_list.plan(
-            batch, *totals, seqlen_q, seqlen_k, block_m, cfg.block_n, causal=causal,
+            batch, heads, *totals, seqlen_q, seqlen_k, block_m, cfg.block_n, causal=causal,
             window_left=window_left, window_right=window_right, has_window=has_window,
         )  # fmt: skip
+    kv_bytes = seqlen_k * (k.shape[-1] + v.shape[-1]) * k.element_size()
     if work is not None:
-        grid = work.size * heads
+        # Each sequence's programs in the dense flat grid's order over its own heads.
+        grid, lpt_heads = work.size, lpt_group(heads, kv_bytes) if causal else 1
     elif causal:
         costs = tile_costs(seqlen_q, seqlen_k, block_m, cfg.block_n, window_left, has_window)
-        kv_bytes = seqlen_k * (k.shape[-1] + v.shape[-1]) * k.element_size()
         grid, lpt_heads = causal_order(costs, batch * heads, slots, persistent, kv_bytes)
     n_tiles = -(-seqlen_q // block_m)
     # The LSE's batch and head strides: (B, H, Sq), or packed (H, total_q) with batch stride 0.

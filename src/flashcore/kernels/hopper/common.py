@@ -151,8 +151,10 @@ def work(w, n_tiles, lpt_heads, num_heads, divisors, REVERSE: gl.constexpr, FAST
 @gluon.jit
 def work_item(
     WORK,
+    CU_Q,
     w,
     seqlen_q,
+    total_q,
     lpt_heads,
     num_heads,
     divisors,
@@ -162,14 +164,15 @@ def work_item(
     VARLEN: gl.constexpr,
 ):
     """``(tile, off_b, off_h)`` of the forward's work item ``w``: ``work``'s, or with a work
-    list (``VARLEN == 2``, the flat grid of a packed batch) entry ``w // num_heads`` of WORK
-    (``kernels/varlen.py: work_list_kernel``: ``b * 2**16 + t``, costliest first) for head ``w %
-    num_heads``."""
+    list (``VARLEN == 2``, the flat grid of a packed batch) pair ``w`` of WORK, ``(b, r)``
+    (``kernels/varlen.py: work_list_kernel``): ``work``'s item ``r`` of a grid over sequence b
+    alone (its own query tiles, at most the grid's ``cdiv(seqlen_q, BLOCK_M)``)."""
     if VARLEN == 2:
-        code = gl.load(WORK + w // num_heads)
-        tile = code & 0xFFFF
-        off_b = code >> 16
-        off_h = w % num_heads
+        off_b = gl.load(WORK + 2 * w)
+        r = gl.load(WORK + 2 * w + 1)
+        _, len_q = seq_bounds(CU_Q, off_b, total_q)
+        n_tiles = gl.minimum(gl.cdiv(len_q, BLOCK_M), gl.cdiv(seqlen_q, BLOCK_M))
+        tile, _, off_h = work(r, n_tiles, lpt_heads, num_heads, divisors, IS_CAUSAL, False)
     else:
         tile, off_b, off_h = work(
             w, gl.cdiv(seqlen_q, BLOCK_M), lpt_heads, num_heads, divisors, IS_CAUSAL, PERSISTENT

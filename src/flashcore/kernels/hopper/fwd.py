@@ -152,12 +152,12 @@ Flags (``gl.constexpr``, compiled away when off):
   row pieces and stored with a row mask into O (``_store_o_rows``), instead of the TMA store
   (persistent: it then waits for every earlier store's read before freeing a Q slot). The LSE
   is ``(H, total_q)`` (``stride_lb`` 0). Off, the kernel is the same instructions as without
-  these lines. ``VARLEN == 2`` (the flat grid where lengths vary: ``ops/fwd_sm90.py:
-  work_list``): program ``w`` takes entry ``w // heads`` of WORK for head ``w % heads``
-  (``common.work_item``), a list of the batch's real query tiles, costliest first, built on
-  the device by ``kernels/varlen.py: work_list_kernel`` (no tile past a sequence's end, and the
-  hardware hands the heaviest tiles of all sequences to the SMs first); the grid's programs past
-  the list's end read -1 and return before anything else.
+  these lines. ``VARLEN == 2`` (the flat grid where lengths vary: ``ops/work_list.py``):
+  program ``w`` takes pair ``w`` of WORK, ``(b, r)``, and runs program ``r`` of a grid over
+  sequence b alone (``common.work_item``); the list, built on the device by
+  ``kernels/varlen.py: work_list_kernel``, holds every sequence's programs and no program past a
+  sequence's end, the sequences costliest first; the grid's programs past the list's end read
+  -1 and return before anything else.
 
 MLA head dims (D = 192 for Q and K, Dv = 128 for V and O; ``ops/fwd_sm90.py: MLA_HEAD_DIMS``). A
 TMA box is a power of two wide, so Q and K arrive in PANELS = 3 column panels of 64 (the q/k
@@ -312,8 +312,9 @@ def _consumer_tile(
         stride_ot = opaque(stride_ot)
         stride_oh = opaque(stride_oh)
     tile_m, off_b, off_h = work_item(
-        WORK, w, seqlen_q, lpt_heads, num_heads, divisors, BLOCK_M, IS_CAUSAL, PERSISTENT, VARLEN
-    )
+        WORK, CU_Q, w, seqlen_q, total_q, lpt_heads, num_heads, divisors, BLOCK_M, IS_CAUSAL,
+        PERSISTENT, VARLEN,
+    )  # fmt: skip
     start_m = tile_m * BLOCK_M
     row0 = start_m + CONSUMER * ROWS
     rows = gl.expand_dims(row0 + gl.arange(0, ROWS, layout=row_layout), 1)
@@ -562,7 +563,7 @@ def attn_fwd_sm90_kernel(
     if VARLEN == 2:  # noqa: SIM102 (one condition would load WORK in every build)
         # The grid is sized for the most tiles the packed rows can make; past the list's end
         # (-1) there is nothing to do.
-        if gl.load(WORK + gl.program_id(0) // num_heads) < 0:
+        if gl.load(WORK + 2 * gl.program_id(0)) < 0:
             return
     # Persistent: Q_BUFFERS per consumer, so that the next tile's Q lands during this one.
     Q_SLOTS: gl.constexpr = NUM_CONSUMERS * (Q_BUFFERS if PERSISTENT else 1)

@@ -118,8 +118,9 @@ def _producer_tile(
     if VARLEN:
         seqlen_q = opaque(seqlen_q)  # as the consumers' (kernels/hopper/fwd.py: _consumer_tile)
     tile_m, off_b, off_h = work_item(
-        WORK, w, seqlen_q, lpt_heads, num_heads, divisors, BLOCK_M, IS_CAUSAL, PERSISTENT, VARLEN
-    )
+        WORK, CU_Q, w, seqlen_q, total_q, lpt_heads, num_heads, divisors, BLOCK_M, IS_CAUSAL,
+        PERSISTENT, VARLEN,
+    )  # fmt: skip
     start_m = tile_m * BLOCK_M
     off_hk = off_h // kv_group
     q_start, k_start, seqlen_q, seqlen_k, off_b = sequence(
