@@ -39,9 +39,9 @@ def flops(lengths: list[int], heads: int, head_dim: int, causal: bool) -> float:
 
 def direct(q, k, v, cu, top, causal, persistent, use_work_list=True):
     """The Hopper forward's launch with the launcher's config for these lengths, its schedule
-    forced (``persistent``; the flat grid over the work list, or with ``use_work_list`` off
-    sized by the longest sequence), planned once: the kernel alone, no dispatch (the flat grid
-    builds its work list at every call, as the API's calls do)."""
+    forced (``persistent``), over the work list or, with ``use_work_list`` off, sized by the
+    longest sequence; planned once: the kernel alone, no dispatch (the work list is built at
+    every call, as the API's calls do)."""
     from flashcore.ops import fwd_sm90
     from flashcore.ops import problem as pb
 
@@ -103,6 +103,7 @@ def main() -> None:
                 providers["sm90-flat"] = direct(q, k, v, cu, top, causal, False)
                 providers["sm90-longest"] = direct(q, k, v, cu, top, causal, False, False)
                 providers["sm90-persistent"] = direct(q, k, v, cu, top, causal, True)
+                providers["sm90-persistent-longest"] = direct(q, k, v, cu, top, causal, True, False)
                 if fa4 is not None:
                     providers["fa4"] = lambda q=q, k=k, v=v, cu=cu, top=top, causal=causal: fa4(
                         q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=top,

@@ -356,7 +356,7 @@ def test_work_list(lens_q, lens_k, causal, window, block_m, max_q):
     """The Hopper forward's work list of a packed batch (built by one program on the device):
     each sequence's programs (``heads`` per query tile, at most the grid's tiles from
     ``max_seqlen_q``) as consecutive pairs ``(b, 0 .. n - 1)``, every sequence once, costliest
-    (by its last tile) first, then ``(-1, 0)`` to the end."""
+    (by its last tile) first, then ``(-1, 0)`` to the end; their number first."""
     from flashcore.ops import work_list
 
     lens_k = lens_k or lens_q
@@ -371,7 +371,8 @@ def test_work_list(lens_q, lens_k, causal, window, block_m, max_q):
         len(lens_q), heads, sum(lens_q), sum(lens_k), max_q, max(lens_k), block_m, block_n,
         causal=causal, window_left=left, window_right=right, has_window=window is not None,
     )  # fmt: skip
-    pairs = work_list.build(plan, cu_q, cu_k)[: 2 * plan.size].view(-1, 2).tolist()
+    work = work_list.build(plan, cu_q, cu_k)
+    pairs = work[2 : 2 + 2 * plan.size].view(-1, 2).tolist()
     want = {}
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         n_tiles = min(-(-lq // block_m), -(-max_q // block_m))
@@ -381,7 +382,7 @@ def test_work_list(lens_q, lens_k, causal, window, block_m, max_q):
             )
             want[b] = (n_tiles * heads, cost)
     n = sum(items for items, _ in want.values())
-    assert plan.size >= n
+    assert plan.size >= n and work[0] == n
     assert pairs[n:] == [[-1, 0]] * (plan.size - n)
     runs = []  # (b, length) of each run of pairs with one b
     for i, (b, r) in enumerate(pairs[:n]):

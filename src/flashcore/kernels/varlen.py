@@ -87,12 +87,13 @@ def work_list_kernel(
 ):
     """The work list of a packed batch, one program: for each sequence b with ``n`` programs
     (``num_heads`` per query tile), the pairs ``(b, r)``, ``r = 0 .. n - 1``, one after another
-    in ``WORK[2 i], WORK[2 i + 1]``; the sequences costliest first (by their last query tile's
-    key tiles, ``_sequences``); then ``(-1, 0)`` up to ``size`` pairs.
-    ``WORK[2 size .. 2 size + 2 N_COSTS)`` is scratch (a count and a counter per cost).
+    in ``WORK[2 + 2 i], WORK[3 + 2 i]``; the sequences costliest first (by their last query
+    tile's key tiles, ``_sequences``); then ``(-1, 0)`` up to ``size`` pairs. ``WORK[0]`` is the
+    number of pairs before those; ``WORK[2 + 2 size ..]`` is scratch (a count and a counter per
+    cost, ``2 N_COSTS``).
 
-    A program of the Hopper forward's flat grid takes pair ``w`` and runs program ``r`` of a
-    grid over sequence b alone, in the order the dense grid has (``kernels/hopper/common.py:
+    The Hopper forward's work item ``w`` is pair ``w``, program ``r`` of a grid over sequence b
+    alone, in the order the dense grid has (``kernels/hopper/common.py:
     work_item``): a sequence's heads and tiles stay together as there, so that the programs in
     flight share their K and V in the L2, and no program falls past a sequence's end. The
     sequences' order is a counting sort (each sequence's place by an atomic add of its programs
@@ -100,7 +101,8 @@ def work_list_kernel(
     the forward computes each program the same way wherever it stands, so its results do not
     depend on it."""
     costs = tl.arange(0, N_COSTS)
-    COUNT = WORK + 2 * size
+    PAIRS = WORK + 2
+    COUNT = PAIRS + 2 * size
     NEXT = COUNT + N_COSTS
     # The scratch is only ever touched by atomics (at the L2), ordered by the barriers.
     tl.atomic_xchg(COUNT + costs, 0)
@@ -114,6 +116,7 @@ def work_list_kernel(
     tl.debug_barrier()
     count = tl.atomic_add(COUNT + costs, 0)
     n_items = tl.sum(count, 0)
+    tl.store(WORK, n_items)
     # Descending cost: a cost's first place is after every costlier program.
     tl.atomic_xchg(NEXT + costs, tl.cumsum(count, 0, reverse=True) - count)
     tl.debug_barrier()
@@ -128,10 +131,10 @@ def work_list_kernel(
         n = tl.expand_dims(items, 1)
         for r0 in range(0, tl.max(items, 0), CHUNK_R):
             keep = r0 + r < n
-            tl.store(WORK + 2 * (first + r0 + r), b, mask=keep)
-            tl.store(WORK + 2 * (first + r0 + r) + 1, r0 + r, mask=keep)
+            tl.store(PAIRS + 2 * (first + r0 + r), b, mask=keep)
+            tl.store(PAIRS + 2 * (first + r0 + r) + 1, r0 + r, mask=keep)
     for i0 in range(0, size, CHUNK_B * CHUNK_R):
         i = i0 + tl.arange(0, CHUNK_B * CHUNK_R)
         rest = (i >= n_items) & (i < size)
-        tl.store(WORK + 2 * i, -1, mask=rest)
-        tl.store(WORK + 2 * i + 1, 0, mask=rest)
+        tl.store(PAIRS + 2 * i, -1, mask=rest)
+        tl.store(PAIRS + 2 * i + 1, 0, mask=rest)

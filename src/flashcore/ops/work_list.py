@@ -84,9 +84,9 @@ def launcher() -> Launcher:
 
 
 def build(work: WorkList, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor) -> torch.Tensor:
-    """The list of ``work`` for these offsets, on their device: int32, ``work.size`` pairs and
-    the list program's scratch after them."""
-    size = 2 * (work.size + work.meta["N_COSTS"])
+    """The list of ``work`` for these offsets, on their device: int32, its length, then
+    ``work.size`` pairs, then the list program's scratch."""
+    size = 2 + 2 * (work.size + work.meta["N_COSTS"])
     out = torch.empty(size, dtype=torch.int32, device=cu_seqlens_q.device)
     launcher()((1,), (cu_seqlens_q, cu_seqlens_k, out, *work.scalars), work.meta)
     return out

@@ -164,12 +164,12 @@ def work_item(
     VARLEN: gl.constexpr,
 ):
     """``(tile, off_b, off_h)`` of the forward's work item ``w``: ``work``'s, or with a work
-    list (``VARLEN == 2``, the flat grid of a packed batch) pair ``w`` of WORK, ``(b, r)``
+    list (``VARLEN == 2``, a packed batch) pair ``w`` of WORK, ``(b, r)`` (from ``WORK[2]``)
     (``kernels/varlen.py: work_list_kernel``): ``work``'s item ``r`` of a grid over sequence b
     alone (its own query tiles, at most the grid's ``cdiv(seqlen_q, BLOCK_M)``)."""
     if VARLEN == 2:
-        off_b = gl.load(WORK + 2 * w)
-        r = gl.load(WORK + 2 * w + 1)
+        off_b = gl.load(WORK + 2 + 2 * w)
+        r = gl.load(WORK + 3 + 2 * w)
         _, len_q = seq_bounds(CU_Q, off_b, total_q)
         n_tiles = gl.minimum(gl.cdiv(len_q, BLOCK_M), gl.cdiv(seqlen_q, BLOCK_M))
         tile, _, off_h = work(r, n_tiles, lpt_heads, num_heads, divisors, IS_CAUSAL, False)

@@ -152,12 +152,13 @@ Flags (``gl.constexpr``, compiled away when off):
   row pieces and stored with a row mask into O (``_store_o_rows``), instead of the TMA store
   (persistent: it then waits for every earlier store's read before freeing a Q slot). The LSE
   is ``(H, total_q)`` (``stride_lb`` 0). Off, the kernel is the same instructions as without
-  these lines. ``VARLEN == 2`` (the flat grid where lengths vary: ``ops/work_list.py``):
-  program ``w`` takes pair ``w`` of WORK, ``(b, r)``, and runs program ``r`` of a grid over
-  sequence b alone (``common.work_item``); the list, built on the device by
-  ``kernels/varlen.py: work_list_kernel``, holds every sequence's programs and no program past a
-  sequence's end, the sequences costliest first; the grid's programs past the list's end read
-  -1 and return before anything else.
+  these lines. ``VARLEN == 2`` (a work list, ``ops/work_list.py``): work item ``w`` is pair
+  ``w`` of WORK, ``(b, r)``, program ``r`` of a grid over sequence b alone
+  (``common.work_item``); the list, built on the device by ``kernels/varlen.py:
+  work_list_kernel``, holds every sequence's programs and no program past a sequence's end,
+  the sequences costliest first, and its length in ``WORK[0]``, which the persistent grid's
+  loops run to; on the flat grid the programs past the list's end read -1 and return before
+  anything else.
 
 MLA head dims (D = 192 for Q and K, Dv = 128 for V and O; ``ops/fwd_sm90.py: MLA_HEAD_DIMS``). A
 TMA box is a power of two wide, so Q and K arrive in PANELS = 3 column panels of 64 (the q/k
@@ -477,7 +478,10 @@ def _consumer(
         lpt_heads = opaque(lpt_heads)
         stride_lh = opaque(stride_lh)
         stride_lb = opaque(stride_lb)
-        n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(batch) * num_heads
+        if VARLEN == 2:
+            n_work = gl.load(WORK)  # the work list's length
+        else:
+            n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(batch) * num_heads
         kv = 0
         turns = 0
         for wave in range(gl.cdiv(n_work, grid)):
@@ -563,7 +567,7 @@ def attn_fwd_sm90_kernel(
     if VARLEN == 2:  # noqa: SIM102 (one condition would load WORK in every build)
         # The grid is sized for the most tiles the packed rows can make; past the list's end
         # (-1) there is nothing to do.
-        if gl.load(WORK + 2 * gl.program_id(0)) < 0:
+        if gl.load(WORK + 2 + 2 * gl.program_id(0)) < 0:
             return
     # Persistent: Q_BUFFERS per consumer, so that the next tile's Q lands during this one.
     Q_SLOTS: gl.constexpr = NUM_CONSUMERS * (Q_BUFFERS if PERSISTENT else 1)
