@@ -103,7 +103,6 @@ def main() -> None:
                 providers["sm90-flat"] = direct(q, k, v, cu, top, causal, False)
                 providers["sm90-longest"] = direct(q, k, v, cu, top, causal, False, False)
                 providers["sm90-persistent"] = direct(q, k, v, cu, top, causal, True)
-                providers["sm90-persistent-longest"] = direct(q, k, v, cu, top, causal, True, False)
                 if fa4 is not None:
                     providers["fa4"] = lambda q=q, k=k, v=v, cu=cu, top=top, causal=causal: fa4(
                         q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=top,

@@ -96,17 +96,12 @@ VARIANTS = [
      {**PLAIN, "causal": True, "even_n": False, "varlen": True, "persistent": True}),
     ("d256-fp16-causal-varlen", 256, "fp16", 2, 64, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "varlen": True}),
-    # ... and over a work list (VARLEN 2), flat and persistent.
+    # ... and the flat grid over a work list (VARLEN 2: lengths that vary), two and three
+    # consumers.
     ("d128-bf16-causal-varlen-list", 128, "bf16", 2, 128, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "varlen": 2}),
     ("d64-fp16-causal-varlen-list-three", 64, "fp16", 3, 128, 3, 160, 128,
      {**PLAIN, "causal": True, "even_n": False, "varlen": 2}),
-    ("d128-bf16-causal-varlen-list-persistent", 128, "bf16", 2, 128, 2, 240, 168,
-     {**PLAIN, "causal": True, "even_n": False, "varlen": 2, "persistent": True}),
-    ("d64-fp16-varlen-list-three-persistent", 64, "fp16", 3, 128, 3, 160, 128,
-     {**PLAIN, "even_n": False, "varlen": 2, "persistent": True}),
-    ("d64-bf16-one3-causal-varlen-list-persistent", 64, "bf16", 1, 64, 2, 136, 80,
-     {**PLAIN, "causal": True, "even_n": False, "varlen": 2, "persistent": True}),
 ]  # fmt: skip
 PERSISTENT_SUFFIX = "-persistent"
 

@@ -600,9 +600,9 @@ def plan(
     neither binds). ``alibi`` and ``sinks``: whether those tensors come. ``config`` overrides
     the tiles (for benchmarks). ``varlen``: q, k and v are packed (``packed_problem``; the
     lengths below are the longest sequence's), and ``out_strides`` are out's row and head
-    strides, which the kernel stores a sequence's last query rows with. A packed batch takes
-    its tiles from a work list (``ops/work_list.py``) unless ``use_work_list`` is off (for
-    benchmarks).
+    strides, which the kernel stores a sequence's last query rows with. A packed batch on the
+    flat grid takes its tiles from a work list (``ops/work_list.py``) unless ``use_work_list``
+    is off (for benchmarks).
     """
     if varlen is None:
         batch, heads, seqlen_q, head_dim = q.shape
@@ -640,16 +640,15 @@ def plan(
     slots = num_sms(q.device.index) * cfg.ctas_per_sm
     grid, lpt_heads = (min(slots, n_work) if persistent else n_work), 1
     work = None
-    if varlen is not None and use_work_list:
+    if varlen is not None and not persistent and use_work_list:
         work = work_list.plan(
             batch, heads, *totals, seqlen_q, seqlen_k, block_m, cfg.block_n, causal=causal,
             window_left=window_left, window_right=window_right, has_window=has_window,
         )  # fmt: skip
     kv_bytes = seqlen_k * (k.shape[-1] + v.shape[-1]) * k.element_size()
     if work is not None:
-        # Each sequence's programs in the dense grid's order over its own heads.
-        grid = min(slots, work.size) if persistent else work.size
-        lpt_heads = lpt_group(heads, kv_bytes) if causal else 1
+        # Each sequence's programs in the dense flat grid's order over its own heads.
+        grid, lpt_heads = work.size, lpt_group(heads, kv_bytes) if causal else 1
     elif causal:
         costs = tile_costs(seqlen_q, seqlen_k, block_m, cfg.block_n, window_left, has_window)
         grid, lpt_heads = causal_order(costs, batch * heads, slots, persistent, kv_bytes)

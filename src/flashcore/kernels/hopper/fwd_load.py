@@ -211,10 +211,7 @@ def producer(
         seqlen_k = opaque(seqlen_k)
         num_heads = opaque(num_heads)
         lpt_heads = opaque(lpt_heads)
-        if VARLEN == 2:
-            n_work = gl.load(WORK)  # the work list's length
-        else:
-            n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(batch) * num_heads
+        n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(batch) * num_heads
         kv = 0
         n_fix = 0
         for wave in range(gl.cdiv(n_work, grid)):
