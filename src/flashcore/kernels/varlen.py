@@ -4,7 +4,8 @@ A packed batch stores its sequences back to back along the row dim of a ``(total
 tensor; ``CU`` holds the int32 prefix sums ``[0, len_0, len_0 + len_1, ..., total]`` of their
 lengths. The kernels take the batch index from the grid, call ``seq_bounds`` in their prologue,
 move their base pointers to the sequence's first row and run the sequence as one ordinary
-problem of its own lengths.
+problem of its own lengths. ``work_list_kernel`` builds, on the device, the list of programs the
+Hopper forward's flat grid runs for a packed batch whose lengths vary (``ops/work_list.py``).
 """
 
 import triton

@@ -158,7 +158,8 @@ Flags (``gl.constexpr``, compiled away when off):
   work_list_kernel``, holds every sequence's programs and no program past a sequence's end,
   the sequences costliest first, and its length in ``WORK[0]``; the flat grid's programs past
   the list's end read -1 and return before anything else (the persistent grid takes no list:
-  dealt in a fixed order, a list of whole sequences measured 0.72-1.03x its own order).
+  dealt in its fixed order, a list of whole sequences took 0.86-1.43x the time of its own
+  order, 1.37-1.43x at equal lengths causal; docs/hopper_fwd_configs.md, "Work lists").
 
 MLA head dims (D = 192 for Q and K, Dv = 128 for V and O; ``ops/fwd_sm90.py: MLA_HEAD_DIMS``). A
 TMA box is a power of two wide, so Q and K arrive in PANELS = 3 column panels of 64 (the q/k
