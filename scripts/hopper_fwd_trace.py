@@ -176,8 +176,8 @@ def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.const
     ]
     fwd_edits = [
         (
-            "    tile_m, off_b, off_h = work(\n",
-            "    _tstamp(LSE, it, 0, CONSUMER, w)\n    tile_m, off_b, off_h = work(\n",
+            "    tile_m, off_b, off_h = work_item(\n",
+            "    _tstamp(LSE, it, 0, CONSUMER, w)\n    tile_m, off_b, off_h = work_item(\n",
         ),
         (
             "        mbarrier.wait(q_ready.index(qi), (it // Q_BUFFERS) & 1)\n",
