@@ -325,16 +325,13 @@ def test_varlen_sm90_d64_mean_floor():
 
 
 def _last_tile_cost(lq, lk, block_m, block_n, causal, window, n_tiles):
-    """Key tiles of ``block_n`` the rows of query tile ``n_tiles - 1`` see, plus one (bottom-right
-    causal, window ``(left, right)``), counted row by row."""
-    keys = set()
-    for i in range((n_tiles - 1) * block_m, min(n_tiles * block_m, lq)):
-        hi = min(lk, i + lk - lq + 1) if causal else lk
-        lo = max(i + lk - lq - window[0], 0) if window else 0
-        if window and not causal:
-            hi = min(lk, i + lk - lq + window[1] + 1)
-        keys |= set(range(lo, max(hi, lo)))
-    return (max(keys) // block_n - min(keys) // block_n + 2) if keys else 1
+    """Key tiles of ``block_n`` from the first to the last key the rows of query tile
+    ``n_tiles - 1`` see (``reference.visible_mask``), plus one."""
+    from flashcore import reference
+
+    rows = slice((n_tiles - 1) * block_m, n_tiles * block_m)
+    keys = reference.visible_mask(lq, lk, causal=causal, window=window)[rows].any(0).nonzero()
+    return int(keys.max() // block_n - keys.min() // block_n + 2) if keys.numel() else 1
 
 
 @pytest.mark.parametrize(
@@ -377,9 +374,7 @@ def test_work_list(lens_q, lens_k, causal, window, block_m, max_q):
     for b, (lq, lk) in enumerate(zip(lens_q, lens_k, strict=True)):
         n_tiles = min(-(-lq // block_m), -(-max_q // block_m))
         if n_tiles:
-            cost = _last_tile_cost(
-                lq, lk, block_m, block_n, causal, window and (left, right), n_tiles
-            )
+            cost = _last_tile_cost(lq, lk, block_m, block_n, causal, window, n_tiles)
             want[b] = (n_tiles * heads, cost)
     n = sum(items for items, _ in want.values())
     assert plan.size >= n and work[0] == n
