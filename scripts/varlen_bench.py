@@ -1,5 +1,5 @@
-"""Packed (varlen) forward on the GPU: FlashCore's tiers side by side, and FlashAttention-4's
-varlen forward when ``flash_attn.cute`` imports.
+"""Packed (varlen) forward or backward on the GPU: FlashCore's tiers side by side, and
+FlashAttention-4's varlen function when ``flash_attn.cute`` imports.
 
 Each batch is a list of sequence lengths (queries = keys), packed ``(total, H, D)`` bf16; every
 provider runs in this process, timed with ``triton.testing.do_bench`` (median of its repetitions)
@@ -8,7 +8,11 @@ L^2`` non-causal, ``4 H D L (L + 1) / 2`` causal. As a yardstick without varlen,
 the same token count as one ``(B, H, L, D)`` batch of equal lengths (``--dense-len``) through
 "auto" and through cuDNN's SDPA.
 
-Usage: PYTHONPATH=src python scripts/varlen_bench.py [--rounds 2]
+``--mode bwd`` times the backward alone (``torch.autograd.grad`` of out, from one forward kept
+for the repetitions), for the tiers ("portable", "sm90", "auto") and FA4, at 2.5 times the
+forward's FLOPs.
+
+Usage: PYTHONPATH=src python scripts/varlen_bench.py [--rounds 2] [--mode bwd]
 """
 
 from __future__ import annotations
@@ -70,11 +74,29 @@ def fa4_varlen():
     return flash_attn_varlen_func
 
 
+def backward(forward, q, k, v):
+    """The backward of one ``forward()`` call (each tier's under its own ``use_tier``, which the
+    graph does not keep, so the tier is held around each backward too)."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    tier = getattr(forward, "tier", None)
+    with flashcore.use_tier(tier or "auto"):
+        out = forward(q, k, v)
+    out = out[0] if isinstance(out, tuple) else out
+    dout = torch.randn_like(out)
+
+    def run():
+        with flashcore.use_tier(tier or "auto"):
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dims", default="128,64")
+    parser.add_argument("--mode", choices=("fwd", "bwd"), default="fwd")
     args = parser.parse_args()
     fa4 = fa4_varlen()
     dev = "cuda"
@@ -91,24 +113,29 @@ def main() -> None:
                 top = max(lengths)
 
                 def tier(t, q=q, k=k, v=v, cu=cu, top=top, causal=causal):
-                    def run():
+                    def run(q=q, k=k, v=v):
                         with flashcore.use_tier(t):
                             return flashcore.attention_varlen(
                                 q, k, v, cu, cu, top, top, causal=causal
                             )
 
+                    run.tier = t
                     return run
 
                 providers = {t: tier(t) for t in ("portable", "sm90", "auto")}
-                providers["sm90-flat"] = direct(q, k, v, cu, top, causal, False)
-                providers["sm90-longest"] = direct(q, k, v, cu, top, causal, False, False)
-                providers["sm90-persistent"] = direct(q, k, v, cu, top, causal, True)
                 if fa4 is not None:
                     providers["fa4"] = lambda q=q, k=k, v=v, cu=cu, top=top, causal=causal: fa4(
                         q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=top,
                         max_seqlen_k=top, causal=causal,
                     )  # fmt: skip
                 fl = flops(lengths, args.heads, head_dim, causal)
+                if args.mode == "bwd":
+                    providers = {p: backward(f, q, k, v) for p, f in providers.items()}
+                    fl *= 2.5
+                else:
+                    providers["sm90-flat"] = direct(q, k, v, cu, top, causal, False)
+                    providers["sm90-longest"] = direct(q, k, v, cu, top, causal, False, False)
+                    providers["sm90-persistent"] = direct(q, k, v, cu, top, causal, True)
                 times: dict[str, list[float]] = {p: [] for p in providers}
                 for r in range(args.rounds):
                     order = list(providers)

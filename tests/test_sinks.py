@@ -189,6 +189,45 @@ def test_sinks_varlen(device):
         assert_fa_rule(name, g, p, r)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sinks_varlen_gpu_sm90_backward(head_dim, device, monkeypatch):
+    """A packed batch with sinks through the Hopper backward (its delta, in the packed LSE's
+    layout, gives the sinks' gradient): sequences with Sq > Sk, no keys and no queries, causal
+    with softcap, bf16, against the per-sequence reference; the tier recorded."""
+    ran = record_backward_tiers(monkeypatch)
+    seqlens_q, seqlens_k = (90, 200, 0, 65, 64, 300), (140, 0, 30, 65, 300, 129)
+    heads, kv_heads, dtype = 4, 2, torch.bfloat16
+    q = torch.randn(sum(seqlens_q), heads, head_dim, device=device, dtype=dtype)
+    k = torch.randn(sum(seqlens_k), kv_heads, head_dim, device=device, dtype=dtype)
+    v = torch.randn(sum(seqlens_k), kv_heads, head_dim, device=device, dtype=dtype)
+    cu_q, cu_k = cu_seqlens(seqlens_q, device), cu_seqlens(seqlens_k, device)
+    sinks = torch.randn(heads, device=device)
+    opts = {"causal": True, "softcap": 20.0}
+    inputs = [t.requires_grad_() for t in (q, k, v, sinks)]
+    with flashcore.use_tier("sm90"):
+        out, lse = flashcore.attention_varlen(
+            *inputs[:3], cu_q, cu_k, max(seqlens_q), max(seqlens_k), sinks=inputs[3],
+            return_lse=True, **opts,
+        )  # fmt: skip
+        dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+        got = torch.autograd.grad((out, lse), inputs, (dout, dlse))
+    assert ran == ["sm90" if sm90_tier_runs(q.device) else "portable"]
+
+    def ref(dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in inputs]
+        r = reference.attention_varlen(*leaves[:3], cu_q, cu_k, sinks=leaves[3], dtype=dtype,
+                                       **opts)  # fmt: skip
+        grads = torch.autograd.grad((r.out, r.lse), leaves, (dout.to(dtype), dlse.to(dtype)))
+        return r, grads
+
+    (ref64, want64), (pt, want_pt) = ref(torch.float64), ref(dtype)
+    assert_fa_rule("out", out, pt.out, ref64.out)
+    assert_fa_rule("lse", lse, pt.lse, ref64.lse)
+    for name, g, p, r in zip(("dq", "dk", "dv", "dsinks"), got, want_pt, want64, strict=True):
+        assert_fa_rule(name, g, p, r)
+
+
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_sinks_kvcache(paged, num_splits, device):

@@ -4,7 +4,14 @@ import pytest
 import torch
 
 import flashcore
-from helpers import check_varlen, cu_seqlens, make_varlen, record_sm90_forwards, require_sm90
+from helpers import (
+    check_varlen,
+    cu_seqlens,
+    make_varlen,
+    record_backward_tiers,
+    record_sm90_forwards,
+    require_sm90,
+)
 from shapes import DTYPES, VARLEN, VARLEN_GPU, VarlenCase
 
 
@@ -232,6 +239,139 @@ def test_varlen_gpu_sm90_sequences_isolated(causal, head_dim):
     others[100:137] = False
     assert torch.equal(got_out[others], out[others])
     assert torch.equal(got_lse[:, others], lse[:, others])
+
+
+# Packed batches through the Hopper backward (use_tier("sm90")): sequences empty, shorter than
+# a step's 64 rows, at and past the 64-row and 128-key edges, Sq != Sk, a padded head dim, the
+# score options, GQA with and without the group split (ops/bwd_sm90.py: split_group; the
+# 16-head batch has enough programs not to split), and D = 64's dQ warpgroup.
+VARLEN_SM90_BWD = [
+    (VarlenCase(8, 2, (300, 1, 0, 129, 64, 1000), (517, 64, 10, 129, 0, 1000), 128), {}),
+    (VarlenCase(8, 2, (300, 1, 0, 129, 64, 1000), (517, 64, 10, 129, 0, 1000), 128),
+     {"causal": True}),
+    (VarlenCase(4, 4, (1000, 3000, 2100, 1), (1000, 3000, 2100, 2), 64), {}),
+    (VarlenCase(8, 8, (200, 511, 33, 480, 64), (200, 511, 40, 480, 65), 64), {"causal": True}),
+    (VarlenCase(4, 2, (300, 77, 700), (517, 64, 700), 80), {}),
+    (VarlenCase(4, 2, (300, 1, 129, 900), (517, 64, 129, 900), 128),
+     {"window": (100, 20), "softcap": 30.0}),
+    (VarlenCase(4, 2, (300, 1, 129, 900), (517, 64, 129, 900), 128),
+     {"causal": True, "alibi": "bh"}),
+    (VarlenCase(16, 4, (1900, 2000, 1, 2048, 1500, 2100, 1800, 640),
+     (1900, 2000, 7, 2048, 1500, 2100, 1800, 640), 128), {"causal": True}),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("case", "opts"), VARLEN_SM90_BWD, ids=[_sm90_case_id((c, c.head_dim, o)) for c, o in
+                                            VARLEN_SM90_BWD]
+)  # fmt: skip
+def test_varlen_gpu_sm90_backward(monkeypatch, case, opts, dtype):
+    """The Hopper backward on packed batches (the tier recorded): dq, dk, dv per sequence
+    against the float64 reference with FlashAttention's rule."""
+    require_sm90()
+    ran = record_backward_tiers(monkeypatch)
+    q, k, v, cu_q, cu_k = make_varlen(case, dtype, "cuda")
+    opts = dict(opts)
+    causal = opts.pop("causal", False)
+    if opts.pop("alibi", None):
+        opts["alibi_slopes"] = torch.rand(len(case.seqlens_q), case.heads, device="cuda")
+    with flashcore.use_tier("sm90"):
+        check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True, **opts)
+    assert ran == ["sm90"]
+
+
+@pytest.mark.gpu
+def test_varlen_gpu_deterministic_keeps_portable_backward(monkeypatch):
+    """``deterministic=True`` keeps a packed batch's backward on the portable tier (no
+    reduce-adds): two runs give the same bits; without it "auto" takes the Hopper backward."""
+    require_sm90()
+    ran = record_backward_tiers(monkeypatch)
+    case = VarlenCase(8, 2, (3000, 2100, 2500), (3000, 2100, 2600), 128)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+
+    def grads(deterministic):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = flashcore.attention_varlen(
+            *leaves, cu_q, cu_k, 3000, 3000, causal=True, deterministic=deterministic
+        )
+        return torch.autograd.grad(out, leaves, dout)
+
+    first, second = grads(True), grads(True)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    grads(False)
+    assert ran == ["portable", "portable", "sm90"]
+
+
+def test_varlen_sm90_backward_judges_mean_lengths(monkeypatch):
+    """ "auto" takes the Hopper backward for a packed batch by its mean lengths (total rows over
+    sequences) on the dense floors, and asks ``supports`` with the packing."""
+    from flashcore.ops import bwd, bwd_sm90, runtime
+    from flashcore.ops.problem import Varlen
+
+    asked = []
+    monkeypatch.setattr(runtime, "tier_forced", lambda: False)
+    monkeypatch.setattr(
+        bwd_sm90, "supports", lambda *a, **kw: asked.append(kw["varlen"]) or kw["varlen"]
+    )
+
+    def wanted(total, batch, longest, causal=False):
+        q = torch.empty(total, 16, 128, dtype=torch.bfloat16)
+        cu = torch.zeros(batch + 1, dtype=torch.int32)
+        varlen = Varlen(cu, cu, longest, longest)
+        return bwd._takes_sm90(q, q, q, q, q, q, causal, (-1, -1), None, varlen)
+
+    assert wanted(16 * 2048, 16, 4096)
+    assert not wanted(192 * 277, 192, 4096)  # mean 277: below the 512 floor at D = 128
+    assert not wanted(16 * 800, 16, 4096, causal=True)  # causal D = 128: from 1024
+    assert asked == [True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_gpu_sm90_backward_sequences_isolated(causal, head_dim):
+    """The Hopper backward's key blocks and query blocks reach into the next sequence's rows (or
+    past the last offset): whatever those rows of q, k, v and dout hold, NaN or inf included,
+    the other sequences' gradients are unchanged (dK and dV the same bits; dQ, summed by
+    reduce-adds in any order, to within an ulp of its largest element)."""
+    require_sm90()
+    case = VarlenCase(4, 2, (100, 37, 260, 5), (130, 37, 300, 9), head_dim)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    maxima = max(case.seqlens_q), max(case.seqlens_k)
+
+    def grads(q, k, v, dout):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        with flashcore.use_tier("sm90"):
+            out = flashcore.attention_varlen(q, k, v, cu_q, cu_k, *maxima, causal=causal)
+            return torch.autograd.grad(out, (q, k, v), dout)
+
+    def same(got, want, rows_q, rows_k):
+        dq, dk, dv = got
+        assert torch.equal(dk[rows_k], want[1][rows_k]) and torch.equal(dv[rows_k], want[2][rows_k])
+        ulp = want[0][rows_q].abs().max() * 2.0**-7
+        assert (dq[rows_q].float() - want[0][rows_q].float()).abs().max() <= ulp
+
+    want = grads(q, k, v, dout)
+    assert not any(g.isnan().any() for g in want)
+    # Rows past the last offset hold NaN.
+    nan = float("nan")
+    pad_q = torch.full((70, *q.shape[1:]), nan, dtype=q.dtype, device="cuda")
+    pad_k = torch.full((70, *k.shape[1:]), nan, dtype=k.dtype, device="cuda")
+    got = grads(*(torch.cat([t, p]) for t, p in ((q, pad_q), (k, pad_k), (v, pad_k))),
+                torch.cat([dout, pad_q]))  # fmt: skip
+    every_q = torch.arange(q.shape[0], device="cuda")
+    every_k = torch.arange(k.shape[0], device="cuda")
+    same(got, want, every_q, every_k)
+    # Sequence 1's rows are inf (queries 100..136, keys 130..166): the others keep theirs.
+    q1, k1, v1, dout1 = (t.clone() for t in (q, k, v, dout))
+    q1[100:137] = dout1[100:137] = k1[130:167] = v1[130:167] = float("inf")
+    others_q = torch.cat([every_q[:100], every_q[137:]])
+    others_k = torch.cat([every_k[:130], every_k[167:]])
+    same(grads(q1, k1, v1, dout1), want, others_q, others_k)
 
 
 @pytest.mark.gpu

@@ -39,7 +39,7 @@ def use_tier(name: str):
     sm_90 GPU (H100/H200) with a Triton version they were verified on (3.6), for fp16/bf16 dense
     inputs with head dim 64 or 128 and 16-byte aligned strides; anything else they do not cover
     runs on the portable tier. The forward covers causal, window, softcap, ALiBi, sinks, GQA,
-    any lengths and packed (varlen) batches; the backward all but varlen (never with
+    any lengths and packed (varlen) batches; the backward too (never with
     ``deterministic``).
     ``"auto"`` (the default): each tier where it measured faster on the H100: the sm90 forward
     at head dims 128 and 64 from 512 queries and keys on (a window from 2048, softcap from 4096,
@@ -48,9 +48,9 @@ def use_tier(name: str):
     ``tuning.sm90_forward``), the sm90
     backward at head dim 128 from 512 queries and keys on (causal: 1024), at 64 from 1024
     (``tuning.sm90_backward``), the portable kernels otherwise. A packed (varlen) batch
-    without a block table takes the sm90 forward by the same rules on its mean lengths (at
-    head dim 64 from a mean of 2048 on); its
-    backward, paged prefill and decoding always run on the portable tier. The choice is
+    without a block table takes the sm90 forward and backward by the same rules on its mean
+    lengths (the forward at head dim 64 from a mean of 2048 on); paged prefill and decoding
+    always run on the portable tier. The choice is
     scoped to the current thread (a ``contextvars`` variable), never global; a backward runs
     on the tier that was in effect at its forward (eager calls; a graph compiled by
     ``torch.compile`` takes "auto" in its backward)::
@@ -252,8 +252,8 @@ def attention_varlen(
             ``block_table[b, j // block_size]``, row ``j % block_size``): FlashAttention-2's
             paged varlen, for chunked prefill. ``max_seqlen_k`` is at most ``max_blocks *
             block_size``. Forward only: inputs that require a gradient raise.
-        deterministic: as in :func:`attention` (a packed batch's backward is the portable
-            tier's, bit-identical over runs, either way today).
+        deterministic: as in :func:`attention` (on an H100 a packed batch's backward
+            reduce-adds dQ over key blocks unless it is set).
 
     The contents of ``cu_seqlens_q``/``cu_seqlens_k`` and the maxima are trusted, as in
     FlashAttention: checking them would read device memory on the host and stall the stream.

@@ -94,8 +94,7 @@ def launch(
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     if (
-        varlen is None
-        and config is None
+        config is None
         and not deterministic
         and runtime.backward_tier(q.device) == "sm90"
         and not torch.are_deterministic_algorithms_enabled()
@@ -109,23 +108,23 @@ def launch(
         key = (
             q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
             causal, window, None if alibi_slopes is None else alibi_slopes.dtype, aligned,
-            runtime.tier_forced(),
+            runtime.tier_forced(), None if varlen is None else pb.problem_dims(q, k, varlen),
         )  # fmt: skip
         hopper = _SM90.get(key)
         if hopper is None:
             hopper = cached(_SM90, key, lambda: _takes_sm90(
-                q, k, v, dq, dk, dv, causal, window, alibi_slopes, seqlen_q, seqlen_k
+                q, k, v, dq, dk, dv, causal, window, alibi_slopes, varlen
             ))  # fmt: skip
         if hopper:
             from flashcore.ops import bwd_sm90
 
             delta = bwd_sm90.attn_bwd_sm90(
                 dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv,
-                window=window, softcap=softcap, alibi=alibi_slopes,
+                window=window, softcap=softcap, alibi=alibi_slopes, varlen=varlen,
             )[3]  # fmt: skip
             if sinks is None:
                 return dq, dk, dv, None
-            return dq, dk, dv, sink_grad(sinks, lse, delta[..., :seqlen_q])
+            return dq, dk, dv, sink_grad(sinks, lse, delta)
     lse = lse.contiguous()
     delta = torch.empty_like(lse)
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
@@ -194,16 +193,22 @@ def _takes_sm90(
     causal: bool,
     window: tuple[int, int],
     alibi_slopes: torch.Tensor | None,
-    seqlen_q: int,
-    seqlen_k: int,
+    varlen: pb.Varlen | None,
 ) -> bool:
     """Whether ``launch`` runs the Hopper backward on a device where it may (``use_tier("sm90")``
-    or ``tuning.sm90_backward``'s choice, and ``bwd_sm90.supports``)."""
+    or ``tuning.sm90_backward``'s choice, and ``bwd_sm90.supports``). A packed batch is judged
+    by its mean lengths, as the forward's choice (``ops/fwd.py: _sm90_plan``)."""
     from flashcore.ops import bwd_sm90, fwd_sm90
 
     head_dim = fwd_sm90.kernel_head_dim(q.shape[-1])  # 128 for fwd_sm90.PADDED_HEAD_DIMS
-    wanted = runtime.tier_forced() or sm90_backward(seqlen_q, seqlen_k, head_dim, causal)
-    return wanted and bwd_sm90.supports(q, k, v, dq, dk, dv, window=window, alibi=alibi_slopes)
+    if varlen is None:
+        lengths = q.shape[2], k.shape[2]
+    else:
+        lengths = q.shape[0] / varlen.batch, k.shape[0] / varlen.batch
+    wanted = runtime.tier_forced() or sm90_backward(*lengths, head_dim, causal)
+    return wanted and bwd_sm90.supports(
+        q, k, v, dq, dk, dv, window=window, alibi=alibi_slopes, varlen=varlen is not None
+    )
 
 
 def _plan(

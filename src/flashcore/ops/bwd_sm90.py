@@ -29,6 +29,8 @@ from flashcore.ops.fwd_sm90 import (
     kernel_head_dim,
     lpt_group,
     num_sms,
+    packed_problem,
+    packed_view,
     padded_head_dims,
     tma_ok,
 )
@@ -107,7 +109,7 @@ def kernels() -> tuple[Launcher, Launcher]:
     strides and padding (its swizzle and block come from the compiled metadata)."""
     from flashcore.kernels.hopper import bwd
 
-    return Launcher(bwd.bwd_prep_kernel, 7), Launcher(bwd.attn_bwd_sm90_kernel, 10)
+    return Launcher(bwd.bwd_prep_kernel, 7), Launcher(bwd.attn_bwd_sm90_kernel, 16)
 
 
 def supports(
@@ -122,25 +124,28 @@ def supports(
     softcap: float = 0.0,
     alibi: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    varlen: bool = False,
 ) -> bool:
     """Whether this kernel computes the problem's gradients into ``dq``, ``dk``, ``dv`` (when
     given: shaped like q, k, v; dk and dv with strides the copy engine accepts): an sm_90 device,
     fp16/bf16, head dim 64 or 128, or one of ``fwd_sm90.padded_head_dims`` (72-120 run by the
     D = 128 kernel, 48 and 56 by the D = 64 one) (V's equal to Q/K's), dense ``(B, H, Sq, D)`` /
     ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty sequences, strides the copy
-    engine accepts, with any of causal, window, softcap, ALiBi and sinks. Not packed batches (the
-    caller's check)."""
+    engine accepts, with any of causal, window, softcap, ALiBi and sinks; with ``varlen`` packed
+    ``(total, heads, D)`` ones (``fwd_sm90.packed_problem``)."""
     # Sinks need nothing of the kernel: P comes from the LSE, which includes them, and their
     # gradient from the LSE and delta (the caller's ``bwd.sink_grad``). Window, softcap and ALiBi
     # are flags of the kernel.
     del sinks, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
-    if not dense_problem(q, k, v, DENSE_HEAD_DIMS + padded_head_dims()):
+    head_dims = DENSE_HEAD_DIMS + padded_head_dims()
+    if not (packed_problem if varlen else dense_problem)(q, k, v, head_dims):
         return False
     if dq is not None and dq.shape != q.shape:
         return False
-    return all(g is None or (g.shape == t.shape and tma_ok(g)) for g, t in ((dk, k), (dv, v)))
+    view = packed_view if varlen else (lambda t: t)
+    return all(g is None or (g.shape == t.shape and tma_ok(view(g))) for g, t in ((dk, k), (dv, v)))
 
 
 # The split's extra memory (dK and dV per query head: two (B, H, Sk, D) tensors) at most this
@@ -204,11 +209,12 @@ def attn_bwd_sm90(
     window: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi: torch.Tensor | None = None,
+    varlen: pb.Varlen | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, delta)`` of ``out, lse = attention(q, k, v, causal, scale)`` for inputs that
     passed ``supports`` (with the same ``dq``, ``dk``, ``dv``; not checked again here, the caller
-    has); ``delta`` is ``rowsum(dout * out) - dlse``, fp32 ``(B, H, Sq_pad)`` with ``Sq_pad =
-    cdiv(Sq, 64) * 64`` and zeros past Sq (``delta[..., :Sq]`` for the sinks' gradient).
+    has); ``delta`` is ``rowsum(dout * out) - dlse``, fp32, shaped like ``lse`` (a view into a
+    padded buffer; for the sinks' gradient).
 
     ``q``, ``out``, ``dout``: ``(B, H, Sq, D)``; ``k``, ``v``: ``(B, Hkv, Sk, D)`` (any strides the
     copy engine accepts; ``(B, S, H, D)`` storage passed as ``.transpose(1, 2)`` works; ``dout``
@@ -218,9 +224,14 @@ def attn_bwd_sm90(
     gradients are written into ``dq``, ``dk``, ``dv`` when given (tests pass NaN-filled ones to see
     every element written), else into new contiguous tensors, in the input dtype. ``config``
     overrides the tiles. Extra memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two
-    fp32 ``(B, H, Sq_pad)`` row buffers; where ``split_group`` says so (GQA/MQA with few
-    programs), dK and dV per query head (``2 B H Sk D`` x the element size, at most
-    ``SPLIT_MAX_BYTES``), summed over each group (in fp32) at the end.
+    fp32 ``(B, H, Sq_pad)`` row buffers (``Sq_pad = cdiv(Sq, 64) * 64``); where ``split_group``
+    says so (GQA/MQA with few programs), dK and dV per query head (``2 B H Sk D`` x the element
+    size, at most ``SPLIT_MAX_BYTES``), summed over each group (in fp32) at the end.
+
+    ``varlen``: a packed batch (``supports(..., varlen=True)``): q, out, dout ``(total_q, H, D)``,
+    k, v ``(total_k, Hkv, D)``, lse and dlse ``(H, total_q)``; the kernels see ``(1, heads,
+    total, D)`` views (``fwd_sm90.packed_view``), the row stats and the dQ accumulator are those
+    of one sequence of ``total_q`` rows, and each program finds its sequence in the offsets.
     """
     # Everything but the tensors per problem signature (the split, grids, scalars, constexprs,
     # descriptor layouts, whether out and dout need a copy the copy engine can address): tens of
@@ -230,11 +241,12 @@ def attn_bwd_sm90(
         q.shape, k.shape, q.dtype, out.stride(), dout.stride(), aligned,
         None if dlse is None else dlse.stride(), lse.stride(), q.device, causal, scale, window,
         softcap, None if alibi is None else (alibi.shape, alibi.stride()), config,
+        None if varlen is None else pb.problem_dims(q, k, varlen),
     )  # fmt: skip
     p = _PLANS.get(key)
     if p is None:
         p = cached(_PLANS, key, lambda: _plan(
-            q, k, out, dout, lse, dlse, causal, scale, config, window, softcap, alibi,
+            q, k, out, dout, lse, dlse, causal, scale, config, window, softcap, alibi, varlen,
         ))  # fmt: skip
     if p.copy_out:
         out = out.contiguous()
@@ -250,7 +262,8 @@ def attn_bwd_sm90(
     rows = p.rows
     fp32 = torch.empty(2 * rows + q.numel(), device=q.device, dtype=torch.float32)
     delta, lse2, dq_acc = fp32.split_with_sizes((rows, rows, q.numel()))
-    dq_acc = dq_acc.view(q.shape)
+    # (B, H, Sq, D); packed, (1, H, total_q, D): one sequence of all rows (the prep's view).
+    dq_acc = dq_acc.view(p.acc_shape)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty(p.grad_shape, device=k.device, dtype=k.dtype) if dk is None else dk
     dv = torch.empty(p.grad_shape, device=v.device, dtype=v.dtype) if dv is None else dv
@@ -258,28 +271,42 @@ def attn_bwd_sm90(
     dlse_arg = lse if dlse is None else dlse
     prep, main = kernels()
     tile, rows_1d, dq_tile = p.layouts
+    if varlen is None:
+        cu_q = cu_k = lse  # never read
+        tensors = (q, k, v, dout, dk, dv)
+        # The masked dK/dV stores of a sequence's last key block (VARLEN only): never read.
+        grad_strides = (0, 0, 0, 0)
+    else:
+        cu_q, cu_k = varlen[:2]
+        tensors = tuple(packed_view(t) for t in (q, k, v, dout, dk, dv))
+        grad_strides = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
     with runtime.launch_on(q):
         prep(p.prep_grid, (out, dout, dlse_arg, lse, delta, lse2, dq_acc, *p.prep_scalars),
              p.prep_meta)  # fmt: skip
         box, dq_box = p.boxes
+        q_t, k_t, v_t, dout_t, dk_t, dv_t = tensors
         descs = (
-            Descriptor(q, box, tile),
-            Descriptor(k, box, tile),
-            Descriptor(v, box, tile),
-            Descriptor(dout, box, tile),
+            Descriptor(q_t, box, tile),
+            Descriptor(k_t, box, tile),
+            Descriptor(v_t, box, tile),
+            Descriptor(dout_t, box, tile),
             Descriptor(lse2, [ROWS], rows_1d),
             Descriptor(delta, [ROWS], rows_1d),
             Descriptor(dq_acc, dq_box, dq_tile),
-            Descriptor(dk, box, tile),
-            Descriptor(dv, box, tile),
+            Descriptor(dk_t, box, tile),
+            Descriptor(dv_t, box, tile),
         )
-        main(p.main_grid, (*descs, alibi_ptr, *p.main_scalars), p.main_meta)
+        main(
+            p.main_grid,
+            (*descs, alibi_ptr, cu_q, cu_k, dk, dv, lse2, delta, *p.main_scalars, *grad_strides),
+            p.main_meta,
+        )
     # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
-    torch.mul(dq_acc, scale, out=dq)
+    torch.mul(dq_acc if varlen is None else dq_acc[0].transpose(0, 1), scale, out=dq)
     if p.split:
         groups = q.shape[1] // k.shape[1]
         dk, dv = _group_sum(dk, dk_out, groups), _group_sum(dv, dv_out, groups)
-    return dq, dk, dv, delta.view(p.delta_shape)
+    return dq, dk, dv, delta.view(p.delta_shape)[..., : lse.shape[-1]]
 
 
 class Plan(NamedTuple):
@@ -288,7 +315,8 @@ class Plan(NamedTuple):
     split: bool
     grad_shape: tuple[int, ...]  # of the dK, dV the kernel writes (per query head when split)
     rows: int  # B * H * seqlen_pad: the length of each fp32 row-stat buffer
-    delta_shape: tuple[int, ...]  # (B, H, seqlen_pad)
+    delta_shape: tuple[int, ...]  # (B, H, seqlen_pad); packed (H, seqlen_pad) (the LSE's)
+    acc_shape: tuple[int, ...]  # of the dQ accumulator: q's, or packed (1, H, total_q, D)
     copy_out: bool  # out and dout need a contiguous copy (strides the copy engine refuses)
     copy_dout: bool
     boxes: tuple[list[int], list[int]]  # of the (B, H, S, D) tiles and of the dQ accumulator's
@@ -318,15 +346,20 @@ def _plan(
     window: tuple[int, int],
     softcap: float,
     alibi: torch.Tensor | None,
+    varlen: pb.Varlen | None,
 ) -> Plan:
     # The strides the launches will see: out and dout as given where the copy engine can address
     # them (else contiguous copies, as each call then makes), the LSE contiguous.
-    copy_out, copy_dout = not tma_ok(out), not tma_ok(dout)
+    view = (lambda t: t) if varlen is None else packed_view
+    copy_out, copy_dout = not tma_ok(view(out)), not tma_ok(view(dout))
     out = out.contiguous() if copy_out else out
     dout = dout.contiguous() if copy_dout else dout
     lse = lse.contiguous()
-    batch, heads, seqlen_q, real_head_dim = q.shape
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    batch, heads, kv_heads, seqlen_q, seqlen_k = pb.problem_dims(q, k, varlen)
+    real_head_dim = q.shape[-1]
+    total_q, total_k = pb.packed_totals(q, k, varlen)
+    # The prep kernel and the row stats see one sequence of total_q rows when packed.
+    rows_b, rows_q = (batch, seqlen_q) if varlen is None else (1, total_q)
     # The tiles' width: 128 for fwd_sm90.PADDED_HEAD_DIMS (boxes wider than the tensors, whose
     # columns past the head dim the copy engine reads as zeros and drops on stores).
     head_dim = kernel_head_dim(real_head_dim)
@@ -340,13 +373,14 @@ def _plan(
     # With the split, a program per query head (groups of one), each reading the K and V of kv
     # head h // groups; dK and dV land per query head.
     grad_heads = heads if split else kv_heads
-    seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
+    seqlen_pad = math.ceil(rows_q / ROWS) * ROWS
     sc = pb.scores(causal, window, softcap, scale, alibi is not None, seqlen_q, seqlen_k)
     stride_ab = 0 if alibi is None else pb.alibi_arg(alibi, lse)[1]
-    dlse_strides = (0, 0) if dlse is None else (dlse.stride(0), dlse.stride(1))
+    # Batch and head strides of the row stats ((B, H, Sq); packed (H, total_q)) and row strides.
+    dlse_strides = (0, 0) if dlse is None else pb.stats_strides(dlse, varlen)
     prep_scalars = (
-        out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1),
-        dout.stride(2), *dlse_strides, lse.stride(0), lse.stride(1), heads, seqlen_q, seqlen_pad,
+        *pb.row_strides(out, varlen), *pb.row_strides(dout, varlen), *dlse_strides,
+        *pb.stats_strides(lse, varlen), heads, rows_q, seqlen_pad,
     )  # fmt: skip
     prep_meta = {
         "HEAD_DIM": real_head_dim,
@@ -363,8 +397,8 @@ def _plan(
         lpt_heads = lpt_group(batch * grad_heads, q_bytes)
     main_scalars = (
         grad_heads, heads // grad_heads, groups if split else 1, seqlen_q, seqlen_k, lpt_heads,
-        seqlen_pad,
-        sc.qk_scale, float(scale), sc.window_left, sc.window_right, sc.softcap, stride_ab,
+        seqlen_pad, sc.qk_scale, float(scale), sc.window_left, sc.window_right, sc.softcap,
+        stride_ab, total_q, total_k,
     )  # fmt: skip
     main_meta = {
         "HEAD_DIM": head_dim,
@@ -374,11 +408,12 @@ def _plan(
         "HAS_WINDOW": sc.has_window,
         "SOFTCAP": sc.has_softcap,
         "HAS_ALIBI": sc.has_alibi,
-        "EVEN_N": seqlen_k % BLOCK_N == 0,
+        "EVEN_N": varlen is None and seqlen_k % BLOCK_N == 0,
         "DQ_WARPGROUP": cfg.dq_warpgroup,
         "DQ_REGS": cfg.dq_regs,
         "ABLATE": cfg.ablate,
         "KV_REGS": kv_in_registers(cfg, sc.has_window, sc.has_softcap, sc.has_alibi),
+        "VARLEN": varlen is not None,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }
@@ -390,9 +425,14 @@ def _plan(
         box_layout((ROWS,), torch.float32),
         dq_layout(head_dim),
     )
+    if varlen is None:
+        grad_shape = (batch, grad_heads, seqlen_k, real_head_dim)
+        delta_shape, acc_shape = (batch, heads, seqlen_pad), q.shape
+    else:
+        grad_shape = (total_k, grad_heads, real_head_dim)
+        delta_shape, acc_shape = (heads, seqlen_pad), (1, heads, total_q, real_head_dim)
     return Plan(
-        split, (batch, grad_heads, seqlen_k, real_head_dim), batch * heads * seqlen_pad,
-        (batch, heads, seqlen_pad), copy_out, copy_dout, (box, dq_box), layouts,
-        (seqlen_pad // ROWS * batch * heads,), prep_scalars, prep_meta,
-        (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,
+        split, grad_shape, rows_b * heads * seqlen_pad, delta_shape, acc_shape, copy_out,
+        copy_dout, (box, dq_box), layouts, (seqlen_pad // ROWS * rows_b * heads,), prep_scalars,
+        prep_meta, (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,
     )  # fmt: skip

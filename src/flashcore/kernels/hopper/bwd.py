@@ -191,8 +191,35 @@ made ptxas crash (SIGSEGV), and so did a consumer step with no dQ phase and noth
 then wait for no bulk copy (``tma.store_wait(0)``) there, and ptxas 13.0 compiles the step either
 way.
 
-Not covered (the launcher's ``supports`` says no): varlen, a value head dim different from
-Q/K's, head dims other than 64 and 128. Sinks need nothing here (the launcher's caller).
+VARLEN (packed batches, FlashAttention-2's varlen): the descriptors are ``(1, heads, total, D)``
+views of the packed tensors (batch coordinate 0), the grid is sized by the longest sequence
+(``key_block``: a program whose block starts past its own sequence's keys returns at entry), and
+each program reads its sequence's first rows and lengths from CU_Q, CU_K (``common.sequence``).
+The row stats and the dQ accumulator are those of one sequence of ``total_q`` rows (the prep
+kernel runs as for a dense batch of one). What a dense problem gets from the copy engine's zero
+fill past Sq and Sk, a packed one gets by hand, since the rows past a sequence's end are the next
+sequence's (or unset memory; a NaN or inf there must not reach this sequence's gradients, and
+``0 * inf`` is NaN):
+
+- the producer loads the row stats itself (a fp32 box of the copy engine must start 16-byte
+  aligned, and a sequence's rows start anywhere: an unaligned 1-D box faulted with an illegal
+  instruction on the H100), with a row mask: lse2 = +inf and delta = 0 past the sequence, so P
+  and dS are 0 there; it stores them into the slot and arrives on ``qd_ready`` (count 2: the
+  copies' expect and this arrival);
+- a query block that crosses the sequence's end lands on the producer's own ``fix_bar``, which
+  zeroes its Q and dO rows past the end (else ``P^T dO`` and ``dS^T Q`` would take ``0 * inf``)
+  before the one plain arrive of count 2; a key block that crosses it likewise has its K and V
+  rows past the end zeroed before ``kv_ready`` completes (``fix_bar``'s phases count those uses,
+  ``n_fix``);
+- the dQ rows of a step past the sequence's end are zeroed before the reduce-add
+  (``bwd_dq.rows_of_sequence``; their dS is 0, but ``0 * K`` with an inf key is NaN), so the next
+  sequence's dQ receives exact zeros;
+- the consumer whose keys cross the end stores its dK and dV rows with a row mask
+  (``common.store_rows``) instead of the TMA store, which would overwrite the next sequence's.
+
+Not covered (the launcher's ``supports`` says no): a value head dim different from Q/K's, head
+dims other than 64 and 128 (and the padded ones). Sinks need nothing here (the launcher's
+caller).
 """
 
 import triton
@@ -209,8 +236,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
-from flashcore.kernels.hopper.bwd_dq import dq_step, tma_reduce_add
-from flashcore.kernels.hopper.common import LOG2E, interleave, tanh
+from flashcore.kernels.hopper.bwd_dq import dq_step, rows_of_sequence, tma_reduce_add
+from flashcore.kernels.hopper.common import (
+    LOG2E,
+    interleave,
+    sequence,
+    store_rows,
+    tanh,
+    zero_rows,
+)
 
 ROWS = gl.constexpr(64)  # query rows per step, and keys per consumer warpgroup (one m64 wgmma)
 BLOCK_N = gl.constexpr(128)  # keys per program: two consumers x 64
@@ -310,6 +344,93 @@ def q_blocks(
 
 
 @gluon.jit
+def key_block(
+    CU_Q,
+    CU_K,
+    kv_heads,
+    seqlen_q,
+    seqlen_k,
+    lpt_heads,
+    total_q,
+    total_k,
+    VARLEN: gl.constexpr,
+):
+    """``(start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b)`` of this program:
+    its key block's first key, batch (VARLEN: sequence) and kv head (``interleave``, heaviest key
+    blocks first when causal), and its sequence's first rows, lengths and batch coordinate in the
+    descriptors (``common.sequence``: VARLEN's ``(1, heads, total, D)`` views take 0). With VARLEN
+    the grid is sized by the longest sequence (``seqlen_k``): a block may start past its own."""
+    n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
+    block, off_bh = interleave(gl.program_id(0), n_blocks, lpt_heads)
+    off_b = off_bh // kv_heads
+    q_start, k_start, seqlen_q, seqlen_k, desc_b = sequence(
+        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
+    )
+    return block * BLOCK_N, off_b, off_bh % kv_heads, q_start, k_start, seqlen_q, seqlen_k, desc_b
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, off_b, kv_head, key, bar, k_smem, v_smem):
+    """K and V of the block's two 64-key halves from key ``key`` on, by TMA onto ``bar``."""
+    mbarrier.expect(bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
+    for c in gl.static_range(2):
+        tma.async_copy_global_to_shared(
+            k_desc, [off_b, kv_head, key + c * ROWS, 0], bar, k_smem.index(c)
+        )
+        tma.async_copy_global_to_shared(
+            v_desc, [off_b, kv_head, key + c * ROWS, 0], bar, v_smem.index(c)
+        )
+
+
+@gluon.jit
+def _load_step(
+    q_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
+    off_b,
+    off_h,
+    q_row,
+    row,
+    bar,
+    q_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    slot,
+    STATS: gl.constexpr = True,
+):
+    """A step's Q and dO (query rows from ``q_row`` on) and, with STATS, its lse2 and delta (from
+    flat index ``row``) into ring slot ``slot``, by TMA onto ``bar``."""
+    if STATS:
+        mbarrier.expect(
+            bar,
+            q_desc.block_type.nbytes
+            + do_desc.block_type.nbytes
+            + lse_desc.block_type.nbytes
+            + delta_desc.block_type.nbytes,
+        )
+    else:
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, off_h, q_row, 0], bar, q_smem.index(slot))
+    tma.async_copy_global_to_shared(do_desc, [off_b, off_h, q_row, 0], bar, do_smem.index(slot))
+    if STATS:
+        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(slot))
+        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(slot))
+
+
+@gluon.jit
+def _store_dk_dv(dk_desc, dv_desc, k_tile, v_tile, dk, dv, off_b, off_hk, key):
+    """dK and dV (scaled) of a consumer's 64 keys from key ``key`` on, through its K and V slots
+    (their last readers are complete), by TMA stores (rows past the tensor's end dropped)."""
+    k_tile.reshape([dk.shape[0], dk.shape[1]]).store(dk.to(dk_desc.dtype))
+    v_tile.reshape([dv.shape[0], dv.shape[1]]).store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, key, 0], k_tile)
+    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, key, 0], v_tile)
+
+
+@gluon.jit
 def _producer(
     q_desc,
     k_desc,
@@ -326,6 +447,11 @@ def _producer(
     kv_ready,
     qd_ready,
     qd_empty,
+    fix_bar,
+    CU_Q,
+    CU_K,
+    LSE2,
+    DELTA,
     kv_heads,
     kv_group,
     kv_share,
@@ -335,52 +461,92 @@ def _producer(
     seqlen_pad,
     window_left,
     window_right,
+    total_q,
+    total_k,
     NUM_STAGES: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
-    n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-    pid = gl.program_id(0)
-    # Key blocks, heaviest first when causal, across groups of lpt_heads heads (the launcher's).
-    block, off_bh = interleave(pid, n_blocks, lpt_heads)
-    start_n = block * BLOCK_N
-    off_b = off_bh // kv_heads
-    off_hk = off_bh % kv_heads
+    start_n, _, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = key_block(
+        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+    )
+    HEAD_DIM: gl.constexpr = q_desc.block_type.shape[3]
+    if VARLEN:
+        r_stat = gl.arange(0, ROWS, layout=gl.BlockedLayout([2], [32], [1], [0]))
     # K and V of the block, once (also for a block no query sees: the consumers wait for it),
     # from the kv head the program's heads share (itself unless the group is split).
     kv_head = off_hk // kv_share
-    KV_BYTES: gl.constexpr = 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes
-    mbarrier.expect(kv_ready, KV_BYTES)
-    for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(
-            k_desc, [off_b, kv_head, start_n + c * ROWS, 0], kv_ready, k_smem.index(c)
-        )
-        tma.async_copy_global_to_shared(
-            v_desc, [off_b, kv_head, start_n + c * ROWS, 0], kv_ready, v_smem.index(c)
-        )
+    # VARLEN: a block that crosses its sequence's end lands on the producer's own fix_bar; the
+    # rows past the end (the next sequence's, or unset memory: a NaN or inf there would reach dQ
+    # through dS K and dP^T = V dO^T) are zeroed before kv_ready completes (a plain arrive).
+    key = k_start + start_n
+    n_fix = 0
+    if VARLEN:
+        n_fix = gl.to_tensor(0)
+        if start_n + BLOCK_N > seqlen_k:
+            _load_kv(k_desc, v_desc, desc_b, kv_head, key, fix_bar, k_smem, v_smem)
+            mbarrier.wait(fix_bar, 0)
+            for c in gl.static_range(2):
+                keep = seqlen_k - start_n - c * ROWS
+                zero_rows(k_smem.index(c).reshape([ROWS, HEAD_DIM]), keep)
+                zero_rows(v_smem.index(c).reshape([ROWS, HEAD_DIM]), keep)
+            fence_async_shared()
+            mbarrier.arrive(kv_ready, count=1)
+            n_fix = n_fix + 1
+        else:
+            _load_kv(k_desc, v_desc, desc_b, kv_head, key, kv_ready, k_smem, v_smem)
+    else:
+        _load_kv(k_desc, v_desc, desc_b, kv_head, key, kv_ready, k_smem, v_smem)
     lo, n_m = q_blocks(
         start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
-    )
-    STEP_BYTES: gl.constexpr = (
-        q_desc.block_type.nbytes
-        + do_desc.block_type.nbytes
-        + lse_desc.block_type.nbytes
-        + delta_desc.block_type.nbytes
     )
     for t in range(n_m * kv_group):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
         slot = t % NUM_STAGES
-        mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
-        bar = qd_ready.index(slot)
-        mbarrier.expect(bar, STEP_BYTES)
-        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar, q_smem.index(slot))
-        tma.async_copy_global_to_shared(
-            do_desc, [off_b, off_h, start_m, 0], bar, do_smem.index(slot)
-        )
-        row = (off_b * kv_heads * kv_group + off_h) * seqlen_pad + start_m
-        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(slot))
-        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(slot))
+        q_row = q_start + start_m
+        row = (desc_b * kv_heads * kv_group + off_h) * seqlen_pad + q_row
+        if VARLEN:
+            # The row stats by this warp's loads: a sequence's rows start anywhere, and a copy
+            # engine box of fp32 must start 16-byte aligned (an unaligned one faulted with an
+            # illegal instruction on the H100). Rows past the sequence's end (the next one's,
+            # or past the buffers) get lse2 = +inf (P = 0) and delta = 0 (dS = 0).
+            keep = seqlen_q - start_m
+            lse2 = gl.load(LSE2 + row + r_stat, mask=r_stat < keep, other=float("inf"))
+            delta = gl.load(DELTA + row + r_stat, mask=r_stat < keep, other=0.0)
+            mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+            if keep < ROWS:
+                # Q and dO land on fix_bar; their rows past the end are zeroed (a NaN or inf
+                # there would reach dV and dK through P^T dO and dS^T Q, even with P = 0).
+                _load_step(
+                    q_desc, do_desc, lse_desc, delta_desc, desc_b, off_h, q_row, row, fix_bar,
+                    q_smem, do_smem, lse_smem, delta_smem, slot, False,
+                )  # fmt: skip
+                mbarrier.wait(fix_bar, n_fix & 1)
+                zero_rows(q_smem.index(slot).reshape([ROWS, HEAD_DIM]), keep)
+                zero_rows(do_smem.index(slot).reshape([ROWS, HEAD_DIM]), keep)
+                fence_async_shared()
+                n_fix = n_fix + 1
+                lse_smem.index(slot).store(lse2)
+                delta_smem.index(slot).store(delta)
+                # Both arrivals of qd_ready (count 2): the data and the row stats.
+                mbarrier.arrive(qd_ready.index(slot), count=2)
+            else:
+                _load_step(
+                    q_desc, do_desc, lse_desc, delta_desc, desc_b, off_h, q_row, row,
+                    qd_ready.index(slot), q_smem, do_smem, lse_smem, delta_smem, slot, False,
+                )  # fmt: skip
+                lse_smem.index(slot).store(lse2)
+                delta_smem.index(slot).store(delta)
+                # qd_ready's second arrival (the first is the copies' expect): the row stats.
+                mbarrier.arrive(qd_ready.index(slot), count=1)
+        else:
+            mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+            _load_step(
+                q_desc, do_desc, lse_desc, delta_desc, desc_b, off_h, q_row, row,
+                qd_ready.index(slot), q_smem, do_smem, lse_smem, delta_smem, slot,
+            )  # fmt: skip
 
 
 @gluon.jit
@@ -402,6 +568,10 @@ def _consumer(
     dq_desc,
     dk_desc,
     dv_desc,
+    CU_Q,
+    CU_K,
+    DK,
+    DV,
     kv_heads,
     kv_group,
     seqlen_q,
@@ -414,6 +584,12 @@ def _consumer(
     softcap,
     ALIBI,
     stride_ab,
+    total_q,
+    total_k,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
     CONSUMER: gl.constexpr,
     HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr,
@@ -425,6 +601,7 @@ def _consumer(
     DQ_WARPGROUP: gl.constexpr,
     ABLATE: gl.constexpr,
     KV_REGS: gl.constexpr = False,
+    VARLEN: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
@@ -442,13 +619,9 @@ def _consumer(
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-    pid = gl.program_id(0)
-    # Key blocks, heaviest first when causal, across groups of lpt_heads heads (the launcher's).
-    block, off_bh = interleave(pid, n_blocks, lpt_heads)
-    start_n = block * BLOCK_N
-    off_b = off_bh // kv_heads
-    off_hk = off_bh % kv_heads
+    start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = key_block(
+        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+    )
     key0 = start_n + CONSUMER * ROWS
     keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
     offs_m = gl.arange(0, ROWS, layout=col_layout)
@@ -490,7 +663,7 @@ def _consumer(
     # the other consumer's dS^T then has a step of slack, so the consumers need not run in
     # lockstep, and one's elementwise work can run under the other's products.
     prev_h = off_hk * kv_group
-    prev_m = lo
+    prev_m = q_start + lo
     for t in range(n_steps):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
@@ -575,14 +748,15 @@ def _consumer(
             # as a run-time branch around the products crashes ptxas, and not reduced).
             dq_step(
                 ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t - 1,
-                t > 0, off_b, prev_h, prev_m, CONSUMER, ABLATE,
+                t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
             )  # fmt: skip
             prev_h = off_h
-            prev_m = start_m
+            prev_m = q_start + start_m
         else:
             dq_step(
                 ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t,
-                True, off_b, off_h, start_m, CONSUMER, ABLATE,
+                True, desc_b, off_h, q_start + start_m, CONSUMER, ABLATE, q_start + seqlen_q,
+                VARLEN,
             )  # fmt: skip
 
     # Until the other consumer's last dQ products, which read this consumer's K tile, have
@@ -594,17 +768,25 @@ def _consumer(
     elif DQ_LAG:
         dq_step(
             ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq,
-            n_steps - 1, n_steps > 0, off_b, prev_h, prev_m, CONSUMER, ABLATE,
+            n_steps - 1, n_steps > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE,
+            q_start + seqlen_q, VARLEN,
         )  # fmt: skip
         mbarrier.wait(ds_free.index((n_steps + 1) % 2), (n_steps // 2) & 1)
     else:
         mbarrier.wait(ds_free.index((n_steps + 1) % 2), ((n_steps + 1) // 2 + 1) & 1)
     # Epilogue: dK, dV through this consumer's K and V slots (their last readers are complete).
-    k_c.store((dk * scale).to(dtype))
-    v_c.store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, key0, 0], k_tile)
-    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, key0, 0], v_tile)
+    # VARLEN: keys that cross the sequence's end are stored with a row mask (the rows after its
+    # last key are the next sequence's).
+    key = k_start + key0
+    if VARLEN:
+        if key0 + ROWS > seqlen_k:
+            n_keys = seqlen_k - key0
+            store_rows(DK, dk_desc, k_tile, dk * scale, key, n_keys, off_hk, stride_dkt, stride_dkh)
+            store_rows(DV, dv_desc, v_tile, dv, key, n_keys, off_hk, stride_dvt, stride_dvh)
+        else:
+            _store_dk_dv(dk_desc, dv_desc, k_tile, v_tile, dk * scale, dv, desc_b, off_hk, key)
+    else:
+        _store_dk_dv(dk_desc, dv_desc, k_tile, v_tile, dk * scale, dv, desc_b, off_hk, key)
     tma.store_wait(0)
 
 
@@ -618,6 +800,8 @@ def _dq_warpgroup(
     ds_free,
     dq_done,
     dq_desc,
+    CU_Q,
+    CU_K,
     kv_heads,
     kv_group,
     seqlen_q,
@@ -625,20 +809,20 @@ def _dq_warpgroup(
     lpt_heads,
     window_left,
     window_right,
+    total_q,
+    total_k,
     HEAD_DIM: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     ABLATE: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """DQ_WARPGROUP: every step's dQ (all D columns, over both consumers' keys) on a warpgroup
     of its own, reduce-added from two staging tiles in turn, so that the consumers' steps hold
     no dQ phase (docstring, "Schedule")."""
-    n_blocks = gl.cdiv(seqlen_k, BLOCK_N)
-    pid = gl.program_id(0)
-    block, off_bh = interleave(pid, n_blocks, lpt_heads)
-    start_n = block * BLOCK_N
-    off_b = off_bh // kv_heads
-    off_hk = off_bh % kv_heads
+    start_n, _, off_hk, q_start, _, seqlen_q, seqlen_k, desc_b = key_block(
+        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+    )
     lo, n_m = q_blocks(
         start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
     )
@@ -667,10 +851,12 @@ def _dq_warpgroup(
         # t - 1's) may still be reading shared memory.
         stage = dq_smem.index(t % 2)
         tma.store_wait(1)
+        if VARLEN:
+            dq = rows_of_sequence(dq, q_start + seqlen_q - (q_start + start_m))
         stage.reshape(dq.shape).store(dq)
         fence_async_shared()
         if ABLATE == 0:
-            tma_reduce_add(dq_desc, [off_b, off_h, start_m, 0], stage)
+            tma_reduce_add(dq_desc, [desc_b, off_h, q_start + start_m, 0], stage)
     # Nothing reads K any more: the consumers may overwrite it with dK, dV.
     mbarrier.arrive(dq_done, count=1)
     tma.store_wait(0)
@@ -688,6 +874,12 @@ def attn_bwd_sm90_kernel(
     dk_desc,
     dv_desc,
     ALIBI,
+    CU_Q,
+    CU_K,
+    DK,
+    DV,
+    LSE2,
+    DELTA,
     kv_heads,
     kv_group,
     kv_share,
@@ -701,6 +893,12 @@ def attn_bwd_sm90_kernel(
     window_right,
     softcap,
     stride_ab,
+    total_q,
+    total_k,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
     HEAD_DIM: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
@@ -713,7 +911,15 @@ def attn_bwd_sm90_kernel(
     DQ_REGS: gl.constexpr = 96,
     ABLATE: gl.constexpr = 0,
     KV_REGS: gl.constexpr = False,
+    VARLEN: gl.constexpr = False,
 ):
+    if VARLEN:
+        # The grid is sized by the longest sequence: a key block past its own has nothing to do.
+        start_n, _, _, _, _, _, n_keys, _ = key_block(
+            CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+        )
+        if start_n >= n_keys:
+            return
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA box per slot.
     q_shape: gl.constexpr = [NUM_STAGES] + q_desc.block_type.shape  # noqa: RUF005
@@ -740,8 +946,17 @@ def attn_bwd_sm90_kernel(
     dq_done = done_bar.index(0)
     mbarrier.init(kv_ready, count=1)
     mbarrier.init(dq_done, count=1)
+    if VARLEN:
+        # The producer's own barrier for the loads it bounds (a sequence's last key block and
+        # query blocks).
+        fix = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        fix_bar = fix.index(0)
+        mbarrier.init(fix_bar, count=1)
+    else:
+        fix_bar = kv_ready  # never touched
     for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(qd_ready.index(i), count=1)
+        # VARLEN: the producer's own arrival for the row stats it stores, besides the copies'.
+        mbarrier.init(qd_ready.index(i), count=2 if VARLEN else 1)
         mbarrier.init(qd_empty.index(i), count=2)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
@@ -755,29 +970,33 @@ def attn_bwd_sm90_kernel(
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
-                    dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
-                    window_left, window_right, softcap, ALIBI, stride_ab, 0, HEAD_DIM, NUM_STAGES,
-                    IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
-                    KV_REGS,
+                    dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
+                    lpt_heads, qk_scale, scale, window_left, window_right, softcap, ALIBI,
+                    stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                    0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N,
+                    DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
-                    dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
-                    window_left, window_right, softcap, ALIBI, stride_ab, 1, HEAD_DIM, NUM_STAGES,
-                    IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
-                    KV_REGS,
+                    dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
+                    lpt_heads, qk_scale, scale, window_left, window_right, softcap, ALIBI,
+                    stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                    1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N,
+                    DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
                 )),
                 (_dq_warpgroup, (
-                    ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc,
-                    kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, window_left, window_right,
-                    HEAD_DIM, IS_CAUSAL, HAS_WINDOW, ABLATE,
+                    ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
+                    CU_K, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, window_left,
+                    window_right, total_q, total_k, HEAD_DIM, IS_CAUSAL, HAS_WINDOW, ABLATE,
+                    VARLEN,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
-                    do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, kv_heads, kv_group,
-                    kv_share, seqlen_q, seqlen_k, lpt_heads, seqlen_pad, window_left, window_right,
-                    NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                    do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, fix_bar, CU_Q,
+                    CU_K, LSE2, DELTA, kv_heads, kv_group, kv_share, seqlen_q, seqlen_k, lpt_heads,
+                    seqlen_pad, window_left, window_right, total_q, total_k, NUM_STAGES,
+                    IS_CAUSAL, HAS_WINDOW, VARLEN,
                 )),
             ],
             [4, 4, 1],
@@ -789,24 +1008,27 @@ def attn_bwd_sm90_kernel(
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
-                    dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
-                    window_left, window_right, softcap, ALIBI, stride_ab, 0, HEAD_DIM, NUM_STAGES,
-                    IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
-                    KV_REGS,
+                    dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
+                    lpt_heads, qk_scale, scale, window_left, window_right, softcap, ALIBI,
+                    stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                    0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N,
+                    DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
-                    dv_desc, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
-                    window_left, window_right, softcap, ALIBI, stride_ab, 1, HEAD_DIM, NUM_STAGES,
-                    IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N, DQ_WARPGROUP, ABLATE,
-                    KV_REGS,
+                    dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
+                    lpt_heads, qk_scale, scale, window_left, window_right, softcap, ALIBI,
+                    stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                    1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N,
+                    DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
-                    do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, kv_heads, kv_group,
-                    kv_share, seqlen_q, seqlen_k, lpt_heads, seqlen_pad, window_left, window_right,
-                    NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                    do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, fix_bar, CU_Q,
+                    CU_K, LSE2, DELTA, kv_heads, kv_group, kv_share, seqlen_q, seqlen_k, lpt_heads,
+                    seqlen_pad, window_left, window_right, total_q, total_k, NUM_STAGES,
+                    IS_CAUSAL, HAS_WINDOW, VARLEN,
                 )),
             ],
             [4, 1],

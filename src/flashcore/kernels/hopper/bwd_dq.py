@@ -29,6 +29,15 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
+def rows_of_sequence(dq, n_rows):
+    """VARLEN: ``dq`` with its rows from ``n_rows`` on set to 0. Those rows of a step's query
+    block are the next sequence's (their dS is 0, but 0 times an inf or NaN key of this sequence
+    is NaN), and the reduce-add would carry them into its dQ."""
+    rows = gl.arange(0, dq.shape[0], layout=gl.SliceLayout(1, dq.type.layout))
+    return gl.where(gl.expand_dims(rows < n_rows, 1), dq, 0.0)
+
+
+@gluon.jit
 def dq_step(
     ds_smem,
     ds_ready,
@@ -45,12 +54,15 @@ def dq_step(
     start_m,
     CONSUMER: gl.constexpr,
     ABLATE: gl.constexpr,
+    q_end=0,
+    VARLEN: gl.constexpr = False,
 ):
     """This consumer's half of the columns of step ``step``'s dQ (``step`` >= -1; -1 is no step:
     the products run on whatever the tiles hold and ``live`` is false), over both consumers' keys,
     reduce-added into dQ at ``(off_b, off_h, start_m)`` when ``live``. Waits until both dS^T
     tiles of the step are written (``ds_ready``) and, after its products, frees them
-    (``ds_free``)."""
+    (``ds_free``). VARLEN: rows from ``q_end`` on (the next sequence's) are reduced as zeros
+    (``rows_of_sequence``)."""
     buf = (step + 2) % 2
     # Phase of ds_ready[buf] for this step; for step -1 the barrier's initial phase (parity 1),
     # which counts as completed.
@@ -66,6 +78,8 @@ def dq_step(
         # The staging tile was last read by the previous step's reduce: wait until the copy
         # engine has read it (cp.async.bulk.wait_group.read).
         tma.store_wait(0)
+        if VARLEN:
+            dq = rows_of_sequence(dq, q_end - start_m)
         dq_tile.reshape(dq.shape).store(dq)
         fence_async_shared()
         if ABLATE == 0 and live:

@@ -423,3 +423,43 @@ def rescale(acc, alpha, LAZY: gl.constexpr):
     else:
         acc = acc * a
     return acc
+
+
+@gluon.jit
+def zero_rows(tile, keep):
+    """Zero rows ``keep ..`` of a ``[rows, D]`` NVMMA-swizzled tile in shared memory, by this
+    warp, in 8-row by 64-column pieces (the swizzle's atom: slices along both dims stay
+    addressable). Each piece that reaches past ``keep`` is read, masked and written back."""
+    ROWS_T: gl.constexpr = tile.shape[0]
+    COLS: gl.constexpr = tile.shape[1]
+    PIECE_C: gl.constexpr = 64 if COLS > 64 else COLS
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
+    r = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, layout)), 1)
+    for i in gl.static_range(ROWS_T // 8):
+        if i * 8 + 8 > keep:
+            for c in gl.static_range(COLS // PIECE_C):
+                piece = tile.slice(i * 8, 8, dim=0).slice(c * PIECE_C, PIECE_C, dim=1)
+                x = piece.load(layout)
+                piece.store(gl.where(r + i * 8 >= keep, gl.zeros_like(x), x))
+
+
+@gluon.jit
+def store_rows(O, o_desc, o_tile, acc, row, n_rows, off_h, stride_ot, stride_oh):
+    """The first ``n_rows`` rows of ``acc`` into O (the tensor of ``o_desc``, with row stride
+    ``stride_ot``) from ``row`` on (VARLEN: the rows after them are the next sequence's), through
+    the shared-memory tile ``o_tile``: written in the accumulator's layout, read
+    back in 16-byte row pieces and stored with a row mask (and a column mask at 8-column
+    granularity: O's real width, below the tile's for the padded head dims; every head dim the
+    tier takes is a multiple of 8, so the stores stay 16 bytes wide)."""
+    ROWS_T: gl.constexpr = o_tile.shape[2]
+    DV: gl.constexpr = o_tile.shape[3]
+    tile = o_tile.reshape([ROWS_T, DV])
+    tile.store(acc.to(o_desc.dtype))
+    TC: gl.constexpr = DV // 8 if DV < 256 else 32  # threads along a row, 8 columns each
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [4, 1], [1, 0])
+    o = tile.load(layout)
+    r = gl.arange(0, ROWS_T, layout=gl.SliceLayout(1, layout))
+    c = gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, layout)), 0)
+    offs = gl.expand_dims((row + r).to(gl.int64) * stride_ot, 1) + c
+    mask = gl.expand_dims(r < n_rows, 1) & (c // 8 < o_desc.shape[3] // 8)
+    gl.store(O + off_h.to(gl.int64) * stride_oh + offs, o, mask=mask)

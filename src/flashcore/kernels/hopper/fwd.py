@@ -149,7 +149,7 @@ Flags (``gl.constexpr``, compiled away when off):
   (``fwd_load._load_v_bounded``: 8 x 64 pieces, read, masked, written back), fences them for
   the async proxy and then completes ``v_ready`` with a plain arrive; and a consumer whose 64
   rows pass the sequence's end writes O through its shared-memory tile, read back in 16-byte
-  row pieces and stored with a row mask into O (``_store_o_rows``), instead of the TMA store
+  row pieces and stored with a row mask into O (``store_rows``), instead of the TMA store
   (persistent: it then waits for every earlier store's read before freeing a Q slot). The LSE
   is ``(H, total_q)`` (``stride_lb`` 0). Off, the kernel is the same instructions as without
   these lines. ``VARLEN == 2`` (a work list, ``ops/work_list.py``): work item ``w`` is pair
@@ -195,6 +195,7 @@ from flashcore.kernels.hopper.common import (
     row_total,
     sequence,
     snake,
+    store_rows,
     sums_start,
     work_item,
 )
@@ -208,27 +209,6 @@ def _store_o(o_desc, o_tile, acc, off_b, off_h, row):
     o_tile.reshape([o_tile.shape[2], o_tile.shape[3]]).store(acc.to(o_desc.dtype))
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row, 0], o_tile)
-
-
-@gluon.jit
-def _store_o_rows(O, o_desc, o_tile, acc, row, n_rows, off_h, stride_ot, stride_oh):
-    """O's first ``n_rows`` rows only, from ``row`` on (VARLEN: the rows after them are the next
-    sequence's), through the same shared-memory tile: written in the accumulator's layout, read
-    back in 16-byte row pieces and stored with a row mask (and a column mask at 8-column
-    granularity: O's real width, below the tile's for the padded head dims; every head dim the
-    tier takes is a multiple of 8, so the stores stay 16 bytes wide)."""
-    ROWS_T: gl.constexpr = o_tile.shape[2]
-    DV: gl.constexpr = o_tile.shape[3]
-    tile = o_tile.reshape([ROWS_T, DV])
-    tile.store(acc.to(o_desc.dtype))
-    TC: gl.constexpr = DV // 8 if DV < 256 else 32  # threads along a row, 8 columns each
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TC, TC], [4, 1], [1, 0])
-    o = tile.load(layout)
-    r = gl.arange(0, ROWS_T, layout=gl.SliceLayout(1, layout))
-    c = gl.expand_dims(gl.arange(0, DV, layout=gl.SliceLayout(0, layout)), 0)
-    offs = gl.expand_dims((row + r).to(gl.int64) * stride_ot, 1) + c
-    mask = gl.expand_dims(r < n_rows, 1) & (c // 8 < o_desc.shape[3] // 8)
-    gl.store(O + off_h.to(gl.int64) * stride_oh + offs, o, mask=mask)
 
 
 @gluon.jit
@@ -407,7 +387,7 @@ def _consumer_tile(
         # mask: the copy engine's clipping at O's real width).
         clipped = row0 + ROWS > seqlen_q
         if clipped:
-            _store_o_rows(
+            store_rows(
                 O, o_desc, o_tile, acc, q_start + row0, seqlen_q - row0, off_h, stride_ot,
                 stride_oh,
             )  # fmt: skip

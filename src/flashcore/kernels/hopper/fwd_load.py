@@ -18,6 +18,7 @@ from flashcore.kernels.hopper.common import (
     sequence,
     snake,
     work_item,
+    zero_rows,
 )
 
 
@@ -34,24 +35,6 @@ def _load(desc, off_b, off_h, row, bar, smem, first, PANELS: gl.constexpr):
 
 
 @gluon.jit
-def _zero_rows(tile, keep):
-    """Zero rows ``keep ..`` of a ``[rows, D]`` NVMMA-swizzled tile in shared memory, by this
-    warp, in 8-row by 64-column pieces (the swizzle's atom: slices along both dims stay
-    addressable). Each piece that reaches past ``keep`` is read, masked and written back."""
-    ROWS_T: gl.constexpr = tile.shape[0]
-    COLS: gl.constexpr = tile.shape[1]
-    PIECE_C: gl.constexpr = 64 if COLS > 64 else COLS
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [1, 1], [1, 0])
-    r = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, layout)), 1)
-    for i in gl.static_range(ROWS_T // 8):
-        if i * 8 + 8 > keep:
-            for c in gl.static_range(COLS // PIECE_C):
-                piece = tile.slice(i * 8, 8, dim=0).slice(c * PIECE_C, PIECE_C, dim=1)
-                x = piece.load(layout)
-                piece.store(gl.where(r + i * 8 >= keep, gl.zeros_like(x), x))
-
-
-@gluon.jit
 def _load_v_bounded(desc, off_b, off_h, row, keep, bar, fix_bar, n_fix, smem, slot):
     """V tile ``slot`` from ``row`` on, of which only the first ``keep`` rows are this sequence's
     (VARLEN, the sequence's last key tile): the rows after them hold the next sequence's values
@@ -64,7 +47,7 @@ def _load_v_bounded(desc, off_b, off_h, row, keep, bar, fix_bar, n_fix, smem, sl
     mbarrier.wait(fix_bar, n_fix & 1)
     BLOCK_N: gl.constexpr = desc.block_type.shape[2]
     DV: gl.constexpr = desc.block_type.shape[3]
-    _zero_rows(smem.index(slot).reshape([BLOCK_N, DV]), keep)
+    zero_rows(smem.index(slot).reshape([BLOCK_N, DV]), keep)
     fence_async_shared()
     mbarrier.arrive(bar, count=1)
 
