@@ -208,9 +208,9 @@ sequence's (or unset memory; a NaN or inf there must not reach this sequence's g
   copies' expect and this arrival);
 - a query block that crosses the sequence's end lands on the producer's own ``fix_bar``, which
   zeroes its Q and dO rows past the end (else ``P^T dO`` and ``dS^T Q`` would take ``0 * inf``)
-  before the one plain arrive of count 2; a key block that crosses it likewise has its K and V
-  rows past the end zeroed before ``kv_ready`` completes (``fix_bar``'s phases count those uses,
-  ``n_fix``);
+  and then arrives on ``qd_ready`` in place of the copies' expect; a key block that crosses it
+  likewise has its K and V rows past the end zeroed before ``kv_ready`` completes (``fix_bar``'s
+  phases count those uses, ``n_fix``);
 - the dQ rows of a step past the sequence's end are zeroed before the reduce-add
   (``bwd_dq.rows_of_sequence``; their dS is 0, but ``0 * K`` with an inf key is NaN), so the next
   sequence's dQ receives exact zeros;
@@ -528,19 +528,17 @@ def _producer(
                 zero_rows(do_smem.index(slot).reshape([ROWS, HEAD_DIM]), keep)
                 fence_async_shared()
                 n_fix = n_fix + 1
-                lse_smem.index(slot).store(lse2)
-                delta_smem.index(slot).store(delta)
-                # Both arrivals of qd_ready (count 2): the data and the row stats.
-                mbarrier.arrive(qd_ready.index(slot), count=2)
+                # qd_ready's arrival for the data (the copies' expect on the other steps).
+                mbarrier.arrive(qd_ready.index(slot), count=1)
             else:
                 _load_step(
                     q_desc, do_desc, lse_desc, delta_desc, desc_b, off_h, q_row, row,
                     qd_ready.index(slot), q_smem, do_smem, lse_smem, delta_smem, slot, False,
                 )  # fmt: skip
-                lse_smem.index(slot).store(lse2)
-                delta_smem.index(slot).store(delta)
-                # qd_ready's second arrival (the first is the copies' expect): the row stats.
-                mbarrier.arrive(qd_ready.index(slot), count=1)
+            lse_smem.index(slot).store(lse2)
+            delta_smem.index(slot).store(delta)
+            # qd_ready's second arrival (count 2): the row stats.
+            mbarrier.arrive(qd_ready.index(slot), count=1)
         else:
             mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
             _load_step(
@@ -852,7 +850,7 @@ def _dq_warpgroup(
         stage = dq_smem.index(t % 2)
         tma.store_wait(1)
         if VARLEN:
-            dq = rows_of_sequence(dq, q_start + seqlen_q - (q_start + start_m))
+            dq = rows_of_sequence(dq, seqlen_q - start_m)
         stage.reshape(dq.shape).store(dq)
         fence_async_shared()
         if ABLATE == 0:
