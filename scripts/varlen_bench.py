@@ -12,7 +12,8 @@ the same token count as one ``(B, H, L, D)`` batch of equal lengths (``--dense-l
 for the repetitions), for the tiers ("portable", "sm90", "auto") and FA4, at 2.5 times the
 forward's FLOPs.
 
-Usage: PYTHONPATH=src python scripts/varlen_bench.py [--rounds 2] [--mode bwd]
+Usage: PYTHONPATH=src python scripts/varlen_bench.py [--rounds 2] [--mode bwd] [--set short]
+[--providers portable,sm90]
 """
 
 from __future__ import annotations
@@ -34,6 +35,21 @@ def batches() -> dict[str, list[int]]:
         "short16-512": [rng.randint(16, 512) for _ in range(192)],
         "long8k+tail": [8192, 8192, 1000, 77, 3],
     }
+
+
+def short_batches() -> dict[str, list[int]]:
+    """Lengths uniform in [m/2, 3m/2] for a mean m of 64..1024, about 32k tokens each, and two
+    smaller batches of 4k tokens: where "auto" should start taking the Hopper backward for a
+    packed batch (``--set short``)."""
+    rng = random.Random(1)
+    out = {}
+    for mean, tokens in ((64, 32768), (128, 32768), (256, 32768), (512, 32768), (1024, 32768),
+                         (128, 4096), (512, 4096)):  # fmt: skip
+        lengths: list[int] = []
+        while sum(lengths) < tokens:
+            lengths.append(rng.randint(mean // 2, 3 * mean // 2))
+        out[f"u{mean}x{len(lengths)}"] = lengths
+    return out
 
 
 def flops(lengths: list[int], heads: int, head_dim: int, causal: bool) -> float:
@@ -97,11 +113,14 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--head-dims", default="128,64")
     parser.add_argument("--mode", choices=("fwd", "bwd"), default="fwd")
+    parser.add_argument("--set", choices=("main", "short"), default="main")
+    parser.add_argument("--providers", default=None, help="comma-separated subset")
     args = parser.parse_args()
     fa4 = fa4_varlen()
     dev = "cuda"
     for head_dim in map(int, args.head_dims.split(",")):
-        for name, lengths in batches().items():
+        sets = batches() if args.set == "main" else short_batches()
+        for name, lengths in sets.items():
             for causal in (False, True):
                 total = sum(lengths)
                 q, k, v = (
@@ -128,6 +147,9 @@ def main() -> None:
                         q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=top,
                         max_seqlen_k=top, causal=causal,
                     )  # fmt: skip
+                keep = args.providers.split(",") if args.providers else None
+                if keep:
+                    providers = {p: f for p, f in providers.items() if p in keep}
                 fl = flops(lengths, args.heads, head_dim, causal)
                 if args.mode == "bwd":
                     providers = {p: backward(f, q, k, v) for p, f in providers.items()}
@@ -136,6 +158,8 @@ def main() -> None:
                     providers["sm90-flat"] = direct(q, k, v, cu, top, causal, False)
                     providers["sm90-longest"] = direct(q, k, v, cu, top, causal, False, False)
                     providers["sm90-persistent"] = direct(q, k, v, cu, top, causal, True)
+                    if keep:
+                        providers = {p: f for p, f in providers.items() if p in keep}
                 times: dict[str, list[float]] = {p: [] for p in providers}
                 for r in range(args.rounds):
                     order = list(providers)

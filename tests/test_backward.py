@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import flashcore
+from flashcore import tuning
 from flashcore.ops import registry as ops
 from flashcore.tuning import sm90_backward
 from helpers import (
@@ -305,7 +306,8 @@ def test_backward_tier_choice(monkeypatch, tier, deterministic, torch_flag, want
     ``torch.use_deterministic_algorithms``; "auto" takes it for long sequences."""
     require_sm90()
     ran = record_backward_tiers(monkeypatch)
-    q, k, v = make_qkv(Case(1, 4, 2, 4096, 4096, 128), torch.bfloat16, "cuda")
+    # 6.9e10 FLOPs (causal): above tuning.SM90_BWD_MIN_FLOPS, so "auto" takes the tier eagerly.
+    q, k, v = make_qkv(Case(1, 16, 4, 4096, 4096, 128), torch.bfloat16, "cuda")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: torch_flag)
     with flashcore.use_tier(tier):
@@ -326,24 +328,44 @@ def test_backward_auto_keeps_short_sequences_portable(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("seqlen", "head_dim", "causal", "want"),
+    ("seqlen", "head_dim", "causal", "varlen", "want"),
     [
-        (512, 128, False, True),  # D=128 non-causal from 512 on
-        (511, 128, False, False),
-        (512, 128, True, False),  # causal from 1024 on
-        (1024, 128, True, True),
-        (1024, 64, False, True),  # D=64 from 1024 on, causal or not
-        (512, 64, False, False),
-        (1023, 64, True, False),
-        (1024, 64, True, True),
+        (512, 128, False, False, True),  # D=128 non-causal from 512 on
+        (511, 128, False, False, False),
+        (512, 128, True, False, False),  # causal from 1024 on
+        (1024, 128, True, False, True),
+        (1024, 64, False, False, True),  # D=64 from 1024 on, causal or not
+        (512, 64, False, False, False),
+        (1023, 64, True, False, False),
+        (1024, 64, True, False, True),
+        (256, 128, False, True, True),  # packed batches (mean lengths): D=128 from 256 on
+        (255, 128, False, True, False),
+        (383, 128, True, True, False),  # causal from 384 on
+        (384, 128, True, True, True),
+        (383, 64, False, True, False),  # D=64 from 384 on, causal or not
+        (384, 64, True, True, True),
     ],
 )
-def test_sm90_backward_auto_rule(seqlen, head_dim, causal, want):
-    """Where "auto" takes the Hopper backward (tuning.sm90_backward: the measured crossovers);
-    the shorter side decides."""
-    assert sm90_backward(seqlen, seqlen, head_dim, causal) is want
-    assert sm90_backward(seqlen, 1 << 16, head_dim, causal) is want
-    assert sm90_backward(1 << 16, seqlen, head_dim, causal) is want
+def test_sm90_backward_auto_rule(seqlen, head_dim, causal, varlen, want):
+    """Where "auto" takes the Hopper backward by lengths (tuning.sm90_backward: the measured
+    crossovers), above its FLOP floor; the shorter side decides."""
+    flops = 1e12
+    assert sm90_backward(seqlen, seqlen, head_dim, flops, causal, varlen=varlen) is want
+    assert sm90_backward(seqlen, 1 << 16, head_dim, flops, causal, varlen=varlen) is want
+    assert sm90_backward(1 << 16, seqlen, head_dim, flops, causal, varlen=varlen) is want
+
+
+def test_sm90_backward_flop_floor():
+    """An eager call takes the Hopper backward from ``SM90_BWD_MIN_FLOPS`` on (below it the host's
+    cost sets the pace); a call being captured into a CUDA graph has no FLOP floor."""
+    from flashcore import tuning
+
+    floor = tuning.SM90_BWD_MIN_FLOPS
+    assert sm90_backward(4096, 4096, 128, floor)
+    assert not sm90_backward(4096, 4096, 128, floor * 0.99)
+    assert sm90_backward(4096, 4096, 128, floor * 0.01, graph=True)
+    assert sm90_backward(1024, 1024, 64, 1.0, True, True)
+    assert not sm90_backward(512, 512, 64, 1e12, True, True)  # the length floors still apply
 
 
 @pytest.mark.gpu
@@ -391,8 +413,10 @@ def test_backward_dispatch(
     monkeypatch.setattr(runtime, "capability", lambda device: capability)
     monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
     monkeypatch.setattr(bwd_sm90, "supports", lambda *args, **kwargs: True)
-    # The decision is kept per problem signature: start from none.
+    # The decision is kept per problem signature: start from none. The lengths decide here (one
+    # head: far below the eager FLOP floor, test_backward_dispatch_flop_floor's subject).
     monkeypatch.setattr(bwd, "_SM90", {})
+    monkeypatch.setattr(tuning, "SM90_BWD_MIN_FLOPS", 0.0)
 
     def sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv, **kwargs):
         ran.append("sm90")
@@ -410,6 +434,45 @@ def test_backward_dispatch(
         bwd.launch(
             q, q, q, q, q, lse, None, causal, 0.125, window=window, deterministic=deterministic
         )
+    assert ran == [want]
+
+
+@pytest.mark.parametrize(
+    ("heads", "capturing", "want"),
+    [
+        (8, False, "portable"),  # (1, 8, 2048, 128): 1.7e10 FLOPs, under the eager floor
+        (8, True, "sm90"),  # captured: no FLOP floor
+        (32, False, "sm90"),  # 6.9e10 FLOPs
+    ],
+)
+def test_backward_dispatch_flop_floor(monkeypatch, heads, capturing, want):
+    """ "auto" keeps an eager backward below ``tuning.SM90_BWD_MIN_FLOPS`` on the portable
+    kernels and takes the Hopper one when the call is being captured (the choice is kept per
+    signature, capture included; the device and the launchers are stood in for, as in
+    test_backward_dispatch)."""
+    from flashcore.ops import bwd, bwd_sm90, runtime
+
+    ran = []
+    monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
+    monkeypatch.setattr(runtime, "capturing", lambda t: capturing)
+    monkeypatch.setattr(bwd_sm90, "supports", lambda *args, **kwargs: True)
+    monkeypatch.setattr(bwd, "_SM90", {})
+
+    def sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv, **kwargs):
+        ran.append("sm90")
+        return dq, dk, dv, torch.zeros_like(lse)
+
+    def portable():
+        ran.append("portable")
+        raise PortableLaunched
+
+    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", sm90)
+    monkeypatch.setattr(bwd, "kernels", portable)
+    q = torch.zeros(1, heads, 2048, 128, dtype=torch.bfloat16)
+    lse = torch.zeros(1, heads, 2048)
+    with contextlib.suppress(PortableLaunched):
+        bwd.launch(q, q, q, q, q, lse, None, False, 0.125)
     assert ran == [want]
 
 

@@ -55,11 +55,16 @@ def _eager_forward_tier_in_capture(monkeypatch):
     "auto" calls bit for bit, so the capture here decides as an eager call would, except in the
     tests of that choice (``test_capture_takes_sm90_forward_below_the_eager_floor``). The tier
     choices kept per problem signature start from none either way."""
-    from flashcore.ops import fwd
+    from flashcore.ops import bwd, fwd
 
     monkeypatch.setattr(tuning, "SM90_FWD_MIN_FLOPS_GRAPH", tuning.SM90_FWD_MIN_FLOPS)
     monkeypatch.setattr(tuning, "SM90_FWD_MIN_FLOPS_GRAPH_D64", tuning.SM90_FWD_MIN_FLOPS)
     monkeypatch.setattr(fwd, "_SM90_PLANS", {})
+    # The backward the other way round: an eager call here decides as a capture would (no FLOP
+    # floor, ``tuning.SM90_BWD_MIN_FLOPS_GRAPH``), so that these sizes still run the Hopper
+    # backward, eagerly and captured, except in the test of that choice.
+    monkeypatch.setattr(tuning, "SM90_BWD_MIN_FLOPS", tuning.SM90_BWD_MIN_FLOPS_GRAPH)
+    monkeypatch.setattr(bwd, "_SM90", {})
 
 
 @contextlib.contextmanager
@@ -538,6 +543,42 @@ def test_capture_takes_sm90_forward_below_the_eager_floor(causal, monkeypatch):
         with no_sync(), flashcore.use_tier("sm90"):
             want = call()
         assert_equal(("out", "lse"), static, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_capture_takes_sm90_backward_below_the_eager_floor(causal, monkeypatch):
+    # (2, 8, 2048, 64): 1.7e10 FLOPs (8.6e9 causal), under tuning.SM90_BWD_MIN_FLOPS, so an
+    # eager backward takes the portable kernels (half the Hopper backward's host cost) and a
+    # captured one the Hopper backward (faster on the GPU; SM90_BWD_MIN_FLOPS_GRAPH). dk and dv
+    # of a replay equal an eager call's on the Hopper tier bit for bit; dq (reduce-added in
+    # whatever order the key blocks finish) by FlashAttention's rule.
+    from flashcore.ops import bwd
+
+    require_sm90()
+    monkeypatch.undo()
+    monkeypatch.setattr(bwd, "_SM90", {})
+    tiers = record_backward_tiers(monkeypatch)
+    q, k, v = (
+        t.requires_grad_() for t in make_qkv(Case(2, 8, 8, 2048, 2048, 64), torch.bfloat16, "cuda")
+    )
+    dout = torch.randn_like(q)
+
+    def call():
+        out = flashcore.attention(q, k, v, causal=causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    call()
+    assert tiers == ["portable"], tiers
+    graph, static = capture(call)
+    assert tiers[-1] == "sm90", tiers
+    for _ in range(REPLAYS):
+        refill(q, k, v, dout)
+        graph.replay()
+        with no_sync(), flashcore.use_tier("sm90"):
+            want = call()
+        assert_equal(("dk", "dv"), static[1:], want[1:])
+        assert_dq(False, static[0], want[0], q, k, v, dout, causal=causal)
 
 
 @pytest.mark.gpu

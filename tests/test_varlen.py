@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import flashcore
+from flashcore import tuning
 from helpers import (
     check_varlen,
     cu_seqlens,
@@ -288,6 +289,9 @@ def test_varlen_gpu_deterministic_keeps_portable_backward(monkeypatch):
     reduce-adds): two runs give the same bits; without it "auto" takes the Hopper backward."""
     require_sm90()
     ran = record_backward_tiers(monkeypatch)
+    # 2e10 FLOPs: under the eager floor that keeps such a batch portable (the test's subject is
+    # deterministic=True, so "auto" is let take the Hopper backward by its lengths alone).
+    monkeypatch.setattr(tuning, "SM90_BWD_MIN_FLOPS", 0.0)
     case = VarlenCase(8, 2, (3000, 2100, 2500), (3000, 2100, 2600), 128)
     q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
     dout = torch.randn_like(q)
@@ -307,7 +311,8 @@ def test_varlen_gpu_deterministic_keeps_portable_backward(monkeypatch):
 
 def test_varlen_sm90_backward_judges_mean_lengths(monkeypatch):
     """ "auto" takes the Hopper backward for a packed batch by its mean lengths (total rows over
-    sequences) on the dense floors, and asks ``supports`` with the packing."""
+    sequences) on the packed floors, and the FLOPs those means give on the eager floor, and asks
+    ``supports`` with the packing."""
     from flashcore.ops import bwd, bwd_sm90, runtime
     from flashcore.ops.problem import Varlen
 
@@ -317,16 +322,20 @@ def test_varlen_sm90_backward_judges_mean_lengths(monkeypatch):
         bwd_sm90, "supports", lambda *a, **kw: asked.append(kw["varlen"]) or kw["varlen"]
     )
 
-    def wanted(total, batch, longest, causal=False):
+    def wanted(total, batch, longest, causal=False, capturing=False):
         q = torch.empty(total, 16, 128, dtype=torch.bfloat16)
         cu = torch.zeros(batch + 1, dtype=torch.int32)
         varlen = Varlen(cu, cu, longest, longest)
-        return bwd._takes_sm90(q, q, q, q, q, q, causal, (-1, -1), None, varlen)
+        return bwd._takes_sm90(q, q, q, q, q, q, causal, (-1, -1), None, varlen, capturing)
 
     assert wanted(16 * 2048, 16, 4096)
-    assert not wanted(192 * 277, 192, 4096)  # mean 277: below the 512 floor at D = 128
-    assert not wanted(16 * 800, 16, 4096, causal=True)  # causal D = 128: from 1024
-    assert asked == [True]
+    assert wanted(192 * 277, 192, 512)  # mean 277: above the packed floor of 256 at D = 128
+    assert not wanted(256 * 200, 256, 512)  # mean 200: below it
+    assert not wanted(16 * 380, 16, 4096, causal=True)  # causal D = 128: from 384
+    assert wanted(64 * 512, 64, 1024, causal=True)  # 6.9e10 FLOPs
+    assert not wanted(8 * 512, 8, 1024)  # 4k tokens: 1.7e10 FLOPs, under the eager floor
+    assert wanted(8 * 512, 8, 1024, capturing=True)  # captured: no FLOP floor
+    assert asked == [True] * 4
 
 
 @pytest.mark.gpu

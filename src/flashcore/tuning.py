@@ -242,17 +242,65 @@ def bwd_config(
 SM90_BWD_MIN_SEQLEN_D128 = 512
 SM90_BWD_MIN_SEQLEN_D128_CAUSAL = 1024
 SM90_BWD_MIN_SEQLEN_D64 = 1024
+# Packed (varlen) batches, judged by their mean lengths, from these floors on. H100, bf16, 16
+# heads, about 32k tokens of lengths uniform in [m/2, 3m/2] for a mean m (scripts/
+# varlen_bench.py --mode bwd --set short, both tiers through autograd in one process, two
+# rounds, two device calls; docs/performance_backward.md, "The Hopper backward under auto:
+# packed floors and the host's cost"), Hopper / portable speed: D=128 non-causal 1.07x at a
+# mean of 128, 1.36-1.37x at 256, 1.64-1.66x at 511; causal 0.85x at 128, 0.98x at 256, 1.10x
+# at 511; D=64 (first call) non-causal 0.77x at 128, 1.00x at 256, 1.24x at 511; causal 0.79x
+# at 128, 0.93x at 256, 1.04x at 511. So D=128 non-causal from 256 on, and the others from
+# 384, between the means where the tiers were level and where the Hopper one led. (The dense
+# floors above came from the FA sweep's 16k-token batches through autograd, where the host's
+# cost still shows.)
+SM90_BWD_MIN_SEQLEN_VARLEN_D128 = 256
+SM90_BWD_MIN_SEQLEN_VARLEN_D128_CAUSAL = 384
+SM90_BWD_MIN_SEQLEN_VARLEN_D64 = 384
+# An eager call takes the Hopper backward from this many FLOPs on (the forward's 4 B H Sq Sk D,
+# halved for causal). Its host path costs about twice the portable one's (three launches, the
+# main one carrying nine tensor maps, the dQ conversion, the fp32 buffers): 432 against 216 us a
+# call on the H100 machine's host at (1, 4, 256, 128), so a smaller problem, whose kernels take
+# less than that, runs at the host's pace. H100, bf16, autograd.grad of one forward through
+# each tier, three rounds in one process (scripts/bwd_tier_floor.py), sm90 / portable time:
+# D=128 (1, 16, 1024) 1.22x and causal 1.21x, (2, 16, 1024) 1.52x / 2.11x, (1, 16, 2048) 1.37x /
+# 1.72x, (2, 16, 2048) 1.03x / 1.27x, (4, 16, 2048) 0.77x / 0.74x, (1, 32, 4096) on 8 kv heads
+# 0.75x / 0.57x; D=64 (2, 8, 2048) 1.61x / 1.70x, (4, 16, 2048) non-causal 1.55x, (8, 16, 2048)
+# 0.81x, (4, 32, 1024) 0.96x / 1.29x; packed batches of 4k tokens 1.7-3.3x. Captured into a
+# CUDA graph only the kernels count, and there the Hopper backward was ahead at every size
+# measured from the length floors on (flashcore-bench --cuda-graph --mode fwdbwd, graph ms per
+# forward + backward, each on one tier, sm90 / portable: D=128 (1, 16, 1024) 0.92x and causal
+# 0.86x, (2, 8, 2048) 0.78x / 0.55x; D=64 (2, 8, 2048) 0.87x / 0.59x, (1, 32, 1024) 0.96x /
+# 0.71x), so a capture has no FLOP floor.
+SM90_BWD_MIN_FLOPS = 6e10
+SM90_BWD_MIN_FLOPS_GRAPH = 0.0
 
 
-def sm90_backward(seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool = False) -> bool:
-    """Whether "auto" takes the Hopper backward for this problem (where it measured faster).
-    A sliding window measured 1.01-1.05x the portable backward at D=64 (S = 2048, 8192) and
-    1.09-1.14x at D=128; softcap 1.29-1.56x, ALiBi 1.00-1.34x (docs/performance_backward.md):
-    none of them changes the choice."""
-    if head_dim == 128:
+def sm90_backward(
+    seqlen_q: float,
+    seqlen_k: float,
+    head_dim: int,
+    flops: float,
+    causal: bool = False,
+    graph: bool = False,
+    *,
+    varlen: bool = False,
+) -> bool:
+    """Whether "auto" takes the Hopper backward for this problem (where it measured faster);
+    ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``graph``: the call is being
+    captured into a CUDA graph (the kernels' time alone counts); ``varlen``: a packed batch,
+    whose lengths are its mean ones. A sliding window measured 1.01-1.05x the portable backward
+    at D=64 (S = 2048, 8192) and 1.09-1.14x at D=128; softcap 1.29-1.56x, ALiBi 1.00-1.34x
+    (docs/performance_backward.md): none of them changes the choice."""
+    if flops < (SM90_BWD_MIN_FLOPS_GRAPH if graph else SM90_BWD_MIN_FLOPS):
+        return False
+    if head_dim == 128 and varlen:
+        floor = (
+            SM90_BWD_MIN_SEQLEN_VARLEN_D128_CAUSAL if causal else SM90_BWD_MIN_SEQLEN_VARLEN_D128
+        )
+    elif head_dim == 128:
         floor = SM90_BWD_MIN_SEQLEN_D128_CAUSAL if causal else SM90_BWD_MIN_SEQLEN_D128
     else:
-        floor = SM90_BWD_MIN_SEQLEN_D64
+        floor = SM90_BWD_MIN_SEQLEN_VARLEN_D64 if varlen else SM90_BWD_MIN_SEQLEN_D64
     return min(seqlen_q, seqlen_k) >= floor
 
 

@@ -109,11 +109,12 @@ def launch(
             q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
             causal, window, None if alibi_slopes is None else alibi_slopes.dtype, aligned,
             runtime.tier_forced(), None if varlen is None else pb.problem_dims(q, k, varlen),
+            runtime.capturing(q),
         )  # fmt: skip
         hopper = _SM90.get(key)
         if hopper is None:
             hopper = cached(_SM90, key, lambda: _takes_sm90(
-                q, k, v, dq, dk, dv, causal, window, alibi_slopes, varlen
+                q, k, v, dq, dk, dv, causal, window, alibi_slopes, varlen, key[-1]
             ))  # fmt: skip
         if hopper:
             from flashcore.ops import bwd_sm90
@@ -194,18 +195,25 @@ def _takes_sm90(
     window: tuple[int, int],
     alibi_slopes: torch.Tensor | None,
     varlen: pb.Varlen | None,
+    capturing: bool = False,
 ) -> bool:
     """Whether ``launch`` runs the Hopper backward on a device where it may (``use_tier("sm90")``
     or ``tuning.sm90_backward``'s choice, and ``bwd_sm90.supports``). A packed batch is judged
-    by its mean lengths, as the forward's choice (``ops/fwd.py: _sm90_plan``)."""
+    by its mean lengths, as the forward's choice (``ops/fwd.py: _sm90_plan``); ``capturing``:
+    into a CUDA graph, where the host's cost of a call is paid once."""
     from flashcore.ops import bwd_sm90, fwd_sm90
 
     head_dim = fwd_sm90.kernel_head_dim(q.shape[-1])  # 128 for fwd_sm90.PADDED_HEAD_DIMS
+    dims = pb.problem_dims(q, k, varlen)
     if varlen is None:
         lengths = q.shape[2], k.shape[2]
     else:
-        lengths = q.shape[0] / varlen.batch, k.shape[0] / varlen.batch
-    wanted = runtime.tier_forced() or sm90_backward(*lengths, head_dim, causal)
+        lengths = q.shape[0] / dims.batch, k.shape[0] / dims.batch
+    flops = 4.0 * dims.batch * dims.heads * lengths[0] * lengths[1] * head_dim
+    wanted = runtime.tier_forced() or sm90_backward(
+        *lengths, head_dim, flops / 2 if causal else flops, causal, capturing,
+        varlen=varlen is not None,
+    )  # fmt: skip
     return wanted and bwd_sm90.supports(
         q, k, v, dq, dk, dv, window=window, alibi=alibi_slopes, varlen=varlen is not None
     )

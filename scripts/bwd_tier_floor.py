@@ -1,0 +1,107 @@
+"""Device-side: the eager backward on each tier ("portable", "sm90", "auto") across problem
+sizes, and a cProfile of each tier's backward at a small shape: where the Hopper backward's
+heavier host path stops mattering (``tuning.SM90_BWD_MIN_FLOPS``).
+
+Usage: PYTHONPATH=src python scripts/bwd_tier_floor.py [time|profile]
+
+``time``: for each shape, causal and not, ``torch.autograd.grad`` of one forward per tier (bf16),
+three rotated rounds of ``triton.testing.do_bench``, medians in us; "loop" is the wall time per
+call of 200 back-to-back calls with one synchronise (the host's pace where it is the slower).
+``profile``: 300 backward calls per tier at (1, 4, 256, 128) under cProfile, with the autograd
+engine on the calling thread (``set_multithreading_enabled(False)``), the top 30 by own time.
+docs/performance_backward.md ("The Hopper backward under auto") holds the results.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+import triton
+
+import flashcore
+
+TIERS = ("portable", "sm90", "auto")
+SHAPES = [  # (B, H, S, D, Hkv)
+    (1, 16, 1024, 128, 16), (2, 16, 1024, 128, 16), (1, 16, 2048, 128, 16),
+    (2, 16, 2048, 128, 16), (4, 16, 2048, 128, 16), (1, 32, 4096, 128, 8),
+    (2, 8, 2048, 64, 8), (4, 16, 2048, 64, 16), (8, 16, 2048, 64, 16),
+    (1, 32, 1024, 64, 32), (4, 32, 1024, 64, 32),
+]  # fmt: skip
+
+
+def backward(shape: tuple, causal: bool, tier: str):
+    """A function running the backward of one forward on ``tier`` (the graph kept)."""
+    b, h, s, d, hkv = shape
+    q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (
+        torch.randn(b, hkv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(2)
+    )
+    with flashcore.use_tier(tier):
+        out = flashcore.attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+
+    def run():
+        with flashcore.use_tier(tier):
+            return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    return run
+
+
+def loop(fn, calls: int) -> float:
+    """Wall time per call in us, ``calls`` back to back, one synchronise."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def timing() -> None:
+    for shape in SHAPES:
+        for causal in (False, True):
+            b, h, s, d, _ = shape
+            flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+            runs = {t: backward(shape, causal, t) for t in TIERS}
+            times: dict[str, list[float]] = {t: [] for t in TIERS}
+            for r in range(3):
+                for t in TIERS[r:] + TIERS[:r]:
+                    times[t].append(triton.testing.do_bench(runs[t], warmup=25, rep=100) * 1e3)
+            med = {t: sorted(ts)[1] for t, ts in times.items()}
+            walls = {t: loop(runs[t], 200) for t in TIERS}
+            cells = " | ".join(f"{t} {med[t]:7.1f} us (loop {walls[t]:6.1f})" for t in TIERS)
+            print(
+                f"{shape!s:28s} causal={int(causal)} fwdflops={flops:.2e} | {cells} | "
+                f"sm90/portable {med['sm90'] / med['portable']:.2f}",
+                flush=True,
+            )
+
+
+def profile() -> None:
+    torch.autograd.set_multithreading_enabled(False)
+    for tier in TIERS[:2]:
+        run = backward((1, 4, 256, 128, 4), False, tier)
+        for _ in range(20):
+            run()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            run()
+        torch.cuda.synchronize()
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        print(f"===== {tier}: {loop(run, 300):.1f} us a call (unprofiled)")
+        print(text.getvalue())
+
+
+if __name__ == "__main__":
+    timing() if (sys.argv[1:] or ["time"])[0] == "time" else profile()
