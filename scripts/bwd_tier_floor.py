@@ -2,13 +2,16 @@
 sizes, and a cProfile of each tier's backward at a small shape: where the Hopper backward's
 heavier host path stops mattering (``tuning.SM90_BWD_MIN_FLOPS``).
 
-Usage: PYTHONPATH=src python scripts/bwd_tier_floor.py [time|profile]
+Usage: PYTHONPATH=src python scripts/bwd_tier_floor.py [time|profile|seed] [B,H,S,D,Hkv ...]
 
 ``time``: for each shape, causal and not, ``torch.autograd.grad`` of one forward per tier (bf16),
 three rotated rounds of ``triton.testing.do_bench``, medians in us; "loop" is the wall time per
 call of 200 back-to-back calls with one synchronise (the host's pace where it is the slower).
 ``profile``: 300 backward calls per tier at (1, 4, 256, 128) under cProfile, with the autograd
 engine on the calling thread (``set_multithreading_enabled(False)``), the top 30 by own time.
+``seed``: eager forward + backward (``attention`` then ``autograd.grad``) at the seed shapes, loops
+of 200 calls with one synchronise, five rounds alternating the eager FLOP floor as it is and set
+to 0 (the lengths alone decide), SDPA beside; medians in us.
 docs/performance_backward.md ("The Hopper backward under auto") holds the results.
 """
 
@@ -21,9 +24,12 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 import triton
 
 import flashcore
+from flashcore import tuning
+from flashcore.ops import bwd
 
 TIERS = ("portable", "sm90", "auto")
 SHAPES = [  # (B, H, S, D, Hkv)
@@ -64,8 +70,8 @@ def loop(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def timing() -> None:
-    for shape in SHAPES:
+def timing(shapes: list[tuple]) -> None:
+    for shape in shapes:
         for causal in (False, True):
             b, h, s, d, _ = shape
             flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
@@ -103,5 +109,49 @@ def profile() -> None:
         print(text.getvalue())
 
 
+def seed_step(shape: tuple, causal: bool, provider: str):
+    """One eager forward + backward at ``shape``: FlashCore's, or SDPA's (``provider`` "sdpa")."""
+    q, k, v = (
+        torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    dout = torch.randn_like(q)
+
+    def run():
+        if provider == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        else:
+            out = flashcore.attention(q, k, v, causal=causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    return run
+
+
+def seed() -> None:
+    shapes = [((1, 8, 512, 64), False), ((1, 8, 512, 64), True), ((2, 8, 2048, 64), False)]
+    shapes += [((2, 8, 2048, 64), True), ((2, 8, 2048, 128), False)]
+    floor = tuning.SM90_BWD_MIN_FLOPS
+    for shape, causal in shapes:
+        runs = {name: seed_step(shape, causal, name) for name in ("floor", "nofloor", "sdpa")}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(5):
+            for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
+                tuning.SM90_BWD_MIN_FLOPS = 0.0 if name == "nofloor" else floor
+                bwd._SM90.clear()  # the choice is kept per signature
+                times[name].append(loop(runs[name], 200))
+        tuning.SM90_BWD_MIN_FLOPS = floor
+        cells = " | ".join(
+            f"{n} {sorted(ts)[2]:.1f} [{min(ts):.0f}-{max(ts):.0f}]" for n, ts in times.items()
+        )
+        print(f"{shape} causal={int(causal)} us per forward + backward: {cells}", flush=True)
+
+
 if __name__ == "__main__":
-    timing() if (sys.argv[1:] or ["time"])[0] == "time" else profile()
+    mode = (sys.argv[1:] or ["time"])[0]
+    picked = [tuple(map(int, a.split(","))) for a in sys.argv[2:]]
+    if mode == "time":
+        timing(picked or SHAPES)
+    elif mode == "seed":
+        seed()
+    else:
+        profile()
