@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import flashcore
-from flashcore.ops import runtime
+from flashcore.ops import launch, runtime
+from helpers import record_backward_tiers, record_sm90_forwards, require_sm90
 
 LOGGER = "flashcore.ops.runtime"
 
@@ -116,14 +117,46 @@ def test_interpreter_compiles_and_logs_nothing(device, caplog):
         dict(varlen=True, backward=True, batch_sizes=(2,)),
         dict(decode=True, causal=(True, False)),
         dict(decode=True, block_size=16, window=(8, 0), softcap=20.0, alibi=True),
+        dict(backward=True, decode=True, graphs=True),
     ],
-    ids=["dense-bwd", "varlen-bwd", "decode", "paged-masks"],
+    ids=["dense-bwd", "varlen-bwd", "decode", "paged-masks", "graphs"],
 )
 def test_warmup_runs_its_calls(device, options):
     if device != "cpu":
         pytest.skip("the interpreter runs on the CPU (the gpu test compiles)")
     sizes = dict(dtypes=(torch.float16,), head_dims=(16,), heads=(2, 1), seqlens=(17,))
     assert flashcore.warmup("cpu", **sizes, **options) == []
+
+
+def test_warmup_graphs_runs_each_call_again_as_captured(device, monkeypatch):
+    """``graphs=True``: every combination runs once as an eager call chooses and once more as a
+    capture would (``runtime.as_captured``), with the autograd engine on the calling thread so
+    that the backward sees it too."""
+    if device != "cpu":
+        pytest.skip("the interpreter runs on the CPU (the gpu test compiles)")
+    seen = []
+    real = runtime.capturing
+
+    def capturing(t):
+        seen.append((runtime._as_captured.get(), torch.autograd.is_multithreading_enabled()))
+        return real(t)
+
+    monkeypatch.setattr(runtime, "capturing", capturing)
+    sizes = dict(dtypes=(torch.float16,), head_dims=(16,), heads=(2, 1), seqlens=(17, 33))
+    assert flashcore.warmup("cpu", **sizes, backward=True, graphs=True) == []
+    # The forward asks once per call (the portable backward does not ask): two lengths, twice.
+    assert seen == [(False, True), (False, True), (True, False), (True, False)]
+    assert not runtime._as_captured.get() and torch.autograd.is_multithreading_enabled()
+
+
+def test_as_captured_is_scoped():
+    class OnGpu:  # what capturing() reads of a tensor
+        is_cuda = True
+
+    with runtime.as_captured():
+        assert runtime.capturing(OnGpu())
+        assert not runtime.capturing(torch.zeros(1))  # host tensors never
+    assert not runtime._as_captured.get()
 
 
 @pytest.mark.parametrize(
@@ -169,3 +202,44 @@ def test_warmup_compiles_what_later_calls_launch(caplog):
     flashcore.attention(q, k, v, causal=True).sum().backward()
     torch.cuda.synchronize()
     assert len(runtime.compile_events()) == before
+
+
+@pytest.mark.gpu
+def test_warmup_graphs_loads_what_a_capture_takes(monkeypatch):
+    # (2, 8, 2048, 64) causal: under the eager FLOP floors, so an eager call runs the portable
+    # kernels and a capture the Gluon ones. After warmup(graphs=True) capturing the call (forward
+    # and backward) misses no launch cache: nothing is compiled or loaded inside the capture.
+    require_sm90()
+    shape = dict(dtypes=(torch.bfloat16,), head_dims=(64,), heads=(8, 8), seqlens=(2048,))
+    flashcore.warmup("cuda", **shape, batch_sizes=(2,), backward=True, graphs=True)
+    misses = []
+    real = launch.Launcher.miss
+    monkeypatch.setattr(
+        launch.Launcher, "miss", lambda self, *a: misses.append(self.fn) or real(self, *a)
+    )
+    tiers = record_backward_tiers(monkeypatch)
+    forwards = record_sm90_forwards(monkeypatch)
+    q, k, v = (
+        torch.randn(2, 8, 2048, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    dout = torch.randn_like(q)
+
+    def call():
+        out = flashcore.attention(q, k, v, causal=True)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()  # the usual warm-up: eager, so the portable kernels
+    torch.cuda.current_stream().wait_stream(stream)
+    assert tiers == ["portable"] and not forwards
+    misses.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert tiers[-1] == "sm90" and forwards, "the capture did not take the Gluon kernels"
+    assert misses == [], f"launched for the first time inside the capture: {misses}"

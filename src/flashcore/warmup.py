@@ -19,6 +19,12 @@ What selects a variant, and so what a warmup covers:
   a length that is not a multiple of 16 and one that is select different kernels. Dense inputs of
   other lengths that end on a tile boundary (``EVEN_M``/``EVEN_N``) or not also differ.
 
+- Whether the call is being captured into a CUDA graph: on an H100 a capture takes the Gluon
+  kernels below the sizes an eager call does (no host cost at replay; ``tuning``'s
+  ``SM90_*_GRAPH`` floors) and tensor descriptors for small forwards. ``graphs=True`` runs every
+  call a second time choosing as a capture would, so that capturing it later loads nothing
+  (loading a kernel inside a capture is refused by some CUDA setups).
+
 A call that selects a variant the warmup did not compile still works: it compiles on first use,
 as without a warmup. Compiled kernels also land in Triton's on-disk cache (``~/.triton/cache`` by
 default), so a second process loads them instead of compiling. Under Triton's interpreter (the
@@ -59,6 +65,7 @@ def warmup(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     alibi: bool = False,
+    graphs: bool = False,
 ) -> list[CompileEvent]:
     """Run the kernels once for every combination of the options, so that they compile now.
 
@@ -73,8 +80,11 @@ def warmup(
       call that leaves it None.
 
     ``window``, ``softcap`` and ``alibi`` (slopes of shape ``(H,)``) are passed to every call as
-    in the public functions. Sizes are used exactly as given: the module docstring says which
-    properties of a call select a compiled variant, and so what a later call may still compile.
+    in the public functions. ``graphs=True`` runs each combination again as a CUDA-graph capture
+    of it would choose its kernels (``runtime.as_captured``, with the backward on the calling
+    thread), for a server that captures those calls. Sizes are used exactly as given: the
+    module docstring says which properties of a call select a compiled variant, and so what a
+    later call may still compile.
 
     Returns the kernel variants compiled (or loaded from Triton's on-disk cache) during the
     warmup, in order; empty under the interpreter, and for variants compiled earlier in the
@@ -83,17 +93,16 @@ def warmup(
     ``seqlens`` or ``batch_sizes`` or a ``block_size`` that is not a positive multiple of 16.
     """
     device = torch.device(device)
-    num_heads, kv_heads = heads
     for name, sizes in (("seqlens", seqlens), ("batch_sizes", batch_sizes)):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"{name} must be positive ints, got {sizes!r}")
     if block_size is not None and (block_size < 16 or block_size % 16):
         raise ValueError(f"block_size must be a positive multiple of 16, got {block_size!r}")
 
-    before = len(runtime.compile_events())
-    start = time.perf_counter()
-    combos = itertools.product(dtypes, head_dims, causal, seqlens, batch_sizes)
-    for dtype, head_dim, is_causal, seqlen, batch in combos:
+    def run(combo: tuple) -> None:
+        """``warmup``'s calls for one (dtype, head dim, causal, length, batch) combination."""
+        dtype, head_dim, is_causal, seqlen, batch = combo
+        num_heads, kv_heads = heads
         slopes = (
             torch.exp2(-torch.arange(1, num_heads + 1, dtype=torch.float32, device=device))
             if alibi
@@ -131,6 +140,18 @@ def warmup(
             api.attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens=lens, block_table=table, **options
             )
+
+    before = len(runtime.compile_events())
+    start = time.perf_counter()
+    combos = list(itertools.product(dtypes, head_dims, causal, seqlens, batch_sizes))
+    for combo in combos:
+        run(combo)
+    if graphs:
+        # The capture's choices (runtime.capturing); the autograd engine's device threads would
+        # not see the context variable, so the backward runs on this thread.
+        with runtime.as_captured(), torch.autograd.set_multithreading_enabled(False):
+            for combo in combos:
+                run(combo)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     events = runtime.compile_events()[before:]

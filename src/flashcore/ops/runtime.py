@@ -139,10 +139,31 @@ def launch_on(t: torch.Tensor) -> Any:
     return torch.cuda.device_of(t)
 
 
+# Set by ``as_captured``: calls choose their kernels as a capture would (``flashcore.warmup``).
+_as_captured: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "flashcore_as_captured", default=False
+)
+
+
 def capturing(t: torch.Tensor) -> bool:
     """Whether a launch for ``t`` is being captured into a CUDA graph (on the current stream),
-    where the host's cost of a call is paid once, not at every replay."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    where the host's cost of a call is paid once, not at every replay; or runs under
+    ``as_captured``."""
+    return t.is_cuda and (_as_captured.get() or torch.cuda.is_current_stream_capturing())
+
+
+@contextlib.contextmanager
+def as_captured() -> Iterator[None]:
+    """Within the block, CUDA calls choose their tiers and launch variants as if they were being
+    captured into a CUDA graph (``capturing``), and run eagerly: ``flashcore.warmup(...,
+    graphs=True)`` compiles and loads so the variants that a capture of the same calls takes.
+    Scoped to the current thread or task (a backward must run on it: the autograd engine's
+    device threads do not see the block)."""
+    token = _as_captured.set(True)
+    try:
+        yield
+    finally:
+        _as_captured.reset(token)
 
 
 # Kernel tiers: "portable" (the tl kernels, every device and the interpreter) and "sm90" (the
