@@ -21,11 +21,11 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 import triton
+from hopper_host import per_call as loop  # scripts/: wall time per call, one synchronise
 
 import flashcore
 from flashcore import tuning
@@ -57,17 +57,6 @@ def backward(shape: tuple, causal: bool, tier: str):
             return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
     return run
-
-
-def loop(fn, calls: int) -> float:
-    """Wall time per call in us, ``calls`` back to back, one synchronise."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def timing(shapes: list[tuple]) -> None:

@@ -407,16 +407,33 @@ def test_backward_dispatch(
 ):
     """The launcher's choice of backward (runs on the CPU: the device, the Triton check and the
     Hopper launcher are stood in for; what is checked is the decision, not the kernels)."""
+    from flashcore.ops import bwd
+
+    ran = _stand_in_backwards(monkeypatch, capability)
+    # The lengths decide here (one head: far below the eager FLOP floor,
+    # test_backward_dispatch_flop_floor's subject).
+    monkeypatch.setattr(tuning, "SM90_BWD_MIN_FLOPS", 0.0)
+    q = torch.zeros(1, 1, seqlen, head_dim, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 1, seqlen)
+    with flashcore.use_tier(tier), contextlib.suppress(PortableLaunched):
+        bwd.launch(
+            q, q, q, q, q, lse, None, causal, 0.125, window=window, deterministic=deterministic
+        )
+    assert ran == [want]
+
+
+def _stand_in_backwards(monkeypatch, capability: tuple[int, int]) -> list[str]:
+    """Stand-ins for the device's capability, the Triton check, ``bwd_sm90.supports`` and both
+    backwards (the portable one raises ``PortableLaunched`` instead of launching); returns the
+    list each backward run appends its tier to. The decision kept per problem signature starts
+    from none."""
     from flashcore.ops import bwd, bwd_sm90, runtime
 
     ran = []
     monkeypatch.setattr(runtime, "capability", lambda device: capability)
     monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
     monkeypatch.setattr(bwd_sm90, "supports", lambda *args, **kwargs: True)
-    # The decision is kept per problem signature: start from none. The lengths decide here (one
-    # head: far below the eager FLOP floor, test_backward_dispatch_flop_floor's subject).
     monkeypatch.setattr(bwd, "_SM90", {})
-    monkeypatch.setattr(tuning, "SM90_BWD_MIN_FLOPS", 0.0)
 
     def sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv, **kwargs):
         ran.append("sm90")
@@ -428,13 +445,7 @@ def test_backward_dispatch(
 
     monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", sm90)
     monkeypatch.setattr(bwd, "kernels", portable)
-    q = torch.zeros(1, 1, seqlen, head_dim, dtype=torch.bfloat16)
-    lse = torch.zeros(1, 1, seqlen)
-    with flashcore.use_tier(tier), contextlib.suppress(PortableLaunched):
-        bwd.launch(
-            q, q, q, q, q, lse, None, causal, 0.125, window=window, deterministic=deterministic
-        )
-    assert ran == [want]
+    return ran
 
 
 @pytest.mark.parametrize(
@@ -448,27 +459,11 @@ def test_backward_dispatch(
 def test_backward_dispatch_flop_floor(monkeypatch, heads, capturing, want):
     """ "auto" keeps an eager backward below ``tuning.SM90_BWD_MIN_FLOPS`` on the portable
     kernels and takes the Hopper one when the call is being captured (the choice is kept per
-    signature, capture included; the device and the launchers are stood in for, as in
-    test_backward_dispatch)."""
-    from flashcore.ops import bwd, bwd_sm90, runtime
+    signature, capture included)."""
+    from flashcore.ops import bwd, runtime
 
-    ran = []
-    monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
+    ran = _stand_in_backwards(monkeypatch, (9, 0))
     monkeypatch.setattr(runtime, "capturing", lambda t: capturing)
-    monkeypatch.setattr(bwd_sm90, "supports", lambda *args, **kwargs: True)
-    monkeypatch.setattr(bwd, "_SM90", {})
-
-    def sm90(dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv, **kwargs):
-        ran.append("sm90")
-        return dq, dk, dv, torch.zeros_like(lse)
-
-    def portable():
-        ran.append("portable")
-        raise PortableLaunched
-
-    monkeypatch.setattr(bwd_sm90, "attn_bwd_sm90", sm90)
-    monkeypatch.setattr(bwd, "kernels", portable)
     q = torch.zeros(1, heads, 2048, 128, dtype=torch.bfloat16)
     lse = torch.zeros(1, heads, 2048)
     with contextlib.suppress(PortableLaunched):
