@@ -75,9 +75,14 @@ def compile_variant(variant) -> dict:
         block = [1, 1, 64, head_dim]
         layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
-    # The launcher's dQ box: half of D per consumer, or all of it for the dQ warpgroup.
-    block = [1, 1, 64, head_dim if cfg.dq_warpgroup else head_dim // 2]
-    signature["dq_desc"] = f"tensordesc<fp32{block},{bwd_sm90.dq_layout(head_dim)!r}>"
+    # The launcher's dQ box: half of D per consumer, or all of it for the dQ warpgroup; (8, 4, 2,
+    # cols) with the staging rows permuted (dense problems).
+    permuted = bwd_sm90.rows_permuted(
+        cfg, head_dim, "VARLEN" in options, causal, *(flag in options for flag in SCORE_FLAGS)
+    )
+    block = bwd_sm90.dq_box(head_dim, cfg, permuted)
+    dq_layout = bwd_sm90.dq_layout(head_dim, permuted)
+    signature["dq_desc"] = f"tensordesc<fp32{block},{dq_layout!r}>"
     row_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     for name in ("lse_desc", "delta_desc"):
         signature[name] = f"tensordesc<fp32[64],{row_layout!r}>"
@@ -87,6 +92,7 @@ def compile_variant(variant) -> dict:
         ABLATE=0,
         KV_REGS=bwd_sm90.kv_in_registers(cfg, *(flag in options for flag in SCORE_FLAGS)),
         VARLEN="VARLEN" in options,
+        PERMUTED_ROWS=permuted,
         **{flag: flag in options for flag in SCORE_FLAGS},
     )  # fmt: skip
     fn = bwd.attn_bwd_sm90_kernel
@@ -105,9 +111,13 @@ def compile_variant(variant) -> dict:
             signature[name] = "i32"
     signature = {name: signature[name] for name in fn.arg_names}
     src = GluonASTSource(fn, signature, consts, {})
-    ptx, _, report = assemble(src, cfg.maxnreg)
+    ptx, sass, report = assemble(src, cfg.maxnreg)
+    cols = head_dim if cfg.dq_warpgroup else head_dim // 2
     return {
         "variant": label,
+        "permuted_rows": permuted,
+        "staging_conflicts": staging_bank_conflicts(cols, permuted, dq_layout),
+        "step_loop_local": step_loop_local_accesses(sass),
         "consumer_regs": cfg.consumer_regs,
         "dq_regs": cfg.dq_regs if cfg.dq_warpgroup else None,
         **report,
@@ -123,6 +133,86 @@ def compile_variant(variant) -> dict:
         "varlen": consts["VARLEN"],
         **schedule_facts(ptx),
     }
+
+
+def staging_bank_conflicts(cols: int, permuted: bool, layout) -> int:
+    """Gluon's count of excess shared-memory wavefronts (``gl.bank_conflicts``) of the store of a
+    64 x ``cols`` fp32 wgmma accumulator into the dQ staging tile, as the kernel stores it
+    (``bwd_dq.stage_dq``: ``permuted_rows_layout``, or the descriptor's layout), read from a probe
+    kernel compiled for sm_90a."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashcore.kernels.hopper import bwd_dq
+
+    shared = (
+        bwd_dq.permuted_rows_layout(cols)
+        if permuted
+        else gl.NVMMASharedLayout(
+            swizzle_byte_width=layout.swizzle_byte_width, element_bitwidth=32, rank=2
+        )
+    )
+    probe = _staging_probe()
+    src = GluonASTSource(
+        probe, {"COLS": "constexpr", "SHARED": "constexpr"}, {"COLS": cols, "SHARED": shared}, {}
+    )
+    _FOUND.clear()
+    from triton import knobs
+
+    # The count is read while the frontend runs: not from Triton's cache.
+    with knobs.compilation.scope():
+        knobs.compilation.always_compile = True
+        triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return _FOUND["conflicts"]
+
+
+_FOUND: dict[str, int] = {}
+
+
+def _staging_probe():
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    global _record, _probe
+    if "_probe" in globals():
+        return _probe
+
+    @gluon.constexpr_function
+    def _record(count):
+        _FOUND["conflicts"] = count
+        return count
+
+    @gluon.jit
+    def _probe(COLS: gl.constexpr, SHARED: gl.constexpr):
+        acc: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, COLS, 16]
+        )
+        tile = gl.allocate_shared_memory(gl.float32, [64, COLS], SHARED)
+        _record(gl.bank_conflicts(gl.zeros([64, COLS], gl.float32, layout=acc).type, tile.type))
+
+    return _probe
+
+
+def step_loop_local_accesses(sass: str) -> list[int]:
+    """Local-memory loads and stores (``LDL``/``STL``: spills) inside each step loop of the SASS,
+    a loop being a conditional backward branch whose body holds tensor-core products (the mbarrier
+    waits' retry loops hold none; their unconditional jumps back are not loops)."""
+    code = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2).strip()))
+    counts = []
+    for addr, text in code:
+        m = re.match(r"@!?U?P\d+\s+BRA\S*\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
+        if sum("HGMMA" in t for t in body) >= 8:
+            counts.append(sum(t.startswith(("LDL", "STL")) for t in body))
+    return counts
 
 
 def _instructions(ptx: str) -> list[str]:
@@ -208,6 +298,9 @@ def test_shared_memory_within_limit(compiled):
 # The score options at D=128 hold more per step (the query-row index vector for the window's
 # masks on every step, tanh's values until dS for softcap, the distances for ALiBi): ptxas spills
 # 120-516 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance_backward.md.
+# With the dQ staging rows permuted (D=128 without causal or score options: ``rows_permuted``)
+# ptxas spills 144-220 B of scalars, all but one load and store a step (ragged Sk) outside the
+# step loops (``test_step_loops_spill_only_where_allowed``).
 # The causal order across heads (``interleave``, a runtime group size) moved causal ALiBi from
 # 384 to 400 B; no other variant changed. At D=64 the consumers have 200 registers beside the dQ
 # warpgroup: all three score options at once spill 16 B there (none with any one of them). With
@@ -218,6 +311,7 @@ def test_shared_memory_within_limit(compiled):
 # in the prologue and reloaded around the loops' edges. The consumers' step loops reload none
 # non-causal; causal at D=128, 11 and 3 four-byte loads a step (the dense causal build: none).
 SPILL_ALLOWANCE = {
+    "d128-bf16": 144,
     "d128-bf16-causal-varlen": 424,
     "d128-fp16-varlen": 52,
     "d64-bf16-causal-varlen": 44,
@@ -225,11 +319,72 @@ SPILL_ALLOWANCE = {
     "d64-fp16-ragged": 16,
     "d64-bf16-all": 16,
     "d128-fp16-causal-ragged": 36,
-    "d128-bf16-ragged": 100,
+    "d128-bf16-ragged": 220,
     "d128-bf16-causal-window": 160,
     "d128-bf16-softcap-window": 516,
     "d128-fp16-causal-alibi": 400,
 }
+
+
+# Local loads and stores a step loop may hold (consumers' loops, and the dQ warpgroup's at D=64;
+# a variant not listed: none). Ragged Sk reloads loop invariants on masked steps; the score options
+# at D=128 and the packed causal build are the spills above, partly inside the loop.
+STEP_LOOP_ALLOWANCE = {
+    "d128-bf16-ragged": 9,
+    "d128-bf16-causal-window": 6,
+    "d128-bf16-softcap-window": 29,
+    "d128-fp16-causal-alibi": 57,
+    "d128-bf16-causal-varlen": 11,
+}
+
+
+def test_step_loops_spill_only_where_allowed(compiled):
+    for row in compiled:
+        loops = row["step_loop_local"]
+        assert len(loops) == (3 if row["dq_warpgroup"] else 2), f"{row['variant']}: {loops}"
+        allowed = STEP_LOOP_ALLOWANCE.get(row["variant"], 0)
+        assert max(loops) <= allowed, f"{row['variant']}: {loops} local accesses, {allowed} allowed"
+
+
+def test_dq_staging_rows_permuted_where_taken(compiled):
+    # ops/bwd_sm90.py: rows_permuted. Dense problems, at D=128 without causal or score options
+    # (whose builds spilled inside the step loop with them). Stored that way the staging tile takes
+    # no bank conflicts; in row order the 128-byte swizzle takes one excess wavefront a store (two
+    # where one would do), and D=64's 32-byte swizzle none (at four times the reduce's requests).
+    for row in compiled:
+        dense = not row["varlen"]
+        d128_plain = row["variant"] in ("d128-bf16", "d128-bf16-ragged")
+        want = dense and (row["variant"].startswith("d64") or d128_plain)
+        assert row["permuted_rows"] == want, row["variant"]
+        conflicts = 1 if row["variant"].startswith("d128") and not want else 0
+        assert row["staging_conflicts"] == conflicts, (row["variant"], row["staging_conflicts"])
+
+
+@pytest.mark.parametrize("cols", [32, 64])
+def test_permuted_rows_land_where_they_belong(cols):
+    # The store puts accumulator row r, column c at the offset ``permuted_rows_layout`` gives it;
+    # the copy engine reads a 128-byte swizzled fp32 box as 32-column panels of 64 slots, slot s
+    # of a panel at ``s * 32`` with its 16-byte chunks XORed by ``s % 8`` (Triton's layout for the
+    # descriptor: the same PTX as a linear layout of those bases), and writes slot s to the
+    # element of ``dq_view`` it walks s-th. Together they must take row r to row r.
+    import torch
+
+    from flashcore.kernels.hopper import bwd_dq
+    from flashcore.ops import bwd_sm90
+
+    rows_by_slot = bwd_sm90.dq_view(torch.arange(64.0).view(1, 1, 64, 1)).reshape(-1).tolist()
+    bases = bwd_dq.permuted_rows_layout(cols).offset_bases
+    seen = set()
+    for offset in range(64 * cols):
+        row = col = 0
+        for bit, (r, c) in enumerate(bases):
+            if offset >> bit & 1:
+                row, col = row ^ r, col ^ c
+        panel, slot, within = offset // 2048, offset % 2048 // 32, offset % 32
+        assert rows_by_slot[slot] == row, (offset, slot, row)
+        assert col == panel * 32 + ((within // 4) ^ (slot % 8)) * 4 + within % 4, offset
+        seen.add((row, col))
+    assert len(seen) == 64 * cols
 
 
 def test_no_spills(compiled):

@@ -42,9 +42,19 @@ BLOCK_N = 128  # keys per program
 
 
 @functools.cache
-def dq_layout(head_dim: int):
-    """The shared layout of the fp32 dQ staging tile (64 rows x D/2 columns) and of its
-    reduce-add descriptor. The consumers store the tile straight from the wgmma accumulator,
+def dq_layout(head_dim: int, permuted_rows: bool = False):
+    """The shared layout of the fp32 dQ staging tile (64 rows x D/2 columns, or D with the dQ
+    warpgroup) and of its reduce-add descriptor.
+
+    ``permuted_rows`` (``Sm90BwdConfig.permuted_rows``, dense problems): the 128-byte swizzle
+    over a box ``(8, 4, 2, cols)`` of the accumulator viewed as ``(B H Sq8 / 8, 4, 2, D)`` with
+    strides ``(8 D, D, 4 D, 1)`` (``dq_view``): the copy engine takes each 8-row group's
+    rows in the order 0, 4, 1, 5, 2, 6, 3, 7, and the kernel stores them there
+    (``kernels/hopper/bwd_dq.py: permuted_rows_layout``), which puts a half-warp's four rows on
+    distinct banks, with the 128-byte swizzle's full-width copies.
+
+    Otherwise, rows in order (packed batches, whose query blocks start anywhere). The consumers
+    store the tile straight from the wgmma accumulator,
     each 64-bit store covering 8 rows x 32 bytes, which the hardware serves as two half-warps of
     4 rows. With a 128-byte swizzle each half-warp's 4 rows share 16 banks: four wavefronts a
     store where two would do (ncu, D=128: bank conflicts on 33% of the kernel's shared-store
@@ -56,8 +66,26 @@ def dq_layout(head_dim: int):
     (docs/performance_backward.md, "dQ a step late")."""
     from triton.experimental.gluon import language as gl
 
+    if permuted_rows:
+        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
     swizzle = 32 if head_dim == 64 else 128
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=4)
+
+
+def dq_box(head_dim: int, cfg: Sm90BwdConfig, permuted_rows: bool) -> list[int]:
+    """The reduce-add box of a staging tile: all D columns with the dQ warpgroup, else each
+    consumer's half; ``(1, 1, 64, cols)`` or, with ``permuted_rows``, ``(8, 4, 2, cols)``
+    (``dq_layout``)."""
+    cols = head_dim if cfg.dq_warpgroup else head_dim // 2
+    return [8, 4, 2, cols] if permuted_rows else [1, 1, ROWS, cols]
+
+
+def dq_view(acc: torch.Tensor) -> torch.Tensor:
+    """The dense fp32 accumulator ``(B, H, Sq8, D)`` (``Sq8`` a multiple of 8) as the 4-D tensor
+    that ``dq_layout(..., permuted_rows=True)``'s descriptor walks: ``(B H Sq8 / 8, 4, 2, D)``,
+    element ``[g, b, a, d]`` being row ``8 g + 4 a + b`` of the flattened ``(B H Sq8, D)``."""
+    b, h, rows, d = acc.shape
+    return acc.view(b * h * rows // 8, 2, 4, d).transpose(1, 2)
 
 
 class Sm90BwdConfig(NamedTuple):
@@ -78,6 +106,9 @@ class Sm90BwdConfig(NamedTuple):
     ablate: int = 0
     """Measurement only (wrong dQ): 1 computes dQ but never reduces it into memory, 2 skips dQ
     (``scripts/hopper_bwd.py bench --ablate``)."""
+    permuted_rows: bool = True
+    """Dense problems: the dQ staging tile's rows permuted for conflict-free stores and the
+    128-byte swizzle (``dq_layout``); packed ones always keep them in order."""
 
 
 # Shared memory (the kernel's docstring, "Invariants"): 198 KB at D=128, 133 KB at D=64. At D=64
@@ -90,6 +121,25 @@ CONFIGS = {
     128: Sm90BwdConfig(),
     64: Sm90BwdConfig(consumer_regs=200, maxnreg=128, dq_warpgroup=True, dq_regs=96, kv_regs=True),
 }
+
+
+def rows_permuted(
+    cfg: Sm90BwdConfig,
+    head_dim: int,
+    varlen: bool,
+    causal: bool,
+    window: bool,
+    softcap: bool,
+    alibi: bool,
+) -> bool:
+    """Whether the dQ staging rows are permuted (``dq_layout``): dense problems, as the config
+    says; at D=128 only without a causal mask or score options. Those D=128 builds then spill
+    inside the consumers' step loop (ptxas 12.8: 5 local loads and stores a step in the causal
+    build, none in the plain one) and measured 0.97-1.01x of rows in order causal (H100, bf16;
+    docs/performance_backward.md, "The dQ staging tile without bank conflicts")."""
+    if not cfg.permuted_rows or varlen:
+        return False
+    return head_dim == 64 or not (causal or window or softcap or alibi)
 
 
 def kv_in_registers(cfg: Sm90BwdConfig, window: bool, softcap: bool, alibi: bool) -> bool:
@@ -260,9 +310,11 @@ def attn_bwd_sm90(
     # in one call; the accumulator starts at a multiple of 64 floats (16-byte aligned for the copy
     # engine).
     rows = p.rows
-    fp32 = torch.empty(2 * rows + q.numel(), device=q.device, dtype=torch.float32)
-    delta, lse2, dq_acc = fp32.split_with_sizes((rows, rows, q.numel()))
-    # (B, H, Sq, D); packed, (1, H, total_q, D): one sequence of all rows (the prep's view).
+    acc_numel = math.prod(p.acc_shape)
+    fp32 = torch.empty(2 * rows + acc_numel, device=q.device, dtype=torch.float32)
+    delta, lse2, dq_acc = fp32.split_with_sizes((rows, rows, acc_numel))
+    # (B, H, Sq, D), with permuted rows (B, H, Sq8, D); packed, (1, H, total_q, D): one sequence
+    # of all rows (the prep's view).
     dq_acc = dq_acc.view(p.acc_shape)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty(p.grad_shape, device=k.device, dtype=k.dtype) if dk is None else dk
@@ -292,7 +344,7 @@ def attn_bwd_sm90(
             Descriptor(dout_t, box, tile),
             Descriptor(lse2, [ROWS], rows_1d),
             Descriptor(delta, [ROWS], rows_1d),
-            Descriptor(dq_acc, dq_box, dq_tile),
+            Descriptor(dq_view(dq_acc) if p.permuted_rows else dq_acc, dq_box, dq_tile),
             Descriptor(dk_t, box, tile),
             Descriptor(dv_t, box, tile),
         )
@@ -302,7 +354,11 @@ def attn_bwd_sm90(
             p.main_meta,
         )
     # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
-    torch.mul(dq_acc if varlen is None else dq_acc[0].transpose(0, 1), scale, out=dq)
+    if varlen is not None:
+        dq_acc = dq_acc[0].transpose(0, 1)
+    elif p.acc_shape[2] != q.shape[2]:
+        dq_acc = dq_acc[:, :, : q.shape[2]]
+    torch.mul(dq_acc, scale, out=dq)
     if p.split:
         groups = q.shape[1] // k.shape[1]
         dk, dv = _group_sum(dk, dk_out, groups), _group_sum(dv, dv_out, groups)
@@ -316,7 +372,9 @@ class Plan(NamedTuple):
     grad_shape: tuple[int, ...]  # of the dK, dV the kernel writes (per query head when split)
     rows: int  # B * H * seqlen_pad: the length of each fp32 row-stat buffer
     delta_shape: tuple[int, ...]  # (B, H, seqlen_pad); packed (H, seqlen_pad) (the LSE's)
-    acc_shape: tuple[int, ...]  # of the dQ accumulator: q's, or packed (1, H, total_q, D)
+    acc_shape: tuple[int, ...]  # of the dQ accumulator: q's (rows to a multiple of 8 with
+    # permuted rows), or packed (1, H, total_q, D)
+    permuted_rows: bool  # the dQ staging rows permuted (dq_layout)
     copy_out: bool  # out and dout need a contiguous copy (strides the copy engine refuses)
     copy_dout: bool
     boxes: tuple[list[int], list[int]]  # of the (B, H, S, D) tiles and of the dQ accumulator's
@@ -375,12 +433,19 @@ def _plan(
     grad_heads = heads if split else kv_heads
     seqlen_pad = math.ceil(rows_q / ROWS) * ROWS
     sc = pb.scores(causal, window, softcap, scale, alibi is not None, seqlen_q, seqlen_k)
+    permuted_rows = rows_permuted(
+        cfg, head_dim, varlen is not None, sc.is_causal, sc.has_window, sc.has_softcap,
+        sc.has_alibi,
+    )  # fmt: skip
+    # The accumulator's rows a head: with permuted rows whole groups of 8 (the copy engine's
+    # boxes see no row past them), zeroed by the prep kernel and dropped by the conversion.
+    acc_rows = math.ceil(rows_q / 8) * 8 if permuted_rows else rows_q
     stride_ab = 0 if alibi is None else pb.alibi_arg(alibi, lse)[1]
     # Batch and head strides of the row stats ((B, H, Sq); packed (H, total_q)) and row strides.
     dlse_strides = (0, 0) if dlse is None else pb.stats_strides(dlse, varlen)
     prep_scalars = (
         *pb.row_strides(out, varlen), *pb.row_strides(dout, varlen), *dlse_strides,
-        *pb.stats_strides(lse, varlen), heads, rows_q, seqlen_pad,
+        *pb.stats_strides(lse, varlen), heads, rows_q, seqlen_pad, acc_rows,
     )  # fmt: skip
     prep_meta = {
         "HEAD_DIM": real_head_dim,
@@ -414,25 +479,26 @@ def _plan(
         "ABLATE": cfg.ablate,
         "KV_REGS": kv_in_registers(cfg, sc.has_window, sc.has_softcap, sc.has_alibi),
         "VARLEN": varlen is not None,
+        "PERMUTED_ROWS": permuted_rows,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }
     box = [1, 1, ROWS, head_dim]
-    # The dQ warpgroup reduce-adds all D columns of a step; each consumer otherwise its half.
-    dq_box = [1, 1, ROWS, head_dim if cfg.dq_warpgroup else head_dim // 2]
     layouts = (
         box_layout(tuple(box), q.dtype),
         box_layout((ROWS,), torch.float32),
-        dq_layout(head_dim),
+        dq_layout(head_dim, permuted_rows),
     )
     if varlen is None:
         grad_shape = (batch, grad_heads, seqlen_k, real_head_dim)
-        delta_shape, acc_shape = (batch, heads, seqlen_pad), q.shape
+        delta_shape = (batch, heads, seqlen_pad)
+        acc_shape = (batch, heads, acc_rows, real_head_dim)
     else:
         grad_shape = (total_k, grad_heads, real_head_dim)
         delta_shape, acc_shape = (heads, seqlen_pad), (1, heads, total_q, real_head_dim)
     return Plan(
-        split, grad_shape, rows_b * heads * seqlen_pad, delta_shape, acc_shape, copy_out,
-        copy_dout, (box, dq_box), layouts, (seqlen_pad // ROWS * rows_b * heads,), prep_scalars,
-        prep_meta, (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,
+        split, grad_shape, rows_b * heads * seqlen_pad, delta_shape, acc_shape, permuted_rows,
+        copy_out, copy_dout, (box, dq_box(head_dim, cfg, permuted_rows)), layouts,
+        (seqlen_pad // ROWS * rows_b * heads,), prep_scalars, prep_meta,
+        (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,
     )  # fmt: skip

@@ -236,7 +236,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
-from flashcore.kernels.hopper.bwd_dq import dq_step, rows_of_sequence, tma_reduce_add
+from flashcore.kernels.hopper.bwd_dq import (
+    dq_rows,
+    dq_step,
+    reduce_dq,
+    rows_of_sequence,
+    stage_dq,
+)
 from flashcore.kernels.hopper.common import (
     LOG2E,
     interleave,
@@ -272,6 +278,7 @@ def bwd_prep_kernel(
     num_heads,
     seqlen_q,
     seqlen_pad,
+    acc_rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -280,9 +287,10 @@ def bwd_prep_kernel(
     """Row stats of the backward, one (BLOCK_M, D) tile a program: ``delta = rowsum(dO * O) -
     dlse`` (``tile_delta``, as the portable dQ kernel) and ``lse2`` (``load_lse2``: +inf for a row
     with no key and past Sq), written to ``(B, H, seqlen_pad)`` fp32 buffers (delta 0 past Sq);
-    and the same rows of the fp32 dQ accumulator ``DQ_ACC`` (contiguous ``(B, H, Sq, D)``)
-    zeroed, for the main kernel's reduce-adds (launched after it on the same stream; one kernel
-    fewer than a separate fill). Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``. ``BLOCK_D``: the
+    and the same rows of the fp32 dQ accumulator ``DQ_ACC`` (contiguous ``(B, H, acc_rows,
+    D)``, ``acc_rows`` Sq or, with the dQ rows permuted, Sq to a multiple of 8) zeroed, for the
+    main kernel's reduce-adds (launched after it on the same stream; one kernel fewer than a
+    separate fill). Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``. ``BLOCK_D``: the
     main kernel's head dim, a power of two of at least ``HEAD_DIM`` (the tensors')."""
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(seqlen_pad, BLOCK_M)
@@ -308,8 +316,11 @@ def bwd_prep_kernel(
     out = off_bh.to(tl.int64) * seqlen_pad + offs_m
     tl.store(DELTA + out, tl.where(offs_m < seqlen_q, delta, 0.0))
     tl.store(LSE2 + out, lse2)
-    acc = DQ_ACC + (off_bh.to(tl.int64) * seqlen_q + rows) * HEAD_DIM + offs_d
-    tl.store(acc, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=in_tile)
+    acc = DQ_ACC + (off_bh.to(tl.int64) * acc_rows + rows) * HEAD_DIM + offs_d
+    in_acc = offs_m[:, None] < acc_rows
+    if HEAD_DIM < BLOCK_D:
+        in_acc = in_acc & (offs_d[None, :] < HEAD_DIM)
+    tl.store(acc, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=in_acc)
 
 
 @gluon.jit
@@ -660,8 +671,13 @@ def _consumer(
     # The dQ of step t is computed in step t + 1 (and the last one after the loop): its wait for
     # the other consumer's dS^T then has a step of slack, so the consumers need not run in
     # lockstep, and one's elementwise work can run under the other's products.
+    # The dQ rows' coordinates: the descriptor's row of this program's first head's row 0, and
+    # the rows between heads (both 0 unless the staging rows are permuted: ``dq_rows``).
+    dq_base, dq_per_head = dq_rows(
+        dq_desc, desc_b, off_hk * kv_group, kv_heads * kv_group, seqlen_q
+    )
     prev_h = off_hk * kv_group
-    prev_m = q_start + lo
+    prev_m = dq_base + q_start + lo
     for t in range(n_steps):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
@@ -749,12 +765,12 @@ def _consumer(
                 t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
             )  # fmt: skip
             prev_h = off_h
-            prev_m = q_start + start_m
+            prev_m = dq_base + (t // n_m) * dq_per_head + q_start + start_m
         else:
             dq_step(
                 ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t,
-                True, desc_b, off_h, q_start + start_m, CONSUMER, ABLATE, q_start + seqlen_q,
-                VARLEN,
+                True, desc_b, off_h, dq_base + (t // n_m) * dq_per_head + q_start + start_m,
+                CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
             )  # fmt: skip
 
     # Until the other consumer's last dQ products, which read this consumer's K tile, have
@@ -832,6 +848,9 @@ def _dq_warpgroup(
     zero_dq = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=dq_layout)
     k0 = k_smem.index(0).reshape([ROWS, HEAD_DIM])
     k1 = k_smem.index(1).reshape([ROWS, HEAD_DIM])
+    dq_base, dq_per_head = dq_rows(
+        dq_desc, desc_b, off_hk * kv_group, kv_heads * kv_group, seqlen_q
+    )
     mbarrier.wait(kv_ready, 0)
     for t in range(n_m * kv_group):
         off_h = off_hk * kv_group + t // n_m
@@ -851,10 +870,11 @@ def _dq_warpgroup(
         tma.store_wait(1)
         if VARLEN:
             dq = rows_of_sequence(dq, seqlen_q - start_m)
-        stage.reshape(dq.shape).store(dq)
+        stage_dq(stage, dq)
         fence_async_shared()
         if ABLATE == 0:
-            tma_reduce_add(dq_desc, [desc_b, off_h, q_start + start_m, 0], stage)
+            dq_row = dq_base + (t // n_m) * dq_per_head + q_start + start_m
+            reduce_dq(dq_desc, desc_b, off_h, dq_row, 0, stage)
     # Nothing reads K any more: the consumers may overwrite it with dK, dV.
     mbarrier.arrive(dq_done, count=1)
     tma.store_wait(0)
@@ -910,7 +930,11 @@ def attn_bwd_sm90_kernel(
     ABLATE: gl.constexpr = 0,
     KV_REGS: gl.constexpr = False,
     VARLEN: gl.constexpr = False,
+    PERMUTED_ROWS: gl.constexpr = False,
 ):
+    # The dQ staging rows' order follows from the dQ descriptor's box (``bwd_dq.stage_dq``); the
+    # flag states it among the constexprs, which key the launcher's compiled kernels.
+    gl.static_assert((dq_desc.block_type.shape[1] == 4) == PERMUTED_ROWS)
     if VARLEN:
         # The grid is sized by the longest sequence: a key block past its own has nothing to do.
         start_n, _, _, _, _, _, n_keys, _ = key_block(

@@ -28,6 +28,67 @@ def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
     )
 
 
+# The staging tile's rows in shared memory, permuted (``ops/bwd_sm90.py: dq_layout``). The
+# consumers store dQ straight from the wgmma accumulator: a 64-bit store covers 8 rows x 32 bytes,
+# served as two half-warps of 4 consecutive rows. In the copy engine's 128-byte swizzle a row's
+# 32-byte column pieces sit at the same banks as those of the row after it (row pairs (0, 1) and
+# (2, 3) share 16 banks), so every store takes twice the wavefronts it needs. Stored with the row
+# bits of each group of 8 rotated (row ``4a + b`` at slot ``2b + a``), a half-warp's 4 rows fall on
+# slots 0, 2, 4, 6 (or 1, 3, 5, 7), whose swizzles put their pieces on all 32 banks. The
+# reduce-add descriptor walks the slots in the same order (dims ``(groups of 8 rows, b, a,
+# columns)``, strides ``(8 D, D, 4 D, 1)``), so the rows land where they belong.
+@gluon.constexpr_function
+def permuted_rows_layout(cols):
+    """The 128-byte swizzled fp32 layout of a ``(64, cols)`` tile (the copy engine's, boxes of 32
+    columns side by side) with the row bits of each 8-row group rotated: offset bit -> (row,
+    column). Unrotated, rows 1, 2, 4 sit at offset bits 5, 6, 7 (with the swizzle's column
+    XOR); here slots 1, 2, 4 hold rows 4, 1, 2."""
+    bases = [[0, 1], [0, 2], [0, 4], [0, 8], [0, 16], [4, 4], [1, 8], [2, 16], [8, 0], [16, 0]]
+    bases.append([32, 0])
+    col = 32
+    while col < cols:
+        bases.append([0, col])
+        col *= 2
+    return gl.SharedLinearLayout(offset_bases=bases)
+
+
+@gluon.jit
+def stage_dq(tile, dq):
+    """Store the fp32 ``dq`` (64 x cols, the wgmma accumulator) into the staging ``tile``: a
+    ``(1, 1, 64, cols)`` box in row order, or an ``(8, 4, 2, cols)`` one with each 8-row group's
+    rows permuted (``permuted_rows_layout``, conflict-free)."""
+    if tile.shape[1] == 4:
+        flat = tile.reshape(dq.shape)
+        flat._reinterpret(gl.float32, dq.shape, permuted_rows_layout(dq.shape[1])).store(dq)
+    else:
+        tile.reshape(dq.shape).store(dq)
+
+
+@gluon.jit
+def dq_rows(dq_desc, off_b, off_h, heads, seqlen_q):
+    """``(base, per_head)``: where the dQ rows of batch ``off_b``, head ``off_h`` (of ``heads``)
+    start in the reduce-add descriptor's row coordinate, and how far apart consecutive heads'
+    rows are. ``(0, 0)`` for the ``(B, H, Sq, D)`` descriptor (its row coordinate is the row
+    itself: the head is a coordinate of its own); for the permuted rows' ``(B H Sq8 / 8, 4, 2,
+    D)`` view (``Sq8`` = Sq to a multiple of 8) rows of the flattened ``(B H Sq8, D)``."""
+    if dq_desc.block_type.shape[1] == 4:
+        per_head = ((seqlen_q + 7) >> 3) << 3
+        return (off_b * heads + off_h) * per_head, per_head
+    else:
+        return 0, 0
+
+
+@gluon.jit
+def reduce_dq(dq_desc, off_b, off_h, row, col, tile):
+    """Reduce-add the staging ``tile`` into 64 dQ rows from ``row``, columns from ``col``: of
+    batch ``off_b``, head ``off_h`` in the ``(B, H, Sq, D)`` descriptor, or from flattened row
+    ``row`` (a multiple of 8: ``dq_rows``) in the permuted rows' view."""
+    if dq_desc.block_type.shape[1] == 4:
+        tma_reduce_add(dq_desc, [row >> 3, 0, 0, col], tile)
+    else:
+        tma_reduce_add(dq_desc, [off_b, off_h, row, col], tile)
+
+
 @gluon.jit
 def rows_of_sequence(dq, n_rows):
     """VARLEN: ``dq`` with its rows from ``n_rows`` on set to 0. Those rows of a step's query
@@ -62,7 +123,7 @@ def dq_step(
     reduce-added into dQ at ``(off_b, off_h, start_m)`` when ``live``. Waits until both dS^T
     tiles of the step are written (``ds_ready``) and, after its products, frees them
     (``ds_free``). VARLEN: rows from ``q_end`` on (the next sequence's) are reduced as zeros
-    (``rows_of_sequence``)."""
+    (``rows_of_sequence``); ``start_m`` is the descriptor's row (``reduce_dq``)."""
     buf = (step + 2) % 2
     # Phase of ds_ready[buf] for this step; for step -1 the barrier's initial phase (parity 1),
     # which counts as completed.
@@ -80,7 +141,7 @@ def dq_step(
         tma.store_wait(0)
         if VARLEN:
             dq = rows_of_sequence(dq, q_end - start_m)
-        dq_tile.reshape(dq.shape).store(dq)
+        stage_dq(dq_tile, dq)
         fence_async_shared()
         if ABLATE == 0 and live:
-            tma_reduce_add(dq_desc, [off_b, off_h, start_m, CONSUMER * dq.shape[1]], dq_tile)
+            reduce_dq(dq_desc, off_b, off_h, start_m, CONSUMER * dq.shape[1], dq_tile)
