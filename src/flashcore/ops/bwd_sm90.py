@@ -273,7 +273,8 @@ def attn_bwd_sm90(
     ``alibi`` (float32 ``(H,)`` or ``(B, H)`` slopes) as ``flashcore.attention`` takes them. The
     gradients are written into ``dq``, ``dk``, ``dv`` when given (tests pass NaN-filled ones to see
     every element written), else into new contiguous tensors, in the input dtype. ``config``
-    overrides the tiles. Extra memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes) and two
+    overrides the tiles. Extra memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes, Sq to a
+    multiple of 8 where the staging rows are permuted: ``rows_permuted``) and two
     fp32 ``(B, H, Sq_pad)`` row buffers (``Sq_pad = cdiv(Sq, 64) * 64``); where ``split_group``
     says so (GQA/MQA with few programs), dK and dV per query head (``2 B H Sk D`` x the element
     size, at most ``SPLIT_MAX_BYTES``), summed over each group (in fp32) at the end.

@@ -87,7 +87,12 @@ other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, `
   products read whatever the tiles hold and it reduces nothing (``live`` false), since a
   run-time branch around the products made ptxas crash; it still takes part in the barrier
   phases below. The staging tile's shared layout is a launcher choice (``ops/bwd_sm90.py:
-  dq_layout``: bank conflicts of its stores against the L2 requests of its reduce).
+  dq_layout``): for dense problems (at D=128 without causal or score options) the rows of each
+  8-row group stored permuted and the dQ descriptor a view that walks them in that order
+  (``PERMUTED_ROWS``, ``bwd_dq.stage_dq``, ``dq_rows``): conflict-free stores with the 128-byte
+  swizzle's full-width copies; otherwise rows in order, where the 128-byte swizzle (D=128) takes
+  two wavefronts a store half-warp where one would do and the 32-byte one (D=64) four times the
+  reduce's L2 requests.
 
   After the loop each consumer waits (``ds_free``) until the other's last dQ products, which read
   this consumer's K tile, have completed. Epilogue: dK_c * scale and dV_c, cast, written into
