@@ -22,6 +22,7 @@ per variant, with ``PYTHONPATH=src``). What the tests hold the compiled code to:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -154,45 +155,43 @@ def staging_bank_conflicts(cols: int, permuted: bool, layout) -> int:
             swizzle_byte_width=layout.swizzle_byte_width, element_bitwidth=32, rank=2
         )
     )
-    probe = _staging_probe()
+    probe, found = _staging_probe()
     src = GluonASTSource(
         probe, {"COLS": "constexpr", "SHARED": "constexpr"}, {"COLS": cols, "SHARED": shared}, {}
     )
-    _FOUND.clear()
+    found.clear()
     from triton import knobs
 
     # The count is read while the frontend runs: not from Triton's cache.
     with knobs.compilation.scope():
         knobs.compilation.always_compile = True
         triton_compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return _FOUND["conflicts"]
+    return found["conflicts"]
 
 
-_FOUND: dict[str, int] = {}
-
-
+@functools.cache
 def _staging_probe():
+    """A kernel that stores a 64 x COLS fp32 wgmma accumulator's type into a SHARED tile's and
+    records ``gl.bank_conflicts`` of the pair in the returned dict while it compiles."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    global _record, _probe
-    if "_probe" in globals():
-        return _probe
+    found: dict[str, int] = {}
 
     @gluon.constexpr_function
-    def _record(count):
-        _FOUND["conflicts"] = count
+    def record(count):
+        found["conflicts"] = count
         return count
 
     @gluon.jit
-    def _probe(COLS: gl.constexpr, SHARED: gl.constexpr):
+    def probe(COLS: gl.constexpr, SHARED: gl.constexpr):
         acc: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, COLS, 16]
         )
         tile = gl.allocate_shared_memory(gl.float32, [64, COLS], SHARED)
-        _record(gl.bank_conflicts(gl.zeros([64, COLS], gl.float32, layout=acc).type, tile.type))
+        record(gl.bank_conflicts(gl.zeros([64, COLS], gl.float32, layout=acc).type, tile.type))
 
-    return _probe
+    return probe, found
 
 
 def step_loop_local_accesses(sass: str) -> list[int]:

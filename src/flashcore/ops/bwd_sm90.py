@@ -66,9 +66,7 @@ def dq_layout(head_dim: int, permuted_rows: bool = False):
     (docs/performance_backward.md, "dQ a step late")."""
     from triton.experimental.gluon import language as gl
 
-    if permuted_rows:
-        return gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=4)
-    swizzle = 32 if head_dim == 64 else 128
+    swizzle = 32 if head_dim == 64 and not permuted_rows else 128
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=4)
 
 

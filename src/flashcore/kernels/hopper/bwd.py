@@ -242,6 +242,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
 from flashcore.kernels.hopper.bwd_dq import (
+    dq_row,
     dq_rows,
     dq_step,
     reduce_dq,
@@ -770,11 +771,11 @@ def _consumer(
                 t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
             )  # fmt: skip
             prev_h = off_h
-            prev_m = dq_base + (t // n_m) * dq_per_head + q_start + start_m
+            prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
         else:
             dq_step(
                 ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t,
-                True, desc_b, off_h, dq_base + (t // n_m) * dq_per_head + q_start + start_m,
+                True, desc_b, off_h, dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m),
                 CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
             )  # fmt: skip
 
@@ -878,8 +879,8 @@ def _dq_warpgroup(
         stage_dq(stage, dq)
         fence_async_shared()
         if ABLATE == 0:
-            dq_row = dq_base + (t // n_m) * dq_per_head + q_start + start_m
-            reduce_dq(dq_desc, desc_b, off_h, dq_row, 0, stage)
+            row = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
+            reduce_dq(dq_desc, desc_b, off_h, row, 0, stage)
     # Nothing reads K any more: the consumers may overwrite it with dK, dV.
     mbarrier.arrive(dq_done, count=1)
     tma.store_wait(0)

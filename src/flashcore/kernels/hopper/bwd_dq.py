@@ -79,6 +79,13 @@ def dq_rows(dq_desc, off_b, off_h, heads, seqlen_q):
 
 
 @gluon.jit
+def dq_row(base, per_head, head_in_group, row):
+    """The reduce-add descriptor's row of a step's query block: ``row`` (``q_start + start_m``) of
+    the program's ``head_in_group``-th head, from ``dq_rows``' ``(base, per_head)``."""
+    return base + head_in_group * per_head + row
+
+
+@gluon.jit
 def reduce_dq(dq_desc, off_b, off_h, row, col, tile):
     """Reduce-add the staging ``tile`` into 64 dQ rows from ``row``, columns from ``col``: of
     batch ``off_b``, head ``off_h`` in the ``(B, H, Sq, D)`` descriptor, or from flattened row
