@@ -17,15 +17,13 @@ docs/performance_backward.md ("The Hopper backward under auto") holds the result
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import sys
 
 import torch
 import torch.nn.functional as F
 import triton
 from hopper_host import per_call as loop  # scripts/: wall time per call, one synchronise
+from hopper_host import profiled
 
 import flashcore
 from flashcore import tuning
@@ -85,17 +83,9 @@ def profile() -> None:
         run = backward((1, 4, 256, 128, 4), False, tier)
         for _ in range(20):
             run()
-        torch.cuda.synchronize()
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
-            run()
-        torch.cuda.synchronize()
-        prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        stats = profiled(run, 300, "tottime", 30)
         print(f"===== {tier}: {loop(run, 300):.1f} us a call (unprofiled)")
-        print(text.getvalue())
+        print(stats)
 
 
 def seed_step(shape: tuple, causal: bool, provider: str):

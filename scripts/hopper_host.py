@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import cProfile
 import functools
+import io
 import math
 import pstats
 import time
@@ -39,6 +40,21 @@ def per_call(fn, calls: int = 300) -> float:
 
 
 @contextlib.contextmanager
+def profiled(fn, calls: int, sort: str, lines: int) -> str:
+    """cProfile's top ``lines`` entries (by ``sort``) over ``calls`` calls of ``fn``, the GPU
+    synchronised before and after."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats(sort).print_stats(lines)
+    return text.getvalue()
+
+
 def gluon_descriptors():
     """Within the block the Hopper launchers build Gluon's validating ``TensorDescriptor``."""
     real = fwd_sm90.descriptor
@@ -110,14 +126,8 @@ def main() -> None:
             + ", ".join(f"{n} {t:.1f} us/call" for n, t in both.items())
         )
         if profile:
-            prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(200):
-                sm90()
-            torch.cuda.synchronize()
-            prof.disable()
             print(f"D={head_dim}: cProfile of 200 Hopper backward launches (cumulative)")
-            pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+            print(profiled(sm90, 200, "cumulative", 25))
 
 
 if __name__ == "__main__":
