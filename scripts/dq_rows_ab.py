@@ -1,14 +1,17 @@
-"""A/B of the Hopper backward's dQ staging rows permuted (``Sm90BwdConfig.permuted_rows``, where
-``ops/bwd_sm90.py: rows_permuted`` takes it) against rows in order, on an H100:
+"""A/B of the Hopper backward's dQ staging rows permuted (``Sm90BwdConfig.permuted_rows``) against
+rows in order, on an H100:
 
-    PYTHONPATH=src python scripts/dq_rows_ab.py [ROUNDS]
+    PYTHONPATH=src python scripts/dq_rows_ab.py [ROUNDS] [--only D128]
 
-bf16, 32k tokens (H = 16 at D = 128, 32 at D = 64), S 2048 / 8192 / 16384, causal and not: both
-configs through ``attn_bwd_sm90`` (plans and compiled kernels apart: ``PERMUTED_ROWS`` is a
-constexpr) and cuDNN's backward, ROUNDS rotated rounds of ``do_bench`` medians; prints TFLOP/s
-(2.5x the forward's FLOPs, halved causal), the ratio of the medians with the range of per-round
-ratios, and whether dK and dV are bit for bit equal and dQ's largest difference (its reduce-adds'
-order varies between runs).
+bf16, 32k tokens (H = 16 at D = 128, 32 at D = 64), S 2048 / 8192 / 16384, causal and not, and at
+D = 128 the score options (window (256, 0) causal, softcap 30, ALiBi causal) at 2048 and 8192:
+both configs through ``attn_bwd_sm90`` (plans and compiled kernels apart: ``PERMUTED_ROWS`` is a
+constexpr), the permutation forced wherever the problem is dense (``ops/bwd_sm90.py:
+rows_permuted`` bypassed: this is the measurement that rule rests on), and cuDNN's backward where
+it computes the same thing (no score options); ROUNDS rotated rounds of ``do_bench`` medians.
+Prints TFLOP/s (2.5x the forward's FLOPs, halved causal, not counting a window's skipped work),
+the ratio of the medians with the range of per-round ratios, and whether dK and dV are bit for bit
+equal and dQ's largest difference (its reduce-adds' order varies between runs).
 """
 
 import functools
@@ -24,12 +27,26 @@ from flashcore.ops import bwd_sm90 as sm90
 from flashcore.ops import fwd
 
 
-def case(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, rounds: int) -> str:
+def forced(cfg, head_dim, varlen, causal, window, softcap, alibi, seqlen_q) -> bool:
+    """``rows_permuted`` without its head-dim and option conditions: dense problems."""
+    return cfg.permuted_rows and not varlen
+
+
+def case(
+    batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, rounds: int, option: str = ""
+) -> str:
     shape = (batch, heads, seqlen, head_dim)
     q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     dout = torch.randn_like(q)
     scale = 1 / math.sqrt(head_dim)
-    out, lse = fwd.launch(q, k, v, causal, scale)[:2]
+    opts = {
+        "": {},
+        "window": {"window": (256, 0)},
+        "softcap": {"softcap": 30.0},
+        "alibi": {"alibi": torch.rand(heads, device="cuda") * 0.1},
+    }[option]
+    fwd_opts = {("alibi_slopes" if n == "alibi" else n): x for n, x in opts.items()}
+    out, lse = fwd.launch(q, k, v, causal, scale, **fwd_opts)[:2]
     base = sm90.CONFIGS[head_dim]
     cfgs = {
         "plain": base._replace(permuted_rows=False),
@@ -37,17 +54,19 @@ def case(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, round
     }
 
     def run(cfg):
-        return sm90.attn_bwd_sm90(dout, q, k, v, out, lse, causal, scale, config=cfg)
+        return sm90.attn_bwd_sm90(dout, q, k, v, out, lse, causal, scale, config=cfg, **opts)
 
     res = {name: run(cfg)[:3] for name, cfg in cfgs.items()}
     same_kv = all(torch.equal(a, b) for a, b in zip(res["plain"][1:], res["perm"][1:], strict=True))
     dq_diff = (res["plain"][0].float() - res["perm"][0].float()).abs().max().item()
     dq_mag = res["plain"][0].float().abs().max().item()
     fns = {name: functools.partial(run, cfg) for name, cfg in cfgs.items()}
-    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
-    fns["cudnn"] = functools.partial(torch.autograd.grad, o, (qg, kg, vg), dout, retain_graph=True)
+    if not option:
+        qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal, scale=scale)
+        grad = functools.partial(torch.autograd.grad, o, (qg, kg, vg), dout, retain_graph=True)
+        fns["cudnn"] = grad
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
     times = {name: [] for name in fns}
     names = list(fns)
@@ -58,7 +77,7 @@ def case(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, round
     ratios = sorted(a / b for a, b in zip(times["plain"], times["perm"], strict=True))
     tf = " ".join(f"{name} {flops / ms / 1e9:.1f}" for name, ms in med.items())
     return (
-        f"D{head_dim} causal{int(causal)} S{seqlen} B{batch}: {tf}"
+        f"D{head_dim} causal{int(causal)} {option or 'plain'} S{seqlen} B{batch}: {tf}"
         f" perm/plain {med['plain'] / med['perm']:.3f}"
         f" (rounds {ratios[0]:.3f}-{ratios[-1]:.3f})"
         f" dk,dv equal {same_kv} dq maxdiff {dq_diff:.2e} (max {dq_mag:.2e})"
@@ -66,12 +85,27 @@ def case(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, round
 
 
 def main() -> int:
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 5
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    rounds = int(args[0]) if args else 5
+    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
+    sm90.rows_permuted = forced
     torch.manual_seed(0)
-    for head_dim, heads in ((128, 16), (64, 32)):
-        for causal in (False, True):
-            for seqlen in (2048, 8192, 16384):
-                print(case(32768 // seqlen, heads, seqlen, head_dim, causal, rounds), flush=True)
+    cases = [
+        (head_dim, heads, causal, seqlen, "")
+        for head_dim, heads in ((128, 16), (64, 32))
+        for causal in (False, True)
+        for seqlen in (2048, 8192, 16384)
+    ]
+    cases += [
+        (128, 16, causal, seqlen, option)
+        for option, causal in (("window", True), ("softcap", False), ("alibi", True))
+        for seqlen in (2048, 8192)
+    ]
+    for head_dim, heads, causal, seqlen, option in cases:
+        if only and f"D{head_dim}" != only:
+            continue
+        batch = 32768 // seqlen
+        print(case(batch, heads, seqlen, head_dim, causal, rounds, option), flush=True)
     return 0
 
 

@@ -116,6 +116,10 @@ def check(args) -> int:
     numerics = importlib.import_module("numerics")
     fwd = _import("flashcore.ops.fwd")
     sm90 = _import("flashcore.ops.bwd_sm90")
+    if args.rows != "rule":
+        # The dQ staging rows permuted on every dense problem, or on none (``rows_permuted``).
+        permuted = args.rows == "permuted"
+        sm90.rows_permuted = lambda cfg, head_dim, varlen, *options: permuted and not varlen
     gen = torch.Generator(device="cuda").manual_seed(0)
     failures = 0
     for dtype in args.dtypes:
@@ -316,6 +320,12 @@ def main() -> int:
         p.add_argument(
             "--case-timeout", type=float, default=60.0, help="seconds before a case is a hang"
         )
+    c.add_argument(
+        "--rows",
+        choices=["rule", "permuted", "in-order"],
+        default="rule",
+        help="dQ staging rows: as ops/bwd_sm90.py's rows_permuted says, or forced either way",
+    )
     b.add_argument("--runs", type=int, default=1)
     b.add_argument("--tokens", type=int, default=32768)
     b.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])

@@ -29,6 +29,11 @@ def main() -> None:
         action="store_true",
         help="D=64: the consumers compute dQ (the config before the dQ warpgroup)",
     )
+    parser.add_argument(
+        "--rows-in-order",
+        action="store_true",
+        help="stage dQ with its rows in order (the config before the permuted rows)",
+    )
     args = parser.parse_args()
     heads = 16 if args.head_dim == 128 else 32
     shape = (max(1, args.tokens // args.seqlen), heads, args.seqlen, args.head_dim)
@@ -40,6 +45,8 @@ def main() -> None:
         cfg = cfg._replace(num_stages=args.stages)
     if args.dq_in_consumers:
         cfg = cfg._replace(dq_warpgroup=False, consumer_regs=240, maxnreg=168)
+    if args.rows_in_order:
+        cfg = cfg._replace(permuted_rows=False)
     for _ in range(2):  # the first launch compiles; a profiler's -c 1 after --launch-skip 1
         bwd_sm90.attn_bwd_sm90(dout, q, k, v, out, lse, args.causal, scale, config=cfg)
     torch.cuda.synchronize()

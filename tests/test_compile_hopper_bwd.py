@@ -38,16 +38,19 @@ SMEM_LIMIT = 227 * 1024
 # for its head dim (ops/bwd_sm90.py: CONFIGS; at D=64 the dQ warpgroup). Ragged Sq changes no
 # constexpr (the copy engine clips and pads); ragged Sk turns EVEN_N off (a key mask on the block
 # that crosses Sk, when not causal). options: the score flags on (HAS_WINDOW, SOFTCAP, HAS_ALIBI),
-# and VARLEN (packed batches: EVEN_N off, bounded loads and masked dK/dV stores at each
-# sequence's edges).
+# VARLEN (packed batches: EVEN_N off, bounded loads and masked dK/dV stores at each sequence's
+# edges), and LONG (16k query rows, where causal D=128 permutes the dQ staging rows:
+# ``rows_permuted``; 2048 otherwise, which changes nothing else).
 VARIANTS = [
     ("d128-bf16", 128, "bf16", False, True),
     ("d128-fp16-causal-ragged", 128, "fp16", True, False),
+    ("d128-bf16-causal-long", 128, "bf16", True, True, ("LONG",)),
     ("d64-bf16-causal", 64, "bf16", True, True),
     ("d64-fp16-ragged", 64, "fp16", False, False),
     ("d128-bf16-ragged", 128, "bf16", False, False),
     ("d128-bf16-causal-window", 128, "bf16", True, True, ("HAS_WINDOW",)),
     ("d128-bf16-softcap-window", 128, "bf16", False, False, ("HAS_WINDOW", "SOFTCAP")),
+    ("d128-bf16-softcap", 128, "bf16", False, True, ("SOFTCAP",)),
     ("d128-fp16-causal-alibi", 128, "fp16", True, False, ("HAS_ALIBI",)),
     ("d64-bf16-all", 64, "bf16", False, False, ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")),
     ("d64-fp16-causal-window-ragged", 64, "fp16", True, False, ("HAS_WINDOW",)),
@@ -78,9 +81,10 @@ def compile_variant(variant) -> dict:
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
     # The launcher's dQ box: half of D per consumer, or all of it for the dQ warpgroup; (8, 4, 2,
     # cols) with the staging rows permuted (dense problems).
-    permuted = bwd_sm90.rows_permuted(
-        cfg, head_dim, "VARLEN" in options, causal, *(flag in options for flag in SCORE_FLAGS)
-    )
+    # LONG: a problem long enough for the causal D=128 rule (query rows; others: 2048).
+    seqlen_q = 16384 if "LONG" in options else 2048
+    flags = (flag in options for flag in SCORE_FLAGS)
+    permuted = bwd_sm90.rows_permuted(cfg, head_dim, "VARLEN" in options, causal, *flags, seqlen_q)
     block = bwd_sm90.dq_box(head_dim, cfg, permuted)
     dq_layout = bwd_sm90.dq_layout(head_dim, permuted)
     signature["dq_desc"] = f"tensordesc<fp32{block},{dq_layout!r}>"
@@ -296,43 +300,48 @@ def test_shared_memory_within_limit(compiled):
 # each step's dQ in its own step (DQ_LAG off): carrying the step's indices spilled 20-80% more.
 # The score options at D=128 hold more per step (the query-row index vector for the window's
 # masks on every step, tanh's values until dS for softcap, the distances for ALiBi): ptxas spills
-# 120-516 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance_backward.md.
-# With the dQ staging rows permuted (D=128 without causal or score options: ``rows_permuted``)
-# ptxas spills 144-220 B of scalars, all but one load and store a step (ragged Sk) outside the
-# step loops (``test_step_loops_spill_only_where_allowed``).
-# The causal order across heads (``interleave``, a runtime group size) moved causal ALiBi from
-# 384 to 400 B; no other variant changed. At D=64 the consumers have 200 registers beside the dQ
+# 120-412 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance_backward.md.
+# With the dQ staging rows permuted (``rows_permuted``: D=128 without a window, causal only on
+# long problems) ptxas spills 136-224 B of scalars, at most 3 local accesses a step inside the
+# step loops in the plain builds (``test_step_loops_spill_only_where_allowed``), 5 with softcap,
+# 10 with ALiBi (57 with its rows in order, before the dQ rows' head stride came from
+# ``seqlen_pad``). At D=64 the consumers have 200 registers beside the dQ
 # warpgroup: all three score options at once spill 16 B there (none with any one of them). With
 # K and V in registers (KV_REGS) a consumer spills two scalars (16 B, stored and loaded once in
 # its epilogue, outside the loop). VARLEN carries each program's sequence (its first query and
 # key rows, lengths and batch coordinate) and its edge paths (the producer's bounded loads, the
 # masked dK/dV stores, the dQ rows past the sequence zeroed): 44-424 B of scalars, most stored
 # in the prologue and reloaded around the loops' edges. The consumers' step loops reload none
-# non-causal; causal at D=128, 11 and 3 four-byte loads a step (the dense causal build: none).
+# non-causal; causal at D=128, 11 and 3 four-byte loads a step.
 SPILL_ALLOWANCE = {
-    "d128-bf16": 144,
+    "d128-bf16": 140,
     "d128-bf16-causal-varlen": 424,
     "d128-fp16-varlen": 52,
     "d64-bf16-causal-varlen": 44,
     "d64-bf16-causal": 16,
     "d64-fp16-ragged": 16,
     "d64-bf16-all": 16,
-    "d128-fp16-causal-ragged": 36,
-    "d128-bf16-ragged": 220,
-    "d128-bf16-causal-window": 160,
-    "d128-bf16-softcap-window": 516,
-    "d128-fp16-causal-alibi": 400,
+    "d128-fp16-causal-ragged": 12,
+    "d128-bf16-causal-long": 140,
+    "d128-bf16-ragged": 224,
+    "d128-bf16-causal-window": 120,
+    "d128-bf16-softcap-window": 412,
+    "d128-bf16-softcap": 136,
+    "d128-fp16-causal-alibi": 196,
 }
 
 
 # Local loads and stores a step loop may hold (consumers' loops, and the dQ warpgroup's at D=64;
 # a variant not listed: none). Ragged Sk reloads loop invariants on masked steps; the score options
-# at D=128 and the packed causal build are the spills above, partly inside the loop.
+# at D=128, the permuted causal build and the packed causal build are the spills above, partly
+# inside the loop.
 STEP_LOOP_ALLOWANCE = {
-    "d128-bf16-ragged": 9,
+    "d128-bf16-ragged": 8,
+    "d128-bf16-causal-long": 3,
     "d128-bf16-causal-window": 6,
     "d128-bf16-softcap-window": 29,
-    "d128-fp16-causal-alibi": 57,
+    "d128-bf16-softcap": 5,
+    "d128-fp16-causal-alibi": 10,
     "d128-bf16-causal-varlen": 11,
 }
 
@@ -346,14 +355,14 @@ def test_step_loops_spill_only_where_allowed(compiled):
 
 
 def test_dq_staging_rows_permuted_where_taken(compiled):
-    # ops/bwd_sm90.py: rows_permuted. Dense problems, at D=128 without causal or score options
-    # (whose builds spilled inside the step loop with them). Stored that way the staging tile takes
-    # no bank conflicts; in row order the 128-byte swizzle takes one excess wavefront a store (two
-    # where one would do), and D=64's 32-byte swizzle none (at four times the reduce's requests).
+    # ops/bwd_sm90.py: rows_permuted. Dense problems, at D=128 without a window and causal only
+    # on long problems (each as measured). Stored that way the staging tile takes no bank
+    # conflicts; in row order the 128-byte swizzle takes one excess wavefront a store (two where
+    # one would do), and D=64's 32-byte swizzle none (at four times the reduce's requests).
+    in_order = ("d128-fp16-causal-ragged", "d128-bf16-causal-window", "d128-bf16-softcap-window")
     for row in compiled:
         dense = not row["varlen"]
-        d128_plain = row["variant"] in ("d128-bf16", "d128-bf16-ragged")
-        want = dense and (row["variant"].startswith("d64") or d128_plain)
+        want = dense and row["variant"] not in in_order
         assert row["permuted_rows"] == want, row["variant"]
         conflicts = 1 if row["variant"].startswith("d128") and not want else 0
         assert row["staging_conflicts"] == conflicts, (row["variant"], row["staging_conflicts"])

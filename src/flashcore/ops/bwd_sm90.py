@@ -47,7 +47,7 @@ def dq_layout(head_dim: int, permuted_rows: bool = False):
     warpgroup) and of its reduce-add descriptor.
 
     ``permuted_rows`` (``Sm90BwdConfig.permuted_rows``, dense problems): the 128-byte swizzle
-    over a box ``(8, 4, 2, cols)`` of the accumulator viewed as ``(B H Sq8 / 8, 4, 2, D)`` with
+    over a box ``(8, 4, 2, cols)`` of the accumulator viewed as ``(B H Sp / 8, 4, 2, D)`` with
     strides ``(8 D, D, 4 D, 1)`` (``dq_view``): the copy engine takes each 8-row group's
     rows in the order 0, 4, 1, 5, 2, 6, 3, 7, and the kernel stores them there
     (``kernels/hopper/bwd_dq.py: permuted_rows_layout``), which puts a half-warp's four rows on
@@ -79,9 +79,10 @@ def dq_box(head_dim: int, cfg: Sm90BwdConfig, permuted_rows: bool) -> list[int]:
 
 
 def dq_view(acc: torch.Tensor) -> torch.Tensor:
-    """The dense fp32 accumulator ``(B, H, Sq8, D)`` (``Sq8`` a multiple of 8) as the 4-D tensor
-    that ``dq_layout(..., permuted_rows=True)``'s descriptor walks: ``(B H Sq8 / 8, 4, 2, D)``,
-    element ``[g, b, a, d]`` being row ``8 g + 4 a + b`` of the flattened ``(B H Sq8, D)``."""
+    """The dense fp32 accumulator ``(B, H, Sp, D)`` (``Sp`` = ``seqlen_pad``, Sq to a multiple of
+    64) as the 4-D tensor that ``dq_layout(..., permuted_rows=True)``'s descriptor walks: ``(B H Sp
+    / 8, 4, 2, D)``, element ``[g, b, a, d]`` being row ``8 g + 4 a + b`` of the flattened ``(B H
+    Sp, D)``."""
     b, h, rows, d = acc.shape
     return acc.view(b * h * rows // 8, 2, 4, d).transpose(1, 2)
 
@@ -121,6 +122,12 @@ CONFIGS = {
 }
 
 
+# Causal D=128 problems take the permuted dQ staging rows from this many query rows on (H100,
+# bf16, rows permuted / in order: 0.974 at 2048, 1.071 at 8192, 1.017 at 16384;
+# docs/performance_backward.md, "The dQ rows' head stride from seqlen_pad").
+PERMUTED_ROWS_MIN_SEQLEN_CAUSAL = 4096
+
+
 def rows_permuted(
     cfg: Sm90BwdConfig,
     head_dim: int,
@@ -129,15 +136,21 @@ def rows_permuted(
     window: bool,
     softcap: bool,
     alibi: bool,
+    seqlen_q: int,
 ) -> bool:
     """Whether the dQ staging rows are permuted (``dq_layout``): dense problems, as the config
-    says; at D=128 only without a causal mask or score options. Those D=128 builds then spill
-    inside the consumers' step loop (ptxas 12.8: 5 local loads and stores a step in the causal
-    build, none in the plain one) and measured 0.97-1.01x of rows in order causal (H100, bf16;
-    docs/performance_backward.md, "The dQ staging tile without bank conflicts")."""
+    says; at D=128 not with a window (0.985x of rows in order), and causal without softcap or
+    ALiBi only from ``PERMUTED_ROWS_MIN_SEQLEN_CAUSAL`` query rows on (H100, bf16, rows permuted
+    / in order: non-causal 1.01-1.04, softcap 1.04-1.09, ALiBi causal 1.07-1.09, causal 0.97 at
+    2048 and 1.02-1.07 from 8192; docs/performance_backward.md, "The dQ rows' head stride from
+    seqlen_pad")."""
     if not cfg.permuted_rows or varlen:
         return False
-    return head_dim == 64 or not (causal or window or softcap or alibi)
+    if head_dim == 64:
+        return True
+    if window:
+        return False
+    return not causal or softcap or alibi or seqlen_q >= PERMUTED_ROWS_MIN_SEQLEN_CAUSAL
 
 
 def kv_in_registers(cfg: Sm90BwdConfig, window: bool, softcap: bool, alibi: bool) -> bool:
@@ -272,7 +285,7 @@ def attn_bwd_sm90(
     gradients are written into ``dq``, ``dk``, ``dv`` when given (tests pass NaN-filled ones to see
     every element written), else into new contiguous tensors, in the input dtype. ``config``
     overrides the tiles. Extra memory: the fp32 dQ accumulator (``B H Sq D`` x 4 bytes, Sq to a
-    multiple of 8 where the staging rows are permuted: ``rows_permuted``) and two
+    multiple of 64 where the staging rows are permuted: ``rows_permuted``) and two
     fp32 ``(B, H, Sq_pad)`` row buffers (``Sq_pad = cdiv(Sq, 64) * 64``); where ``split_group``
     says so (GQA/MQA with few programs), dK and dV per query head (``2 B H Sk D`` x the element
     size, at most ``SPLIT_MAX_BYTES``), summed over each group (in fp32) at the end.
@@ -312,8 +325,8 @@ def attn_bwd_sm90(
     acc_numel = math.prod(p.acc_shape)
     fp32 = torch.empty(2 * rows + acc_numel, device=q.device, dtype=torch.float32)
     delta, lse2, dq_acc = fp32.split_with_sizes((rows, rows, acc_numel))
-    # (B, H, Sq, D), with permuted rows (B, H, Sq8, D); packed, (1, H, total_q, D): one sequence
-    # of all rows (the prep's view).
+    # (B, H, Sq, D), with permuted rows (B, H, seqlen_pad, D); packed, (1, H, total_q, D): one
+    # sequence of all rows (the prep's view).
     dq_acc = dq_acc.view(p.acc_shape)
     dq = torch.empty_like(q) if dq is None else dq
     dk = torch.empty(p.grad_shape, device=k.device, dtype=k.dtype) if dk is None else dk
@@ -371,8 +384,8 @@ class Plan(NamedTuple):
     grad_shape: tuple[int, ...]  # of the dK, dV the kernel writes (per query head when split)
     rows: int  # B * H * seqlen_pad: the length of each fp32 row-stat buffer
     delta_shape: tuple[int, ...]  # (B, H, seqlen_pad); packed (H, seqlen_pad) (the LSE's)
-    acc_shape: tuple[int, ...]  # of the dQ accumulator: q's (rows to a multiple of 8 with
-    # permuted rows), or packed (1, H, total_q, D)
+    acc_shape: tuple[int, ...]  # of the dQ accumulator: q's (rows seqlen_pad with permuted
+    # rows), or packed (1, H, total_q, D)
     permuted_rows: bool  # the dQ staging rows permuted (dq_layout)
     copy_out: bool  # out and dout need a contiguous copy (strides the copy engine refuses)
     copy_dout: bool
@@ -434,11 +447,13 @@ def _plan(
     sc = pb.scores(causal, window, softcap, scale, alibi is not None, seqlen_q, seqlen_k)
     permuted_rows = rows_permuted(
         cfg, head_dim, varlen is not None, sc.is_causal, sc.has_window, sc.has_softcap,
-        sc.has_alibi,
+        sc.has_alibi, seqlen_q,
     )  # fmt: skip
-    # The accumulator's rows a head: with permuted rows whole groups of 8 (the copy engine's
-    # boxes see no row past them), zeroed by the prep kernel and dropped by the conversion.
-    acc_rows = math.ceil(rows_q / 8) * 8 if permuted_rows else rows_q
+    # The accumulator's rows a head: with permuted rows seqlen_pad, the row stats' (whole groups
+    # of 8, as the copy engine's boxes see no row past them; the kernel's head stride is then an
+    # argument it already has), the rows past Sq zeroed by the prep kernel and dropped by the
+    # conversion.
+    acc_rows = seqlen_pad if permuted_rows else rows_q
     stride_ab = 0 if alibi is None else pb.alibi_arg(alibi, lse)[1]
     # Batch and head strides of the row stats ((B, H, Sq); packed (H, total_q)) and row strides.
     dlse_strides = (0, 0) if dlse is None else pb.stats_strides(dlse, varlen)

@@ -294,7 +294,7 @@ def bwd_prep_kernel(
     dlse`` (``tile_delta``, as the portable dQ kernel) and ``lse2`` (``load_lse2``: +inf for a row
     with no key and past Sq), written to ``(B, H, seqlen_pad)`` fp32 buffers (delta 0 past Sq);
     and the same rows of the fp32 dQ accumulator ``DQ_ACC`` (contiguous ``(B, H, acc_rows,
-    D)``, ``acc_rows`` Sq or, with the dQ rows permuted, Sq to a multiple of 8) zeroed, for the
+    D)``, ``acc_rows`` Sq or, with the dQ rows permuted, ``seqlen_pad``) zeroed, for the
     main kernel's reduce-adds (launched after it on the same stream; one kernel fewer than a
     separate fill). Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``. ``BLOCK_D``: the
     main kernel's head dim, a power of two of at least ``HEAD_DIM`` (the tensors')."""
@@ -592,6 +592,7 @@ def _consumer(
     seqlen_q,
     seqlen_k,
     lpt_heads,
+    seqlen_pad,
     qk_scale,
     scale,
     window_left,
@@ -680,7 +681,7 @@ def _consumer(
     # The dQ rows' coordinates: the descriptor's row of this program's first head's row 0, and
     # the rows between heads (both 0 unless the staging rows are permuted: ``dq_rows``).
     dq_base, dq_per_head = dq_rows(
-        dq_desc, desc_b, off_hk * kv_group, kv_heads * kv_group, seqlen_q
+        dq_desc, desc_b, off_hk * kv_group, kv_heads * kv_group, seqlen_pad
     )
     prev_h = off_hk * kv_group
     prev_m = dq_base + q_start + lo
@@ -827,6 +828,7 @@ def _dq_warpgroup(
     seqlen_q,
     seqlen_k,
     lpt_heads,
+    seqlen_pad,
     window_left,
     window_right,
     total_q,
@@ -855,7 +857,7 @@ def _dq_warpgroup(
     k0 = k_smem.index(0).reshape([ROWS, HEAD_DIM])
     k1 = k_smem.index(1).reshape([ROWS, HEAD_DIM])
     dq_base, dq_per_head = dq_rows(
-        dq_desc, desc_b, off_hk * kv_group, kv_heads * kv_group, seqlen_q
+        dq_desc, desc_b, off_hk * kv_group, kv_heads * kv_group, seqlen_pad
     )
     mbarrier.wait(kv_ready, 0)
     for t in range(n_m * kv_group):
@@ -999,25 +1001,25 @@ def attn_bwd_sm90_kernel(
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
                     dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
-                    lpt_heads, qk_scale, scale, window_left, window_right, softcap, ALIBI,
-                    stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                    0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N,
-                    DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
+                    lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
+                    ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
+                    stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
                     dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
-                    lpt_heads, qk_scale, scale, window_left, window_right, softcap, ALIBI,
-                    stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                    1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N,
-                    DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
+                    lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
+                    ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
+                    stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
-                    CU_K, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, window_left,
-                    window_right, total_q, total_k, HEAD_DIM, IS_CAUSAL, HAS_WINDOW, ABLATE,
-                    VARLEN,
+                    CU_K, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, seqlen_pad,
+                    window_left, window_right, total_q, total_k, HEAD_DIM, IS_CAUSAL, HAS_WINDOW,
+                    ABLATE, VARLEN,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
@@ -1037,19 +1039,19 @@ def attn_bwd_sm90_kernel(
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
                     dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
-                    lpt_heads, qk_scale, scale, window_left, window_right, softcap, ALIBI,
-                    stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                    0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N,
-                    DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
+                    lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
+                    ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
+                    stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
                     dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
-                    lpt_heads, qk_scale, scale, window_left, window_right, softcap, ALIBI,
-                    stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                    1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, EVEN_N,
-                    DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
+                    lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
+                    ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
+                    stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,

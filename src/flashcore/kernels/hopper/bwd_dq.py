@@ -65,15 +65,15 @@ def stage_dq(tile, dq):
 
 
 @gluon.jit
-def dq_rows(dq_desc, off_b, off_h, heads, seqlen_q):
+def dq_rows(dq_desc, off_b, off_h, heads, seqlen_pad):
     """``(base, per_head)``: where the dQ rows of batch ``off_b``, head ``off_h`` (of ``heads``)
     start in the reduce-add descriptor's row coordinate, and how far apart consecutive heads'
     rows are. ``(0, 0)`` for the ``(B, H, Sq, D)`` descriptor (its row coordinate is the row
-    itself: the head is a coordinate of its own); for the permuted rows' ``(B H Sq8 / 8, 4, 2,
-    D)`` view (``Sq8`` = Sq to a multiple of 8) rows of the flattened ``(B H Sq8, D)``."""
+    itself: the head is a coordinate of its own); for the permuted rows' ``(B H Sp / 8, 4, 2,
+    D)`` view (``Sp`` = ``seqlen_pad``, Sq to a multiple of 64: a kernel argument, so the stride
+    comes from the constant bank) rows of the flattened ``(B H Sp, D)``."""
     if dq_desc.block_type.shape[1] == 4:
-        per_head = ((seqlen_q + 7) >> 3) << 3
-        return (off_b * heads + off_h) * per_head, per_head
+        return (off_b * heads + off_h) * seqlen_pad, seqlen_pad
     else:
         return 0, 0
 
@@ -89,7 +89,7 @@ def dq_row(base, per_head, head_in_group, row):
 def reduce_dq(dq_desc, off_b, off_h, row, col, tile):
     """Reduce-add the staging ``tile`` into 64 dQ rows from ``row``, columns from ``col``: of
     batch ``off_b``, head ``off_h`` in the ``(B, H, Sq, D)`` descriptor, or from flattened row
-    ``row`` (a multiple of 8: ``dq_rows``) in the permuted rows' view."""
+    ``row`` (a multiple of 64: ``dq_rows``) in the permuted rows' view."""
     if dq_desc.block_type.shape[1] == 4:
         tma_reduce_add(dq_desc, [row >> 3, 0, 0, col], tile)
     else:
