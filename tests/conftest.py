@@ -1,8 +1,12 @@
-"""Test setup: interpreter switch, seeds, device, markers.
+"""Test setup: interpreter switch, seeds, device, markers, and a failure log.
 
 Without CUDA the kernels run through Triton's interpreter; the flag must be set before the first
 flashcore kernel is defined, which happens at the first attention call, so setting it here is early
 enough.
+
+``FLASHCORE_FAILURE_LOG=path``: each failing test's report is appended to ``path`` when it fails
+(with the xdist worker's name), not only in pytest's summary at the end, so that a GPU run cut
+off by a timeout still shows the first failure and its chained causes.
 """
 
 import os
@@ -37,3 +41,14 @@ def device() -> str:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("FLASHCORE_FAILURE_LOG")
+    # Under xdist the workers write; the controller (no worker name) sees the same reports.
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not path or not report.failed or (worker is None and hasattr(report, "node")):
+        return
+    with open(path, "a") as log:
+        log.write(f"=== {report.nodeid} ({report.when}) on {worker or 'main'}\n")
+        log.write(f"{report.longreprtext}\n")

@@ -368,6 +368,34 @@ def test_dq_staging_rows_permuted_where_taken(compiled):
         assert row["staging_conflicts"] == conflicts, (row["variant"], row["staging_conflicts"])
 
 
+def test_rows_permuted_rule():
+    # CPU: where the launcher permutes the dQ staging rows, as measured
+    # (docs/performance_backward.md, "The dQ rows' head stride from seqlen_pad"): dense problems;
+    # at D=128 not with a window, and causal without softcap or ALiBi only from
+    # PERMUTED_ROWS_MIN_SEQLEN_CAUSAL query rows on.
+    from flashcore.ops import bwd_sm90
+
+    rule, cfg = bwd_sm90.rows_permuted, bwd_sm90.CONFIGS[128]
+    long = bwd_sm90.PERMUTED_ROWS_MIN_SEQLEN_CAUSAL
+    # (head_dim, varlen, causal, window, softcap, alibi, seqlen_q) -> permuted
+    cases = {
+        (128, False, False, False, False, False, 512): True,
+        (128, False, True, False, False, False, long - 1): False,
+        (128, False, True, False, False, False, long): True,
+        (128, False, True, True, False, False, 16384): False,
+        (128, False, False, False, True, False, 2048): True,
+        (128, False, True, False, False, True, 2048): True,
+        (128, False, False, True, True, False, 2048): False,
+        (128, True, False, False, False, False, 16384): False,
+        (64, False, True, True, True, True, 512): True,
+        (64, True, False, False, False, False, 2048): False,
+    }
+    for (head_dim, *args), want in cases.items():
+        got = rule(bwd_sm90.CONFIGS[head_dim], head_dim, *args)
+        assert got == want, (head_dim, *args)
+    assert not rule(cfg._replace(permuted_rows=False), 128, False, False, False, False, False, 4096)
+
+
 @pytest.mark.parametrize("cols", [32, 64])
 def test_permuted_rows_land_where_they_belong(cols):
     # The store puts accumulator row r, column c at the offset ``permuted_rows_layout`` gives it;
