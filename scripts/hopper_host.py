@@ -39,7 +39,6 @@ def per_call(fn, calls: int = 300) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-@contextlib.contextmanager
 def profiled(fn, calls: int, sort: str, lines: int) -> str:
     """cProfile's top ``lines`` entries (by ``sort``) over ``calls`` calls of ``fn``, the GPU
     synchronised before and after."""
@@ -55,6 +54,7 @@ def profiled(fn, calls: int, sort: str, lines: int) -> str:
     return text.getvalue()
 
 
+@contextlib.contextmanager
 def gluon_descriptors():
     """Within the block the Hopper launchers build Gluon's validating ``TensorDescriptor``."""
     real = fwd_sm90.descriptor

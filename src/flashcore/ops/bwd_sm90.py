@@ -53,7 +53,8 @@ def dq_layout(head_dim: int, permuted_rows: bool = False):
     (``kernels/hopper/bwd_dq.py: permuted_rows_layout``), which puts a half-warp's four rows on
     distinct banks, with the 128-byte swizzle's full-width copies.
 
-    Otherwise, rows in order (packed batches, whose query blocks start anywhere). The consumers
+    Otherwise (``rows_permuted`` false: packed batches, whose query blocks start anywhere, and
+    the D=128 builds where the permutation measured slower), rows in order. The consumers
     store the tile straight from the wgmma accumulator,
     each 64-bit store covering 8 rows x 32 bytes, which the hardware serves as two half-warps of
     4 rows. With a 128-byte swizzle each half-warp's 4 rows share 16 banks: four wavefronts a
@@ -141,9 +142,9 @@ def rows_permuted(
     """Whether the dQ staging rows are permuted (``dq_layout``): dense problems, as the config
     says; at D=128 not with a window (0.985x of rows in order), and causal without softcap or
     ALiBi only from ``PERMUTED_ROWS_MIN_SEQLEN_CAUSAL`` query rows on (H100, bf16, rows permuted
-    / in order: non-causal 1.01-1.04, softcap 1.04-1.09, ALiBi causal 1.07-1.09, causal 0.97 at
-    2048 and 1.02-1.07 from 8192; docs/performance_backward.md, "The dQ rows' head stride from
-    seqlen_pad")."""
+    / in order: non-causal 1.01-1.04, softcap 1.04-1.09 (non-causal; causal softcap was not
+    timed), ALiBi causal 1.07-1.09, causal 0.97 at 2048 and 1.02-1.07 from 8192;
+    docs/performance_backward.md, "The dQ rows' head stride from seqlen_pad")."""
     if not cfg.permuted_rows or varlen:
         return False
     if head_dim == 64:

@@ -87,12 +87,12 @@ other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, `
   products read whatever the tiles hold and it reduces nothing (``live`` false), since a
   run-time branch around the products made ptxas crash; it still takes part in the barrier
   phases below. The staging tile's shared layout is a launcher choice (``ops/bwd_sm90.py:
-  dq_layout``): for dense problems (at D=128 without causal or score options) the rows of each
-  8-row group stored permuted and the dQ descriptor a view that walks them in that order
-  (``PERMUTED_ROWS``, ``bwd_dq.stage_dq``, ``dq_rows``): conflict-free stores with the 128-byte
-  swizzle's full-width copies; otherwise rows in order, where the 128-byte swizzle (D=128) takes
-  two wavefronts a store half-warp where one would do and the 32-byte one (D=64) four times the
-  reduce's L2 requests.
+  dq_layout``): for dense problems (``rows_permuted``: at D=128 not with a window, and causal
+  only on long problems) the rows of each 8-row group stored permuted and the dQ descriptor a
+  view that walks them in that order (``PERMUTED_ROWS``, ``bwd_dq.stage_dq``, ``dq_rows``):
+  conflict-free stores with the 128-byte swizzle's full-width copies; otherwise rows in order,
+  where the 128-byte swizzle (D=128) takes two wavefronts a store half-warp where one would do
+  and the 32-byte one (D=64) four times the reduce's L2 requests.
 
   After the loop each consumer waits (``ds_free``) until the other's last dQ products, which read
   this consumer's K tile, have completed. Epilogue: dK_c * scale and dV_c, cast, written into
@@ -245,6 +245,7 @@ from flashcore.kernels.hopper.bwd_dq import (
     dq_row,
     dq_rows,
     dq_step,
+    permuted_box,
     reduce_dq,
     rows_of_sequence,
     stage_dq,
@@ -942,7 +943,7 @@ def attn_bwd_sm90_kernel(
 ):
     # The dQ staging rows' order follows from the dQ descriptor's box (``bwd_dq.stage_dq``); the
     # flag states it among the constexprs, which key the launcher's compiled kernels.
-    gl.static_assert((dq_desc.block_type.shape[1] == 4) == PERMUTED_ROWS)
+    gl.static_assert(permuted_box(dq_desc.block_type.shape) == PERMUTED_ROWS)
     if VARLEN:
         # The grid is sized by the longest sequence: a key block past its own has nothing to do.
         start_n, _, _, _, _, _, n_keys, _ = key_block(

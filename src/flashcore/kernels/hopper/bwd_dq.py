@@ -52,12 +52,19 @@ def permuted_rows_layout(cols):
     return gl.SharedLinearLayout(offset_bases=bases)
 
 
+@gluon.constexpr_function
+def permuted_box(shape):
+    """Whether a staging tile or dQ descriptor block of this shape is the permuted rows' ``(8, 4,
+    2, cols)`` (``ops/bwd_sm90.py: dq_box``) rather than rows in order, ``(1, 1, 64, cols)``."""
+    return shape[1] == 4
+
+
 @gluon.jit
 def stage_dq(tile, dq):
     """Store the fp32 ``dq`` (64 x cols, the wgmma accumulator) into the staging ``tile``: a
     ``(1, 1, 64, cols)`` box in row order, or an ``(8, 4, 2, cols)`` one with each 8-row group's
     rows permuted (``permuted_rows_layout``, conflict-free)."""
-    if tile.shape[1] == 4:
+    if permuted_box(tile.shape):
         flat = tile.reshape(dq.shape)
         flat._reinterpret(gl.float32, dq.shape, permuted_rows_layout(dq.shape[1])).store(dq)
     else:
@@ -72,7 +79,7 @@ def dq_rows(dq_desc, off_b, off_h, heads, seqlen_pad):
     itself: the head is a coordinate of its own); for the permuted rows' ``(B H Sp / 8, 4, 2,
     D)`` view (``Sp`` = ``seqlen_pad``, Sq to a multiple of 64: a kernel argument, so the stride
     comes from the constant bank) rows of the flattened ``(B H Sp, D)``."""
-    if dq_desc.block_type.shape[1] == 4:
+    if permuted_box(dq_desc.block_type.shape):
         return (off_b * heads + off_h) * seqlen_pad, seqlen_pad
     else:
         return 0, 0
@@ -90,7 +97,7 @@ def reduce_dq(dq_desc, off_b, off_h, row, col, tile):
     """Reduce-add the staging ``tile`` into 64 dQ rows from ``row``, columns from ``col``: of
     batch ``off_b``, head ``off_h`` in the ``(B, H, Sq, D)`` descriptor, or from flattened row
     ``row`` (a multiple of 64: ``dq_rows``) in the permuted rows' view."""
-    if dq_desc.block_type.shape[1] == 4:
+    if permuted_box(dq_desc.block_type.shape):
         tma_reduce_add(dq_desc, [row >> 3, 0, 0, col], tile)
     else:
         tma_reduce_add(dq_desc, [off_b, off_h, row, col], tile)
