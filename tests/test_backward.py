@@ -490,6 +490,45 @@ def test_backward_dispatch_honours_torch_deterministic(monkeypatch):
         bwd.launch(q, q, q, q, q, torch.zeros(1, 1, 4096), None, False, 0.125)
 
 
+def capture_modes(monkeypatch) -> dict[str, str]:
+    """Stand-ins for ``runtime.capturing`` and ``runtime.in_capture`` (CPU tensors are never
+    captured): set ``mode["now"]`` to "eager", "as_captured" (``flashcore.warmup(...,
+    graphs=True)``'s calls) or "capture" (a real capture)."""
+    from flashcore.ops import runtime
+
+    mode = {"now": "eager"}
+    monkeypatch.setattr(runtime, "capturing", lambda t: mode["now"] != "eager")
+    monkeypatch.setattr(runtime, "in_capture", lambda t: mode["now"] == "capture")
+    return mode
+
+
+def test_backward_capture_loads_nothing_its_warm_up_did_not(monkeypatch):
+    """A capture takes the Hopper backward below the eager floor only where the capture's choice
+    already ran in this process (``as_captured``, as ``flashcore.warmup(..., graphs=True)``, or
+    an earlier capture); after an eager warm-up alone it takes the eager call's kernels, so
+    nothing is loaded inside the capture (``runtime.in_capture``). Without any warm-up the
+    capture chooses for itself."""
+    from flashcore.ops import bwd
+
+    ran = _stand_in_backwards(monkeypatch, (9, 0))
+    mode = capture_modes(monkeypatch)
+    q = torch.zeros(1, 8, 2048, 128, dtype=torch.bfloat16)  # 1.7e10 FLOPs: under the eager floor
+    lse = torch.zeros(1, 8, 2048)
+
+    def call(now):
+        mode["now"] = now
+        with contextlib.suppress(PortableLaunched):
+            bwd.launch(q, q, q, q, q, lse, None, False, 0.125)
+        return ran[-1]
+
+    assert call("eager") == "portable"
+    assert call("capture") == "portable"  # the warm-up's kernels
+    assert call("as_captured") == "sm90"
+    assert call("capture") == "sm90"
+    monkeypatch.setattr(bwd, "_SM90", {})  # a process that ran nothing of this signature
+    assert call("capture") == "sm90"
+
+
 # Head dims between 64 and 128 on the Hopper tiers (ops/fwd_sm90.py: PADDED_HEAD_DIMS): the D = 128
 # kernels over 128-column boxes, which the copy engine pads with zeros on loads and clips on
 # stores. Ragged lengths both ways, GQA and MQA, causal with Sq > Sk, (B, S, H, D) views, a window

@@ -540,6 +540,60 @@ def test_forward_dispatch(monkeypatch, tier, capability, shape, options, want):
     assert ran == [want]
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_capture_loads_nothing_its_warm_up_did_not(monkeypatch, causal):
+    """A capture takes the Gluon forward below the eager floor (and descriptors for the small
+    portable forward) only where the capture's choice already ran in this process
+    (``as_captured``, as ``flashcore.warmup(..., graphs=True)``, or an earlier capture); after
+    an eager warm-up alone it launches the eager call's variant, so nothing is loaded inside the
+    capture (``runtime.in_capture``). Without any warm-up the capture chooses for itself."""
+    import contextlib
+
+    from flashcore.ops import fwd, fwd_sm90, runtime
+    from test_backward import capture_modes
+
+    ran = []
+    monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
+    monkeypatch.setattr(fwd_sm90, "supports", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
+    monkeypatch.setattr(fwd, "_PLANS", {})
+    monkeypatch.setattr(fwd_sm90, "plan", lambda *args, **kwargs: "plan")
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *args, **kwargs: ran.append("sm90"))
+
+    def portable():
+        ran.append("portable")
+        raise PortableLaunched
+
+    monkeypatch.setattr(fwd, "kernel", portable)
+    mode = capture_modes(monkeypatch)
+    q = torch.zeros(2, 8, 2048, 64, dtype=torch.bfloat16)  # under the eager floor
+
+    def call(now):
+        mode["now"] = now
+        with contextlib.suppress(PortableLaunched):
+            fwd.launch(q, q, q, causal, 0.125)
+        return ran[-1]
+
+    assert call("eager") == "portable"
+    assert call("capture") == "portable"  # the warm-up's variant
+    assert call("as_captured") == "sm90"
+    assert call("capture") == "sm90"
+    monkeypatch.setattr(fwd, "_SM90_PLANS", {})  # a process that ran nothing of this signature
+    monkeypatch.setattr(fwd, "_PLANS", {})
+    assert call("capture") == "sm90"
+    # The portable tier alone (a small forward takes descriptors only when captured): the plans
+    # built, by the capture flag they were built with.
+    monkeypatch.setattr(fwd, "_PLANS", {})
+    with flashcore.use_tier("portable"):
+        for now, flags in [
+            ("eager", [False]), ("capture", [False]), ("as_captured", [False, True]),
+            ("capture", [False, True]),
+        ]:  # fmt: skip
+            assert call(now) == "portable"
+            assert [key[-1] for key in fwd._PLANS] == flags, now
+
+
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_forward_rows_of_16_byte_multiples(monkeypatch, layout, device):
     """Head dim 56 through the pointer path (tiles moved without descriptors): its row strides are

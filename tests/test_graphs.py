@@ -29,7 +29,7 @@ import torch
 
 import flashcore
 from flashcore import api, reference, tuning
-from flashcore.ops import launch
+from flashcore.ops import launch, runtime
 from helpers import (
     check_grads,
     cu_seqlens,
@@ -521,14 +521,39 @@ def _gluon_forwards_at_the_real_floors(monkeypatch) -> list:
     return forwards
 
 
+def _misses_in_capture(monkeypatch) -> list:
+    """A list that gains a kernel's name for each launch-cache miss (``launch.Launcher.miss``:
+    a first launch, which may compile and load) made while the stream is being captured."""
+    misses = []
+    real = launch.Launcher.miss
+
+    def miss(self, *args):
+        if torch.cuda.is_current_stream_capturing():
+            misses.append(getattr(self.fn, "__name__", str(self.fn)))
+        return real(self, *args)
+
+    monkeypatch.setattr(launch.Launcher, "miss", miss)
+    return misses
+
+
+def _as_captured(call):
+    """``call()`` choosing as a capture would, as ``flashcore.warmup(..., graphs=True)`` runs it
+    (the autograd engine on this thread, so that the backward sees the choice)."""
+    with runtime.as_captured(), torch.autograd.set_multithreading_enabled(False):
+        return call()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_capture_takes_sm90_forward_below_the_eager_floor(causal, monkeypatch):
     # (2, 8, 2048, 64): 1.7e10 FLOPs (8.6e9 causal), under tuning.SM90_FWD_MIN_FLOPS, so an eager
-    # call takes the portable forward (cheaper on the host) and a captured one the Gluon forward
-    # (faster on the GPU; SM90_FWD_MIN_FLOPS_GRAPH). The capture compiles that variant itself:
-    # the warm-up never ran it. A replay equals an eager call on the same tier bit for bit.
+    # call takes the portable forward (cheaper on the host); a captured one takes the Gluon
+    # forward (faster on the GPU; SM90_FWD_MIN_FLOPS_GRAPH) once a call that chose as a capture
+    # does has loaded it (runtime.in_capture). Until then the capture launches what its warm-up
+    # did, and neither capture loads anything. A replay equals an eager call on the same tier
+    # bit for bit.
     forwards = _gluon_forwards_at_the_real_floors(monkeypatch)
+    misses = _misses_in_capture(monkeypatch)
     q, k, v = make_qkv(Case(2, 8, 8, 2048, 2048, 64), torch.bfloat16, "cuda")
 
     def call():
@@ -536,23 +561,30 @@ def test_capture_takes_sm90_forward_below_the_eager_floor(causal, monkeypatch):
 
     call()
     assert not forwards, "an eager call of this size took the Gluon forward"
-    graph, static = capture(call)
-    assert forwards, "the captured call did not take the Gluon forward"
-    for _ in range(REPLAYS):
-        refill(q, k, v)
-        graph.replay()
-        with no_sync(), flashcore.use_tier("sm90"):
-            want = call()
-        assert_equal(("out", "lse"), static, want)
+    for tier in ("portable", "sm90"):
+        if tier == "sm90":
+            _as_captured(call)
+            assert forwards, "a call made as captured did not take the Gluon forward"
+        forwards.clear()
+        graph, static = capture(call)
+        assert bool(forwards) == (tier == "sm90"), tier
+        assert not misses, f"the capture loaded {misses}"
+        for _ in range(REPLAYS):
+            refill(q, k, v)
+            graph.replay()
+            with no_sync(), flashcore.use_tier(tier):
+                want = call()
+            assert_equal(("out", "lse"), static, want)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_capture_takes_sm90_backward_below_the_eager_floor(causal, monkeypatch):
     # (2, 8, 2048, 64): 1.7e10 FLOPs (8.6e9 causal), under tuning.SM90_BWD_MIN_FLOPS, so an
-    # eager backward takes the portable kernels (half the Hopper backward's host cost) and a
-    # captured one the Hopper backward (faster on the GPU; SM90_BWD_MIN_FLOPS_GRAPH). dk and dv
-    # of a replay equal an eager call's on the Hopper tier bit for bit; dq (reduce-added in
+    # eager backward takes the portable kernels (half the Hopper backward's host cost); a
+    # captured one the Hopper backward (faster on the GPU; SM90_BWD_MIN_FLOPS_GRAPH) once a call
+    # made as captured has loaded it, and until then what its warm-up ran. dk and dv of a replay
+    # equal an eager call's on the same tier bit for bit; the Hopper dq (reduce-added in
     # whatever order the key blocks finish) by FlashAttention's rule.
     from flashcore.ops import bwd
 
@@ -560,6 +592,7 @@ def test_capture_takes_sm90_backward_below_the_eager_floor(causal, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(bwd, "_SM90", {})
     tiers = record_backward_tiers(monkeypatch)
+    misses = _misses_in_capture(monkeypatch)
     q, k, v = (
         t.requires_grad_() for t in make_qkv(Case(2, 8, 8, 2048, 2048, 64), torch.bfloat16, "cuda")
     )
@@ -571,23 +604,33 @@ def test_capture_takes_sm90_backward_below_the_eager_floor(causal, monkeypatch):
 
     call()
     assert tiers == ["portable"], tiers
-    graph, static = capture(call)
-    assert tiers[-1] == "sm90", tiers
-    for _ in range(REPLAYS):
-        refill(q, k, v, dout)
-        graph.replay()
-        with no_sync(), flashcore.use_tier("sm90"):
-            want = call()
-        assert_equal(("dk", "dv"), static[1:], want[1:])
-        assert_dq(False, static[0], want[0], q, k, v, dout, causal=causal)
+    for tier in ("portable", "sm90"):
+        if tier == "sm90":
+            _as_captured(call)
+            assert tiers[-1] == "sm90", tiers
+        graph, static = capture(call)
+        assert tiers[-1] == tier, tiers
+        assert not misses, f"the capture loaded {misses}"
+        for _ in range(REPLAYS):
+            refill(q, k, v, dout)
+            graph.replay()
+            with no_sync(), flashcore.use_tier(tier):
+                want = call()
+            assert_equal(("dk", "dv"), static[1:], want[1:])
+            assert_dq(tier == "portable", static[0], want[0], q, k, v, dout, causal=causal)
 
 
 @pytest.mark.gpu
 def test_reduce_overhead_takes_sm90_forward_below_the_eager_floor(_fresh_dynamo, monkeypatch):
     # The same choice under torch.compile's CUDA graph trees: the warm-up step runs eagerly (the
-    # portable forward at this size), the recording step captures (and compiles) the Gluon
-    # forward, the replays run it. Forward only; each replay against an eager call on that tier.
+    # portable forward at this size), the recording step captures the Gluon forward, which
+    # flashcore.warmup(graphs=True) loaded beforehand, and the replays run it; nothing is loaded
+    # inside the capture. Forward only; each replay against an eager call on that tier.
     forwards = _gluon_forwards_at_the_real_floors(monkeypatch)
+    sizes = dict(head_dims=(64,), heads=(8, 8), seqlens=(2048,), batch_sizes=(2,))
+    flashcore.warmup("cuda", dtypes=(torch.bfloat16,), **sizes, graphs=True)
+    forwards.clear()
+    misses = _misses_in_capture(monkeypatch)
 
     def block(q, k, v):
         return flashcore.attention(q, k, v, causal=True)
@@ -602,4 +645,5 @@ def test_reduce_overhead_takes_sm90_forward_below_the_eager_floor(_fresh_dynamo,
         with no_sync(), flashcore.use_tier("sm90" if step > 0 else "auto"):
             want = block(q, k, v)
         assert_equal(("out",), out, want)
+    assert not misses, f"the capture loaded {misses}"
     assert _fresh_dynamo["inductor"]["cudagraph_skips"] == 0

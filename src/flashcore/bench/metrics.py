@@ -42,6 +42,7 @@ from typing import NamedTuple
 import torch
 
 from flashcore.bench.cases import Case
+from flashcore.ops import runtime
 
 MATMULS = {"fwd": (1, 1), "bwd": (3, 2), "fwdbwd": (4, 3)}
 """Per mode, the matmuls over D (with q or k) and over Dv (with v or dout); see the docstring."""
@@ -170,7 +171,9 @@ def time_graph(
     Runs on a side stream, as a capture must, and ``make_fn`` runs there too: autograd runs each
     backward op on the stream of its forward, so a backward timed alone needs its forward made on
     the capturing stream. Then ``GRAPH_WARMUP`` eager calls (every kernel variant compiled and
-    loaded, the allocator primed), the eager loops, the capture and its replays.
+    loaded, the allocator primed), the eager loops, one call choosing as a capture does
+    (``runtime.as_captured``: FlashCore's capture variants loaded, as ``flashcore.warmup(...,
+    graphs=True)`` does), the capture and its replays.
     ``grad_to_none`` are reset before every call, inside the graph too (each captured backward
     then writes fresh gradients instead of accumulating).
     """
@@ -187,6 +190,10 @@ def time_graph(
         fn = make_fn()
         loop(fn, GRAPH_WARMUP)
         eager = _per_call_ms(functools.partial(loop, fn), calls, repeats)
+        # One more call choosing as a capture does (flashcore.warmup(..., graphs=True)): a
+        # capture takes its own variants only where they were loaded (runtime.in_capture).
+        with runtime.as_captured(), torch.autograd.set_multithreading_enabled(False):
+            loop(fn, 1)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             loop(fn)

@@ -152,6 +152,18 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and (_as_captured.get() or torch.cuda.is_current_stream_capturing())
 
 
+def in_capture(t: torch.Tensor) -> bool:
+    """Whether a launch for ``t`` is being captured into a CUDA graph now (not ``as_captured``).
+
+    A capture takes the variants a capture chooses (``capturing``) only where this process has
+    launched them before (``flashcore.warmup(..., graphs=True)``, an earlier capture); otherwise
+    it takes those of the same call made eagerly, which the capture's warm-up loaded. Loading a
+    kernel inside a capture can void it (on the H100 machine a Triton module loaded inside a
+    ``make_graphed_callables`` capture did so in a process that had loaded many others, and not
+    in a fresh one), so a warmed-up capture never loads one."""
+    return t.is_cuda and not _as_captured.get() and torch.cuda.is_current_stream_capturing()
+
+
 @contextlib.contextmanager
 def as_captured() -> Iterator[None]:
     """Within the block, CUDA calls choose their tiers and launch variants as if they were being
