@@ -21,9 +21,10 @@ What selects a variant, and so what a warmup covers:
 
 - Whether the call is being captured into a CUDA graph: on an H100 a capture takes the Gluon
   kernels below the sizes an eager call does (no host cost at replay; ``tuning``'s
-  ``SM90_*_GRAPH`` floors) and tensor descriptors for small forwards. ``graphs=True`` runs every
-  call a second time choosing as a capture would, so that capturing it later loads nothing
-  (loading a kernel inside a capture is refused by some CUDA setups).
+  ``SM90_*_GRAPH`` floors) and tensor descriptors for small forwards, where this process has
+  run them (``runtime.in_capture``: loading a kernel inside a capture can void it), else the
+  eager call's kernels. ``graphs=True`` runs every call a second time choosing as a capture
+  would, so that capturing it later takes those kernels and loads nothing.
 
 A call that selects a variant the warmup did not compile still works: it compiles on first use,
 as without a warmup. Compiled kernels also land in Triton's on-disk cache (``~/.triton/cache`` by
