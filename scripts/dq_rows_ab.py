@@ -1,10 +1,13 @@
 """A/B of the Hopper backward's dQ staging rows permuted (``Sm90BwdConfig.permuted_rows``) against
 rows in order, on an H100:
 
-    PYTHONPATH=src python scripts/dq_rows_ab.py [ROUNDS] [--only D128]
+    PYTHONPATH=src python scripts/dq_rows_ab.py [ROUNDS] [--only D128] [--seqlens 3072,4096]
+        [--causal-only] [--options plain,softcap]
 
 bf16, 32k tokens (H = 16 at D = 128, 32 at D = 64), S 2048 / 8192 / 16384, causal and not, and at
-D = 128 the score options (window (256, 0) causal, softcap 30, ALiBi causal) at 2048 and 8192:
+D = 128 the score options (window (256, 0) causal, softcap 30 both ways, ALiBi causal) at 2048 and
+8192 (``--seqlens`` replaces every case's lengths, ``--causal-only`` drops the non-causal ones,
+``--options`` keeps those named, "plain" for none):
 both configs through ``attn_bwd_sm90`` (plans and compiled kernels apart: ``PERMUTED_ROWS`` is a
 constexpr), the permutation forced wherever the problem is dense (``ops/bwd_sm90.py:
 rows_permuted`` bypassed: this is the measurement that rule rests on), and cuDNN's backward where
@@ -85,7 +88,9 @@ def case(
 
 
 def main() -> int:
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    named = ("--only", "--seqlens", "--options")
+    values = {sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a in named}
+    args = [a for a in sys.argv[1:] if not a.startswith("--") and a not in values]
     rounds = int(args[0]) if args else 5
     only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
     sm90.rows_permuted = forced
@@ -98,11 +103,19 @@ def main() -> int:
     ]
     cases += [
         (128, 16, causal, seqlen, option)
-        for option, causal in (("window", True), ("softcap", False), ("alibi", True))
+        for option, causal in (
+            ("window", True), ("softcap", False), ("softcap", True), ("alibi", True)
+        )
         for seqlen in (2048, 8192)
-    ]
+    ]  # fmt: skip
+    if "--seqlens" in sys.argv:
+        lengths = [int(n) for n in sys.argv[sys.argv.index("--seqlens") + 1].split(",")]
+        cases = list(dict.fromkeys((d, h, c, n, o) for d, h, c, _, o in cases for n in lengths))
+    if "--options" in sys.argv:
+        kept = sys.argv[sys.argv.index("--options") + 1].split(",")
+        cases = [c for c in cases if (c[4] or "plain") in kept]
     for head_dim, heads, causal, seqlen, option in cases:
-        if only and f"D{head_dim}" != only:
+        if (only and f"D{head_dim}" != only) or ("--causal-only" in sys.argv and not causal):
             continue
         batch = 32768 // seqlen
         print(case(batch, heads, seqlen, head_dim, causal, rounds, option), flush=True)

@@ -51,6 +51,7 @@ VARIANTS = [
     ("d128-bf16-causal-window", 128, "bf16", True, True, ("HAS_WINDOW",)),
     ("d128-bf16-softcap-window", 128, "bf16", False, False, ("HAS_WINDOW", "SOFTCAP")),
     ("d128-bf16-softcap", 128, "bf16", False, True, ("SOFTCAP",)),
+    ("d128-bf16-causal-softcap-long", 128, "bf16", True, True, ("SOFTCAP", "LONG")),
     ("d128-fp16-causal-alibi", 128, "fp16", True, False, ("HAS_ALIBI",)),
     ("d64-bf16-all", 64, "bf16", False, False, ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")),
     ("d64-fp16-causal-window-ragged", 64, "fp16", True, False, ("HAS_WINDOW",)),
@@ -301,18 +302,20 @@ def test_shared_memory_within_limit(compiled):
 # The score options at D=128 hold more per step (the query-row index vector for the window's
 # masks on every step, tanh's values until dS for softcap, the distances for ALiBi): ptxas spills
 # 120-412 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance_backward.md.
-# With the dQ staging rows permuted (``rows_permuted``: D=128 without a window, causal only on
-# long problems) ptxas spills 136-224 B of scalars, at most 3 local accesses a step inside the
-# step loops in the plain builds (``test_step_loops_spill_only_where_allowed``), 5 with softcap,
-# 10 with ALiBi (57 with its rows in order, before the dQ rows' head stride came from
-# ``seqlen_pad``). At D=64 the consumers have 200 registers beside the dQ
-# warpgroup: all three score options at once spill 16 B there (none with any one of them). With
-# K and V in registers (KV_REGS) a consumer spills two scalars (16 B, stored and loaded once in
-# its epilogue, outside the loop). VARLEN carries each program's sequence (its first query and
-# key rows, lengths and batch coordinate) and its edge paths (the producer's bounded loads, the
-# masked dK/dV stores, the dQ rows past the sequence zeroed): 44-424 B of scalars, most stored
-# in the prologue and reloaded around the loops' edges. The consumers' step loops reload none
-# non-causal; causal at D=128, 11 and 3 four-byte loads a step.
+# With the dQ staging rows permuted (``rows_permuted``: D=128 without a window, causal only on long
+# problems or with ALiBi, softcap only non-causal) ptxas spills 136-224 B of scalars, at most 3
+# local accesses a step inside the step loops in the plain builds
+# (``test_step_loops_spill_only_where_allowed``), 5 with softcap, 10 with ALiBi (57 with its rows in
+# order, before the dQ rows' head stride came from ``seqlen_pad``). Causal with softcap at D=128
+# spills most: 700 B, 62-64 local accesses a step with its rows in order (736 B and 59-69 permuted),
+# and measured 0.99x with them permuted. At D=64 the consumers have 200 registers beside the dQ
+# warpgroup: all three score options at once spill 16 B there (none with any one of them). With K
+# and V in registers (KV_REGS) a consumer spills two scalars (16 B, stored and loaded once in its
+# epilogue, outside the loop). VARLEN carries each program's sequence (its first query and key rows,
+# lengths and batch coordinate) and its edge paths (the producer's bounded loads, the masked dK/dV
+# stores, the dQ rows past the sequence zeroed): 44-424 B of scalars, most stored in the prologue
+# and reloaded around the loops' edges. The consumers' step loops reload none non-causal; causal at
+# D=128, 11 and 3 four-byte loads a step.
 SPILL_ALLOWANCE = {
     "d128-bf16": 140,
     "d128-bf16-causal-varlen": 424,
@@ -327,6 +330,7 @@ SPILL_ALLOWANCE = {
     "d128-bf16-causal-window": 120,
     "d128-bf16-softcap-window": 412,
     "d128-bf16-softcap": 136,
+    "d128-bf16-causal-softcap-long": 700,
     "d128-fp16-causal-alibi": 196,
 }
 
@@ -341,6 +345,7 @@ STEP_LOOP_ALLOWANCE = {
     "d128-bf16-causal-window": 6,
     "d128-bf16-softcap-window": 29,
     "d128-bf16-softcap": 5,
+    "d128-bf16-causal-softcap-long": 64,
     "d128-fp16-causal-alibi": 10,
     "d128-bf16-causal-varlen": 11,
 }
@@ -359,7 +364,10 @@ def test_dq_staging_rows_permuted_where_taken(compiled):
     # on long problems (each as measured). Stored that way the staging tile takes no bank
     # conflicts; in row order the 128-byte swizzle takes one excess wavefront a store (two where
     # one would do), and D=64's 32-byte swizzle none (at four times the reduce's requests).
-    in_order = ("d128-fp16-causal-ragged", "d128-bf16-causal-window", "d128-bf16-softcap-window")
+    in_order = (
+        "d128-fp16-causal-ragged", "d128-bf16-causal-window", "d128-bf16-softcap-window",
+        "d128-bf16-causal-softcap-long",
+    )  # fmt: skip
     for row in compiled:
         dense = not row["varlen"]
         want = dense and row["variant"] not in in_order
@@ -371,8 +379,8 @@ def test_dq_staging_rows_permuted_where_taken(compiled):
 def test_rows_permuted_rule():
     # CPU: where the launcher permutes the dQ staging rows, as measured
     # (docs/performance_backward.md, "The dQ rows' head stride from seqlen_pad"): dense problems;
-    # at D=128 not with a window, and causal without softcap or ALiBi only from
-    # PERMUTED_ROWS_MIN_SEQLEN_CAUSAL query rows on.
+    # at D=128 not with a window, always with ALiBi, with softcap only when not causal, and
+    # causal otherwise only from PERMUTED_ROWS_MIN_SEQLEN_CAUSAL query rows on.
     from flashcore.ops import bwd_sm90
 
     rule, cfg = bwd_sm90.rows_permuted, bwd_sm90.CONFIGS[128]
@@ -384,6 +392,8 @@ def test_rows_permuted_rule():
         (128, False, True, False, False, False, long): True,
         (128, False, True, True, False, False, 16384): False,
         (128, False, False, False, True, False, 2048): True,
+        (128, False, True, False, True, False, 16384): False,
+        (128, False, True, False, True, True, 2048): True,
         (128, False, True, False, False, True, 2048): True,
         (128, False, False, True, True, False, 2048): False,
         (128, True, False, False, False, False, 16384): False,

@@ -140,18 +140,23 @@ def rows_permuted(
     seqlen_q: int,
 ) -> bool:
     """Whether the dQ staging rows are permuted (``dq_layout``): dense problems, as the config
-    says; at D=128 not with a window (0.985x of rows in order), and causal without softcap or
-    ALiBi only from ``PERMUTED_ROWS_MIN_SEQLEN_CAUSAL`` query rows on (H100, bf16, rows permuted
-    / in order: non-causal 1.01-1.04, softcap 1.04-1.09 (non-causal; causal softcap was not
-    timed), ALiBi causal 1.07-1.09, causal 0.97 at 2048 and 1.02-1.07 from 8192;
-    docs/performance_backward.md, "The dQ rows' head stride from seqlen_pad")."""
+    says; at D=128 not with a window (0.985x of rows in order), always with ALiBi, with softcap
+    only when not causal, and causal otherwise only from ``PERMUTED_ROWS_MIN_SEQLEN_CAUSAL``
+    query rows on (H100, bf16, rows permuted / in order: non-causal 1.01-1.04, softcap 1.04-1.09,
+    causal softcap 0.993-0.995 (2048, 8192), ALiBi causal 1.07-1.09, causal 0.97 at 2048 and 3072,
+    1.03 at 4096 and 6144, 1.02-1.07 from 8192; docs/performance_backward.md, "The dQ rows' head
+    stride from seqlen_pad")."""
     if not cfg.permuted_rows or varlen:
         return False
     if head_dim == 64:
         return True
     if window:
         return False
-    return not causal or softcap or alibi or seqlen_q >= PERMUTED_ROWS_MIN_SEQLEN_CAUSAL
+    if alibi:
+        return True
+    if softcap:
+        return not causal
+    return not causal or seqlen_q >= PERMUTED_ROWS_MIN_SEQLEN_CAUSAL
 
 
 def kv_in_registers(cfg: Sm90BwdConfig, window: bool, softcap: bool, alibi: bool) -> bool:
