@@ -83,6 +83,8 @@ OPTION_CASES = [
     ((1, 4, 4, 777, 1100, 128, False, "bhsd", False), {"window": (200, 150)}),
     ((1, 4, 4, 1100, 777, 64, False, "bshd", False), {"window": (-1, 100)}),
     ((2, 4, 2, 700, 900, 128, False, "bhsd", False), {"softcap": 30.0}),
+    ((2, 8, 2, 1000, 1500, 128, True, "bhsd", False), {"softcap": 30.0}),
+    ((1, 4, 4, 1100, 700, 128, True, "bhsd", True), {"softcap": 20.0}),  # 400 rows see no key
     ((1, 8, 8, 900, 700, 64, True, "bhsd", True), {"softcap": 20.0, "window": (256, 0)}),
     ((2, 8, 2, 800, 1000, 128, True, "bhsd", False), {"alibi": "h"}),
     ((2, 4, 4, 1000, 800, 64, False, "bhsd", False), {"alibi": "bh", "softcap": 50.0}),
@@ -123,7 +125,8 @@ def check(args) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     failures = 0
     for dtype in args.dtypes:
-        for case, opts in [(c, {}) for c in CASES] + OPTION_CASES:
+        plain = [] if args.options_only else [(c, {}) for c in CASES]
+        for case, opts in plain + OPTION_CASES:
             b, h, hkv, sq, sk, d, causal, layout, with_dlse = case
             name = f"{str(dtype)[6:]} B{b} H{h}/{hkv} Sq{sq} Sk{sk} D{d} c{int(causal)} {layout}"
             name += " dlse" if with_dlse else ""
@@ -320,6 +323,7 @@ def main() -> int:
         p.add_argument(
             "--case-timeout", type=float, default=60.0, help="seconds before a case is a hang"
         )
+    c.add_argument("--options-only", action="store_true", help="only the score-option cases")
     c.add_argument(
         "--rows",
         choices=["rule", "permuted", "in-order"],

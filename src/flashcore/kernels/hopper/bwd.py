@@ -711,7 +711,13 @@ def _consumer(
             rows = gl.expand_dims(start_m + offs_m, 0)
             s = s - slope * gl.abs(rows + diag - keys).to(gl.float32)
         if IS_CAUSAL:
-            if start_m < full_m:
+            if SOFTCAP:
+                # On every step: behind a run-time branch (only the steps the diagonal crosses),
+                # ptxas 12.8 kept tanh's values and the scores apart on both paths and spilled
+                # 700 B at D=128, 62-64 local accesses a step (192 B and 4-7 this way).
+                rows = gl.expand_dims(start_m + offs_m, 0)
+                s = gl.where(keys <= rows + diag, s, float("-inf"))
+            elif start_m < full_m:
                 rows = gl.expand_dims(start_m + offs_m, 0)
                 s = gl.where(keys <= rows + diag, s, float("-inf"))
         elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
