@@ -490,16 +490,24 @@ def test_backward_dispatch_honours_torch_deterministic(monkeypatch):
         bwd.launch(q, q, q, q, q, torch.zeros(1, 1, 4096), None, False, 0.125)
 
 
-def capture_modes(monkeypatch) -> dict[str, str]:
+def capture_modes(monkeypatch, ran: list[str]):
     """Stand-ins for ``runtime.capturing`` and ``runtime.in_capture`` (CPU tensors are never
-    captured): set ``mode["now"]`` to "eager", "as_captured" (``flashcore.warmup(...,
-    graphs=True)``'s calls) or "capture" (a real capture)."""
+    captured); returns ``run(now, launch)``, which calls ``launch()`` as a call made ``now``:
+    "eager", "as_captured" (``flashcore.warmup(..., graphs=True)``'s calls) or "capture" (a
+    real capture), and returns the tier it ran (the last of ``ran``)."""
     from flashcore.ops import runtime
 
     mode = {"now": "eager"}
     monkeypatch.setattr(runtime, "capturing", lambda t: mode["now"] != "eager")
     monkeypatch.setattr(runtime, "in_capture", lambda t: mode["now"] == "capture")
-    return mode
+
+    def run(now: str, launch) -> str:
+        mode["now"] = now
+        with contextlib.suppress(PortableLaunched):
+            launch()
+        return ran[-1]
+
+    return run
 
 
 def test_backward_capture_loads_nothing_its_warm_up_did_not(monkeypatch):
@@ -511,15 +519,12 @@ def test_backward_capture_loads_nothing_its_warm_up_did_not(monkeypatch):
     from flashcore.ops import bwd
 
     ran = _stand_in_backwards(monkeypatch, (9, 0))
-    mode = capture_modes(monkeypatch)
     q = torch.zeros(1, 8, 2048, 128, dtype=torch.bfloat16)  # 1.7e10 FLOPs: under the eager floor
     lse = torch.zeros(1, 8, 2048)
+    run = capture_modes(monkeypatch, ran)
 
     def call(now):
-        mode["now"] = now
-        with contextlib.suppress(PortableLaunched):
-            bwd.launch(q, q, q, q, q, lse, None, False, 0.125)
-        return ran[-1]
+        return run(now, lambda: bwd.launch(q, q, q, q, q, lse, None, False, 0.125))
 
     assert call("eager") == "portable"
     assert call("capture") == "portable"  # the warm-up's kernels

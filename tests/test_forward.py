@@ -456,6 +456,29 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, consumers, monkeypatc
         check_forward(out, lse, q, k, v, causal=True)
 
 
+def _stand_in_forwards(monkeypatch, capability: tuple[int, int]) -> list[str]:
+    """Stand-ins for the device's capability, the Triton check, ``fwd_sm90.supports`` and both
+    forwards (the Hopper plan and launch need a GPU; the portable launch raises
+    ``PortableLaunched``); returns the list each forward run appends its tier to. The decision
+    kept per problem signature starts from none."""
+    from flashcore.ops import fwd, fwd_sm90, runtime
+
+    ran = []
+    monkeypatch.setattr(runtime, "capability", lambda device: capability)
+    monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
+    monkeypatch.setattr(fwd_sm90, "supports", lambda *args, **kwargs: True)
+    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
+    monkeypatch.setattr(fwd_sm90, "plan", lambda *args, **kwargs: "plan")
+    monkeypatch.setattr(fwd_sm90, "launch", lambda *args, **kwargs: ran.append("sm90"))
+
+    def portable():
+        ran.append("portable")
+        raise PortableLaunched
+
+    monkeypatch.setattr(fwd, "kernel", portable)
+    return ran
+
+
 @pytest.mark.parametrize(
     "tier, capability, shape, options, want",
     [
@@ -513,23 +536,9 @@ def test_forward_dispatch(monkeypatch, tier, capability, shape, options, want):
     launcher are stood in for; what is checked is the decision, not the kernels)."""
     import contextlib
 
-    from flashcore.ops import fwd, fwd_sm90, runtime
+    from flashcore.ops import fwd, runtime
 
-    ran = []
-    monkeypatch.setattr(runtime, "capability", lambda device: capability)
-    monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
-    monkeypatch.setattr(fwd_sm90, "supports", lambda *args, **kwargs: True)
-    # The decision is kept per problem signature: start from none, and stand in for the
-    # Hopper launch (its plan needs a GPU).
-    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
-    monkeypatch.setattr(fwd_sm90, "plan", lambda *args, **kwargs: "plan")
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *args, **kwargs: ran.append("sm90"))
-
-    def portable():
-        ran.append("portable")
-        raise PortableLaunched
-
-    monkeypatch.setattr(fwd, "kernel", portable)
+    ran = _stand_in_forwards(monkeypatch, capability)
     q = torch.zeros(shape, dtype=torch.bfloat16)
     options = {"causal": False, **options}
     causal = options.pop("causal")
@@ -547,33 +556,16 @@ def test_forward_capture_loads_nothing_its_warm_up_did_not(monkeypatch, causal):
     (``as_captured``, as ``flashcore.warmup(..., graphs=True)``, or an earlier capture); after
     an eager warm-up alone it launches the eager call's variant, so nothing is loaded inside the
     capture (``runtime.in_capture``). Without any warm-up the capture chooses for itself."""
-    import contextlib
-
-    from flashcore.ops import fwd, fwd_sm90, runtime
+    from flashcore.ops import fwd
     from test_backward import capture_modes
 
-    ran = []
-    monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
-    monkeypatch.setattr(runtime, "sm90_verified", lambda: True)
-    monkeypatch.setattr(fwd_sm90, "supports", lambda *args, **kwargs: True)
-    monkeypatch.setattr(fwd, "_SM90_PLANS", {})
+    ran = _stand_in_forwards(monkeypatch, (9, 0))
     monkeypatch.setattr(fwd, "_PLANS", {})
-    monkeypatch.setattr(fwd_sm90, "plan", lambda *args, **kwargs: "plan")
-    monkeypatch.setattr(fwd_sm90, "launch", lambda *args, **kwargs: ran.append("sm90"))
-
-    def portable():
-        ran.append("portable")
-        raise PortableLaunched
-
-    monkeypatch.setattr(fwd, "kernel", portable)
-    mode = capture_modes(monkeypatch)
+    run = capture_modes(monkeypatch, ran)
     q = torch.zeros(2, 8, 2048, 64, dtype=torch.bfloat16)  # under the eager floor
 
     def call(now):
-        mode["now"] = now
-        with contextlib.suppress(PortableLaunched):
-            fwd.launch(q, q, q, causal, 0.125)
-        return ran[-1]
+        return run(now, lambda: fwd.launch(q, q, q, causal, 0.125))
 
     assert call("eager") == "portable"
     assert call("capture") == "portable"  # the warm-up's variant
