@@ -17,6 +17,7 @@ the ratio of the medians with the range of per-round ratios, and whether dK and 
 equal and dQ's largest difference (its reduce-adds' order varies between runs).
 """
 
+import argparse
 import functools
 import math
 import sys
@@ -88,11 +89,13 @@ def case(
 
 
 def main() -> int:
-    named = ("--only", "--seqlens", "--options")
-    values = {sys.argv[i + 1] for i, a in enumerate(sys.argv[:-1]) if a in named}
-    args = [a for a in sys.argv[1:] if not a.startswith("--") and a not in values]
-    rounds = int(args[0]) if args else 5
-    only = sys.argv[sys.argv.index("--only") + 1] if "--only" in sys.argv else ""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("rounds", type=int, nargs="?", default=5)
+    parser.add_argument("--only", choices=["D128", "D64"], help="one head dim")
+    parser.add_argument("--seqlens", help="comma-separated lengths replacing every case's")
+    parser.add_argument("--causal-only", action="store_true")
+    parser.add_argument("--options", help="comma-separated: plain, window, softcap, alibi")
+    args = parser.parse_args()
     sm90.rows_permuted = forced
     torch.manual_seed(0)
     cases = [
@@ -108,17 +111,19 @@ def main() -> int:
         )
         for seqlen in (2048, 8192)
     ]  # fmt: skip
-    if "--seqlens" in sys.argv:
-        lengths = [int(n) for n in sys.argv[sys.argv.index("--seqlens") + 1].split(",")]
+    if args.seqlens:
+        lengths = [int(n) for n in args.seqlens.split(",")]
         cases = list(dict.fromkeys((d, h, c, n, o) for d, h, c, _, o in cases for n in lengths))
-    if "--options" in sys.argv:
-        kept = sys.argv[sys.argv.index("--options") + 1].split(",")
-        cases = [c for c in cases if (c[4] or "plain") in kept]
+    kept = args.options.split(",") if args.options else None
     for head_dim, heads, causal, seqlen, option in cases:
-        if (only and f"D{head_dim}" != only) or ("--causal-only" in sys.argv and not causal):
+        if (
+            (args.only and f"D{head_dim}" != args.only)
+            or (args.causal_only and not causal)
+            or (kept and (option or "plain") not in kept)
+        ):
             continue
         batch = 32768 // seqlen
-        print(case(batch, heads, seqlen, head_dim, causal, rounds, option), flush=True)
+        print(case(batch, heads, seqlen, head_dim, causal, args.rounds, option), flush=True)
     return 0
 
 

@@ -111,11 +111,9 @@ def launch(
             runtime.tier_forced(), None if varlen is None else pb.problem_dims(q, k, varlen),
             runtime.capturing(q),
         )  # fmt: skip
+        if key[-1] and runtime.in_capture(q):
+            key = runtime.warmed_key(_SM90, key)
         hopper = _SM90.get(key)
-        if hopper is None and key[-1] and runtime.in_capture(q):
-            # A capture loads no kernel that its warm-up did not (runtime.in_capture): the eager
-            # call's choice where the capture's own never ran here.
-            hopper = _SM90.get((*key[:-1], False))
         if hopper is None:
             hopper = cached(_SM90, key, lambda: _takes_sm90(
                 q, k, v, dq, dk, dv, causal, window, alibi_slopes, varlen, key[-1]

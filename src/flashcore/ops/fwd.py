@@ -78,38 +78,20 @@ def launch(
     # A call captured into a CUDA graph has no host cost at replay: the Hopper forward from
     # smaller problems on, and descriptors for small portable ones too (tuning).
     capturing = runtime.capturing(q)
-    hopper_tier = (
-        block_table is None and config is None and runtime.forward_tier(q.device) == "sm90"
-    )
-    # Whether the Hopper forward runs, and its launch, per problem signature (as the portable
-    # plan below): the tier's checks and choice cost tens of microseconds of Python a call
-    # otherwise (docs/performance_host.md, "The Hopper tier's host path").
-    sm90_key = (
-        (
+    if block_table is None and config is None and runtime.forward_tier(q.device) == "sm90":
+        # Whether the Hopper forward runs, and its launch, per problem signature (as the
+        # portable plan below): the tier's checks and choice cost tens of microseconds of
+        # Python a call otherwise (docs/performance_host.md, "The Hopper tier's host path").
+        key = (
             *problem, out.stride(),
             None if alibi_slopes is None else (alibi_slopes.dtype, stride_ab), sinks is None,
             None if varlen is None else pb.problem_dims(q, k, varlen), aligned,
             runtime.tier_forced(), capturing,
-        )
-        if hopper_tier
-        else None
-    )  # fmt: skip
-    # Everything but the pointers follows from this key (out's strides from q's shape and
-    # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
-    # and constexprs are built once per problem signature.
-    key = (
-        *problem, None if alibi_slopes is None else stride_ab, sinks is None,
-        None if block_table is None else block_table.stride(0),
-        None if varlen is None else pb.problem_dims(q, k, varlen), config,
-        aligned, tuning.TMA_MIN_FLOPS, capturing,
-    )  # fmt: skip
-    if capturing and runtime.in_capture(q) and not _capture_variants_ran(sm90_key, key):
-        # A capture loads no kernel that its warm-up did not (runtime.in_capture).
-        eager = None if sm90_key is None else (*sm90_key[:-1], False)
-        if _capture_variants_ran(eager, (*key[:-1], False)):
-            capturing, sm90_key, key = False, eager, (*key[:-1], False)
-    if hopper_tier:
-        hopper = cached(_SM90_PLANS, sm90_key, lambda: _sm90_plan(
+        )  # fmt: skip
+        if capturing and runtime.in_capture(q):
+            key = runtime.warmed_key(_SM90_PLANS, key)
+            capturing = key[-1]
+        hopper = cached(_SM90_PLANS, key, lambda: _sm90_plan(
             q, k, v, out, lse, causal, scale, window, softcap, alibi_slopes, stride_ab,
             sinks is not None, varlen, capturing,
         ))  # fmt: skip
@@ -119,6 +101,18 @@ def launch(
             fwd_sm90.launch(hopper, q, k, v, out, lse, alibi if alibi_slopes is not None else None,
                             sinks, varlen)  # fmt: skip
             return out, lse
+    # Everything but the pointers follows from this key (out's strides from q's shape and
+    # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
+    # and constexprs are built once per problem signature.
+    key = (
+        *problem, None if alibi_slopes is None else stride_ab, sinks is None,
+        None if block_table is None else block_table.stride(0),
+        None if varlen is None else pb.problem_dims(q, k, varlen), config,
+        aligned, tuning.TMA_MIN_FLOPS, capturing,
+    )  # fmt: skip
+    if capturing and runtime.in_capture(q):
+        key = runtime.warmed_key(_PLANS, key)
+        capturing = key[-1]
     plan = _PLANS.get(key)
     if plan is None:
         plan = cached(_PLANS, key, lambda: _plan(
@@ -146,19 +140,6 @@ def launch(
 # forward's hold its launch, or False where the portable kernel runs.
 _PLANS: dict[tuple, tuple] = {}
 _SM90_PLANS: dict[tuple, object] = {}
-
-
-def _capture_variants_ran(sm90_key: tuple | None, key: tuple) -> bool:
-    """Whether this process has launched the forward of these plan keys (``launch``'s; a plan is
-    built at its signature's first launch): the Hopper forward's, or the portable one's where
-    the Hopper forward's plan says the portable kernel runs (``sm90_key`` None: no Hopper tier)."""
-    if sm90_key is not None:
-        hopper = _SM90_PLANS.get(sm90_key)
-        if hopper is None:
-            return False
-        if hopper:
-            return True
-    return key in _PLANS
 
 
 def _sm90_plan(

@@ -164,6 +164,18 @@ def in_capture(t: torch.Tensor) -> bool:
     return t.is_cuda and not _as_captured.get() and torch.cuda.is_current_stream_capturing()
 
 
+def warmed_key(plans: dict, key: tuple) -> tuple:
+    """In a capture (``in_capture``): the plan key to launch, ``key`` being a launch plan's key
+    whose last element is ``capturing``. ``key`` itself where its plan exists (plans are built at
+    a signature's first launch, so its kernels are loaded), else the same call's eager key where
+    that one's plan exists (the warm-up's kernels), else ``key`` (nothing of this signature ran:
+    the capture loads what it chooses)."""
+    if key in plans:
+        return key
+    eager = (*key[:-1], False)
+    return eager if eager in plans else key
+
+
 @contextlib.contextmanager
 def as_captured() -> Iterator[None]:
     """Within the block, CUDA calls choose their tiers and launch variants as if they were being

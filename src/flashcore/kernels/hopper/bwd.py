@@ -711,14 +711,11 @@ def _consumer(
             rows = gl.expand_dims(start_m + offs_m, 0)
             s = s - slope * gl.abs(rows + diag - keys).to(gl.float32)
         if IS_CAUSAL:
-            if SOFTCAP and HEAD_DIM == 128:
-                # On every step: behind a run-time branch (only the steps the diagonal crosses),
-                # ptxas 12.8 kept tanh's values and the scores apart on both paths and spilled
-                # 700 B at D=128, 62-64 local accesses a step (192 B and 4-7 this way; 1.08x).
-                # D=64 spills 16 B either way and keeps the branch (its elementwise work counts).
-                rows = gl.expand_dims(start_m + offs_m, 0)
-                s = gl.where(keys <= rows + diag, s, float("-inf"))
-            elif start_m < full_m:
+            # Only the steps the diagonal crosses, except with softcap at D=128: on every step
+            # there (behind the run-time branch ptxas 12.8 kept tanh's values and the scores
+            # apart on both paths and spilled 700 B, 62-64 local accesses a step; 192 B and 4-7
+            # this way, 1.08x). D=64 spills 16 B either way and keeps the branch.
+            if (SOFTCAP and HEAD_DIM == 128) or start_m < full_m:
                 rows = gl.expand_dims(start_m + offs_m, 0)
                 s = gl.where(keys <= rows + diag, s, float("-inf"))
         elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
