@@ -1,0 +1,148 @@
+"""A/B of two versions of the Hopper backward's kernel module in one process, on an H100:
+
+    PYTHONPATH=src python scripts/bwd_module_ab.py BASE.py [--rounds 5] [--cases causal,packed]
+
+``BASE.py`` is another version of ``src/flashcore/kernels/hopper/bwd.py`` (for example
+``git show HEAD:src/flashcore/kernels/hopper/bwd.py > /tmp/base.py``); it is loaded as a module of
+its own and the tree's module is the other side. Both run through ``ops.bwd_sm90.attn_bwd_sm90``
+with the same plans (its ``kernels()`` swapped per side), so only the kernels differ. bf16, 32k
+tokens, 16 heads at D = 128 and 32 at D = 64. Case groups (``--cases``):
+
+- ``causal``: dense causal D = 128 at S 1024 ... 16384, one ragged length (3000);
+- ``window``, ``softcap``, ``alibi``: causal with a (256, 0) window, softcap 30 or ALiBi slopes
+  (2048, 8192);
+- ``packed``: packed causal and non-causal batches at D = 128 (lengths drawn in 500..4000);
+- ``controls``: non-causal D = 128 and causal D = 64 at 8192.
+
+Prints TFLOP/s of each side (2.5x the forward's FLOPs, halved causal; packed from the sequences'
+own lengths), the ratio of the medians (tree / base, > 1: the tree is faster) with the range of the
+per-round ratios, whether dK and dV are bit for bit equal and dQ's largest difference (its
+reduce-adds' order varies between runs).
+"""
+
+import argparse
+import functools
+import importlib.util
+import sys
+
+import torch
+import triton
+
+from flashcore.ops import bwd_sm90 as sm90
+from flashcore.ops import fwd
+from flashcore.ops import problem as pb
+from flashcore.ops.launch import Launcher
+
+TOKENS = 32768
+
+
+def launchers(module):
+    return Launcher(module.bwd_prep_kernel, 7), Launcher(module.attn_bwd_sm90_kernel, 16)
+
+
+def dense(seqlen, head_dim, causal, option):
+    heads = 2048 // head_dim
+    batch = max(1, TOKENS // seqlen)
+    shape = (batch, heads, seqlen, head_dim)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    opts = {
+        "": {},
+        "window": {"window": (256, 0)},
+        "softcap": {"softcap": 30.0},
+        "alibi": {"alibi": torch.rand(heads, device="cuda") * 0.1},
+    }[option]
+    fwd_opts = {("alibi_slopes" if n == "alibi" else n): x for n, x in opts.items()}
+    scale = head_dim**-0.5
+    out, lse = fwd.launch(q, k, v, causal, scale, **fwd_opts)[:2]
+    flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    name = f"D{head_dim} {'causal' if causal else 'full'} {option or 'plain'} S{seqlen} B{batch}"
+    return (
+        name,
+        flops,
+        functools.partial(sm90.attn_bwd_sm90, dout, q, k, v, out, lse, causal, scale, **opts),
+    )
+
+
+def packed(causal, seed):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = []
+    while sum(lengths) < TOKENS - 4000:
+        lengths.append(int(torch.randint(500, 4001, (1,), generator=gen)))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda").int()
+    total, heads, head_dim = int(cu[-1]), 16, 128
+    q, k, v, dout = (
+        torch.randn(total, heads, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(4)
+    )
+    varlen = pb.Varlen(cu, cu, max(lengths), max(lengths))
+    scale = head_dim**-0.5
+    out, lse = fwd.launch(q, k, v, causal, scale, varlen=varlen)[:2]
+    flops = sum(2.5 * 4 * heads * n * n * head_dim / (2 if causal else 1) for n in lengths)
+    name = f"D128 {'causal' if causal else 'full'} packed {len(lengths)} seqs {total} tokens"
+    return (
+        name,
+        flops,
+        functools.partial(
+            sm90.attn_bwd_sm90, dout, q, k, v, out, lse, causal, scale, varlen=varlen
+        ),
+    )
+
+
+CASES = {
+    "causal": lambda: [dense(s, 128, True, "") for s in (1024, 2048, 3000, 4096, 8192, 16384)],
+    **{
+        option: functools.partial(lambda o: [dense(s, 128, True, o) for s in (2048, 8192)], option)
+        for option in ("window", "softcap", "alibi")
+    },
+    "packed": lambda: [packed(True, 0), packed(True, 1), packed(False, 0)],
+    "controls": lambda: [dense(8192, 128, False, ""), dense(8192, 64, True, "")],
+}
+
+
+def compare(name, flops, call, sides, rounds) -> str:
+    results = {}
+    for side, kern in sides.items():
+        sm90.kernels = kern
+        results[side] = [t.clone() for t in call()[:3]]
+    base, tree = results["base"], results["tree"]
+    same_kv = all(torch.equal(a, b) for a, b in zip(base[1:], tree[1:], strict=True))
+    dq_diff = (base[0].float() - tree[0].float()).abs().max().item()
+    times = {side: [] for side in sides}
+    names = list(sides)
+    for r in range(rounds):
+        for side in names[r % 2 :] + names[: r % 2]:
+            sm90.kernels = sides[side]
+            times[side].append(triton.testing.do_bench(call, warmup=25, rep=100))
+    med = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
+    ratios = sorted(b / t for b, t in zip(times["base"], times["tree"], strict=True))
+    rates = " ".join(f"{side} {flops / ms / 1e9:.1f}" for side, ms in med.items())
+    return (
+        f"{name}: {rates} tree/base {med['base'] / med['tree']:.3f}"
+        f" (rounds {ratios[0]:.3f}-{ratios[-1]:.3f}) dk,dv equal {same_kv} dq maxdiff {dq_diff:.2e}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("base", help="path of the other version of kernels/hopper/bwd.py")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cases", default="causal,window,softcap,alibi,packed,controls")
+    args = parser.parse_args()
+    spec = importlib.util.spec_from_file_location("flashcore_bwd_base", args.base)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from flashcore.kernels.hopper import bwd
+
+    sides = {
+        "base": functools.cache(lambda: launchers(module)),
+        "tree": functools.cache(lambda: launchers(bwd)),
+    }
+    torch.manual_seed(0)
+    for group in args.cases.split(","):
+        for name, flops, call in CASES[group]():
+            print(compare(name, flops, call, sides, args.rounds), flush=True)
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
