@@ -26,7 +26,7 @@ import importlib.util
 import sys
 
 import torch
-import triton
+from dq_rows_ab import problem, rotated
 
 from flashcore.ops import bwd_sm90 as sm90
 from flashcore.ops import fwd
@@ -43,24 +43,10 @@ def launchers(module):
 def dense(seqlen, head_dim, causal, option):
     heads = 2048 // head_dim
     batch = max(1, TOKENS // seqlen)
-    shape = (batch, heads, seqlen, head_dim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    opts = {
-        "": {},
-        "window": {"window": (256, 0)},
-        "softcap": {"softcap": 30.0},
-        "alibi": {"alibi": torch.rand(heads, device="cuda") * 0.1},
-    }[option]
-    fwd_opts = {("alibi_slopes" if n == "alibi" else n): x for n, x in opts.items()}
-    scale = head_dim**-0.5
-    out, lse = fwd.launch(q, k, v, causal, scale, **fwd_opts)[:2]
+    args, opts = problem(batch, heads, seqlen, head_dim, causal, option)
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
     name = f"D{head_dim} {'causal' if causal else 'full'} {option or 'plain'} S{seqlen} B{batch}"
-    return (
-        name,
-        flops,
-        functools.partial(sm90.attn_bwd_sm90, dout, q, k, v, out, lse, causal, scale, **opts),
-    )
+    return name, flops, functools.partial(sm90.attn_bwd_sm90, *args, **opts)
 
 
 def packed(causal, seed):
@@ -106,13 +92,9 @@ def compare(name, flops, call, sides, rounds) -> str:
     base, tree = results["base"], results["tree"]
     same_kv = all(torch.equal(a, b) for a, b in zip(base[1:], tree[1:], strict=True))
     dq_diff = (base[0].float() - tree[0].float()).abs().max().item()
-    times = {side: [] for side in sides}
-    names = list(sides)
-    for r in range(rounds):
-        for side in names[r % 2 :] + names[: r % 2]:
-            sm90.kernels = sides[side]
-            times[side].append(triton.testing.do_bench(call, warmup=25, rep=100))
-    med = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
+    times, med = rotated(
+        dict.fromkeys(sides, call), rounds, lambda side: setattr(sm90, "kernels", sides[side])
+    )
     ratios = sorted(b / t for b, t in zip(times["base"], times["tree"], strict=True))
     rates = " ".join(f"{side} {flops / ms / 1e9:.1f}" for side, ms in med.items())
     return (

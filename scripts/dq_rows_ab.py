@@ -36,12 +36,12 @@ def forced(cfg, head_dim, varlen, causal, window, softcap, alibi, seqlen_q) -> b
     return cfg.permuted_rows and not varlen
 
 
-def case(
-    batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, rounds: int, option: str = ""
-) -> str:
+def problem(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, option: str = ""):
+    """A dense bf16 backward problem: ``(dout, q, k, v, out, lse, causal, scale)`` as
+    ``attn_bwd_sm90`` takes them (the forward run for out and lse) and the score option's keyword
+    arguments (``option``: "", "window" (256, 0), "softcap" 30 or "alibi" slopes in [0, 0.1))."""
     shape = (batch, heads, seqlen, head_dim)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    dout = torch.randn_like(q)
+    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(head_dim)
     opts = {
         "": {},
@@ -51,6 +51,26 @@ def case(
     }[option]
     fwd_opts = {("alibi_slopes" if n == "alibi" else n): x for n, x in opts.items()}
     out, lse = fwd.launch(q, k, v, causal, scale, **fwd_opts)[:2]
+    return (dout, q, k, v, out, lse, causal, scale), opts
+
+
+def rotated(fns: dict, rounds: int, select=lambda name: None) -> tuple[dict, dict]:
+    """``do_bench`` times of each of ``fns`` over ``rounds`` rounds, each round starting one name
+    later (``select(name)`` before each), and their medians: ``(times, medians)``, ms."""
+    times = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            select(name)
+            times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=100))
+    return times, {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def case(
+    batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, rounds: int, option: str = ""
+) -> str:
+    args, opts = problem(batch, heads, seqlen, head_dim, causal, option)
+    dout, q, k, v, out, lse, causal, scale = args
     base = sm90.CONFIGS[head_dim]
     cfgs = {
         "plain": base._replace(permuted_rows=False),
@@ -72,12 +92,7 @@ def case(
         grad = functools.partial(torch.autograd.grad, o, (qg, kg, vg), dout, retain_graph=True)
         fns["cudnn"] = grad
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-    times = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=100))
-    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    times, med = rotated(fns, rounds)
     ratios = sorted(a / b for a, b in zip(times["plain"], times["perm"], strict=True))
     tf = " ".join(f"{name} {flops / ms / 1e9:.1f}" for name, ms in med.items())
     return (
