@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -240,3 +242,23 @@ def launch_sm90_forward(
 class PortableLaunched(Exception):
     """Raised by a test's stand-in for the portable kernels: where only the tier decision is
     checked, the launch itself is not needed."""
+
+
+def capture_modes(monkeypatch, ran: list[str]):
+    """Stand-ins for ``runtime.capturing`` and ``runtime.in_capture`` (CPU tensors are never
+    captured); returns ``run(now, launch)``, which calls ``launch()`` as a call made ``now``:
+    "eager", "as_captured" (``flashcore.warmup(..., graphs=True)``'s calls) or "capture" (a
+    real capture), and returns the tier it ran (the last of ``ran``)."""
+    from flashcore.ops import runtime
+
+    mode = {"now": "eager"}
+    monkeypatch.setattr(runtime, "capturing", lambda t: mode["now"] != "eager")
+    monkeypatch.setattr(runtime, "in_capture", lambda t: mode["now"] == "capture")
+
+    def run(now: str, launch) -> str:
+        mode["now"] = now
+        with contextlib.suppress(PortableLaunched):
+            launch()
+        return ran[-1]
+
+    return run

@@ -11,6 +11,7 @@ from flashcore.ops import registry as ops
 from flashcore.tuning import sm90_backward
 from helpers import (
     PortableLaunched,
+    capture_modes,
     check_backward,
     check_forward,
     make_qkv,
@@ -488,26 +489,6 @@ def test_backward_dispatch_honours_torch_deterministic(monkeypatch):
     q = torch.zeros(1, 1, 4096, 128, dtype=torch.bfloat16)
     with pytest.raises(PortableLaunched):
         bwd.launch(q, q, q, q, q, torch.zeros(1, 1, 4096), None, False, 0.125)
-
-
-def capture_modes(monkeypatch, ran: list[str]):
-    """Stand-ins for ``runtime.capturing`` and ``runtime.in_capture`` (CPU tensors are never
-    captured); returns ``run(now, launch)``, which calls ``launch()`` as a call made ``now``:
-    "eager", "as_captured" (``flashcore.warmup(..., graphs=True)``'s calls) or "capture" (a
-    real capture), and returns the tier it ran (the last of ``ran``)."""
-    from flashcore.ops import runtime
-
-    mode = {"now": "eager"}
-    monkeypatch.setattr(runtime, "capturing", lambda t: mode["now"] != "eager")
-    monkeypatch.setattr(runtime, "in_capture", lambda t: mode["now"] == "capture")
-
-    def run(now: str, launch) -> str:
-        mode["now"] = now
-        with contextlib.suppress(PortableLaunched):
-            launch()
-        return ran[-1]
-
-    return run
 
 
 def test_backward_capture_loads_nothing_its_warm_up_did_not(monkeypatch):

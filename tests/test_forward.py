@@ -5,6 +5,7 @@ import flashcore
 from flashcore import tuning
 from helpers import (
     PortableLaunched,
+    capture_modes,
     check_forward,
     launch_sm90_forward,
     make_qkv,
@@ -557,7 +558,6 @@ def test_forward_capture_loads_nothing_its_warm_up_did_not(monkeypatch, causal):
     an eager warm-up alone it launches the eager call's variant, so nothing is loaded inside the
     capture (``runtime.in_capture``). Without any warm-up the capture chooses for itself."""
     from flashcore.ops import fwd
-    from test_backward import capture_modes
 
     ran = _stand_in_forwards(monkeypatch, (9, 0))
     monkeypatch.setattr(fwd, "_PLANS", {})

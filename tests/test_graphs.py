@@ -536,13 +536,6 @@ def _misses_in_capture(monkeypatch) -> list:
     return misses
 
 
-def _as_captured(call):
-    """``call()`` choosing as a capture would, as ``flashcore.warmup(..., graphs=True)`` runs it
-    (the autograd engine on this thread, so that the backward sees the choice)."""
-    with runtime.as_captured(), torch.autograd.set_multithreading_enabled(False):
-        return call()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_capture_takes_sm90_forward_below_the_eager_floor(causal, monkeypatch):
@@ -563,7 +556,8 @@ def test_capture_takes_sm90_forward_below_the_eager_floor(causal, monkeypatch):
     assert not forwards, "an eager call of this size took the Gluon forward"
     for tier in ("portable", "sm90"):
         if tier == "sm90":
-            _as_captured(call)
+            with runtime.as_captured():  # as flashcore.warmup(..., graphs=True) runs it
+                call()
             assert forwards, "a call made as captured did not take the Gluon forward"
         forwards.clear()
         graph, static = capture(call)
@@ -606,7 +600,8 @@ def test_capture_takes_sm90_backward_below_the_eager_floor(causal, monkeypatch):
     assert tiers == ["portable"], tiers
     for tier in ("portable", "sm90"):
         if tier == "sm90":
-            _as_captured(call)
+            with runtime.as_captured():  # as flashcore.warmup(..., graphs=True) runs it
+                call()
             assert tiers[-1] == "sm90", tiers
         graph, static = capture(call)
         assert tiers[-1] == tier, tiers

@@ -156,7 +156,9 @@ def test_as_captured_is_scoped():
     with runtime.as_captured():
         assert runtime.capturing(OnGpu())
         assert not runtime.capturing(torch.zeros(1))  # host tensors never
+        assert not torch._C._is_multithreading_enabled()  # backwards on this thread
     assert not runtime._as_captured.get()
+    assert torch._C._is_multithreading_enabled()
 
 
 @pytest.mark.parametrize(

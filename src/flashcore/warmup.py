@@ -148,9 +148,8 @@ def warmup(
     for combo in combos:
         run(combo)
     if graphs:
-        # The capture's choices (runtime.capturing); the autograd engine's device threads would
-        # not see the context variable, so the backward runs on this thread.
-        with runtime.as_captured(), torch.autograd.set_multithreading_enabled(False):
+        # The capture's choices (runtime.capturing; backwards on this thread).
+        with runtime.as_captured():
             for combo in combos:
                 run(combo)
     if device.type == "cuda":

@@ -192,7 +192,7 @@ def time_graph(
         eager = _per_call_ms(functools.partial(loop, fn), calls, repeats)
         # One more call choosing as a capture does (flashcore.warmup(..., graphs=True)): a
         # capture takes its own variants only where they were loaded (runtime.in_capture).
-        with runtime.as_captured(), torch.autograd.set_multithreading_enabled(False):
+        with runtime.as_captured():
             loop(fn, 1)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):

@@ -181,11 +181,12 @@ def as_captured() -> Iterator[None]:
     """Within the block, CUDA calls choose their tiers and launch variants as if they were being
     captured into a CUDA graph (``capturing``), and run eagerly: ``flashcore.warmup(...,
     graphs=True)`` compiles and loads so the variants that a capture of the same calls takes.
-    Scoped to the current thread or task (a backward must run on it: the autograd engine's
-    device threads do not see the block)."""
+    Scoped to the current thread or task; the autograd engine's device threads would not see the
+    block, so within it backwards run on the calling thread (autograd multithreading off)."""
     token = _as_captured.set(True)
     try:
-        yield
+        with torch.autograd.set_multithreading_enabled(False):
+            yield
     finally:
         _as_captured.reset(token)
 
