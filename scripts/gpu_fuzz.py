@@ -96,8 +96,52 @@ def draw(seed: int, index: int, tier: str) -> dict:
     return p
 
 
+def draw_cache(seed: int, index: int, tier: str) -> dict:
+    """A forward-only problem against a KV cache: ``attention_with_kvcache`` (dense or paged,
+    decode-sized or chunk-sized queries, any split count) or ``attention_varlen`` with a block
+    table (paged prefill)."""
+    rng = random.Random(seed * 1_000_003 + index)
+    kv_heads = rng.choice([1, 1, 2, 2, 4, 8])
+    group = rng.choice([1, 2, 4, 8])
+    head_dim = rng.choice([64, 64, 128, 128, 128, 32, 80, 96, 192, 256])
+    p = {
+        "kind": rng.choice(["kvcache", "kvcache", "paged_varlen"]),
+        "dtype": rng.choice(["fp16", "bf16"] * 6 + ["fp32"] * (tier != "sm90")),
+        "heads": kv_heads * group,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "head_dim_v": head_dim if rng.random() < 0.85 else rng.choice([64, 128, 32]),
+        "causal": rng.random() < 0.7,
+        "window": None,
+        "softcap": rng.choice([None] * 6 + [20.0, 50.0]),
+        "alibi": rng.random() < 0.15,
+        "sinks": kv_heads * group >= 4 and rng.random() < 0.2,
+        "scale": rng.choice([None] * 4 + [0.05, 0.3]),
+        "block_size": rng.choice([16, 32, 64, 128, 256]),
+    }
+    batch = rng.randint(1, 4)
+    if p["kind"] == "kvcache":
+        p["paged"] = rng.random() < 0.5
+        p["num_splits"] = rng.choice([None] * 3 + [1, 2, 5, 64])
+        p["seqlen_q"] = rng.choice([1] * 5 + [2, 4, 7, length(rng) // 4 + 1])
+        p["capacity"] = max(1, length(rng))
+        p["cache_seqlens"] = [rng.randint(0, p["capacity"]) for _ in range(batch)]
+        longest = p["capacity"]
+    else:
+        sk = [length(rng) // 2 for _ in range(batch)]
+        p["seqlens_k"] = sk
+        p["seqlens_q"] = [min(s, length(rng) // 4) if rng.random() < 0.8 else length(rng) // 4
+                          for s in sk]  # fmt: skip
+        longest = max([*sk, 1])
+    if rng.random() < 0.2:
+        p["window"] = (rng.randint(-1, longest), rng.randint(-1, longest))
+    return p
+
+
 def scores_of(p: dict) -> int:
-    if p["varlen"]:
+    if p.get("kind") == "kvcache":
+        return len(p["cache_seqlens"]) * p["heads"] * p["seqlen_q"] * p["capacity"]
+    if p.get("kind") == "paged_varlen" or p["varlen"]:
         return p["heads"] * sum(a * b for a, b in zip(p["seqlens_q"], p["seqlens_k"], strict=True))
     return p["batch"] * p["heads"] * p["seqlen_q"] * p["seqlen_k"]
 
@@ -105,7 +149,11 @@ def scores_of(p: dict) -> int:
 def shrink(p: dict) -> dict:
     """Halve the lengths until the reference fits MAX_SCORES."""
     while scores_of(p) > MAX_SCORES:
-        if p["varlen"]:
+        if p.get("kind") == "kvcache":
+            p["seqlen_q"] = max(1, p["seqlen_q"] // 2)
+            p["capacity"] = max(1, p["capacity"] // 2)
+            p["cache_seqlens"] = [min(s, p["capacity"]) for s in p["cache_seqlens"]]
+        elif p.get("kind") == "paged_varlen" or p["varlen"]:
             p["seqlens_q"] = [s // 2 for s in p["seqlens_q"]]
             p["seqlens_k"] = [s // 2 for s in p["seqlens_k"]]
         else:
@@ -209,11 +257,111 @@ def run(p: dict, tier: str, ran: Ran, device: str = "cuda") -> str:
     return which
 
 
+def pages(ks: list[torch.Tensor], vs: list[torch.Tensor], block_size: int, gen: torch.Generator):
+    """Sequence b's keys and values ``ks[b]``, ``vs[b]`` (``(L_b, Hkv, D)``) in pages of a
+    shuffled pool: ``(k pool, v pool, block table)``, pools ``(num_blocks, Hkv, block_size, D)``,
+    the table int32 ``(B, max_blocks)``. Unused pool rows are NaN and unused table entries point
+    at a used block: a read of either would show."""
+    counts = [-(-t.shape[0] // block_size) for t in ks]
+    num_blocks = sum(counts) + 2
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(ks), max([*counts, 1])), order[0], dtype=torch.int32)
+    pools = []
+    for dense in (ks, vs):
+        like = dense[0]
+        pool = torch.full((num_blocks, like.shape[1], block_size, like.shape[2]), float("nan"),
+                          dtype=like.dtype, device=like.device)  # fmt: skip
+        used = 0
+        for b, t in enumerate(dense):
+            for j in range(counts[b]):
+                rows = t[j * block_size : (j + 1) * block_size]
+                pool[order[used], :, : rows.shape[0]] = rows.transpose(0, 1)
+                table[b, j] = order[used]
+                used += 1
+        pools.append(pool)
+    return pools[0], pools[1], table.to(ks[0].device)
+
+
+def run_cache(p: dict, device: str) -> str:
+    """Run and check one cache problem (``draw_cache``): out and lse, forward only."""
+    dtype = DTYPES[p["dtype"]]
+    h, hkv, d, dv, bs = p["heads"], p["kv_heads"], p["head_dim"], p["head_dim_v"], p["block_size"]
+    gen = torch.Generator().manual_seed(torch.initial_seed() % 2**31)
+
+    def rand(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device)
+
+    opts = {"causal": p["causal"], "scale": p["scale"], "window": p["window"],
+            "softcap": p["softcap"]}  # fmt: skip
+    kvcache = p["kind"] == "kvcache"
+    batch = len(p["cache_seqlens"] if kvcache else p["seqlens_k"])
+    opts["sinks"] = torch.randn(h, device=device) * 2 if p["sinks"] else None
+    if p["alibi"]:
+        slopes = torch.exp2(-8.0 * torch.arange(1, h + 1, device=device) / h)
+        slopes = slopes * torch.linspace(0.5, 1.5, batch, device=device)[:, None]
+        opts["alibi_slopes"] = slopes.float()
+    if kvcache:
+        cap = p["capacity"]
+        q = rand(batch, h, p["seqlen_q"], d)
+        lens = torch.tensor(p["cache_seqlens"], dtype=torch.int32, device=device)
+        table = None
+        if p["paged"]:
+            ks = [rand(cap, hkv, d) for _ in range(batch)]
+            vs = [rand(cap, hkv, dv) for _ in range(batch)]
+            kc, vc, table = pages(ks, vs, bs, gen)
+        else:
+            kc, vc = rand(batch, hkv, cap, d), rand(batch, hkv, cap, dv)
+            for b, n in enumerate(p["cache_seqlens"]):  # past the valid keys: never read
+                kc[b, :, n:], vc[b, :, n:] = float("nan"), float("nan")
+        out, lse = flashcore.attention_with_kvcache(
+            q, kc, vc, cache_seqlens=lens, block_table=table, num_splits=p["num_splits"],
+            return_lse=True, **opts,
+        )  # fmt: skip
+
+        def ref(dt):
+            return reference.attention_with_kvcache(
+                q, kc, vc, cache_seqlens=lens, block_table=table, dtype=dt, **opts
+            )
+    else:
+        sq, sk = p["seqlens_q"], p["seqlens_k"]
+        cu_q = torch.tensor([0, *sq], device=device).cumsum(0).int()
+        cu_k = torch.tensor([0, *sk], device=device).cumsum(0).int()
+        q = rand(int(cu_q[-1]), h, d)
+        k, v = rand(int(cu_k[-1]), hkv, d), rand(int(cu_k[-1]), hkv, dv)
+        bounds = list(zip(cu_k[:-1].tolist(), cu_k[1:].tolist(), strict=True))
+        kc, vc, table = pages([k[a:b] for a, b in bounds], [v[a:b] for a, b in bounds], bs, gen)
+        out, lse = flashcore.attention_varlen(
+            q, kc, vc, cu_q, cu_k, max(sq), max(sk), block_table=table, return_lse=True, **opts
+        )
+
+        def ref(dt):
+            return reference.attention_varlen(q, k, v, cu_q, cu_k, dtype=dt, **opts)
+
+    ref64, pt = ref(torch.float64), ref(dtype)
+    assert_fa_rule("out", out, pt.out, ref64.out)
+    assert_fa_rule("lse", lse, pt.lse, ref64.lse)
+    return p["kind"] + (" paged" if p.get("paged") else "")
+
+
+def check(p: dict, tier: str, ran: Ran, device: str) -> str:
+    """One problem of either kind on ``tier``; raises if it is wrong."""
+    if "kind" in p:
+        with flashcore.use_tier(tier):
+            return run_cache(p, device)
+    return run(p, tier, ran, device)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=240.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiers", default="sm90,portable")
+    ap.add_argument(
+        "--kinds",
+        default="attention,cache",
+        help="attention: attention and attention_varlen, forward and backward; "
+        "cache: attention_with_kvcache and paged attention_varlen, forward",
+    )
     ap.add_argument("--replay", help="a problem line this script printed (its dict and tier)")
     ap.add_argument("--max-len", type=int, default=4600)
     ap.add_argument("--device", default="cuda", help="cpu: the interpreter (TRITON_INTERPRET=1)")
@@ -225,17 +373,18 @@ def main() -> int:
         tier, index, _, seed, problem = args.replay.split(" ", 4)
         torch.manual_seed(int(seed) * 1_000_003 + int(index[1:]))
         problem = ast.literal_eval(problem[: problem.rindex("}") + 1])
-        print(run(problem, tier, ran, args.device))
+        print(check(problem, tier, ran, args.device))
         return 0
-    tiers = args.tiers.split(",")
+    tiers, kinds = args.tiers.split(","), args.kinds.split(",")
     start, failed, done, index = time.monotonic(), 0, 0, 0
     while time.monotonic() - start < args.seconds:
         tier = tiers[index % len(tiers)]
-        p = shrink(draw(args.seed, index, tier))
+        kind = kinds[index // len(tiers) % len(kinds)]
+        p = shrink((draw_cache if kind == "cache" else draw)(args.seed, index, tier))
         torch.manual_seed(args.seed * 1_000_003 + index)
         index += 1
         try:
-            which = run(p, tier, ran, args.device)
+            which = check(p, tier, ran, args.device)
             verdict = f"ok ({which})"
         except torch.OutOfMemoryError:
             torch.cuda.empty_cache()

@@ -48,6 +48,8 @@ CASES = {
         {"causal": True, "window": (20, 0), "softcap": 5.0, "sinks": True},
     ),
     "no-keys-dv": ((8, 9), (0, 33), 2, 2, 32, 48, 16, {"causal": False}),
+    # No sequence holds a key, with a page in the table: max_seqlen_k = 0 is the true maximum.
+    "no-keys-at-all": ((3, 5), (0, 0), 2, 2, 32, 32, 16, {"causal": True, "sinks": True}),
 }  # fmt: skip
 
 

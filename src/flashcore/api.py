@@ -300,7 +300,9 @@ def attention_varlen(
             )
     check_cu_seqlens(q, cu_seqlens_q, cu_seqlens_k)
     max_seqlen_q = check_max_seqlen("max_seqlen_q", max_seqlen_q, q.shape[0], "total_q")
-    max_seqlen_k = check_max_seqlen("max_seqlen_k", max_seqlen_k, keys, keys_name)
+    max_seqlen_k = check_max_seqlen(
+        "max_seqlen_k", max_seqlen_k, keys, keys_name, packed=block_table is None
+    )
     if _checked_mode(q):
         # flashcore.checked(): the offsets' contents too (one device sync).
         _offsets.check_cu_seqlens_values(

@@ -151,15 +151,20 @@ def check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: object, cu_seqlens_k: object
         )
 
 
-def check_max_seqlen(name: str, value: object, total: int, total_name: str) -> int:
+def check_max_seqlen(
+    name: str, value: object, total: int, total_name: str, packed: bool = True
+) -> int:
+    """``total`` bounds ``value``: the packed rows (``packed``) or a paged cache's capacity."""
     if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     # Without reading cu_seqlens, what the packed size alone rules out: a sequence longer than
-    # the pack, or rows to attend with no sequence longer than 0 (the grid would be empty).
-    if value < 0 or value > total or (total > 0 and value == 0):
+    # the pack, or rows to attend with no sequence longer than 0 (the grid would be empty). A
+    # paged cache's capacity says nothing of its lengths: every sequence may hold no key.
+    lowest = 1 if packed and total > 0 else 0
+    if value < lowest or value > total:
         raise ValueError(
-            f"{name} must be the longest sequence's length, from 1 to {total_name} ({total}) "
-            f"(0 when {total_name} is 0), got {value}"
+            f"{name} must be the longest sequence's length, from {lowest} to {total_name} "
+            f"({total}), got {value}"
         )
     return value
 
