@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import flashcore
 from flashcore import reference
 from flashcore.ops import bwd_sm90, fwd_sm90
+from helpers import paged_pools
 from numerics import assert_fa_rule
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -257,31 +258,6 @@ def run(p: dict, tier: str, ran: Ran, device: str = "cuda") -> str:
     return which
 
 
-def pages(ks: list[torch.Tensor], vs: list[torch.Tensor], block_size: int, gen: torch.Generator):
-    """Sequence b's keys and values ``ks[b]``, ``vs[b]`` (``(L_b, Hkv, D)``) in pages of a
-    shuffled pool: ``(k pool, v pool, block table)``, pools ``(num_blocks, Hkv, block_size, D)``,
-    the table int32 ``(B, max_blocks)``. Unused pool rows are NaN and unused table entries point
-    at a used block: a read of either would show."""
-    counts = [-(-t.shape[0] // block_size) for t in ks]
-    num_blocks = sum(counts) + 2
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    table = torch.full((len(ks), max([*counts, 1])), order[0], dtype=torch.int32)
-    pools = []
-    for dense in (ks, vs):
-        like = dense[0]
-        pool = torch.full((num_blocks, like.shape[1], block_size, like.shape[2]), float("nan"),
-                          dtype=like.dtype, device=like.device)  # fmt: skip
-        used = 0
-        for b, t in enumerate(dense):
-            for j in range(counts[b]):
-                rows = t[j * block_size : (j + 1) * block_size]
-                pool[order[used], :, : rows.shape[0]] = rows.transpose(0, 1)
-                table[b, j] = order[used]
-                used += 1
-        pools.append(pool)
-    return pools[0], pools[1], table.to(ks[0].device)
-
-
 def run_cache(p: dict, device: str) -> str:
     """Run and check one cache problem (``draw_cache``): out and lse, forward only."""
     dtype = DTYPES[p["dtype"]]
@@ -308,7 +284,7 @@ def run_cache(p: dict, device: str) -> str:
         if p["paged"]:
             ks = [rand(cap, hkv, d) for _ in range(batch)]
             vs = [rand(cap, hkv, dv) for _ in range(batch)]
-            kc, vc, table = pages(ks, vs, bs, gen)
+            kc, vc, table = paged_pools(ks, vs, bs, gen)
         else:
             kc, vc = rand(batch, hkv, cap, d), rand(batch, hkv, cap, dv)
             for b, n in enumerate(p["cache_seqlens"]):  # past the valid keys: never read
@@ -329,7 +305,9 @@ def run_cache(p: dict, device: str) -> str:
         q = rand(int(cu_q[-1]), h, d)
         k, v = rand(int(cu_k[-1]), hkv, d), rand(int(cu_k[-1]), hkv, dv)
         bounds = list(zip(cu_k[:-1].tolist(), cu_k[1:].tolist(), strict=True))
-        kc, vc, table = pages([k[a:b] for a, b in bounds], [v[a:b] for a, b in bounds], bs, gen)
+        kc, vc, table = paged_pools(
+            [k[a:b] for a, b in bounds], [v[a:b] for a, b in bounds], bs, gen
+        )
         out, lse = flashcore.attention_varlen(
             q, kc, vc, cu_q, cu_k, max(sq), max(sk), block_table=table, return_lse=True, **opts
         )

@@ -113,6 +113,31 @@ def cu_seqlens(seqlens: tuple[int, ...], device: str) -> torch.Tensor:
     return torch.tensor((0, *seqlens), device=device).cumsum(0).to(torch.int32)
 
 
+def paged_pools(ks: list, vs: list, block_size: int, generator: torch.Generator | None = None):
+    """Sequence b's keys and values ``ks[b]``, ``vs[b]`` (``(L_b, Hkv, D)``, Dv for v) in pages of
+    a shuffled pool: ``(k pool, v pool, block table)``, the pools ``(num_blocks, Hkv,
+    block_size, D)``, the table int32 ``(B, max_blocks)``. Pool rows no sequence owns are NaN
+    and unused table entries point at a used page, so that a read of either would show."""
+    counts = [-(-t.shape[0] // block_size) for t in ks]
+    num_blocks = sum(counts) + 2
+    order = torch.randperm(num_blocks, generator=generator).tolist()
+    table = torch.full((len(ks), max([*counts, 1])), order[0], dtype=torch.int32)
+    pools = []
+    for dense in (ks, vs):
+        like = dense[0]
+        pool = torch.full((num_blocks, like.shape[1], block_size, like.shape[2]), float("nan"),
+                          dtype=like.dtype, device=like.device)  # fmt: skip
+        used = 0
+        for b, t in enumerate(dense):
+            for j in range(counts[b]):
+                rows = t[j * block_size : (j + 1) * block_size]
+                pool[order[used], :, : rows.shape[0]] = rows.transpose(0, 1)
+                table[b, j] = order[used]
+                used += 1
+        pools.append(pool)
+    return pools[0], pools[1], table.to(ks[0].device)
+
+
 def make_varlen(case: VarlenCase, dtype: torch.dtype, device: str):
     """Packed ``(q, k, v, cu_seqlens_q, cu_seqlens_k)`` for a varlen case."""
     total_q, total_k = sum(case.seqlens_q), sum(case.seqlens_k)
