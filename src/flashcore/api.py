@@ -253,7 +253,8 @@ def attention_varlen(
             ``cu_seqlens_k[b + 1] - cu_seqlens_k[b]`` of its pages in order (key j in page
             ``block_table[b, j // block_size]``, row ``j % block_size``): FlashAttention-2's
             paged varlen, for chunked prefill. ``max_seqlen_k`` is at most ``max_blocks *
-            block_size`` (0 when no sequence has a key). Forward only: inputs that require a gradient raise.
+            block_size`` (0 when no sequence has a key). Forward only: inputs that require a
+            gradient raise.
         deterministic: as in :func:`attention` (on an H100 a packed batch's backward
             reduce-adds dQ over key blocks unless it is set).
 
