@@ -163,7 +163,7 @@ def shrink(p: dict) -> dict:
 
 
 def tensors(p: dict, device: str):
-    """q, k, v (and the cu_seqlens of a packed batch), sinks, alibi slopes, dout, dlse."""
+    """q, k, v, the cu_seqlens of a packed batch (else ()), the sinks and the ALiBi slopes."""
     dtype = DTYPES[p["dtype"]]
     h, hkv, d, dv = p["heads"], p["kv_heads"], p["head_dim"], p["head_dim_v"]
 
