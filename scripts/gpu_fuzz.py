@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import flashcore
 from flashcore import reference
 from flashcore.ops import bwd_sm90, fwd_sm90
-from helpers import paged_pools
+from helpers import alibi_slopes, paged_pools
 from numerics import assert_fa_rule
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -187,10 +187,7 @@ def tensors(p: dict, device: str):
         q, k, v = rand(b, h, sq, d), rand(b, hkv, sk, d), rand(b, hkv, sk, dv)
         extra, batch = (), b
     sinks = torch.randn(h, device=device) * 2 if p["sinks"] else None
-    slopes = None
-    if p["alibi"]:
-        slopes = torch.exp2(-8.0 * torch.arange(1, h + 1, device=device) / h)
-        slopes = (slopes * torch.linspace(0.5, 1.5, batch, device=device)[:, None]).float()
+    slopes = alibi_slopes(h, batch, device) if p["alibi"] else None
     return q, k, v, extra, sinks, slopes
 
 
@@ -273,9 +270,7 @@ def run_cache(p: dict, device: str) -> str:
     batch = len(p["cache_seqlens"] if kvcache else p["seqlens_k"])
     opts["sinks"] = torch.randn(h, device=device) * 2 if p["sinks"] else None
     if p["alibi"]:
-        slopes = torch.exp2(-8.0 * torch.arange(1, h + 1, device=device) / h)
-        slopes = slopes * torch.linspace(0.5, 1.5, batch, device=device)[:, None]
-        opts["alibi_slopes"] = slopes.float()
+        opts["alibi_slopes"] = alibi_slopes(h, batch, device)
     if kvcache:
         cap = p["capacity"]
         q = rand(batch, h, p["seqlen_q"], d)

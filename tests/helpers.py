@@ -30,16 +30,21 @@ def make_qkv(case: Case, dtype: torch.dtype, device: str, *, layout: str = "bhsd
     return rand(h, sq), rand(hkv, sk), rand(hkv, sk)
 
 
+def alibi_slopes(heads: int, batch: int | None, device: str) -> torch.Tensor:
+    """The usual geometric slopes of ALiBi, fp32 ``2^(-8 (i + 1) / H)``: ``(H,)``, or with
+    ``batch`` ``(B, H)``, each batch's row scaled by 0.5 ... 1.5."""
+    slopes = torch.exp2(-8.0 * torch.arange(1, heads + 1, dtype=torch.float32) / heads)
+    if batch is not None:
+        slopes = slopes * torch.linspace(0.5, 1.5, batch)[:, None]
+    return slopes.to(device)
+
+
 def mask_options(mc: MaskCase, device: str) -> dict:
     """``flashcore.attention``'s keyword options for a MaskCase (ALiBi slopes made here)."""
-    b, h = mc.case.batch, mc.case.heads
     opts = {"causal": mc.causal, "window": mc.window, "softcap": mc.softcap}
     if mc.alibi is not None:
-        # The usual geometric slopes of ALiBi, 2^(-8 (i + 1) / H), per batch perturbed for "bh".
-        slopes = torch.exp2(-8.0 * torch.arange(1, h + 1, dtype=torch.float32) / h)
-        if mc.alibi == "bh":
-            slopes = slopes * torch.linspace(0.5, 1.5, b)[:, None]
-        opts["alibi_slopes"] = slopes.to(device)
+        batch = mc.case.batch if mc.alibi == "bh" else None
+        opts["alibi_slopes"] = alibi_slopes(mc.case.heads, batch, device)
     return opts
 
 

@@ -4,39 +4,29 @@ gathered dense."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 import flashcore
 from flashcore import reference
-from helpers import cu_seqlens
+from helpers import cu_seqlens, paged_pools
 from numerics import assert_fa_rule
 
 
 def make_paged(seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, dtype, device):
-    """Packed q, paged k/v (pages shuffled, two owned by no sequence and filled with NaN), the
-    block table, the offsets, and the same keys packed dense for the reference."""
-    batch = len(seqlens_q)
-    max_blocks = max(1, max(-(-n // block_size) for n in seqlens_k))
-    num_blocks = batch * max_blocks + 2
+    """Packed q, paged k/v (``helpers.paged_pools``: pages shuffled, two owned by no sequence,
+    every unowned row NaN), the block table, the offsets, and the same keys packed dense for the
+    reference."""
     q = torch.randn(sum(seqlens_q), heads, d, dtype=dtype, device=device)
     k_dense = torch.randn(sum(seqlens_k), kv_heads, d, dtype=dtype, device=device)
     v_dense = torch.randn(sum(seqlens_k), kv_heads, dv, dtype=dtype, device=device)
-    k = torch.full((num_blocks, kv_heads, block_size, d), float("nan"), dtype=dtype, device=device)
-    v = torch.full((num_blocks, kv_heads, block_size, dv), float("nan"), dtype=dtype, device=device)
-    perm = torch.randperm(num_blocks, device=device).to(torch.int32)
-    table = torch.zeros((batch, max_blocks), dtype=torch.int32, device=device)
-    start = 0
-    for b, n in enumerate(seqlens_k):
-        for j in range(-(-n // block_size)):
-            page = int(perm[b * max_blocks + j])
-            table[b, j] = page
-            rows = slice(start + j * block_size, start + min(n, (j + 1) * block_size))
-            count = rows.stop - rows.start
-            k[page, :, :count] = k_dense[rows].transpose(0, 1)
-            v[page, :, :count] = v_dense[rows].transpose(0, 1)
-        start += n
     cu_q, cu_k = cu_seqlens(seqlens_q, device), cu_seqlens(seqlens_k, device)
+    bounds = list(itertools.pairwise(cu_k.tolist()))
+    k, v, table = paged_pools(
+        [k_dense[a:b] for a, b in bounds], [v_dense[a:b] for a, b in bounds], block_size
+    )
     return q, k, v, table, cu_q, cu_k, k_dense, v_dense
 
 
