@@ -21,11 +21,19 @@ from __future__ import annotations
 import argparse
 import ast
 import math
+import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
 
+# --device cpu runs the interpreter, which must be chosen before triton is first imported.
+os.environ["TRITON_INTERPRET"] = (
+    "1"
+    if re.search(r"--device[ =]cpu\b", " ".join(sys.argv))
+    else os.environ.get("TRITON_INTERPRET", "0")
+)
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -337,7 +345,7 @@ def main() -> int:
     )
     ap.add_argument("--replay", help="a problem line this script printed (its dict and tier)")
     ap.add_argument("--max-len", type=int, default=4600)
-    ap.add_argument("--device", default="cuda", help="cpu: the interpreter (TRITON_INTERPRET=1)")
+    ap.add_argument("--device", default="cuda", help="cpu: the interpreter")
     args = ap.parse_args()
     ran = Ran()
     MAX_LEN[0] = args.max_len
