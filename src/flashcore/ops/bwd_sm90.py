@@ -109,6 +109,9 @@ class Sm90BwdConfig(NamedTuple):
     permuted_rows: bool = True
     """Dense problems: the dQ staging tile's rows permuted for conflict-free stores and the
     128-byte swizzle (``dq_layout``); packed ones always keep them in order."""
+    dq_beside_dk: bool = True
+    """The dQ products beside dV's and dK's where ``dq_beside_dk`` takes them (measurement: False
+    keeps them after dK everywhere)."""
 
 
 # Shared memory (the kernel's docstring, "Invariants"): 198 KB at D=128, 133 KB at D=64. At D=64
@@ -157,6 +160,22 @@ def rows_permuted(
     if softcap:
         return not causal
     return not causal or seqlen_q >= PERMUTED_ROWS_MIN_SEQLEN_CAUSAL
+
+
+# Causal dense problems take the dQ products beside dK from this many query rows on (H200, bf16,
+# in-process A/B, two runs, beside dK / after it: causal 0.95-0.99 at 1024-3000, 1.00-1.02 from
+# 4096; non-causal 1.01-1.05 at every length; docs/performance_backward.md, "dQ beside dK").
+DQ_BESIDE_DK_MIN_SEQLEN_CAUSAL = 4096
+
+
+def dq_beside_dk(cfg: Sm90BwdConfig, causal: bool, varlen: bool, seqlen_q: int) -> bool:
+    """Whether the consumers issue a step's dQ products beside its dV and dK products and stage
+    dQ under dK (``DQ_BESIDE_DK``; the kernel takes it where it runs each dQ a step late, in the
+    consumers): without causal, and causal dense problems from
+    ``DQ_BESIDE_DK_MIN_SEQLEN_CAUSAL`` query rows on."""
+    if cfg.dq_warpgroup or not cfg.dq_beside_dk:
+        return False
+    return not causal or (not varlen and seqlen_q >= DQ_BESIDE_DK_MIN_SEQLEN_CAUSAL)
 
 
 def kv_in_registers(cfg: Sm90BwdConfig, window: bool, softcap: bool, alibi: bool) -> bool:
@@ -500,6 +519,7 @@ def _plan(
         "KV_REGS": kv_in_registers(cfg, sc.has_window, sc.has_softcap, sc.has_alibi),
         "VARLEN": varlen is not None,
         "PERMUTED_ROWS": permuted_rows,
+        "DQ_BESIDE_DK": dq_beside_dk(cfg, sc.is_causal, varlen is not None, seqlen_q),
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }

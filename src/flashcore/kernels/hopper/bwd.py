@@ -73,9 +73,10 @@ other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, `
   dQ over all 128 keys (a 64 x D/2 accumulator, 32 registers at D=128) and reduce-adds it, so the
   step sends 64 x D fp32 to L2 once. (Each consumer reducing its own keys' full-width dQ sent it
   twice: at D=128 the L2 ran at 86% of its throughput (ncu) and the backward 10-14% slower.) dQ
-  is issued after dV and dK have completed: with all three in flight ptxas serialised the wgmmas
-  (C7512) and spilled at D=128. lse2 and delta are read from shared memory where they are used (a
-  row vector in the score layout takes 16 registers a thread).
+  is issued after dV and dK have completed (or, with DQ_BESIDE_DK below, beside one of them at a
+  time): with all three in flight ptxas serialised the wgmmas (C7512) and spilled at D=128.
+  lse2 and delta are read from shared memory where they are used (a row vector in the score
+  layout takes 16 registers a thread).
 
   DQ_LAG (every variant but softcap or ALiBi at D=128, where the two carried indices made ptxas
   spill more and the kernel measured 2-15% slower): the dQ of step t runs in step t + 1, after
@@ -93,6 +94,32 @@ other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, `
   conflict-free stores with the 128-byte swizzle's full-width copies; otherwise rows in order,
   where the 128-byte swizzle (D=128) takes two wavefronts a store half-warp where one would do
   and the 32-byte one (D=64) four times the reduce's L2 requests.
+
+  DQ_BESIDE_DK (with DQ_LAG; the launcher's choice, ``ops/bwd_sm90.py: dq_beside_dk``: at D=128
+  without causal, and causal from 4096 query rows on): the step's tail runs as FlashAttention-3
+  orders it, so that the dQ products and the staging store are not alone on the consumer::
+
+      dV  += wgmma(P^T (registers), dO) async
+      wait ds_free[b]; dS^T -> shared (tile [b, c]); fence.proxy.async
+      arrive ds_ready[b]                      # announced at once, dV in flight
+      wait ds_ready[(t - 1) % 2]
+      dQ_c of step t - 1: two wgmmas async    # beside dV
+      wgmma.wait_group 2                      # dV done
+      dK  += wgmma(dS^T (registers), Q) async
+      wgmma.wait_group 1                      # the dQ products done, dK in flight
+      arrive ds_free[(t - 1) % 2]; wait the staging tile's read; stage dQ_c; fence; reduce-add
+      wgmma.wait_group 0                      # dK done
+      arrive qd_empty[slot]
+
+  At most two accumulators are in flight at a time (dV and dQ, then dQ and dK), which ptxas
+  12.8 compiles without serialising. The ``ds_ready`` / ``ds_free`` operations of a consumer's
+  step come in the same order as without it, so their phases below hold unchanged; the slot's
+  release moves to the step's end, behind the wait for the other consumer's dS^T of step t - 1,
+  which that consumer wrote in its step t - 1 after its own wait on the slot of step t - 1 (a
+  release this consumer made NUM_STAGES steps before): no cycle. The slot is freed later in the
+  step (after the staging store): causal problems shorter than 4096 query rows measured 1-5%
+  slower with it, longer ones and every non-causal length 1-5% faster (H200, bf16;
+  docs/performance_backward.md, "dQ beside dK").
 
   After the loop each consumer waits (``ds_free``) until the other's last dQ products, which read
   this consumer's K tile, have completed. Epilogue: dK_c * scale and dV_c, cast, written into
@@ -242,6 +269,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
 from flashcore.kernels.hopper.bwd_dq import (
+    dq_finish,
+    dq_issue,
     dq_row,
     dq_rows,
     dq_step,
@@ -619,6 +648,7 @@ def _consumer(
     ABLATE: gl.constexpr,
     KV_REGS: gl.constexpr = False,
     VARLEN: gl.constexpr = False,
+    DQ_BESIDE_DK: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
@@ -752,38 +782,51 @@ def _consumer(
             mbarrier.wait(ds_free.index(buf), ((t // 2) + 1 + DQ_LAG * buf) & 1)
         ds_smem.index(2 * buf + CONSUMER).store(ds)
         ds_op = gl.convert_layout(ds, a_layout)
-        dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
-        fence_async_shared()
-        # dV and dK complete before dQ is issued: with all three in flight (192 accumulator
-        # registers plus P^T and dS^T held for the running products) ptxas serialised the
-        # wgmmas (C7512) and spilled 240-328 B at D=128.
-        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op, ds_op])
-        # Every reader of the slot is complete: S^T, dP^T, dV, dK and the lse2/delta loads
-        # (Gluon syncs the warpgroup before the single-thread arrive).
-        mbarrier.arrive(qd_empty.index(slot), count=1)
-        # This consumer's dS^T of step t is in shared memory (written and fenced before the
-        # wait above).
-        mbarrier.arrive(ds_ready.index(buf), count=1)
-        if DQ_WARPGROUP:
-            # A wait for no bulk copy (this consumer has none outstanding): without an
-            # instruction here ptxas 12.8 (Triton 3.6's) crashes (SIGSEGV) on the step with no
-            # dQ phase; ptxas 13.0 compiles it either way.
-            tma.store_wait(0)
-        elif DQ_LAG:
-            # The dQ of step t - 1 (at t = 0 of no step: computed from whatever the tiles hold,
-            # as a run-time branch around the products crashes ptxas, and not reduced).
-            dq_step(
-                ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t - 1,
-                t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
+        if DQ_BESIDE_DK and DQ_LAG and not DQ_WARPGROUP:
+            # This consumer's dS^T of step t is in shared memory: fenced and announced at once.
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            # The dQ products of step t - 1 go in beside dV, and dK beside them; the dQ staging
+            # then runs under dK. (At most two accumulators in flight at a time.)
+            dq_tok = dq_issue(ds_smem, ds_ready, k0_cols, k1_cols, zero_dq, t - 1, ABLATE)
+            dv, p_op = warpgroup_mma_wait(2, deps=[dv_tok, p_op])
+            dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+            if ABLATE < 2:
+                dq_tok = warpgroup_mma_wait(1, deps=[dq_tok])
+            dq_finish(
+                ds_free, dq_tile, dq_desc, dq_tok, t - 1, t > 0, desc_b, prev_h, prev_m,
+                CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
             )  # fmt: skip
             prev_h = off_h
             prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
+            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
+            # Every reader of the slot is complete: S^T, dP^T, dV, dK and the lse2/delta loads.
+            mbarrier.arrive(qd_empty.index(slot), count=1)
         else:
-            dq_step(
-                ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t,
-                True, desc_b, off_h, dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m),
-                CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
-            )  # fmt: skip
+            dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
+            fence_async_shared()
+            # dV and dK complete before dQ is issued: with all three in flight (192 accumulator
+            # registers plus P^T and dS^T held for the running products) ptxas serialised the
+            # wgmmas (C7512) and spilled 240-328 B at D=128.
+            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op, ds_op])
+            # Every reader of the slot is complete: S^T, dP^T, dV, dK and the lse2/delta loads
+            # (Gluon syncs the warpgroup before the single-thread arrive).
+            mbarrier.arrive(qd_empty.index(slot), count=1)
+            # This consumer's dS^T of step t is in shared memory (written and fenced before the
+            # wait above).
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            if DQ_WARPGROUP:
+                # A wait for no bulk copy (this consumer has none outstanding): without an
+                # instruction here ptxas 12.8 (Triton 3.6's) crashes (SIGSEGV) on the step with
+                # no dQ phase; ptxas 13.0 compiles it either way.
+                tma.store_wait(0)
+            else:
+                dq_step(
+                    ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t,
+                    True, desc_b, off_h,
+                    dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m), CONSUMER, ABLATE,
+                    q_start + seqlen_q, VARLEN,
+                )  # fmt: skip
 
     # Until the other consumer's last dQ products, which read this consumer's K tile, have
     # completed: the epilogue overwrites it. With DQ_LAG the last step's dQ (none without steps)
@@ -944,6 +987,7 @@ def attn_bwd_sm90_kernel(
     KV_REGS: gl.constexpr = False,
     VARLEN: gl.constexpr = False,
     PERMUTED_ROWS: gl.constexpr = False,
+    DQ_BESIDE_DK: gl.constexpr = False,
 ):
     # The dQ staging rows' order follows from the dQ descriptor's box (``bwd_dq.stage_dq``); the
     # flag states it among the constexprs, which key the launcher's compiled kernels.
@@ -1009,7 +1053,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1018,7 +1062,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
@@ -1047,7 +1091,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1056,7 +1100,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,

@@ -113,6 +113,57 @@ def rows_of_sequence(dq, n_rows):
 
 
 @gluon.jit
+def dq_issue(ds_smem, ds_ready, k0_cols, k1_cols, zero_dq, step, ABLATE: gl.constexpr):
+    """Issue this consumer's dQ products of step ``step`` (>= -1; -1 is no step: the products
+    run on whatever the tiles hold) over both consumers' keys, once both dS^T tiles of the step
+    are written (``ds_ready``); returns the accumulator's token (two wgmma groups in flight)."""
+    buf = (step + 2) % 2
+    # Phase of ds_ready[buf] for this step; for step -1 the barrier's initial phase (parity 1),
+    # which counts as completed.
+    mbarrier.wait(ds_ready.index(buf), (((step + 2) // 2) & 1) ^ 1)
+    dq = zero_dq
+    if ABLATE < 2:
+        ds0 = ds_smem.index(2 * buf).permute((1, 0))
+        ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
+        dq = warpgroup_mma(ds0, k0_cols, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds1, k1_cols, dq, is_async=True)
+    return dq
+
+
+@gluon.jit
+def dq_finish(
+    ds_free,
+    dq_tile,
+    dq_desc,
+    dq,
+    step,
+    live,
+    off_b,
+    off_h,
+    start_m,
+    CONSUMER: gl.constexpr,
+    ABLATE: gl.constexpr,
+    q_end=0,
+    VARLEN: gl.constexpr = False,
+):
+    """After step ``step``'s dQ products have completed (``dq``, their accumulator): free both
+    dS^T tiles of the step (``ds_free``) and reduce-add ``dq`` into dQ at ``(off_b, off_h,
+    start_m)`` when ``live``. VARLEN: rows from ``q_end`` on (the next sequence's) are reduced as
+    zeros (``rows_of_sequence``); ``start_m`` is the descriptor's row (``reduce_dq``)."""
+    mbarrier.arrive(ds_free.index((step + 2) % 2), count=1)
+    if ABLATE < 2:
+        # The staging tile was last read by the previous step's reduce: wait until the copy
+        # engine has read it (cp.async.bulk.wait_group.read).
+        tma.store_wait(0)
+        if VARLEN:
+            dq = rows_of_sequence(dq, q_end - start_m)
+        stage_dq(dq_tile, dq)
+        fence_async_shared()
+        if ABLATE == 0 and live:
+            reduce_dq(dq_desc, off_b, off_h, start_m, CONSUMER * dq.shape[1], dq_tile)
+
+
+@gluon.jit
 def dq_step(
     ds_smem,
     ds_ready,
@@ -132,30 +183,12 @@ def dq_step(
     q_end=0,
     VARLEN: gl.constexpr = False,
 ):
-    """This consumer's half of the columns of step ``step``'s dQ (``step`` >= -1; -1 is no step:
-    the products run on whatever the tiles hold and ``live`` is false), over both consumers' keys,
-    reduce-added into dQ at ``(off_b, off_h, start_m)`` when ``live``. Waits until both dS^T
-    tiles of the step are written (``ds_ready``) and, after its products, frees them
-    (``ds_free``). VARLEN: rows from ``q_end`` on (the next sequence's) are reduced as zeros
-    (``rows_of_sequence``); ``start_m`` is the descriptor's row (``reduce_dq``)."""
-    buf = (step + 2) % 2
-    # Phase of ds_ready[buf] for this step; for step -1 the barrier's initial phase (parity 1),
-    # which counts as completed.
-    mbarrier.wait(ds_ready.index(buf), (((step + 2) // 2) & 1) ^ 1)
+    """This consumer's half of the columns of step ``step``'s dQ, issued, waited and reduced
+    (``dq_issue``, then ``dq_finish``)."""
+    dq = dq_issue(ds_smem, ds_ready, k0_cols, k1_cols, zero_dq, step, ABLATE)
     if ABLATE < 2:
-        ds0 = ds_smem.index(2 * buf).permute((1, 0))
-        ds1 = ds_smem.index(2 * buf + 1).permute((1, 0))
-        dq_tok = warpgroup_mma(ds0, k0_cols, zero_dq, use_acc=False, is_async=True)
-        dq_tok = warpgroup_mma(ds1, k1_cols, dq_tok, is_async=True)
-        dq = warpgroup_mma_wait(0, deps=[dq_tok])
-    mbarrier.arrive(ds_free.index(buf), count=1)
-    if ABLATE < 2:
-        # The staging tile was last read by the previous step's reduce: wait until the copy
-        # engine has read it (cp.async.bulk.wait_group.read).
-        tma.store_wait(0)
-        if VARLEN:
-            dq = rows_of_sequence(dq, q_end - start_m)
-        stage_dq(dq_tile, dq)
-        fence_async_shared()
-        if ABLATE == 0 and live:
-            reduce_dq(dq_desc, off_b, off_h, start_m, CONSUMER * dq.shape[1], dq_tile)
+        dq = warpgroup_mma_wait(0, deps=[dq])
+    dq_finish(
+        ds_free, dq_tile, dq_desc, dq, step, live, off_b, off_h, start_m, CONSUMER, ABLATE, q_end,
+        VARLEN,
+    )  # fmt: skip
