@@ -820,6 +820,16 @@ def _consumer(
                 # instruction here ptxas 12.8 (Triton 3.6's) crashes (SIGSEGV) on the step with
                 # no dQ phase; ptxas 13.0 compiles it either way.
                 tma.store_wait(0)
+            elif DQ_LAG:
+                # The dQ of step t - 1 (at t = 0 of no step: computed from whatever the tiles
+                # hold, as a run-time branch around the products crashes ptxas, and not reduced).
+                dq_step(
+                    ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq,
+                    t - 1, t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q,
+                    VARLEN,
+                )  # fmt: skip
+                prev_h = off_h
+                prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
             else:
                 dq_step(
                     ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t,
