@@ -7,8 +7,12 @@ The script builds a copy of ``kernels/hopper/bwd.py`` with stamps added to the c
 
     e0  top of step t                     e1  Q, dO, lse2, delta landed (``qd_ready``)
     e3  S^T, the softmax and dP^T done (after ``wait_group 0`` of dP^T)
-    e4  dS^T buffer free (after ``ds_free``)   e5  dV and dK done (``wait_group 0``)
-    e6  the step's dQ products done, its staging tile written and its reduce issued
+    e4  dS^T buffer free (after ``ds_free``)
+
+then, with the dQ products after dK (the kernel's default order where ``DQ_BESIDE_DK`` is off):
+e5 dV and dK done (``wait_group 0``), e6 the previous step's dQ products done, its staging tile
+written and its reduce issued; with ``DQ_BESIDE_DK``: e5 dV done (dQ in flight), e6 dQ staged
+and its reduce issued (dK in flight), e7 dK done.
 
 and ``--s-stamp`` e2 after ``wait_group 1`` (S^T done; a branch between the two waits, which may
 change how ptxas orders them). It launches the build through the tier's launcher (same plan,
@@ -35,8 +39,18 @@ from flashcore.ops.launch import Launcher
 KERNELS = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" / "hopper"
 STEPS, EVENTS = 64, 8
 WAIT_DV_DK = (
-    "        dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op, ds_op])\n"
+    "            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op, ds_op])\n"
 )
+LAGGED_DQ_DONE = (
+    "\n                prev_h = off_h\n"
+    "                prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)\n"
+)
+WAIT_DV = "            dv, p_op = warpgroup_mma_wait(2, deps=[dv_tok, p_op])\n"
+BESIDE_DQ_DONE = (
+    "\n            prev_h = off_h\n"
+    "            prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)\n"
+)
+WAIT_DK = "            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])\n"
 
 
 def trace_source(s_stamp: bool) -> str:
@@ -77,15 +91,11 @@ def _consumer("""
             "        mbarrier.wait(ds_free.index(buf), ((t // 2) + 1 + DQ_LAG * buf) & 1)\n"
             "        _stamp(ALIBI, t, 4, CONSUMER, t)\n",
         ),
-        (
-            WAIT_DV_DK,
-            WAIT_DV_DK + "        _stamp(ALIBI, t, 5, CONSUMER, t)\n",
-        ),
-        (
-            "            prev_h = off_h\n            prev_m = start_m\n",
-            "            prev_h = off_h\n            prev_m = start_m\n"
-            "            _stamp(ALIBI, t, 6, CONSUMER, t)\n",
-        ),
+        (WAIT_DV_DK, WAIT_DV_DK + "            _stamp(ALIBI, t, 5, CONSUMER, t)\n"),
+        (LAGGED_DQ_DONE, LAGGED_DQ_DONE + "                _stamp(ALIBI, t, 6, CONSUMER, t)\n"),
+        (WAIT_DV, WAIT_DV + "            _stamp(ALIBI, t, 5, CONSUMER, t)\n"),
+        (BESIDE_DQ_DONE, BESIDE_DQ_DONE + "            _stamp(ALIBI, t, 6, CONSUMER, t)\n"),
+        (WAIT_DK, WAIT_DK + "            _stamp(ALIBI, t, 7, CONSUMER, t)\n"),
     ]
     if s_stamp:
         edits.append((
@@ -135,6 +145,8 @@ def main() -> None:
     n_steps = -(-s // 64)  # program 0 has key block 0, which every query block sees
     steps = range(4, min(60, n_steps - 2))
     print(f"B={b} H={h} S={s} D={d} causal={args.causal}: clocks, medians over steps 4..59")
+    beside = bwd_sm90.dq_beside_dk(bwd_sm90.CONFIGS[d], args.causal, False, s)
+    print(f"  (dQ products {'beside dV and dK' if beside else 'after dK'}: DQ_BESIDE_DK {beside})")
     gaps = [
         ("period", 0, 0, 1),
         ("wait Q/dO (e0-e1)", 0, 1, 0),
@@ -144,6 +156,13 @@ def main() -> None:
         ("dQ of the previous step (e5-e6)", 5, 6, 0),
         ("to next step (e6-e0')", 6, 0, 1),
     ]
+    if beside:
+        gaps[4:] = [
+            ("dS^T out, dQ issued, dV done (e4-e5)", 4, 5, 0),
+            ("dK issued, dQ done, staged, reduced (e5-e6)", 5, 6, 0),
+            ("dK done (e6-e7)", 6, 7, 0),
+            ("to next step (e7-e0')", 7, 0, 1),
+        ]
     if args.s_stamp:
         gaps[2:3] = [("S^T (e1-e2)", 1, 2, 0), ("softmax, dP^T (e2-e3)", 2, 3, 0)]
     for c in range(2):
