@@ -117,12 +117,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--s-stamp", action="store_true", help="e2: S^T done")
+    parser.add_argument(
+        "--dq-order",
+        choices=("rule", "beside", "after"),
+        default="rule",
+        help="the dQ products beside dV and dK or after dK (DQ_BESIDE_DK), or as the launcher "
+        "chooses (bwd_sm90.dq_beside_dk)",
+    )
     args = parser.parse_args()
     d, s = args.head_dim, args.seqlen
     b, h = max(1, args.tokens // s), 16 if d == 128 else 32
     q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(d)
     out, lse = fwd.launch(q, k, v, args.causal, scale)[:2]
+    if args.dq_order != "rule":
+        forced = args.dq_order == "beside"
+        bwd_sm90.dq_beside_dk = lambda *_: forced  # this process only
     stamps = torch.zeros(2 * STEPS * EVENTS, device="cuda", dtype=torch.int64)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bwd_trace.py"
@@ -145,7 +155,7 @@ def main() -> None:
     n_steps = -(-s // 64)  # program 0 has key block 0, which every query block sees
     steps = range(4, min(60, n_steps - 2))
     print(f"B={b} H={h} S={s} D={d} causal={args.causal}: clocks, medians over steps 4..59")
-    beside = bwd_sm90.dq_beside_dk(bwd_sm90.CONFIGS[d], args.causal, False, s)
+    beside = bwd_sm90.dq_beside_dk(bwd_sm90.CONFIGS[d], args.causal, False, s) and d == 128
     print(f"  (dQ products {'beside dV and dK' if beside else 'after dK'}: DQ_BESIDE_DK {beside})")
     gaps = [
         ("period", 0, 0, 1),
