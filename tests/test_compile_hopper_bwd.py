@@ -120,6 +120,8 @@ def compile_variant(variant) -> dict:
     src = GluonASTSource(fn, signature, consts, {})
     ptx, sass, report = assemble(src, cfg.maxnreg)
     cols = head_dim if cfg.dq_warpgroup else head_dim // 2
+    # The kernel's DQ_LAG rule: softcap or ALiBi at D=128 keep each step's dQ in its step.
+    dq_in_step = head_dim == 128 and ("SOFTCAP" in options or "HAS_ALIBI" in options)
     return {
         "variant": label,
         "permuted_rows": permuted,
@@ -133,11 +135,10 @@ def compile_variant(variant) -> dict:
         "tma_store": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*global\.shared", ptx)),
         "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::cluster\.global", ptx)),
         "atomics": len(re.findall(r"\b(red|atom)\.global", ptx)),
-        # The kernel's DQ_LAG rule: softcap or ALiBi at D=128 keep each step's dQ in its step.
-        "dq_in_step": head_dim == 128 and ("SOFTCAP" in options or "HAS_ALIBI" in options),
+        "dq_in_step": dq_in_step,
         "dq_warpgroup": cfg.dq_warpgroup,
         # The kernel takes DQ_BESIDE_DK where it runs each dQ a step late (not dq_in_step).
-        "dq_beside_dk": consts["DQ_BESIDE_DK"] and not (consts["SOFTCAP"] or consts["HAS_ALIBI"]),
+        "dq_beside_dk": consts["DQ_BESIDE_DK"] and not dq_in_step,
         "kv_regs": consts["KV_REGS"],
         "varlen": consts["VARLEN"],
         **schedule_facts(ptx),

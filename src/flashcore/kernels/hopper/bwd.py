@@ -797,8 +797,6 @@ def _consumer(
                 ds_free, dq_tile, dq_desc, dq_tok, t - 1, t > 0, desc_b, prev_h, prev_m,
                 CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
             )  # fmt: skip
-            prev_h = off_h
-            prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
             dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])
             # Every reader of the slot is complete: S^T, dP^T, dV, dK and the lse2/delta loads.
             mbarrier.arrive(qd_empty.index(slot), count=1)
@@ -828,8 +826,6 @@ def _consumer(
                     t - 1, t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q,
                     VARLEN,
                 )  # fmt: skip
-                prev_h = off_h
-                prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
             else:
                 dq_step(
                     ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t,
@@ -837,6 +833,10 @@ def _consumer(
                     dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m), CONSUMER, ABLATE,
                     q_start + seqlen_q, VARLEN,
                 )  # fmt: skip
+        if DQ_LAG and not DQ_WARPGROUP:
+            # This step's dQ runs in the next one (or after the loop): its head and rows.
+            prev_h = off_h
+            prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
 
     # Until the other consumer's last dQ products, which read this consumer's K tile, have
     # completed: the epilogue overwrites it. With DQ_LAG the last step's dQ (none without steps)
