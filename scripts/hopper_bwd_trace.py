@@ -15,9 +15,13 @@ written and its reduce issued; with ``DQ_BESIDE_DK``: e5 dV done (dQ in flight),
 and its reduce issued (dK in flight), e7 dK done.
 
 and ``--s-stamp`` e2 after ``wait_group 1`` (S^T done; a branch between the two waits, which may
-change how ptxas orders them). It launches the build through the tier's launcher (same plan,
-same grid), the stamps going to the ALiBi pointer's place (unused without ALiBi), and prints the
-medians over steps 4..59 of each gap, the step period and the lag between the two consumers.
+change how ptxas orders them). ``--all-programs`` stamps every program instead (and its entry,
+K/V wait, last dQ, stores and end) and prints, by a program's number of steps, where its time
+goes outside the steps and the gap between programs on an SM.
+
+It launches the build through the tier's launcher (same plan, same grid), the stamps going to the
+ALiBi pointer's place (unused without ALiBi), and prints the medians over steps 4..59 of each gap,
+the step period and the lag between the two consumers.
 The stamps cost throughput; read the gaps, not the time.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import math
 import statistics
 import tempfile
@@ -41,21 +46,20 @@ STEPS, EVENTS = 64, 8
 WAIT_DV_DK = (
     "            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op, ds_op])\n"
 )
-LAGGED_DQ_DONE = (
-    "\n                prev_h = off_h\n"
-    "                prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)\n"
-)
+LAGGED_DQ_DONE = "                    VARLEN,\n                )  # fmt: skip\n            else:\n"
 WAIT_DV = "            dv, p_op = warpgroup_mma_wait(2, deps=[dv_tok, p_op])\n"
 BESIDE_DQ_DONE = (
-    "\n            prev_h = off_h\n"
-    "            prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)\n"
+    "                CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,\n            )  # fmt: skip\n"
 )
 WAIT_DK = "            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])\n"
 
 
-def trace_source(s_stamp: bool) -> str:
-    """``kernels/hopper/bwd.py`` with the stamps, which go to ``ALIBI`` (as int64s)."""
+def trace_source(s_stamp: bool, all_programs: bool = False) -> str:
+    """``kernels/hopper/bwd.py`` with the stamps, which go to ``ALIBI`` (as int64s): of program 0,
+    or with ``all_programs`` of every program (each its own ``2 * STEPS * EVENTS`` block, and e2
+    of step 0 stamped at the end of the epilogue instead of ``--s-stamp``'s)."""
     src = (KERNELS / "bwd.py").read_text()
+    who = "gl.program_id(0) >= 0" if all_programs else "gl.program_id(0) == 0"
     stamp_fn = f"""
 
 @gluon.jit
@@ -66,7 +70,8 @@ def _stamp(BUF, t, e: gl.constexpr, CONSUMER: gl.constexpr, x):
         "mov.u64 $0, %clock64;", "=l,r", [x], dtype=gl.int64, is_pure=False, pack=1
     )
     slot = (CONSUMER * {STEPS} + gl.minimum(t, {STEPS} - 1)) * {EVENTS} + e
-    gl.store(ptr + slot, clock, mask=(gl.program_id(0) == 0) & (t < {STEPS}))
+    block = {"gl.program_id(0).to(gl.int64) * " + str(2 * STEPS * EVENTS) if all_programs else 0}
+    gl.store(ptr + block + slot, clock, mask=({who}) & (t < {STEPS}))
 
 
 @gluon.jit
@@ -92,12 +97,52 @@ def _consumer("""
             "        _stamp(ALIBI, t, 4, CONSUMER, t)\n",
         ),
         (WAIT_DV_DK, WAIT_DV_DK + "            _stamp(ALIBI, t, 5, CONSUMER, t)\n"),
-        (LAGGED_DQ_DONE, LAGGED_DQ_DONE + "                _stamp(ALIBI, t, 6, CONSUMER, t)\n"),
+        (
+            LAGGED_DQ_DONE,
+            LAGGED_DQ_DONE.replace(
+                "else:", "    _stamp(ALIBI, t, 6, CONSUMER, t)\n            else:"
+            ),
+        ),
         (WAIT_DV, WAIT_DV + "            _stamp(ALIBI, t, 5, CONSUMER, t)\n"),
         (BESIDE_DQ_DONE, BESIDE_DQ_DONE + "            _stamp(ALIBI, t, 6, CONSUMER, t)\n"),
         (WAIT_DK, WAIT_DK + "            _stamp(ALIBI, t, 7, CONSUMER, t)\n"),
     ]
-    if s_stamp:
+    if all_programs:
+        end = (
+            "        _store_dk_dv(dk_desc, dv_desc, k_tile, v_tile, dk * scale, dv, desc_b, off_hk,"
+            " key)\n    tma.store_wait(0)\n"
+        )
+        edits.append((end, end + "    _stamp(ALIBI, 0, 2, CONSUMER, off_hk)\n"))
+        # The rest of a program's overhead, in e2 of steps 1..7 (unused in this mode): the
+        # consumer's entry (6) and its SM (7, the id in place of a clock), the K/V wait's start
+        # and end (4, 5), the last lagged dQ done (1, before the wait for the other consumer's),
+        # the dK and dV stores issued (3); the end (0, above).
+        entry = "    dtype: gl.constexpr = k_smem.dtype\n"
+        smid = (
+            "    _stamp(ALIBI, 6, 2, CONSUMER, seqlen_q)\n"
+            "    _sm = gl.inline_asm_elementwise('mov.u32 $0, %smid;', '=r,r', [seqlen_q],"
+            " dtype=gl.int32, is_pure=False, pack=1)\n"
+            "    gl.store(ALIBI.to(gl.pointer_type(gl.int64), bitcast=True)"
+            f" + gl.program_id(0).to(gl.int64) * {2 * STEPS * EVENTS}"
+            f" + (CONSUMER * {STEPS} + 7) * {EVENTS} + 2, _sm.to(gl.int64))\n"
+        )
+        kv = "    mbarrier.wait(kv_ready, 0)\n    if KV_REGS:\n"
+        wait = "        mbarrier.wait(ds_free.index((n_steps + 1) % 2), (n_steps // 2) & 1)\n"
+        stores = end.replace("    tma.store_wait(0)\n", "")
+        edits += [
+            (entry, entry + smid),
+            (
+                kv,
+                "    _stamp(ALIBI, 4, 2, CONSUMER, seqlen_q)\n"
+                + kv.replace(
+                    "    if KV_REGS:",
+                    "    _stamp(ALIBI, 5, 2, CONSUMER, seqlen_q)\n    if KV_REGS:",
+                ),
+            ),
+            (wait, "        _stamp(ALIBI, 1, 2, CONSUMER, seqlen_q)\n" + wait),
+            (end, stores + "    _stamp(ALIBI, 3, 2, CONSUMER, off_hk)\n    tma.store_wait(0)\n"),
+        ]
+    elif s_stamp:
         edits.append((
             "        s = warpgroup_mma_wait(1, deps=[s_tok])\n",
             "        s = warpgroup_mma_wait(1, deps=[s_tok])\n"
@@ -110,6 +155,43 @@ def _consumer("""
     return src
 
 
+def program_times(t_all: torch.Tensor, args) -> None:
+    """Per program (``--all-programs``): its steps (those with Q/dO landed, up to STEPS) and its
+    phases, consumer 0's (clocks of its SM): from the consumer's entry to the wait for K and V,
+    that wait, to the first step, the steps, the last lagged dQ, the wait for the other
+    consumer's and the epilogue's stores issued, the wait for their reads; medians over the
+    programs of each step count. Then the gap on each SM between a program's end and the next
+    program's entry (the CTA's exit, launch and setup)."""
+    phases = ("setup", "K/V wait", "to step 0", "steps", "last dQ", "ds wait+stores", "store read")
+    groups: dict[int, list[list[float]]] = {}
+    by_sm: dict[int, list[tuple[float, float]]] = {}
+    for t in t_all:
+        steps = int((t[0, :, 1] > 0).sum())
+        if steps == 0 or steps >= STEPS:
+            continue
+        c = t[0]
+        last = c[steps - 1, [1, 3, 4, 5, 6, 7]].max()
+        marks = [c[6, 2], c[4, 2], c[5, 2], c[0, 0], last, c[1, 2], c[3, 2], c[0, 2]]
+        groups.setdefault(steps, []).append([float(b - a) for a, b in itertools.pairwise(marks)])
+        by_sm.setdefault(int(c[7, 2]), []).append((float(c[6, 2]), float(c[0, 2])))
+    print(
+        f"S={args.seqlen} D={args.head_dim} causal={args.causal}: per program, consumer 0, clocks"
+    )
+    print("  steps programs total | " + " | ".join(phases))
+    for steps in sorted(groups):
+        rows = groups[steps]
+        med = [statistics.median(r[i] for r in rows) for i in range(len(phases))]
+        total = statistics.median(sum(r) for r in rows)
+        cells = " | ".join(f"{m:6.0f}" for m in med)
+        print(f"  {steps:5d} {len(rows):8d} {total:6.0f} | {cells}")
+    gaps = []
+    for runs in by_sm.values():
+        runs.sort()
+        gaps += [b[0] - a[1] for a, b in itertools.pairwise(runs)]
+    if gaps:
+        print(f"  between programs on an SM: median {statistics.median(gaps):.0f} clocks")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlen", type=int, default=8192)
@@ -117,6 +199,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--s-stamp", action="store_true", help="e2: S^T done")
+    parser.add_argument(
+        "--all-programs",
+        action="store_true",
+        help="stamp every program and print program times by their number of steps",
+    )
     parser.add_argument(
         "--dq-order",
         choices=("rule", "beside", "after"),
@@ -133,10 +220,11 @@ def main() -> None:
     if args.dq_order != "rule":
         forced = args.dq_order == "beside"
         bwd_sm90.dq_beside_dk = lambda *_: forced  # this process only
-    stamps = torch.zeros(2 * STEPS * EVENTS, device="cuda", dtype=torch.int64)
+    programs = -(-s // 128) * b * h if args.all_programs else 1
+    stamps = torch.zeros(programs * 2 * STEPS * EVENTS, device="cuda", dtype=torch.int64)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bwd_trace.py"
-        path.write_text(trace_source(args.s_stamp))
+        path.write_text(trace_source(args.s_stamp, args.all_programs))
         spec = importlib.util.spec_from_file_location("flashcore_bwd_trace", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -151,6 +239,9 @@ def main() -> None:
             torch.cuda.synchronize()
         finally:
             pb.alibi_arg = real_alibi_arg
+    if args.all_programs:
+        program_times(stamps.view(programs, 2, STEPS, EVENTS).cpu().double(), args)
+        return
     t_all = stamps.view(2, STEPS, EVENTS).cpu().double()
     n_steps = -(-s // 64)  # program 0 has key block 0, which every query block sees
     steps = range(4, min(60, n_steps - 2))
