@@ -203,24 +203,35 @@ def _staging_probe():
     return probe, found
 
 
-def step_loop_local_accesses(sass: str) -> list[int]:
-    """Local-memory loads and stores (``LDL``/``STL``: spills) inside each step loop of the SASS,
-    a loop being a conditional backward branch whose body holds tensor-core products (the mbarrier
-    waits' retry loops hold none; their unconditional jumps back are not loops)."""
+def step_loops(sass: str) -> list[list[str]]:
+    """The instructions of each step loop of the SASS, in address order: a loop being a
+    conditional backward branch whose body holds tensor-core products (the mbarrier waits' retry
+    loops hold none; their unconditional jumps back are not loops), the innermost where loops
+    nest."""
     code = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             code.append((int(m.group(1), 16), m.group(2).strip()))
-    counts = []
+    loops = []
     for addr, text in code:
         m = re.match(r"@!?U?P\d+\s+BRA\S*\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", text)
         if not m or int(m.group(1), 16) >= addr:
             continue
         body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
         if sum("HGMMA" in t for t in body) >= 8:
-            counts.append(sum(t.startswith(("LDL", "STL")) for t in body))
-    return counts
+            loops.append((int(m.group(1), 16), addr, body))
+    return [
+        body
+        for lo, hi, body in loops
+        if not any(lo <= a <= b <= hi and (a, b) != (lo, hi) for a, b, _ in loops)
+    ]
+
+
+def step_loop_local_accesses(sass: str) -> list[int]:
+    """Local-memory loads and stores (``LDL``/``STL``: spills) inside each step loop
+    (``step_loops``) of the SASS."""
+    return [sum(t.startswith(("LDL", "STL")) for t in body) for body in step_loops(sass)]
 
 
 def _instructions(ptx: str) -> list[str]:
@@ -552,6 +563,24 @@ def test_slot_freed_after_its_products(compiled):
             f"{row['variant']}: {row['frees_ordered']} of {row['frees']} arrives after the wait"
         )
         assert row["frees_beside_rs"] == beside, (row["variant"], row["frees_beside_rs"])
+
+
+def test_trace_build_still_applies():
+    """``scripts/hopper_bwd_trace.py`` edits the kernel's source as text; a change to the step
+    loop, the last dQ or the epilogue that its edits no longer match fails here, not later on
+    the GPU machine."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "hopper_bwd_trace.py"
+    spec = importlib.util.spec_from_file_location("hopper_bwd_trace", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # Nine stamps in the loop (e0, e1, e3, e4 and both dQ orders' e5-e7); --s-stamp one more;
+    # --all-programs six more around the loop (entry, K/V wait, last dQ, stores, end).
+    assert module.trace_source(False).count("_stamp(ALIBI") == 9
+    assert module.trace_source(True).count("_stamp(ALIBI") == 10
+    assert module.trace_source(False, all_programs=True).count("_stamp(ALIBI") == 15
 
 
 def main() -> int:
