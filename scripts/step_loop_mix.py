@@ -18,30 +18,12 @@ cuobjdump); no GPU.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SUITES = {"fwd": "test_compile_hopper", "bwd": "test_compile_hopper_bwd"}
-VECTOR_INT = ("IMAD", "IADD3", "LOP3", "LEA", "SHF", "VIADD", "MOV", "SGXT")
-
-
-def mix(body: list[str]) -> dict[str, int]:
-    """The counts printed for one loop's instructions (``step_loops``' bodies)."""
-    ops = collections.Counter((t.split()[1] if t.startswith("@") else t.split()[0]) for t in body)
-    base = collections.Counter()
-    for op, n in ops.items():
-        base[op.split(".")[0]] += n
-    return {
-        "instructions": len(body),
-        "HGMMA": base["HGMMA"],
-        "MUFU": base["MUFU"],
-        "uniform": sum(n for op, n in base.items() if op.startswith("U")),
-        "vector int": sum(base[op] for op in VECTOR_INT),
-        "local": base["LDL"] + base["STL"],
-    }
 
 
 def main() -> int:
@@ -51,7 +33,7 @@ def main() -> int:
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
-    from test_compile_hopper_bwd import step_loops
+    from test_compile_hopper_bwd import loop_mix, step_loops
 
     wanted = set(filter(None, args.variants.split(",")))
     columns = ("instructions", "HGMMA", "MUFU", "uniform", "vector int", "local")
@@ -72,7 +54,7 @@ def main() -> int:
                 continue
             module.compile_variant(variant)
             for i, body in enumerate(step_loops(listing["sass"])):
-                counts = mix(body)
+                counts = loop_mix(body)
                 cells = " ".join(f"{counts[c]:12d}" for c in columns)
                 print(f"{suite + ' ' + variant[0]:52s} {i:4d} {cells}", flush=True)
     return 0

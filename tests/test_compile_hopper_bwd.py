@@ -127,6 +127,7 @@ def compile_variant(variant) -> dict:
         "permuted_rows": permuted,
         "staging_conflicts": staging_bank_conflicts(cols, permuted, dq_layout),
         "step_loop_local": step_loop_local_accesses(sass),
+        "step_loop_mix": [loop_mix(body) for body in step_loops(sass)],
         "consumer_regs": cfg.consumer_regs,
         "dq_regs": cfg.dq_regs if cfg.dq_warpgroup else None,
         **report,
@@ -226,6 +227,28 @@ def step_loops(sass: str) -> list[list[str]]:
         for lo, hi, body in loops
         if not any(lo <= a <= b <= hi and (a, b) != (lo, hi) for a, b, _ in loops)
     ]
+
+
+# Integer and move instructions on the vector pipes: a step's slot, phase and address arithmetic
+# there instead of on the uniform datapath (``U*`` instructions) costs issue slots every step.
+VECTOR_INT = ("IMAD", "IADD3", "LOP3", "LEA", "SHF", "VIADD", "MOV", "SGXT")
+
+
+def loop_mix(body: list[str]) -> dict[str, int]:
+    """Instruction counts of one step loop (a ``step_loops`` body): all, products (HGMMA), the
+    multi-function unit (MUFU), the uniform datapath, vector integer, local loads and stores."""
+    ops: dict[str, int] = {}
+    for text in body:
+        op = (text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0]
+        ops[op] = ops.get(op, 0) + 1
+    return {
+        "instructions": len(body),
+        "HGMMA": ops.get("HGMMA", 0),
+        "MUFU": ops.get("MUFU", 0),
+        "uniform": sum(n for op, n in ops.items() if op.startswith("U")),
+        "vector int": sum(ops.get(op, 0) for op in VECTOR_INT),
+        "local": ops.get("LDL", 0) + ops.get("STL", 0),
+    }
 
 
 def step_loop_local_accesses(sass: str) -> list[int]:
@@ -563,6 +586,28 @@ def test_slot_freed_after_its_products(compiled):
             f"{row['variant']}: {row['frees_ordered']} of {row['frees']} arrives after the wait"
         )
         assert row["frees_beside_rs"] == beside, (row["variant"], row["frees_beside_rs"])
+
+
+# The plain D=128 builds (no score option, dense): their step loops' scalar work on the uniform
+# datapath. Now 116-127 uniform and 20-52 vector integer instructions a step; the persistent build
+# tried on a branch moved it to the vector pipes (49-58 uniform, 80-277 vector integer a step)
+# and measured 1-20% slower (docs/performance_backward.md, "Where a program's time goes outside
+# its steps").
+UNIFORM_LOOPS = (
+    "d128-bf16",
+    "d128-fp16-causal-ragged",
+    "d128-bf16-causal-long",
+    "d128-bf16-ragged",
+)
+
+
+def test_plain_step_loops_keep_their_scalars_uniform(compiled):
+    for row in compiled:
+        if row["variant"] not in UNIFORM_LOOPS:
+            continue
+        assert len(row["step_loop_mix"]) == 2, row["variant"]
+        for mix in row["step_loop_mix"]:
+            assert mix["uniform"] >= 100 and mix["vector int"] <= 60, (row["variant"], mix)
 
 
 def test_trace_build_still_applies():
