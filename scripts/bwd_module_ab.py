@@ -13,7 +13,8 @@ tokens, 16 heads at D = 128 and 32 at D = 64. Case groups (``--cases``):
 - ``window``, ``softcap``, ``alibi``: causal with a (256, 0) window, softcap 30 or ALiBi slopes
   (2048, 8192);
 - ``packed``: packed causal and non-causal batches at D = 128 (lengths drawn in 500..4000);
-- ``controls``: non-causal D = 128 and causal D = 64 at 8192.
+- ``controls``: non-causal D = 128 and causal D = 64 at 8192;
+- ``short``: dense D = 128 and D = 64, causal and not, at 512, 1024 and 2048.
 
 Prints TFLOP/s of each side (2.5x the forward's FLOPs, halved causal; packed from the sequences'
 own lengths), the ratio of the medians (tree / base, > 1: the tree is faster) with the range of the
@@ -91,6 +92,9 @@ CASES = {
     },
     "packed": lambda: [packed(True, 0), packed(True, 1), packed(False, 0)],
     "controls": lambda: [dense(8192, 128, False, ""), dense(8192, 64, True, "")],
+    "short": lambda: [
+        dense(s, d, c, "") for d in (128, 64) for c in (True, False) for s in (512, 1024, 2048)
+    ],
 }
 
 

@@ -238,10 +238,16 @@ def bwd_config(
 # 1.15x at 1024 but 0.96x at 512; D=64 non-causal 1.05x at 1024 but 0.68-0.91x at 512, causal
 # 0.96x at 1024 and 0.85x at 512. With dQ on a warpgroup of its own at D=64 (docs/
 # performance_backward.md, "dQ on a warpgroup of its own", two runs): causal 1.05x at 1024,
-# 0.91x at 512; non-causal 0.97x at 512; a window (256, 0) 1.01-1.05x at 2048 and 8192.
+# 0.91x at 512; non-causal 0.97x at 512; a window (256, 0) 1.01-1.05x at 2048 and 8192. Since
+# then K and V as register operands at D=64, dQ beside dK and the dQ conversion kernel; H200,
+# bf16, the FA sweep's shapes through autograd (flashcore-bench --providers
+# flashcore-portable,flashcore-sm90, two runs; docs/performance_backward.md, "The dQ conversion
+# and the short floors"): Hopper / portable 1.16x (D=64) and 1.13-1.14x (D=128 causal) at 512,
+# 1.08-1.09x (D=64 causal) and 1.27x (D=128 causal) at 1024. So every dense problem from 512 on
+# (the H100 was not measured again).
 SM90_BWD_MIN_SEQLEN_D128 = 512
-SM90_BWD_MIN_SEQLEN_D128_CAUSAL = 1024
-SM90_BWD_MIN_SEQLEN_D64 = 1024
+SM90_BWD_MIN_SEQLEN_D128_CAUSAL = 512
+SM90_BWD_MIN_SEQLEN_D64 = 512
 # Packed (varlen) batches, judged by their mean lengths, from these floors on. H100, bf16, 16
 # heads, about 32k tokens of lengths uniform in [m/2, 3m/2] for a mean m (scripts/
 # varlen_bench.py --mode bwd --set short, both tiers through autograd in one process, two

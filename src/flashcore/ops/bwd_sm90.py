@@ -38,6 +38,7 @@ from flashcore.ops.launch import Descriptor, Launcher, cached
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
 BLOCK_N = 128  # keys per program
+DQ_ROWS = 64  # rows a program of the dQ conversion (bwd_dq_kernel)
 # dQ leaves in (64, D / 2) fp32 tiles: each consumer reduce-adds half the columns of a step's dQ.
 
 
@@ -196,6 +197,15 @@ def kernels() -> tuple[Launcher, Launcher]:
     from flashcore.kernels.hopper import bwd
 
     return Launcher(bwd.bwd_prep_kernel, 7), Launcher(bwd.attn_bwd_sm90_kernel, 16)
+
+
+@functools.cache
+def dq_kernel() -> Launcher:
+    """Launcher of the dQ conversion (``bwd_dq_kernel``: the fp32 accumulator scaled and cast
+    into dq)."""
+    from flashcore.kernels.hopper import bwd
+
+    return Launcher(bwd.bwd_dq_kernel, 2)
 
 
 def supports(
@@ -390,12 +400,12 @@ def attn_bwd_sm90(
             (*descs, alibi_ptr, cu_q, cu_k, dk, dv, lse2, delta, *p.main_scalars, *grad_strides),
             p.main_meta,
         )
-    # The launcher's kernels accumulate dQ unscaled; one elementwise kernel scales and casts it.
-    if varlen is not None:
-        dq_acc = dq_acc[0].transpose(0, 1)
-    elif p.acc_shape[2] != q.shape[2]:
-        dq_acc = dq_acc[:, :, : q.shape[2]]
-    torch.mul(dq_acc, scale, out=dq)
+        # The main kernel accumulates dQ unscaled; one more kernel scales and casts it.
+        if varlen is None:
+            dq_strides = dq.stride()
+        else:
+            dq_strides = (0, dq.stride(1), dq.stride(0), dq.stride(2))
+        dq_kernel()(p.dq_grid, (dq_acc, dq, scale, *dq_strides, *p.dq_scalars), p.dq_meta)
     if p.split:
         groups = q.shape[1] // k.shape[1]
         dk, dv = _group_sum(dk, dk_out, groups), _group_sum(dv, dv_out, groups)
@@ -422,6 +432,9 @@ class Plan(NamedTuple):
     main_grid: tuple[int]
     main_scalars: tuple
     main_meta: dict
+    dq_grid: tuple[int]
+    dq_scalars: tuple  # heads, rows a head (Sq; packed total_q), the accumulator's rows a head
+    dq_meta: dict
 
 
 # Plans by problem signature (bounded by ops.launch.cached).
@@ -541,4 +554,6 @@ def _plan(
         copy_out, copy_dout, (box, dq_box(head_dim, cfg, permuted_rows)), layouts,
         (seqlen_pad // ROWS * rows_b * heads,), prep_scalars, prep_meta,
         (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,
+        (math.ceil(rows_q / DQ_ROWS) * rows_b * heads,), (heads, rows_q, acc_rows),
+        {"HEAD_DIM": real_head_dim, "BLOCK_D": head_dim, "BLOCK_M": DQ_ROWS, "num_warps": 4},
     )  # fmt: skip

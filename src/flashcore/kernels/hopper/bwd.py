@@ -359,6 +359,47 @@ def bwd_prep_kernel(
     tl.store(acc, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=in_acc)
 
 
+@triton.jit
+def bwd_dq_kernel(
+    DQ_ACC,
+    DQ,
+    scale,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    num_heads,
+    seqlen_q,
+    acc_rows,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """dQ out of the fp32 accumulator the main kernel reduce-added it into (unscaled):
+    ``DQ = scale * DQ_ACC`` rounded to DQ's dtype, one (BLOCK_M, D) tile a program, grid
+    ``cdiv(seqlen_q, BLOCK_M) * B * H``. ``DQ_ACC`` as ``bwd_prep_kernel`` takes it (contiguous
+    ``(B, H, acc_rows, HEAD_DIM)``; a packed batch's ``(1, H, total_q, HEAD_DIM)``); ``DQ`` by its
+    strides (a packed batch's ``(total_q, H, D)`` as batch stride 0, head and row strides). The
+    product and the rounding are those of ``torch.mul(acc, scale, out=dq)``, which took 66 us
+    where this takes about 50 (H200, 16k tokens, H = 16, D = 128: PyTorch's mixed-dtype
+    elementwise path loads one element at a time; here 16-byte loads and stores)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(seqlen_q, BLOCK_M)
+    off_bh = pid // n_tiles
+    start_m = (pid % n_tiles) * BLOCK_M
+    off_b = (off_bh // num_heads).to(tl.int64)
+    off_h = (off_bh % num_heads).to(tl.int64)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    rows = offs_m.to(tl.int64)[:, None]
+    mask = offs_m[:, None] < seqlen_q
+    if HEAD_DIM < BLOCK_D:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    acc = tl.load(DQ_ACC + (off_bh.to(tl.int64) * acc_rows + rows) * HEAD_DIM + offs_d, mask=mask)
+    dq = DQ + off_b * stride_qb + off_h * stride_qh + rows * stride_qm + offs_d * stride_qd
+    tl.store(dq, (acc * scale).to(DQ.dtype.element_ty), mask=mask)
+
+
 @gluon.jit
 def q_blocks(
     start_n,
