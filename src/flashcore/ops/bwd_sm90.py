@@ -6,8 +6,8 @@ off; ``scripts/hopper_bwd.py`` calls it directly.
 
 One call: ``bwd_prep_kernel`` (delta with the portable tier's ``tile_delta``, lse2) into padded
 fp32 row buffers, and the fp32 dQ accumulator zeroed (all three in one allocation);
-``attn_bwd_sm90_kernel`` (dK, dV written, dQ reduce-added); dQ scaled and cast into ``dq`` (one
-elementwise kernel).
+``attn_bwd_sm90_kernel`` (dK, dV written, dQ reduce-added); ``bwd_dq_kernel`` (dQ scaled and
+cast into ``dq``).
 """
 
 from __future__ import annotations

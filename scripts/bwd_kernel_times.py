@@ -1,0 +1,102 @@
+"""Device time of each kernel of one backward, per provider, on a GPU:
+
+    PYTHONPATH=src python scripts/bwd_kernel_times.py [--providers flashcore,fa4,cudnn]
+        [--shape D,CAUSAL,S ...]
+
+For each shape (bf16, the FA sweep's: B x S = 16384 tokens, H x D = 2048; default the five of
+docs/performance_backward.md, "The dQ conversion and the short floors"), ``torch.profiler`` over
+10 calls of ``autograd.grad`` on one kept forward (after 3 warm-ups): each kernel's device time
+per backward, the largest first, and their sum as TFLOP/s (2.5x the forward's FLOPs, halved
+causal). Device time only: launch gaps and host time are not in it (``flashcore-bench`` times
+the whole call). ``fa4`` needs FlashAttention-4 importable (``flash_attn.cute``); ``cudnn`` is
+SDPA forced to its cuDNN backend.
+"""
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+import flashcore
+
+SHAPES = ["128,0,1024", "128,1,1024", "64,0,512", "64,1,512", "128,0,8192"]
+CALLS = 10
+
+
+def provider(name: str, causal: bool, scale: float):
+    if name == "flashcore":
+        return lambda q, k, v: flashcore.attention(q, k, v, causal=causal)
+    if name == "cudnn":
+
+        def sdpa(q, k, v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+        return sdpa
+    if name == "fa4":
+        from flash_attn.cute import flash_attn_func
+
+        def fa4(q, k, v):
+            out = flash_attn_func(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
+                causal=causal,
+            )  # fmt: skip
+            out = out[0] if isinstance(out, tuple) else out
+            return out.transpose(1, 2)
+
+        return fa4
+    raise SystemExit(f"unknown provider {name!r}")
+
+
+def kernel_times(fn, leaves, dout) -> list[tuple[float, str]]:
+    """(us per backward, kernel name) of each kernel that ran at least once a backward."""
+    out = fn(*leaves)
+    for _ in range(3):
+        torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(CALLS):
+            torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", 0)
+        if total > 0 and event.count >= CALLS:
+            rows.append((total / CALLS, event.key))
+    return sorted(rows, reverse=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--providers", default="flashcore,fa4,cudnn")
+    parser.add_argument("--shape", action="append", help="D,CAUSAL,S (CAUSAL 0 or 1)")
+    args = parser.parse_args()
+    for spec in args.shape or SHAPES:
+        head_dim, causal, seqlen = (int(x) for x in spec.split(","))
+        batch, heads = 16384 // seqlen, 2048 // head_dim
+        torch.manual_seed(0)
+        shape = (batch, heads, seqlen, head_dim)
+        leaves = [
+            torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            for _ in range(3)
+        ]
+        dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+        for name in args.providers.split(","):
+            rows = kernel_times(provider(name, bool(causal), head_dim**-0.5), leaves, dout)
+            total = sum(t for t, _ in rows)
+            print(
+                f"D{head_dim} {'causal' if causal else 'full'} S{seqlen} B{batch} H{heads} {name}:"
+                f" {total:.1f} us ({flops / total / 1e6:.0f} TFLOP/s)"
+            )
+            for t, key in rows[:8]:
+                print(f"    {t:9.1f} us  {key[:90]}")
+            sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
