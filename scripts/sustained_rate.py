@@ -2,15 +2,19 @@
 ``triton.testing.do_bench``'s median of the same call (H100 machine; nvidia-smi sampled every
 100 ms, the first quarter of the samples dropped while the clock settles).
 
-    PYTHONPATH=src python scripts/sustained_rate.py [--seconds 3]
+    PYTHONPATH=src python scripts/sustained_rate.py [--seconds 3] [--mode fwd|bwd]
+        [--shape B,H,S,D] [--causal]
 
-Providers: cuBLAS (bf16 8192^3 ``torch.mm``), the Hopper forward (``use_tier("sm90")``), cuDNN's
-SDPA, and FlashAttention-4 where ``flash_attn.cute`` imports; D = 128, non-causal, (1, 16, 16384)
-bf16. "of peak at that clock": TFLOP/s over 132 SMs x 4096 dense bf16 FLOP per clock at the
-sampled SM clock. A board held at its power limit lowers the clock: do_bench's short windows
-(about 100 ms, with an L2 flush between calls) see more of the boost clock than a sustained load
-does, and not alike for every kernel (docs/performance.md, "Power, clocks and the two ways of
-timing").
+Providers: cuBLAS (bf16 8192^3 ``torch.mm``), the Hopper tier (``use_tier("sm90")``), cuDNN's
+SDPA, and FlashAttention-4 where ``flash_attn.cute`` imports; bf16, by default D = 128,
+non-causal, (1, 16, 16384). ``--mode bwd`` runs each provider's backward (``autograd.grad`` of
+one kept forward; 2.5x the forward's FLOPs): at (2, 16, 8192, 128) the FA sweep read ours
+9-11% under its kernels' device time and FA4's 3% under (H200; docs/performance_backward.md,
+"The dQ conversion and the short floors"). "of peak at that clock": TFLOP/s over 132 SMs x
+4096 dense bf16 FLOP per clock at the sampled SM clock. A board held at its power limit lowers
+the clock: do_bench's short windows (about 100 ms, with an L2 flush between calls) see more of
+the boost clock than a sustained load does, and not alike for every kernel (docs/performance.md,
+"Power, clocks and the two ways of timing").
 """
 
 from __future__ import annotations
@@ -61,27 +65,48 @@ def sustained(fn, flops: float, seconds: float) -> tuple[float, float, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--mode", choices=["fwd", "bwd"], default="fwd")
+    parser.add_argument("--shape", default="1,16,16384,128", help="B,H,S,D")
+    parser.add_argument("--causal", action="store_true")
     args = parser.parse_args()
-    shape = (1, 16, 16384, 128)
-    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    attn_flops = 4.0 * 16 * 16384 * 16384 * 128
+    batch, heads, seqlen, head_dim = (int(x) for x in args.shape.split(","))
+    shape = (batch, heads, seqlen, head_dim)
+    causal, backward = args.causal, args.mode == "bwd"
+    q, k, v = (
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+        for _ in range(3)
+    )
+    attn_flops = 4.0 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    attn_flops *= 2.5 if backward else 1.0
     a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
 
-    def ours():
+    def ours(q, k, v):
         with flashcore.use_tier("sm90"):
-            flashcore.attention(q, k, v)
+            return flashcore.attention(q, k, v, causal=causal)
 
-    def cudnn():
+    def cudnn(q, k, v):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def timed(attn):
+        """The call to time: the forward, or the backward of one kept forward."""
+        if not backward:
+            return lambda: attn(q, k, v)
+        out = attn(q, k, v)
+        dout = torch.randn_like(out)
+        return lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
     cases = [("cublas 8192^3", lambda: torch.mm(a, b), 2.0 * 8192**3)]
-    cases += [("flashcore sm90", ours, attn_flops), ("cudnn", cudnn, attn_flops)]
+    cases += [("flashcore sm90", timed(ours), attn_flops), ("cudnn", timed(cudnn), attn_flops)]
     try:
         from flash_attn.cute import flash_attn_func
 
-        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
-        cases.append(("fa4", lambda: flash_attn_func(qt, kt, vt, causal=False), attn_flops))
+        def fa4(q, k, v):
+            out = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=causal)
+            out = out[0] if isinstance(out, tuple) else out
+            return out.transpose(1, 2)
+
+        cases.append(("fa4", timed(fa4), attn_flops))
     except ImportError:
         print("fa4: flash_attn.cute does not import; skipped")
     for name, fn, flops in cases:
