@@ -1,6 +1,6 @@
 """Device time of each kernel of one backward, per provider, on a GPU:
 
-    PYTHONPATH=src python scripts/bwd_kernel_times.py [--providers flashcore,fa4,cudnn]
+    PYTHONPATH=src python scripts/bwd_kernel_times.py [--providers flashcore,fa4,sdpa-cudnn]
         [--shape D,CAUSAL,S ...]
 
 For each shape (bf16, the FA sweep's: B x S = 16384 tokens, H x D = 2048; default the five of
@@ -8,47 +8,33 @@ docs/performance_backward.md, "The dQ conversion and the short floors"), ``torch
 10 calls of ``autograd.grad`` on one kept forward (after 3 warm-ups): each kernel's device time
 per backward, the largest first, and their sum as TFLOP/s (2.5x the forward's FLOPs, halved
 causal). Device time only: launch gaps and host time are not in it (``flashcore-bench`` times
-the whole call). ``fa4`` needs FlashAttention-4 importable (``flash_attn.cute``); ``cudnn`` is
-SDPA forced to its cuDNN backend.
+the whole call). Providers by ``flashcore-bench``'s names (``fa4`` needs FlashAttention-4
+importable, ``flash_attn.cute``).
 """
 
 import argparse
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-import flashcore
+from flashcore.bench.cases import Case, Shape
+from flashcore.bench.providers import PROVIDERS
 
 SHAPES = ["128,0,1024", "128,1,1024", "64,0,512", "64,1,512", "128,0,8192"]
 CALLS = 10
 
 
-def provider(name: str, causal: bool, scale: float):
-    if name == "flashcore":
-        return lambda q, k, v: flashcore.attention(q, k, v, causal=causal)
-    if name == "cudnn":
+def provider(name: str, case: Case):
+    """The bench's provider ``name`` for ``case``, inside its backend context."""
+    prov = PROVIDERS[name]
+    fn = prov.prepare(case, torch.device("cuda"))
 
-        def sdpa(q, k, v):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    def call(q, k, v):
+        with prov.context():
+            return fn(q, k, v)
 
-        return sdpa
-    if name == "fa4":
-        from flash_attn.cute import flash_attn_func
-
-        def fa4(q, k, v):
-            out = flash_attn_func(
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-                causal=causal,
-            )  # fmt: skip
-            out = out[0] if isinstance(out, tuple) else out
-            return out.transpose(1, 2)
-
-        return fa4
-    raise SystemExit(f"unknown provider {name!r}")
+    return call
 
 
 def kernel_times(fn, leaves, dout) -> list[tuple[float, str]]:
@@ -71,7 +57,7 @@ def kernel_times(fn, leaves, dout) -> list[tuple[float, str]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--providers", default="flashcore,fa4,cudnn")
+    parser.add_argument("--providers", default="flashcore,fa4,sdpa-cudnn", help="bench names")
     parser.add_argument("--shape", action="append", help="D,CAUSAL,S (CAUSAL 0 or 1)")
     args = parser.parse_args()
     for spec in args.shape or SHAPES:
@@ -86,7 +72,10 @@ def main() -> int:
         dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
         flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
         for name in args.providers.split(","):
-            rows = kernel_times(provider(name, bool(causal), head_dim**-0.5), leaves, dout)
+            case = Case(
+                Shape(batch, heads, seqlen, head_dim, heads, seqlen, head_dim), bool(causal)
+            )
+            rows = kernel_times(provider(name, case), leaves, dout)
             total = sum(t for t, _ in rows)
             print(
                 f"D{head_dim} {'causal' if causal else 'full'} S{seqlen} B{batch} H{heads} {name}:"
