@@ -293,6 +293,20 @@ BLOCK_N = gl.constexpr(128)  # keys per program: two consumers x 64
 
 
 @triton.jit
+def row_tile(rows_per_head, num_heads, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's tile of a kernel over ``(B, H, rows_per_head, D)`` rows, one (BLOCK_M,
+    BLOCK_D) tile a program, grid ``cdiv(rows_per_head, BLOCK_M) * B * H``: ``(off_bh, off_b,
+    off_h, offs_m, offs_d)``, the batch and head as int64."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(rows_per_head, BLOCK_M)
+    off_bh = pid // n_tiles
+    start_m = (pid % n_tiles) * BLOCK_M
+    off_b = (off_bh // num_heads).to(tl.int64)
+    off_h = (off_bh % num_heads).to(tl.int64)
+    return off_bh, off_b, off_h, start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
+
+
+@triton.jit
 def bwd_prep_kernel(
     O,
     DO,
@@ -328,14 +342,7 @@ def bwd_prep_kernel(
     main kernel's reduce-adds (launched after it on the same stream; one kernel fewer than a
     separate fill). Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``. ``BLOCK_D``: the
     main kernel's head dim, a power of two of at least ``HEAD_DIM`` (the tensors')."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(seqlen_pad, BLOCK_M)
-    off_bh = pid // n_tiles
-    start_m = (pid % n_tiles) * BLOCK_M
-    off_b = (off_bh // num_heads).to(tl.int64)
-    off_h = (off_bh % num_heads).to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    off_bh, off_b, off_h, offs_m, offs_d = row_tile(seqlen_pad, num_heads, BLOCK_M, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]  # Sq x row stride may pass 2**31
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + rows * stride_om + offs_d
     do_ptrs = DO + off_b * stride_dob + off_h * stride_doh + rows * stride_dom + offs_d
@@ -384,14 +391,7 @@ def bwd_dq_kernel(
     PyTorch's mixed-dtype elementwise path moves one element at a time, this 16-byte pieces; 66.3
     against 49.0 us at 16k tokens, 16 heads, D = 128 (H200; docs/performance_backward.md, "The
     dQ conversion and the short floors")."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(seqlen_q, BLOCK_M)
-    off_bh = pid // n_tiles
-    start_m = (pid % n_tiles) * BLOCK_M
-    off_b = (off_bh // num_heads).to(tl.int64)
-    off_h = (off_bh % num_heads).to(tl.int64)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    off_bh, off_b, off_h, offs_m, offs_d = row_tile(seqlen_q, num_heads, BLOCK_M, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
     mask = offs_m[:, None] < seqlen_q
     if HEAD_DIM < BLOCK_D:
