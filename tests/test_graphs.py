@@ -9,7 +9,7 @@ the replay with an eager call on the same inputs. The eager calls run under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises on a synchronising CUDA call. The
 forward and the portable backward are deterministic (each output written by one program, no
 atomics), so those comparisons are exact. The Hopper backward (the default on an H100 from
-512 to 2048 queries and keys on, ``tuning.sm90_backward``; its eager FLOP floor is lifted here
+512 queries and keys on, ``tuning.sm90_backward``; its eager FLOP floor is lifted here
 by the fixture below, as a capture lifts it) reduce-adds dQ over key blocks in
 whatever order they finish: its dq is checked against the float64 reference with
 FlashAttention's rule instead, and with ``deterministic=True`` the same capture is again exact.
