@@ -242,12 +242,10 @@ def bwd_config(
 # then K and V as register operands at D=64, dQ beside dK and the dQ conversion kernel; H200,
 # bf16, the FA sweep's shapes through autograd (flashcore-bench --providers
 # flashcore-portable,flashcore-sm90, two runs; docs/performance_backward.md, "The dQ conversion
-# and the short floors"): Hopper / portable 1.16x (D=64) and 1.13-1.14x (D=128 causal) at 512,
-# 1.08-1.09x (D=64 causal) and 1.27x (D=128 causal) at 1024. So every dense problem from 512 on
-# (the H100 was not measured again).
-SM90_BWD_MIN_SEQLEN_D128 = 512
-SM90_BWD_MIN_SEQLEN_D128_CAUSAL = 512
-SM90_BWD_MIN_SEQLEN_D64 = 512
+# and the short floors"): Hopper / portable at 512 1.16x (D=64), 1.08-1.09x (D=64 causal),
+# 1.28x (D=128), 1.13-1.14x (D=128 causal); at 1024 1.22-1.33x. So every dense problem from 512
+# on, whatever its head dim or mask (the H100 was not measured again).
+SM90_BWD_MIN_SEQLEN = 512
 # Packed (varlen) batches, judged by their mean lengths, from these floors on. H100, bf16, 16
 # heads, about 32k tokens of lengths uniform in [m/2, 3m/2] for a mean m (scripts/
 # varlen_bench.py --mode bwd --set short, both tiers through autograd in one process, two
@@ -299,14 +297,14 @@ def sm90_backward(
     (docs/performance_backward.md): none of them changes the choice."""
     if flops < (SM90_BWD_MIN_FLOPS_GRAPH if graph else SM90_BWD_MIN_FLOPS):
         return False
-    if head_dim == 128 and varlen:
+    if not varlen:
+        floor = SM90_BWD_MIN_SEQLEN
+    elif head_dim == 128:
         floor = (
             SM90_BWD_MIN_SEQLEN_VARLEN_D128_CAUSAL if causal else SM90_BWD_MIN_SEQLEN_VARLEN_D128
         )
-    elif head_dim == 128:
-        floor = SM90_BWD_MIN_SEQLEN_D128_CAUSAL if causal else SM90_BWD_MIN_SEQLEN_D128
     else:
-        floor = SM90_BWD_MIN_SEQLEN_VARLEN_D64 if varlen else SM90_BWD_MIN_SEQLEN_D64
+        floor = SM90_BWD_MIN_SEQLEN_VARLEN_D64
     return min(seqlen_q, seqlen_k) >= floor
 
 
