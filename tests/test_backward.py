@@ -611,20 +611,20 @@ def test_sm90_dq_conversion_kernel(device, dtype, shape, acc_rows, packed):
     import triton
 
     from flashcore.kernels.hopper import bwd
+    from flashcore.ops.bwd_sm90 import dq_strides
 
     batch, heads, seqlen, dim = shape
     acc = torch.randn(batch, heads, acc_rows, dim, device=device, dtype=torch.float32) * 100
     scale = dim**-0.5
     if packed:
         dq = torch.full((seqlen, heads, dim), float("nan"), device=device, dtype=dtype)
-        strides = (0, dq.stride(1), dq.stride(0), dq.stride(2))
         want = torch.mul(acc[0].transpose(0, 1), scale).to(dtype)
     else:
         dq = torch.full((batch, seqlen, heads, dim), float("nan"), device=device, dtype=dtype)
         dq = dq.transpose(1, 2)
-        strides = dq.stride()
         want = torch.empty_like(dq)
         torch.mul(acc[:, :, :seqlen], scale, out=want)
+    strides = dq_strides(dq, packed)
     block_d = triton.next_power_of_2(dim)
     grid = (triton.cdiv(seqlen, 64) * batch * heads,)
     bwd.bwd_dq_kernel[grid](

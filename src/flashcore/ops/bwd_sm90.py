@@ -208,6 +208,15 @@ def dq_kernel() -> Launcher:
     return Launcher(bwd.bwd_dq_kernel, 2)
 
 
+def dq_strides(dq: torch.Tensor, packed: bool) -> tuple[int, ...]:
+    """``dq``'s batch, head, row and column strides as ``bwd_dq_kernel`` takes them: a dense
+    ``(B, H, Sq, D)``'s own; a packed batch's ``(total_q, H, D)`` as one sequence (batch stride
+    0)."""
+    if not packed:
+        return dq.stride()
+    return (0, dq.stride(1), dq.stride(0), dq.stride(2))
+
+
 def supports(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -401,11 +410,8 @@ def attn_bwd_sm90(
             p.main_meta,
         )
         # The main kernel accumulates dQ unscaled; one more kernel scales and casts it.
-        if varlen is None:
-            dq_strides = dq.stride()
-        else:
-            dq_strides = (0, dq.stride(1), dq.stride(0), dq.stride(2))
-        dq_kernel()(p.dq_grid, (dq_acc, dq, scale, *dq_strides, *p.dq_scalars), p.dq_meta)
+        strides = dq_strides(dq, varlen is not None)
+        dq_kernel()(p.dq_grid, (dq_acc, dq, scale, *strides, *p.dq_scalars), p.dq_meta)
     if p.split:
         groups = q.shape[1] // k.shape[1]
         dk, dv = _group_sum(dk, dk_out, groups), _group_sum(dv, dv_out, groups)
