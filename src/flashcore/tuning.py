@@ -260,23 +260,56 @@ SM90_BWD_MIN_SEQLEN = 512
 SM90_BWD_MIN_SEQLEN_VARLEN_D128 = 256
 SM90_BWD_MIN_SEQLEN_VARLEN_D128_CAUSAL = 384
 SM90_BWD_MIN_SEQLEN_VARLEN_D64 = 384
-# An eager call takes the Hopper backward from this many FLOPs on (the forward's 4 B H Sq Sk D,
-# halved for causal). Its host path costs about twice the portable one's (three launches, the
-# main one carrying nine tensor maps, the dQ conversion, the fp32 buffers): 432 against 216 us a
-# call on the H100 machine's host at (1, 4, 256, 128), so a smaller problem, whose kernels take
-# less than that, runs at the host's pace. H100, bf16, autograd.grad of one forward through
-# each tier, three rounds in one process (scripts/bwd_tier_floor.py), sm90 / portable time:
-# D=128 (1, 16, 1024) 1.22x and causal 1.21x, (2, 16, 1024) 1.52x / 2.11x, (1, 16, 2048) 1.37x /
-# 1.72x, (2, 16, 2048) 1.03x / 1.27x, (4, 16, 2048) 0.77x / 0.74x, (1, 32, 4096) on 8 kv heads
-# 0.75x / 0.57x; D=64 (2, 8, 2048) 1.61x / 1.70x, (4, 16, 2048) non-causal 1.55x, (8, 16, 2048)
-# 0.81x, (4, 32, 1024) 0.96x / 1.29x; packed batches of 4k tokens 1.7-3.3x. Captured into a
-# CUDA graph only the kernels count, and there the Hopper backward was ahead at every size
-# measured from the length floors on (flashcore-bench --cuda-graph --mode fwdbwd, graph ms per
-# forward + backward, each on one tier, sm90 / portable: D=128 (1, 16, 1024) 0.92x and causal
-# 0.86x, (2, 8, 2048) 0.78x / 0.55x; D=64 (2, 8, 2048) 0.87x / 0.59x, (1, 32, 1024) 0.96x /
-# 0.71x), so a capture has no FLOP floor.
+# An eager call takes the Hopper backward from this much work on (``sm90_backward_work``: the
+# forward's 4 B H Sq Sk D, halved for causal, plus what the kernel's grid spends besides). Its
+# host path costs about twice the portable one's (three launches, the main one carrying nine
+# tensor maps, the dQ conversion, the fp32 buffers): 432 against 216 us a call on the H100
+# machine's host at (1, 4, 256, 128), so a smaller problem, whose kernels take less than that,
+# runs at the host's pace. H100, bf16, autograd.grad of one forward through each tier, three
+# rounds in one process (scripts/bwd_tier_floor.py), sm90 / portable time: D=128 (1, 16, 1024)
+# 1.22x and causal 1.21x, (2, 16, 1024) 1.52x / 2.11x, (1, 16, 2048) 1.37x / 1.72x, (2, 16,
+# 2048) 1.03x / 1.27x, (4, 16, 2048) 0.77x / 0.74x, (1, 32, 4096) on 8 kv heads 0.75x / 0.57x;
+# D=64 (2, 8, 2048) 1.61x / 1.70x, (4, 16, 2048) non-causal 1.55x, (8, 16, 2048) 0.81x, (4, 32,
+# 1024) 0.96x / 1.29x; packed batches of 4k tokens 1.7-3.3x. Captured into a CUDA graph only the
+# kernels count, and there the Hopper backward was ahead at every size measured from the length
+# floors on (flashcore-bench --cuda-graph --mode fwdbwd, graph ms per forward + backward, each on
+# one tier, sm90 / portable: D=128 (1, 16, 1024) 0.92x and causal 0.86x, (2, 8, 2048) 0.78x /
+# 0.55x; D=64 (2, 8, 2048) 0.87x / 0.59x, (1, 32, 1024) 0.96x / 0.71x), so a capture has no
+# floor.
 SM90_BWD_MIN_FLOPS = 6e10
 SM90_BWD_MIN_FLOPS_GRAPH = 0.0
+# What a program of the Hopper backward (one 128-key block of one kv head) costs besides its
+# steps, in steps of 64 query rows: 9000-11000 clocks of launch, setup, the first K/V load and
+# the tail (the last dQ, the dK/dV stores), two to three steps' time (H200 trace, docs/
+# performance_backward.md, "Where a program's time goes outside its steps"). Many short programs
+# make the kernels' time outgrow the FLOP count: H200, bf16, scripts/bwd_tier_floor.py, two
+# device calls, sm90 / portable time at 3.4e10 FLOPs: (32, 16, 512, 128) causal 0.98x / 0.88x
+# and (32, 32, 512, 64) causal 0.93x / 0.97x (2048-4096 programs; this work 6.4e10), against
+# (2, 16, 2048, 128) causal 1.13x and (2, 8, 2048, 128) 1.63x (128-512 programs; 3.7-4.2e10);
+# every problem measured from 6.1e10 of this work on was 0.71-0.98x (20 of 20); under 5e10 9 of
+# 12 were 1.02-1.91x (docs/performance_backward.md, "The eager floor counts programs").
+SM90_BWD_PROGRAM_STEPS = 2.5
+
+
+def sm90_backward_work(
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    seqlen_q: float,
+    seqlen_k: float,
+    head_dim: int,
+    causal: bool,
+    rows: int,
+    keys: int,
+) -> float:
+    """The Hopper backward's work in the forward's FLOP count, as its grid does it: the products
+    (``4 B H Sq Sk D``, halved for causal), and for each program (``keys`` keys of one kv head)
+    ``SM90_BWD_PROGRAM_STEPS`` steps of ``rows`` query rows, one more with causal (its diagonal
+    tile computed whole). Packed batches pass their mean lengths."""
+    step = 4.0 * rows * keys * head_dim
+    programs = batch * kv_heads * -(-seqlen_k // keys)
+    flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim / (2 if causal else 1)
+    return flops + programs * (SM90_BWD_PROGRAM_STEPS + causal) * step
 
 
 def sm90_backward(
@@ -290,7 +323,7 @@ def sm90_backward(
     varlen: bool = False,
 ) -> bool:
     """Whether "auto" takes the Hopper backward for this problem (where it measured faster);
-    ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``graph``: the call is being
+    ``flops``: its work as ``sm90_backward_work`` counts it; ``graph``: the call is being
     captured into a CUDA graph (the kernels' time alone counts); ``varlen``: a packed batch,
     whose lengths are its mean ones. A sliding window measured 1.01-1.05x the portable backward
     at D=64 (S = 2048, 8192) and 1.09-1.14x at D=128; softcap 1.29-1.56x, ALiBi 1.00-1.34x

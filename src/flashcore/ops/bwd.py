@@ -10,7 +10,7 @@ import torch
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
 from flashcore.ops.launch import Launcher, cached
-from flashcore.tuning import BwdConfig, bwd_config, head_block, sm90_backward
+from flashcore.tuning import BwdConfig, bwd_config, head_block, sm90_backward, sm90_backward_work
 
 
 def d_panels(head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -211,11 +211,13 @@ def _takes_sm90(
         lengths = q.shape[2], k.shape[2]
     else:
         lengths = q.shape[0] / dims.batch, k.shape[0] / dims.batch
-    flops = 4.0 * dims.batch * dims.heads * lengths[0] * lengths[1] * head_dim
-    wanted = runtime.tier_forced() or sm90_backward(
-        *lengths, head_dim, flops / 2 if causal else flops, causal, capturing,
-        varlen=varlen is not None,
+    work = sm90_backward_work(
+        dims.batch, dims.heads, dims.kv_heads, *lengths, head_dim, causal,
+        bwd_sm90.ROWS, bwd_sm90.BLOCK_N,
     )  # fmt: skip
+    wanted = runtime.tier_forced() or sm90_backward(
+        *lengths, head_dim, work, causal, capturing, varlen=varlen is not None
+    )
     return wanted and bwd_sm90.supports(
         q, k, v, dq, dk, dv, window=window, alibi=alibi_slopes, varlen=varlen is not None
     )
