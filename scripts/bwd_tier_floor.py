@@ -1,6 +1,7 @@
 """Device-side: the eager backward on each tier ("portable", "sm90", "auto") across problem
 sizes, and a cProfile of each tier's backward at a small shape: where the Hopper backward's
-heavier host path stops mattering (``tuning.SM90_BWD_MIN_FLOPS``).
+heavier host path stops mattering (``tuning.SM90_BWD_MIN_FLOPS``, applied to
+``tuning.sm90_backward_work``).
 
 Usage: PYTHONPATH=src python scripts/bwd_tier_floor.py [time|profile|seed] [B,H,S,D,Hkv ...]
 
@@ -28,6 +29,7 @@ from hopper_host import profiled
 import flashcore
 from flashcore import tuning
 from flashcore.ops import bwd
+from flashcore.ops.bwd_sm90 import BLOCK_N, ROWS
 
 TIERS = ("portable", "sm90", "auto")
 SHAPES = [  # (B, H, S, D, Hkv)
@@ -60,8 +62,9 @@ def backward(shape: tuple, causal: bool, tier: str):
 def timing(shapes: list[tuple]) -> None:
     for shape in shapes:
         for causal in (False, True):
-            b, h, s, d, _ = shape
+            b, h, s, d, hkv = shape
             flops = 4.0 * b * h * s * s * d / (2 if causal else 1)
+            work = tuning.sm90_backward_work(b, h, hkv, s, s, d, causal, ROWS, BLOCK_N)
             runs = {t: backward(shape, causal, t) for t in TIERS}
             times: dict[str, list[float]] = {t: [] for t in TIERS}
             for r in range(3):
@@ -71,7 +74,8 @@ def timing(shapes: list[tuple]) -> None:
             walls = {t: loop(runs[t], 200) for t in TIERS}
             cells = " | ".join(f"{t} {med[t]:7.1f} us (loop {walls[t]:6.1f})" for t in TIERS)
             print(
-                f"{shape!s:28s} causal={int(causal)} fwdflops={flops:.2e} | {cells} | "
+                f"{shape!s:28s} causal={int(causal)} fwdflops={flops:.2e} work={work:.2e} | "
+                f"{cells} | "
                 f"sm90/portable {med['sm90'] / med['portable']:.2f}",
                 flush=True,
             )
