@@ -286,7 +286,7 @@ SM90_BWD_MIN_FLOPS_GRAPH = 0.0
 # device calls, sm90 / portable time at 3.4e10 FLOPs: (32, 16, 512, 128) causal 0.98x / 0.88x
 # and (32, 32, 512, 64) causal 0.93x / 0.97x (2048-4096 programs; this work 6.4e10), against
 # (2, 16, 2048, 128) causal 1.13x and (2, 8, 2048, 128) 1.63x (128-512 programs; 3.7-4.2e10);
-# every problem measured from 6.1e10 of this work on was 0.71-0.98x (20 of 20); under 5e10 9 of
+# every problem measured from 6.1e10 of this work on was 0.72-0.98x (20 of 20); under 5e10 9 of
 # 12 were 1.02-1.91x (docs/performance_backward.md, "The eager floor counts programs").
 SM90_BWD_PROGRAM_STEPS = 2.5
 
@@ -303,13 +303,15 @@ def sm90_backward_work(
     keys: int,
 ) -> float:
     """The Hopper backward's work in the forward's FLOP count, as its grid does it: the products
-    (``4 B H Sq Sk D``, halved for causal), and for each program (``keys`` keys of one kv head)
-    ``SM90_BWD_PROGRAM_STEPS`` steps of ``rows`` query rows, one more with causal (its diagonal
-    tile computed whole). Packed batches pass their mean lengths."""
+    (``4 B H Sq Sk D``, halved for causal), ``SM90_BWD_PROGRAM_STEPS`` steps of ``rows`` query
+    rows for each program (``keys`` keys of one kv head) and, causal, one more step for each
+    query head's key block (its diagonal tile, computed whole). Packed batches pass their mean
+    lengths."""
     step = 4.0 * rows * keys * head_dim
-    programs = batch * kv_heads * -(-seqlen_k // keys)
+    blocks = -(-seqlen_k // keys)
     flops = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim / (2 if causal else 1)
-    return flops + programs * (SM90_BWD_PROGRAM_STEPS + causal) * step
+    steps = batch * blocks * (kv_heads * SM90_BWD_PROGRAM_STEPS + (heads if causal else 0))
+    return flops + steps * step
 
 
 def sm90_backward(
