@@ -122,12 +122,13 @@ def compile_variant(variant) -> dict:
     cols = head_dim if cfg.dq_warpgroup else head_dim // 2
     # The kernel's DQ_LAG rule: softcap or ALiBi at D=128 keep each step's dQ in its step.
     dq_in_step = head_dim == 128 and ("SOFTCAP" in options or "HAS_ALIBI" in options)
+    mixes = [loop_mix(body) for body in step_loops(sass)]
     return {
         "variant": label,
         "permuted_rows": permuted,
         "staging_conflicts": staging_bank_conflicts(cols, permuted, dq_layout),
-        "step_loop_local": step_loop_local_accesses(sass),
-        "step_loop_mix": [loop_mix(body) for body in step_loops(sass)],
+        "step_loop_local": [mix["local"] for mix in mixes],
+        "step_loop_mix": mixes,
         "consumer_regs": cfg.consumer_regs,
         "dq_regs": cfg.dq_regs if cfg.dq_warpgroup else None,
         **report,
@@ -249,12 +250,6 @@ def loop_mix(body: list[str]) -> dict[str, int]:
         "vector int": sum(ops.get(op, 0) for op in VECTOR_INT),
         "local": ops.get("LDL", 0) + ops.get("STL", 0),
     }
-
-
-def step_loop_local_accesses(sass: str) -> list[int]:
-    """Local-memory loads and stores (``LDL``/``STL``: spills) inside each step loop
-    (``step_loops``) of the SASS."""
-    return [sum(t.startswith(("LDL", "STL")) for t in body) for body in step_loops(sass)]
 
 
 def _instructions(ptx: str) -> list[str]:

@@ -318,19 +318,19 @@ def sm90_backward(
     seqlen_q: float,
     seqlen_k: float,
     head_dim: int,
-    flops: float,
+    work: float,
     causal: bool = False,
     graph: bool = False,
     *,
     varlen: bool = False,
 ) -> bool:
     """Whether "auto" takes the Hopper backward for this problem (where it measured faster);
-    ``flops``: its work as ``sm90_backward_work`` counts it; ``graph``: the call is being
+    ``work``: its FLOPs as ``sm90_backward_work`` counts them; ``graph``: the call is being
     captured into a CUDA graph (the kernels' time alone counts); ``varlen``: a packed batch,
     whose lengths are its mean ones. A sliding window measured 1.01-1.05x the portable backward
     at D=64 (S = 2048, 8192) and 1.09-1.14x at D=128; softcap 1.29-1.56x, ALiBi 1.00-1.34x
     (docs/performance_backward.md): none of them changes the choice."""
-    if flops < (SM90_BWD_MIN_FLOPS_GRAPH if graph else SM90_BWD_MIN_FLOPS):
+    if work < (SM90_BWD_MIN_FLOPS_GRAPH if graph else SM90_BWD_MIN_FLOPS):
         return False
     if not varlen:
         floor = SM90_BWD_MIN_SEQLEN
