@@ -100,6 +100,7 @@ def compile_variant(variant) -> dict:
         VARLEN="VARLEN" in options,
         PERMUTED_ROWS=permuted,
         DQ_BESIDE_DK=bwd_sm90.dq_beside_dk(cfg, causal, "VARLEN" in options, seqlen_q),
+        PDL=bwd_sm90.PDL,
         **{flag: flag in options for flag in SCORE_FLAGS},
     )  # fmt: skip
     fn = bwd.attn_bwd_sm90_kernel

@@ -39,6 +39,11 @@ from flashcore.ops.launch import Descriptor, Launcher, cached
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
 BLOCK_N = 128  # keys per program
 DQ_ROWS = 64  # rows a program of the dQ conversion (bwd_dq_kernel)
+# Programmatic dependent launch of the main kernel after the prep kernel and of the dQ conversion
+# after the main kernel (``launch_pdl``; each waits with ``griddepcontrol.wait`` before reading
+# what the grid before it writes): the main kernel's first programs set up and load K and V while
+# the prep kernel's last ones run, and the launch gaps between the three close.
+PDL = True
 # dQ leaves in (64, D / 2) fp32 tiles: each consumer reduce-adds half the columns of a step's dQ.
 
 
@@ -510,6 +515,7 @@ def _plan(
         "BLOCK_D": head_dim,
         "BLOCK_M": ROWS,
         "HAS_DLSE": dlse is not None,
+        "PDL": PDL,
         "num_warps": 4,
     }
     lpt_heads = 1
@@ -539,8 +545,10 @@ def _plan(
         "VARLEN": varlen is not None,
         "PERMUTED_ROWS": permuted_rows,
         "DQ_BESIDE_DK": dq_beside_dk(cfg, sc.is_causal, varlen is not None, seqlen_q),
+        "PDL": PDL,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
+        "launch_pdl": PDL,
     }
     box = [1, 1, ROWS, head_dim]
     layouts = (
@@ -561,5 +569,8 @@ def _plan(
         (seqlen_pad // ROWS * rows_b * heads,), prep_scalars, prep_meta,
         (math.ceil(seqlen_k / BLOCK_N) * batch * grad_heads,), main_scalars, main_meta,
         (math.ceil(rows_q / DQ_ROWS) * rows_b * heads,), (heads, rows_q, acc_rows),
-        {"HEAD_DIM": real_head_dim, "BLOCK_D": head_dim, "BLOCK_M": DQ_ROWS, "num_warps": 4},
+        {
+            "HEAD_DIM": real_head_dim, "BLOCK_D": head_dim, "BLOCK_M": DQ_ROWS, "PDL": PDL,
+            "num_warps": 4, "launch_pdl": PDL,
+        },
     )  # fmt: skip

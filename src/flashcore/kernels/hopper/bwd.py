@@ -265,6 +265,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashcore.kernels.bwd_delta import tile_delta
 from flashcore.kernels.common import load_lse2
@@ -306,6 +307,18 @@ def row_tile(rows_per_head, num_heads, BLOCK_M: tl.constexpr, BLOCK_D: tl.conste
     return off_bh, off_b, off_h, start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
 
 
+@gluon.jit
+def _grid_dependency(WAIT: gl.constexpr):
+    """Programmatic dependent launch: with WAIT, ``griddepcontrol.wait`` (until the grid this one
+    was launched after has completed and its writes are visible); else
+    ``griddepcontrol.launch_dependents`` (the next grid, launched with ``launch_pdl``, may start
+    once every program of this one has passed here)."""
+    asm: gl.constexpr = "griddepcontrol.wait;" if WAIT else "griddepcontrol.launch_dependents;"
+    gl.inline_asm_elementwise(
+        asm + " mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
 @triton.jit
 def bwd_prep_kernel(
     O,
@@ -333,6 +346,7 @@ def bwd_prep_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Row stats of the backward, one (BLOCK_M, D) tile a program: ``delta = rowsum(dO * O) -
     dlse`` (``tile_delta``, as the portable dQ kernel) and ``lse2`` (``load_lse2``: +inf for a row
@@ -342,6 +356,9 @@ def bwd_prep_kernel(
     main kernel's reduce-adds (launched after it on the same stream; one kernel fewer than a
     separate fill). Grid ``cdiv(seqlen_pad, BLOCK_M) * B * H``. ``BLOCK_D``: the
     main kernel's head dim, a power of two of at least ``HEAD_DIM`` (the tensors')."""
+    if PDL:
+        # The main kernel may launch now; it waits for this grid before reading what it writes.
+        gdc_launch_dependents()
     off_bh, off_b, off_h, offs_m, offs_d = row_tile(seqlen_pad, num_heads, BLOCK_M, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]  # Sq x row stride may pass 2**31
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + rows * stride_om + offs_d
@@ -381,6 +398,7 @@ def bwd_dq_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """dQ out of the fp32 accumulator the main kernel reduce-added it into (unscaled):
     ``DQ = scale * DQ_ACC`` rounded to DQ's dtype, one (BLOCK_M, D) tile a program, grid
@@ -393,6 +411,9 @@ def bwd_dq_kernel(
     dQ conversion and the short floors")."""
     off_bh, off_b, off_h, offs_m, offs_d = row_tile(seqlen_q, num_heads, BLOCK_M, BLOCK_D)
     rows = offs_m.to(tl.int64)[:, None]
+    if PDL:
+        # Launched while the main kernel runs: its reduce-adds complete before DQ_ACC is read.
+        gdc_wait()
     mask = offs_m[:, None] < seqlen_q
     if HEAD_DIM < BLOCK_D:
         mask = mask & (offs_d[None, :] < HEAD_DIM)
@@ -556,6 +577,7 @@ def _producer(
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     VARLEN: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
     start_n, _, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = key_block(
         CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
@@ -587,6 +609,11 @@ def _producer(
             _load_kv(k_desc, v_desc, desc_b, kv_head, key, kv_ready, k_smem, v_smem)
     else:
         _load_kv(k_desc, v_desc, desc_b, kv_head, key, kv_ready, k_smem, v_smem)
+    if PDL:
+        # Launched while bwd_prep_kernel may still run: K and V are inputs, but the row stats
+        # and the zeroed dQ accumulator are its output (the consumers reduce into the latter
+        # only after this warp's first step loads, so after this wait).
+        _grid_dependency(True)
     lo, n_m = q_blocks(
         start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
     )
@@ -1040,7 +1067,11 @@ def attn_bwd_sm90_kernel(
     VARLEN: gl.constexpr = False,
     PERMUTED_ROWS: gl.constexpr = False,
     DQ_BESIDE_DK: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
+    if PDL:
+        # The dQ conversion may launch now (it waits for this grid before reading DQ_ACC).
+        _grid_dependency(False)
     # The dQ staging rows' order follows from the dQ descriptor's box (``bwd_dq.stage_dq``); the
     # flag states it among the constexprs, which key the launcher's compiled kernels.
     gl.static_assert(permuted_box(dq_desc.block_type.shape) == PERMUTED_ROWS)
@@ -1127,7 +1158,7 @@ def attn_bwd_sm90_kernel(
                     do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, fix_bar, CU_Q,
                     CU_K, LSE2, DELTA, kv_heads, kv_group, kv_share, seqlen_q, seqlen_k, lpt_heads,
                     seqlen_pad, window_left, window_right, total_q, total_k, NUM_STAGES,
-                    IS_CAUSAL, HAS_WINDOW, VARLEN,
+                    IS_CAUSAL, HAS_WINDOW, VARLEN, PDL,
                 )),
             ],
             [4, 4, 1],
@@ -1159,7 +1190,7 @@ def attn_bwd_sm90_kernel(
                     do_smem, lse_smem, delta_smem, kv_ready, qd_ready, qd_empty, fix_bar, CU_Q,
                     CU_K, LSE2, DELTA, kv_heads, kv_group, kv_share, seqlen_q, seqlen_k, lpt_heads,
                     seqlen_pad, window_left, window_right, total_q, total_k, NUM_STAGES,
-                    IS_CAUSAL, HAS_WINDOW, VARLEN,
+                    IS_CAUSAL, HAS_WINDOW, VARLEN, PDL,
                 )),
             ],
             [4, 1],
