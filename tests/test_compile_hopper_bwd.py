@@ -138,6 +138,9 @@ def compile_variant(variant) -> dict:
         "tma_store": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*global\.shared", ptx)),
         "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::cluster\.global", ptx)),
         "atomics": len(re.findall(r"\b(red|atom)\.global", ptx)),
+        "pdl": consts["PDL"],
+        "gdc_launch": ptx.count("griddepcontrol.launch_dependents"),
+        "gdc_wait": ptx.count("griddepcontrol.wait"),
         "dq_in_step": dq_in_step,
         "dq_warpgroup": cfg.dq_warpgroup,
         # The kernel takes DQ_BESIDE_DK where it runs each dQ a step late (not dq_in_step).
@@ -544,6 +547,17 @@ def test_products_on_tensor_cores(compiled):
             assert (row["hgmma_register_a"], row["hgmma_shared_a"]) == (32, 8), row["variant"]
         elif row["dq_warpgroup"]:
             assert (row["hgmma_register_a"], row["hgmma_shared_a"]) == (16, 24), row["variant"]
+
+
+def test_dependent_launch(compiled):
+    """With ``PDL`` (ops/bwd_sm90.py) the kernel lets the dQ conversion launch at its start
+    (``griddepcontrol.launch_dependents``) and waits for the prep kernel once, in the producer
+    (``griddepcontrol.wait``: the row stats and the zeroed dQ accumulator are the prep's output),
+    and with packed batches also in a program that returns at entry (so that no grid completes
+    before the prep); without it, neither."""
+    for row in compiled:
+        waits = (2 if row["varlen"] else 1) if row["pdl"] else 0
+        assert (row["gdc_launch"], row["gdc_wait"]) == (int(row["pdl"]), waits), row["variant"]
 
 
 def test_dq_by_tma_reduce_add(compiled):

@@ -1081,6 +1081,10 @@ def attn_bwd_sm90_kernel(
             CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
         )
         if start_n >= n_keys:
+            if PDL:
+                # Every program waits for the prep kernel, so that this grid (and the dQ
+                # conversion, which waits for it) never completes before the prep.
+                _grid_dependency(True)
             return
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA box per slot.
