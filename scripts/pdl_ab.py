@@ -2,6 +2,7 @@
 process on the GPU machine:
 
     PYTHONPATH=src python scripts/pdl_ab.py [--rounds 5] [--cases short,causal,full,controls]
+    PYTHONPATH=src python scripts/pdl_ab.py --graph [--rounds 6]
 
 The same kernel module and plans either way; with ``PDL`` on, the main kernel launches after the
 prep kernel and the dQ conversion after the main kernel with ``launch_pdl`` (each waits with
@@ -9,16 +10,31 @@ prep kernel and the dQ conversion after the main kernel with ``launch_pdl`` (eac
 ``bwd_module_ab.py``. Prints TFLOP/s of each side (``attn_bwd_sm90`` alone, ``do_bench``
 medians of rotated rounds), the ratio (pdl / plain: > 1, PDL is faster) with the range of the
 per-round ratios, and whether dK and dV are bit for bit equal and dQ's largest difference.
+
+``--graph``: small problems (``GRAPH_SHAPES``), each side's ``attn_bwd_sm90`` called 20 times
+in one CUDA graph (captured after three calls on a side stream), the replay timed with
+``do_bench`` in alternating order; us per backward (medians), the ratio (pdl / plain: < 1, PDL
+is faster), each side's range, and whether dK and dV are bit for bit equal.
 """
 
 import argparse
 import sys
 
 import torch
+import triton
 from bwd_module_ab import CASES
-from dq_rows_ab import rotated
+from dq_rows_ab import problem, rotated
 
 from flashcore.ops import bwd_sm90 as sm90
+
+SIDES = ("plain", "pdl")
+# (B, H, S, D, causal): where the launches and the setup weigh against the kernels.
+GRAPH_SHAPES = [
+    (1, 8, 512, 64, False), (1, 8, 512, 64, True), (2, 8, 2048, 64, False),
+    (2, 8, 2048, 64, True), (2, 8, 2048, 128, False), (2, 8, 2048, 128, True),
+    (4, 16, 1024, 128, False), (1, 16, 1024, 128, True), (8, 16, 512, 128, True),
+]  # fmt: skip
+GRAPH_CALLS = 20
 
 
 def select(side: str) -> None:
@@ -29,13 +45,13 @@ def select(side: str) -> None:
 
 def compare(name, flops, call, rounds) -> str:
     results = {}
-    for side in ("plain", "pdl"):
+    for side in SIDES:
         select(side)
         results[side] = [t.clone() for t in call()[:3]]
     plain, pdl = results["plain"], results["pdl"]
     same_kv = all(torch.equal(a, b) for a, b in zip(plain[1:], pdl[1:], strict=True))
     dq_diff = (plain[0].float() - pdl[0].float()).abs().max().item()
-    times, med = rotated(dict.fromkeys(("plain", "pdl"), call), rounds, select)
+    times, med = rotated(dict.fromkeys(SIDES, call), rounds, select)
     ratios = sorted(a / b for a, b in zip(times["plain"], times["pdl"], strict=True))
     rates = " ".join(f"{side} {flops / ms / 1e9:.1f}" for side, ms in med.items())
     return (
@@ -44,12 +60,48 @@ def compare(name, flops, call, rounds) -> str:
     )
 
 
+def graph_case(batch, heads, seqlen, head_dim, causal, rounds) -> str:
+    args, opts = problem(batch, heads, seqlen, head_dim, causal)
+    graphs, grads = {}, {}
+    for side in SIDES:
+        select(side)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                out = sm90.attn_bwd_sm90(*args, **opts)
+        torch.cuda.current_stream().wait_stream(stream)
+        grads[side] = [t.clone() for t in out[1:3]]
+        graphs[side] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graphs[side]):
+            for _ in range(GRAPH_CALLS):
+                sm90.attn_bwd_sm90(*args, **opts)
+    same_kv = all(torch.equal(a, b) for a, b in zip(grads["plain"], grads["pdl"], strict=True))
+    times = {side: [] for side in SIDES}
+    for r in range(rounds):
+        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
+            ms = triton.testing.do_bench(graphs[side].replay, warmup=25, rep=200)
+            times[side].append(ms * 1000 / GRAPH_CALLS)
+    med = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
+    spread = " ".join(f"{side} {min(t):.2f}-{max(t):.2f}" for side, t in times.items())
+    return (
+        f"({batch}, {heads}, {seqlen}, {head_dim}) causal {causal}: plain {med['plain']:.2f} us"
+        f" pdl {med['pdl']:.2f} us, pdl/plain {med['pdl'] / med['plain']:.3f} ({spread})"
+        f" dk,dv equal {same_kv}"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", default="short,causal,full,controls")
+    parser.add_argument("--graph", action="store_true", help="small problems under CUDA graphs")
     args = parser.parse_args()
     torch.manual_seed(0)
+    if args.graph:
+        for shape in GRAPH_SHAPES:
+            print(graph_case(*shape, args.rounds), flush=True)
+        return 0
     for group in args.cases.split(","):
         for name, flops, call in CASES[group]():
             print(compare(name, flops, call, args.rounds), flush=True)
