@@ -323,7 +323,9 @@ def _grid_dependency(WAIT: gl.constexpr):
     """Programmatic dependent launch: with WAIT, ``griddepcontrol.wait`` (until the grid this one
     was launched after has completed and its writes are visible); else
     ``griddepcontrol.launch_dependents`` (the next grid, launched with ``launch_pdl``, may start
-    once every program of this one has passed here)."""
+    once every program of this one has passed here). Gluon's form of ``gdc_wait`` and
+    ``gdc_launch_dependents`` (``triton.language.extra.cuda``), which the ``tl`` kernels above
+    call."""
     asm: gl.constexpr = "griddepcontrol.wait;" if WAIT else "griddepcontrol.launch_dependents;"
     gl.inline_asm_elementwise(
         asm + " mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
