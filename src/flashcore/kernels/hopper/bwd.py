@@ -318,20 +318,6 @@ def row_tile(rows_per_head, num_heads, BLOCK_M: tl.constexpr, BLOCK_D: tl.conste
     return off_bh, off_b, off_h, start_m + tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
 
 
-@gluon.jit
-def _grid_dependency(WAIT: gl.constexpr):
-    """Programmatic dependent launch: with WAIT, ``griddepcontrol.wait`` (until the grid this one
-    was launched after has completed and its writes are visible); else
-    ``griddepcontrol.launch_dependents`` (the next grid, launched with ``launch_pdl``, may start
-    once every program of this one has passed here). Gluon's form of ``gdc_wait`` and
-    ``gdc_launch_dependents`` (``triton.language.extra.cuda``), which the ``tl`` kernels above
-    call."""
-    asm: gl.constexpr = "griddepcontrol.wait;" if WAIT else "griddepcontrol.launch_dependents;"
-    gl.inline_asm_elementwise(
-        asm + " mov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-    )
-
-
 @triton.jit
 def bwd_prep_kernel(
     O,
@@ -626,7 +612,7 @@ def _producer(
         # Launched while bwd_prep_kernel may still run: K and V are inputs, but the row stats
         # and the zeroed dQ accumulator are its output (the consumers reduce into the latter
         # only after this warp's first step loads, so after this wait).
-        _grid_dependency(True)
+        gdc_wait()
     lo, n_m = q_blocks(
         start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL, HAS_WINDOW
     )
@@ -1084,7 +1070,7 @@ def attn_bwd_sm90_kernel(
 ):
     if PDL:
         # The dQ conversion may launch now (it waits for this grid before reading DQ_ACC).
-        _grid_dependency(False)
+        gdc_launch_dependents()
     # The dQ staging rows' order follows from the dQ descriptor's box (``bwd_dq.stage_dq``); the
     # flag states it among the constexprs, which key the launcher's compiled kernels.
     gl.static_assert(permuted_box(dq_desc.block_type.shape) == PERMUTED_ROWS)
@@ -1097,7 +1083,7 @@ def attn_bwd_sm90_kernel(
             if PDL:
                 # Every program waits for the prep kernel, so that this grid (and the dQ
                 # conversion, which waits for it) never completes before the prep.
-                _grid_dependency(True)
+                gdc_wait()
             return
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA box per slot.
