@@ -42,7 +42,7 @@ KERNELS = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" 
 STEPS, EVENTS = 64, 8
 CONSUMERS = 3  # stamp slots per CTA
 LOG2E = 1.4426950408889634
-IMPORT_STEPS = "from flashcore.kernels.hopper.fwd_steps import attend, skips\n"
+IMPORT_STEPS = "from flashcore.kernels.hopper.fwd_steps import attend, skips, turn_pass\n"
 
 
 def _thread_args(steps_src: str, fwd_src: str) -> tuple[str, str]:
@@ -100,13 +100,11 @@ def _sit_out(""",
         ),
         (
             "        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)\n"
-            "        if PINGPONG:\n"
-            "            mbarrier.wait(turn.index(CONSUMER), (turn0 + t) & 1)\n",
+            "        turn_take(turn, turn0 + t, CONSUMER, PINGPONG)\n",
             "        _stamp(LSE, t, 0, CONSUMER, g)\n"
             "        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)\n"
             "        _stamp(LSE, t, 1, CONSUMER, g)\n"
-            "        if PINGPONG:\n"
-            "            mbarrier.wait(turn.index(CONSUMER), (turn0 + t) & 1)\n"
+            "        turn_take(turn, turn0 + t, CONSUMER, PINGPONG)\n"
             "        _stamp(LSE, t, 2, CONSUMER, g)\n",
         ),
         (
@@ -236,7 +234,13 @@ def main() -> None:
     parser.add_argument("--qk-stamp", action="store_true", help="e3: Q K^T done")
     parser.add_argument("--softmax-stamp", action="store_true", help="e4: softmax done (pins)")
     parser.add_argument("--tiles", action="store_true", help="per-tile stamps, persistent")
+    parser.add_argument(
+        "--mbarrier-turns",
+        action="store_true",
+        help="turns by mbarriers",
+    )
     args = parser.parse_args()
+    fwd_sm90.NAMED_TURNS = not args.mbarrier_turns
     d, s = args.head_dim, args.seqlen
     b, h = max(1, args.tokens // s), 16 if d == 128 else 32
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -122,7 +122,7 @@ def compile_variant(variant) -> dict:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from flashcore.ops.fwd_sm90 import qk_panel
+    from flashcore.ops.fwd_sm90 import pingpong_mode, qk_panel
 
     label, head_dim, dtype, consumers, block_n, stages, regs, maxnreg, flags = variant
     fwd = _load_kernel_module()
@@ -139,9 +139,9 @@ def compile_variant(variant) -> dict:
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
     consts = dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, NUM_STAGES=stages, NUM_CONSUMERS=consumers,
-        CONSUMER_REGS=regs, PINGPONG=consumers > 1, IS_CAUSAL=flags["causal"],
-        HAS_WINDOW=flags["window"], SOFTCAP=flags["softcap"], HAS_ALIBI=flags["alibi"],
-        HAS_SINKS=flags.get("sinks", False),
+        CONSUMER_REGS=regs, PINGPONG=pingpong_mode(consumers > 1, consumers),
+        IS_CAUSAL=flags["causal"], HAS_WINDOW=flags["window"], SOFTCAP=flags["softcap"],
+        HAS_ALIBI=flags["alibi"], HAS_SINKS=flags.get("sinks", False),
         RAW_MAX=flags["raw_max"], EVEN_N=flags["even_n"],
         PERSISTENT=flags.get("persistent", False), VARLEN=flags.get("varlen", False),
     )  # fmt: skip
@@ -180,7 +180,20 @@ def compile_variant(variant) -> dict:
         "head_dim_v": head_dim_v,
         "varlen": flags.get("varlen", False),
         "fenced_arrives": fenced_arrives(ptx),
+        "named_barriers": named_barriers(sass),
     }
+
+
+def named_barriers(sass: str) -> list[list]:
+    """The named barriers of the SASS: ``[op, id, threads, count]`` for each ``BAR.SYNC`` and
+    ``BAR.ARV`` with an immediate id (threads 0 where the instruction names none: all of them)."""
+    found: dict[tuple, int] = {}
+    for op, bar, threads in re.findall(
+        r"BAR\.(SYNC|ARV)[.A-Z_]* (0x[0-9a-f]+)(?:, (0x[0-9a-f]+))?\s*;", sass
+    ):
+        key = (op, int(bar, 16), int(threads, 16) if threads else 0)
+        found[key] = found.get(key, 0) + 1
+    return [[*key, n] for key, n in sorted(found.items())]
 
 
 def assemble(src, maxnreg: int) -> tuple[str, str, dict]:
@@ -427,7 +440,7 @@ def lazy_rescale_branches(sass: str) -> int:
     for i, line in enumerate(lines):
         if not line.startswith("VOTE.ANY P"):
             continue
-        for j in range(i + 1, min(i + 64, len(lines))):
+        for j in range(i + 1, min(i + 128, len(lines))):
             branch = re.match(r"@!P\d BRA 0x([0-9a-f]+)", lines[j])
             if branch:
                 body = lines[j + 1 : j + 1 + 256]
@@ -439,6 +452,24 @@ def lazy_rescale_branches(sass: str) -> int:
                 count += muls >= 32
                 break
     return count
+
+
+def test_turns_by_named_barriers(compiled):
+    """Two consumers pass the ping-pong's turns with named barriers (``fwd_steps.turn_take``:
+    ``bar.sync`` on their own, ``bar.arrive`` on the other's, 256 threads, ids TURN_BARRIER and
+    up) in every step; three take them through mbarriers, one takes none. No barrier of Triton's
+    own (a partition's 128 threads, or the CTA's) uses the turns' ids."""
+    from flashcore.kernels.hopper.fwd_steps import TURN_BARRIER
+
+    for row in compiled:
+        turns = {(op, bar) for op, bar, threads, _ in row["named_barriers"] if bar >= TURN_BARRIER}
+        if row["consumers"] == 2:
+            ids = (TURN_BARRIER, TURN_BARRIER + 1)
+            assert turns == {(op, bar) for op in ("SYNC", "ARV") for bar in ids}, row
+        else:
+            assert not turns, row
+        for op, bar, threads, _ in row["named_barriers"]:
+            assert (bar >= TURN_BARRIER) == (threads == 256), (row["variant"], op, bar, threads)
 
 
 def test_lazy_rescale_only_where_taken(compiled):

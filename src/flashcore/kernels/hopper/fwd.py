@@ -49,9 +49,11 @@ Schedule (one CTA, ``gl.warp_specialize``):
   second wait on ``k_ready[t]`` before ``wait_group 0`` keeps the exponentials ahead of it (the
   only build where that measured faster). A row's sum is carried as each thread's share of it
   (``common.sums_start``), joined across the row's four threads once, after the last tile.
-  With PINGPONG, consumer c waits ``turn[c]`` before issuing its two
-  products and arrives on ``turn[c + 1]`` after (consumer 0 holds the first turn), so the
-  warpgroups take the tensor cores in turn. The loop is entered with tile 0's softmax done
+  With PINGPONG, consumer c waits for its turn before issuing its two products and passes
+  the turn to consumer c + 1 after (consumer 0 holds the first turn), so the warpgroups take
+  the tensor cores in turn: two consumers through named barriers (PINGPONG = 2, ``bar.sync``
+  on their own, ``bar.arrive`` on the other's: ``fwd_steps.turn_take``), three through the
+  mbarriers ``turn[c]`` (PINGPONG = 1). The loop is entered with tile 0's softmax done
   (prologue) and left with the last tile's ``P V`` issued in the epilogue. Each ``kv_empty``
   barrier counts NUM_CONSUMERS arrivals per phase.
 - Three consumers (D=64): a step's exponentials keep the multi-function unit busy about as
@@ -200,7 +202,7 @@ from flashcore.kernels.hopper.common import (
     work_item,
 )
 from flashcore.kernels.hopper.fwd_load import producer
-from flashcore.kernels.hopper.fwd_steps import attend, skips
+from flashcore.kernels.hopper.fwd_steps import attend, skips, turn_pass
 
 
 @gluon.jit
@@ -450,6 +452,9 @@ def _consumer(
         num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left,
         window_right, softcap, total_q, total_k,
     ) = run  # fmt: skip
+    if (PINGPONG == 2) and (CONSUMER == 0):
+        # Consumer 0 holds the first turn: its own half of the barrier's first phase.
+        turn_pass(turn, 0, 0, PINGPONG)
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = programs(pid, VARLEN)
@@ -595,7 +600,7 @@ def attn_fwd_sm90_kernel(
     turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(NUM_CONSUMERS):
         mbarrier.init(turn.index(c), count=1)
-    if PINGPONG:
+    if PINGPONG == 1:
         mbarrier.arrive(turn.index(0), count=1)
 
     divisors = (div_group_m, div_group_s, div_lpt_m, div_lpt_s, div_heads_m, div_heads_s)

@@ -30,6 +30,40 @@ def _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N: gl.constexpr, PANELS: gl.
     return s
 
 
+# Named hardware barriers for the ping-pong turns (PINGPONG == 2): consumer c takes its turn
+# with ``bar.sync TURN_BARRIER + c, 256`` (its own 128 threads and the 128 of the consumer before
+# it), which that consumer's ``bar.arrive`` completes when it passes the turn on. Triton's
+# partitions use barriers 0 to 3. PINGPONG == 1 takes the turns through mbarriers ``turn``.
+TURN_BARRIER = 8
+
+
+@gluon.constexpr_function
+def _bar_asm(op, consumer):
+    return f"bar.{op} {TURN_BARRIER + consumer}, 256;\nmov.b32 $0, $1;"
+
+
+@gluon.jit
+def turn_take(turn, t, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
+    """Wait for this consumer's turn ``t`` on the tensor cores (its ``t``-th since the start)."""
+    if PINGPONG == 2:
+        gl.inline_asm_elementwise(
+            _bar_asm("sync", CONSUMER), "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1
+        )
+    elif PINGPONG:
+        mbarrier.wait(turn.index(CONSUMER), t & 1)
+
+
+@gluon.jit
+def turn_pass(turn, t, NEXT: gl.constexpr, PINGPONG: gl.constexpr):
+    """Pass the turn on to consumer ``NEXT`` (``t`` only orders the named barrier's arrive)."""
+    if PINGPONG == 2:
+        gl.inline_asm_elementwise(
+            _bar_asm("arrive", NEXT), "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1
+        )
+    elif PINGPONG:
+        mbarrier.arrive(turn.index(NEXT), count=1)
+
+
 @gluon.constexpr_function
 def skips(num_consumers, block_n, is_causal):
     """Whether each consumer computes only the key tiles its own rows see (``attend``)."""
@@ -59,9 +93,8 @@ def _sit_out(
         mbarrier.arrive(kv_empty.index(slot), count=1)
         mbarrier.wait(v_ready.index(slot), (g // NUM_STAGES) & 1)
         mbarrier.arrive(kv_empty.index(NUM_STAGES + slot), count=1)
-    if PINGPONG:
-        mbarrier.wait(turn.index(CONSUMER), turn_t & 1)
-        mbarrier.arrive(turn.index((CONSUMER + 1) % NUM_CONSUMERS), count=1)
+    turn_take(turn, turn_t, CONSUMER, PINGPONG)
+    turn_pass(turn, turn_t, (CONSUMER + 1) % NUM_CONSUMERS, PINGPONG)
 
 
 @gluon.jit
@@ -222,11 +255,9 @@ def _steps(
 
     # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
     mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)
-    if PINGPONG:
-        mbarrier.wait(turn.index(CONSUMER), turn0 & 1)
+    turn_take(turn, turn0, CONSUMER, PINGPONG)
     s_tok = _scores(q_smem, qi, k_smem, kv0 % NUM_STAGES, zero_s, BLOCK_N, PANELS)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(NEXT), count=1)
+    turn_pass(turn, turn0, NEXT, PINGPONG)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(kv_empty.index(kv0 % NUM_STAGES), count=1)  # K_0 read
     s = tile_scores(
@@ -243,8 +274,7 @@ def _steps(
         slot = g % NUM_STAGES
         prev = (g - 1) % NUM_STAGES
         mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(CONSUMER), (turn0 + t) & 1)
+        turn_take(turn, turn0 + t, CONSUMER, PINGPONG)
         s_tok = _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N, PANELS)
         # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
         acc = rescale(acc, alpha, LAZY)
@@ -253,8 +283,7 @@ def _steps(
         mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
         v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V])
         acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(NEXT), count=1)
+        turn_pass(turn, turn0 + t, NEXT, PINGPONG)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         # K_t is read: the producer may load tile t + NUM_STAGES's K while V_{t-1} is in use.
         mbarrier.arrive(kv_empty.index(slot), count=1)
@@ -280,15 +309,13 @@ def _steps(
     g = kv0 + n_tiles - 1
     last = g % NUM_STAGES
     mbarrier.wait(v_ready.index(last), (g // NUM_STAGES) & 1)
-    if PINGPONG:
-        mbarrier.wait(turn.index(CONSUMER), (turn0 + n_tiles) & 1)
+    turn_take(turn, turn0 + n_tiles, CONSUMER, PINGPONG)
     acc = rescale(acc, alpha, LAZY)
     if not P_EARLY:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
     v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM_V])
     acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
-    if PINGPONG:
-        mbarrier.arrive(turn.index(NEXT), count=1)
+    turn_pass(turn, turn0 + n_tiles, NEXT, PINGPONG)
     acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
     mbarrier.arrive(kv_empty.index(NUM_STAGES + last), count=1)
     return m_i, l_i, acc
