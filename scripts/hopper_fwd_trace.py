@@ -234,11 +234,7 @@ def main() -> None:
     parser.add_argument("--qk-stamp", action="store_true", help="e3: Q K^T done")
     parser.add_argument("--softmax-stamp", action="store_true", help="e4: softmax done (pins)")
     parser.add_argument("--tiles", action="store_true", help="per-tile stamps, persistent")
-    parser.add_argument(
-        "--mbarrier-turns",
-        action="store_true",
-        help="turns by mbarriers",
-    )
+    parser.add_argument("--mbarrier-turns", action="store_true", help="turns by mbarriers")
     args = parser.parse_args()
     fwd_sm90.NAMED_TURNS = not args.mbarrier_turns
     d, s = args.head_dim, args.seqlen

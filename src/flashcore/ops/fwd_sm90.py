@@ -64,7 +64,8 @@ WIDE_PADDED_VERIFIED = True
 # The ping-pong's turns (configs with ``pingpong``) through named hardware barriers, ``bar.sync``
 # and ``bar.arrive`` (kernel PINGPONG = 2, ``kernels/hopper/fwd_steps.py: turn_take``), or
 # through mbarriers in shared memory (PINGPONG = 1). Named with two consumers, where the H200
-# measured them 2-4% faster; mbarriers with three (0.99-1.01x). Read when a plan is built.
+# measured them about 2% faster at D = 128 non-causal from 2048 keys on; mbarriers with three
+# (no gain: docs/hopper_fwd_configs.md, "Turns by named barriers"). Read when a plan is built.
 NAMED_TURNS = True
 
 
