@@ -43,23 +43,27 @@ def _bar_asm(op, consumer):
 
 
 @gluon.jit
+def _named_barrier(OP: gl.constexpr, CONSUMER: gl.constexpr, t):
+    """``bar.sync`` or ``bar.arrive`` on consumer ``CONSUMER``'s turn barrier (``t`` orders it)."""
+    gl.inline_asm_elementwise(
+        _bar_asm(OP, CONSUMER), "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def turn_take(turn, t, CONSUMER: gl.constexpr, PINGPONG: gl.constexpr):
     """Wait for this consumer's turn ``t`` on the tensor cores (its ``t``-th since the start)."""
     if PINGPONG == 2:
-        gl.inline_asm_elementwise(
-            _bar_asm("sync", CONSUMER), "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1
-        )
+        _named_barrier("sync", CONSUMER, t)
     elif PINGPONG:
         mbarrier.wait(turn.index(CONSUMER), t & 1)
 
 
 @gluon.jit
 def turn_pass(turn, t, NEXT: gl.constexpr, PINGPONG: gl.constexpr):
-    """Pass the turn on to consumer ``NEXT`` (``t`` only orders the named barrier's arrive)."""
+    """Pass the turn on to consumer ``NEXT``."""
     if PINGPONG == 2:
-        gl.inline_asm_elementwise(
-            _bar_asm("arrive", NEXT), "=r,r", [t], dtype=gl.int32, is_pure=False, pack=1
-        )
+        _named_barrier("arrive", NEXT, t)
     elif PINGPONG:
         mbarrier.arrive(turn.index(NEXT), count=1)
 
