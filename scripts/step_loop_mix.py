@@ -13,6 +13,15 @@ local loads and stores (spills). A loop whose slot and phase arithmetic left the
 shows tens of vector integer instructions more a step (docs/performance_backward.md, "Where a
 program's time goes outside its steps"). Needs Triton with Gluon (the wheel's ptxas and
 cuobjdump); no GPU.
+
+    python scripts/step_loop_mix.py --cubin FILE.cubin [FILE.cubin ...] [--skeleton]
+
+does the same for cubins built elsewhere (FlashAttention-4's, kept by ``scripts/peer_cubins.py``
+on the GPU machine), and ``--skeleton`` prints each step loop in order as its synchronisation and
+products (mbarrier waits and arrives, named and warpgroup barriers, ``WARPGROUP.ARRIVE`` /
+``DEPBAR``, HGMMAs, bulk copies, shuffles) with the runs of other instructions between them
+counted by opcode: where two kernels' steps do the same work, this is where they differ
+(docs/hopper_fwd_configs.md, "Turns by named barriers").
 """
 
 from __future__ import annotations
@@ -26,18 +35,70 @@ ROOT = Path(__file__).resolve().parents[1]
 SUITES = {"fwd": "test_compile_hopper", "bwd": "test_compile_hopper_bwd"}
 
 
+# Instructions a skeleton shows one by one; the others are counted by opcode between them.
+SKELETON_OPS = (
+    "HGMMA", "WARPGROUP", "BAR", "SYNCS", "DEPBAR", "ARRIVES", "MEMBAR", "FENCE", "UTMALDG",
+    "UTMASTG", "UTMAREDG", "UBLKCP", "UBLKRED", "ELECT", "SHFL", "BRA",
+)  # fmt: skip
+
+
+def skeleton(body: list[str]) -> list[str]:
+    """A step loop's body (``step_loops``) as its synchronisation and products, one line each,
+    with each run of other instructions between them as ``.. OPxN ...`` (opcodes in order of
+    first appearance)."""
+    lines: list[str] = []
+    run: dict[str, int] = {}
+    for text in body:
+        op = (text.split()[1] if text.startswith("@") else text.split()[0]).split(".")[0]
+        if op in SKELETON_OPS:
+            if run:
+                lines.append("    .. " + " ".join(f"{k}x{n}" for k, n in run.items()))
+                run = {}
+            lines.append(text)
+        else:
+            run[op] = run.get(op, 0) + 1
+    if run:
+        lines.append("    .. " + " ".join(f"{k}x{n}" for k, n in run.items()))
+    return lines
+
+
+def _report(label: str, sass: str, show_skeleton: bool) -> None:
+    from test_compile_hopper_bwd import loop_mix, step_loops
+
+    for i, body in enumerate(step_loops(sass)):
+        counts = loop_mix(body)
+        cells = " ".join(f"{counts[c]:12d}" for c in COLUMNS)
+        print(f"{label:52s} {i:4d} {cells}", flush=True)
+        if show_skeleton:
+            print("\n".join(skeleton(body)))
+
+
+COLUMNS = ("instructions", "HGMMA", "MUFU", "uniform", "vector int", "local")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", default="fwd,bwd")
     parser.add_argument("--variants", default="", help="comma-separated names (default: all)")
+    parser.add_argument("--cubin", nargs="+", default=[], help="cubins to read instead")
+    parser.add_argument("--skeleton", action="store_true", help="print each loop's skeleton")
     args = parser.parse_args()
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
-    from test_compile_hopper_bwd import loop_mix, step_loops
+    print(f"{'variant':52s} loop " + " ".join(f"{c:>12s}" for c in COLUMNS))
+    if args.cubin:
+        import subprocess
 
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        cuobjdump = str(Path(get_ptxas(90).path).with_name("cuobjdump"))
+        for cubin in args.cubin:
+            sass = subprocess.run(
+                [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
+            ).stdout
+            _report(Path(cubin).name[-52:], sass, args.skeleton)
+        return 0
     wanted = set(filter(None, args.variants.split(",")))
-    columns = ("instructions", "HGMMA", "MUFU", "uniform", "vector int", "local")
-    print(f"{'variant':52s} loop " + " ".join(f"{c:>12s}" for c in columns))
     for suite in args.suite.split(","):
         module = __import__(SUITES[suite])
         real = module.assemble
@@ -53,10 +114,7 @@ def main() -> int:
             if wanted and variant[0] not in wanted:
                 continue
             module.compile_variant(variant)
-            for i, body in enumerate(step_loops(listing["sass"])):
-                counts = loop_mix(body)
-                cells = " ".join(f"{counts[c]:12d}" for c in columns)
-                print(f"{suite + ' ' + variant[0]:52s} {i:4d} {cells}", flush=True)
+            _report(f"{suite} {variant[0]}", listing["sass"], args.skeleton)
     return 0
 
 
