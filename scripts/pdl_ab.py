@@ -12,16 +12,16 @@ medians of rotated rounds), the ratio (pdl / plain: > 1, PDL is faster) with the
 per-round ratios, and whether dK and dV are bit for bit equal and dQ's largest difference.
 
 ``--graph``: small problems (``GRAPH_SHAPES``), each side's ``attn_bwd_sm90`` called 20 times
-in one CUDA graph (captured after three calls on a side stream), the replay timed with
-``do_bench`` in alternating order; us per backward (medians), the ratio (pdl / plain: < 1, PDL
-is faster), each side's range, and whether dK and dV are bit for bit equal.
+in one CUDA graph (captured after three calls on a side stream), the replays timed with
+``do_bench`` in rotated rounds (``dq_rows_ab.rotated``); us per backward (medians), the ratio
+(pdl / plain: < 1, PDL is faster), each side's range, and whether dK and dV are bit for bit
+equal.
 """
 
 import argparse
 import sys
 
 import torch
-import triton
 from bwd_module_ab import CASES
 from dq_rows_ab import problem, rotated
 
@@ -77,12 +77,9 @@ def graph_case(batch, heads, seqlen, head_dim, causal, rounds) -> str:
             for _ in range(GRAPH_CALLS):
                 sm90.attn_bwd_sm90(*args, **opts)
     same_kv = all(torch.equal(a, b) for a, b in zip(grads["plain"], grads["pdl"], strict=True))
-    times = {side: [] for side in SIDES}
-    for r in range(rounds):
-        for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-            ms = triton.testing.do_bench(graphs[side].replay, warmup=25, rep=200)
-            times[side].append(ms * 1000 / GRAPH_CALLS)
-    med = {side: sorted(t)[len(t) // 2] for side, t in times.items()}
+    ms, ms_med = rotated({side: graphs[side].replay for side in SIDES}, rounds)
+    times = {side: [t * 1000 / GRAPH_CALLS for t in ts] for side, ts in ms.items()}
+    med = {side: t * 1000 / GRAPH_CALLS for side, t in ms_med.items()}
     spread = " ".join(f"{side} {min(t):.2f}-{max(t):.2f}" for side, t in times.items())
     return (
         f"({batch}, {heads}, {seqlen}, {head_dim}) causal {causal}: plain {med['plain']:.2f} us"
