@@ -259,9 +259,39 @@ def test_sm90_consumers_by_grid(head_dim, batch_heads, seqlen, consumers):
     grid = (batch_heads, 132)
     cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, False, False, grid=grid)
     assert cfg.num_consumers == consumers
-    # Causal D=64 keeps its own rule (three from 4096, flat), whatever the grid.
-    causal = fwd_sm90.pick_config(64, 4096, 4096, True, False, grid=grid)
-    assert (causal.num_consumers, causal.persistent) == (3, False)
+
+
+@pytest.mark.parametrize(
+    "batch_heads, seqlen, consumers",
+    [
+        (128, 4096, 3),  # the FA sweep's (4, 32, 4096): 2816 tiles of 192 rows, 21 rounds
+        (32, 16384, 3),
+        (16, 8192, 3),  # 688 tiles: 5.2 rounds
+        (8, 16384, 3),
+        (32, 4096, 3),  # 704 tiles: 5.3 rounds (level with one consumer, measured)
+        (16, 4096, 1),  # 352 tiles: 2.7 rounds
+        (8, 8192, 1),
+        (8, 4096, 1),  # 1.3 rounds
+        (4, 16384, 1),
+        (2, 16384, 1),
+    ],
+)
+def test_sm90_causal_d64_three_consumers_by_grid(batch_heads, seqlen, consumers):
+    """Causal D=64 from 4096 on: three consumer warpgroups (flat) where their 192-row tiles fill
+    ``D64_THREE_MIN_ROUNDS_CAUSAL`` rounds of the SMs (``three_consumers_fill``), one consumer a
+    CTA (persistent, two CTAs an SM) below."""
+    from flashcore.ops import fwd_sm90
+
+    cfg = fwd_sm90.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
+    if consumers == 3:
+        assert cfg == fwd_sm90.D64_THREE._replace(persistent=False)
+    else:
+        assert cfg == fwd_sm90.ONE_D64
+    # A window, softcap or ALiBi keeps two consumers, whatever the grid.
+    assert (
+        fwd_sm90.pick_config(64, seqlen, seqlen, True, True, grid=(batch_heads, 132))
+        == (fwd_sm90.CONFIGS[64])
+    )
 
 
 @pytest.mark.parametrize(
@@ -379,8 +409,8 @@ def test_forward_gpu_sm90_short_causal(shape, head_dim, dtype, schedule):
 
 
 # Three consumers, causal, on the flat grid: each softmax under its own P V (kernels/hopper/fwd.py:
-# OWN_PV, what "auto" runs at D = 64 causal from 4096 keys). Ragged both ways, GQA/MQA, Sq > Sk
-# (rows that see no key), a single key tile, and many tiles.
+# OWN_PV, what "auto" runs at D = 64 causal from 4096 keys on grids that fill four rounds).
+# Ragged both ways, GQA/MQA, Sq > Sk (rows that see no key), a single key tile, and many tiles.
 THREE_CAUSAL_SHAPES = [(1, 4, 2, 1500, 1500), (2, 3, 1, 700, 1100), (1, 4, 4, 1025, 513),
                        (2, 2, 2, 100, 100), (1, 8, 2, 4096, 4096)]  # fmt: skip
 
@@ -389,8 +419,9 @@ THREE_CAUSAL_SHAPES = [(1, 4, 2, 1500, 1500), (2, 3, 1, 700, 1100), (1, 4, 4, 10
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape", THREE_CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_forward_gpu_sm90_three_causal_flat(shape, dtype):
-    """The three-consumer causal flat build (OWN_PV): out and LSE against the float64 reference,
-    and the same bits as "auto" where "auto" takes it."""
+    """The three-consumer causal flat build (OWN_PV): out and LSE against the float64 reference;
+    at 4096, "auto" too, which takes one consumer a CTA on a grid of 8 heads
+    (``fwd_sm90.three_consumers_fill``)."""
     from flashcore.ops import fwd_sm90
 
     require_sm90()
@@ -401,8 +432,11 @@ def test_forward_gpu_sm90_three_causal_flat(shape, dtype):
     assert not out.isnan().any() and not lse.isnan().any()
     check_forward(out, lse, q, k, v, causal=True)
     if seqlen_q == seqlen_k == 4096:
+        grid = (batch * heads, fwd_sm90.num_sms(q.device.index))
+        assert fwd_sm90.pick_config(64, 4096, 4096, True, False, grid=grid) == fwd_sm90.ONE_D64
         auto_out, auto_lse = launch_sm90_forward(q, k, v, causal=True)
-        assert torch.equal(auto_out, out) and torch.equal(auto_lse, lse)
+        assert not auto_out.isnan().any() and not auto_lse.isnan().any()
+        check_forward(auto_out, auto_lse, q, k, v, causal=True)
 
 
 # One consumer a CTA beyond short causal problems: non-causal and causal, ragged, GQA/MQA,

@@ -176,6 +176,17 @@ D64_THREE_MIN_SEQLEN_CAUSAL = 4096
 # 1.34; at S = 1024 1.00, 1.00, 1.34.
 D64_THREE_SPEEDUP = 1.12
 D64_THREE_MARGIN = 0.97
+# Causal (from D64_THREE_MIN_SEQLEN_CAUSAL on), three consumers only where their 192-row tiles
+# fill at least this many rounds of the SMs (``three_consumers_fill``); below, one consumer a CTA
+# (``ONE_D64``, persistent, heaviest tiles first), whose 64-row tiles balance a causal grid of
+# few heads. H200, bf16, CUDA-graph replays of every config through ``flashcore.attention``
+# (``pick_config`` replaced), two rounds, us: (1, 8, 4096) three 53.3, one 41.1, two 42.7;
+# (1, 16, 4096) 86.3 / 78.9 / 81.7; (1, 32, 4096) and (2, 16, 4096) 162.7-163.9 each; (1, 4,
+# 8192) 99.4 / 74.5; (1, 8, 8192) 154.1 / 148.4; (1, 2, 16384) 198.2 / 141.1; (1, 4, 16384)
+# 294.4 / 291.3; but (1, 16, 8192) 288.8 / 324.1 / 309.3 and (1, 8, 16384) 578.7 / 637.7 /
+# 607.6 (5.2 rounds), and the FA sweep's causal points (21-22 rounds) keep three consumers
+# (docs/hopper_fwd_configs.md, "Causal D = 64 on few heads").
+D64_THREE_MIN_ROUNDS_CAUSAL = 4.0
 
 
 def three_consumers_pay(seqlen_q: int, batch_heads: int, sms: int) -> bool:
@@ -186,6 +197,11 @@ def three_consumers_pay(seqlen_q: int, batch_heads: int, sms: int) -> bool:
         return -(-tiles // sms) * rows / speed
 
     return cost(192, D64_THREE_SPEEDUP) <= D64_THREE_MARGIN * cost(128, 1.0)
+
+
+def three_consumers_fill(seqlen_q: int, batch_heads: int, sms: int) -> bool:
+    """Causal: whether 192-row tiles fill ``D64_THREE_MIN_ROUNDS_CAUSAL`` rounds of ``sms`` SMs."""
+    return -(-seqlen_q // 192) * batch_heads >= D64_THREE_MIN_ROUNDS_CAUSAL * sms
 
 
 # One consumer warpgroup of 64 query rows a CTA and two CTAs an SM, persistent over twice as
@@ -255,13 +271,18 @@ def pick_config(
     grid: tuple[int, int] | None = None,
 ) -> Sm90Config:
     """The launch config of a problem: ``CONFIGS``, three consumers at D=64 where they measured
-    faster, or one consumer a CTA for short causal problems and small grids (``options``: a
-    window, softcap or ALiBi is on, which keeps ``CONFIGS``' two consumers short of three;
-    ``grid``: ``(batch * heads, SMs)``, which assumes a full grid without it)."""
+    faster, or one consumer a CTA for short causal problems, long causal ones on few heads and
+    small grids (``options``: a window, softcap or ALiBi is on, which keeps ``CONFIGS``' two
+    consumers short of three; ``grid``: ``(batch * heads, SMs)``, which assumes a full grid
+    without it)."""
     floor = D64_THREE_MIN_SEQLEN_CAUSAL if causal else D64_THREE_MIN_SEQLEN
     long = head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor
-    if long and (causal or grid is None or three_consumers_pay(seqlen_q, *grid)):
-        return D64_THREE._replace(persistent=not causal)
+    if long and causal:
+        if grid is None or three_consumers_fill(seqlen_q, *grid):
+            return D64_THREE._replace(persistent=False)
+        return ONE_D64
+    if long and (grid is None or three_consumers_pay(seqlen_q, *grid)):
+        return D64_THREE._replace(persistent=True)
     one = None if options else one_consumer(head_dim, seqlen_q, seqlen_k, causal, grid)
     return one or CONFIGS[head_dim]
 

@@ -595,13 +595,16 @@ def attn_fwd_sm90_kernel(
         mbarrier.init(fix_bar.index(0), count=1)
     else:
         fix_bar = q_ready  # never touched
-    # Ping-pong: consumer c issues its products after waiting turn[c] and passes the turn on to
-    # c + 1 once they are issued; consumer 0 holds the first turn.
-    turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
-    for c in gl.static_range(NUM_CONSUMERS):
-        mbarrier.init(turn.index(c), count=1)
     if PINGPONG == 1:
+        # Ping-pong through mbarriers: consumer c issues its products after waiting turn[c] and
+        # passes the turn on to c + 1 once they are issued; consumer 0 holds the first turn.
+        # (PINGPONG == 2 takes the turns by named barriers: fwd_steps.turn_take.)
+        turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], mbarrier.MBarrierLayout())
+        for c in gl.static_range(NUM_CONSUMERS):
+            mbarrier.init(turn.index(c), count=1)
         mbarrier.arrive(turn.index(0), count=1)
+    else:
+        turn = q_ready  # never touched
 
     divisors = (div_group_m, div_group_s, div_lpt_m, div_lpt_s, div_heads_m, div_heads_s)
     # Each partition kind's runtime values in one tuple, built once; the constexprs are spelled
