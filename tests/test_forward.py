@@ -295,6 +295,26 @@ def test_sm90_causal_d64_three_consumers_by_grid(batch_heads, seqlen, consumers)
 
 
 @pytest.mark.parametrize(
+    "batch_heads, seqlen, consumers",
+    [
+        (32, 2048, 1),  # 512 tiles of 128 rows: 3.9 rounds
+        (24, 2048, 1),
+        (16, 3072, 1),  # 384 tiles: 2.9 rounds
+        (48, 2048, 2),  # 5.8 rounds
+        (256, 2048, 2),  # the FA sweep's (8, 32, 2048): 15.5 rounds
+        (32, 3072, 2),
+    ],
+)
+def test_sm90_causal_d64_one_consumer_by_grid(batch_heads, seqlen, consumers):
+    """Causal D=64 between 1024 and 4096: one consumer a CTA (``ONE_D64``) where 128-row tiles
+    fill at most ``ONE_MAX_ROUNDS_CAUSAL`` rounds of the SMs, two consumers past that."""
+    from flashcore.ops import fwd_sm90
+
+    cfg = fwd_sm90.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
+    assert cfg == (fwd_sm90.ONE_D64 if consumers == 1 else fwd_sm90.CONFIGS[64])
+
+
+@pytest.mark.parametrize(
     "batch_heads, seqlen, ctas",
     [
         (1024, 512, 3),  # the FA sweep's (32, 32, 512): 31 rounds of 128-row tiles

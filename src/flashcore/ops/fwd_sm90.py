@@ -238,6 +238,13 @@ ONE_THREE_CTAS_MIN_ROUNDS = 6.0
 # previous session's runs, so causal D=64 takes it up to 1024 only (and by the grid rule).
 ONE_CAUSAL_MAX_SEQLEN = {64: 1024, 128: 512}
 ONE_MAX_ROUNDS = {64: 2.0, 128: 0.5}
+# Causal D=64 longer than that, up to four rounds (H200, bf16, CUDA-graph replays of each config
+# through flashcore.attention, two rounds, us, two consumers / one): (1, 32, 2048) 47.5 / 46.6,
+# (4, 8, 2048) 47.2 / 46.0, (1, 24, 2048) 44.4 / 42.8, (1, 16, 3072) 53.4 / 49.0; past four
+# rounds within 3% either way: (2, 24, 2048) 70.5 / 68.6, (1, 64, 2048) 91.7 / 91.1, (2, 32,
+# 3072) 190.5 / 190.6, and two consumers ahead at the FA sweep's (8, 32, 2048) (15.5 rounds,
+# above). From 4096 on the causal three-consumer rule decides (``three_consumers_fill``).
+ONE_MAX_ROUNDS_CAUSAL = {64: 4.0, 128: 0.5}
 
 
 def one_consumer(
@@ -257,7 +264,8 @@ def one_consumer(
         if head_dim == 64 and (rounds is None or rounds >= ONE_THREE_CTAS_MIN_ROUNDS):
             return ONE_D64_THREE_CTAS
         return ONE[head_dim]
-    if rounds is not None and rounds <= ONE_MAX_ROUNDS[head_dim]:
+    limit = (ONE_MAX_ROUNDS_CAUSAL if causal else ONE_MAX_ROUNDS)[head_dim]
+    if rounds is not None and rounds <= limit:
         return ONE[head_dim]
     return None
 
