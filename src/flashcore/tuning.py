@@ -355,6 +355,7 @@ def sm90_backward(
 #   non-causal at S = 512, about equal at 1024; causal 1.04x at 2048, equal at 1024, 0.84x at
 #   512. Three consumer warpgroups (ops/fwd_sm90.py: pick_config): 1.06-1.12x cuDNN non-causal
 #   from S = 2048 on; causal from 4096 on 1.01-1.11x the two-consumer kernel (0.94-1.11x cuDNN).
+#   (Causal ones on few heads later took one consumer a CTA: fwd_sm90.three_consumers_fill.)
 # The window, softcap and ALiBi variants were checked for numerics but not timed, so they stay
 # portable under "auto".
 # Host cost: an eager forward through attention() costs 87 us of host time a call on this tier

@@ -346,10 +346,10 @@ def _consumer_tile(
         m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=row_layout)
         l_i = sums_start(0.0, BLOCK_N)
     acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
-    # Three consumers, causal, on the flat grid (D = 64 from 4096 keys): each softmax kept
-    # under its own P V (fwd_steps._steps, OWN_PV): 1.5-2% faster there; the other builds with
-    # three consumers gained less or spilled with it (docs/hopper_fwd_configs.md, "Row sums per
-    # thread").
+    # Three consumers, causal, on the flat grid (D = 64 from 4096 keys, on grids of four rounds
+    # and more: ops/fwd_sm90.py, three_consumers_fill): each softmax kept under its own P V
+    # (fwd_steps._steps, OWN_PV): 1.5-2% faster there; the other builds with three consumers
+    # gained less or spilled with it (docs/hopper_fwd_configs.md, "Row sums per thread").
     OWN_PV: gl.constexpr = (
         (NUM_CONSUMERS > 2) and IS_CAUSAL and RAW_MAX
         and not (PERSISTENT or HAS_SINKS or VARLEN or HAS_WINDOW)
