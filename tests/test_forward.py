@@ -287,11 +287,12 @@ def test_sm90_causal_d64_three_consumers_by_grid(batch_heads, seqlen, consumers)
         assert cfg == fwd_sm90.D64_THREE._replace(persistent=False)
     else:
         assert cfg == fwd_sm90.ONE_D64
-    # A window, softcap or ALiBi keeps two consumers, whatever the grid.
-    assert (
-        fwd_sm90.pick_config(64, seqlen, seqlen, True, True, grid=(batch_heads, 132))
-        == (fwd_sm90.CONFIGS[64])
-    )
+    # A window, softcap or ALiBi keeps two consumers, whatever the grid; a packed batch whose
+    # lengths vary keeps three consumers (the grid rule was measured on dense problems).
+    grid = (batch_heads, 132)
+    assert fwd_sm90.pick_config(64, seqlen, seqlen, True, True, grid=grid) == fwd_sm90.CONFIGS[64]
+    packed = fwd_sm90.pick_config(64, seqlen, seqlen, True, False, grid=grid, packed=True)
+    assert packed == fwd_sm90.D64_THREE._replace(persistent=False)
 
 
 @pytest.mark.parametrize(
@@ -312,6 +313,12 @@ def test_sm90_causal_d64_one_consumer_by_grid(batch_heads, seqlen, consumers):
 
     cfg = fwd_sm90.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
     assert cfg == (fwd_sm90.ONE_D64 if consumers == 1 else fwd_sm90.CONFIGS[64])
+    # A packed batch whose lengths vary keeps the two-round limit (ONE_MAX_ROUNDS).
+    packed = fwd_sm90.pick_config(
+        64, seqlen, seqlen, True, False, grid=(batch_heads, 132), packed=True
+    )
+    rounds = -(-seqlen // 128) * batch_heads / 132
+    assert packed == (fwd_sm90.ONE_D64 if rounds <= 2 else fwd_sm90.CONFIGS[64])
 
 
 @pytest.mark.parametrize(

@@ -253,10 +253,12 @@ def one_consumer(
     seqlen_k: int,
     causal: bool,
     grid: tuple[int, int] | None,
+    packed: bool = False,
 ) -> Sm90Config | None:
     """The one-consumer config a problem takes by the measured rules above (``ONE`` or
     ``ONE_D64_THREE_CTAS``), or None; ``grid``: ``(batch * heads, SMs)`` (without it, a full grid
-    is assumed)."""
+    is assumed); ``packed``: a packed batch whose lengths vary, which keeps ``ONE_MAX_ROUNDS``
+    (the causal limit was measured on dense problems)."""
     if head_dim not in ONE:
         return None
     rounds = None if grid is None else -(-seqlen_q // 128) * grid[0] / grid[1]
@@ -264,7 +266,7 @@ def one_consumer(
         if head_dim == 64 and (rounds is None or rounds >= ONE_THREE_CTAS_MIN_ROUNDS):
             return ONE_D64_THREE_CTAS
         return ONE[head_dim]
-    limit = (ONE_MAX_ROUNDS_CAUSAL if causal else ONE_MAX_ROUNDS)[head_dim]
+    limit = (ONE_MAX_ROUNDS_CAUSAL if causal and not packed else ONE_MAX_ROUNDS)[head_dim]
     if rounds is not None and rounds <= limit:
         return ONE[head_dim]
     return None
@@ -277,21 +279,24 @@ def pick_config(
     causal: bool,
     options: bool,
     grid: tuple[int, int] | None = None,
+    packed: bool = False,
 ) -> Sm90Config:
     """The launch config of a problem: ``CONFIGS``, three consumers at D=64 where they measured
     faster, or one consumer a CTA for short causal problems, long causal ones on few heads and
     small grids (``options``: a window, softcap or ALiBi is on, which keeps ``CONFIGS``' two
     consumers short of three; ``grid``: ``(batch * heads, SMs)``, which assumes a full grid
-    without it)."""
+    without it; ``packed``: a packed batch whose lengths vary (``varlen_spread``), for which the
+    causal grid rules, measured on dense problems, are not taken: long causal D=64 keeps three
+    consumers on the flat grid and its work list)."""
     floor = D64_THREE_MIN_SEQLEN_CAUSAL if causal else D64_THREE_MIN_SEQLEN
     long = head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor
     if long and causal:
-        if grid is None or three_consumers_fill(seqlen_q, *grid):
+        if grid is None or packed or three_consumers_fill(seqlen_q, *grid):
             return D64_THREE._replace(persistent=False)
         return ONE_D64
     if long and (grid is None or three_consumers_pay(seqlen_q, *grid)):
         return D64_THREE._replace(persistent=True)
-    one = None if options else one_consumer(head_dim, seqlen_q, seqlen_k, causal, grid)
+    one = None if options else one_consumer(head_dim, seqlen_q, seqlen_k, causal, grid, packed)
     return one or CONFIGS[head_dim]
 
 
@@ -661,9 +666,10 @@ def plan(
     # scripts/varlen_bench.py: by the mean lengths instead, 8192, 8192, 1000, 77 and 3 tokens
     # at D = 64 causal ran 0.88x (two consumers for three), and 16 sequences of 256-4096 the
     # same (docs/hopper_fwd_configs.md, "Packed batches").
+    spread = varlen_spread(batch, seqlen_q, totals[0])
     cfg = config or pick_config(
         head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi,
-        grid=(batch * heads, num_sms(q.device.index)),
+        grid=(batch * heads, num_sms(q.device.index)), packed=spread,
     )  # fmt: skip
     rows = 64
     block_m = rows * cfg.num_consumers
@@ -677,7 +683,7 @@ def plan(
     persistent = cfg.persistent
     if persistent is None:
         persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
-    if config is None and varlen_spread(batch, seqlen_q, totals[0]) and cfg.num_consumers > 1:
+    if config is None and spread and cfg.num_consumers > 1:
         persistent = False
     slots = num_sms(q.device.index) * cfg.ctas_per_sm
     grid, lpt_heads = (min(slots, n_work) if persistent else n_work), 1
