@@ -244,7 +244,7 @@ ONE_MAX_ROUNDS = {64: 2.0, 128: 0.5}
 # rounds within 3% either way: (2, 24, 2048) 70.5 / 68.6, (1, 64, 2048) 91.7 / 91.1, (2, 32,
 # 3072) 190.5 / 190.6, and two consumers ahead at the FA sweep's (8, 32, 2048) (15.5 rounds,
 # above). From 4096 on the causal three-consumer rule decides (``three_consumers_fill``).
-ONE_MAX_ROUNDS_CAUSAL = {64: 4.0, 128: 0.5}
+ONE_MAX_ROUNDS_CAUSAL = {**ONE_MAX_ROUNDS, 64: 4.0}
 
 
 def one_consumer(
