@@ -9,12 +9,18 @@ launcher builds it), and prints whether the two SASS listings are identical. A c
 touch some builds only (a new constexpr path, a refactor) should leave every other variant
 identical: a variant that differs where nothing should have changed is a bug to find before any
 GPU time. Needs Triton with Gluon (the wheel's ptxas and cuobjdump); no GPU.
+
+``--ignore-params``: compare the listings with the kernel parameters' constant-bank offsets
+(``c[0x0][0x...]``) and the instructions' encodings blanked, for a change that adds kernel
+arguments: the same instructions reading their parameters from shifted offsets count as
+identical.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -51,11 +57,19 @@ def dump(tree: Path, suite: str, out: Path) -> None:
     )
 
 
+def without_params(sass: str) -> str:
+    """``sass`` with parameter offsets and instruction encodings blanked (``--ignore-params``)."""
+    sass = re.sub(r"c\[0x0\]\[0x[0-9a-f]+\]", "c[0x0][param]", sass)
+    return re.sub(r"/\* 0x[0-9a-f]{16} \*/", "", sass)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("base", help="git revision to compare the working tree with")
     parser.add_argument("--suite", default="fwd,bwd")
+    parser.add_argument("--ignore-params", action="store_true")
     args = parser.parse_args()
+    norm = without_params if args.ignore_params else (lambda text: text)
     differ = 0
     with tempfile.TemporaryDirectory() as tmp:
         base = Path(tmp) / "base"
@@ -72,7 +86,7 @@ def main() -> int:
                 other = Path(tmp) / suite / "base" / path.name
                 if not other.exists():
                     print(f"{suite} {path.stem}: new (no such variant at {args.base})")
-                elif other.read_text() == path.read_text():
+                elif norm(other.read_text()) == norm(path.read_text()):
                     print(f"{suite} {path.stem}: identical")
                 else:
                     differ += 1

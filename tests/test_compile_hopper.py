@@ -102,6 +102,18 @@ VARIANTS = [
      {**PLAIN, "causal": True, "even_n": False, "varlen": 2}),
     ("d64-fp16-causal-varlen-list-three", 64, "fp16", 3, 128, 3, 160, 128,
      {**PLAIN, "causal": True, "even_n": False, "varlen": 2}),
+    # Paged caches (PAGED, fwd_load._load_pages): pages of a multiple of the key tile (one load a
+    # tile), and pages of 16 and 32 keys (one load a page, into row slices of the slot).
+    ("d128-bf16-causal-paged-list", 128, "bf16", 2, 128, 2, 240, 168,
+     {**PLAIN, "causal": True, "even_n": False, "varlen": 2, "paged": 128}),
+    ("d128-fp16-paged16-list", 128, "fp16", 2, 128, 2, 240, 168,
+     {**PLAIN, "even_n": False, "varlen": 2, "paged": 16}),
+    ("d64-bf16-causal-paged16-three-persistent", 64, "bf16", 3, 128, 3, 160, 128,
+     {**PLAIN, "causal": True, "even_n": False, "varlen": True, "persistent": True,
+      "paged": 16}),
+    ("d192-v128-fp16-causal-paged32-list", 192, "fp16", 2, 128, 2, 240, 168,
+     {**PLAIN, "causal": True, "even_n": False, "varlen": 2, "paged": 32,
+      "value_head_dim": 128}),
 ]  # fmt: skip
 PERSISTENT_SUFFIX = "-persistent"
 
@@ -129,7 +141,9 @@ def compile_variant(variant) -> dict:
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     # Signatures as a launch with Gluon TensorDescriptors specialises them (ops/fwd_sm90.py:
     # Q and K in 64-column panels at head dim 192, V and O at their own head dim).
-    blocks = {"q_desc": 64, "o_desc": 64, "k_desc": block_n, "v_desc": block_n}
+    # A paged cache's box is a page where pages are shorter than the key tile (PAGED).
+    rows_k = flags.get("paged") or block_n
+    blocks = {"q_desc": 64, "o_desc": 64, "k_desc": rows_k, "v_desc": rows_k}
     panel = qk_panel(head_dim)
     head_dim_v = flags.get("value_head_dim", head_dim)
     signature = {}
@@ -144,6 +158,7 @@ def compile_variant(variant) -> dict:
         HAS_ALIBI=flags["alibi"], HAS_SINKS=flags.get("sinks", False),
         RAW_MAX=flags["raw_max"], EVEN_N=flags["even_n"],
         PERSISTENT=flags.get("persistent", False), VARLEN=flags.get("varlen", False),
+        PAGED="paged" in flags,
     )  # fmt: skip
     fn = fwd.attn_fwd_sm90_kernel
     for name in fn.arg_names:
@@ -153,7 +168,7 @@ def compile_variant(variant) -> dict:
             signature[name] = "*fp32"
         elif name == "O":
             signature[name] = f"*{dtype}"
-        elif name in ("CU_Q", "CU_K", "WORK"):
+        elif name in ("CU_Q", "CU_K", "WORK", "BLOCK_TABLE"):
             signature[name] = "*i32"
         elif name in ("qk_scale", "softcap"):
             signature[name] = "fp32"
@@ -426,7 +441,7 @@ def test_no_spills(compiled):
     # The packed (VARLEN) builds spilled 16-88 B until the values the partitions compute alike
     # were kept out of the entry block (kernels/hopper/common.py: opaque, programs).
     persistent = [row for row in compiled if row["variant"].endswith(PERSISTENT_SUFFIX)]
-    assert len(persistent) == 14, sorted(row["variant"] for row in compiled)
+    assert len(persistent) == 15, sorted(row["variant"] for row in compiled)
     for row in compiled:
         assert row["spill_bytes"] == 0, f"{row['variant']}: {row['spill_bytes']} B of spills"
 

@@ -211,3 +211,92 @@ def test_paged_mode():
     assert paged_mode(cache(2**17, 16), cache(2**17, 16), 64) == 3
     assert paged_mode(cache(2**17 + 1, 16), cache(2**17 + 1, 16), 64) == 1
     assert paged_mode(cache(2**17, 16), cache(2**17, 16, 256), 64) == 1
+
+
+# The Hopper forward on paged caches (ops/fwd_sm90.py: page_rows): pages holding a whole key tile
+# or several (one load a tile), and pages of 16, 32 and 64 keys (one load a page). Sequences end
+# mid-page, mid-tile and on a page's end; one has a single key, one none.
+# name: (seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, options)
+SM90_PAGED = {
+    "bs256-causal-gqa": (
+        (300, 1, 700, 37, 5), (1000, 1, 700, 2100, 0), 8, 2, 128, 128, 256, {"causal": True},
+    ),
+    "bs128-full": ((129, 64, 500), (384, 1, 777), 4, 4, 128, 128, 128, {}),
+    "bs16-causal": ((200, 3, 130), (1024, 17, 700), 4, 1, 128, 128, 16, {"causal": True}),
+    "bs32-d64-window-softcap-sinks": (
+        (400, 90), (900, 1313), 6, 2, 64, 64, 32,
+        {"causal": True, "window": (300, 0), "softcap": 20.0, "sinks": True},
+    ),
+    "bs64-alibi": ((250, 77), (640, 1000), 4, 2, 128, 128, 64, {"alibi": True}),
+    "bs16-mla": ((300, 45), (800, 333), 4, 2, 192, 128, 16, {"causal": True}),
+}  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", list(SM90_PAGED))
+def test_paged_varlen_gpu_sm90(name, dtype, monkeypatch):
+    """Packed queries against paged caches on the Hopper forward (the launch recorded): out and
+    LSE against the float64 reference on the keys gathered dense, and the same bits as the Hopper
+    forward on those keys packed dense. The pools' unowned rows are NaN (``paged_pools``), so a
+    sequence's last V tile must have its foreign rows zeroed."""
+    from helpers import record_sm90_forwards, require_sm90
+
+    require_sm90()
+    seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, options = SM90_PAGED[name]
+    options = dict(options)
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(heads, device="cuda")
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = torch.rand(len(seqlens_q), heads, device="cuda")
+    q, k, v, table, cu_q, cu_k, k_dense, v_dense = make_paged(
+        seqlens_q, seqlens_k, heads, kv_heads, d, dv, block_size, dtype, "cuda"
+    )
+    maxima = max(seqlens_q), max(seqlens_k)
+    forwards = record_sm90_forwards(monkeypatch)
+    with flashcore.use_tier("sm90"):
+        out, lse = flashcore.attention_varlen(
+            q, k, v, cu_q, cu_k, *maxima, block_table=table, return_lse=True, **options
+        )
+    assert forwards == [1]
+    ref = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, **options)
+    pt = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, dtype=dtype, **options)
+    assert_fa_rule("out", out, pt.out, ref.out)
+    assert_fa_rule("lse", lse, pt.lse.float(), ref.lse)
+    with flashcore.use_tier("sm90"):
+        want = flashcore.attention_varlen(
+            q, k_dense, v_dense, cu_q, cu_k, *maxima, return_lse=True, **options
+        )
+    assert forwards == [1, 1]
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+@pytest.mark.gpu
+def test_paged_varlen_gpu_sm90_page_sizes_it_leaves(monkeypatch):
+    """Pages the Hopper forward's tiles do not fit (48 keys: neither a power of two below the
+    128-key tile nor a multiple of it) run the portable forward, with the same numbers."""
+    from helpers import record_sm90_forwards, require_sm90
+
+    require_sm90()
+    q, k, v, table, cu_q, cu_k, k_dense, v_dense = make_paged(
+        (100, 30), (500, 200), 4, 2, 128, 128, 48, torch.bfloat16, "cuda"
+    )
+    forwards = record_sm90_forwards(monkeypatch)
+    with flashcore.use_tier("sm90"):
+        out = flashcore.attention_varlen(q, k, v, cu_q, cu_k, 100, 500, block_table=table)
+    assert forwards == []
+    ref = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k)
+    pt = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, dtype=q.dtype)
+    assert_fa_rule("out", out, pt.out, ref.out)
+
+
+def test_sm90_page_rows():
+    """The Hopper forward's box for a page size (no GPU needed): the tile where pages hold a
+    multiple of it, one page where a page is a power of two of at least 8 rows below it, else
+    the tier leaves the problem to the portable forward."""
+    from flashcore.ops.fwd_sm90 import page_rows
+
+    assert [page_rows(bs, 128) for bs in (128, 256, 1024)] == [128, 128, 128]
+    assert [page_rows(bs, 128) for bs in (8, 16, 32, 64)] == [8, 16, 32, 64]
+    assert [page_rows(bs, 128) for bs in (48, 96, 192, 4)] == [None] * 4
+    assert [page_rows(bs, 64) for bs in (64, 192, 16)] == [64, 64, 16]

@@ -78,7 +78,7 @@ def launch(
     # A call captured into a CUDA graph has no host cost at replay: the Hopper forward from
     # smaller problems on, and descriptors for small portable ones too (tuning).
     capturing = runtime.capturing(q)
-    if block_table is None and config is None and runtime.forward_tier(q.device) == "sm90":
+    if config is None and runtime.forward_tier(q.device) == "sm90":
         # Whether the Hopper forward runs, and its launch, per problem signature (as the
         # portable plan below): the tier's checks and choice cost tens of microseconds of
         # Python a call otherwise (docs/performance_host.md, "The Hopper tier's host path").
@@ -86,6 +86,7 @@ def launch(
             *problem, out.stride(),
             None if alibi_slopes is None else (alibi_slopes.dtype, stride_ab), sinks is None,
             None if varlen is None else pb.problem_dims(q, k, varlen), aligned,
+            None if block_table is None else (block_table.shape, block_table.stride(0)),
             runtime.tier_forced(), capturing,
         )  # fmt: skip
         if capturing and runtime.in_capture(q):
@@ -93,13 +94,13 @@ def launch(
             capturing = key[-1]
         hopper = cached(_SM90_PLANS, key, lambda: _sm90_plan(
             q, k, v, out, lse, causal, scale, window, softcap, alibi_slopes, stride_ab,
-            sinks is not None, varlen, capturing,
+            sinks is not None, varlen, capturing, block_table,
         ))  # fmt: skip
         if hopper:
             from flashcore.ops import fwd_sm90
 
             fwd_sm90.launch(hopper, q, k, v, out, lse, alibi if alibi_slopes is not None else None,
-                            sinks, varlen)  # fmt: skip
+                            sinks, varlen, block_table)  # fmt: skip
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
     # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
@@ -157,9 +158,11 @@ def _sm90_plan(
     has_sinks: bool,
     varlen: pb.Varlen | None,
     capturing: bool = False,
+    block_table: torch.Tensor | None = None,
 ):
     """The Hopper forward's launch (``fwd_sm90.Plan``) where "auto" or ``use_tier("sm90")`` takes
-    it for this problem and the tier covers it, else False (``capturing``: into a CUDA graph)."""
+    it for this problem and the tier covers it, else False (``capturing``: into a CUDA graph;
+    ``block_table``: paged k and v, whose page size the tier may not take)."""
     from flashcore.ops import fwd_sm90
 
     dims = pb.problem_dims(q, k, varlen)
@@ -168,9 +171,14 @@ def _sm90_plan(
     head_dim = fwd_sm90.kernel_head_dims(q.shape[-1], v.shape[-1])[0]
     # "auto" judges a packed batch by its mean lengths (the offsets stay on the device; the
     # totals may include rows past the last offset, so these are upper bounds).
-    seqlen_q, seqlen_k = (
-        dims[3:] if varlen is None else (q.shape[0] / dims.batch, k.shape[0] / dims.batch)
-    )
+    if varlen is None:
+        seqlen_q, seqlen_k = dims[3:]
+    elif block_table is None:
+        seqlen_q, seqlen_k = q.shape[0] / dims.batch, k.shape[0] / dims.batch
+    else:
+        # A paged batch's keys: at most the longest, and at most the pool's pages shared out.
+        seqlen_q = q.shape[0] / dims.batch
+        seqlen_k = min(dims[4], k.shape[0] * k.shape[2] / dims.batch)
     flops = 4.0 * dims.batch * dims.heads * seqlen_q * seqlen_k * head_dim
     wanted = runtime.tier_forced() or tuning.sm90_forward(
         seqlen_q,
@@ -186,18 +194,19 @@ def _sm90_plan(
     )
     if not wanted or not fwd_sm90.supports(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes,
-        varlen=varlen is not None,
+        varlen=varlen is not None, block_table=block_table,
     ):  # fmt: skip
         return False
     if varlen is not None and not fwd_sm90.tma_ok(fwd_sm90.packed_view(out)):
         return False
     sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, *dims[3:])
-    return fwd_sm90.plan(
+    hopper = fwd_sm90.plan(
         q, k, v, lse, causal=sc.is_causal, qk_scale=sc.qk_scale, window_left=sc.window_left,
         window_right=sc.window_right, has_window=sc.has_window, softcap=sc.softcap,
         alibi=alibi_slopes is not None, sinks=has_sinks, stride_ab=stride_ab, varlen=varlen,
-        out_strides=(0, 0) if varlen is None else out.stride()[:2],
+        out_strides=(0, 0) if varlen is None else out.stride()[:2], block_table=block_table,
     )  # fmt: skip
+    return hopper or False
 
 
 def _plan(

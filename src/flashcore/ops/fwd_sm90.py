@@ -436,9 +436,9 @@ def kernels() -> ModuleType:
 @functools.cache
 def launcher() -> Launcher:
     """The kernel's ``Launcher`` (its four descriptors, LSE, ALIBI, SINKS, O, the two offset
-    tensors and the work list come first): Triton's per-call argument binding is skipped once a
-    signature has been compiled."""
-    return Launcher(kernels().attn_fwd_sm90_kernel, 11)
+    tensors, the work list and the block table come first): Triton's per-call argument binding
+    is skipped once a signature has been compiled."""
+    return Launcher(kernels().attn_fwd_sm90_kernel, 12)
 
 
 @functools.cache
@@ -467,13 +467,17 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
-def _tier_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int) -> bool:
-    """An sm_90 device with Gluon, and q, k, v all fp16 or all bf16, each of ``dims`` dims."""
+def _tier_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: int, kv_dims: int | None = None
+) -> bool:
+    """An sm_90 device with Gluon, and q, k, v all fp16 or all bf16, q of ``dims`` dims, k and
+    v of ``kv_dims`` (default ``dims``)."""
     if not (q.is_cuda and _is_sm90(q.device) and _gluon_available()):
         return False
     if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return False
-    return q.dim() == dims and k.dim() == dims and v.dim() == dims
+    kv_dims = dims if kv_dims is None else kv_dims
+    return q.dim() == dims and k.dim() == kv_dims and v.dim() == kv_dims
 
 
 def dense_problem(
@@ -523,6 +527,38 @@ def packed_problem(
     return all(tma_ok(packed_view(t)) for t in (q, k, v))
 
 
+def paged_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    head_dims: tuple[tuple[int, int], ...],
+) -> bool:
+    """``packed_problem`` for packed queries against paged caches: q ``(total_q, H, D)``, k and
+    v ``(num_blocks, Hkv, block_size, D)`` with ``H % Hkv == 0``, each addressable by the copy
+    engine as it is (pages, heads and rows 16-byte strided)."""
+    if not _tier_inputs(q, k, v, 3, 4):
+        return False
+    if k.shape[-1] != q.shape[-1] or v.shape[:-1] != k.shape[:-1]:
+        return False
+    if (q.shape[-1], v.shape[-1]) not in head_dims:
+        return False
+    if q.shape[1] % k.shape[1] != 0 or q.shape[0] == 0 or k.shape[0] == 0:
+        return False
+    return tma_ok(packed_view(q)) and tma_ok(k) and tma_ok(v)
+
+
+def page_rows(block_size: int, block_n: int) -> int | None:
+    """The rows of a paged cache's box for ``block_n``-key tiles (``kernels/hopper/fwd_load.py:
+    _load_pages``): the whole tile where pages hold a multiple of it, one page where a page is a
+    power of two of at least 8 rows (the NVMMA swizzle's atom) that divides the tile, else None
+    (the tier does not take that page size)."""
+    if block_size % block_n == 0:
+        return block_n
+    if 8 <= block_size < block_n and block_size & (block_size - 1) == 0:
+        return block_size
+    return None
+
+
 def supports(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -533,17 +569,22 @@ def supports(
     softcap: float,
     alibi: torch.Tensor | None,
     varlen: bool = False,
+    block_table: torch.Tensor | None = None,
 ) -> bool:
     """Whether this tier runs the problem: an sm_90 device, fp16/bf16, head dim 64 or 128, dense
     ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty
     sequences, and strides the copy engine accepts, or with ``varlen`` packed ``(total, heads,
-    D)`` ones (``packed_problem``); or the wider and padded pairs of ``forward_head_dims``.
-    Causal, the sliding window, softcap and ALiBi are all covered (flags of the one kernel), so
+    D)`` ones (``packed_problem``), with a ``block_table`` against paged caches
+    (``paged_problem``); or the wider and padded pairs of ``forward_head_dims``. Causal, the
+    sliding window, softcap and ALiBi are all covered (flags of the one kernel), so
     ``causal``/``window``/``softcap``/``alibi`` never reject; they are taken so that the dispatch
-    can call every tier alike."""
+    can call every tier alike. (Whether a paged cache's page size suits the tiles is ``plan``'s
+    to say: it depends on the config.)"""
     del causal, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
+    if block_table is not None:
+        return paged_problem(q, k, v, forward_head_dims())
     if varlen:
         return packed_problem(q, k, v, forward_head_dims())
     return dense_problem(q, k, v, forward_head_dims())
@@ -602,19 +643,26 @@ def attn_fwd_sm90(
     alibi: torch.Tensor | None,
     sinks: torch.Tensor | None = None,
     varlen: Varlen | None = None,
+    block_table: torch.Tensor | None = None,
     **options,
 ) -> None:
     """Write ``out`` (like q) and ``lse`` (fp32 ``(B, H, Sq)``, contiguous; packed ``(H,
     total_q)`` with ``varlen``) for inputs that passed ``supports``: ``launch`` of ``plan``.
     ``alibi`` holds float32 slopes read at ``b * stride_ab + h``; ``sinks`` float32 ``(H,)``
-    logits (natural units), contiguous; ``options`` are ``plan``'s other keywords."""
+    logits (natural units), contiguous; ``block_table`` (with ``varlen``) int32 ``(B,
+    max_blocks)`` over paged k and v; ``options`` are ``plan``'s other keywords."""
     if not tma_ok(out if varlen is None else packed_view(out)):
         raise ValueError(f"out: strides {out.stride()} are not 16-byte aligned for TMA")
     p = plan(
         q, k, v, lse, alibi=alibi is not None, sinks=sinks is not None, varlen=varlen,
-        out_strides=(0, 0) if varlen is None else out.stride()[:2], **options,
+        out_strides=(0, 0) if varlen is None else out.stride()[:2], block_table=block_table,
+        **options,
     )  # fmt: skip
-    launch(p, q, k, v, out, lse, alibi, sinks, varlen)
+    if p is None:
+        raise ValueError(
+            f"block_table: pages of {k.shape[2]} keys do not fit this tier's key tiles"
+        )
+    launch(p, q, k, v, out, lse, alibi, sinks, varlen, block_table)
 
 
 def plan(
@@ -636,7 +684,8 @@ def plan(
     varlen: Varlen | None = None,
     out_strides: tuple[int, int] = (0, 0),
     use_work_list: bool = True,
-) -> Plan:
+    block_table: torch.Tensor | None = None,
+) -> Plan | None:
     """The launch of ``attn_fwd_sm90`` for these shapes and options (a function of q's, k's and
     v's shapes, lse's strides, the device and the options only, so callers keep it per problem
     signature).
@@ -649,7 +698,9 @@ def plan(
     lengths below are the longest sequence's), and ``out_strides`` are out's row and head
     strides, which the kernel stores a sequence's last query rows with. A packed batch on the
     flat grid takes its tiles from a work list (``ops/work_list.py``) unless ``use_work_list``
-    is off (for benchmarks).
+    is off (for benchmarks). ``block_table`` (with ``varlen``): k and v are paged caches
+    ``(num_blocks, Hkv, block_size, D)`` read through it (PAGED); None where the page size
+    does not suit the config's key tiles (``page_rows``).
     """
     if varlen is None:
         batch, heads, seqlen_q, head_dim = q.shape
@@ -658,7 +709,11 @@ def plan(
     else:
         batch, heads, head_dim = varlen.batch, q.shape[1], q.shape[2]
         kv_heads, seqlen_q, seqlen_k = k.shape[1], varlen.max_seqlen_q, varlen.max_seqlen_k
-        totals = (q.shape[0], k.shape[0])
+        # A paged sequence's keys are bounded by its block-table row (pb.packed_totals).
+        totals = (
+            q.shape[0],
+            k.shape[0] if block_table is None else block_table.shape[1] * k.shape[2],
+        )
     # The tiles' width (``PADDED_HEAD_DIMS``, ``WIDE_PADDED_HEAD_DIMS``: boxes wider than the
     # tensors).
     head_dim, head_dim_v = kernel_head_dims(head_dim, v.shape[-1])
@@ -674,8 +729,11 @@ def plan(
     rows = 64
     block_m = rows * cfg.num_consumers
     panel = qk_panel(head_dim)
+    rows_k = cfg.block_n if block_table is None else page_rows(k.shape[2], cfg.block_n)
+    if rows_k is None:
+        return None
     boxes = (
-        [1, 1, rows, panel], [1, 1, cfg.block_n, panel], [1, 1, cfg.block_n, head_dim_v],
+        [1, 1, rows, panel], [1, 1, rows_k, panel], [1, 1, rows_k, head_dim_v],
         [1, 1, rows, head_dim_v],
     )  # fmt: skip
     raw_max = softcap <= 0 and not alibi and qk_scale > 0
@@ -703,8 +761,10 @@ def plan(
     n_tiles = -(-seqlen_q // block_m)
     # The LSE's batch and head strides: (B, H, Sq), or packed (H, total_q) with batch stride 0.
     lse_strides = lse.stride()[:2] if varlen is None else (0, lse.stride(0))
+    # A paged cache's block-table row stride and page size (unused, 0 and 1, otherwise).
+    pages = (0, 1) if block_table is None else (block_table.stride(0), k.shape[2])
     scalars = (
-        *lse_strides, stride_ab, *out_strides, heads, heads // kv_heads, batch, seqlen_q,
+        *lse_strides, stride_ab, *out_strides, *pages, heads, heads // kv_heads, batch, seqlen_q,
         seqlen_k, *totals, lpt_heads, *fast_divisor(n_tiles * lpt_heads),
         *fast_divisor(lpt_heads), *fast_divisor(heads), float(qk_scale), window_left,
         window_right, float(softcap),
@@ -725,6 +785,7 @@ def plan(
         "EVEN_N": varlen is None and seqlen_k % cfg.block_n == 0,
         "PERSISTENT": persistent,
         "VARLEN": 0 if varlen is None else 2 if work is not None else 1,
+        "PAGED": block_table is not None,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }
@@ -741,19 +802,26 @@ def launch(
     alibi: torch.Tensor | None,
     sinks: torch.Tensor | None,
     varlen: Varlen | None = None,
+    block_table: torch.Tensor | None = None,
 ) -> None:
     """Launch ``p`` on these tensors (which passed ``supports``, ``out`` ``tma_ok``; packed ones
-    with their ``varlen`` offsets, as ``p`` was planned)."""
+    with their ``varlen`` offsets and paged caches with their ``block_table``, as ``p`` was
+    planned)."""
     tensors = (q, k, v, out)
     if varlen is not None:
-        tensors = tuple(packed_view(t) for t in tensors)
+        # Paged caches are 4-D as they are: (pages, heads, rows, D).
+        paged = block_table is not None
+        tensors = tuple(
+            t if paged and i in (1, 2) else packed_view(t) for i, t in enumerate(tensors)
+        )
     descs = tuple(descriptor(t, box) for t, box in zip(tensors, p.boxes, strict=True))
-    # The LSE stands in for an absent ALiBi, sinks, offsets or work list pointer (never read:
-    # its flag is off), out for O (read only with VARLEN).
+    # The LSE stands in for an absent ALiBi, sinks, offsets, work list or block table pointer
+    # (never read: its flag is off), out for O (read only with VARLEN).
     work = lse if p.work is None else work_list.build(p.work, *varlen[:2])
     extra = (
         lse, lse if alibi is None else alibi, lse if sinks is None else sinks, out,
         *((lse, lse) if varlen is None else varlen[:2]), work,
+        lse if block_table is None else block_table,
     )  # fmt: skip
     with runtime.launch_on(q):
         launcher()(p.grid, (*descs, *extra, *p.scalars), p.meta)

@@ -507,11 +507,14 @@ def attn_fwd_sm90_kernel(
     CU_Q,
     CU_K,
     WORK,
+    BLOCK_TABLE,
     stride_lb,
     stride_lh,
     stride_ab,
     stride_ot,
     stride_oh,
+    stride_btb,
+    block_size,
     num_heads,
     kv_group,
     batch,
@@ -545,6 +548,7 @@ def attn_fwd_sm90_kernel(
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr = False,
     VARLEN: gl.constexpr = False,
+    PAGED: gl.constexpr = False,
 ):
     BLOCK_M: gl.constexpr = ROWS * NUM_CONSUMERS
     if VARLEN == 2:  # noqa: SIM102 (one condition would load WORK in every build)
@@ -562,8 +566,9 @@ def attn_fwd_sm90_kernel(
     # own head dim (v_desc, o_desc: 128 at head dim 192, the MLA shapes; HEAD_DIM otherwise).
     PANELS: gl.constexpr = HEAD_DIM // q_desc.block_type.shape[3]
     q_shape: gl.constexpr = [Q_SLOTS * PANELS] + q_desc.block_type.shape  # noqa: RUF005
-    k_shape: gl.constexpr = [NUM_STAGES * PANELS] + k_desc.block_type.shape  # noqa: RUF005
-    v_shape: gl.constexpr = [NUM_STAGES] + v_desc.block_type.shape  # noqa: RUF005
+    # A K/V slot holds BLOCK_N rows; a paged cache's box may be one page of fewer (PAGED).
+    k_shape: gl.constexpr = [NUM_STAGES * PANELS, 1, 1, BLOCK_N, k_desc.block_type.shape[3]]
+    v_shape: gl.constexpr = [NUM_STAGES, 1, 1, BLOCK_N, v_desc.block_type.shape[3]]
     q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, k_shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_shape, v_desc.layout)
@@ -620,7 +625,8 @@ def attn_fwd_sm90_kernel(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
         kv_empty, fix_bar.index(0), CU_Q, CU_K, WORK, num_heads, kv_group, batch, seqlen_q,
         seqlen_k,
-        lpt_heads, divisors, window_left, window_right, total_q, total_k,
+        lpt_heads, divisors, window_left, window_right, total_q, total_k, BLOCK_TABLE,
+        stride_btb, block_size,
     )  # fmt: skip
     gl.static_assert((NUM_CONSUMERS >= 1) & (NUM_CONSUMERS <= 3), "one to three consumers")
     if NUM_CONSUMERS == 1:
@@ -630,7 +636,7 @@ def attn_fwd_sm90_kernel(
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
                              RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT, VARLEN)),
+                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED)),
             ],
             [1],
             [24],
@@ -645,7 +651,7 @@ def attn_fwd_sm90_kernel(
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
                              RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT, VARLEN)),
+                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED)),
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
@@ -663,7 +669,7 @@ def attn_fwd_sm90_kernel(
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
                              RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT, VARLEN)),
+                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, 24],

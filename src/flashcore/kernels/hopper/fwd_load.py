@@ -35,19 +35,49 @@ def _load(desc, off_b, off_h, row, bar, smem, first, PANELS: gl.constexpr):
 
 
 @gluon.jit
-def _load_v_bounded(desc, off_b, off_h, row, keep, bar, fix_bar, n_fix, smem, slot):
-    """V tile ``slot`` from ``row`` on, of which only the first ``keep`` rows are this sequence's
-    (VARLEN, the sequence's last key tile): the rows after them hold the next sequence's values
-    or unset memory, and a NaN or inf there would turn ``P V``'s zero weights into NaN. The tile
-    lands on the producer's own ``fix_bar`` (phase ``n_fix & 1``), the warp zeroes the foreign
-    rows, fences them for the tensor cores' (async) reads, and only then completes ``bar``
-    (``v_ready``, count 1) with a plain arrive."""
-    mbarrier.expect(fix_bar, desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [off_b, off_h, row, 0], fix_bar, smem.index(slot))
+def _load_pages(desc, bt_row, off_h, start_n, seqlen_k, block_size, bar, smem, first,
+                PANELS: gl.constexpr, BLOCK_N: gl.constexpr):  # fmt: skip
+    """The K or V tile of keys ``start_n .. start_n + BLOCK_N`` of a paged cache (PAGED), by TMA
+    onto ``bar`` (armed with the tile's bytes), into buffers ``first .. first + PANELS - 1``.
+
+    ``desc`` is over the cache ``(num_blocks, heads, block_size, D)`` with a box of PAGE_ROWS
+    rows: the whole tile from one page where ``block_size`` is a multiple of BLOCK_N (the
+    launcher's rule), else one page (``block_size == PAGE_ROWS``) for each PAGE_ROWS rows of
+    the tile, each into its row slice of the slot (a multiple of the swizzle's 8-row atom). A
+    page after the sequence's last (past ``seqlen_k``, where the block-table row may hold
+    anything) is not looked up: that part of the tile comes from the sequence's last page
+    again, rows the consumers mask (K) or the producer zeroes (V, ``_fix_v``). Page numbers are
+    the table's as they are: one outside the cache puts the copy engine's zeros in the tile
+    (its out-of-bounds fill), never a read outside it."""
+    PAGE_ROWS: gl.constexpr = desc.block_type.shape[2]
+    PANEL: gl.constexpr = desc.block_type.shape[3]
+    SUBS: gl.constexpr = BLOCK_N // PAGE_ROWS
+    mbarrier.expect(bar, SUBS * PANELS * desc.block_type.nbytes)
+    if SUBS == 1:
+        page = gl.load(bt_row + start_n // block_size)
+        row = start_n % block_size
+        for i in gl.static_range(PANELS):
+            tma.async_copy_global_to_shared(
+                desc, [page, off_h, row, i * PANEL], bar, smem.index(first + i)
+            )
+    else:
+        for s in gl.static_range(SUBS):
+            page = gl.load(bt_row + gl.minimum(start_n + s * PAGE_ROWS, seqlen_k - 1) // PAGE_ROWS)
+            for i in gl.static_range(PANELS):
+                dest = smem.index(first + i).slice(s * PAGE_ROWS, PAGE_ROWS, dim=2)
+                tma.async_copy_global_to_shared(desc, [page, off_h, 0, i * PANEL], bar, dest)
+
+
+@gluon.jit
+def _fix_v(fix_bar, n_fix, smem, slot, keep, bar):
+    """Complete V tile ``slot``, loaded onto the producer's own ``fix_bar`` (phase ``n_fix & 1``),
+    of which only the first ``keep`` rows are this sequence's (VARLEN or PAGED, the sequence's
+    last key tile): the rows after them hold the next sequence's values or unset memory, and a
+    NaN or inf there would turn ``P V``'s zero weights into NaN. The warp waits for the tile,
+    zeroes the foreign rows, fences them for the tensor cores' (async) reads, and only then
+    completes ``bar`` (``v_ready``, count 1) with a plain arrive."""
     mbarrier.wait(fix_bar, n_fix & 1)
-    BLOCK_N: gl.constexpr = desc.block_type.shape[2]
-    DV: gl.constexpr = desc.block_type.shape[3]
-    zero_rows(smem.index(slot).reshape([BLOCK_N, DV]), keep)
+    zero_rows(smem.index(slot).reshape([smem.shape[3], smem.shape[4]]), keep)
     fence_async_shared()
     mbarrier.arrive(bar, count=1)
 
@@ -83,6 +113,9 @@ def _producer_tile(
     window_right,
     total_q,
     total_k,
+    BLOCK_TABLE,
+    stride_btb,
+    block_size,
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     NUM_STAGES: gl.constexpr,
@@ -91,10 +124,11 @@ def _producer_tile(
     HAS_WINDOW: gl.constexpr,
     PERSISTENT: gl.constexpr,
     VARLEN: gl.constexpr,
+    PAGED: gl.constexpr,
 ):
     """Loads of work item ``w``, this program's tile number ``it``, whose K/V tiles take ring
-    entries ``kv0, kv0 + 1, ...``, after ``n_fix`` bounded V loads (``_load_v_bounded``);
-    returns how many ring entries it took and the bounded loads' new count."""
+    entries ``kv0, kv0 + 1, ...``, after ``n_fix`` bounded V loads (``_fix_v``); returns how
+    many ring entries it took and the bounded loads' new count."""
     # Q and K arrive in PANELS column panels of PANEL (head dim 192: three of 64, as a TMA box
     # must be a power of two wide); one panel otherwise.
     PANELS: gl.constexpr = k_smem.shape[0] // NUM_STAGES
@@ -106,6 +140,9 @@ def _producer_tile(
     )  # fmt: skip
     start_m = tile_m * BLOCK_M
     off_hk = off_h // kv_group
+    if PAGED:
+        # Sequence off_b's pages, in order (FlashAttention-2's paged varlen).
+        bt_row = BLOCK_TABLE + off_b * stride_btb
     q_start, k_start, seqlen_q, seqlen_k, off_b = sequence(
         CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
     )
@@ -143,19 +180,38 @@ def _producer_tile(
             phase = (g // NUM_STAGES) & 1
             start_n = lo + t * BLOCK_N
             mbarrier.wait(kv_empty.index(slot), phase ^ 1)  # K of entry g - NUM_STAGES read
-            _load(
-                k_desc, off_b, off_hk, k_start + start_n, k_ready.index(slot), k_smem,
-                slot * PANELS, PANELS,
-            )  # fmt: skip
+            if PAGED:
+                _load_pages(
+                    k_desc, bt_row, off_hk, start_n, seqlen_k, block_size, k_ready.index(slot),
+                    k_smem, slot * PANELS, PANELS, BLOCK_N,
+                )  # fmt: skip
+            else:
+                _load(
+                    k_desc, off_b, off_hk, k_start + start_n, k_ready.index(slot), k_smem,
+                    slot * PANELS, PANELS,
+                )  # fmt: skip
             mbarrier.wait(kv_empty.index(NUM_STAGES + slot), phase ^ 1)  # and its V
-            if VARLEN:
+            if PAGED:
+                # The last tile's rows past the sequence's keys are the page's unset rows (or
+                # its last page again): a bounded load.
+                if start_n + BLOCK_N > seqlen_k:
+                    _load_pages(
+                        v_desc, bt_row, off_hk, start_n, seqlen_k, block_size, fix_bar, v_smem,
+                        slot, 1, BLOCK_N,
+                    )  # fmt: skip
+                    _fix_v(fix_bar, n_fix, v_smem, slot, seqlen_k - start_n, v_ready.index(slot))
+                    n_fix += 1
+                else:
+                    _load_pages(
+                        v_desc, bt_row, off_hk, start_n, seqlen_k, block_size,
+                        v_ready.index(slot), v_smem, slot, 1, BLOCK_N,
+                    )  # fmt: skip
+            elif VARLEN:
                 # Rows past the sequence's keys that the tensor holds (the copy engine fills
                 # only rows past the tensor's end with zeros): a bounded load.
                 if (start_n + BLOCK_N > seqlen_k) & (k_start + seqlen_k < total_k):
-                    _load_v_bounded(
-                        v_desc, off_b, off_hk, k_start + start_n, seqlen_k - start_n,
-                        v_ready.index(slot), fix_bar, n_fix, v_smem, slot,
-                    )  # fmt: skip
+                    _load(v_desc, off_b, off_hk, k_start + start_n, fix_bar, v_smem, slot, 1)
+                    _fix_v(fix_bar, n_fix, v_smem, slot, seqlen_k - start_n, v_ready.index(slot))
                     n_fix += 1
                 else:
                     _load(
@@ -178,6 +234,7 @@ def producer(
     HAS_WINDOW: gl.constexpr,
     PERSISTENT: gl.constexpr,
     VARLEN: gl.constexpr,
+    PAGED: gl.constexpr = False,
 ):
     """The producer warp's partition; ``run`` holds the kernel's runtime values it needs
     (``kernels/hopper/fwd.py: attn_fwd_sm90_kernel``)."""
@@ -185,7 +242,8 @@ def producer(
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
         kv_empty, fix_bar, CU_Q, CU_K, WORK, num_heads, kv_group, batch, seqlen_q, seqlen_k,
         lpt_heads,
-        divisors, window_left, window_right, total_q, total_k,
+        divisors, window_left, window_right, total_q, total_k, BLOCK_TABLE, stride_btb,
+        block_size,
     ) = run  # fmt: skip
     if PERSISTENT:
         pid = gl.program_id(0)
@@ -205,8 +263,8 @@ def producer(
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                     v_ready, kv_empty, fix_bar, CU_Q, CU_K, WORK, w, wave, kv, n_fix, num_heads,
                     kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right,
-                    total_q, total_k, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                    HAS_WINDOW, PERSISTENT, VARLEN,
+                    total_q, total_k, BLOCK_TABLE, stride_btb, block_size, BLOCK_M, BLOCK_N,
+                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT, VARLEN, PAGED,
                 )  # fmt: skip
                 kv += n
     else:
@@ -214,6 +272,6 @@ def producer(
             q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
             kv_empty, fix_bar, CU_Q, CU_K, WORK, gl.program_id(0), 0, 0, 0, num_heads, kv_group,
             seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right, total_q, total_k,
-            BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT,
-            VARLEN,
+            BLOCK_TABLE, stride_btb, block_size, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
+            IS_CAUSAL, HAS_WINDOW, PERSISTENT, VARLEN, PAGED,
         )  # fmt: skip
