@@ -747,8 +747,11 @@ def plan(
     grid, lpt_heads = (min(slots, n_work) if persistent else n_work), 1
     work = None
     if varlen is not None and not persistent and use_work_list:
+        # A paged sequence's keys are counted by its offsets' differences alone (the list
+        # clamps offsets to the totals; the kernel clamps the count to the block-table row).
+        list_totals = totals if block_table is None else (totals[0], 2**31 - 1)
         work = work_list.plan(
-            batch, heads, *totals, seqlen_q, seqlen_k, block_m, cfg.block_n, causal=causal,
+            batch, heads, *list_totals, seqlen_q, seqlen_k, block_m, cfg.block_n, causal=causal,
             window_left=window_left, window_right=window_right, has_window=has_window,
         )  # fmt: skip
     kv_bytes = seqlen_k * (k.shape[-1] + v.shape[-1]) * k.element_size()

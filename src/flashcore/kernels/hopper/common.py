@@ -73,13 +73,22 @@ def seq_bounds(CU, b, total):
 
 
 @gluon.jit
-def sequence(CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN: gl.constexpr):
+def sequence(
+    CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN: gl.constexpr,
+    PAGED: gl.constexpr = False,
+):  # fmt: skip
     """``(q_start, k_start, seqlen_q, seqlen_k, desc_b)`` of work item batch ``off_b``: with VARLEN
     its packed sequence's first rows and lengths, and batch coordinate 0 in the ``(1, heads,
-    total, D)`` descriptors; dense, rows from 0, the problem's lengths and ``off_b`` itself."""
+    total, D)`` descriptors; dense, rows from 0, the problem's lengths and ``off_b`` itself.
+    PAGED (with VARLEN): the keys are in pages, ``CU_K``'s differences only count them, at most
+    ``total_k`` (the sequence's block-table row), and ``k_start`` is not a row of anything."""
     if VARLEN:
         q_start, seqlen_q = seq_bounds(CU_Q, off_b, total_q)
-        k_start, seqlen_k = seq_bounds(CU_K, off_b, total_k)
+        if PAGED:
+            k_start, seqlen_k = seq_bounds(CU_K, off_b, 2147483647)
+            seqlen_k = gl.minimum(seqlen_k, total_k)
+        else:
+            k_start, seqlen_k = seq_bounds(CU_K, off_b, total_k)
         desc_b = 0
     else:
         q_start = 0

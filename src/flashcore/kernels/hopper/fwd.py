@@ -268,6 +268,7 @@ def _consumer_tile(
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr,
     VARLEN: gl.constexpr,
+    PAGED: gl.constexpr,
 ):
     """This consumer's 64 rows of work item ``w`` (the program's tile number ``it``), from ring
     entry ``kv0`` and turn ``turn0`` on; returns the number of key tiles it took."""
@@ -303,7 +304,7 @@ def _consumer_tile(
     row0 = start_m + CONSUMER * ROWS
     rows = gl.expand_dims(row0 + gl.arange(0, ROWS, layout=row_layout), 1)
     q_start, _, seqlen_q, seqlen_k, desc_b = sequence(
-        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
+        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN, PAGED
     )
     lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
@@ -443,6 +444,7 @@ def _consumer(
     EVEN_N: gl.constexpr,
     PERSISTENT: gl.constexpr,
     VARLEN: gl.constexpr,
+    PAGED: gl.constexpr = False,
 ):
     """Consumer ``CONSUMER``'s partition: its tiles one after another (persistent), or its
     program's one tile; ``run`` holds the kernel's runtime values (``attn_fwd_sm90_kernel``)."""
@@ -477,7 +479,7 @@ def _consumer(
                     seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap,
                     total_q, total_k, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M,
                     BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                    RAW_MAX, EVEN_N, PERSISTENT, VARLEN,
+                    RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED,
                 )  # fmt: skip
                 kv += n
                 if n > 0:
@@ -491,6 +493,7 @@ def _consumer(
             qk_scale, window_left, window_right, softcap, total_q, total_k, CONSUMER,
             NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
             HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT, VARLEN,
+            PAGED,
         )  # fmt: skip
 
 
@@ -634,7 +637,7 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                             HAS_WINDOW, PERSISTENT, VARLEN, PAGED)),
             ],
@@ -646,10 +649,10 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                             HAS_WINDOW, PERSISTENT, VARLEN, PAGED)),
             ],
@@ -661,13 +664,13 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
                 (_consumer, (run, 2, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                             HAS_WINDOW, PERSISTENT, VARLEN, PAGED)),
             ],

@@ -144,7 +144,7 @@ def _producer_tile(
         # Sequence off_b's pages, in order (FlashAttention-2's paged varlen).
         bt_row = BLOCK_TABLE + off_b * stride_btb
     q_start, k_start, seqlen_q, seqlen_k, off_b = sequence(
-        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
+        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN, PAGED
     )
     lo, _, _, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
