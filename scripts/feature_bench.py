@@ -100,6 +100,12 @@ def mla(rows: list) -> None:
             rows.append(row)
 
 
+def portable(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` under ``flashcore.use_tier("portable")``."""
+    with flashcore.use_tier("portable"):
+        return fn(*args, **kwargs)
+
+
 def prefill(rows: list) -> None:
     """Chunked prefill: 1024 new queries per sequence against 8k keys (4 sequences, 32 query
     heads on 8 kv heads, D=128, causal): dense packed varlen, paged varlen (block_table) and
@@ -129,6 +135,19 @@ def prefill(rows: list) -> None:
             "varlen_paged": lambda t=table, kc=k_cache, vc=v_cache: flashcore.attention_varlen(
                 q, kc, vc, cu_q, cu_k, chunk, length, causal=True, block_table=t
             ),
+            # The same call on the portable forward (the Hopper one takes power-of-two pages).
+            "varlen_paged_portable": lambda t=table, kc=k_cache, vc=v_cache: portable(
+                flashcore.attention_varlen,
+                q,
+                kc,
+                vc,
+                cu_q,
+                cu_k,
+                chunk,
+                length,
+                causal=True,
+                block_table=t,
+            ),
             "kvcache_paged": lambda t=table, kc=k_cache, vc=v_cache: (
                 flashcore.attention_with_kvcache(
                     q4, kc, vc, cache_seqlens=lens, block_table=t, causal=True
@@ -141,6 +160,7 @@ def prefill(rows: list) -> None:
             row[f"{name}_ms"] = ms
             row[f"{name}_tflops"] = tflops(flops, ms)
         row["paged_vs_dense"] = row["varlen_paged_ms"] / row["varlen_dense_ms"]
+        row["portable_vs_paged"] = row["varlen_paged_portable_ms"] / row["varlen_paged_ms"]
         row["kvcache_vs_dense"] = row["kvcache_paged_ms"] / row["varlen_dense_ms"]
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -162,6 +162,15 @@ Flags (``gl.constexpr``, compiled away when off):
   the list's end read -1 and return before anything else (the persistent grid takes no list:
   dealt in its fixed order, a list of whole sequences took 0.86-1.43x the time of its own
   order, 1.37-1.43x at equal lengths causal; docs/hopper_fwd_configs.md, "Work lists").
+- PAGED (with VARLEN): K and V are paged caches ``(num_blocks, Hkv, block_size, D)`` (k_desc and
+  v_desc over them as they are), sequence b's keys in pages ``BLOCK_TABLE[b * stride_btb + j]``
+  in order, its key count ``CU_K[b + 1] - CU_K[b]`` clamped to its row (``total_k`` = the
+  row's pages times ``block_size``; ``common.sequence``). Only the producer's K/V copies change
+  (``fwd_load._load_pages``): a tile from one page where ``block_size`` is a multiple of BLOCK_N
+  (the descriptors' box is the tile), else one box of ``block_size`` rows a page (a power of two
+  of 8 to BLOCK_N / 2: the box's rows) into that page's row slice of the slot; the sequence's last
+  V tile is bounded as VARLEN's is (its page's rows past the keys are unset). The slots are
+  BLOCK_N rows whatever the box.
 
 MLA head dims (D = 192 for Q and K, Dv = 128 for V and O; ``ops/fwd_sm90.py: MLA_HEAD_DIMS``). A
 TMA box is a power of two wide, so Q and K arrive in PANELS = 3 column panels of 64 (the q/k
