@@ -187,6 +187,48 @@ def test_prefill_against_cache(case, options, device):
     check_decode(*make_kvcache(case, torch.float16, device), **options)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"causal": True}, {"causal": True, "window": (33, 0), "sinks": True},
+     {"causal": False, "softcap": 3.0, "alibi": True}],
+    ids=["causal", "window-sinks", "full-softcap-alibi"],
+)  # fmt: skip
+@pytest.mark.parametrize("case", PREFILL, ids=[c.id for c in PREFILL])
+def test_prefill_against_cache_packed(case, options, device, monkeypatch):
+    """The packed route of a long chunk (``ops.decode.packed_prefill``, taken on an sm_90 GPU
+    from ``tuning.KVCACHE_PACKED_MIN_SEQLEN_Q`` queries on; forced here at any length): the same
+    results as the decode kernel's semantics, against the reference, for a paged cache and a
+    dense one (one page a sequence), with sequences shorter than the chunk."""
+    from flashcore.ops import decode
+
+    calls = []
+    real = decode.packed_prefill
+    monkeypatch.setattr(decode, "KVCACHE_PACKED_MIN_SEQLEN_Q", 1)
+    monkeypatch.setattr(decode, "packed_prefill_wanted", lambda *a: True)
+    monkeypatch.setattr(decode, "packed_prefill", lambda *a: calls.append(1) or real(*a))
+    options = dict(options)
+    if options.pop("sinks", False):
+        options["sinks"] = torch.randn(case.heads, device=device)
+    if options.pop("alibi", False):
+        options["alibi_slopes"] = torch.rand(case.batch, case.heads, device=device) * 0.5
+    check_decode(*make_kvcache(case, torch.float16, device), **options)
+    assert calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_prefill_against_cache_packed_gpu(paged, monkeypatch):
+    """On an sm_90 GPU a chunk of 1024 queries runs as a packed batch through the Hopper forward
+    (the launch recorded; a dense cache of 6144 keys is one page of whole key tiles)."""
+    from helpers import record_sm90_forwards, require_sm90
+
+    require_sm90()
+    forwards = record_sm90_forwards(monkeypatch)
+    case = DecodeCase(4, 32, 8, 1024, 6144, 128, (6144, 1000, 4321, 999), 256 if paged else 0)
+    check_decode(*make_kvcache(case, torch.bfloat16, "cuda"), causal=True)
+    assert forwards == [1]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 def test_prefill_against_cache_gpu(paged):

@@ -502,6 +502,16 @@ def decode_block_m(kv_group: int, seqlen_q: int) -> int:
     return min(MAX_DECODE_ROWS, max(16, 1 << (kv_group * seqlen_q - 1).bit_length()))
 
 
+# attention_with_kvcache: a chunk of at least this many new queries a sequence runs as a packed
+# batch through the forward kernels (ops/decode.py: packed_prefill_wanted), on an sm_90 GPU. One
+# H200, bf16, 32 query heads on 8 kv heads, D = 128, causal, the chunk's packing copies included
+# (.scratch timing, do_bench medians): at 512 and 1024 queries the packed route took 0.50-0.69x
+# the decode kernel's time (B = 4 and 16, caches of 2048-8192 keys, dense and 256-key pages) and
+# the portable forward on the same packed batch 0.63-1.02x; at 128 and 256 queries the forward's
+# "auto" keeps the portable kernel, 0.68-1.10x; at 16-64 the decode kernel is 1.2-3.6x faster.
+KVCACHE_PACKED_MIN_SEQLEN_Q = 512
+
+
 # A dense cache at least this long streams 128-key tiles (decode_config); with many (batch, kv
 # head) pairs it splits over half a wave of programs, a shorter one over a full wave
 # (decode_num_splits).

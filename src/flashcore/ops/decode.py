@@ -11,12 +11,13 @@ from typing import NamedTuple
 
 import torch
 
+from flashcore.ops import fwd, runtime
 from flashcore.ops import problem as pb
-from flashcore.ops import runtime
 from flashcore.ops.fwd import paged_mode
 from flashcore.ops.launch import Launcher, cached
 from flashcore.tuning import (
     INTERPRETER_SMS,
+    KVCACHE_PACKED_MIN_SEQLEN_Q,
     MAX_SPLITS,
     decode_block_m,
     decode_config,
@@ -89,6 +90,11 @@ def launch(
     # The kernel reads length b at ``base + b`` and block-table rows as ``base + j``: strided
     # views of either are copied (tests/test_decode.py: test_decode_strided_index_tensors).
     cache_seqlens = pb.unit_stride_last_dim(cache_seqlens)
+    if q.shape[2] >= KVCACHE_PACKED_MIN_SEQLEN_Q and packed_prefill_wanted(q, k_cache, block_table):
+        return packed_prefill(
+            q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, causal, scale,
+            (window_left, window_right), softcap, sinks,
+        )  # fmt: skip
     paged = block_table is not None
     if paged:
         block_table = pb.unit_stride_last_dim(block_table)
@@ -135,6 +141,61 @@ def launch(
                 p.combine_grid, (o_part, lse_part, out, lse, *p.combine_scalars), p.combine_meta
             )
     return out, lse
+
+
+def packed_prefill_wanted(
+    q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor | None
+) -> bool:
+    """Whether a chunk of ``KVCACHE_PACKED_MIN_SEQLEN_Q`` or more new queries runs as a packed
+    batch through the forward kernels (``packed_prefill``) rather than the decode kernel: on an
+    sm_90 GPU (``runtime.forward_tier``; ``use_tier("portable")`` keeps the decode kernel, which
+    is what was measured against), a paged cache, or a dense one whose capacity is a multiple of
+    128 (a sequence's cache is then one page of whole key tiles)."""
+    if runtime.is_interpreted() or runtime.forward_tier(q.device) != "sm90":
+        return False
+    return block_table is not None or k_cache.shape[2] % 128 == 0
+
+
+def packed_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int],
+    softcap: float,
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``launch``'s ``(out, lse)`` for a chunk of new queries, computed as the packed batch
+    ``attention_varlen(block_table=)`` computes it (``ops.fwd.launch``, which takes the Hopper
+    forward where "auto" does): sequence b's Sq queries are rows ``b Sq ..`` of a packed q, its
+    keys the first ``cache_seqlens[b]`` (clamped to the capacity, as the decode kernel clamps
+    them) of its pages, or of its dense cache seen as one page of the capacity's rows (table
+    ``[[0], [1], ...]``). The semantics are the same: bottom-right causal per sequence, the
+    window, softcap, ALiBi (``(H,)`` or ``(B, H)``) and sinks alike. Costs a copy of q into the
+    packed layout and of out and the LSE back, and three small launches for the offsets, all on
+    the device (no sync; capturable)."""
+    batch, heads, seqlen_q, head_dim = q.shape
+    device = q.device
+    if block_table is None:
+        capacity = k_cache.shape[2]
+        block_table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+    else:
+        capacity = block_table.shape[1] * k_cache.shape[2]
+    cu_q = torch.arange(0, (batch + 1) * seqlen_q, seqlen_q, dtype=torch.int32, device=device)
+    cu_k = torch.zeros(batch + 1, dtype=torch.int32, device=device)
+    torch.cumsum(cache_seqlens.clamp(0, capacity), 0, dtype=torch.int32, out=cu_k[1:])
+    packed_q = q.transpose(1, 2).reshape(batch * seqlen_q, heads, head_dim)
+    out, lse = fwd.launch(
+        packed_q, k_cache, v_cache, causal, scale, None,
+        pb.Varlen(cu_q, cu_k, seqlen_q, capacity), window=window, softcap=softcap,
+        alibi_slopes=alibi_slopes, sinks=sinks, block_table=block_table,
+    )  # fmt: skip
+    out = out.view(batch, seqlen_q, heads, -1).transpose(1, 2).contiguous()
+    return out, lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
 
 
 class Plan(NamedTuple):
