@@ -256,7 +256,7 @@ def _new_lengths(lens: torch.Tensor, capacity: int, step: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("seqlen_q", [1, 4], ids=["decode", "chunk4"])
+@pytest.mark.parametrize("seqlen_q", [1, 4, 1024], ids=["decode", "chunk4", "chunk1024"])
 @pytest.mark.parametrize("block_size", [0, 16, 256], ids=["dense", "paged16", "paged256"])
 @pytest.mark.parametrize("batch", [1, 8])
 def test_kvcache_graph(batch, block_size, seqlen_q):
