@@ -1,4 +1,4 @@
-"""Device-side: ``attention_with_kvcache`` on long chunks, the packed route against the decode kernel.
+"""Device-side: `attention_with_kvcache` on long chunks, packed route against decode kernel.
 
 Usage: PYTHONPATH=src python scripts/kvcache_route_ab.py [--rounds 3]
 
