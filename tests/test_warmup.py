@@ -118,14 +118,33 @@ def test_interpreter_compiles_and_logs_nothing(device, caplog):
         dict(decode=True, causal=(True, False)),
         dict(decode=True, block_size=16, window=(8, 0), softcap=20.0, alibi=True),
         dict(backward=True, decode=True, graphs=True),
+        dict(varlen=True, block_size=16, batch_sizes=(2,), causal=(True, False)),
     ],
-    ids=["dense-bwd", "varlen-bwd", "decode", "paged-masks", "graphs"],
+    ids=["dense-bwd", "varlen-bwd", "decode", "paged-masks", "graphs", "paged-prefill"],
 )
 def test_warmup_runs_its_calls(device, options):
     if device != "cpu":
         pytest.skip("the interpreter runs on the CPU (the gpu test compiles)")
     sizes = dict(dtypes=(torch.float16,), head_dims=(16,), heads=(2, 1), seqlens=(17,))
     assert flashcore.warmup("cpu", **sizes, **options) == []
+
+
+def test_warmup_paged_prefill(device, monkeypatch):
+    """``varlen=True`` with a ``block_size``: the packed call, then the same queries against a
+    paged cache of the same lengths (forward only, whatever ``backward`` says)."""
+    if device != "cpu":
+        pytest.skip("the interpreter runs on the CPU (the gpu test compiles)")
+    calls = []
+    real = flashcore.api.attention_varlen
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((k.dim(), kwargs.get("block_table") is not None, q.requires_grad))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(flashcore.api, "attention_varlen", spy)
+    sizes = dict(dtypes=(torch.float16,), head_dims=(16,), heads=(2, 1), seqlens=(40,))
+    flashcore.warmup("cpu", **sizes, varlen=True, backward=True, block_size=16)
+    assert calls == [(3, False, True), (4, True, False)]
 
 
 def test_warmup_graphs_runs_each_call_again_as_captured(device, monkeypatch):

@@ -79,6 +79,9 @@ def warmup(
       (q ``(B, H, 1, D)``) against a full cache of ``S`` keys: dense, or paged in blocks of
       ``block_size`` keys (a multiple of 16) when one is given; ``num_splits`` chosen as in a
       call that leaves it None.
+    - with ``varlen=True`` and a ``block_size``, also ``attention_varlen`` with a block table
+      (paged prefill, forward only): the packed queries against ``B`` sequences of ``S`` keys
+      in pages of ``block_size``.
 
     ``window``, ``softcap`` and ``alibi`` (slopes of shape ``(H,)``) are passed to every call as
     in the public functions. ``graphs=True`` runs each combination again as a CUDA-graph capture
@@ -114,11 +117,25 @@ def warmup(
         def zeros(*shape: int, grad: bool = False, dtype: torch.dtype = dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device, requires_grad=grad)
 
+        def pages(per_seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            """Zero-filled paged k and v caches of ``per_seq`` blocks a sequence, and a table."""
+            k_cache, v_cache = (
+                zeros(batch * per_seq, kv_heads, block_size, head_dim) for _ in "kv"
+            )
+            table = torch.arange(batch * per_seq, dtype=torch.int32, device=device)
+            return k_cache, v_cache, table.view(batch, per_seq)
+
         if varlen:
             q = zeros(batch * seqlen, num_heads, head_dim, grad=backward)
             k, v = (zeros(batch * seqlen, kv_heads, head_dim, grad=backward) for _ in "kv")
             cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * seqlen
             out = api.attention_varlen(q, k, v, cu, cu, seqlen, seqlen, **options)
+            if block_size is not None:
+                k_cache, v_cache, table = pages(-(-seqlen // block_size))
+                api.attention_varlen(
+                    q.detach(), k_cache, v_cache, cu, cu, seqlen, seqlen, block_table=table,
+                    **options,
+                )  # fmt: skip
         else:
             q = zeros(batch, num_heads, seqlen, head_dim, grad=backward)
             k, v = (zeros(batch, kv_heads, seqlen, head_dim, grad=backward) for _ in "kv")
@@ -132,12 +149,7 @@ def warmup(
                 k_cache, v_cache = (zeros(batch, kv_heads, seqlen, head_dim) for _ in "kv")
                 table = None
             else:
-                per_seq = -(-seqlen // block_size)
-                k_cache, v_cache = (
-                    zeros(batch * per_seq, kv_heads, block_size, head_dim) for _ in "kv"
-                )
-                table = torch.arange(batch * per_seq, dtype=torch.int32, device=device)
-                table = table.view(batch, per_seq)
+                k_cache, v_cache, table = pages(-(-seqlen // block_size))
             api.attention_with_kvcache(
                 q, k_cache, v_cache, cache_seqlens=lens, block_table=table, **options
             )
