@@ -149,9 +149,12 @@ def packed_prefill_wanted(
     """Whether a chunk of ``KVCACHE_PACKED_MIN_SEQLEN_Q`` or more new queries runs as a packed
     batch through the forward kernels (``packed_prefill``) rather than the decode kernel: on an
     sm_90 GPU (``runtime.forward_tier``; ``use_tier("portable")`` keeps the decode kernel, which
-    is what was measured against), a paged cache, or a dense one whose capacity is a multiple of
-    128 (a sequence's cache is then one page of whole key tiles)."""
-    if runtime.is_interpreted() or runtime.forward_tier(q.device) != "sm90":
+    is what was measured against), 16-bit inputs (as measured; fp32 keeps the decode kernel), a
+    paged cache, or a dense one whose capacity is a multiple of 128 (a sequence's cache is then
+    one page of whole key tiles)."""
+    if runtime.is_interpreted() or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if runtime.forward_tier(q.device) != "sm90":
         return False
     return block_table is not None or k_cache.shape[2] % 128 == 0
 
