@@ -564,10 +564,10 @@ def attention_with_kvcache(
         num_splits: how many parts each sequence's keys are split into (flash-decoding); None
             chooses from the SM count and the cache capacity. At most 64 (or one per key tile of
             the capacity) are used; any value gives the same result up to rounding. A chunk of
-            512 or more queries on an H100/H200 (a paged cache, or a dense one whose capacity is
-            a multiple of 128) runs as the packed batch :func:`attention_varlen` with
-            ``block_table`` would (the Hopper forward, 1.5-2x faster there), where no split
-            applies.
+            512 or more fp16/bf16 queries on an H100/H200 (a paged cache, or a dense one whose
+            capacity is a multiple of 128) runs as the packed batch :func:`attention_varlen`
+            with ``block_table`` would (the Hopper forward, 1.5-2x faster there), where no
+            split applies.
         return_lse: also return the logsumexp of each row.
         sinks: float32 ``(H,)``, one logit per query head, as in :func:`attention` (a row that
             sees no key gives out 0 and ``lse = sinks[h]``). No gradient here: sinks that
