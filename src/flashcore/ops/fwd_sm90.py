@@ -513,10 +513,13 @@ def packed_problem(
     k: torch.Tensor,
     v: torch.Tensor,
     head_dims: tuple[tuple[int, int], ...],
+    paged: bool = False,
 ) -> bool:
     """``dense_problem`` for packed (varlen) inputs: q ``(total_q, H, D)``, k and v ``(total_k,
-    Hkv, D)`` with ``H % Hkv == 0`` and rows, whose ``packed_view`` the copy engine can address."""
-    if not _tier_inputs(q, k, v, 3):
+    Hkv, D)`` with ``H % Hkv == 0`` and rows, whose ``packed_view`` the copy engine can address;
+    with ``paged``, k and v are paged caches ``(num_blocks, Hkv, block_size, D)``, addressable as
+    they are (pages, heads and rows 16-byte strided)."""
+    if not _tier_inputs(q, k, v, 3, 4 if paged else 3):
         return False
     if k.shape[-1] != q.shape[-1] or v.shape[:-1] != k.shape[:-1]:
         return False
@@ -524,27 +527,8 @@ def packed_problem(
         return False
     if q.shape[1] % k.shape[1] != 0 or q.shape[0] == 0 or k.shape[0] == 0:
         return False
-    return all(tma_ok(packed_view(t)) for t in (q, k, v))
-
-
-def paged_problem(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    head_dims: tuple[tuple[int, int], ...],
-) -> bool:
-    """``packed_problem`` for packed queries against paged caches: q ``(total_q, H, D)``, k and
-    v ``(num_blocks, Hkv, block_size, D)`` with ``H % Hkv == 0``, each addressable by the copy
-    engine as it is (pages, heads and rows 16-byte strided)."""
-    if not _tier_inputs(q, k, v, 3, 4):
-        return False
-    if k.shape[-1] != q.shape[-1] or v.shape[:-1] != k.shape[:-1]:
-        return False
-    if (q.shape[-1], v.shape[-1]) not in head_dims:
-        return False
-    if q.shape[1] % k.shape[1] != 0 or q.shape[0] == 0 or k.shape[0] == 0:
-        return False
-    return tma_ok(packed_view(q)) and tma_ok(k) and tma_ok(v)
+    kv = (k, v) if paged else (packed_view(k), packed_view(v))
+    return tma_ok(packed_view(q)) and all(tma_ok(t) for t in kv)
 
 
 def page_rows(block_size: int, block_n: int) -> int | None:
@@ -574,19 +558,16 @@ def supports(
     """Whether this tier runs the problem: an sm_90 device, fp16/bf16, head dim 64 or 128, dense
     ``(B, H, Sq, D)`` / ``(B, Hkv, Sk, D)`` tensors with ``H % Hkv == 0``, non-empty
     sequences, and strides the copy engine accepts, or with ``varlen`` packed ``(total, heads,
-    D)`` ones (``packed_problem``), with a ``block_table`` against paged caches
-    (``paged_problem``); or the wider and padded pairs of ``forward_head_dims``. Causal, the
-    sliding window, softcap and ALiBi are all covered (flags of the one kernel), so
-    ``causal``/``window``/``softcap``/``alibi`` never reject; they are taken so that the dispatch
-    can call every tier alike. (Whether a paged cache's page size suits the tiles is ``plan``'s
-    to say: it depends on the config.)"""
+    D)`` ones (``packed_problem``), with a ``block_table`` against paged caches; or the wider
+    and padded pairs of ``forward_head_dims``. Causal, the sliding window, softcap and ALiBi
+    are all covered (flags of the one kernel), so ``causal``/``window``/``softcap``/``alibi``
+    never reject; they are taken so that the dispatch can call every tier alike. (Whether a
+    paged cache's page size suits the tiles is ``plan``'s to say: it depends on the config.)"""
     del causal, window, softcap
     if alibi is not None and alibi.dtype != torch.float32:
         return False
-    if block_table is not None:
-        return paged_problem(q, k, v, forward_head_dims())
-    if varlen:
-        return packed_problem(q, k, v, forward_head_dims())
+    if varlen or block_table is not None:
+        return packed_problem(q, k, v, forward_head_dims(), paged=block_table is not None)
     return dense_problem(q, k, v, forward_head_dims())
 
 
