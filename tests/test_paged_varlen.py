@@ -305,3 +305,45 @@ def test_sm90_page_rows():
     assert [page_rows(bs, 128) for bs in (8, 16, 32, 64)] == [8, 16, 32, 64]
     assert [page_rows(bs, 128) for bs in (48, 96, 192, 4)] == [None] * 4
     assert [page_rows(bs, 64) for bs in (64, 192, 16)] == [64, 64, 16]
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 256, 48])
+def test_sm90_plan_paged(block_size, monkeypatch):
+    """The Hopper forward's launch plan for paged caches, built on the CPU (the SM count stood
+    in): the K/V boxes one page or the key tile (``page_rows``), the page size, the block table's
+    row stride and the keys' bound (the table row's pages) among the scalars where the kernel
+    takes them, PAGED on; None for a page size its tiles do not fit; a packed batch without a
+    table keeps PAGED off and the placeholders 0 and 1."""
+    from flashcore.ops import fwd_sm90, runtime
+    from flashcore.ops.problem import Varlen
+
+    if not runtime.sm90_verified():
+        pytest.skip(f"the sm90 tier is verified on Triton {runtime.SM90_TRITON} only")
+    monkeypatch.setattr(fwd_sm90, "num_sms", lambda index: 132)
+    heads, kv_heads, d, batch, max_blocks = 8, 2, 128, 3, 4096 // block_size + 2
+    q = torch.empty(3000, heads, d, dtype=torch.bfloat16)
+    k = torch.empty(100, kv_heads, block_size, d, dtype=torch.bfloat16)
+    table = torch.zeros(max_blocks, batch, dtype=torch.int32).t()  # rows strided by 1
+    cu = torch.zeros(batch + 1, dtype=torch.int32)
+    varlen = Varlen(cu, cu, 1024, 4096)
+    lse = torch.empty(heads, 3000)
+    options = dict(
+        causal=True, qk_scale=0.1, window_left=-1, window_right=-1, has_window=False,
+        softcap=0.0, alibi=False, sinks=False, stride_ab=0, varlen=varlen,
+        out_strides=(heads * d, d),
+    )  # fmt: skip
+    names = fwd_sm90.kernels().attn_fwd_sm90_kernel.arg_names[12:]
+    p = fwd_sm90.plan(q, k, k, lse, block_table=table, **options)
+    rows = fwd_sm90.page_rows(block_size, 128)
+    if rows is None:
+        assert p is None
+        return
+    assert p.meta["PAGED"] and p.meta["BLOCK_N"] == 128
+    assert p.boxes[1] == [1, 1, rows, d] and p.boxes[2] == [1, 1, rows, d]
+    scalars = dict(zip(names, p.scalars, strict=False))
+    assert scalars["block_size"] == block_size and scalars["stride_btb"] == 1
+    assert scalars["total_q"] == 3000 and scalars["total_k"] == max_blocks * block_size
+    dense = fwd_sm90.plan(q, q, q, lse, **options)
+    assert not dense.meta["PAGED"] and dense.boxes[1] == [1, 1, 128, d]
+    scalars = dict(zip(names, dense.scalars, strict=False))
+    assert (scalars["stride_btb"], scalars["block_size"], scalars["total_k"]) == (0, 1, 3000)
