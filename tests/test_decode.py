@@ -205,7 +205,9 @@ def test_prefill_against_cache_packed(case, options, device, monkeypatch):
     real = decode.packed_prefill
     monkeypatch.setattr(decode, "KVCACHE_PACKED_MIN_SEQLEN_Q", 1)
     monkeypatch.setattr(decode, "packed_prefill_wanted", lambda *a: True)
-    monkeypatch.setattr(decode, "packed_prefill", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(
+        decode, "packed_prefill", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
     options = dict(options)
     if options.pop("sinks", False):
         options["sinks"] = torch.randn(case.heads, device=device)

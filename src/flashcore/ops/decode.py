@@ -92,8 +92,9 @@ def launch(
     cache_seqlens = pb.unit_stride_last_dim(cache_seqlens)
     if q.shape[2] >= KVCACHE_PACKED_MIN_SEQLEN_Q and packed_prefill_wanted(q, k_cache, block_table):
         return packed_prefill(
-            q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, causal, scale,
-            (window_left, window_right), softcap, sinks,
+            q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
+            window=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+            sinks=sinks,
         )  # fmt: skip
     paged = block_table is not None
     if paged:
@@ -165,22 +166,20 @@ def packed_prefill(
     v_cache: torch.Tensor,
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
-    alibi_slopes: torch.Tensor | None,
     causal: bool,
     scale: float,
-    window: tuple[int, int],
-    softcap: float,
-    sinks: torch.Tensor | None,
+    **scores,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``launch``'s ``(out, lse)`` for a chunk of new queries, computed as the packed batch
-    ``attention_varlen(block_table=)`` computes it (``ops.fwd.launch``, which takes the Hopper
-    forward where "auto" does): sequence b's Sq queries are rows ``b Sq ..`` of a packed q, its
-    keys the first ``cache_seqlens[b]`` (clamped to the capacity, as the decode kernel clamps
-    them) of its pages, or of its dense cache seen as one page of the capacity's rows (table
-    ``[[0], [1], ...]``). The semantics are the same: bottom-right causal per sequence, the
-    window, softcap, ALiBi (``(H,)`` or ``(B, H)``) and sinks alike. Costs a copy of q into the
-    packed layout and of out and the LSE back, and three small launches for the offsets, all on
-    the device (no sync; capturable)."""
+    """``launch``'s ``(out, lse)`` for a chunk of new queries (``scores``: ``window`` as a pair,
+    ``softcap``, ``alibi_slopes`` and ``sinks``, as ``ops.fwd.launch`` takes them), computed as
+    the packed batch ``attention_varlen(block_table=)`` computes it (``ops.fwd.launch``, which
+    takes the Hopper forward where "auto" does): sequence b's Sq queries are rows ``b Sq ..``
+    of a packed q, its keys the first ``cache_seqlens[b]`` (clamped to the capacity, as the
+    decode kernel clamps them) of its pages, or of its dense cache seen as one page of the
+    capacity's rows (table ``[[0], [1], ...]``). The semantics are the same: bottom-right
+    causal per sequence, the window, softcap, ALiBi (``(H,)`` or ``(B, H)``) and sinks alike.
+    Costs a copy of q into the packed layout and of out and the LSE back, and three small
+    launches for the offsets, all on the device (no sync; capturable)."""
     batch, heads, seqlen_q, head_dim = q.shape
     device = q.device
     if block_table is None:
@@ -194,8 +193,7 @@ def packed_prefill(
     packed_q = q.transpose(1, 2).reshape(batch * seqlen_q, heads, head_dim)
     out, lse = fwd.launch(
         packed_q, k_cache, v_cache, causal, scale, None,
-        pb.Varlen(cu_q, cu_k, seqlen_q, capacity), window=window, softcap=softcap,
-        alibi_slopes=alibi_slopes, sinks=sinks, block_table=block_table,
+        pb.Varlen(cu_q, cu_k, seqlen_q, capacity), block_table=block_table, **scores,
     )  # fmt: skip
     out = out.view(batch, seqlen_q, heads, -1).transpose(1, 2).contiguous()
     return out, lse.view(heads, batch, seqlen_q).transpose(0, 1).contiguous()
