@@ -394,3 +394,25 @@ def test_decode_config_and_splits_by_cache():
     assert tuning.decode_num_splits(64, 32768, 64, 132, paged=True) == 7
     # Smaller head dims keep 64-key tiles (the 128-key tile spilled at D=64 with Triton 3.9).
     assert tuning.decode_config(64, 2, interpreted=False, capacity=32768).block_n == 64
+
+
+def test_packed_prefill_wanted(monkeypatch):
+    """Which long chunks take the packed route (no GPU: the tier stood in): 16-bit inputs on a
+    GPU whose forward tier is sm90, against a paged cache or a dense one of whole 128-key tiles;
+    never under the interpreter, for fp32, or on the portable tier."""
+    from flashcore.ops import decode, runtime
+
+    monkeypatch.setattr(runtime, "is_interpreted", lambda: False)
+    monkeypatch.setattr(runtime, "forward_tier", lambda device: "sm90")
+    q = torch.empty(2, 8, 512, 64, dtype=torch.bfloat16)
+    dense, odd = torch.empty(2, 2, 4096, 64), torch.empty(2, 2, 4000, 64)
+    pages, table = torch.empty(9, 2, 48, 64), torch.zeros(2, 4, dtype=torch.int32)
+    assert decode.packed_prefill_wanted(q, dense, None)
+    assert decode.packed_prefill_wanted(q, pages, table)  # the forward picks its tier for 48
+    assert not decode.packed_prefill_wanted(q, odd, None)
+    assert not decode.packed_prefill_wanted(q.float(), dense, None)
+    monkeypatch.setattr(runtime, "forward_tier", lambda device: "portable")
+    assert not decode.packed_prefill_wanted(q, dense, None)
+    monkeypatch.setattr(runtime, "forward_tier", lambda device: "sm90")
+    monkeypatch.setattr(runtime, "is_interpreted", lambda: True)
+    assert not decode.packed_prefill_wanted(q, dense, None)
