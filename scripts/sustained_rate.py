@@ -11,10 +11,10 @@ non-causal, (1, 16, 16384). ``--mode bwd`` runs each provider's backward (``auto
 one kept forward; 2.5x the forward's FLOPs): at (2, 16, 8192, 128) ours held a higher clock
 than FA4's under the 700 W cap and did 60% of peak a clock against FA4's 64.5% (H200;
 docs/performance_backward.md, "The eager floor counts programs; clocks and power"). "of peak
-at that clock": TFLOP/s over 132 SMs x 4096 dense bf16 FLOP per clock at the sampled SM
-clock. A board held at its power limit lowers the clock: do_bench's short windows (about 100 ms, with an L2 flush between calls) see more of
-the boost clock than a sustained load does, and not alike for every kernel (docs/performance.md,
-"Power, clocks and the two ways of timing").
+at that clock": TFLOP/s over 132 SMs x 4096 dense bf16 FLOP per clock at the sampled SM clock. A
+board held at its power limit lowers the clock: do_bench's short windows (about 100 ms, with an
+L2 flush between calls) see more of the boost clock than a sustained load does, and not alike
+for every kernel (docs/performance.md, "Power, clocks and the two ways of timing").
 """
 
 from __future__ import annotations
