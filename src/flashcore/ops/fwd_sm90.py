@@ -15,7 +15,7 @@ import torch
 
 from flashcore.ops import runtime, work_list
 from flashcore.ops.launch import Descriptor, Launcher
-from flashcore.ops.problem import Varlen
+from flashcore.ops.problem import Varlen, packed_totals
 
 DTYPES = (torch.float16, torch.bfloat16)
 # (Q/K head dim, V head dim) pairs both Hopper tiers run (this forward, ops/bwd_sm90.py).
@@ -686,15 +686,11 @@ def plan(
     if varlen is None:
         batch, heads, seqlen_q, head_dim = q.shape
         kv_heads, seqlen_k = k.shape[1], k.shape[2]
-        totals = (0, 0)
     else:
         batch, heads, head_dim = varlen.batch, q.shape[1], q.shape[2]
         kv_heads, seqlen_q, seqlen_k = k.shape[1], varlen.max_seqlen_q, varlen.max_seqlen_k
-        # A paged sequence's keys are bounded by its block-table row (pb.packed_totals).
-        totals = (
-            q.shape[0],
-            k.shape[0] if block_table is None else block_table.shape[1] * k.shape[2],
-        )
+    # (0, 0) dense; a paged sequence's keys are bounded by its block-table row.
+    totals = packed_totals(q, k, varlen, block_table)
     # The tiles' width (``PADDED_HEAD_DIMS``, ``WIDE_PADDED_HEAD_DIMS``: boxes wider than the
     # tensors).
     head_dim, head_dim_v = kernel_head_dims(head_dim, v.shape[-1])
