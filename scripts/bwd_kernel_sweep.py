@@ -60,6 +60,16 @@ DKDV["mla"] = DKDV[256] + [
     (16, 128, 8, 2), (32, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2),
 ]  # fmt: skip
 DQ["mla"] = DQ[256] + [(128, 64, 8, 2), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 2)]
+# ... and with Q and K in 128 + 64 column panels (``ops/bwd.py: d_panels``), whose smaller tiles
+# leave room for a third stage: these lists where the panels apply.
+DKDV["panels"] = [
+    (32, 128, 8, 2), (32, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3),
+    (64, 64, 8, 3), (64, 128, 8, 2), (32, 64, 8, 3), (16, 64, 4, 3), (64, 64, 4, 2),
+]  # fmt: skip
+DQ["panels"] = [
+    (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3),
+    (64, 128, 8, 2), (64, 32, 4, 3), (128, 32, 8, 4), (64, 64, 4, 4),
+]  # fmt: skip
 
 
 def noop(*args, **kwargs) -> None:
@@ -84,9 +94,15 @@ def resources(cfg: BwdConfig) -> str:
     )
     for launcher, blocks, options in wanted:
         # Newest first: the entry of the shape just run.
-        for key, (kernel, _) in reversed(launcher.compiled.items()):
-            consts = key[2]  # the constexprs in parameter order, then num_warps, num_stages
-            if consts[2:4] == blocks and consts[-2:] == options:
+        # Entries are (compiled kernel, constexprs in parameter order, direct launch).
+        for kernel, consts, _ in reversed(launcher.compiled.values()):
+            names = launcher.fn.arg_names[len(launcher.fn.arg_names) - len(consts) :]
+            meta = dict(zip(names, consts, strict=True))
+            shape = (meta.get("BLOCK_M"), meta.get("BLOCK_N"))
+            if (
+                shape == blocks
+                and (kernel.metadata.num_warps, kernel.metadata.num_stages) == options
+            ):
                 out.append(f"{kernel.n_regs}r/{4 * kernel.n_spills}B")
                 break
     return " ".join(out)
@@ -112,8 +128,12 @@ def main() -> None:
         qd, kd, vd = q.detach(), k.detach(), v.detach()
         o, lse = attn_fwd(qd, kd, vd, causal, scale)
         dv = v.shape[-1]
-        default = bwd_config(max(d, dv), 2, interpreted=False, head_dim_v=dv if dv != d else None)
-        group = "mla" if dv != d else 128 if d <= 128 else 256
+        panels = bool(bwd_mod.d_panels(d, q.dtype)[1])
+        default = bwd_config(
+            max(d, dv), 2, interpreted=False, causal=causal, seqlen_q=s,
+            head_dim_v=dv if dv != d else None, panels=panels,
+        )  # fmt: skip
+        group = "panels" if panels else "mla" if dv != d else 128 if d <= 128 else 256
         dk_list, dq_list = DKDV[group], DQ[group]
 
         def run(cfg, o=o, lse=lse, do=do, qd=qd, kd=kd, vd=vd, causal=causal, scale=scale):
@@ -155,9 +175,13 @@ def main() -> None:
                 if args.compile_only:
                     continue
                 ms = timed(cfg, kernel)
-                note = f"err {err:.1e} {resources(cfg)}"
             except Exception as e:  # out of shared memory etc.
-                ms, note = float("inf"), type(e).__name__
+                ms, note = float("inf"), f"{type(e).__name__}: {str(e)[:80]}"
+            else:
+                try:
+                    note = f"err {err:.1e} {resources(cfg)}"
+                except Exception as e:  # the launcher's cache changed shape: time still counts
+                    note = f"err {err:.1e} resources: {type(e).__name__}"
             results[kernel].append((ms, (m, n, w, st), note))
         if args.compile_only:
             print(tag, "compiled", flush=True)

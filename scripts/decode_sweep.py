@@ -1,12 +1,16 @@
 """Device-side: decode configs and split counts against SDPA, kernel time from CUDA-graph replays.
 
 Usage: PYTHONPATH=src python scripts/decode_sweep.py [--shape B,H,Hkv,S ...] [--head-dim 128]
+       [--page-size N] [--tuned-only]
 
 For each shape (one new query per sequence against a full dense cache of S keys, bf16): SDPA
 (``enable_gqa``, PyTorch's backend choice), then ``flashcore.attention_with_kvcache`` with every
 ``DecodeConfig`` of a small grid and split counts from the tuned choice up and down, each timed
 with ``triton.testing.do_bench_cudagraph`` (medians). Prints the best few, the tuned default
-(``*``) and the bandwidth each reaches (K and V read once).
+(``*``) and the bandwidth each reaches (K and V read once). ``--page-size N``: the same cache
+as pages of N keys in shuffled order (``block_table``), against SDPA on the dense cache; the
+split counts then also include the dense cache's choice. ``--tuned-only``: the launcher's own
+config and split count alone (an A/B of two trees, one process each).
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def main() -> None:
         help="B,H,Hkv,S (repeatable)",
     )
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--page-size", type=int, default=0, help="keys a page (0: dense cache)")
+    ap.add_argument("--tuned-only", action="store_true", help="the launcher's choice alone")
     args = ap.parse_args()
     shapes = args.shape or [
         (1, 32, 8, 4096), (1, 32, 8, 32768), (8, 32, 8, 4096), (8, 32, 8, 32768)
@@ -55,11 +61,24 @@ def main() -> None:
         mbytes = 2 * k.numel() * k.element_size() / 1e6  # MB per ms = GB/s
         ms_sdpa = bench(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
         ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).float()
-        auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device)
-        default = tuned_config(d, 2, interpreted=False, capacity=s)
+        paged = args.page_size > 0
+        extra = {}
+        k_cache, v_cache = k, v
+        if paged:
+            k_cache, v_cache, extra["block_table"] = pages(k, v, args.page_size)
+        auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device, paged=paged)
+        dense_auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device)
+        default = tuned_config(
+            d, 2, interpreted=False, capacity=s, paged=paged, score_options=False
+        )
         rows = []
-        splits_grid = sorted({max(1, auto // 4), max(1, auto // 2), auto, auto * 2, auto * 4})
-        for cfg, splits in itertools.product(configs, splits_grid):
+        splits_grid = sorted(
+            {max(1, auto // 4), max(1, auto // 2), auto, auto * 2, auto * 4, dense_auto}
+        )
+        candidates = itertools.product(configs, splits_grid)
+        if args.tuned_only:
+            candidates = [(default, auto)]
+        for cfg, splits in candidates:
             if splits > 64:
                 continue
             decode.decode_config = lambda *a, cfg=cfg, **kw: cfg
@@ -69,10 +88,11 @@ def main() -> None:
                 call = functools.partial(
                     flashcore.attention_with_kvcache,
                     q,
-                    k,
-                    v,
+                    k_cache,
+                    v_cache,
                     cache_seqlens=seqlens,
                     num_splits=splits,
+                    **extra,
                 )
 
                 err = (call().float() - ref).abs().max().item()
@@ -85,8 +105,11 @@ def main() -> None:
                 decode._PLANS.clear()
             rows.append((ms, cfg, splits, f"err {err:.1e}"))
         rows.sort(key=lambda r: r[0])
-        print(f"B{b} H{h}/{hkv} S{s} D{d}: sdpa {ms_sdpa * 1e3:.1f} us {mbytes / ms_sdpa:.0f} "
-              f"GB/s; tuned splits {auto}")  # fmt: skip
+        where = f" pages of {args.page_size}" if paged else ""
+        print(
+            f"B{b} H{h}/{hkv} S{s} D{d}{where}: sdpa {ms_sdpa * 1e3:.1f} us "
+            f"{mbytes / ms_sdpa:.0f} GB/s; tuned splits {auto}"
+        )
         marked = [r for r in rows if r[1] == default and r[2] == auto]
         for ms, cfg, splits, note in rows[:5] + marked:
             mark = "*" if (cfg == default and splits == auto) else " "
@@ -95,6 +118,24 @@ def main() -> None:
                 f"splits {splits:<3d} {ms * 1e3:7.1f} us {mbytes / ms:5.0f} GB/s "
                 f"({ms_sdpa / ms:.2f}x sdpa) {note}"
             )
+
+
+def pages(k: torch.Tensor, v: torch.Tensor, page: int) -> tuple:
+    """``(k_cache, v_cache, block_table)``: dense ``(B, Hkv, S, D)`` k and v as pages of ``page``
+    keys ``(num_blocks, Hkv, page, D)`` in a shuffled order, and the int32 block table."""
+    b, hkv, s = k.shape[:3]
+    per_seq = -(-s // page)
+    order = torch.randperm(b * per_seq, device=k.device)
+    table = order.view(b, per_seq).to(torch.int32)
+    caches = []
+    for t in (k, v):
+        padded = torch.zeros(b, hkv, per_seq * page, t.shape[-1], device=t.device, dtype=t.dtype)
+        padded[:, :, :s] = t
+        blocks = padded.view(b, hkv, per_seq, page, -1).permute(0, 2, 1, 3, 4).flatten(0, 1)
+        cache = torch.empty_like(blocks)
+        cache[order] = blocks
+        caches.append(cache)
+    return caches[0], caches[1], table
 
 
 if __name__ == "__main__":

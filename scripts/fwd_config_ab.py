@@ -1,12 +1,16 @@
-"""The Hopper forward's configs side by side at D = 64, in one process, on an H100:
+"""The Hopper forward's configs side by side at D = 64 (or the MLA head dims), in one process:
 
     PYTHONPATH=src python scripts/fwd_config_ab.py [--rounds 3] [--cases 1024:full,2048:causal]
+    PYTHONPATH=src python scripts/fwd_config_ab.py --mla [--cases 4096:causal,8192:full]
 
 Each config of ``ops/fwd_sm90.py`` that D = 64 can take (two consumers persistent or flat, three
 consumers persistent or flat, one consumer with two or three CTAs an SM, two consumers with
 64-key tiles) and the launcher's own choice ("auto") run through ``flashcore.attention`` under
 ``use_tier("sm90")`` (``pick_config`` replaced, the kept plans dropped at each switch), beside
-cuDNN; bf16, the FA sweep's batch (16k tokens, 32 heads). A config that fails to launch or whose
+cuDNN; bf16, the FA sweep's batch (16k tokens, 32 heads). ``--mla``: head dims (192, 128), 8k
+tokens of 16 heads (issue 19's shapes), the configs D = 192 can take (flat 128-key tiles,
+64-key tiles with three or four slots flat or two persistent), beside SDPA's own pick for unequal
+head dims. A config that fails to launch or whose
 output is off cuDNN's by more than 2e-2 is reported and left out. Rotated rounds of ``do_bench``,
 medians; prints TFLOP/s (``4 B H S^2 D``, halved causal) and the fastest config.
 """
@@ -35,15 +39,29 @@ CONFIGS = {
     "one3": sm90.ONE_D64_THREE_CTAS,
     "two64-p": sm90.CONFIGS[64]._replace(block_n=64, num_stages=4, persistent=True),
 }
+MLA = sm90.CONFIGS[192]
+MLA_CONFIGS = {
+    "auto": None,
+    "n128-f": MLA,
+    "n64s3-f": MLA._replace(block_n=64, num_stages=3),
+    "n64s4-f": MLA._replace(block_n=64, num_stages=4),
+    "n64s2-p": MLA._replace(block_n=64, num_stages=2, persistent=True),
+}
 
 
-def use(name: str) -> None:
-    cfg = CONFIGS[name]
+def configs(mla: bool) -> dict:
+    return MLA_CONFIGS if mla else CONFIGS
+
+
+def use(name: str, mla: bool = False) -> None:
+    cfg = configs(mla)[name]
     sm90.pick_config = CHOSEN if cfg is None else (lambda *args, **kwargs: cfg)
     fwd._SM90_PLANS.clear()
 
 
 def call(name: str, q, k, v, causal: bool):
+    if name == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if name == "cudnn":
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
@@ -51,16 +69,20 @@ def call(name: str, q, k, v, causal: bool):
         return flashcore.attention(q, k, v, causal=causal)
 
 
-def case(seqlen: int, causal: bool, rounds: int) -> str:
-    batch, heads, head_dim = max(1, 16384 // seqlen), 32, 64
-    q, k, v = (
+def case(seqlen: int, causal: bool, rounds: int, mla: bool = False) -> str:
+    batch, heads, head_dim, head_dim_v = max(1, 16384 // seqlen), 32, 64, 64
+    base = "cudnn"
+    if mla:
+        batch, heads, head_dim, head_dim_v, base = max(1, 8192 // seqlen), 16, 192, 128, "sdpa"
+    q, k = (
         torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
-        for _ in range(3)
+        for _ in range(2)
     )
-    ref = call("cudnn", q, k, v, causal).float()
+    v = torch.randn(batch, heads, seqlen, head_dim_v, device="cuda", dtype=torch.bfloat16)
+    ref = call(base, q, k, v, causal).float()
     names = []
-    for name in CONFIGS:
-        use(name)
+    for name in configs(mla):
+        use(name, mla)
         try:
             out = call(name, q, k, v, causal)
             torch.cuda.synchronize()
@@ -69,24 +91,25 @@ def case(seqlen: int, causal: bool, rounds: int) -> str:
             continue
         err = (out.float() - ref).abs().max().item()
         if err > 2e-2:
-            print(f"  {name}: off cuDNN by {err:.3g}", flush=True)
+            print(f"  {name}: off {base} by {err:.3g}", flush=True)
             continue
         names.append(name)
-    every = [*names, "cudnn"]
+    every = [*names, base]
     times = {name: [] for name in every}
     for r in range(rounds):
         for name in every[r % len(every) :] + every[: r % len(every)]:
-            if name != "cudnn":
-                use(name)
+            if name != base:
+                use(name, mla)
             run = functools.partial(call, name, q, k, v, causal)
             run()
             times[name].append(do_bench(run, warmup=25, rep=100))
     use("auto")
     med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-    flops = 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
     rates = " ".join(f"{name} {flops / med[name] / 1e9:.0f}" for name in every)
     best = min(names, key=med.get)
-    return f"D64 S{seqlen} {'causal' if causal else 'full'} B{batch}: {rates}  fastest {best}"
+    dims = f"D{head_dim}" + (f":{head_dim_v}" if mla else "")
+    return f"{dims} S{seqlen} {'causal' if causal else 'full'} B{batch}: {rates}  fastest {best}"
 
 
 def main() -> int:
@@ -97,11 +120,12 @@ def main() -> int:
         default="1024:full,512:full,2048:causal,4096:causal,1024:causal,2048:full",
         help="comma-separated SEQLEN:full or SEQLEN:causal",
     )
+    parser.add_argument("--mla", action="store_true", help="head dims (192, 128)")
     args = parser.parse_args()
     torch.manual_seed(0)
     for item in args.cases.split(","):
         seqlen, mask = item.split(":")
-        print(case(int(seqlen), mask == "causal", args.rounds), flush=True)
+        print(case(int(seqlen), mask == "causal", args.rounds, args.mla), flush=True)
     return 0
 
 

@@ -100,17 +100,20 @@ FWD_PAGED_VARIANTS = [
     ((128, "fp16", True, False, True), 1024),
 ]
 PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
-# Decode: (head_dim, dtype, kv_group * Sq, paged (False, True = PAGED 1, or 3), split). Every
-# variant is causal; the paged ones also compile the sliding window, softcap and ALiBi.
+# Decode: (head_dim, dtype, kv_group * Sq, paged (False, True = PAGED 1, 2 or 3), split, score
+# flags). Every variant is causal; with score flags it also compiles the sliding window, softcap,
+# ALiBi and sinks. A paged cache without them takes its own config (tuning.decode_config).
 DECODE_VARIANTS = [
-    (128, "bf16", 4, False, True),
-    (128, "bf16", 4, True, True),
-    (128, "bf16", 4, 3, True),  # power-of-two pages smaller than the tile (PAGED 3)
-    (128, "fp16", 8, True, False),
-    (64, "fp16", 1, False, False),
-    (256, "bf16", 4, True, True),
-    (128, "fp32", 4, True, True),
-    (128, "bf16", 64, False, True),
+    (128, "bf16", 4, False, True, False),
+    (128, "bf16", 4, True, True, True),
+    (128, "bf16", 4, 3, True, True),  # power-of-two pages smaller than the tile (PAGED 3)
+    (128, "fp16", 8, True, False, True),
+    (128, "bf16", 4, 2, True, False),  # pages of a multiple of the tile, no score flags
+    (128, "fp16", 4, 3, True, False),
+    (64, "fp16", 1, False, False, False),
+    (256, "bf16", 4, True, True, True),
+    (128, "fp32", 4, True, True, True),
+    (128, "bf16", 64, False, True, False),
 ]
 PROBES = ("probe_scores_kernel",)
 
@@ -333,11 +336,11 @@ def main() -> int:
             compiled = compile_kernel(getattr(probes, name), consts, variant[1], options)
             print(json.dumps(report(name, variant, compiled)), flush=True)
     for variant in DECODE_VARIANTS:
-        head_dim, dtype, rows, paged, split = variant
+        head_dim, dtype, rows, paged, split, flags = variant
         block_m = decode_block_m(rows, 1)
         cfg = decode_config(
             head_dim, ELEM_SIZE[dtype], interpreted=False, paged=paged, rows=block_m,
-            capacity=1 << 20,
+            capacity=1 << 20, score_options=flags,
         )  # fmt: skip
         consts = {
             "HEAD_DIM": head_dim,
@@ -349,20 +352,22 @@ def main() -> int:
             "EVEN_M": rows == block_m,
             "PAGED": paged,
             "IS_CAUSAL": True,
-            "HAS_WINDOW": bool(paged),
-            "SOFTCAP": bool(paged),
-            "HAS_ALIBI": bool(paged),
+            "HAS_WINDOW": flags,
+            "SOFTCAP": flags,
+            "HAS_ALIBI": flags,
             "UPCAST": False,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
             "EXP_E": dtype == "fp32",
-            "HAS_SINKS": bool(paged),
-            **({} if paged else {"SINKS": None}),
+            "HAS_SINKS": flags,
+            **({} if flags else {"SINKS": None}),
         }
         options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
         # The split path writes fp32 partials; one split writes the output dtype directly.
         pointers = {"O": "fp32"} if split else {}
         compiled = compile_kernel(decode.attn_decode_kernel, consts, dtype, options, None, pointers)
-        label = f"d{head_dim}-{dtype}-rows{rows}-paged{int(paged)}-split{int(split)}"
+        label = f"d{head_dim}-{dtype}-rows{rows}-paged{int(paged)}-split{int(split)}" + (
+            "" if flags else "-plain"
+        )
         fields = (head_dim, dtype, True, rows == block_m)
         print(json.dumps(report("attn_decode", fields, compiled, label=label)), flush=True)
         if split:
