@@ -1,7 +1,7 @@
 """Device-side: decode configs and split counts against SDPA, kernel time from CUDA-graph replays.
 
 Usage: PYTHONPATH=src python scripts/decode_sweep.py [--shape B,H,Hkv,S ...] [--head-dim 128]
-       [--page-size N] [--tuned-only]
+       [--page-size N] [--tuned-only] [--top 5]
 
 For each shape (one new query per sequence against a full dense cache of S keys, bf16): SDPA
 (``enable_gqa``, PyTorch's backend choice), then ``flashcore.attention_with_kvcache`` with every
@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=0, help="keys a page (0: dense cache)")
     ap.add_argument("--tuned-only", action="store_true", help="the launcher's choice alone")
+    ap.add_argument("--top", type=int, default=5, help="rows printed a shape, fastest first")
     args = ap.parse_args()
     shapes = args.shape or [
         (1, 32, 8, 4096), (1, 32, 8, 32768), (8, 32, 8, 4096), (8, 32, 8, 32768)
@@ -111,7 +112,7 @@ def main() -> None:
             f"{mbytes / ms_sdpa:.0f} GB/s; tuned splits {auto}"
         )
         marked = [r for r in rows if r[1] == default and r[2] == auto]
-        for ms, cfg, splits, note in rows[:5] + marked:
+        for ms, cfg, splits, note in rows[: args.top] + marked:
             mark = "*" if (cfg == default and splits == auto) else " "
             print(
                 f"  {mark}bn{cfg.block_n:<4d} w{cfg.num_warps} s{cfg.num_stages} "

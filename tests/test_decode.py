@@ -377,8 +377,8 @@ def test_decode_config_and_splits_by_cache():
     """Decided on the host alone (H100: 132 SMs): a long dense cache streams 128-key tiles, a
     short one 64-key tiles; a dense cache over few (batch, kv head) pairs splits over a wave of
     programs rounded down, over more pairs half a wave (long) or a wave rounded up (short); a
-    paged one over three waves, with 4 warps and 2 stages unless a score option is on (or the
-    row tile is a prefill chunk's)."""
+    paged one over three waves (six at head dim 64), with 4 warps and 2 stages unless a score
+    option is on (or the row tile is a prefill chunk's)."""
     long = tuning.decode_config(128, 2, interpreted=False, capacity=32768)
     short = tuning.decode_config(128, 2, interpreted=False, capacity=4096)
     paged = tuning.decode_config(128, 2, interpreted=False, paged=True, capacity=32768)
@@ -399,6 +399,8 @@ def test_decode_config_and_splits_by_cache():
     assert tuning.decode_num_splits(128, 4096, 64, 132) == 2  # a wave rounded up
     assert tuning.decode_num_splits(128, 32768, 128, 132) == 1  # half a wave
     assert tuning.decode_num_splits(64, 32768, 64, 132, paged=True) == 7
+    assert tuning.decode_num_splits(64, 32768, 64, 132, paged=True, head_dim=64) == 14
+    assert tuning.decode_num_splits(8, 16384, 64, 132, paged=True, head_dim=64) == 64  # capped
     # Smaller head dims keep 64-key tiles (the 128-key tile spilled at D=64 with Triton 3.9).
     assert tuning.decode_config(64, 2, interpreted=False, capacity=32768).block_n == 64
 

@@ -570,7 +570,13 @@ def decode_config(
 
 
 def decode_num_splits(
-    batch_kv_heads: int, max_seqlen: int, block_n: int, num_sms: int, *, paged: bool = False
+    batch_kv_heads: int,
+    max_seqlen: int,
+    block_n: int,
+    num_sms: int,
+    *,
+    paged: bool = False,
+    head_dim: int = 128,
 ) -> int:
     """Splits per (batch, kv head) so that the grid covers enough of the GPU.
 
@@ -586,13 +592,17 @@ def decode_num_splits(
     DECODE_LONG_CACHE keys, half the SMs (one program streams its split at ~47 GB/s, so 64 of
     them already read at the copy bandwidth); a shorter one a full wave, rounded up. A paged
     cache: three waves (its gathers read slower per program: at B=8, 32k keys two splits read
-    0.67-0.76x SDPA's bandwidth, seven 0.85-0.93x).
+    0.67-0.76x SDPA's bandwidth, seven 0.85-0.93x); twice that at a padded ``head_dim`` of 64
+    or less, whose programs each read half as much a tile (H200, bf16, 16-key pages, 4 warps:
+    B=8 at 32k and 4k keys 133 / 26.6 us with 14 splits against 155 / 29.3 with 7; at D=128 7
+    splits stay ahead of 14 and 28, 258-261 / 43.4-49.0 us; scripts/decode_sweep.py
+    --page-size).
     ``max_seqlen`` is the cache capacity (the true lengths live on the device; reading them would
     synchronise). Fewer splits when each would stream fewer than MIN_TILES_PER_SPLIT tiles.
     """
     pairs = max(batch_kv_heads, 1)
     if paged:
-        want = -(-3 * num_sms // pairs)
+        want = -(-3 * num_sms // pairs) * (2 if head_dim <= 64 else 1)
     elif pairs <= num_sms // 2:
         # A program an SM, rounded down: one past the wave would be a second round for its SM.
         want = num_sms // pairs

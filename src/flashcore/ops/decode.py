@@ -22,6 +22,7 @@ from flashcore.tuning import (
     decode_block_m,
     decode_config,
     decode_num_splits,
+    head_block,
 )
 
 
@@ -51,7 +52,10 @@ def choose_num_splits(
         head_dim, elem_size, interpreted=runtime.is_interpreted(), paged=paged, rows=rows,
         capacity=capacity,
     )  # fmt: skip
-    return decode_num_splits(batch * kv_heads, capacity, cfg.block_n, _sms(device), paged=paged)
+    return decode_num_splits(
+        batch * kv_heads, capacity, cfg.block_n, _sms(device), paged=paged,
+        head_dim=head_block(head_dim),
+    )  # fmt: skip
 
 
 def _sms(device: torch.device) -> int:
@@ -258,8 +262,9 @@ def _plan(
     )  # fmt: skip
     if num_splits == 0:
         num_splits = decode_num_splits(
-            batch * row_tiles * kv_heads, capacity, cfg.block_n, _sms(q.device), paged=paged
-        )
+            batch * row_tiles * kv_heads, capacity, cfg.block_n, _sms(q.device), paged=paged,
+            head_dim=head_block(width),
+        )  # fmt: skip
     # Splits past the longest possible sequence would only write empty partials; more than
     # MAX_SPLITS would make the combine's (splits, D) tile spill.
     num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
