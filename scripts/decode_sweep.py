@@ -69,9 +69,7 @@ def main() -> None:
             k_cache, v_cache, extra["block_table"] = pages(k, v, args.page_size)
         auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device, paged=paged)
         dense_auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device)
-        default = tuned_config(
-            d, 2, interpreted=False, capacity=s, paged=paged, score_options=False
-        )
+        default = tuned_config(d, 2, interpreted=False, capacity=s, paged=paged)
         rows = []
         splits_grid = sorted(
             {max(1, auto // 4), max(1, auto // 2), auto, auto * 2, auto * 4, dense_auto}

@@ -102,7 +102,7 @@ FWD_PAGED_VARIANTS = [
 PROBE_VARIANTS = [(64, "bf16", True, False), (128, "fp16", False, True)]
 # Decode: (head_dim, dtype, kv_group * Sq, paged (False, True = PAGED 1, 2 or 3), split, score
 # flags). Every variant is causal; with score flags it also compiles the sliding window, softcap,
-# ALiBi and sinks. A paged cache without them takes its own config (tuning.decode_config).
+# ALiBi and sinks.
 DECODE_VARIANTS = [
     (128, "bf16", 4, False, True, False),
     (128, "bf16", 4, True, True, True),
@@ -340,7 +340,7 @@ def main() -> int:
         block_m = decode_block_m(rows, 1)
         cfg = decode_config(
             head_dim, ELEM_SIZE[dtype], interpreted=False, paged=paged, rows=block_m,
-            capacity=1 << 20, score_options=flags,
+            capacity=1 << 20,
         )  # fmt: skip
         consts = {
             "HEAD_DIM": head_dim,

@@ -72,11 +72,10 @@ def test_half_precision_kernels_do_not_spill(compiled):
     # The backward's dK/dV kernel holds two fp32 accumulators and spills at every head dim here
     # (0.5-2.7 KB of spill traffic in these masked, ragged variants;
     # docs/performance_backward.md): only the forward and the decode kernel are held to this.
-    # The paged decode variant with every score flag (d128-fp16-rows8-paged1-split0, 8 warps)
-    # compiles to 116 registers with Triton 3.6.0 (ptxas 12.8) and 125 with Triton 3.9.0 (its
-    # ptxas 13.4), no spills on either; with 4 warps 168 and 146, still none
-    # (docs/performance_features.md, "Decode"). The H100 machine's Triton 3.6 build spilled 36
-    # bytes at 4 warps.
+    # The paged decode variants with every score flag take 4 warps and 2 stages: no spills with
+    # Triton 3.6.0's wheel ptxas nor with the H200 machine's (docs/performance_features.md,
+    # "Paged decoding: four warps"); at 4 warps and 3 stages the H100 machine's Triton 3.6 build
+    # once spilled 36 bytes there.
     versions = f"triton {metadata.version('triton')}"
     for row in compiled:
         if row["dtype"] != "fp32" and row["kernel"] in ("attn_fwd", "attn_decode"):

@@ -526,11 +526,9 @@ def decode_config(
     paged: bool = False,
     rows: int = 16,
     capacity: int = 0,
-    score_options: bool = True,
 ) -> DecodeConfig:
     """Decode config for a padded head dim, element size in bytes and row tile (``rows``, from
-    ``decode_block_m``); ``score_options``: a window, softcap or ALiBi is on (True where the
-    caller does not say).
+    ``decode_block_m``).
 
     Decoding is bound by reading the cache. A dense cache of at least DECODE_LONG_CACHE keys
     (``capacity``) at D = 128 (padded) with a row tile of at most 32 (a GQA group of up to 32 query
@@ -547,19 +545,20 @@ def decode_config(
     if elem_size >= 4:
         return DecodeConfig(32, 4, 1)
     if block_d <= 128:
-        if paged and (score_options or rows > 32):
-            # The paged gather addresses each key row through its own block: with every score
-            # flag on (window, softcap, ALiBi), 4 warps spilled 36 bytes at D=128 (ptxas of the
-            # H100 machine's Triton 3.6; tests/test_compile_sm90.py). 8 warps halve the per-thread
-            # tiles.
+        if paged and rows > 32:
+            # A prefill chunk's larger row tile: 8 warps halve the per-thread tiles of the
+            # paged gather, which addresses each key row through its own block (untimed).
             return DecodeConfig(64, 8, 3)
         if paged:
-            # Without them, 4 warps and 2 stages: CUDA-graph replays on the H200
-            # (scripts/decode_sweep.py --page-size 256 and 16, bf16, D=128, 32 query heads over
-            # 8 kv heads, shuffled pages) 26-27 / 40.7 / 251 us against 35.1 / 53.3 / 322 with
-            # 8 warps and 3 stages at (B, keys) (1, 16384) / (8, 4096) / (8, 32768), 256-key
-            # pages; 29.6 / 43.4 / 259 against 39.3 / 58.2 / 346 with 16-key pages; the fastest
-            # or within 3% of it over 64/128-key tiles, 4/8 warps, 2-4 stages
+            # 4 warps and 2 stages: CUDA-graph replays on the H200 (scripts/decode_sweep.py
+            # --page-size 256 and 16, bf16, D=128, 32 query heads over 8 kv heads, shuffled
+            # pages) 26-27 / 40.7 / 251 us against 35.1 / 53.3 / 322 with 8 warps and 3 stages
+            # at (B, keys) (1, 16384) / (8, 4096) / (8, 32768), 256-key pages; 29.6 / 43.4 / 259
+            # against 39.3 / 58.2 / 346 with 16-key pages; the fastest or within 3% of it over
+            # 64/128-key tiles, 4/8 warps, 2-4 stages. With softcap, a window or ALiBi 1.04-1.43x
+            # faster than 8 warps too; 8 warps had been taken because a build with every score
+            # flag spilled 36 bytes at 4 warps and 3 stages on the H100 machine's ptxas
+            # (tests/test_compile_sm90.py holds these builds to no spills)
             # (docs/performance_features.md, "Paged decoding: four warps").
             return DecodeConfig(64, 4, 2)
         # Measured at D=128; at D=64 the 128-key tile spilled 8 bytes with Triton 3.9's ptxas

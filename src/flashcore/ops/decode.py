@@ -250,15 +250,9 @@ def _plan(
     # Row tiles of the packed (query, head) rows: one for decoding, more for a prefill chunk.
     block_m = decode_block_m(kv_group, seqlen_q)
     row_tiles = pb.cdiv(kv_group * seqlen_q, block_m)
-    exp_e = pb.uses_exp_e(q.dtype, interpreted)
-    # Sequence lengths live on the device; the capacity bounds them all (problem.window_bounds).
-    sc = pb.scores(
-        causal, (window_left, window_right), softcap, scale, alibi_slopes is not None,
-        seqlen_q, capacity, exp_e=exp_e,
-    )  # fmt: skip
     cfg = decode_config(
         width, q.element_size(), interpreted=interpreted, paged=paged, rows=block_m,
-        capacity=capacity, score_options=sc.has_window or sc.has_softcap or sc.has_alibi,
+        capacity=capacity,
     )  # fmt: skip
     if num_splits == 0:
         num_splits = decode_num_splits(
@@ -268,6 +262,12 @@ def _plan(
     # Splits past the longest possible sequence would only write empty partials; more than
     # MAX_SPLITS would make the combine's (splits, D) tile spill.
     num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
+    exp_e = pb.uses_exp_e(q.dtype, interpreted)
+    # Sequence lengths live on the device; the capacity bounds them all (problem.window_bounds).
+    sc = pb.scores(
+        causal, (window_left, window_right), softcap, scale, alibi_slopes is not None,
+        seqlen_q, capacity, exp_e=exp_e,
+    )  # fmt: skip
     # Contiguous out (B, H, Sq, Dv), LSE (B, H, Sq) and partials (splits, B, H, Sq[, Dv]).
     out_strides = (heads * seqlen_q * head_dim_v, seqlen_q * head_dim_v, head_dim_v)
     lse_strides = (heads * seqlen_q, seqlen_q, 1)
