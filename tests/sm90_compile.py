@@ -110,6 +110,7 @@ DECODE_VARIANTS = [
     (128, "fp16", 8, True, False, True),
     (128, "bf16", 4, 2, True, False),  # pages of a multiple of the tile, no score flags
     (128, "fp16", 4, 3, True, False),
+    (128, "bf16", 64, 3, True, True),  # a prefill chunk's 64-row tile over 16-key pages
     (64, "fp16", 1, False, False, False),
     (256, "bf16", 4, True, True, True),
     (128, "fp32", 4, True, True, True),

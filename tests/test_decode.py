@@ -378,14 +378,15 @@ def test_decode_config_and_splits_by_cache():
     short one 64-key tiles; a dense cache over few (batch, kv head) pairs splits over a wave of
     programs rounded down, over more pairs half a wave (long) or a wave rounded up (short); a
     paged one over three waves (six at head dim 64), with 4 warps and 2 stages (8 and 3 for a
-    prefill chunk's row tile)."""
+    prefill chunk's 128-row tile)."""
     long = tuning.decode_config(128, 2, interpreted=False, capacity=32768)
     short = tuning.decode_config(128, 2, interpreted=False, capacity=4096)
     paged = tuning.decode_config(128, 2, interpreted=False, paged=True, capacity=32768)
     chunk = tuning.decode_config(128, 2, interpreted=False, rows=64, capacity=32768)
     assert (long.block_n, short.block_n, paged.block_n, chunk.block_n) == (128, 64, 64, 64)
     assert paged == tuning.DecodeConfig(64, 4, 2)
-    wide = tuning.decode_config(128, 2, interpreted=False, paged=True, rows=64)
+    assert tuning.decode_config(128, 2, interpreted=False, paged=True, rows=64) == paged
+    wide = tuning.decode_config(128, 2, interpreted=False, paged=True, rows=128)
     assert (wide.num_warps, wide.num_stages) == (8, 3)
     assert tuning.decode_num_splits(64, 32768, 128, 132) == 2
     assert tuning.decode_num_splits(8, 32768, 128, 132) == 16  # 128 programs, not 136

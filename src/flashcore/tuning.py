@@ -545,9 +545,12 @@ def decode_config(
     if elem_size >= 4:
         return DecodeConfig(32, 4, 1)
     if block_d <= 128:
-        if paged and rows > 32:
-            # A prefill chunk's larger row tile: 8 warps halve the per-thread tiles of the
-            # paged gather, which addresses each key row through its own block (untimed).
+        if paged and rows > 64:
+            # A prefill chunk's 128-row tile: 8 warps halve the per-thread tiles of the paged
+            # gather, which addresses each key row through its own block. At 4 warps it spilled
+            # 128-288 bytes (H200 machine) though it ran 1.14-1.32x faster (64 and 128 queries
+            # on GQA groups of 4, 2048-16384 keys, pages of 16 and 256: 155-205 us against
+            # 188-271); the decode builds stay spill-free.
             return DecodeConfig(64, 8, 3)
         if paged:
             # 4 warps and 2 stages: CUDA-graph replays on the H200 (scripts/decode_sweep.py
@@ -555,8 +558,9 @@ def decode_config(
             # pages) 26-27 / 40.7 / 251 us against 35.1 / 53.3 / 322 with 8 warps and 3 stages
             # at (B, keys) (1, 16384) / (8, 4096) / (8, 32768), 256-key pages; 29.6 / 43.4 / 259
             # against 39.3 / 58.2 / 346 with 16-key pages; the fastest or within 3% of it over
-            # 64/128-key tiles, 4/8 warps, 2-4 stages. With softcap, a window or ALiBi 1.04-1.43x
-            # faster than 8 warps too; 8 warps had been taken because a build with every score
+            # 64/128-key tiles, 4/8 warps, 2-4 stages. With softcap, a window or ALiBi 1.03-1.43x
+            # faster than 8 warps too, and with 64-row tiles (16 queries of a group of 4, B = 4,
+            # 8192 keys) 1.08-1.16x; 8 warps had been taken because a build with every score
             # flag spilled 36 bytes at 4 warps and 3 stages on the H100 machine's ptxas
             # (tests/test_compile_sm90.py holds these builds to no spills)
             # (docs/performance_features.md, "Paged decoding: four warps").
