@@ -377,15 +377,22 @@ def test_decode_config_and_splits_by_cache():
     """Decided on the host alone (H100: 132 SMs): a long dense cache streams 128-key tiles, a
     short one 64-key tiles; a dense cache over few (batch, kv head) pairs splits over a wave of
     programs rounded down, over more pairs half a wave (long) or a wave rounded up (short); a
-    paged one over three waves (six at head dim 64), with 4 warps and 2 stages (8 and 3 for a
-    prefill chunk's 128-row tile)."""
+    paged one over three waves (six at head dim 64), with 4 warps and 2 stages on Triton 3.6, 3
+    elsewhere (8 warps and 3 stages for a prefill chunk's 128-row tile)."""
     long = tuning.decode_config(128, 2, interpreted=False, capacity=32768)
     short = tuning.decode_config(128, 2, interpreted=False, capacity=4096)
-    paged = tuning.decode_config(128, 2, interpreted=False, paged=True, capacity=32768)
+    paged = tuning.decode_config(
+        128, 2, interpreted=False, paged=True, capacity=32768, triton_version="3.6.0"
+    )
     chunk = tuning.decode_config(128, 2, interpreted=False, rows=64, capacity=32768)
     assert (long.block_n, short.block_n, paged.block_n, chunk.block_n) == (128, 64, 64, 64)
     assert paged == tuning.DecodeConfig(64, 4, 2)
-    assert tuning.decode_config(128, 2, interpreted=False, paged=True, rows=64) == paged
+    assert tuning.decode_config(
+        128, 2, interpreted=False, paged=True, rows=64, triton_version="3.6.0"
+    ) == paged  # fmt: skip
+    # Elsewhere three stages (Triton 3.8's ptxas spilled 8 bytes with two).
+    other = tuning.decode_config(128, 2, interpreted=False, paged=True, triton_version="3.8.0")
+    assert other == tuning.DecodeConfig(64, 4, 3)
     wide = tuning.decode_config(128, 2, interpreted=False, paged=True, rows=128)
     assert (wide.num_warps, wide.num_stages) == (8, 3)
     assert tuning.decode_num_splits(64, 32768, 128, 132) == 2

@@ -518,6 +518,13 @@ KVCACHE_PACKED_MIN_SEQLEN_Q = 512
 DECODE_LONG_CACHE = 8192
 
 
+# The Triton versions whose ptxas compiles the paged decode at 4 warps and 2 stages without
+# spills (3.6: the wheel's and the H200 machine's, where it was timed). Triton 3.8's spilled 8
+# bytes at 96 registers there (fp16, 16-key pages, no score flags; tests/test_compile_sm90.py)
+# and none with 3 stages, which other versions take (not timed on them).
+PAGED_DECODE_TWO_STAGES = ("3.6.",)
+
+
 def decode_config(
     head_dim: int,
     elem_size: int,
@@ -526,9 +533,11 @@ def decode_config(
     paged: bool = False,
     rows: int = 16,
     capacity: int = 0,
+    triton_version: str | None = None,
 ) -> DecodeConfig:
     """Decode config for a padded head dim, element size in bytes and row tile (``rows``, from
-    ``decode_block_m``).
+    ``decode_block_m``); ``triton_version`` (the running Triton's if None) picks the paged
+    config's stages (``PAGED_DECODE_TWO_STAGES``).
 
     Decoding is bound by reading the cache. A dense cache of at least DECODE_LONG_CACHE keys
     (``capacity``) at D = 128 (padded) with a row tile of at most 32 (a GQA group of up to 32 query
@@ -564,7 +573,13 @@ def decode_config(
             # flag spilled 36 bytes at 4 warps and 3 stages on the H100 machine's ptxas
             # (tests/test_compile_sm90.py holds these builds to no spills)
             # (docs/performance_features.md, "Paged decoding: four warps").
-            return DecodeConfig(64, 4, 2)
+            if triton_version is None:
+                import triton
+
+                triton_version = triton.__version__
+            return DecodeConfig(
+                64, 4, 2 if triton_version.startswith(PAGED_DECODE_TWO_STAGES) else 3
+            )
         # Measured at D=128; at D=64 the 128-key tile spilled 8 bytes with Triton 3.9's ptxas
         # (128 registers), so smaller head dims keep 64-key tiles.
         long = capacity >= DECODE_LONG_CACHE and rows <= 32 and block_d == 128
