@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
 import flashcore
+from flashcore.bench.providers import to_paged
 from flashcore.ops import decode
 from flashcore.tuning import DecodeConfig
 
@@ -66,7 +67,7 @@ def main() -> None:
         extra = {}
         k_cache, v_cache = k, v
         if paged:
-            k_cache, v_cache, extra["block_table"] = pages(k, v, args.page_size)
+            k_cache, v_cache, extra["block_table"] = to_paged(k, v, args.page_size)
         auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device, paged=paged)
         dense_auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device)
         default = tuned_config(d, 2, interpreted=False, capacity=s, paged=paged)
@@ -117,24 +118,6 @@ def main() -> None:
                 f"splits {splits:<3d} {ms * 1e3:7.1f} us {mbytes / ms:5.0f} GB/s "
                 f"({ms_sdpa / ms:.2f}x sdpa) {note}"
             )
-
-
-def pages(k: torch.Tensor, v: torch.Tensor, page: int) -> tuple:
-    """``(k_cache, v_cache, block_table)``: dense ``(B, Hkv, S, D)`` k and v as pages of ``page``
-    keys ``(num_blocks, Hkv, page, D)`` in a shuffled order, and the int32 block table."""
-    b, hkv, s = k.shape[:3]
-    per_seq = -(-s // page)
-    order = torch.randperm(b * per_seq, device=k.device)
-    table = order.view(b, per_seq).to(torch.int32)
-    caches = []
-    for t in (k, v):
-        padded = torch.zeros(b, hkv, per_seq * page, t.shape[-1], device=t.device, dtype=t.dtype)
-        padded[:, :, :s] = t
-        blocks = padded.view(b, hkv, per_seq, page, -1).permute(0, 2, 1, 3, 4).flatten(0, 1)
-        cache = torch.empty_like(blocks)
-        cache[order] = blocks
-        caches.append(cache)
-    return caches[0], caches[1], table
 
 
 if __name__ == "__main__":
