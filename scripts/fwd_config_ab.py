@@ -42,15 +42,22 @@ CONFIGS = {
 MLA = sm90.CONFIGS[192]
 MLA_CONFIGS = {
     "auto": None,
-    "n128-f": MLA,
-    "n64s3-f": MLA._replace(block_n=64, num_stages=3),
-    "n64s4-f": MLA._replace(block_n=64, num_stages=4),
-    "n64s2-p": MLA._replace(block_n=64, num_stages=2, persistent=True),
+    "n128-f": MLA._replace(persistent=False),
+    "n128-p1": MLA._replace(persistent=True, q_buffers=1, free_q=2),
+    "n128-p1late": MLA._replace(persistent=True, q_buffers=1, free_q=1),
+    "n64s3-f": MLA._replace(block_n=64, num_stages=3, persistent=False),
+    "n64s2-p": MLA._replace(block_n=64, num_stages=2, persistent=True, q_buffers=3),
+}
+D256 = sm90.CONFIGS[256]
+D256_CONFIGS = {
+    "auto": None,
+    "n64-f": D256._replace(persistent=False),
+    "n64-p1": D256._replace(persistent=True, q_buffers=1, free_q=2),
 }
 
 
 def configs(mla: bool) -> dict:
-    return MLA_CONFIGS if mla else CONFIGS
+    return {True: MLA_CONFIGS, False: CONFIGS, 256: D256_CONFIGS}[mla]
 
 
 def use(name: str, mla: bool = False) -> None:
@@ -72,8 +79,10 @@ def call(name: str, q, k, v, causal: bool):
 def case(seqlen: int, causal: bool, rounds: int, mla: bool = False) -> str:
     batch, heads, head_dim, head_dim_v = max(1, 16384 // seqlen), 32, 64, 64
     base = "cudnn"
-    if mla:
+    if mla is True:
         batch, heads, head_dim, head_dim_v, base = max(1, 8192 // seqlen), 16, 192, 128, "sdpa"
+    elif mla == 256:
+        batch, heads, head_dim, head_dim_v, base = max(1, 8192 // seqlen), 16, 256, 256, "sdpa"
     q, k = (
         torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
         for _ in range(2)
@@ -108,7 +117,7 @@ def case(seqlen: int, causal: bool, rounds: int, mla: bool = False) -> str:
     flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
     rates = " ".join(f"{name} {flops / med[name] / 1e9:.0f}" for name in every)
     best = min(names, key=med.get)
-    dims = f"D{head_dim}" + (f":{head_dim_v}" if mla else "")
+    dims = f"D{head_dim}" + (f":{head_dim_v}" if head_dim_v != head_dim else "")
     return f"{dims} S{seqlen} {'causal' if causal else 'full'} B{batch}: {rates}  fastest {best}"
 
 
@@ -121,11 +130,13 @@ def main() -> int:
         help="comma-separated SEQLEN:full or SEQLEN:causal",
     )
     parser.add_argument("--mla", action="store_true", help="head dims (192, 128)")
+    parser.add_argument("--d256", action="store_true", help="head dim 256")
     args = parser.parse_args()
     torch.manual_seed(0)
+    mode = 256 if args.d256 else args.mla
     for item in args.cases.split(","):
         seqlen, mask = item.split(":")
-        print(case(int(seqlen), mask == "causal", args.rounds, args.mla), flush=True)
+        print(case(int(seqlen), mask == "causal", args.rounds, mode), flush=True)
     return 0
 
 

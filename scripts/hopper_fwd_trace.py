@@ -178,8 +178,8 @@ def _tstamp(LSE, it, e: gl.constexpr, CONSUMER: gl.constexpr, x, VALUE: gl.const
             "    _tstamp(LSE, it, 0, CONSUMER, w)\n    tile_m, off_b, off_h = work_item(\n",
         ),
         (
-            "        mbarrier.wait(q_ready.index(qi), (it // Q_BUFFERS) & 1)\n",
-            "        mbarrier.wait(q_ready.index(qi), (it // Q_BUFFERS) & 1)\n"
+            "        mbarrier.wait(q_ready.index(qi), (it // Q_BUFS) & 1)\n",
+            "        mbarrier.wait(q_ready.index(qi), (it // Q_BUFS) & 1)\n"
             "        _tstamp(LSE, it, 1, CONSUMER, w)\n"
             "        _tstamp(LSE, it, 7, CONSUMER, n_tiles, True)\n",
         ),

@@ -83,6 +83,10 @@ VARIANTS = [
     # V and O at 128; causal with a ragged last key tile.
     ("d192-v128-bf16-causal-ragged", 192, "bf16", 2, 128, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128}),
+    # ... persistent with one Q buffer a consumer and O through a tile of its own (q_buffers).
+    ("d192-v128-bf16-causal-ragged-sinks-persistent", 192, "bf16", 2, 128, 2, 240, 168,
+     {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128, "sinks": True,
+      "persistent": True, "q_buffers": 1}),
     # Head dim 256 (ops/fwd_sm90.py: CONFIGS[256]): 64-key tiles; causal, a ragged last tile.
     ("d256-fp16-causal-ragged", 256, "fp16", 2, 64, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False}),
@@ -158,7 +162,7 @@ def compile_variant(variant) -> dict:
         HAS_ALIBI=flags["alibi"], HAS_SINKS=flags.get("sinks", False),
         RAW_MAX=flags["raw_max"], EVEN_N=flags["even_n"],
         PERSISTENT=flags.get("persistent", False), VARLEN=flags.get("varlen", False),
-        PAGED="paged" in flags,
+        PAGED="paged" in flags, Q_BUFS=flags.get("q_buffers", 3), FREE_Q=flags.get("free_q", 2),
     )  # fmt: skip
     fn = fwd.attn_fwd_sm90_kernel
     for name in fn.arg_names:
@@ -191,6 +195,9 @@ def compile_variant(variant) -> dict:
         "exp2_under_pv_ptx": ptx_exp2_while_product_runs(ptx),
         "exp2_under_pv_sass": exp2_while_product_runs(sass, SASS_WAITS),
         "q_freed_after_store_read": q_freed_after_store_read(ptx),
+        "q_buffers": flags.get("q_buffers", 3) if flags.get("persistent") else None,
+        "releases_after_scores": releases_after(ptx, r"wgmma\.wait_group\.sync\.aligned\s+1;"),
+        "releases_after_store_read": releases_after(ptx, r"cp\.async\.bulk\.wait_group\.read\s+0;"),
         "lazy_rescale": lazy_rescale_branches(sass),
         "head_dim_v": head_dim_v,
         "varlen": flags.get("varlen", False),
@@ -303,6 +310,34 @@ def q_freed_after_store_read(ptx: str) -> int:
         elif state and re.search(r"mbarrier\.|cp\.async\.bulk\.tensor", line):
             state = None
     return count
+
+
+def releases_after(ptx: str, wait: str) -> list[int]:
+    """For each PTX instruction matching ``wait``: how many ``mbarrier.arrive`` follow it, each
+    behind a ``bar.sync`` of the warpgroup, before any other product, bulk copy or mbarrier wait
+    (within 24 instructions)."""
+    found, count, seen, synced = [], None, 0, False
+    for raw in ptx.splitlines():
+        line = raw.split("//")[0].strip()
+        if not line or line.startswith("."):
+            continue
+        seen += 1
+        if re.search(wait, line):
+            if count is not None:
+                found.append(count)
+            count, seen, synced = 0, 0, False
+        elif count is None:
+            continue
+        elif seen > 24 or re.search(r"wgmma\.mma_async|cp\.async\.bulk|mbarrier\.try_wait", line):
+            found.append(count)
+            count = None
+        elif re.search(r"\bbar\.sync\b", line):
+            synced = True
+        elif synced and "mbarrier.arrive" in line:
+            count, synced = count + 1, False
+    if count is not None:
+        found.append(count)
+    return found
 
 
 # (wait leaving one wgmma group running, wait for all, exponential) in SASS.
@@ -441,7 +476,7 @@ def test_no_spills(compiled):
     # The packed (VARLEN) builds spilled 16-88 B until the values the partitions compute alike
     # were kept out of the entry block (kernels/hopper/common.py: opaque, programs).
     persistent = [row for row in compiled if row["variant"].endswith(PERSISTENT_SUFFIX)]
-    assert len(persistent) == 15, sorted(row["variant"] for row in compiled)
+    assert len(persistent) == 16, sorted(row["variant"] for row in compiled)
     for row in compiled:
         assert row["spill_bytes"] == 0, f"{row['variant']}: {row['spill_bytes']} B of spills"
 
@@ -532,11 +567,35 @@ def test_varlen_bounds_the_sequences_last_v_tile(compiled):
 
 def test_persistent_frees_q_after_the_store_read(compiled):
     for row in compiled:
+        if row["q_buffers"] == 1:
+            continue  # test_one_q_buffer_frees_q_at_its_last_scores
         # One per consumer warpgroup.
         want = row["consumers"] if row["variant"].endswith(PERSISTENT_SUFFIX) else 0
         assert row["q_freed_after_store_read"] >= want, (
             f"{row['variant']}: {row['q_freed_after_store_read']} Q slots freed after the read"
         )
+
+
+def test_one_q_buffer_frees_q_at_its_last_scores(compiled):
+    """With one Q buffer a consumer (``q_buffers``), each consumer's step frees two things
+    after the wait for its ``Q K^T`` (``wait_group 1``): K's slot, and, at the tile's last step,
+    the Q slot (the producer loads the next tile's Q while the last ``P V`` and the epilogue
+    run); and its epilogue frees the CTA's O tile once the copy engine has read it
+    (``wait_group.read 0``, then the arrive)."""
+    ones = [row for row in compiled if row["q_buffers"] == 1]
+    assert ones, "no persistent build with one Q buffer"
+    for row in ones:
+        name = row["variant"]
+        assert row["q_freed_after_store_read"] == 0, name
+        assert sum(n >= 2 for n in row["releases_after_scores"]) >= row["consumers"], (
+            f"{name}: {row['releases_after_scores']}"
+        )
+        assert sum(n >= 1 for n in row["releases_after_store_read"]) >= row["consumers"], (
+            f"{name}: {row['releases_after_store_read']}"
+        )
+    for row in compiled:
+        if row["q_buffers"] != 1:
+            assert not any(n >= 2 for n in row["releases_after_scores"]), row["variant"]
 
 
 def assert_register_split(rows: list[dict]) -> None:

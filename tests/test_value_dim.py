@@ -95,6 +95,8 @@ MLA_CASES_SM90 = [
     (MaskCase(Case(2, 16, 16, 1024, 1024, 192), causal=True), "bshd", False),
     (MaskCase(Case(1, 8, 2, 777, 2049, 192)), "bhsd", False),
     (MaskCase(Case(2, 4, 1, 700, 300, 192), causal=True), "bhsd", True),
+    # Programs of the persistent grid with several tiles, some of them seeing no key.
+    (MaskCase(Case(4, 16, 4, 1000, 300, 192), causal=True), "bhsd", False),
     (MaskCase(Case(1, 4, 4, 513, 513, 192), window=(100, 20), softcap=30.0), "bhsd", False),
     (MaskCase(Case(1, 4, 2, 390, 600, 192), alibi="bh"), "bshd", True),
 ]
@@ -185,6 +187,34 @@ def test_value_dim_gpu_mla_varlen(dtype):
     v = torch.randn(sum(case.seqlens_k), 2, 128, device="cuda", dtype=dtype)
     cu_q, cu_k = cu_seqlens(case.seqlens_q, "cuda"), cu_seqlens(case.seqlens_k, "cuda")
     check_varlen(case, q, k, v, cu_q, cu_k, causal=True, backward=True)
+
+
+def test_mla_forward_schedule(monkeypatch):
+    """The Hopper forward's schedule at MLA's head dims (measured on the H200): causal on the
+    persistent grid with one Q buffer a consumer, non-causal flat, causal with softcap or ALiBi
+    flat (their persistent builds spilled); and "auto" takes the tier from 512 queries and keys."""
+    from flashcore import tuning
+    from flashcore.ops import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "num_sms", lambda index: 132)
+    q = torch.empty(2, 16, 4096, 192, dtype=torch.bfloat16)
+    v = torch.empty(2, 16, 4096, 128, dtype=torch.bfloat16)
+    lse = torch.empty(2, 16, 4096)
+    options = dict(
+        causal=True, qk_scale=0.1, window_left=-1, window_right=-1, has_window=False,
+        softcap=0.0, alibi=False, sinks=False, stride_ab=0,
+    )  # fmt: skip
+    causal = fwd_sm90.plan(q, q, v, lse, **options)
+    assert causal.meta["PERSISTENT"] and causal.meta["Q_BUFS"] == 1
+    assert causal.grid == (132,)
+    full = fwd_sm90.plan(q, q, v, lse, **{**options, "causal": False})
+    assert not full.meta["PERSISTENT"] and full.grid == (32 * 2 * 16,)
+    for extra in ({"softcap": 30.0}, {"alibi": True}):
+        assert not fwd_sm90.plan(q, q, v, lse, **{**options, **extra}).meta["PERSISTENT"]
+    assert fwd_sm90.plan(q[..., :128], q[..., :128], v, lse, **options).meta["Q_BUFS"] == 3
+    flops = 2 * 16 * 16 * 512 * 512 * (192 + 128)
+    assert tuning.sm90_forward(512, 512, 192, flops)
+    assert not tuning.sm90_forward(256, 256, 192, flops)
 
 
 def test_mla_backward_tiles():

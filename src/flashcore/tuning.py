@@ -372,10 +372,11 @@ SM90_FWD_MIN_SEQLEN_D64 = 512
 # (ops/fwd_sm90.py: ONE): at the FA sweep's batch 249 TFLOP/s against the portable forward's 220
 # at S = 512 and 298 against 287 at 1024, and 275 against 202 at (2, 16, 1024) (H100, bf16,
 # CUDA-graph replays, three rounds in one process), so it takes the same floor as non-causal.
-# The MLA head dims (Q/K 192, V 128; ops/fwd_sm90.py: MLA_HEAD_DIMS): timed only at 4096 and 8192
-# (H100, bf16, one run, scripts/feature_bench.py --cases mla): 1.84-1.95x the portable forward,
-# 1.11-1.17x SDPA. Shorter sequences were not timed, so they stay portable.
-SM90_FWD_MIN_SEQLEN_MLA = 4096
+# The MLA head dims (Q/K 192, V 128; ops/fwd_sm90.py: MLA_HEAD_DIMS): at 4096 and 8192 (H100,
+# bf16, one run, scripts/feature_bench.py --cases mla) 1.84-1.95x the portable forward, 1.11-1.17x
+# SDPA; from 512 on (H200, bf16, 16k tokens of 16 heads, three rounds, with the persistent causal
+# grid) 1.72-1.83x non-causal and 1.74-1.96x causal, level with or ahead of SDPA (0.99-1.18x).
+SM90_FWD_MIN_SEQLEN_MLA = 512
 # Head dim 256 (ops/fwd_sm90.py: WIDE_HEAD_DIMS, 64-key tiles, flat): timed at 1024, 4096 and
 # 16384 (H100, bf16, two runs, 32k tokens, scripts/hopper_fwd.py bench --head-dims 256): 1.25-1.33x
 # the portable forward non-causal (0.98-1.13x cuDNN), 1.13-1.24x causal (0.92-0.99x cuDNN).

@@ -124,7 +124,11 @@ class Sm90Config(NamedTuple):
     keeps 24; with one consumer, the default partition, it takes what the producer leaves and
     the field is not read), ``maxnreg`` the cap at entry that the register split is carved from.
     ``persistent``: ``ctas_per_sm`` programs per SM looping over the tiles (True), one program
-    per tile (False), or the launcher's choice by shape (None, ``use_persistent``)."""
+    per tile (False), or the launcher's choice by shape (None, ``use_persistent``).
+    ``q_buffers``: Q buffers a consumer on the persistent grid (3: the next tiles' Q land during
+    this one and O leaves through the Q slot; 1: O through one O tile of the CTA, the Q slot freed
+    at the last ``Q K^T``, where three do not fit); ``free_q`` where that one is freed (2: at
+    once, 1: before the last ``P V``)."""
 
     num_consumers: int
     block_n: int
@@ -134,6 +138,8 @@ class Sm90Config(NamedTuple):
     pingpong: bool = True
     persistent: bool | None = None
     ctas_per_sm: int = 1
+    q_buffers: int = 3
+    free_q: int = 2
 
 
 # D=128: 2 x 64 query rows, 128-key tiles, 2 slots (Q 32 KB + K/V 128 KB of shared memory);
@@ -142,9 +148,13 @@ class Sm90Config(NamedTuple):
 CONFIGS = {
     128: Sm90Config(2, 128, 2, 240, 168),
     64: Sm90Config(2, 128, 3, 240, 168),
-    # D=192 / Dv=128: Q 2 x 24 KB, K 2 x 48 KB, V 2 x 32 KB (208 KB): flat only (a persistent
-    # grid's second Q buffer would not fit).
-    192: Sm90Config(2, 128, 2, 240, 168, persistent=False),
+    # D=192 / Dv=128: Q 2 x 24 KB, K 2 x 48 KB, V 2 x 32 KB (208 KB). A persistent grid's
+    # further Q buffers do not fit, so it runs with one a consumer and O through a 16 KB tile of
+    # its own (224 KB; ``q_buffers``). H200, bf16, 8k tokens of 16 heads, three rotated rounds
+    # (scripts/fwd_config_ab.py --mla), TFLOP/s flat / persistent: causal 2048 521 / 568, 4096
+    # 594 / 620, 8192 644 / 647, 16384 661 / 679; non-causal 4096 689 / 673, 8192 704 / 681. So
+    # causal runs persistent and non-causal flat (``plan``).
+    192: Sm90Config(2, 128, 2, 240, 168, q_buffers=1),
     # D=256: 64-key tiles (Q 2 x 32 KB, K and V 2 x 32 KB each: 192 KB), flat only; the O
     # accumulator alone takes 128 registers a thread.
     256: Sm90Config(2, 64, 2, 240, 168, persistent=False),
@@ -716,7 +726,11 @@ def plan(
     raw_max = softcap <= 0 and not alibi and qk_scale > 0
     n_work = -(-seqlen_q // block_m) * batch * heads
     persistent = cfg.persistent
-    if persistent is None:
+    if persistent is None and cfg.q_buffers == 1:
+        # One Q buffer a consumer (the MLA head dims): causal only, without softcap or ALiBi
+        # (their builds spilled 40-140 B, against 8 B flat); see CONFIGS.
+        persistent = causal and softcap <= 0 and not alibi
+    elif persistent is None:
         persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
     if config is None and spread and cfg.num_consumers > 1:
         persistent = False
@@ -766,6 +780,8 @@ def plan(
         "PERSISTENT": persistent,
         "VARLEN": 0 if varlen is None else 2 if work is not None else 1,
         "PAGED": block_table is not None,
+        "Q_BUFS": cfg.q_buffers,
+        "FREE_Q": cfg.free_q,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }

@@ -84,9 +84,10 @@ on odd ones, mapped to a tile by the same ``work`` as the flat grid (a head's ti
 causal last-first). The snake matters for causal: with ``grid % n_m == 0`` (132 SMs, S = 512)
 a plain stride gives every program the same query tile in each wave, its longest tile or its
 shortest; the snake pairs them (a list-scheduling model of 32k tokens puts the plain stride's
-makespan at 1.5x the snake's at S = 512, equal from 16k). Shared memory holds Q_BUFFERS = 3 Q
+makespan at 1.5x the snake's at S = 512, equal from 16k). Shared memory holds Q_BUFS = 3 Q
 buffers (``q_smem[b * NUM_CONSUMERS + c]``, ``b = wave % 3``: the next tile's Q lands during the
-current tile, and a slot is reused only three tiles later), the K/V ring, and per Q slot a
+current tile, and a slot is reused only three tiles later; one where three do not fit, below),
+the K/V ring, and per Q slot a
 ``q_empty`` barrier (count 1). Each tile's work item is decoded with multiply-high divisions
 (``common.fast_div``, constants from the launcher's plan). Phase bookkeeping, per program:
 
@@ -117,6 +118,17 @@ current tile, and a slot is reused only three tiles later), the K/V ring, and pe
   (about 650 clocks a tile with two buffers); the last store is waited for after the loop. A
   plain ``gl.store`` from the accumulator layout would drop the copy engine's clipping at Sq and
   need O's pointer and strides.
+- One Q buffer a consumer (``Q_BUFS == 1``: the MLA head dims, whose two Q slots, K/V ring and a
+  16 KB O tile take 224 KB): O leaves through one O tile of the CTA (``o_smem``), not the Q slot,
+  and the Q slot is freed as soon as the consumer's last ``Q K^T`` of the tile has completed
+  (``FREE_Q`` 2, inside ``fwd_steps._steps``; 1 frees it before the last ``P V``), so the
+  producer loads the next tile's Q while the last softmax, ``P V`` and the epilogue run (a
+  consumer that computes no key tile frees it after its epilogue). The consumers take the O tile
+  in turn: use ``u = wave * NUM_CONSUMERS + c`` waits ``o_free`` with parity ``u & 1`` (one
+  arrive at the start completes phase 0), writes O, stores it, waits for the copy engine's read
+  (``wait_group.read 0``) and arrives; uses alternate between the consumers, each tile's in
+  consumer order, so no use can pass a phase its predecessor has not completed. The producer's
+  ``q_empty`` waits are the three-buffer ones with ``Q_BUFS`` for 3.
 
 Key tiles. ``kv_tile_range`` (the same split as ``kernels/common.py``) gives the tiles the CTA's
 rows can see, ``[lo, hi)``, and the ones every row sees entirely, ``[full_lo, full_hi)``; all
@@ -198,7 +210,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashcore.kernels.hopper.common import (
     LN2,
     LOG2E,
-    Q_BUFFERS,
     ROWS,
     kv_tile_range,
     opaque,
@@ -228,12 +239,14 @@ def _consumer_tile(
     q_smem,
     k_smem,
     v_smem,
+    o_smem,
     q_ready,
     q_empty,
     k_ready,
     v_ready,
     kv_empty,
     turn,
+    o_free,
     LSE,
     ALIBI,
     SINKS,
@@ -278,6 +291,8 @@ def _consumer_tile(
     PERSISTENT: gl.constexpr,
     VARLEN: gl.constexpr,
     PAGED: gl.constexpr,
+    Q_BUFS: gl.constexpr,
+    FREE_Q: gl.constexpr,
 ):
     """This consumer's 64 rows of work item ``w`` (the program's tile number ``it``), from ring
     entry ``kv0`` and turn ``turn0`` on; returns the number of key tiles it took."""
@@ -337,10 +352,13 @@ def _consumer_tile(
     else:
         slope = 0.0
 
+    # One Q buffer a consumer (persistent, Q_BUFS == 1): O leaves through the CTA's one O tile,
+    # taken in turn, and the Q slot is freed once the last Q K^T has completed (FREE_Q).
+    SHARED_O: gl.constexpr = PERSISTENT and (Q_BUFS == 1)
     if PERSISTENT:
-        qi = (it % Q_BUFFERS) * NUM_CONSUMERS + CONSUMER
+        qi = (it % Q_BUFS) * NUM_CONSUMERS + CONSUMER
         # Every tile completes one q_ready phase, a tile with no key included (without a load).
-        mbarrier.wait(q_ready.index(qi), (it // Q_BUFFERS) & 1)
+        mbarrier.wait(q_ready.index(qi), (it // Q_BUFS) & 1)
     else:
         qi = CONSUMER
     PANELS: gl.constexpr = HEAD_DIM // q_smem.shape[4]  # Q's column panels (the kernel's note)
@@ -372,7 +390,7 @@ def _consumer_tile(
             t0, t1, lo, full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left,
             window_right, softcap, slope, m_i, l_i, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM,
             BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
-            OWN_PV,
+            OWN_PV, q_empty.index(qi), FREE_Q if SHARED_O else 0,
         )  # fmt: skip
 
     l_i = row_total(l_i, m_i)
@@ -385,14 +403,20 @@ def _consumer_tile(
         m_out = m_i
     lse = gl.where(empty, float("-inf"), (m_out + gl.log2(l_safe)) * LN2)
 
-    # Q's slot is free: its last reader, the final Q K^T, completed above.
-    q_tile = q_smem.index(qi * PANELS)
-    if (HEAD_DIM_V == HEAD_DIM) and (PANELS == 1):
-        o_tile = q_tile
+    if SHARED_O:
+        # The CTA's O tile, its uses in turn: this consumer's use of tile it is use
+        # ``it * NUM_CONSUMERS + CONSUMER``, after the previous use's store has been read.
+        mbarrier.wait(o_free.index(0), (it * NUM_CONSUMERS + CONSUMER) & 1)
+        o_tile = o_smem.index(0)
+    elif (HEAD_DIM_V == HEAD_DIM) and (PANELS == 1):
+        # Q's slot is free: its last reader, the final Q K^T, completed above.
+        o_tile = q_smem.index(qi * PANELS)
     else:
         # O (Dv <= D: the launcher's MLA shapes) over the front of the slot's panels, in O's own
         # layout: it is written and read (by the copy engine) through that layout alone.
-        o_tile = q_tile._reinterpret(dtype, o_desc.block_type.shape, o_desc.layout)
+        o_tile = q_smem.index(qi * PANELS)._reinterpret(
+            dtype, o_desc.block_type.shape, o_desc.layout
+        )
     if VARLEN:
         # Rows past the sequence's end are the next sequence's: a tile that reaches them is
         # written from registers with a row mask (and, for the padded head dims, a column
@@ -412,7 +436,14 @@ def _consumer_tile(
         LSE + off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + q_start + offs_m
     )
     gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
-    if PERSISTENT:
+    if SHARED_O:
+        # The copy engine has read this tile's O: the next use of the O tile may write it. A
+        # consumer that computed no key tile frees its Q slot here (attend did otherwise).
+        tma.store_wait(0)
+        mbarrier.arrive(o_free.index(0), count=1)
+        if t1 <= t0:
+            mbarrier.arrive(q_empty.index(qi), count=1)
+    elif PERSISTENT:
         # The copy engine has read the previous tile's O out of its slot (``wait_group.read``
         # of all but the store just issued; Gluon puts a warpgroup barrier after it, before the
         # arrive): the producer may land tile it + 2's Q there. Waiting for this tile's own
@@ -427,7 +458,7 @@ def _consumer_tile(
         else:
             tma.store_wait(1)
         if it > 0:
-            prev = ((it + Q_BUFFERS - 1) % Q_BUFFERS) * NUM_CONSUMERS + CONSUMER
+            prev = ((it + Q_BUFS - 1) % Q_BUFS) * NUM_CONSUMERS + CONSUMER
             mbarrier.arrive(q_empty.index(prev), count=1)
     else:
         tma.store_wait(0)
@@ -454,14 +485,16 @@ def _consumer(
     PERSISTENT: gl.constexpr,
     VARLEN: gl.constexpr,
     PAGED: gl.constexpr = False,
+    Q_BUFS: gl.constexpr = 3,
+    FREE_Q: gl.constexpr = 2,
 ):
     """Consumer ``CONSUMER``'s partition: its tiles one after another (persistent), or its
     program's one tile; ``run`` holds the kernel's runtime values (``attn_fwd_sm90_kernel``)."""
     (
-        o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, LSE,
-        ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh,
-        num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left,
-        window_right, softcap, total_q, total_k,
+        o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+        turn, o_free, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh, stride_ab,
+        stride_ot, stride_oh, num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors,
+        qk_scale, window_left, window_right, softcap, total_q, total_k,
     ) = run  # fmt: skip
     if (PINGPONG == 2) and (CONSUMER == 0):
         # Consumer 0 holds the first turn: its own half of the barrier's first phase.
@@ -482,13 +515,13 @@ def _consumer(
             w = snake(wave, pid, grid)
             if w < n_work:
                 n = _consumer_tile(
-                    o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                    kv_empty, turn, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, w, wave, kv, turns,
-                    stride_lb, stride_lh, stride_ab, stride_ot, stride_oh, num_heads, seqlen_q,
-                    seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right, softcap,
-                    total_q, total_k, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M,
-                    BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                    RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED,
+                    o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready,
+                    kv_empty, turn, o_free, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, w, wave, kv,
+                    turns, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh, num_heads,
+                    seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right,
+                    softcap, total_q, total_k, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM,
+                    BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                    HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q,
                 )  # fmt: skip
                 kv += n
                 if n > 0:
@@ -496,13 +529,13 @@ def _consumer(
         tma.store_wait(0)  # the last tile's O read out of shared memory before the CTA ends
     else:
         _consumer_tile(
-            o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn,
-            LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, gl.program_id(0), 0, 0, 0, stride_lb, stride_lh,
-            stride_ab, stride_ot, stride_oh, num_heads, seqlen_q, seqlen_k, lpt_heads, divisors,
-            qk_scale, window_left, window_right, softcap, total_q, total_k, CONSUMER,
-            NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
+            o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+            turn, o_free, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, gl.program_id(0), 0, 0, 0,
+            stride_lb, stride_lh, stride_ab, stride_ot, stride_oh, num_heads, seqlen_q, seqlen_k,
+            lpt_heads, divisors, qk_scale, window_left, window_right, softcap, total_q, total_k,
+            CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
             HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT, VARLEN,
-            PAGED,
+            PAGED, Q_BUFS, FREE_Q,
         )  # fmt: skip
 
 
@@ -561,6 +594,8 @@ def attn_fwd_sm90_kernel(
     PERSISTENT: gl.constexpr = False,
     VARLEN: gl.constexpr = False,
     PAGED: gl.constexpr = False,
+    Q_BUFS: gl.constexpr = 3,
+    FREE_Q: gl.constexpr = 2,
 ):
     BLOCK_M: gl.constexpr = ROWS * NUM_CONSUMERS
     if VARLEN == 2:  # noqa: SIM102 (one condition would load WORK in every build)
@@ -568,8 +603,8 @@ def attn_fwd_sm90_kernel(
         # (-1) there is nothing to do.
         if gl.load(WORK + 2 + 2 * gl.program_id(0)) < 0:
             return
-    # Persistent: Q_BUFFERS per consumer, so that the next tile's Q lands during this one.
-    Q_SLOTS: gl.constexpr = NUM_CONSUMERS * (Q_BUFFERS if PERSISTENT else 1)
+    # Persistent: Q_BUFS per consumer, so that the next tile's Q lands during this one.
+    Q_SLOTS: gl.constexpr = NUM_CONSUMERS * (Q_BUFS if PERSISTENT else 1)
     dtype: gl.constexpr = q_desc.dtype
     # Buffers are [slots, 1, 1, rows, D]: one 4-D TMA block per slot (Gluon 3.6 has no starred
     # list in a kernel, hence the concatenation).
@@ -606,6 +641,17 @@ def attn_fwd_sm90_kernel(
             mbarrier.init(q_empty.index(c), count=1)
     else:
         q_empty = q_ready  # never touched
+    if PERSISTENT and (Q_BUFS == 1):
+        # One Q buffer a consumer: O leaves through one O tile of the CTA instead of the Q
+        # slot, the consumers' uses in turn (o_free completes once per use; the first passes).
+        o_shape: gl.constexpr = [1] + o_desc.block_type.shape  # noqa: RUF005
+        o_smem = gl.allocate_shared_memory(dtype, o_shape, o_desc.layout)
+        o_free = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(o_free.index(0), count=1)
+        mbarrier.arrive(o_free.index(0), count=1)
+    else:
+        o_smem = q_smem  # never touched
+        o_free = q_ready
     if VARLEN:
         # The producer's own barrier for bounded V loads (fwd_load._load_v_bounded).
         fix_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -628,10 +674,10 @@ def attn_fwd_sm90_kernel(
     # out inline in each partition's argument tuple, because a tuple that holds constexprs in a
     # variable inside the kernel turns them into tensors (Triton 3.6).
     run = (
-        o_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, kv_empty, turn, LSE,
-        ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh,
-        num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left,
-        window_right, softcap, total_q, total_k,
+        o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
+        turn, o_free, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh, stride_ab,
+        stride_ot, stride_oh, num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors,
+        qk_scale, window_left, window_right, softcap, total_q, total_k,
     )  # fmt: skip
     loads = (
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
@@ -646,9 +692,9 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED)),
+                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
             ],
             [1],
             [24],
@@ -658,12 +704,12 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED)),
+                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
@@ -673,15 +719,15 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
                 (_consumer, (run, 2, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED)),
+                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, 24],

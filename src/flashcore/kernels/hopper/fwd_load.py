@@ -10,7 +10,6 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from flashcore.kernels.hopper.common import (
-    Q_BUFFERS,
     ROWS,
     kv_tile_range,
     opaque,
@@ -125,6 +124,7 @@ def _producer_tile(
     PERSISTENT: gl.constexpr,
     VARLEN: gl.constexpr,
     PAGED: gl.constexpr,
+    Q_BUFS: gl.constexpr,
 ):
     """Loads of work item ``w``, this program's tile number ``it``, whose K/V tiles take ring
     entries ``kv0, kv0 + 1, ...``, after ``n_fix`` bounded V loads (``_fix_v``); returns how
@@ -153,12 +153,12 @@ def _producer_tile(
     n_fix = gl.to_tensor(n_fix)  # the flat grid passes 0
     n_tiles = gl.cdiv(hi - lo, BLOCK_N)  # hi >= lo: 0 for a tile that sees no key
     if PERSISTENT:
-        # Q buffer it % Q_BUFFERS, once its consumer has stored the O of tile it - Q_BUFFERS
-        # from it. A tile with no key completes q_ready without a load, so that every tile
-        # takes one phase.
+        # Q buffer it % Q_BUFS, once its consumer has stored the O of tile it - Q_BUFS from it
+        # (with one buffer: once its last Q K^T of the previous tile has completed). A tile
+        # with no key completes q_ready without a load, so that every tile takes one phase.
         for c in gl.static_range(NUM_CONSUMERS):
-            qi = (it % Q_BUFFERS) * NUM_CONSUMERS + c
-            mbarrier.wait(q_empty.index(qi), ((it // Q_BUFFERS) & 1) ^ 1)
+            qi = (it % Q_BUFS) * NUM_CONSUMERS + c
+            mbarrier.wait(q_empty.index(qi), ((it // Q_BUFS) & 1) ^ 1)
             bar = q_ready.index(qi)
             if hi > lo:
                 _load(
@@ -235,6 +235,7 @@ def producer(
     PERSISTENT: gl.constexpr,
     VARLEN: gl.constexpr,
     PAGED: gl.constexpr = False,
+    Q_BUFS: gl.constexpr = 3,
 ):
     """The producer warp's partition; ``run`` holds the kernel's runtime values it needs
     (``kernels/hopper/fwd.py: attn_fwd_sm90_kernel``)."""
@@ -265,6 +266,7 @@ def producer(
                     kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right,
                     total_q, total_k, BLOCK_TABLE, stride_btb, block_size, BLOCK_M, BLOCK_N,
                     NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT, VARLEN, PAGED,
+                    Q_BUFS,
                 )  # fmt: skip
                 kv += n
     else:
@@ -273,5 +275,5 @@ def producer(
             kv_empty, fix_bar, CU_Q, CU_K, WORK, gl.program_id(0), 0, 0, 0, num_heads, kv_group,
             seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right, total_q, total_k,
             BLOCK_TABLE, stride_btb, block_size, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-            IS_CAUSAL, HAS_WINDOW, PERSISTENT, VARLEN, PAGED,
+            IS_CAUSAL, HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS,
         )  # fmt: skip
