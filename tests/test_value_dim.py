@@ -192,7 +192,8 @@ def test_value_dim_gpu_mla_varlen(dtype):
 def test_mla_forward_schedule(monkeypatch):
     """The Hopper forward's schedule at MLA's head dims (measured on the H200): causal on the
     persistent grid with one Q buffer a consumer, non-causal flat, causal with softcap or ALiBi
-    flat (their persistent builds spilled); and "auto" takes the tier from 512 queries and keys."""
+    flat (their persistent builds spilled); and "auto" takes the tier from 512 queries and keys
+    and, eagerly, 2e10 FLOPs."""
     from flashcore import tuning
     from flashcore.ops import fwd_sm90
 
@@ -212,8 +213,11 @@ def test_mla_forward_schedule(monkeypatch):
     for extra in ({"softcap": 30.0}, {"alibi": True}):
         assert not fwd_sm90.plan(q, q, v, lse, **{**options, **extra}).meta["PERSISTENT"]
     assert fwd_sm90.plan(q[..., :128], q[..., :128], v, lse, **options).meta["Q_BUFS"] == 3
-    flops = 2 * 16 * 16 * 512 * 512 * (192 + 128)
-    assert tuning.sm90_forward(512, 512, 192, flops)
+    # Eagerly from 2e10 FLOPs (4 B H Sq Sk D, halved causal), not the other head dims' 3e10.
+    flops = 4 * 16 * 16 * 512 * 512 * 192 / 2
+    assert tuning.sm90_forward(512, 512, 192, flops, causal=True)
+    assert not tuning.sm90_forward(512, 512, 128, flops, causal=True)
+    assert not tuning.sm90_forward(512, 512, 192, flops / 2, causal=True)
     assert not tuning.sm90_forward(256, 256, 192, flops)
 
 

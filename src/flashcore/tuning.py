@@ -377,6 +377,14 @@ SM90_FWD_MIN_SEQLEN_D64 = 512
 # SDPA; from 512 on (H200, bf16, 16k tokens of 16 heads, three rounds, with the persistent causal
 # grid) 1.72-1.83x non-causal and 1.74-1.96x causal, level with or ahead of SDPA (0.99-1.18x).
 SM90_FWD_MIN_SEQLEN_MLA = 512
+# Eagerly, the MLA head dims take the Hopper forward from fewer FLOPs than SM90_FWD_MIN_FLOPS: the
+# portable forward runs them at about half the rate, so its kernel outlasts the Hopper tier's
+# extra host cost sooner. H200, bf16, 16 heads, wall time per eager call (loops of 200 calls, one
+# synchronise; us, portable / Hopper / SDPA; FLOPs as counted here): (16, 16, 512) causal, 2.6e10,
+# 122 / 68 / 72; (8, 16, 512) 2.6e10, 86 / 72 / 51; (2, 16, 1024) 2.6e10, 74 / 70 / 41; at 1.3e10
+# 69 / 67 / 42, 54 / 67 / 26 and 66 / 69 / 39; below it the portable tier's host floor (52-55
+# against 65-70) wins.
+SM90_FWD_MIN_FLOPS_MLA = 2e10
 # Head dim 256 (ops/fwd_sm90.py: WIDE_HEAD_DIMS, 64-key tiles, flat): timed at 1024, 4096 and
 # 16384 (H100, bf16, two runs, 32k tokens, scripts/hopper_fwd.py bench --head-dims 256): 1.25-1.33x
 # the portable forward non-causal (0.98-1.13x cuDNN), 1.13-1.24x causal (0.92-0.99x cuDNN).
@@ -445,7 +453,7 @@ def sm90_forward(
     if graph:
         min_flops = SM90_FWD_MIN_FLOPS_GRAPH_D64 if head_dim == 64 else SM90_FWD_MIN_FLOPS_GRAPH
     else:
-        min_flops = SM90_FWD_MIN_FLOPS
+        min_flops = SM90_FWD_MIN_FLOPS_MLA if head_dim == 192 else SM90_FWD_MIN_FLOPS
     if flops < min_flops:
         return False
     shortest = min(seqlen_q, seqlen_k)
