@@ -95,8 +95,10 @@ MLA_CASES_SM90 = [
     (MaskCase(Case(2, 16, 16, 1024, 1024, 192), causal=True), "bshd", False),
     (MaskCase(Case(1, 8, 2, 777, 2049, 192)), "bhsd", False),
     (MaskCase(Case(2, 4, 1, 700, 300, 192), causal=True), "bhsd", True),
-    # Programs of the persistent grid with several tiles, some of them seeing no key.
+    # Programs of the persistent grid with several tiles, some of them seeing no key; and that
+    # grid with a window (and sinks), whose tiles' key ranges start past key 0.
     (MaskCase(Case(4, 16, 4, 1000, 300, 192), causal=True), "bhsd", False),
+    (MaskCase(Case(2, 8, 2, 900, 1100, 192), causal=True, window=(300, 0)), "bshd", True),
     (MaskCase(Case(1, 4, 4, 513, 513, 192), window=(100, 20), softcap=30.0), "bhsd", False),
     (MaskCase(Case(1, 4, 2, 390, 600, 192), alibi="bh"), "bshd", True),
 ]
@@ -155,6 +157,35 @@ def test_value_dim_gpu_sm90_tier(causal, layout, monkeypatch):
     q, k, v = make_qkv_dv(Case(2, 4, 1, 300, 517, 192), 128, torch.float16, "cuda", layout)
     with flashcore.use_tier("sm90"):
         check_case(q, k, v, {"causal": causal})
+
+
+@pytest.mark.gpu
+def test_value_dim_gpu_sm90_graph():
+    """A causal MLA forward (the persistent grid, one Q buffer a consumer) captured in a CUDA
+    graph: a replay gives the eager call's bits, and again with new queries copied in."""
+    from helpers import require_sm90
+
+    require_sm90()
+    q, k, v = make_qkv_dv(Case(2, 8, 2, 1000, 1000, 192), 128, torch.bfloat16, "cuda")
+    with flashcore.use_tier("sm90"):
+        eager = flashcore.attention(q, k, v, causal=True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            flashcore.attention(q, k, v, causal=True)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = flashcore.attention(q, k, v, causal=True)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        again = flashcore.attention(q, k, v, causal=True)
+        torch.cuda.synchronize()
+        assert torch.equal(out, again)
+        assert not torch.equal(again, eager)
 
 
 def test_value_dim_layout_and_sinks(device):
