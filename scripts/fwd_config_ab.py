@@ -2,15 +2,18 @@
 
     PYTHONPATH=src python scripts/fwd_config_ab.py [--rounds 3] [--cases 1024:full,2048:causal]
     PYTHONPATH=src python scripts/fwd_config_ab.py --mla [--cases 4096:causal,8192:full]
+    PYTHONPATH=src python scripts/fwd_config_ab.py --d256 [--cases 2048:causal,4096:full]
 
 Each config of ``ops/fwd_sm90.py`` that D = 64 can take (two consumers persistent or flat, three
 consumers persistent or flat, one consumer with two or three CTAs an SM, two consumers with
 64-key tiles) and the launcher's own choice ("auto") run through ``flashcore.attention`` under
 ``use_tier("sm90")`` (``pick_config`` replaced, the kept plans dropped at each switch), beside
 cuDNN; bf16, the FA sweep's batch (16k tokens, 32 heads). ``--mla``: head dims (192, 128), 8k
-tokens of 16 heads (issue 19's shapes), the configs D = 192 can take (flat 128-key tiles,
-64-key tiles with three or four slots flat or two persistent), beside SDPA's own pick for unequal
-head dims. A config that fails to launch or whose
+tokens of 16 heads (issue 19's shapes), the configs D = 192 can take (128-key tiles flat or
+persistent with one Q buffer a consumer, its Q freed at the last ``Q K^T`` or before the last
+``P V``; 64-key tiles with three slots flat or two persistent), beside SDPA's own pick for unequal
+head dims. ``--d256``: head dim 256, 8k tokens of 16 heads, flat or persistent with one Q buffer.
+A config that fails to launch or whose
 output is off cuDNN's by more than 2e-2 is reported and left out. Rotated rounds of ``do_bench``,
 medians; prints TFLOP/s (``4 B H S^2 D``, halved causal) and the fastest config.
 """
