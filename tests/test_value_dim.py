@@ -244,6 +244,12 @@ def test_mla_forward_schedule(monkeypatch):
     for extra in ({"softcap": 30.0}, {"alibi": True}):
         assert not fwd_sm90.plan(q, q, v, lse, **{**options, **extra}).meta["PERSISTENT"]
     assert fwd_sm90.plan(q[..., :128], q[..., :128], v, lse, **options).meta["Q_BUFS"] == 3
+    # Head dim 256: the same, causal up to 2048 keys only (flat from 4096 measured faster).
+    wide = torch.empty(2, 16, 2048, 256, dtype=torch.bfloat16)
+    short = fwd_sm90.plan(wide, wide, wide, lse[..., :2048], **options)
+    assert short.meta["PERSISTENT"] and short.meta["Q_BUFS"] == 1
+    wide = torch.empty(1, 16, 4096, 256, dtype=torch.bfloat16)
+    assert not fwd_sm90.plan(wide, wide, wide, lse[:1], **options).meta["PERSISTENT"]
     # Eagerly from 2e10 FLOPs (4 B H Sq Sk D, halved causal), not the other head dims' 3e10.
     flops = 4 * 16 * 16 * 512 * 512 * 192 / 2
     assert tuning.sm90_forward(512, 512, 192, flops, causal=True)

@@ -155,9 +155,13 @@ CONFIGS = {
     # 594 / 620, 8192 644 / 647, 16384 661 / 679; non-causal 4096 689 / 673, 8192 704 / 681. So
     # causal runs persistent and non-causal flat (``plan``).
     192: Sm90Config(2, 128, 2, 240, 168, q_buffers=1),
-    # D=256: 64-key tiles (Q 2 x 32 KB, K and V 2 x 32 KB each: 192 KB), flat only; the O
-    # accumulator alone takes 128 registers a thread.
-    256: Sm90Config(2, 64, 2, 240, 168, persistent=False),
+    # D=256: 64-key tiles (Q 2 x 32 KB, K and V 2 x 32 KB each: 192 KB; the O accumulator alone
+    # takes 128 registers a thread), persistent with one Q buffer a consumer and a 32 KB O tile
+    # (224 KB) where that measured faster: causal up to 2048 keys (``use_persistent``). H200,
+    # bf16, 8k tokens of 16 heads, three rotated rounds (scripts/fwd_config_ab.py --d256), two
+    # calls, TFLOP/s flat / persistent: causal 1024 471 / 488, 470 / 481; 2048 564 / 574, 565 /
+    # 589; 4096 645 / 642; 8192 703 / 681; 16384 717 / 699; non-causal 4096 716 / 684.
+    256: Sm90Config(2, 64, 2, 240, 168, q_buffers=1),
 }
 # D=64, long sequences: 3 x 64 query rows (13 warps at 128 registers at entry, 160 + 160 + 168
 # for the consumers and 24 for the producer after setmaxnreg; 123 KB of shared memory). At
@@ -727,9 +731,13 @@ def plan(
     n_work = -(-seqlen_q // block_m) * batch * heads
     persistent = cfg.persistent
     if persistent is None and cfg.q_buffers == 1:
-        # One Q buffer a consumer (the MLA head dims): causal only, without softcap or ALiBi
-        # (their builds spilled 40-140 B, against 8 B flat); see CONFIGS.
-        persistent = causal and softcap <= 0 and not alibi
+        # One Q buffer a consumer (head dims 192 and 256): causal only, without softcap or
+        # ALiBi (their builds spilled 40-140 B, against 8 B flat) and without a block table
+        # (head dim 256 spilled 8 B with pages shorter than the key tile); see CONFIGS.
+        persistent = (
+            causal and softcap <= 0 and not alibi and block_table is None
+            and (head_dim == 192 or use_persistent(seqlen_k, head_dim, causal, cfg.block_n))
+        )  # fmt: skip
     elif persistent is None:
         persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
     if config is None and spread and cfg.num_consumers > 1:

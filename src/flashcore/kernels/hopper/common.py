@@ -202,11 +202,22 @@ def opaque(x):
 
 
 @gluon.jit
+def opaque_f32(x):
+    """``opaque`` for an fp32 scalar: the persistent builds with one Q buffer a consumer read
+    ``qk_scale`` through it (two constants of the lazy rescale computed from it were hoisted into
+    the entry block and spilled at head dim 256)."""
+    return gl.inline_asm_elementwise(
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1
+    )
+
+
+@gluon.jit
 def programs(pid, VARLEN: gl.constexpr):
     """``gl.num_programs(0)`` for a persistent partition; with VARLEN read by a side-effecting
     ``mov`` (``pid`` only orders it). LLVM (Triton 3.6) merges the partitions' reads of
     ``%nctaid.x`` into one in the entry block, before ``setmaxnreg``, and in the VARLEN builds,
-    whose partitions hold a few more values, ptxas spilled it (24-28 B at D = 128)."""
+    whose partitions hold a few more values, ptxas spilled it (24-28 B at D = 128); the callers
+    pass VARLEN on for the builds with one Q buffer a consumer too (head dim 256 spilled it)."""
     if VARLEN:
         n = gl.inline_asm_elementwise(
             "mov.u32 $0, %nctaid.x;", "=r,r", [pid], dtype=gl.int32, is_pure=False, pack=1

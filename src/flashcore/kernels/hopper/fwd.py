@@ -118,8 +118,9 @@ the K/V ring, and per Q slot a
   (about 650 clocks a tile with two buffers); the last store is waited for after the loop. A
   plain ``gl.store`` from the accumulator layout would drop the copy engine's clipping at Sq and
   need O's pointer and strides.
-- One Q buffer a consumer (``Q_BUFS == 1``: the MLA head dims, whose two Q slots, K/V ring and a
-  16 KB O tile take 224 KB): O leaves through one O tile of the CTA (``o_smem``), not the Q slot,
+- One Q buffer a consumer (``Q_BUFS == 1``: head dims 192 and 256, whose two Q slots, K/V ring
+  and a 16 or 32 KB O tile take 224 KB): O leaves through one O tile of the CTA (``o_smem``), not
+  the Q slot,
   and the Q slot is freed as soon as the consumer's last ``Q K^T`` of the tile has completed
   (``FREE_Q`` 2, inside ``fwd_steps._steps``; 1 frees it before the last ``P V``), so the
   producer loads the next tile's Q while the last softmax, ``P V`` and the epilogue run (a
@@ -128,7 +129,11 @@ the K/V ring, and per Q slot a
   arrive at the start completes phase 0), writes O, stores it, waits for the copy engine's read
   (``wait_group.read 0``) and arrives; uses alternate between the consumers, each tile's in
   consumer order, so no use can pass a phase its predecessor has not completed. The producer's
-  ``q_empty`` waits are the three-buffer ones with ``Q_BUFS`` for 3.
+  ``q_empty`` waits are the three-buffer ones with ``Q_BUFS`` for 3. The consumers walk their
+  items in a while loop that stops at the first past the work count (a program's items rise wave
+  by wave; the producer's for loop visits the same ones), and read the grid size and
+  ``qk_scale`` through side-effecting ``mov``s: otherwise the wave count, ``%nctaid.x`` and two
+  constants of the lazy rescale were spilled at head dim 256.
 
 Key tiles. ``kv_tile_range`` (the same split as ``kernels/common.py``) gives the tiles the CTA's
 rows can see, ``[lo, hi)``, and the ones every row sees entirely, ``[full_lo, full_hi)``; all
@@ -213,6 +218,7 @@ from flashcore.kernels.hopper.common import (
     ROWS,
     kv_tile_range,
     opaque,
+    opaque_f32,
     programs,
     row_total,
     sequence,
@@ -499,9 +505,12 @@ def _consumer(
     if (PINGPONG == 2) and (CONSUMER == 0):
         # Consumer 0 holds the first turn: its own half of the barrier's first phase.
         turn_pass(turn, 0, 0, PINGPONG)
+    if PERSISTENT and (Q_BUFS == 1):
+        # Out of the entry block (``common.opaque_f32``); so is the grid size (``programs``).
+        qk_scale = opaque_f32(qk_scale)
     if PERSISTENT:
         pid = gl.program_id(0)
-        grid = programs(pid, VARLEN)
+        grid = programs(pid, VARLEN or (Q_BUFS == 1))
         seqlen_q = opaque(seqlen_q)
         seqlen_k = opaque(seqlen_k)
         num_heads = opaque(num_heads)
@@ -511,9 +520,13 @@ def _consumer(
         n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(batch) * num_heads
         kv = 0
         turns = 0
-        for wave in range(gl.cdiv(n_work, grid)):
-            w = snake(wave, pid, grid)
-            if w < n_work:
+        if Q_BUFS == 1:
+            # A while loop over the program's work items (each wave's item is past the
+            # previous one's, so the first past n_work ends it): the for loop's wave count,
+            # live beside n_work across the tiles, spilled at head dim 256.
+            wave = 0
+            w = pid
+            while w < n_work:
                 n = _consumer_tile(
                     o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready,
                     kv_empty, turn, o_free, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, w, wave, kv,
@@ -526,6 +539,25 @@ def _consumer(
                 kv += n
                 if n > 0:
                     turns += n + 1
+                wave += 1
+                w = snake(wave, pid, grid)
+        else:
+            for wave in range(gl.cdiv(n_work, grid)):
+                w = snake(wave, pid, grid)
+                if w < n_work:
+                    n = _consumer_tile(
+                        o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready,
+                        v_ready, kv_empty, turn, o_free, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK,
+                        w, wave, kv, turns, stride_lb, stride_lh, stride_ab, stride_ot, stride_oh,
+                        num_heads, seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left,
+                        window_right, softcap, total_q, total_k, CONSUMER, NUM_CONSUMERS,
+                        PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                        SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED,
+                        Q_BUFS, FREE_Q,
+                    )  # fmt: skip
+                    kv += n
+                    if n > 0:
+                        turns += n + 1
         tma.store_wait(0)  # the last tile's O read out of shared memory before the CTA ends
     else:
         _consumer_tile(

@@ -248,7 +248,7 @@ def producer(
     ) = run  # fmt: skip
     if PERSISTENT:
         pid = gl.program_id(0)
-        grid = programs(pid, VARLEN)
+        grid = programs(pid, VARLEN or (Q_BUFS == 1))
         seqlen_q = opaque(seqlen_q)
         seqlen_k = opaque(seqlen_k)
         num_heads = opaque(num_heads)
