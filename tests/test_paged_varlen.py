@@ -229,8 +229,8 @@ SM90_PAGED = {
     ),
     "bs64-alibi": ((250, 77), (640, 1000), 4, 2, 128, 128, 64, {"alibi": True}),
     "bs16-mla": ((300, 45), (800, 333), 4, 2, 192, 128, 16, {"causal": True}),
-    # Equal lengths (causal MLA): with a block table the flat grid, not the persistent one that
-    # the same batch packed dense takes (one Q buffer a consumer; fwd_sm90.plan).
+    # Equal lengths (causal MLA): the flat grid (the persistent one with one Q buffer a consumer
+    # takes dense problems only; fwd_sm90.plan).
     "bs64-mla-even": ((500, 500), (900, 900), 4, 2, 192, 128, 64, {"causal": True}),
     # Head dim 256 (64-key tiles: 16-key pages four a tile, 256-key pages four tiles each) and a
     # head dim the tier pads to 128 (96: the boxes' columns past it are the copy engine's zeros).

@@ -227,6 +227,7 @@ def test_mla_forward_schedule(monkeypatch):
     and, eagerly, 2e10 FLOPs."""
     from flashcore import tuning
     from flashcore.ops import fwd_sm90
+    from flashcore.ops.problem import Varlen
 
     monkeypatch.setattr(fwd_sm90, "num_sms", lambda index: 132)
     q = torch.empty(2, 16, 4096, 192, dtype=torch.bfloat16)
@@ -244,6 +245,14 @@ def test_mla_forward_schedule(monkeypatch):
     for extra in ({"softcap": 30.0}, {"alibi": True}):
         assert not fwd_sm90.plan(q, q, v, lse, **{**options, **extra}).meta["PERSISTENT"]
     assert fwd_sm90.plan(q[..., :128], q[..., :128], v, lse, **options).meta["Q_BUFS"] == 3
+    # Packed batches (of equal lengths here) run flat with these builds.
+    packed = q.transpose(1, 2).reshape(-1, 16, 192)
+    varlen = Varlen(torch.tensor([0, 4096, 8192]), torch.tensor([0, 4096, 8192]), 4096, 4096)
+    flat = fwd_sm90.plan(
+        packed, packed, v.transpose(1, 2).reshape(-1, 16, 128), lse.reshape(16, -1), **options,
+        varlen=varlen, out_strides=(16 * 128, 128),
+    )  # fmt: skip
+    assert not flat.meta["PERSISTENT"] and flat.meta["VARLEN"]
     # Head dim 256: the same, causal up to 2048 keys only (flat from 4096 measured faster).
     wide = torch.empty(2, 16, 2048, 256, dtype=torch.bfloat16)
     short = fwd_sm90.plan(wide, wide, wide, lse[..., :2048], **options)

@@ -161,8 +161,8 @@ VARLEN_SM90 = [
     # Head dims 256, MLA's (192, 128) and a padded 80 (O's columns past 80 never written).
     (VarlenCase(4, 2, (300, 77, 700), (517, 64, 700), 256), 256, {"causal": True}),
     (VarlenCase(4, 4, (300, 77, 700), (517, 64, 700), 192), 128, {"causal": True}),
-    # ... at equal lengths: causal MLA on the persistent grid with one Q buffer a consumer, its
-    # O tile also the source of the row-masked stores at each sequence's end.
+    # ... at equal lengths (packed, the flat grid: the persistent one with one Q buffer a
+    # consumer takes dense problems only; fwd_sm90.plan).
     (VarlenCase(4, 4, (700, 700, 700), (900, 900, 900), 192), 128, {"causal": True}),
     (VarlenCase(4, 2, (300, 77, 700), (517, 64, 700), 80), 80, {}),
     # Window, softcap, ALiBi (per-sequence slopes) and sinks.

@@ -732,10 +732,11 @@ def plan(
     persistent = cfg.persistent
     if persistent is None and cfg.q_buffers == 1:
         # One Q buffer a consumer (head dims 192 and 256): causal only, without softcap or
-        # ALiBi (their builds spilled 40-140 B, against 8 B flat) and without a block table
-        # (head dim 256 spilled 8 B with pages shorter than the key tile); see CONFIGS.
+        # ALiBi (their builds spilled 40-140 B, against 8 B flat), and dense problems only (head
+        # dim 256 spilled 8 B with pages shorter than the key tile; packed batches of equal
+        # lengths ran on the GPU only before the consumers' while loop); see CONFIGS.
         persistent = (
-            causal and softcap <= 0 and not alibi and block_table is None
+            causal and softcap <= 0 and not alibi and varlen is None
             and (head_dim == 192 or use_persistent(seqlen_k, head_dim, causal, cfg.block_n))
         )  # fmt: skip
     elif persistent is None:
