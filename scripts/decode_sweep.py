@@ -68,8 +68,11 @@ def main() -> None:
         k_cache, v_cache = k, v
         if paged:
             k_cache, v_cache, extra["block_table"] = to_paged(k, v, args.page_size)
-        auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device, paged=paged)
-        dense_auto = decode.choose_num_splits(b, hkv, s, d, 2, q.device)
+        # The launcher's own split counts (its plan), for the paged cache and the dense one.
+        options = (False, d**-0.5, -1, -1, 0.0, 0, False)
+        auto = decode._plan(q, k_cache, v_cache, extra.get("block_table"), None, options)
+        auto = auto.num_splits
+        dense_auto = decode._plan(q, k, v, None, None, options).num_splits
         default = tuned_config(d, 2, interpreted=False, capacity=s, paged=paged)
         rows = []
         splits_grid = sorted(

@@ -10,12 +10,11 @@ consumers persistent or flat, one consumer with two or three CTAs an SM, two con
 ``use_tier("sm90")`` (``pick_config`` replaced, the kept plans dropped at each switch), beside
 cuDNN; bf16, the FA sweep's batch (16k tokens, 32 heads). ``--mla``: head dims (192, 128), 8k
 tokens of 16 heads (issue 19's shapes), the configs D = 192 can take (128-key tiles flat or
-persistent with one Q buffer a consumer, its Q freed at the last ``Q K^T`` or before the last
-``P V``; 64-key tiles with three slots flat or two persistent), beside SDPA's own pick for unequal
-head dims. ``--d256``: head dim 256, 8k tokens of 16 heads, flat or persistent with one Q buffer.
-A config that fails to launch or whose
-output is off cuDNN's by more than 2e-2 is reported and left out. Rotated rounds of ``do_bench``,
-medians; prints TFLOP/s (``4 B H S^2 D``, halved causal) and the fastest config.
+persistent with one Q buffer a consumer; 64-key tiles with three slots flat or two persistent),
+beside SDPA's own pick for unequal head dims. ``--d256``: head dim 256, 8k tokens of 16 heads,
+flat or persistent with one Q buffer. A config that fails to launch or whose output is off
+cuDNN's by more than 2e-2 is reported and left out. Rotated rounds of ``do_bench``, medians;
+prints TFLOP/s (``4 B H S^2 D``, halved causal) and the fastest config.
 """
 
 import argparse
@@ -46,8 +45,7 @@ MLA = sm90.CONFIGS[192]
 MLA_CONFIGS = {
     "auto": None,
     "n128-f": MLA._replace(persistent=False),
-    "n128-p1": MLA._replace(persistent=True, q_buffers=1, free_q=2),
-    "n128-p1late": MLA._replace(persistent=True, q_buffers=1, free_q=1),
+    "n128-p1": MLA._replace(persistent=True, q_buffers=1),
     "n64s3-f": MLA._replace(block_n=64, num_stages=3, persistent=False),
     "n64s2-p": MLA._replace(block_n=64, num_stages=2, persistent=True, q_buffers=3),
 }
@@ -55,7 +53,7 @@ D256 = sm90.CONFIGS[256]
 D256_CONFIGS = {
     "auto": None,
     "n64-f": D256._replace(persistent=False),
-    "n64-p1": D256._replace(persistent=True, q_buffers=1, free_q=2),
+    "n64-p1": D256._replace(persistent=True, q_buffers=1),
 }
 
 

@@ -164,7 +164,7 @@ def compile_variant(variant) -> dict:
         HAS_ALIBI=flags["alibi"], HAS_SINKS=flags.get("sinks", False),
         RAW_MAX=flags["raw_max"], EVEN_N=flags["even_n"],
         PERSISTENT=flags.get("persistent", False), VARLEN=flags.get("varlen", False),
-        PAGED="paged" in flags, Q_BUFS=flags.get("q_buffers", 3), FREE_Q=flags.get("free_q", 2),
+        PAGED="paged" in flags, Q_BUFS=flags.get("q_buffers", 3),
     )  # fmt: skip
     fn = fwd.attn_fwd_sm90_kernel
     for name in fn.arg_names:

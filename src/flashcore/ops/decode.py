@@ -35,29 +35,6 @@ def kernels() -> tuple[Launcher, Launcher]:
     )
 
 
-def choose_num_splits(
-    batch: int,
-    kv_heads: int,
-    capacity: int,
-    head_dim: int,
-    elem_size: int,
-    device: torch.device,
-    *,
-    paged: bool = False,
-    rows: int = 16,
-) -> int:
-    """The split count ``num_splits=None`` resolves to (see ``tuning.decode_num_splits``);
-    ``batch`` counts row tiles too (a prefill chunk of several), ``rows`` is a tile's."""
-    cfg = decode_config(
-        head_dim, elem_size, interpreted=runtime.is_interpreted(), paged=paged, rows=rows,
-        capacity=capacity,
-    )  # fmt: skip
-    return decode_num_splits(
-        batch * kv_heads, capacity, cfg.block_n, _sms(device), paged=paged,
-        head_dim=head_block(head_dim),
-    )  # fmt: skip
-
-
 def _sms(device: torch.device) -> int:
     """The SM count the split count aims at (a fixed small count under the interpreter)."""
     if runtime.is_interpreted() or device.type != "cuda":

@@ -127,8 +127,7 @@ class Sm90Config(NamedTuple):
     per tile (False), or the launcher's choice by shape (None, ``use_persistent``).
     ``q_buffers``: Q buffers a consumer on the persistent grid (3: the next tiles' Q land during
     this one and O leaves through the Q slot; 1: O through one O tile of the CTA, the Q slot freed
-    at the last ``Q K^T``, where three do not fit); ``free_q`` where that one is freed (2: at
-    once, 1: before the last ``P V``)."""
+    at the last ``Q K^T``, where three do not fit)."""
 
     num_consumers: int
     block_n: int
@@ -139,7 +138,6 @@ class Sm90Config(NamedTuple):
     persistent: bool | None = None
     ctas_per_sm: int = 1
     q_buffers: int = 3
-    free_q: int = 2
 
 
 # D=128: 2 x 64 query rows, 128-key tiles, 2 slots (Q 32 KB + K/V 128 KB of shared memory);
@@ -790,7 +788,6 @@ def plan(
         "VARLEN": 0 if varlen is None else 2 if work is not None else 1,
         "PAGED": block_table is not None,
         "Q_BUFS": cfg.q_buffers,
-        "FREE_Q": cfg.free_q,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }

@@ -191,34 +191,27 @@ def work_item(
 
 @gluon.jit
 def opaque(x):
-    """``x`` (int32) through a side-effecting ``mov``, so that nothing computed from it leaves
-    its partition. Without it, in the persistent loops, LLVM's codegen (Triton 3.6) hoists what
-    the partitions compute alike from the arguments (``cdiv(Sq, BLOCK_M)``, ``B * H``, sign
-    fix-ups of the divisions) into the entry block, before ``setmaxnreg``, and ptxas spills each
-    such value live into a partition (24 B at D=128)."""
+    """``x`` (a 32-bit scalar, int32 or fp32) through a side-effecting ``mov``, so that nothing
+    computed from it leaves its partition. Without it, in the persistent loops, LLVM's codegen
+    (Triton 3.6) hoists what the partitions compute alike from the arguments (``cdiv(Sq,
+    BLOCK_M)``, ``B * H``, sign fix-ups of the divisions; with one Q buffer a consumer at head
+    dim 256, two constants of the lazy rescale from ``qk_scale``) into the entry block, before
+    ``setmaxnreg``, and ptxas spills each such value live into a partition (24 B at D=128).
+    An integer argument equal to 1 arrives as a constant (Triton's specialisation): an int32."""
+    x = gl.to_tensor(x)
     return gl.inline_asm_elementwise(
-        "mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1
+        "mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=1
     )
 
 
 @gluon.jit
-def opaque_f32(x):
-    """``opaque`` for an fp32 scalar: the persistent builds with one Q buffer a consumer read
-    ``qk_scale`` through it (two constants of the lazy rescale computed from it were hoisted into
-    the entry block and spilled at head dim 256)."""
-    return gl.inline_asm_elementwise(
-        "mov.b32 $0, $1;", "=r,r", [x], dtype=gl.float32, is_pure=False, pack=1
-    )
-
-
-@gluon.jit
-def programs(pid, VARLEN: gl.constexpr):
-    """``gl.num_programs(0)`` for a persistent partition; with VARLEN read by a side-effecting
+def programs(pid, OPAQUE: gl.constexpr):
+    """``gl.num_programs(0)`` for a persistent partition; with OPAQUE read by a side-effecting
     ``mov`` (``pid`` only orders it). LLVM (Triton 3.6) merges the partitions' reads of
-    ``%nctaid.x`` into one in the entry block, before ``setmaxnreg``, and in the VARLEN builds,
-    whose partitions hold a few more values, ptxas spilled it (24-28 B at D = 128); the callers
-    pass VARLEN on for the builds with one Q buffer a consumer too (head dim 256 spilled it)."""
-    if VARLEN:
+    ``%nctaid.x`` into one in the entry block, before ``setmaxnreg``, and in the builds whose
+    partitions hold a few more values ptxas spilled it (VARLEN: 24-28 B at D = 128; one Q buffer a
+    consumer at head dim 256), so those take OPAQUE."""
+    if OPAQUE:
         n = gl.inline_asm_elementwise(
             "mov.u32 $0, %nctaid.x;", "=r,r", [pid], dtype=gl.int32, is_pure=False, pack=1
         )

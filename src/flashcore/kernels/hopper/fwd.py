@@ -122,7 +122,7 @@ the K/V ring, and per Q slot a
   and a 16 or 32 KB O tile take 224 KB): O leaves through one O tile of the CTA (``o_smem``), not
   the Q slot,
   and the Q slot is freed as soon as the consumer's last ``Q K^T`` of the tile has completed
-  (``FREE_Q`` 2, inside ``fwd_steps._steps``; 1 frees it before the last ``P V``), so the
+  (``fwd_steps._steps``, FREE_Q), so the
   producer loads the next tile's Q while the last softmax, ``P V`` and the epilogue run (a
   consumer that computes no key tile frees it after its epilogue). The consumers take the O tile
   in turn: use ``u = wave * NUM_CONSUMERS + c`` waits ``o_free`` with parity ``u & 1`` (one
@@ -218,7 +218,6 @@ from flashcore.kernels.hopper.common import (
     ROWS,
     kv_tile_range,
     opaque,
-    opaque_f32,
     programs,
     row_total,
     sequence,
@@ -298,7 +297,6 @@ def _consumer_tile(
     VARLEN: gl.constexpr,
     PAGED: gl.constexpr,
     Q_BUFS: gl.constexpr,
-    FREE_Q: gl.constexpr,
 ):
     """This consumer's 64 rows of work item ``w`` (the program's tile number ``it``), from ring
     entry ``kv0`` and turn ``turn0`` on; returns the number of key tiles it took."""
@@ -359,7 +357,7 @@ def _consumer_tile(
         slope = 0.0
 
     # One Q buffer a consumer (persistent, Q_BUFS == 1): O leaves through the CTA's one O tile,
-    # taken in turn, and the Q slot is freed once the last Q K^T has completed (FREE_Q).
+    # taken in turn, and the Q slot is freed once the last Q K^T has completed (attend).
     SHARED_O: gl.constexpr = PERSISTENT and (Q_BUFS == 1)
     if PERSISTENT:
         qi = (it % Q_BUFS) * NUM_CONSUMERS + CONSUMER
@@ -396,7 +394,7 @@ def _consumer_tile(
             t0, t1, lo, full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left,
             window_right, softcap, slope, m_i, l_i, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM,
             BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
-            OWN_PV, q_empty.index(qi), FREE_Q if SHARED_O else 0,
+            OWN_PV, q_empty.index(qi), SHARED_O,
         )  # fmt: skip
 
     l_i = row_total(l_i, m_i)
@@ -492,7 +490,6 @@ def _consumer(
     VARLEN: gl.constexpr,
     PAGED: gl.constexpr = False,
     Q_BUFS: gl.constexpr = 3,
-    FREE_Q: gl.constexpr = 2,
 ):
     """Consumer ``CONSUMER``'s partition: its tiles one after another (persistent), or its
     program's one tile; ``run`` holds the kernel's runtime values (``attn_fwd_sm90_kernel``)."""
@@ -506,8 +503,8 @@ def _consumer(
         # Consumer 0 holds the first turn: its own half of the barrier's first phase.
         turn_pass(turn, 0, 0, PINGPONG)
     if PERSISTENT and (Q_BUFS == 1):
-        # Out of the entry block (``common.opaque_f32``); so is the grid size (``programs``).
-        qk_scale = opaque_f32(qk_scale)
+        # Out of the entry block (``common.opaque``); so is the grid size (``programs``).
+        qk_scale = opaque(qk_scale)
     if PERSISTENT:
         pid = gl.program_id(0)
         grid = programs(pid, VARLEN or (Q_BUFS == 1))
@@ -534,7 +531,7 @@ def _consumer(
                     seqlen_q, seqlen_k, lpt_heads, divisors, qk_scale, window_left, window_right,
                     softcap, total_q, total_k, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM,
                     BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q,
+                    HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS,
                 )  # fmt: skip
                 kv += n
                 if n > 0:
@@ -553,7 +550,7 @@ def _consumer(
                         window_right, softcap, total_q, total_k, CONSUMER, NUM_CONSUMERS,
                         PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
                         SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED,
-                        Q_BUFS, FREE_Q,
+                        Q_BUFS,
                     )  # fmt: skip
                     kv += n
                     if n > 0:
@@ -567,7 +564,7 @@ def _consumer(
             lpt_heads, divisors, qk_scale, window_left, window_right, softcap, total_q, total_k,
             CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, IS_CAUSAL,
             HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS, RAW_MAX, EVEN_N, PERSISTENT, VARLEN,
-            PAGED, Q_BUFS, FREE_Q,
+            PAGED, Q_BUFS,
         )  # fmt: skip
 
 
@@ -627,7 +624,6 @@ def attn_fwd_sm90_kernel(
     VARLEN: gl.constexpr = False,
     PAGED: gl.constexpr = False,
     Q_BUFS: gl.constexpr = 3,
-    FREE_Q: gl.constexpr = 2,
 ):
     BLOCK_M: gl.constexpr = ROWS * NUM_CONSUMERS
     if VARLEN == 2:  # noqa: SIM102 (one condition would load WORK in every build)
@@ -724,7 +720,7 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                             HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
             ],
@@ -736,10 +732,10 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                             HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
             ],
@@ -751,13 +747,13 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
                 (_consumer, (run, 2, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, FREE_Q)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
                             HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
             ],

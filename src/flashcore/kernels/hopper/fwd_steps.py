@@ -143,7 +143,7 @@ def attend(
     EVEN_N: gl.constexpr,
     OWN_PV: gl.constexpr = False,
     q_free=None,
-    FREE_Q: gl.constexpr = 0,
+    FREE_Q: gl.constexpr = False,
 ):
     """The key loop of one work tile (``n_tiles >= 1``): ring entries ``kv0 .. kv0 + n_tiles -
     1``, turns ``turn0 .. turn0 + n_tiles``, from the running max and sum ``(m_i, l_i)`` (a
@@ -151,8 +151,8 @@ def attend(
     tiles ``[t0, t1)`` (all of them with two consumers) and sits out the others (``_sit_out``):
     turn ``t`` for tile ``t < t0``, ``t + 1`` for tile ``t >= t1``, one more when it computes
     none. FREE_Q (one Q buffer a consumer, ``kernels/hopper/fwd.py``): this consumer arrives on
-    ``q_free`` once its last ``Q K^T`` has completed (2: at once; 1: before the last ``P V``),
-    where it computes a tile at all (the caller frees the slot otherwise)."""
+    ``q_free`` as soon as its last ``Q K^T`` has completed, where it computes a tile at all (the
+    caller frees the slot otherwise)."""
     HEAD_DIM_V: gl.constexpr = v_smem.shape[4]  # V's (and O's) head dim; HEAD_DIM is Q's and K's
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
@@ -271,7 +271,7 @@ def _steps(
     turn_pass(turn, turn0, NEXT, PINGPONG)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(kv_empty.index(kv0 % NUM_STAGES), count=1)  # K_0 read
-    if FREE_Q == 2:  # noqa: SIM102 (a constexpr branch around a runtime one)
+    if FREE_Q:  # noqa: SIM102 (a constexpr branch around a runtime one)
         if n_tiles == 1:
             mbarrier.arrive(q_free, count=1)  # the last Q K^T has completed
     s = tile_scores(
@@ -301,7 +301,7 @@ def _steps(
         s = warpgroup_mma_wait(1, deps=[s_tok])
         # K_t is read: the producer may load tile t + NUM_STAGES's K while V_{t-1} is in use.
         mbarrier.arrive(kv_empty.index(slot), count=1)
-        if FREE_Q == 2:  # noqa: SIM102
+        if FREE_Q:  # noqa: SIM102
             if t == n_tiles - 1:
                 mbarrier.arrive(q_free, count=1)  # the last Q K^T has completed
         s = tile_scores(
@@ -322,8 +322,6 @@ def _steps(
         if P_EARLY:
             p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    if FREE_Q == 1:
-        mbarrier.arrive(q_free, count=1)  # the last Q K^T completed in the loop
     # The last tile's P V.
     g = kv0 + n_tiles - 1
     last = g % NUM_STAGES
