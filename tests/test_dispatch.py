@@ -262,6 +262,36 @@ def test_launch_hit_calls_the_native_launcher(monkeypatch):
     assert hooked[6].get()["name"] == "attn_fwd_kernel"
 
 
+def test_planned_launch_finds_its_kernel_by_the_plan(monkeypatch):
+    """A ``planned`` launch (``ops.launch.Launcher``: ``meta`` a plan's own dict) reuses the
+    kernel of the plan's first aligned call by the dict's identity, and takes the full key again
+    for a misaligned tensor, other scalars or another dict. On the CPU, as the test above."""
+    import triton
+
+    from flashcore.ops import launch
+
+    if not triton.__version__.startswith(launch.DIRECT_TRITON):
+        pytest.skip("the direct launch is taken only on the Triton versions it was read from")
+    native = []
+    _, jit = stand_in_launch(monkeypatch, lambda *args: native.append(args), ("X", "n", "BLOCK"))
+    launcher = launch.Launcher(jit, num_pointers=1)
+    meta = {"BLOCK": 16}
+    x = torch.zeros(8)
+    launcher((5,), (x, 7), meta, planned=True)  # a miss: through the JITFunction, remembered
+    assert native == [] and list(launcher.planned) == [id(meta)]
+    compiled = dict(launcher.compiled)
+    launcher((5,), (x, 7), meta, planned=True)  # by the plan: no key built, nothing compiled
+    assert native[-1][9:] == (x.data_ptr(), 7, 16) and launcher.compiled == compiled
+    misaligned = x[1:]  # 4 bytes past a 16-byte boundary: Triton specialises on alignment
+    launcher((5,), (misaligned, 7), meta, planned=True)
+    assert len(launcher.compiled) == 2 and len(native) == 1  # a miss of the full key
+    launcher((5,), (x, 9), meta, planned=True)  # other scalars: the full key (a miss)
+    assert len(launcher.compiled) == 3 and len(native) == 1
+    launcher((5,), (x, 7), {"BLOCK": 16}, planned=True)  # an equal dict: the full key's hit
+    assert len(launcher.compiled) == 3 and native[-1][9:] == (x.data_ptr(), 7, 16)
+    assert len(native) == 2
+
+
 def test_launch_hit_keeps_the_tensor_maps(monkeypatch):
     """A hit of a kernel with tensor-descriptor arguments calls the native launcher under
     Triton's descriptor unpacking (``ops.launch.TensorMaps``) with exactly the arguments that

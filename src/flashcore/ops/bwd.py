@@ -158,9 +158,13 @@ def launch(
             q_grid,
             (q, k, v, out, dout, dlse_arg, lse, delta, dq, cu_q, cu_k, alibi, *q_tail),
             q_meta,
+            planned=True,
         )
         dkdv_kernel(
-            kv_grid, (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail), kv_meta
+            kv_grid,
+            (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail),
+            kv_meta,
+            planned=True,
         )
     return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
 

@@ -399,7 +399,7 @@ def attn_bwd_sm90(
         grad_strides = (dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1))
     with runtime.launch_on(q):
         prep(p.prep_grid, (out, dout, dlse_arg, lse, delta, lse2, dq_acc, *p.prep_scalars),
-             p.prep_meta)  # fmt: skip
+             p.prep_meta, planned=True)  # fmt: skip
         box, dq_box = p.boxes
         q_t, k_t, v_t, dout_t, dk_t, dv_t = tensors
         descs = (
@@ -417,10 +417,13 @@ def attn_bwd_sm90(
             p.main_grid,
             (*descs, alibi_ptr, cu_q, cu_k, dk, dv, lse2, delta, *p.main_scalars, *grad_strides),
             p.main_meta,
+            planned=True,
         )
         # The main kernel accumulates dQ unscaled; one more kernel scales and casts it.
         strides = dq_strides(dq, varlen is not None)
-        dq_kernel()(p.dq_grid, (dq_acc, dq, scale, *strides, *p.dq_scalars), p.dq_meta)
+        dq_kernel()(
+            p.dq_grid, (dq_acc, dq, scale, *strides, *p.dq_scalars), p.dq_meta, planned=True
+        )
     if p.split:
         groups = q.shape[1] // k.shape[1]
         dk, dv = _group_sum(dk, dk_out, groups), _group_sum(dv, dv_out, groups)

@@ -117,11 +117,13 @@ def launch(
                 *p.split_scalars[0], table.stride(0), *p.split_scalars[1],
             ),
             p.split_meta,
+            planned=True,
         )  # fmt: skip
         if p.num_splits > 1:
             combine_kernel(
-                p.combine_grid, (o_part, lse_part, out, lse, *p.combine_scalars), p.combine_meta
-            )
+                p.combine_grid, (o_part, lse_part, out, lse, *p.combine_scalars), p.combine_meta,
+                planned=True,
+            )  # fmt: skip
     return out, lse
 
 

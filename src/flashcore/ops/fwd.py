@@ -133,7 +133,7 @@ def launch(
     with runtime.launch_on(q):
         # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
         table = lse if block_table is None else pb.page_table(block_table, k, meta["PAGED"])
-        kernel()(grid, (*pointers, lse, *cu, alibi, sinks, table, *tail), meta)
+        kernel()(grid, (*pointers, lse, *cu, alibi, sinks, table, *tail), meta, planned=True)
     return out, lse
 
 

@@ -826,4 +826,4 @@ def launch(
         lse if block_table is None else block_table,
     )  # fmt: skip
     with runtime.launch_on(q):
-        launcher()(p.grid, (*descs, *extra, *p.scalars), p.meta)
+        launcher()(p.grid, (*descs, *extra, *p.scalars), p.meta, planned=True)

@@ -88,5 +88,5 @@ def build(work: WorkList, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor
     ``work.size`` pairs, then the list program's scratch."""
     size = 2 + 2 * (work.size + work.meta["N_COSTS"])
     out = torch.empty(size, dtype=torch.int32, device=cu_seqlens_q.device)
-    launcher()((1,), (cu_seqlens_q, cu_seqlens_k, out, *work.scalars), work.meta)
+    launcher()((1,), (cu_seqlens_q, cu_seqlens_k, out, *work.scalars), work.meta, planned=True)
     return out
