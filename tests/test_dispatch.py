@@ -389,7 +389,9 @@ def test_launch_plan_sees_the_descriptor_threshold(monkeypatch):
     monkeypatch.setattr(runtime, "has_tma", lambda device: True)
     monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
     launches = []
-    monkeypatch.setattr(fwd_mod, "kernel", lambda: lambda grid, args, meta: launches.append(meta))
+    monkeypatch.setattr(
+        fwd_mod, "kernel", lambda: lambda grid, args, meta, planned=False: launches.append(meta)
+    )
     q, k, v = _qkv("cpu", torch.float16)
     fwd_mod.launch(q, k, v, False, 0.25)
     monkeypatch.setattr(tuning, "TMA_MIN_FLOPS", 0)

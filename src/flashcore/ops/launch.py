@@ -42,6 +42,8 @@ pointer argument per launch. That query turns a host tensor's launch into a Pyth
 than a kernel reading host addresses, and the key keeps that: it holds whether each tensor is on
 a GPU, so a host tensor never hits an entry of device ones, and a miss launches the tensors
 through Triton, which raises its error (the API's checks name the argument before that).
+A ``planned`` call (``Launcher.__call__``) skips that part of the key: its plan stands for
+every tensor being on the plan's device, which the API's checks ensure for the user's tensors.
 
 A kernel with tensor-descriptor arguments goes one level further down on a hit (``TensorMaps``):
 Triton's launcher would encode every descriptor into a ``CUtensorMap`` on every launch; the
