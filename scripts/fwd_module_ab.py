@@ -1,0 +1,98 @@
+"""A/B of two versions of the Hopper forward's kernel modules in one process, on a GPU machine:
+
+    mkdir /tmp/base && for f in fwd fwd_steps fwd_load common; do
+        git show HEAD:src/flashcore/kernels/hopper/$f.py > /tmp/base/$f.py; done
+    PYTHONPATH=src python scripts/fwd_module_ab.py /tmp/base [--rounds 3] [--cases 128:8192:0,...]
+
+``BASE`` is a directory with another version of ``src/flashcore/kernels/hopper``'s ``fwd.py``,
+``fwd_steps.py``, ``fwd_load.py`` and ``common.py``; it is imported as a package of its own (its
+imports of ``flashcore.kernels.hopper`` pointed at it) and the tree's modules are the other side.
+Both run through ``flashcore.attention`` under ``use_tier("sm90")`` with the same plans, only
+``ops.fwd_sm90.launcher`` switched per side, so only the kernels differ. A case is
+``D:S:causal[:Dv]`` (causal 0 or 1), bf16, 16k tokens of 2048 / D heads (16 heads past 128).
+Prints TFLOP/s of each side (``2 B H S^2 (D + Dv)``, halved causal), the ratio of the medians
+(tree / base, > 1: the tree is faster) with the range of the per-round ratios, and whether the
+outputs are bit for bit equal. Rotated rounds of ``do_bench``, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+import flashcore
+from flashcore.ops import fwd_sm90
+from flashcore.ops.launch import Launcher
+
+CASES = "128:2048:0,128:8192:0,128:16384:0,128:2048:1,128:8192:1,64:8192:0,64:16384:1"
+MODULES = ("fwd", "fwd_steps", "fwd_load", "common")
+
+
+def base_launcher(directory: str) -> Launcher:
+    """The forward kernel of the modules in ``directory``, as a package named ``ab_base``."""
+    package = Path(tempfile.mkdtemp()) / "ab_base"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    for name in MODULES:
+        text = (Path(directory) / f"{name}.py").read_text()
+        (package / f"{name}.py").write_text(text.replace("flashcore.kernels.hopper.", "ab_base."))
+    sys.path.insert(0, str(package.parent))
+    return Launcher(importlib.import_module("ab_base.fwd").attn_fwd_sm90_kernel, 12)
+
+
+def compare(case: str, sides: dict[str, Launcher], rounds: int) -> str:
+    head_dim, seqlen, causal, *rest = (int(x) for x in case.split(":"))
+    head_dim_v = rest[0] if rest else head_dim
+    heads = 2048 // head_dim if head_dim <= 128 else 16
+    batch = max(1, 16384 // seqlen)
+    q, k = (
+        torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    v = torch.randn(batch, heads, seqlen, head_dim_v, device="cuda", dtype=torch.bfloat16)
+    call = functools.partial(flashcore.attention, q, k, v, causal=bool(causal))
+    outs, times = {}, {side: [] for side in sides}
+    names = list(sides)
+    for r in range(rounds):
+        for side in names[r % len(names) :] + names[: r % len(names)]:
+            fwd_sm90.launcher = functools.partial(lambda s: sides[s], side)
+            with flashcore.use_tier("sm90"):
+                if side not in outs:
+                    outs[side] = call()
+                times[side].append(do_bench(call, warmup=50, rep=200))
+    fwd_sm90.launcher = functools.partial(lambda s: sides[s], "tree")
+    flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
+    med = {side: statistics.median(t) for side, t in times.items()}
+    ratios = sorted(b / t for b, t in zip(times["base"], times["tree"], strict=True))
+    rates = " ".join(f"{side} {flops / ms / 1e9:.1f}" for side, ms in med.items())
+    return (
+        f"D{head_dim}:{head_dim_v} S{seqlen} {'causal' if causal else 'full'} B{batch}: {rates}"
+        f" tree/base {med['base'] / med['tree']:.3f} (rounds {ratios[0]:.3f}-{ratios[-1]:.3f})"
+        f" equal {torch.equal(outs['base'], outs['tree'])}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("base", help="directory with the other fwd.py, fwd_steps.py, ...")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cases", default=CASES, help="comma-separated D:S:causal[:Dv]")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    sides = {"base": base_launcher(args.base), "tree": fwd_sm90.launcher()}
+    print(torch.cuda.get_device_name(), flush=True)
+    for case in args.cases.split(","):
+        print(compare(case, sides, args.rounds), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
