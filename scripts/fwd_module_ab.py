@@ -12,7 +12,7 @@ Both run through ``flashcore.attention`` under ``use_tier("sm90")`` with the sam
 ``D:S:causal[:Dv]`` (causal 0 or 1), bf16, 16k tokens of 2048 / D heads (16 heads past 128).
 Prints TFLOP/s of each side (``2 B H S^2 (D + Dv)``, halved causal), the ratio of the medians
 (tree / base, > 1: the tree is faster) with the range of the per-round ratios, and whether the
-outputs are bit for bit equal. Rotated rounds of ``do_bench``, medians.
+outputs are bit for bit equal. Rotated rounds of ``do_bench``, medians (``dq_rows_ab.rotated``).
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from triton.testing import do_bench
+from dq_rows_ab import rotated
 
 import flashcore
 from flashcore.ops import fwd_sm90
@@ -58,19 +57,21 @@ def compare(case: str, sides: dict[str, Launcher], rounds: int) -> str:
         for _ in range(2)
     )
     v = torch.randn(batch, heads, seqlen, head_dim_v, device="cuda", dtype=torch.bfloat16)
-    call = functools.partial(flashcore.attention, q, k, v, causal=bool(causal))
-    outs, times = {}, {side: [] for side in sides}
-    names = list(sides)
-    for r in range(rounds):
-        for side in names[r % len(names) :] + names[: r % len(names)]:
-            fwd_sm90.launcher = functools.partial(lambda s: sides[s], side)
-            with flashcore.use_tier("sm90"):
-                if side not in outs:
-                    outs[side] = call()
-                times[side].append(do_bench(call, warmup=50, rep=200))
-    fwd_sm90.launcher = functools.partial(lambda s: sides[s], "tree")
+
+    def call():
+        with flashcore.use_tier("sm90"):
+            return flashcore.attention(q, k, v, causal=bool(causal))
+
+    def select(side):
+        fwd_sm90.launcher = functools.partial(lambda s: sides[s], side)
+
+    outs = {}
+    for side in sides:
+        select(side)
+        outs[side] = call()
+    times, med = rotated(dict.fromkeys(sides, call), rounds, select)
+    select("tree")
     flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
-    med = {side: statistics.median(t) for side, t in times.items()}
     ratios = sorted(b / t for b, t in zip(times["base"], times["tree"], strict=True))
     rates = " ".join(f"{side} {flops / ms / 1e9:.1f}" for side, ms in med.items())
     return (
