@@ -28,7 +28,7 @@ import importlib.util
 import sys
 
 import torch
-from dq_rows_ab import problem, rotated
+from dq_rows_ab import problem, rates_and_ratio, rotated
 
 from flashcore.ops import bwd_sm90 as sm90
 from flashcore.ops import fwd
@@ -106,15 +106,11 @@ def compare(name, flops, call, sides, rounds) -> str:
     base, tree = results["base"], results["tree"]
     same_kv = all(torch.equal(a, b) for a, b in zip(base[1:], tree[1:], strict=True))
     dq_diff = (base[0].float() - tree[0].float()).abs().max().item()
-    times, med = rotated(
+    timed = rotated(
         dict.fromkeys(sides, call), rounds, lambda side: setattr(sm90, "kernels", sides[side])
     )
-    ratios = sorted(b / t for b, t in zip(times["base"], times["tree"], strict=True))
-    rates = " ".join(f"{side} {flops / ms / 1e9:.1f}" for side, ms in med.items())
-    return (
-        f"{name}: {rates} tree/base {med['base'] / med['tree']:.3f}"
-        f" (rounds {ratios[0]:.3f}-{ratios[-1]:.3f}) dk,dv equal {same_kv} dq maxdiff {dq_diff:.2e}"
-    )
+    rates, ratio = rates_and_ratio(*timed, flops, "tree", "base")
+    return f"{name}: {rates} tree/base {ratio} dk,dv equal {same_kv} dq maxdiff {dq_diff:.2e}"
 
 
 def main() -> int:

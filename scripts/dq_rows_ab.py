@@ -66,6 +66,14 @@ def rotated(fns: dict, rounds: int, select=lambda name: None) -> tuple[dict, dic
     return times, {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
+def rates_and_ratio(times: dict, med: dict, flops: float, new: str, old: str) -> tuple[str, str]:
+    """Of ``rotated``'s results: each name's TFLOP/s at its median (``"name 123.4 ..."``), and
+    ``new``'s speed over ``old``'s, the medians' ratio with the range of the per-round ratios."""
+    ratios = sorted(a / b for a, b in zip(times[old], times[new], strict=True))
+    rates = " ".join(f"{name} {flops / ms / 1e9:.1f}" for name, ms in med.items())
+    return rates, f"{med[old] / med[new]:.3f} (rounds {ratios[0]:.3f}-{ratios[-1]:.3f})"
+
+
 def case(
     batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, rounds: int, option: str = ""
 ) -> str:
@@ -92,13 +100,10 @@ def case(
         grad = functools.partial(torch.autograd.grad, o, (qg, kg, vg), dout, retain_graph=True)
         fns["cudnn"] = grad
     flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
-    times, med = rotated(fns, rounds)
-    ratios = sorted(a / b for a, b in zip(times["plain"], times["perm"], strict=True))
-    tf = " ".join(f"{name} {flops / ms / 1e9:.1f}" for name, ms in med.items())
+    tf, ratio = rates_and_ratio(*rotated(fns, rounds), flops, "perm", "plain")
     return (
         f"D{head_dim} causal{int(causal)} {option or 'plain'} S{seqlen} B{batch}: {tf}"
-        f" perm/plain {med['plain'] / med['perm']:.3f}"
-        f" (rounds {ratios[0]:.3f}-{ratios[-1]:.3f})"
+        f" perm/plain {ratio}"
         f" dk,dv equal {same_kv} dq maxdiff {dq_diff:.2e} (max {dq_mag:.2e})"
     )
 

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from dq_rows_ab import rotated
+from dq_rows_ab import rates_and_ratio, rotated
 
 import flashcore
 from flashcore.ops import fwd_sm90
@@ -69,15 +69,13 @@ def compare(case: str, sides: dict[str, Launcher], rounds: int) -> str:
     for side in sides:
         select(side)
         outs[side] = call()
-    times, med = rotated(dict.fromkeys(sides, call), rounds, select)
+    timed = rotated(dict.fromkeys(sides, call), rounds, select)
     select("tree")
     flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
-    ratios = sorted(b / t for b, t in zip(times["base"], times["tree"], strict=True))
-    rates = " ".join(f"{side} {flops / ms / 1e9:.1f}" for side, ms in med.items())
+    rates, ratio = rates_and_ratio(*timed, flops, "tree", "base")
     return (
         f"D{head_dim}:{head_dim_v} S{seqlen} {'causal' if causal else 'full'} B{batch}: {rates}"
-        f" tree/base {med['base'] / med['tree']:.3f} (rounds {ratios[0]:.3f}-{ratios[-1]:.3f})"
-        f" equal {torch.equal(outs['base'], outs['tree'])}"
+        f" tree/base {ratio} equal {torch.equal(outs['base'], outs['tree'])}"
     )
 
 
