@@ -43,6 +43,16 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _no_kept_launches():
+    """Each test starts without the launches ``ops.express`` kept for earlier tests' calls: a
+    test that monkeypatches the runtime (capability, tiers, capture) plans its own calls."""
+    from flashcore.ops import decode, fwd
+
+    fwd._LEARNED.clear()
+    decode._LEARNED.clear()
+
+
 def pytest_runtest_logreport(report):
     path = os.environ.get("FLASHCORE_FAILURE_LOG")
     # Under xdist the workers write; the controller (no worker name) sees the same reports.

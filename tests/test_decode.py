@@ -92,7 +92,7 @@ def test_decode_plans_follow_the_problem(case, device):
     from flashcore.ops import decode
 
     q, k, v, lens, table = make_kvcache(case, torch.float16, device)
-    decode._PLANS.clear()
+    decode.forget()
     check_decode(q, k, v, lens, table, causal=True, num_splits=2)
     assert len(decode._PLANS) == 1
     shorter = torch.clamp(lens - 5, min=0)
@@ -135,7 +135,7 @@ def test_decode_paged_modes(block_size, mode, device, monkeypatch):
     if device == "cpu":
         monkeypatch.setattr(tuning, "INTERPRETER_DECODE", tuning.DecodeConfig(64, 4, 1))
     case = DecodeCase(2, 4, 2, 2, 150, 32, (150, 61), block_size)
-    decode._PLANS.clear()
+    decode.forget()
     check_decode(*make_kvcache(case, torch.float16, device), causal=True, num_splits=2)
     (plan,) = decode._PLANS.values()
     if device == "cpu" or plan.split_meta["BLOCK_N"] == 64:

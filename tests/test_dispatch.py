@@ -262,6 +262,46 @@ def test_launch_hit_calls_the_native_launcher(monkeypatch):
     assert hooked[6].get()["name"] == "attn_fwd_kernel"
 
 
+def test_launch_hit_of_a_plain_kernel_calls_under_the_launcher_wrapper(monkeypatch):
+    """A hit of a kernel without descriptor arguments calls Triton 3.6's native launcher under
+    ``CudaLauncher.__call__`` (``ops.launch.TensorMaps``, ``plain``) with what that wrapper would
+    pass it: the cooperative and PDL flags, no scratch, then what ``CompiledKernel.run`` gets.
+    On the CPU: ``CudaLauncher`` around a stand-in native launcher (a callable without Python
+    code, as the compiled one is)."""
+    import triton
+    from triton.backends.nvidia import driver as nvidia
+
+    from flashcore.ops import launch
+
+    if not triton.__version__.startswith(launch.DIRECT_TRITON):
+        pytest.skip("the direct launch is taken only on the Triton versions it was read from")
+    native = []
+
+    class Native:  # no __code__: what wrap_handle_tensordesc returns for a plain signature
+        def __call__(self, *args):
+            native.append(args)
+
+    run = object.__new__(nvidia.CudaLauncher)
+    run.launch = nvidia.wrap_handle_tensordesc(Native(), {"X": "*fp32", "n": "i32"}, None)
+    run.num_ctas = 1
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.launch_cooperative_grid, run.launch_pdl = False, True
+    kernel, jit = stand_in_launch(monkeypatch, run, ("X", "n", "BLOCK"), device=0)
+    launcher = launch.Launcher(jit, num_pointers=1)
+    x = torch.zeros(4)
+    launcher((5,), (x, 7), {"BLOCK": 16})  # a miss: through the JITFunction
+    ((_, _, direct),) = launcher.compiled.values()
+    assert native == [] and type(direct) is launch.TensorMaps and direct.plain
+    launcher((5,), (x, 7), {"BLOCK": 16})
+    kernel[(5, 1, 1)](x, 7, 16)  # Triton's own path, through CudaLauncher.__call__
+    hit, own = native
+    assert hit[:10] == own[:10] == (5, 1, 1, "stream of 0", "function", False, True, None, None,
+                                    "packed")  # fmt: skip
+    assert hit[10:13] == (None, None, None)
+    assert hit[13:] == (x.data_ptr(), 7, 16) and own[13:] == (x, 7, 16)
+
+
 def test_planned_launch_finds_its_kernel_by_the_plan(monkeypatch):
     """A ``planned`` launch (``ops.launch.Launcher``: ``meta`` a plan's own dict) reuses the
     kernel of the plan's first aligned call by the dict's identity, and takes the full key again

@@ -27,6 +27,7 @@ from flashcore.checks import (
     check_window,
     interpreted,
 )
+from flashcore.ops import express as _express
 from flashcore.ops import registry as _ops
 from flashcore.ops.runtime import use_tier as _use_tier
 
@@ -172,10 +173,25 @@ def attention(
             ``sinks`` of the wrong shape or device.
         NotImplementedError: head_dim above 256.
     """
+    key = None
+    if (
+        window is None
+        and softcap is None
+        and alibi_slopes is None
+        and sinks is None
+        and deterministic is False
+    ):
+        # A call of a signature checked and planned before (ops.express).
+        key, result = _express.forward(q, k, v, causal, scale, return_lse)
+        if result is not None:
+            return result if return_lse else result[0]
     check_inputs(q, k, v)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     scale = check_scale(scale, q.shape[-1])
+    if key is not None:
+        out, lse = _express.forward_first(key, q, k, v, causal, scale)
+        return (out, lse) if return_lse else out
     # Options left at None skip their checks, which would return the defaults: ~1 us of the
     # ~12 us this function spends before the kernel on the 2-core CPU machine.
     window_left, window_right = (-1, -1) if window is None else check_window(window)
@@ -589,6 +605,21 @@ def attention_with_kvcache(
             that is not a multiple of 16, bad window/softcap/scale/num_splits values.
         NotImplementedError: head_dim above 256.
     """
+    key = None
+    if (
+        window is None
+        and softcap is None
+        and alibi_slopes is None
+        and sinks is None
+        and not _offsets.active()
+    ):
+        # A call of a signature checked and planned before (ops.express).
+        key = _express.decode_key(
+            q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, return_lse
+        )
+        result = _express.decode(key, q, k_cache, v_cache, cache_seqlens, block_table)
+        if result is not None:
+            return result if return_lse else result[0]
     check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
@@ -607,8 +638,12 @@ def attention_with_kvcache(
                 block_table, lengths, k_cache.shape[2], k_cache.shape[0]
             )
     sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device, differentiable=False))
-    out, lse = _ops.attention_with_kvcache(
-        q, k_cache, v_cache, cache_seqlens, block_table, slopes, causal, scale,
-        window_left, window_right, softcap_value, splits, sinks,
+    args = (
+        q, k_cache, v_cache, cache_seqlens, block_table, slopes, causal, scale, window_left,
+        window_right, softcap_value, splits, sinks,
     )  # fmt: skip
+    if key is not None:
+        out, lse = _express.decode_first(key, *args)
+    else:
+        out, lse = _ops.attention_with_kvcache(*args)
     return (out, lse) if return_lse else out

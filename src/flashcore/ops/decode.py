@@ -7,6 +7,7 @@ first kernel writes ``out``/``lse`` directly (its split stride is 0) and the com
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from flashcore.ops import fwd, runtime
 from flashcore.ops import problem as pb
 from flashcore.ops.fwd import paged_mode
-from flashcore.ops.launch import Launcher, cached
+from flashcore.ops.launch import MAX_ENTRIES, Launcher, cached
 from flashcore.tuning import (
     INTERPRETER_SMS,
     KVCACHE_PACKED_MIN_SEQLEN_Q,
@@ -56,6 +57,7 @@ def launch(
     softcap: float,
     num_splits: int,
     sinks: torch.Tensor | None = None,
+    learn: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the decode kernels on validated inputs; returns ``(out, lse)``.
 
@@ -66,7 +68,11 @@ def launch(
     Everything but the tensors (configs, split count, grids, strides, scalars, constexprs) is
     built once per problem signature (``_plan``): tens of microseconds of Python a call
     otherwise, more than the kernels at short caches (docs/performance_host.md).
+
+    ``learn``: a key of ``ops.express`` for this call (no ALiBi, window, softcap or sinks),
+    under which its launches are kept for later calls of the same signature (``learned``).
     """
+    given = (q, k_cache, v_cache, cache_seqlens, block_table)
     q, k_cache, v_cache = (pb.unit_stride_last_dim(t) for t in (q, k_cache, v_cache))
     # The kernel reads length b at ``base + b`` and block-table rows as ``base + j``: strided
     # views of either are copied (tests/test_decode.py: test_decode_strided_index_tensors).
@@ -92,39 +98,82 @@ def launch(
         p = cached(
             _PLANS, key, lambda: _plan(q, k_cache, v_cache, block_table, alibi_slopes, options)
         )
-    out = torch.empty(p.out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(p.out_shape[:3], dtype=torch.float32, device=q.device)
-    if p.empty:
-        return out, lse
-    if p.no_keys:
+    if p.empty or p.no_keys:
+        out = torch.empty(p.out_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(p.out_shape[:3], dtype=torch.float32, device=q.device)
+        if p.empty:
+            return out, lse
         if sinks is not None:
             return out.zero_(), lse.copy_(sinks[:, None].expand_as(lse))
         return out.zero_(), lse.fill_(float("-inf"))
+    with runtime.launch_on(q):
+        out, lse = _run(p, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks)
+    used = (q, k_cache, v_cache, cache_seqlens, block_table)
+    if learn is not None and all(a is b for a, b in zip(given, used, strict=True)):
+        if len(_LEARNED) >= MAX_ENTRIES:
+            _LEARNED.clear()
+        _LEARNED[learn] = (functools.partial(_run, p), _PLANS)
+    return out, lse
+
+
+def _run(
+    p: Plan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate ``(out, lse)`` and launch ``p`` on these tensors (on the current device)."""
+    out = torch.empty(p.out_shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(p.out_shape[:3], dtype=torch.float32, device=q.device)
     if p.num_splits == 1:
         o_part, lse_part = out, lse
     else:
         o_part = torch.empty(p.part_shape, dtype=torch.float32, device=q.device)
         lse_part = torch.empty(p.part_shape[:4], dtype=torch.float32, device=q.device)
     # Unused pointer arguments get a real tensor: the flags compile their loads away.
+    paged = block_table is not None
     table = pb.page_table(block_table, k_cache, p.split_meta["PAGED"]) if paged else cache_seqlens
     slopes = lse if alibi_slopes is None else alibi_slopes.contiguous()
     split_kernel, combine_kernel = kernels()
-    with runtime.launch_on(q):
-        split_kernel(
-            p.grid,
-            (
-                q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes, sinks,
-                *p.split_scalars[0], table.stride(0), *p.split_scalars[1],
-            ),
-            p.split_meta,
+    split_kernel(
+        p.grid,
+        (
+            q, k_cache, v_cache, o_part, lse_part, cache_seqlens, table, slopes, sinks,
+            *p.split_scalars[0], table.stride(0), *p.split_scalars[1],
+        ),
+        p.split_meta,
+        planned=True,
+    )  # fmt: skip
+    if p.num_splits > 1:
+        combine_kernel(
+            p.combine_grid, (o_part, lse_part, out, lse, *p.combine_scalars), p.combine_meta,
             planned=True,
         )  # fmt: skip
-        if p.num_splits > 1:
-            combine_kernel(
-                p.combine_grid, (o_part, lse_part, out, lse, *p.combine_scalars), p.combine_meta,
-                planned=True,
-            )  # fmt: skip
     return out, lse
+
+
+# Launches learned by ``ops.express``'s keys: key -> (run, the plan map it was planned under).
+# A run takes (q, k_cache, v_cache, cache_seqlens, block_table) of the key's signature.
+_LEARNED: dict[tuple, tuple] = {}
+
+
+def learned(key: tuple) -> Callable | None:
+    """The run ``launch(learn=key)`` kept, or None (also where ``_PLANS`` was replaced since:
+    tests do that to plan again; ``forget``)."""
+    entry = _LEARNED.get(key)
+    if entry is None or entry[1] is not _PLANS:
+        return None
+    return entry[0]
+
+
+def forget() -> None:
+    """Drop every plan and learned launch: the next call of each signature plans again."""
+    _PLANS.clear()
+    _LEARNED.clear()
 
 
 def packed_prefill_wanted(

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
 from flashcore import tuning
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
-from flashcore.ops.launch import cached
+from flashcore.ops.launch import MAX_ENTRIES, cached
 from flashcore.tuning import FwdConfig, fwd_config
 
 
@@ -34,6 +35,7 @@ def launch(
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
     block_table: torch.Tensor | None = None,
+    learn: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the forward kernel on validated inputs; returns ``(out, lse)``.
 
@@ -45,7 +47,12 @@ def launch(
     fp32 ``(H,)``. ``block_table`` (with ``varlen`` only): k and v are paged caches
     ``(num_blocks, Hkv, block_size, D)`` read through it, cu_seqlens_k giving each sequence's
     number of keys.
+
+    ``learn``: a key of ``ops.express`` for this call (dense inputs, no option but ``causal``
+    and ``scale``), under which the launch this call makes is kept for later calls of the same
+    signature (``learned``), where it is one that depends on nothing but that signature.
     """
+    given = (q, k, v)
     q = pb.unit_stride_last_dim(q)
     k = pb.unit_stride_last_dim(k)
     v = pb.unit_stride_last_dim(v)
@@ -101,6 +108,8 @@ def launch(
 
             fwd_sm90.launch(hopper, q, k, v, out, lse, alibi if alibi_slopes is not None else None,
                             sinks, varlen, block_table)  # fmt: skip
+            if learn is not None and aligned and not capturing and _same(given, (q, k, v)):
+                _learn(learn, functools.partial(_learned_sm90, hopper, v.shape[-1]))
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
     # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
@@ -120,6 +129,23 @@ def launch(
             q, k, v, out, lse, causal, scale, config, varlen, window, softcap, alibi_slopes,
             stride_ab, sinks is not None, block_table, pb.problem_dims(q, k, varlen), capturing,
         ))  # fmt: skip
+    cu = (None, None) if varlen is None else varlen[:2]
+    with runtime.launch_on(q):
+        # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
+        table = lse if block_table is None else pb.page_table(block_table, k, plan[2]["PAGED"])
+        _launch(plan, q, k, v, out, lse, cu, alibi, sinks, table)
+    if learn is not None and aligned and not capturing and _same(given, (q, k, v)):
+        _learn(learn, functools.partial(_learned_portable, plan, v.shape[-1]))
+    return out, lse
+
+
+def _same(given: tuple, used: tuple) -> bool:
+    """Whether the kernels were given the caller's tensors themselves (none was copied)."""
+    return all(a is b for a, b in zip(given, used, strict=True))
+
+
+def _launch(plan: tuple, q, k, v, out, lse, cu: tuple, alibi, sinks, table) -> None:
+    """The portable forward's launch of ``plan`` (``_plan``) on these tensors."""
     grid, tail, meta, tiles = plan
     if tiles is None:
         pointers = (q, k, v, out)
@@ -129,11 +155,58 @@ def launch(
             pb.descriptor(q, rows_q, block_d), pb.descriptor(k, rows_k, block_d),
             pb.descriptor(v, rows_k, block_dv), pb.descriptor(out, rows_q, block_dv),
         )  # fmt: skip
-    cu = (None, None) if varlen is None else varlen[:2]
-    with runtime.launch_on(q):
-        # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
-        table = lse if block_table is None else pb.page_table(block_table, k, meta["PAGED"])
-        kernel()(grid, (*pointers, lse, *cu, alibi, sinks, table, *tail), meta, planned=True)
+    kernel()(grid, (*pointers, lse, *cu, alibi, sinks, table, *tail), meta, planned=True)
+
+
+# Launches learned by ``ops.express``'s keys: key -> (run, the plan maps and the TMA floor it
+# was planned under). A run takes (q, k, v) of the key's signature and returns (out, lse).
+_LEARNED: dict[tuple, tuple] = {}
+
+
+def learned(key: tuple) -> Callable | None:
+    """The run ``launch(learn=key)`` kept, or None: also where the plan maps it came from were
+    replaced since or the TMA floor changed (tests do either to plan again; ``forget``)."""
+    entry = _LEARNED.get(key)
+    if (
+        entry is None
+        or entry[1] is not _PLANS
+        or entry[2] is not _SM90_PLANS
+        or entry[3] != tuning.TMA_MIN_FLOPS
+    ):
+        return None
+    return entry[0]
+
+
+def forget() -> None:
+    """Drop every plan and learned launch: the next call of each signature plans again."""
+    _PLANS.clear()
+    _SM90_PLANS.clear()
+    _LEARNED.clear()
+
+
+def _learn(key: tuple, run: Callable) -> None:
+    if len(_LEARNED) >= MAX_ENTRIES:
+        _LEARNED.clear()
+    _LEARNED[key] = (run, _PLANS, _SM90_PLANS, tuning.TMA_MIN_FLOPS)
+
+
+def _outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` for dense q, allocated as ``launch`` allocates them."""
+    return pb.empty_rows_like(q, head_dim_v), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _learned_portable(plan: tuple, head_dim_v: int, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _outputs(q, head_dim_v)
+    # The LSE stands in for the ALiBi, sinks and block table pointers (``launch``).
+    _launch(plan, q, k, v, out, lse, (None, None), lse, None, lse)
+    return out, lse
+
+
+def _learned_sm90(hopper, head_dim_v: int, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    from flashcore.ops import fwd_sm90
+
+    out, lse = _outputs(q, head_dim_v)
+    fwd_sm90.launch(hopper, q, k, v, out, lse, None, None)
     return out, lse
 
 

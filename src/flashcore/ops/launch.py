@@ -160,7 +160,7 @@ class Launcher:
         if direct and _no_launch_hooks():
             stream = _driver.active.get_current_stream(device)
             if type(direct) is TensorMaps:
-                # Below Triton's descriptor unpacking (``TensorMaps``).
+                # Below CudaLauncher and its descriptor unpacking (``TensorMaps``).
                 direct.launch(grid, stream, kernel, pointers, args[num_pointers:], constexprs)
                 return
             # CompiledKernel[grid](*args, *constexprs) without its per-launch Python (module
@@ -238,16 +238,21 @@ class TensorMaps:
     addresses back from PyTorch's caching allocator step after step). The Hopper backward passes
     nine descriptors a launch, its forward four.
 
-    ``of`` returns None (launch through ``CompiledKernel.run`` as other kernels do) unless the
-    launcher is that wrapper around a native launcher, every descriptor was lowered to a tensor
-    map, all of them are among the pointer arguments, and the kernel needs no global or profile
-    scratch (which ``CudaLauncher`` would allocate per launch)."""
+    A kernel without descriptor arguments is launched the same way, its pointers passed through
+    (``plain``): ``CudaLauncher.__call__``, the Python between ``CompiledKernel.run`` and the
+    native launcher, only allocates the scratch such a kernel does not need and forwards.
 
-    __slots__ = ("coop", "encode", "maps", "metas", "native", "pdl")
+    ``of`` returns None (launch through ``CompiledKernel.run`` as other kernels do) unless the
+    launcher is the native one or that wrapper around it, every descriptor was lowered to a
+    tensor map, all of them are among the pointer arguments, and the kernel needs no global or
+    profile scratch (which ``CudaLauncher`` would allocate per launch)."""
+
+    __slots__ = ("coop", "encode", "maps", "metas", "native", "pdl", "plain")
 
     def __init__(self, native: Any, metas: tuple, coop: bool, pdl: bool, encode: Any) -> None:
         self.native = native
         self.metas = metas  # per pointer argument: its descriptor's compiled metadata, or None
+        self.plain = all(m is None for m in metas)
         self.coop = coop
         self.pdl = pdl
         self.encode = encode
@@ -258,16 +263,22 @@ class TensorMaps:
         from triton.backends.nvidia import driver as nvidia
 
         run = kernel.run
-        wrapper = getattr(run, "launch", None)
+        if type(run) is not nvidia.CudaLauncher or nvidia._BASE_ARGS_FORMAT != "iiiKKppOOOOOO":
+            return None  # not the launcher whose arguments ``launch`` passes
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        wrapper = run.launch
         code = getattr(wrapper, "__code__", None)
-        if code is None or wrapper.__closure__ is None:
-            return None  # no descriptor argument: Triton's launcher is the native one
+        if code is None:
+            # No descriptor argument: wrap_handle_tensordesc returned the native launcher.
+            return cls(
+                wrapper, (None,) * num_pointers, bool(run.launch_cooperative_grid),
+                bool(run.launch_pdl), nvidia.make_tensordesc_arg,
+            )  # fmt: skip
+        if wrapper.__closure__ is None:
+            return None
         cells = dict(zip(code.co_freevars, wrapper.__closure__, strict=True))
         if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
-            return None
-        if nvidia._BASE_ARGS_FORMAT != "iiiKKppOOOOOO":  # what ``launch`` passes first
-            return None
-        if run.global_scratch_size or run.profile_scratch_size:
             return None
         indices = sorted(cells["tensordesc_indices"].cell_contents)
         metas = cells["tensordesc_meta"].cell_contents
@@ -297,6 +308,12 @@ class TensorMaps:
         constexprs: tuple,
     ) -> None:
         """``pointers``: the pointer arguments, tensors already as their addresses."""
+        if self.plain:
+            self.native(
+                *grid, stream, kernel.function, self.coop, self.pdl, None, None,
+                kernel.packed_metadata, None, None, None, *pointers, *scalars, *constexprs,
+            )  # fmt: skip
+            return
         maps = self.maps
         front = []
         for i, a in enumerate(pointers):

@@ -1,0 +1,155 @@
+"""Eager calls by signature (``ops.express``): a repeated call launches what its first call
+planned, skipping the checks, and only where everything the checks and the plan depend on is
+the same; every other call takes the full path, with its errors."""
+
+import pytest
+import torch
+
+import flashcore
+from flashcore import api
+from flashcore.ops import decode, fwd
+from helpers import check_forward, make_qkv
+from shapes import Case, DecodeCase
+from test_decode import check_decode, make_kvcache
+
+CASE = Case(1, 2, 1, 37, 45, 32)
+
+
+def count_checks(monkeypatch) -> list:
+    """A list that gains an entry per full input check of ``attention``/``attention_with_kvcache``
+    (the checks still run)."""
+    seen = []
+    for name in ("check_inputs", "check_kvcache_inputs"):
+        real = getattr(api, name)
+        monkeypatch.setattr(api, name, lambda *a, _real=real: seen.append(1) or _real(*a))
+    return seen
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_repeat_takes_the_kept_launch(causal, device, monkeypatch):
+    """The second call of a signature skips the checks and gives the first's numbers bit for
+    bit, on other tensors of that signature too; ``return_lse`` changes no launch."""
+    checks = count_checks(monkeypatch)
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+    assert len(checks) == 1 and len(fwd._LEARNED) == 1
+    check_forward(out, lse, q, k, v, causal=causal)
+    again = flashcore.attention(q, k, v, causal=causal)
+    assert len(checks) == 1 and torch.equal(again, out)
+    q2, k2, v2 = (t.flip(2).contiguous() for t in (q, k, v))
+    out2, lse2 = flashcore.attention(q2, k2, v2, causal=causal, return_lse=True)
+    assert len(checks) == 1
+    check_forward(out2, lse2, q2, k2, v2, causal=causal)
+    assert len(fwd._LEARNED) == 1
+
+
+def test_other_signatures_plan_again(device, monkeypatch):
+    """Another layout (strides), dtype, scale, mask or tier is another key: checked and planned
+    on its own, and right."""
+    checks = count_checks(monkeypatch)
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    flashcore.attention(q, k, v)
+    variants = [
+        (make_qkv(CASE, torch.float16, device, layout="bshd"), {}),
+        (make_qkv(CASE, torch.float32, device), {}),
+        ((q, k, v), {"scale": 0.3}),
+        ((q, k, v), {"causal": True}),
+    ]
+    for i, ((q_, k_, v_), options) in enumerate(variants):
+        out, lse = flashcore.attention(q_, k_, v_, return_lse=True, **options)
+        assert len(checks) == 2 + i
+        check_forward(out, lse, q_, k_, v_, causal=options.get("causal", False),
+                      scale=options.get("scale"))  # fmt: skip
+    with flashcore.use_tier("portable"):
+        flashcore.attention(q, k, v)
+    assert len(checks) == 6 and len(fwd._LEARNED) == 6
+
+
+def test_bad_arguments_still_raise_after_a_kept_launch(device):
+    """A kept launch never lets through what the checks refuse: a flag of another type, a k of
+    another dtype or shape, a scale that is not a float."""
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    flashcore.attention(q, k, v, causal=True)
+    flashcore.attention(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flashcore.attention(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        flashcore.attention(q, k, v, causal=True, return_lse=1)
+    with pytest.raises(TypeError, match=r"k\.dtype must equal"):
+        flashcore.attention(q, k.float(), v, causal=True)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        flashcore.attention(q, k, v, causal=True, scale=float("nan"))
+    with pytest.raises(TypeError, match="scale must be a real number"):
+        flashcore.attention(q, k, v, causal=True, scale=True)
+    with pytest.raises(ValueError, match="batch size"):
+        flashcore.attention(q, k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1), causal=True)
+
+
+def test_misaligned_tensors_take_the_full_path(device):
+    """A q at an address that is not 16-byte aligned, with the kept signature's shape and
+    strides: planned on its own (plans assume aligned addresses) and right."""
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    flashcore.attention(q, k, v)
+    run = next(iter(fwd._LEARNED.values()))
+    buffer = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)
+    shifted = buffer[1:].view(q.shape).copy_(q)
+    assert shifted.stride() == q.stride() and shifted.data_ptr() % 16
+    out, lse = flashcore.attention(shifted, k, v, return_lse=True)
+    check_forward(out, lse, shifted, k, v, causal=False)
+    assert next(iter(fwd._LEARNED.values())) is run  # the aligned launch stays kept
+
+
+def test_autograd_and_empty_calls_keep_nothing(device):
+    """A call that records autograd takes the registry's autograd path (its gradients right);
+    an empty problem launches nothing, so nothing is kept."""
+    q, k, v = (t.requires_grad_() for t in make_qkv(CASE, torch.float16, device))
+    out = flashcore.attention(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None and not fwd._LEARNED
+    with torch.no_grad():
+        flashcore.attention(q, k, v)
+    assert len(fwd._LEARNED) == 1
+    empty = torch.empty(1, 2, 0, 32, dtype=torch.float16, device=device)
+    flashcore.attention(empty, k.detach(), v.detach())
+    assert len(fwd._LEARNED) == 1
+
+
+def test_replaced_plans_are_planned_again(device, monkeypatch):
+    """Replacing the plan maps (as tests do to plan again) or ``forget`` retires the kept
+    launches."""
+    checks = count_checks(monkeypatch)
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    flashcore.attention(q, k, v)
+    monkeypatch.setattr(fwd, "_PLANS", {})
+    flashcore.attention(q, k, v)
+    assert len(checks) == 2 and len(fwd._PLANS) == 1
+    fwd.forget()
+    flashcore.attention(q, k, v)
+    assert len(checks) == 3
+
+
+DECODE_CASE = DecodeCase(2, 4, 2, 1, 100, 32, (100, 37), 0)
+
+
+@pytest.mark.parametrize("block_size", [0, 32], ids=["dense", "paged"])
+def test_decode_repeat_takes_the_kept_launch(block_size, device, monkeypatch):
+    """A repeated decode call (other lengths, other cache contents) skips the checks and is
+    right; a cache_seqlens of another dtype still raises; ``flashcore.checked()`` still reads
+    the lengths."""
+    checks = count_checks(monkeypatch)
+    q, k, v, lens, table = make_kvcache(DECODE_CASE._replace(block_size=block_size),
+                                        torch.float16, device)  # fmt: skip
+    check_decode(q, k, v, lens, table, causal=True)
+    assert len(checks) == 1 and len(decode._LEARNED) == 1
+    check_decode(q, k.clone().normal_(), v.clone().normal_(), lens - 11, table, causal=True)
+    assert len(checks) == 1
+    with pytest.raises(TypeError, match="cache_seqlens must be int32"):
+        flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens.long(), block_table=table)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table, causal=1)
+    with pytest.raises(TypeError, match="num_splits must be an int"):
+        flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                         num_splits=True)  # fmt: skip
+    too_long = torch.full_like(lens, 10**6)
+    with flashcore.checked(), pytest.raises(ValueError, match="cache_seqlens"):
+        flashcore.attention_with_kvcache(q, k, v, cache_seqlens=too_long, block_table=table)
