@@ -242,7 +242,10 @@ def test_decode_strided(device):
     case = DECODE[3]._replace(block_size=0)
     q, k, v, lens, _ = make_kvcache(case, torch.float16, device, layout="bshd")
     assert not q.is_contiguous() and not k.is_contiguous()
-    check_decode(q, k, v, lens, None, causal=True)
+    out, _ = check_decode(q, k, v, lens, None, causal=True)
+    assert out.is_contiguous()  # as documented, whatever q's layout
+    out, _ = check_decode(q.contiguous(), k, v, lens, None, causal=True)
+    assert out.is_contiguous()
     # A last dim without unit stride is copied.
     q2 = q.transpose(-1, -2).contiguous().transpose(-1, -2)
     assert q2.stride(-1) != 1

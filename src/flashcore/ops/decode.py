@@ -127,13 +127,15 @@ def _run(
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate ``(out, lse)`` and launch ``p`` on these tensors (on the current device)."""
-    out = torch.empty(p.out_shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(p.out_shape[:3], dtype=torch.float32, device=q.device)
+    # empty_like and new_empty parse fewer arguments than torch.empty: 2.1-4.2, 3.1-6.0 and
+    # 4.0-7.0 us a call on the H200 machine's host (docs/performance_host.md).
+    out = torch.empty_like(q) if p.out_like_q else q.new_empty(p.out_shape)
+    lse = q.new_empty(p.out_shape[:3], dtype=torch.float32)
     if p.num_splits == 1:
         o_part, lse_part = out, lse
     else:
-        o_part = torch.empty(p.part_shape, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(p.part_shape[:4], dtype=torch.float32, device=q.device)
+        o_part = q.new_empty(p.part_shape, dtype=torch.float32)
+        lse_part = q.new_empty(p.part_shape[:4], dtype=torch.float32)
     # Unused pointer arguments get a real tensor: the flags compile their loads away.
     paged = block_table is not None
     table = pb.page_table(block_table, k_cache, p.split_meta["PAGED"]) if paged else cache_seqlens
@@ -245,6 +247,7 @@ class Plan(NamedTuple):
     combine_grid: tuple[int, ...]
     combine_scalars: tuple
     combine_meta: dict
+    out_like_q: bool = False  # out allocated by empty_like(q): q contiguous, of out's shape
 
 
 # Plans by problem signature (bounded by ops.launch.cached).
@@ -341,4 +344,5 @@ def _plan(
     return Plan(
         out_shape, False, False, num_splits, part_shape, (batch * kv_heads, num_splits, row_tiles),
         (before, after), split_meta, (batch * heads * seqlen_q,), combine_scalars, combine_meta,
+        q.is_contiguous() and head_dim_v == head_dim,
     )  # fmt: skip
