@@ -391,6 +391,10 @@ SM90_FWD_MIN_FLOPS_MLA = 2e10
 # Shorter sequences were not timed.
 SM90_FWD_MIN_SEQLEN_D256 = 1024
 SM90_FWD_MIN_FLOPS = 3e10
+# Re-measured on the H200 with both tiers' repeated calls on ops.express (two runs, eager us,
+# Hopper / portable; docs/performance_host.md, "Eager calls by signature"): at 1.7e10 mixed,
+# (2, 8, 2048, 64) 41.6-42.8 / 47.4-47.5 and causal (2, 8, 2048, 128) 51.6-65.4 / 69.9-70.8
+# but (1, 8, 2048, 128) 56.5 / 41.3 and (4, 16, 1024, 64) 57.2 / 50.6; kept.
 # With a sliding window, softcap or ALiBi, from these many queries and keys on. H100, bf16, both
 # tiers through use_tier in one process, three rounds (docs/hopper_fwd_configs.md,
 # "Softcap's tanh in five instructions"; portable / Hopper time): window (1024, 0) causal 1.21x
