@@ -197,7 +197,7 @@ def _outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tens
 
 def _learned_portable(plan: tuple, head_dim_v: int, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _outputs(q, head_dim_v)
-    # The LSE stands in for the ALiBi, sinks and block table pointers (``launch``).
+    # The LSE stands in for the ALiBi and block table pointers (``launch``); no sinks.
     _launch(plan, q, k, v, out, lse, (None, None), lse, None, lse)
     return out, lse
 
