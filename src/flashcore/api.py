@@ -174,13 +174,7 @@ def attention(
         NotImplementedError: head_dim above 256.
     """
     key = None
-    if (
-        window is None
-        and softcap is None
-        and alibi_slopes is None
-        and sinks is None
-        and deterministic is False
-    ):
+    if _scores_plain(window, softcap, alibi_slopes, sinks) and deterministic is False:
         # A call of a signature checked and planned before (ops.express).
         key, result = _express.forward(q, k, v, causal, scale, return_lse)
         if result is not None:
@@ -206,6 +200,11 @@ def attention(
         alibi_slopes, sinks, None, deterministic,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _scores_plain(window: object, softcap: object, alibi_slopes: object, sinks: object) -> bool:
+    """No score option but the mask and the scale: a call ``ops.express`` may key."""
+    return window is None and softcap is None and alibi_slopes is None and sinks is None
 
 
 def _sinks_arg(sinks: torch.Tensor | None) -> torch.Tensor | None:
@@ -606,13 +605,7 @@ def attention_with_kvcache(
         NotImplementedError: head_dim above 256.
     """
     key = None
-    if (
-        window is None
-        and softcap is None
-        and alibi_slopes is None
-        and sinks is None
-        and not _offsets.active()
-    ):
+    if _scores_plain(window, softcap, alibi_slopes, sinks) and not _offsets.active():
         # A call of a signature checked and planned before (ops.express).
         key = _express.decode_key(
             q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, return_lse
