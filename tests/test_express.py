@@ -153,3 +153,20 @@ def test_decode_repeat_takes_the_kept_launch(block_size, device, monkeypatch):
     too_long = torch.full_like(lens, 10**6)
     with flashcore.checked(), pytest.raises(ValueError, match="cache_seqlens"):
         flashcore.attention_with_kvcache(q, k, v, cache_seqlens=too_long, block_table=table)
+
+
+def test_dispatch_modes_still_see_the_ops(device):
+    """After a kept launch, a call under a dispatch mode of the same signature goes through the
+    registered op (as ``ops.registry.direct`` sends it), for both functions."""
+    from test_dispatch import _Recorder
+
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    flashcore.attention(q, k, v)
+    with _Recorder() as rec:
+        flashcore.attention(q, k, v)
+    assert any("flashcore.attn_fwd" in op for op in rec.ops), rec.ops
+    qd, kc, vc, lens, _ = make_kvcache(DECODE_CASE, torch.float16, device)
+    flashcore.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens)
+    with _Recorder() as rec:
+        flashcore.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens)
+    assert any("flashcore.attn_kvcache" in op for op in rec.ops), rec.ops
