@@ -12,7 +12,7 @@ allocates its outputs and launches the kept plan, and nothing else.
 Sound because every check the API makes of these calls depends only on what the key holds, so
 a key seen before is a key that passed them: a call whose key is new, or that differs in
 anything the key leaves out, takes the full path (``forward`` and ``decode`` return None).
-What a key leaves out and is therefore checked per call, each a few hundred nanoseconds:
+What a key leaves out and is therefore checked per call, each under a microsecond:
 
 - the options other than ``causal``, ``scale`` (None or a float) and, for decoding,
   ``num_splits`` (None or an int): any other option given takes the full path, as does a flag
