@@ -607,10 +607,9 @@ def attention_with_kvcache(
     key = None
     if _scores_plain(window, softcap, alibi_slopes, sinks) and not _offsets.active():
         # A call of a signature checked and planned before (ops.express).
-        key = _express.decode_key(
+        key, result = _express.decode(
             q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, return_lse
         )
-        result = _express.decode(key, q, k_cache, v_cache, cache_seqlens, block_table)
         if result is not None:
             return result if return_lse else result[0]
     check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)

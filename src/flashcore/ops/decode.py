@@ -15,7 +15,7 @@ import torch
 from flashcore.ops import fwd, runtime
 from flashcore.ops import problem as pb
 from flashcore.ops.fwd import paged_mode
-from flashcore.ops.launch import MAX_ENTRIES, Launcher, cached
+from flashcore.ops.launch import Launcher, cached, remember
 from flashcore.tuning import (
     INTERPRETER_SMS,
     KVCACHE_PACKED_MIN_SEQLEN_Q,
@@ -108,11 +108,10 @@ def launch(
         return out.zero_(), lse.fill_(float("-inf"))
     with runtime.launch_on(q):
         out, lse = _run(p, q, k_cache, v_cache, cache_seqlens, block_table, alibi_slopes, sinks)
-    used = (q, k_cache, v_cache, cache_seqlens, block_table)
-    if learn is not None and all(a is b for a, b in zip(given, used, strict=True)):
-        if len(_LEARNED) >= MAX_ENTRIES:
-            _LEARNED.clear()
-        _LEARNED[learn] = (functools.partial(_run, p), _PLANS)
+    if learn is not None and pb.used_as_given(
+        given, (q, k_cache, v_cache, cache_seqlens, block_table)
+    ):
+        remember(_LEARNED, learn, (functools.partial(_run, p), _PLANS))
     return out, lse
 
 

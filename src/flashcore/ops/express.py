@@ -11,7 +11,7 @@ allocates its outputs and launches the kept plan, and nothing else.
 
 Sound because every check the API makes of these calls depends only on what the key holds, so
 a key seen before is a key that passed them: a call whose key is new, or that differs in
-anything the key leaves out, takes the full path (``forward`` and ``decode`` return None).
+anything the key leaves out, takes the full path (``forward`` and ``decode`` give no result).
 What a key leaves out and is therefore checked per call, each under a microsecond:
 
 - the options other than ``causal``, ``scale`` (None or a float) and, for decoding,
@@ -56,28 +56,26 @@ def _plain_call(t: torch.Tensor) -> bool:
     return not t.is_cuda or t.get_device() == _current_device()
 
 
-def _options_plain(causal: object, scale: object, return_lse: object) -> bool:
-    return (
-        type(causal) is bool
-        and type(return_lse) is bool
-        and (scale is None or type(scale) is float)
-    )
+def _keyable(causal: object, scale: object, return_lse: object, *tensors: object) -> bool:
+    """Whether a call with these options and tensors (q first) may be keyed: flags that are
+    bools, a scale None or a float, plain tensors, none recording autograd, and a state
+    ``_plain_call`` allows."""
+    if type(causal) is not bool or type(return_lse) is not bool:
+        return False
+    if scale is not None and type(scale) is not float:
+        return False
+    for t in tensors:
+        if type(t) is not _Tensor:
+            return False
+    if _grad_enabled():
+        for t in tensors:
+            if t.requires_grad:
+                return False
+    return _plain_call(tensors[0])
 
 
-def forward_key(q: object, k: object, v: object, causal: object, scale: object) -> tuple | None:
-    """The key of a dense ``attention`` call with only these arguments (and ``return_lse``,
-    which changes no launch), or None where the call cannot take a kept launch: not three plain
-    tensors, one of them recording autograd, or a state ``_plain_call`` excludes."""
-    if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
-        return None
-    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return None
-    if not _plain_call(q):
-        return None
-    return (
-        q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
-        v.shape, v.stride(), v.dtype, v.device, causal, scale, runtime.current_tier(),
-    )  # fmt: skip
+def _signature(t: torch.Tensor) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.device
 
 
 def forward(
@@ -85,12 +83,11 @@ def forward(
 ) -> tuple[tuple | None, tuple | None]:
     """``(key, (out, lse))`` where a call of this signature was learned (and its tensors are
     aligned), ``(key, None)`` otherwise: the caller checks the inputs and calls ``forward_first``
-    with the key (None where the call cannot take a kept launch)."""
-    if not _options_plain(causal, scale, return_lse):
+    with the key (None where the call cannot take a kept launch). ``return_lse`` changes no
+    launch: it is not in the key."""
+    if not _keyable(causal, scale, return_lse, q, k, v):
         return None, None
-    key = forward_key(q, k, v, causal, scale)
-    if key is None:
-        return None, None
+    key = (_signature(q), _signature(k), _signature(v), causal, scale, runtime.current_tier())
     run = _fwd.learned(key)
     if run is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         return key, None
@@ -105,7 +102,7 @@ def forward_first(
     return _fwd.launch(q, k, v, causal, scale, learn=key)
 
 
-def decode_key(
+def decode(
     q: object,
     k_cache: object,
     v_cache: object,
@@ -115,54 +112,25 @@ def decode_key(
     scale: object,
     num_splits: object,
     return_lse: object,
-) -> tuple | None:
-    """The key of an ``attention_with_kvcache`` call with only these arguments, or None where it
-    cannot take a kept launch (as ``forward_key``). Not under ``flashcore.checked()``, which
-    reads the lengths and the block table each call: the caller does not ask then."""
-    if not _options_plain(causal, scale, return_lse) or not (
-        num_splits is None or type(num_splits) is int
-    ):
-        return None
-    if (
-        type(q) is not _Tensor
-        or type(k_cache) is not _Tensor
-        or type(v_cache) is not _Tensor
-        or type(cache_seqlens) is not _Tensor
-    ):
-        return None
-    if block_table is None:
-        table = None
-    elif type(block_table) is _Tensor:
-        table = (block_table.shape, block_table.stride(), block_table.dtype, block_table.device)
-    else:
-        return None
-    if _grad_enabled() and (q.requires_grad or k_cache.requires_grad or v_cache.requires_grad):
-        return None
-    if not _plain_call(q):
-        return None
-    return (
-        q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype,
-        k_cache.device, v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
-        cache_seqlens.shape, cache_seqlens.stride(), cache_seqlens.dtype, cache_seqlens.device,
-        table, causal, scale, num_splits, runtime.current_tier(),
-    )  # fmt: skip
-
-
-def decode(
-    key: tuple | None,
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    block_table: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out, lse)`` where a call of ``key`` was learned, else None (the caller checks the
-    inputs and calls ``decode_first``)."""
-    if key is None:
-        return None
+) -> tuple[tuple | None, tuple | None]:
+    """``attention_with_kvcache``'s ``forward``: ``(key, (out, lse))`` where a call of this
+    signature was learned, ``(key, None)`` otherwise (the caller checks the inputs and calls
+    ``decode_first``). Not under ``flashcore.checked()``, which reads the lengths and the block
+    table each call: the caller does not ask then."""
+    if num_splits is not None and type(num_splits) is not int:
+        return None, None
+    tensors = (q, k_cache, v_cache, cache_seqlens)
+    if block_table is not None:
+        tensors += (block_table,)
+    if not _keyable(causal, scale, return_lse, *tensors):
+        return None, None
+    # With a block table the key holds five signatures, else four: the two never meet.
+    key = (*map(_signature, tensors), causal, scale, num_splits, runtime.current_tier())
     run = _decode.learned(key)
     # Its plan holds for any addresses (the launcher takes its full key for misaligned ones).
-    return None if run is None else run(q, k_cache, v_cache, cache_seqlens, block_table)
+    if run is None:
+        return key, None
+    return key, run(q, k_cache, v_cache, cache_seqlens, block_table)
 
 
 def decode_first(key: tuple, *args) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 from flashcore import tuning
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
-from flashcore.ops.launch import MAX_ENTRIES, cached
+from flashcore.ops.launch import cached, remember
 from flashcore.tuning import FwdConfig, fwd_config
 
 
@@ -85,6 +85,9 @@ def launch(
     # A call captured into a CUDA graph has no host cost at replay: the Hopper forward from
     # smaller problems on, and descriptors for small portable ones too (tuning).
     capturing = runtime.capturing(q)
+    # Whether this call's launch is kept for ops.express (``learn``): on the caller's own
+    # tensors, aligned, not captured.
+    keep = learn is not None and aligned and not capturing and pb.used_as_given(given, (q, k, v))
     if config is None and runtime.forward_tier(q.device) == "sm90":
         # Whether the Hopper forward runs, and its launch, per problem signature (as the
         # portable plan below): the tier's checks and choice cost tens of microseconds of
@@ -108,7 +111,7 @@ def launch(
 
             fwd_sm90.launch(hopper, q, k, v, out, lse, alibi if alibi_slopes is not None else None,
                             sinks, varlen, block_table)  # fmt: skip
-            if learn is not None and aligned and not capturing and _same(given, (q, k, v)):
+            if keep:
                 _learn(learn, functools.partial(_learned_sm90, hopper, v.shape[-1]))
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
@@ -134,14 +137,9 @@ def launch(
         # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
         table = lse if block_table is None else pb.page_table(block_table, k, plan[2]["PAGED"])
         _launch(plan, q, k, v, out, lse, cu, alibi, sinks, table)
-    if learn is not None and aligned and not capturing and _same(given, (q, k, v)):
+    if keep:
         _learn(learn, functools.partial(_learned_portable, plan, v.shape[-1]))
     return out, lse
-
-
-def _same(given: tuple, used: tuple) -> bool:
-    """Whether the kernels were given the caller's tensors themselves (none was copied)."""
-    return all(a is b for a, b in zip(given, used, strict=True))
 
 
 def _launch(plan: tuple, q, k, v, out, lse, cu: tuple, alibi, sinks, table) -> None:
@@ -185,9 +183,7 @@ def forget() -> None:
 
 
 def _learn(key: tuple, run: Callable) -> None:
-    if len(_LEARNED) >= MAX_ENTRIES:
-        _LEARNED.clear()
-    _LEARNED[key] = (run, _PLANS, _SM90_PLANS, tuning.TMA_MIN_FLOPS)
+    remember(_LEARNED, key, (run, _PLANS, _SM90_PLANS, tuning.TMA_MIN_FLOPS))
 
 
 def _outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -147,10 +147,8 @@ class Launcher:
 
     def _remember(self, meta: dict, device: int, scalars: tuple, hit: tuple) -> None:
         """Keep ``hit`` for later ``planned`` calls with this ``meta`` (``__call__``)."""
-        if len(self.planned) >= MAX_ENTRIES:
-            self.planned.clear()
         # The entry holds ``meta`` itself: while it is kept, no other dict can take its id.
-        self.planned[id(meta)] = (meta, device, scalars, hit)
+        remember(self.planned, id(meta), (meta, device, scalars, hit))
 
     def _launch(self, hit: tuple, grid: tuple, device: int, pointers: list, args: tuple) -> None:
         """Launch a kept kernel (``compiled``'s entry ``hit``) with these arguments."""
@@ -181,14 +179,12 @@ class Launcher:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(first_launch_in_capture(self.fn)) from e
             raise
-        if len(self.compiled) >= MAX_ENTRIES:
-            self.compiled.clear()
         names = self.fn.arg_names[len(args) :]
         constexprs = tuple(meta[n] for n in names)
         direct = _runs_directly(kernel)
         if direct:
             direct = TensorMaps.of(kernel, self.num_pointers) or True
-        self.compiled[key] = (kernel, constexprs, direct)
+        remember(self.compiled, key, (kernel, constexprs, direct))
         return kernel
 
 
@@ -401,9 +397,15 @@ def cached(cache: dict, key: Any, build: Callable[[], Any]) -> Any:
     (a miss costs only the work ``build`` does)."""
     value = cache.get(key)
     if value is None:
-        if len(cache) >= MAX_ENTRIES:
-            cache.clear()
-        value = cache[key] = build()
+        value = remember(cache, key, build())
+    return value
+
+
+def remember(cache: dict, key: Any, value: Any) -> Any:
+    """``cache[key] = value`` in a map that starts over past MAX_ENTRIES keys; returns value."""
+    if len(cache) >= MAX_ENTRIES:
+        cache.clear()
+    cache[key] = value
     return value
 
 

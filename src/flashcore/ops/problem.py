@@ -289,6 +289,12 @@ def unit_stride_last_dim(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def used_as_given(given: tuple, used: tuple) -> bool:
+    """Whether a launcher ran on the caller's tensors themselves (``unit_stride_last_dim`` copied
+    none): what a launch kept for the caller's signature (``ops.express``) needs."""
+    return all(a is b for a, b in zip(given, used, strict=True))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
