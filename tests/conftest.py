@@ -45,12 +45,14 @@ def _seed():
 
 @pytest.fixture(autouse=True)
 def _no_kept_launches():
-    """Each test starts without the launches ``ops.express`` kept for earlier tests' calls: a
-    test that monkeypatches the runtime (capability, tiers, capture) plans its own calls."""
-    from flashcore.ops import decode, fwd
+    """Each test starts without the launches ``ops.express`` and ``ops.bwd`` ("Quick
+    backwards") kept for earlier tests' calls: a test that monkeypatches the runtime
+    (capability, tiers, capture) plans its own calls."""
+    from flashcore.ops import bwd, decode, fwd
 
     fwd._LEARNED.clear()
     decode._LEARNED.clear()
+    bwd._QUICK.clear()
 
 
 def pytest_runtest_logreport(report):

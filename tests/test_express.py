@@ -7,8 +7,8 @@ import torch
 
 import flashcore
 from flashcore import api
-from flashcore.ops import decode, fwd
-from helpers import check_forward, make_qkv
+from flashcore.ops import bwd, decode, fwd
+from helpers import check_backward, check_forward, check_grads, make_qkv, require_sm90
 from shapes import Case, DecodeCase
 from test_decode import check_decode, make_kvcache
 
@@ -170,3 +170,82 @@ def test_dispatch_modes_still_see_the_ops(device):
     with _Recorder() as rec:
         flashcore.attention_with_kvcache(qd, kc, vc, cache_seqlens=lens)
     assert any("flashcore.attn_kvcache" in op for op in rec.ops), rec.ops
+
+
+QUICK_CASES = [Case(1, 2, 1, 37, 45, 32), Case(2, 4, 2, 1024, 1024, 128)]
+
+
+@pytest.mark.parametrize("tier", ["portable", "sm90"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", QUICK_CASES, ids=["ragged", "d128"])
+def test_quick_backward_repeats_the_first(case, causal, tier, device):
+    """A backward without options keeps its launches on a GPU (``ops.bwd``, "Quick
+    backwards"): a repeat of its signature takes them, with the first's gradients bit for bit,
+    and on other tensors of the signature right by FlashAttention's rule. Nothing is kept
+    under the interpreter (nothing is compiled)."""
+    if tier == "sm90":
+        require_sm90()
+    if device == "cpu" and case.seqlen_q > 64:
+        pytest.skip("a GPU case (the interpreter keeps nothing)")
+    q, k, v = make_qkv(case, torch.bfloat16, device)
+    dout = torch.randn(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=device)
+
+    def grads(q, k, v):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with flashcore.use_tier(tier):
+            out = flashcore.attention(*leaves, causal=causal)
+        out.backward(dout)
+        return [t.grad for t in leaves]
+
+    first = grads(q, k, v)
+    kept = len(bwd._QUICK)
+    assert kept == (1 if device == "cuda" else 0)
+    second = grads(q, k, v)
+    assert len(bwd._QUICK) == kept
+    # dQ of the Hopper backward is a sum of atomic adds, equal to rounding only: checked below.
+    assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+    if tier == "portable":
+        assert torch.equal(first[0], second[0])
+    check_grads({"q": second[0]}, q, k, v, dout, causal=causal)
+    q2, k2, v2 = (t.flip(2).contiguous() for t in (q, k, v))
+    dq, dk, dv = grads(q2, k2, v2)
+    check_grads({"q": dq, "k": dk, "v": dv}, q2, k2, v2, dout, causal=causal)
+    assert len(bwd._QUICK) == kept
+
+
+def test_quick_backward_keeps_nothing_with_options(device):
+    """A backward with a gradient reaching the LSE, a window, or under ``deterministic`` plans
+    each call (their launches depend on more than the signature); their gradients are right."""
+    q, k, v = make_qkv(QUICK_CASES[0], torch.float16, device)
+    check_backward(q, k, v, causal=False, window=(8, 0))
+    dout = torch.randn_like(q)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    flashcore.attention(*leaves, deterministic=True).backward(dout)
+    check_grads(dict(zip("qkv", (t.grad for t in leaves), strict=True)), q, k, v, dout,
+                causal=False)  # fmt: skip
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = flashcore.attention(*leaves, return_lse=True)
+    (out.float().sum() + lse.sum()).backward()
+    assert not bwd._QUICK
+
+
+@pytest.mark.gpu
+def test_quick_backward_misaligned_tensors_take_the_full_path(device):
+    """A repeat of a kept signature on tensors that are not 16-byte aligned plans as a first
+    call would, and is right. (Captured calls: tests/test_graphs.py captures backwards after
+    eager ones of the same signature.)"""
+    if device != "cuda":
+        pytest.skip("needs a CUDA device")
+    case = QUICK_CASES[0]
+    q, k, v = make_qkv(case, torch.float16, device)
+    check_backward(q, k, v, causal=True)
+    assert len(bwd._QUICK) == 1
+    # The same shape and strides one element into a larger buffer: 2-byte aligned.
+    shifted = []
+    for t in (q, k, v):
+        buf = torch.empty(t.numel() + 1, dtype=t.dtype, device=device)
+        view = buf[1:].view(t.shape)
+        view.copy_(t)
+        shifted.append(view)
+    check_backward(*shifted, causal=True)
+    assert len(bwd._QUICK) == 1

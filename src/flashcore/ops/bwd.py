@@ -1,15 +1,28 @@
 """Backward launcher: allocates ``dq``, ``dk``, ``dv`` and delta, picks the config, launches the
-dQ kernel (which also writes delta) and then the dK/dV kernel."""
+dQ kernel (which also writes delta) and then the dK/dV kernel.
+
+Quick backwards: a backward without options (no LSE gradient, window, softcap, ALiBi, sinks,
+packing or ``deterministic``) depends on nothing but its signature (each tensor's shape,
+strides and dtype, the device, ``causal``, ``scale``, the tier in effect): its first call keeps
+what it launched (``_QUICK``), and a later call of the signature allocates the gradients and
+calls the kernels' native launchers with its own addresses (``ops.launch.Bound``), skipping the
+stride normalisation, the tier's choice, both plan keys and the per-launch checks of
+``Launcher``. What the key leaves out is checked per call: capture, the current device, launch
+hooks, 16-byte aligned addresses. Measured on the H200 machine's host:
+docs/performance_host.md, "Quick backwards".
+"""
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 
+from flashcore import tuning
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
-from flashcore.ops.launch import Launcher, cached
+from flashcore.ops.launch import Bound, Launcher, cached, current_stream, no_launch_hooks, remember
 from flashcore.tuning import BwdConfig, bwd_config, head_block, sm90_backward, sm90_backward_work
 
 
@@ -69,6 +82,24 @@ def launch(
     reduce-adds, so the last bits may vary between runs. These kernels write every gradient from
     one program (bit-identical over runs).
     """
+    quick = None
+    if (
+        dlse is None and sinks is None and alibi_slopes is None and varlen is None
+        and config is None and not deterministic and softcap == 0.0 and window == (-1, -1)
+    ):  # fmt: skip
+        # A quick backward (module docstring): this signature's kept launches, if any.
+        quick = (
+            q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), out.stride(),
+            dout.stride(), lse.shape, lse.stride(), q.dtype, out.dtype, dout.dtype, lse.dtype,
+            q.device, dout.device, causal, scale, runtime.current_tier(),
+            torch.are_deterministic_algorithms_enabled(),
+        )  # fmt: skip
+        run = _quick(quick)
+        if run is not None and _plain_call(q):
+            grads = run(dout, q, k, v, out, lse)
+            if grads is not None:
+                return grads
+    given = (q, k, v, out, dout, lse)
     # The kernels address the head dim with unit stride (see kernels/fwd.py, Invariants).
     q = pb.unit_stride_last_dim(q)
     k = pb.unit_stride_last_dim(k)
@@ -105,13 +136,14 @@ def launch(
         # follow from the inputs' and their addresses are aligned; the inputs' alignment is part
         # of the key.
         aligned = (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16 == 0
+        capturing = runtime.capturing(q)
         key = (
             q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.device,
             causal, window, None if alibi_slopes is None else alibi_slopes.dtype, aligned,
             runtime.tier_forced(), None if varlen is None else pb.problem_dims(q, k, varlen),
-            runtime.capturing(q),
+            capturing,
         )  # fmt: skip
-        if key[-1] and runtime.in_capture(q):
+        if capturing and runtime.in_capture(q):
             key = runtime.warmed_key(_SM90, key)
         hopper = _SM90.get(key)
         if hopper is None:
@@ -121,10 +153,16 @@ def launch(
         if hopper:
             from flashcore.ops import bwd_sm90
 
+            kept = [] if quick is not None and not capturing else None
             delta = bwd_sm90.attn_bwd_sm90(
                 dout, q, k, v, out, lse, causal, scale, dlse, dq, dk, dv,
-                window=window, softcap=softcap, alibi=alibi_slopes, varlen=varlen,
+                window=window, softcap=softcap, alibi=alibi_slopes, varlen=varlen, quick=kept,
             )[3]  # fmt: skip
+            if (
+                kept and kept[0] is not None and lse.is_contiguous()
+                and pb.used_as_given(given, (q, k, v, out, dout, lse))
+            ):  # fmt: skip
+                _keep(quick, kept[0])
             if sinks is None:
                 return dq, dk, dv, None
             return dq, dk, dv, sink_grad(sinks, lse, delta)
@@ -166,7 +204,98 @@ def launch(
             kv_meta,
             planned=True,
         )
+    if (
+        quick is not None
+        and pb.used_as_given(given, (q, k, v, out, dout, lse))
+        and (q.data_ptr() | k.data_ptr() | v.data_ptr() | out.data_ptr() | dout.data_ptr()
+             | lse.data_ptr()) % 16 == 0
+        and not runtime.capturing(q)
+    ):  # fmt: skip
+        _keep(quick, _portable_quick(plan, q.get_device(), dq_kernel, dkdv_kernel))
     return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
+
+
+# Quick backwards (module docstring): key -> (run, the plan maps and floors it was chosen
+# under). A run takes (dout, q, k, v, out, lse) of the key's signature and returns (dq, dk, dv,
+# None), or None where the addresses are not 16-byte aligned.
+_QUICK: dict[tuple, tuple] = {}
+
+
+def _quick(key: tuple) -> Callable | None:
+    """The run kept for this key, or None: also where the plan maps it was chosen from were
+    replaced since or the Hopper backward's eager floor changed (tests do either; ``forget``)."""
+    entry = _QUICK.get(key)
+    if (
+        entry is None
+        or entry[1] is not _PLANS
+        or entry[2] is not _SM90
+        or entry[3] != tuning.SM90_BWD_MIN_FLOPS
+    ):
+        return None
+    return entry[0]
+
+
+def _keep(key: tuple, run: Callable | None) -> None:
+    if run is not None:
+        remember(_QUICK, key, (run, _PLANS, _SM90, tuning.SM90_BWD_MIN_FLOPS))
+
+
+def forget() -> None:
+    """Drop every plan, choice and quick backward: the next call of each signature plans
+    again."""
+    _PLANS.clear()
+    _SM90.clear()
+    _QUICK.clear()
+
+
+def _plain_call(q: torch.Tensor) -> bool:
+    """What a quick backward needs of the call beyond its key: not captured, q's device the
+    current one, no launch hook registered."""
+    return (
+        not runtime.capturing(q)
+        and q.get_device() == torch.cuda.current_device()
+        and no_launch_hooks()
+    )
+
+
+def _portable_quick(
+    plan: tuple, device: int, dq_kernel: Launcher, dkdv_kernel: Launcher
+) -> Callable | None:
+    """The quick run of this portable plan's launches by these launchers (both made below
+    ``Launcher``), or None."""
+    (q_grid, _, q_meta), (kv_grid, _, kv_meta) = plan
+    dq_launch = Bound.of(dq_kernel, q_grid, q_meta)
+    dkdv_launch = Bound.of(dkdv_kernel, kv_grid, kv_meta)
+    if dq_launch is None or dkdv_launch is None:
+        return None
+    return functools.partial(_run_portable, dq_launch, dkdv_launch, device)
+
+
+def _run_portable(
+    dq_launch: Bound, dkdv_launch: Bound, device: int, dout, q, k, v, out, lse
+) -> tuple | None:
+    """``launch``'s portable launches of a kept plan on these tensors (``_portable_quick``)."""
+    a_q, a_k, a_v, a_out, a_dout, a_lse = (
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(), lse.data_ptr()
+    )  # fmt: skip
+    if (a_q | a_k | a_v | a_out | a_dout | a_lse) % 16:
+        return None
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    delta = torch.empty_like(lse)
+    a_delta = delta.data_ptr()
+    stream = current_stream(device)
+    # As ``launch`` passes them: the LSE stands in for dlse and the ALiBi slopes; no offsets.
+    dq_launch(
+        stream, (a_q, a_k, a_v, a_out, a_dout, a_lse, a_lse, a_delta, dq.data_ptr(), None, None,
+                 a_lse),
+    )  # fmt: skip
+    dkdv_launch(
+        stream, (a_q, a_k, a_v, a_dout, a_lse, a_delta, dk.data_ptr(), dv.data_ptr(), None, None,
+                 a_lse),
+    )  # fmt: skip
+    return dq, dk, dv, None
 
 
 def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

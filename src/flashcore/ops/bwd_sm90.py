@@ -37,7 +37,7 @@ from flashcore.ops.fwd_sm90 import (
     padded_head_dims,
     tma_ok,
 )
-from flashcore.ops.launch import Descriptor, Launcher, cached
+from flashcore.ops.launch import Bound, Descriptor, Launcher, cached, current_stream
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
 BLOCK_N = 128  # keys per program
@@ -324,6 +324,7 @@ def attn_bwd_sm90(
     softcap: float = 0.0,
     alibi: torch.Tensor | None = None,
     varlen: pb.Varlen | None = None,
+    quick: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv, delta)`` of ``out, lse = attention(q, k, v, causal, scale)`` for inputs that
     passed ``supports`` (with the same ``dq``, ``dk``, ``dv``; not checked again here, the caller
@@ -347,6 +348,10 @@ def attn_bwd_sm90(
     k, v ``(total_k, Hkv, D)``, lse and dlse ``(H, total_q)``; the kernels see ``(1, heads,
     total, D)`` views (``fwd_sm90.packed_view``), the row stats and the dQ accumulator are those
     of one sequence of ``total_q`` rows, and each program finds its sequence in the offsets.
+
+    ``quick``: a list, to which the call appends the ``Quick`` run of its launches (None where
+    the problem has options or copies that a quick run does not make: ``ops.bwd``'s "Quick
+    backwards").
     """
     # Everything but the tensors per problem signature (the split, grids, scalars, constexprs,
     # descriptor layouts, whether out and dout need a copy the copy engine can address): tens of
@@ -427,7 +432,105 @@ def attn_bwd_sm90(
     if p.split:
         groups = q.shape[1] // k.shape[1]
         dk, dv = _group_sum(dk, dk_out, groups), _group_sum(dv, dv_out, groups)
+    elif quick is not None:
+        quick.append(
+            None if varlen is not None or alibi is not None or dlse is not None
+            or p.copy_out or p.copy_dout else Quick.of(p, q.get_device())
+        )  # fmt: skip
     return dq, dk, dv, delta.view(p.delta_shape)[..., : lse.shape[-1]]
+
+
+class Quick:
+    """``attn_bwd_sm90`` of one dense problem signature without a LSE gradient, ALiBi, the split
+    or copies, below ``Launcher`` (``ops.bwd``, "Quick backwards"): the three launches of its
+    plan bound (``ops.launch.Bound``), the main kernel's tensor maps kept per set of addresses
+    (the shapes and strides are the signature's). ``run(dout, q, k, v, out, lse)`` returns
+    ``(dq, dk, dv, None)``, or None where an address is not 16-byte aligned."""
+
+    __slots__ = ("convert", "device", "fronts", "main", "plan", "prep")
+
+    # Sets of addresses whose main-kernel arguments are kept, per signature; past this many the
+    # map starts over (a miss encodes nine tensor maps, as the full path's first call does).
+    MAX_FRONTS = 64
+
+    def __init__(self, plan: Plan, device: int, prep: Bound, main: Bound, convert: Bound):
+        self.plan = plan
+        self.device = device
+        self.prep = prep
+        self.main = main
+        self.convert = convert
+        self.fronts: dict[tuple, list] = {}
+
+    @classmethod
+    def of(cls, plan: Plan, device: int) -> Quick | None:
+        prep, main = kernels()
+        launches = (
+            Bound.of(prep, plan.prep_grid, plan.prep_meta),
+            Bound.of(main, plan.main_grid, plan.main_meta),
+            Bound.of(dq_kernel(), plan.dq_grid, plan.dq_meta),
+        )
+        if None in launches:
+            return None
+        return cls(plan, device, *launches)
+
+    def __call__(self, dout, q, k, v, out, lse) -> tuple | None:
+        a_q, a_k, a_v, a_out, a_dout, a_lse = (
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), dout.data_ptr(),
+            lse.data_ptr(),
+        )  # fmt: skip
+        if (a_q | a_k | a_v | a_out | a_dout | a_lse) % 16:
+            return None
+        p = self.plan
+        # As attn_bwd_sm90 allocates: delta, lse2 and the dQ accumulator in one fp32 buffer.
+        fp32 = lse.new_empty((2 * p.rows + math.prod(p.acc_shape),))
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        dv = torch.empty_like(v)
+        delta = fp32.data_ptr()
+        lse2 = delta + 4 * p.rows
+        acc = lse2 + 4 * p.rows
+        stream = current_stream(self.device)
+        # The LSE stands in for dlse (never read without HAS_DLSE).
+        self.prep(stream, (a_out, a_dout, a_lse, a_lse, delta, lse2, acc))
+        a_dk, a_dv = dk.data_ptr(), dv.data_ptr()
+        addresses = (a_q, a_k, a_v, a_dout, delta, a_dk, a_dv, a_lse)
+        front = self.fronts.get(addresses)
+        if front is None:
+            front = self._front(addresses, q, k, v, dout, fp32, dk, dv)
+        self.main(stream, front)
+        self.convert(stream, (acc, dq.data_ptr()))
+        return dq, dk, dv, None
+
+    def _front(self, addresses: tuple, q, k, v, dout, fp32, dk, dv) -> list:
+        """The main kernel's pointer arguments for these tensors, as ``attn_bwd_sm90`` passes
+        them (nine descriptors expanded, then the plain pointers), kept under ``addresses``."""
+        p = self.plan
+        acc_numel = math.prod(p.acc_shape)
+        delta, lse2, dq_acc = fp32.split_with_sizes((p.rows, p.rows, acc_numel))
+        dq_acc = dq_acc.view(p.acc_shape)
+        box, dq_box = p.boxes
+        tile, rows_1d, dq_tile = p.layouts
+        descs = (
+            Descriptor(q, box, tile),
+            Descriptor(k, box, tile),
+            Descriptor(v, box, tile),
+            Descriptor(dout, box, tile),
+            Descriptor(lse2, [ROWS], rows_1d),
+            Descriptor(delta, [ROWS], rows_1d),
+            Descriptor(dq_view(dq_acc) if p.permuted_rows else dq_acc, dq_box, dq_tile),
+            Descriptor(dk, box, tile),
+            Descriptor(dv, box, tile),
+        )
+        front = []
+        for i, d in enumerate(descs):
+            front += self.main.expand(i, d)
+        _, _, _, _, a_delta, a_dk, a_dv, a_lse = addresses
+        # ALiBi's pointer and both offsets: the LSE stands in (never read).
+        front += (a_lse, a_lse, a_lse, a_dk, a_dv, a_delta + 4 * p.rows, a_delta)
+        if len(self.fronts) >= self.MAX_FRONTS:
+            self.fronts.clear()
+        self.fronts[addresses] = front
+        return front
 
 
 class Plan(NamedTuple):

@@ -335,6 +335,57 @@ class TensorMaps:
         )  # fmt: skip
 
 
+class Bound:
+    """One planned launch of a kernel that ``TensorMaps`` launches, everything but its pointer
+    arguments bound: ``bound(stream, front)`` calls the native launcher as ``TensorMaps.launch``
+    does, ``front`` being the pointer arguments expanded (addresses; each descriptor as
+    ``expand`` gives it). For launchers of one problem signature that compute their own
+    addresses (``ops.bwd``, "Quick backwards"); ``of`` gives None where no such launch was
+    made (the plan's first call went through Triton, a hook was registered, the kernel is not
+    launched below ``CudaLauncher``)."""
+
+    __slots__ = ("grid", "head", "maps", "native", "tail")
+
+    def __init__(self, maps: TensorMaps, kernel: Any, grid: tuple, scalars: tuple, constexprs):
+        self.maps = maps
+        self.native = maps.native
+        self.grid = grid + (1,) * (3 - len(grid))
+        self.head = (
+            kernel.function, maps.coop, maps.pdl, None, None, kernel.packed_metadata, None,
+            None, None,
+        )  # fmt: skip
+        self.tail = (*scalars, *constexprs)
+
+    @classmethod
+    def of(cls, launcher: Launcher, grid: tuple, meta: dict) -> Bound | None:
+        """The launch ``launcher(grid, args, meta, planned=True)`` made directly for this plan's
+        ``meta`` (its scalars those of that call), or None."""
+        memo = launcher.planned.get(id(meta))
+        if memo is None or memo[0] is not meta:
+            return None
+        kernel, constexprs, direct = memo[3]
+        if type(direct) is not TensorMaps:
+            return None
+        return cls(direct, kernel, grid, memo[2], constexprs)
+
+    def expand(self, position: int, descriptor: Descriptor) -> list:
+        """The arguments that descriptor ``descriptor`` at pointer ``position`` stands for."""
+        return self.maps.encode(descriptor, self.maps.metas[position])
+
+    def __call__(self, stream: int, front: tuple | list) -> None:
+        self.native(*self.grid, stream, *self.head, *front, *self.tail)
+
+
+def current_stream(device: int) -> int:
+    """The current stream of CUDA device ``device``, as the launches above read it."""
+    return _driver.active.get_current_stream(device)
+
+
+def no_launch_hooks() -> bool:
+    """Whether a ``Bound`` launch may run now: no launch hook registered (``_no_launch_hooks``)."""
+    return _no_launch_hooks()
+
+
 def _no_launch_hooks() -> bool:
     """Whether no launch hook would run: both of Triton's hooks None or chains without calls."""
     runtime = _knobs.runtime
