@@ -99,18 +99,33 @@ def test_misaligned_tensors_take_the_full_path(device):
     assert next(iter(fwd._LEARNED.values())) is run  # the aligned launch stays kept
 
 
-def test_autograd_and_empty_calls_keep_nothing(device):
-    """A call that records autograd takes the registry's autograd path (its gradients right);
-    an empty problem launches nothing, so nothing is kept."""
-    q, k, v = (t.requires_grad_() for t in make_qkv(CASE, torch.float16, device))
-    out = flashcore.attention(q, k, v)
-    out.sum().backward()
-    assert q.grad is not None and not fwd._LEARNED
-    with torch.no_grad():
-        flashcore.attention(q, k, v)
-    assert len(fwd._LEARNED) == 1
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_autograd_calls_share_the_kept_launch(return_lse, device, monkeypatch):
+    """A call that records autograd keeps its launch as one that does not (the same launch),
+    and a repeat either way runs it inside the autograd Function, skipping the checks: the
+    same outputs bit for bit, gradients (through the LSE too) right. An empty problem
+    launches nothing, so nothing is kept."""
+    checks = count_checks(monkeypatch)
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    dout = torch.randn_like(q)
+    dlse = torch.randn(q.shape[:3], device=device) if return_lse else None
+    results = []
+    for grad in (True, True, False):
+        leaves = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        out, lse = flashcore.attention(*leaves, causal=True, return_lse=True)
+        assert len(fwd._LEARNED) == 1 and out.requires_grad is grad
+        results.append((out.detach(), lse.detach()))
+        if grad:
+            torch.autograd.backward(
+                (out, lse) if return_lse else out, (dout, dlse)[: 1 + return_lse]
+            )
+            grads = dict(zip("qkv", (t.grad for t in leaves), strict=True))
+            check_grads(grads, q, k, v, dout, causal=True, dlse=dlse)
+    assert len(checks) == 1
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
     empty = torch.empty(1, 2, 0, 32, dtype=torch.float16, device=device)
-    flashcore.attention(empty, k.detach(), v.detach())
+    flashcore.attention(empty, k, v)
     assert len(fwd._LEARNED) == 1
 
 
@@ -172,7 +187,7 @@ def test_dispatch_modes_still_see_the_ops(device):
     assert any("flashcore.attn_kvcache" in op for op in rec.ops), rec.ops
 
 
-QUICK_CASES = [Case(1, 2, 1, 37, 45, 32), Case(2, 4, 2, 1024, 1024, 128)]
+QUICK_CASES = [Case(1, 2, 1, 37, 45, 32), Case(2, 4, 4, 1024, 1024, 128)]
 
 
 @pytest.mark.parametrize("tier", ["portable", "sm90"])

@@ -48,7 +48,7 @@ def use_tier(name: str):
     3e10 FLOPs up (3e9 captured into a CUDA graph, no floor at head dim 64;
     ``tuning.sm90_forward``), the sm90
     backward at head dim 128 from 512 queries and keys on (causal: 1024), at 64 from 1024,
-    and 6e10 FLOPs up (no FLOP floor captured into a CUDA graph; ``tuning.sm90_backward``),
+    and 3e10 FLOPs up (no FLOP floor captured into a CUDA graph; ``tuning.sm90_backward``),
     the portable kernels otherwise. A packed (varlen) batch without a block table takes the
     sm90 forward and backward by the same rules on its mean lengths (the forward at head dim
     64 from a mean of 2048 on; the backward at head dim 128 from a mean of 256, causal 384, at

@@ -17,10 +17,12 @@ What a key leaves out and is therefore checked per call, each under a microsecon
 - the options other than ``causal``, ``scale`` (None or a float) and, for decoding,
   ``num_splits`` (None or an int): any other option given takes the full path, as does a flag
   that is not a ``bool`` or a scale of another type (the full path raises or converts);
-- autograd: a call that records a graph (grad mode on and a tensor that requires grad), and
-  the dispatch states ``ops.registry.direct`` sends to the registered ops (torch.compile
-  tracing, dispatch modes, functorch transforms, tensor subclasses: the key holds each
-  tensor's exact type);
+- autograd: a forward call that records a graph (grad mode on and a tensor that requires grad)
+  runs its kept launch inside the registry's autograd Function (``ops.registry.attention_kept``),
+  whose backward is the same as the full path's; a decoding call that records one takes the
+  full path (the op has no backward, and raises). The dispatch states ``ops.registry.direct``
+  sends to the registered ops (torch.compile tracing, dispatch modes, functorch transforms,
+  tensor subclasses: the key holds each tensor's exact type) take the full path;
 - CUDA graphs: a call being captured (or under ``flashcore.warmup``'s ``as_captured``) plans
   as a capture does; under ``flashcore.checked()`` the API reads values and does not ask;
 - the device: the launch goes to the current device, which must be the tensors';
@@ -34,10 +36,14 @@ that launches (not an empty one). Measured on the H200 machine's host: docs/perf
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from flashcore.checks import check_scale
 from flashcore.ops import decode as _decode
 from flashcore.ops import fwd as _fwd
+from flashcore.ops import registry as _registry
 from flashcore.ops import runtime
 
 _Tensor = torch.Tensor
@@ -56,9 +62,12 @@ def _plain_call(t: torch.Tensor) -> bool:
     return not t.is_cuda or t.get_device() == _current_device()
 
 
-def _keyable(causal: object, scale: object, return_lse: object, *tensors: object) -> bool:
+def _keyable(
+    causal: object, scale: object, return_lse: object, *tensors: object, recording: bool = False
+) -> bool:
     """Whether a call with these options and tensors (q first) may be keyed: flags that are
-    bools, a scale None or a float, plain tensors, none recording autograd, and a state
+    bools, a scale None or a float, plain tensors, none recording autograd (unless
+    ``recording``: the forward's kept launch runs inside the autograd Function too), and a state
     ``_plain_call`` allows."""
     if type(causal) is not bool or type(return_lse) is not bool:
         return False
@@ -67,11 +76,16 @@ def _keyable(causal: object, scale: object, return_lse: object, *tensors: object
     for t in tensors:
         if type(t) is not _Tensor:
             return False
-    if _grad_enabled():
+    if not recording and _grad_enabled():
         for t in tensors:
             if t.requires_grad:
                 return False
     return _plain_call(tensors[0])
+
+
+def _records(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether a forward call records autograd (its output then needs the autograd Function)."""
+    return _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -85,12 +99,16 @@ def forward(
     aligned), ``(key, None)`` otherwise: the caller checks the inputs and calls ``forward_first``
     with the key (None where the call cannot take a kept launch). ``return_lse`` changes no
     launch: it is not in the key."""
-    if not _keyable(causal, scale, return_lse, q, k, v):
+    if not _keyable(causal, scale, return_lse, q, k, v, recording=True):
         return None, None
     key = (_signature(q), _signature(k), _signature(v), causal, scale, runtime.current_tier())
     run = _fwd.learned(key)
     if run is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
         return key, None
+    if _records(q, k, v):
+        # The backward takes the scale resolved, as the full path resolves it.
+        scale = check_scale(scale, q.shape[-1])
+        return key, _registry.attention_kept(run, q, k, v, causal, scale)
     return key, run(q, k, v)
 
 
@@ -98,7 +116,11 @@ def forward_first(
     key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A checked call of ``forward``'s key (``scale`` resolved): the launch the registry's
-    direct path makes for it (``ops.registry.attention`` without autograd), kept under the key."""
+    direct path makes for it (``ops.registry.attention``; through its autograd Function where
+    the call records autograd), kept under the key."""
+    if _records(q, k, v):
+        learn = functools.partial(_fwd.launch, causal=causal, scale=scale, learn=key)
+        return _registry.attention_kept(learn, q, k, v, causal, scale)
     return _fwd.launch(q, k, v, causal, scale, learn=key)
 
 

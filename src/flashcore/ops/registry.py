@@ -26,6 +26,7 @@ FlopCounterMode, functorch transforms, tensor subclasses) gets them.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -206,19 +207,26 @@ class _Attention(torch.autograd.Function):
     tensors and the same launchers, so the same numbers bit for bit.
 
     Inputs ``(q, k, v, sinks, options)``, ``options`` a tuple of the op's other arguments in
-    its order: only q, k, v and the sinks take a gradient, and every argument of ``apply`` costs
-    the call (16 arguments ~2.5 us more than 5 on the 2-core CPU machine). ``forward`` takes
+    its order and a kept forward launch or None (``attention_kept``): only q, k, v and the
+    sinks take a gradient, and every argument of ``apply`` costs the call (16 arguments ~2.5
+    us more than 5 on the 2-core CPU machine). ``forward`` takes
     ``ctx`` itself: with a separate ``setup_context`` every ``apply`` would bind its arguments
     through ``inspect.signature`` (tens of microseconds a call).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, options):
-        cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, table, det = options
-        output = _attn_fwd(
-            q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, sinks,
-            table, det,
-        )  # fmt: skip
+        cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, table, det, run = (
+            options
+        )
+        if run is not None:
+            # A dense call without options whose launch ops.express kept (attention_kept).
+            output = run(q, k, v)
+        else:
+            output = _attn_fwd(
+                q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi,
+                sinks, table, det,
+            )  # fmt: skip
         scalars = (max_q, max_k, causal, scale, left, right, softcap)
         _save(ctx, q, k, v, *output, cu_q, cu_k, alibi, sinks, scalars, table, det)
         return output
@@ -300,10 +308,22 @@ def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
             block_table = _unwrap(block_table)
         options = (
             cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
-            window_right, softcap, alibi_slopes, block_table, deterministic,
+            window_right, softcap, alibi_slopes, block_table, deterministic, None,
         )  # fmt: skip
         return _apply(_unwrap(q), _unwrap(k), _unwrap(v), sinks, options)
     return _attn_fwd(*args)
+
+
+def attention_kept(
+    run: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention`` of a dense call without options (no offsets, window, softcap, ALiBi, sinks
+    or ``deterministic``) that records autograd, its forward launch being ``run(q, k, v)``
+    (``ops.express``: a kept launch, or the first call's that keeps it): the same autograd
+    Function, saved tensors and backward as ``attention``'s. The caller has checked what
+    ``direct`` checks."""
+    options = (None, None, 0, 0, causal, scale, -1, -1, 0.0, None, None, False, run)
+    return _apply(_unwrap(q), _unwrap(k), _unwrap(v), None, options)
 
 
 def _attn_kvcache(
