@@ -372,20 +372,22 @@ def test_sm90_backward_flop_floor():
 @pytest.mark.parametrize(
     ("shape", "causal", "work", "want"),
     [
-        ((32, 16, 16, 512, 128), True, 6.44e10, True),  # 3.4e10 FLOPs in 2048 programs
-        ((32, 32, 32, 512, 64), True, 6.44e10, True),
-        ((2, 16, 16, 2048, 128), True, 4.19e10, False),  # the same FLOPs in 512 programs
-        ((2, 8, 8, 2048, 128), False, 3.704e10, False),  # 3.4e10 FLOPs in 128 programs
-        ((16, 32, 8, 512, 128), True, 4.83e10, False),  # GQA: a program per kv head
-        ((2, 16, 16, 2048, 128), False, 7.41e10, True),  # 6.9e10 FLOPs: over by FLOPs alone
+        ((16, 16, 16, 512, 128), True, 3.221e10, True),  # 1.7e10 FLOPs in 1024 programs
+        ((16, 32, 32, 512, 64), True, 3.221e10, True),
+        ((4, 16, 16, 1024, 128), True, 2.47e10, False),  # the same FLOPs in 512 programs
+        ((2, 8, 8, 2048, 128), True, 2.094e10, False),  # and in 128
+        ((8, 32, 8, 512, 128), True, 2.416e10, False),  # GQA: a program per kv head
+        ((8, 32, 32, 512, 128), True, 3.221e10, True),  # the same without GQA
+        ((2, 8, 8, 2048, 128), False, 3.704e10, True),  # 3.4e10 FLOPs: over by FLOPs alone
     ],
 )
 def test_sm90_backward_work_counts_programs(shape, causal, work, want):
     """The eager floor weighs the Hopper backward's work as its grid does it: each program (128
     keys of one kv head) costs ``SM90_BWD_PROGRAM_STEPS`` steps of 64 query rows besides its
     products, and causal one more for each query head's key block; many short programs pass
-    the floor at fewer FLOPs (the cases: docs/performance_backward.md, "The eager floor counts
-    programs")."""
+    the floor (``tuning.SM90_BWD_MIN_FLOPS``, 3e10) at fewer FLOPs (docs/performance_backward.md,
+    "The eager floor counts programs"; the floor: docs/performance_host.md, "Quick
+    backwards")."""
     from flashcore import tuning
 
     batch, heads, kv_heads, seqlen, head_dim = shape
