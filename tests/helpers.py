@@ -186,9 +186,11 @@ def check_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, *, causal: bool, backwar
 
 def record_backward_tiers(monkeypatch) -> list[str]:
     """Record which backward each call runs, in order: "sm90" (``ops.bwd_sm90.attn_bwd_sm90``)
-    or "portable" (the kernels of ``ops.bwd``); both still run."""
+    or "portable" (the kernels of ``ops.bwd``); both still run. Quick backwards (``ops.bwd``),
+    which a repeated signature would take without either, are off meanwhile."""
     from flashcore.ops import bwd, bwd_sm90
 
+    monkeypatch.setattr(bwd, "_quick", lambda key: None)
     ran = []
     real_sm90, real_portable = bwd_sm90.attn_bwd_sm90, bwd.kernels
 

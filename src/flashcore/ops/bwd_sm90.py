@@ -447,11 +447,13 @@ class Quick:
     (the shapes and strides are the signature's). ``run(dout, q, k, v, out, lse)`` returns
     ``(dq, dk, dv, None)``, or None where an address is not 16-byte aligned."""
 
-    __slots__ = ("convert", "device", "fronts", "main", "plan", "prep")
+    __slots__ = ("convert", "device", "fronts", "main", "parts", "plan", "prep")
 
-    # Sets of addresses whose main-kernel arguments are kept, per signature; past this many the
-    # map starts over (a miss encodes nine tensor maps, as the full path's first call does).
+    # Sets of addresses whose main-kernel arguments are kept, per signature, and single
+    # descriptors' expansions by address; past these many each map starts over (a descriptor
+    # seen for the first time is encoded, as the full path's first call encodes all nine).
     MAX_FRONTS = 64
+    MAX_PARTS = 1024
 
     def __init__(self, plan: Plan, device: int, prep: Bound, main: Bound, convert: Bound):
         self.plan = plan
@@ -460,6 +462,7 @@ class Quick:
         self.main = main
         self.convert = convert
         self.fronts: dict[tuple, list] = {}
+        self.parts: dict[tuple, list] = {}
 
     @classmethod
     def of(cls, plan: Plan, device: int) -> Quick | None:
@@ -503,28 +506,38 @@ class Quick:
 
     def _front(self, addresses: tuple, q, k, v, dout, fp32, dk, dv) -> list:
         """The main kernel's pointer arguments for these tensors, as ``attn_bwd_sm90`` passes
-        them (nine descriptors expanded, then the plain pointers), kept under ``addresses``."""
+        them (nine descriptors expanded, then the plain pointers), kept under ``addresses``;
+        each descriptor's expansion kept under its own address too (``parts``), so that a new
+        combination of addresses seen before encodes nothing."""
         p = self.plan
-        acc_numel = math.prod(p.acc_shape)
-        delta, lse2, dq_acc = fp32.split_with_sizes((p.rows, p.rows, acc_numel))
-        dq_acc = dq_acc.view(p.acc_shape)
         box, dq_box = p.boxes
         tile, rows_1d, dq_tile = p.layouts
-        descs = (
-            Descriptor(q, box, tile),
-            Descriptor(k, box, tile),
-            Descriptor(v, box, tile),
-            Descriptor(dout, box, tile),
-            Descriptor(lse2, [ROWS], rows_1d),
-            Descriptor(delta, [ROWS], rows_1d),
-            Descriptor(dq_view(dq_acc) if p.permuted_rows else dq_acc, dq_box, dq_tile),
-            Descriptor(dk, box, tile),
-            Descriptor(dv, box, tile),
-        )
+        a_q, a_k, a_v, a_dout, a_delta, a_dk, a_dv, a_lse = addresses
+        parts = self.parts
+        views = []
+
+        def stats(i: int) -> Descriptor:
+            # delta, lse2 and the accumulator: views of the one fp32 buffer (made once a miss).
+            if not views:
+                delta, lse2, acc = fp32.split_with_sizes((p.rows, p.rows, math.prod(p.acc_shape)))
+                acc = acc.view(p.acc_shape)
+                views.extend((
+                    Descriptor(lse2, [ROWS], rows_1d), Descriptor(delta, [ROWS], rows_1d),
+                    Descriptor(dq_view(acc) if p.permuted_rows else acc, dq_box, dq_tile),
+                ))  # fmt: skip
+            return views[i - 4]
+
+        tensors = {0: q, 1: k, 2: v, 3: dout, 7: dk, 8: dv}
         front = []
-        for i, d in enumerate(descs):
-            front += self.main.expand(i, d)
-        _, _, _, _, a_delta, a_dk, a_dv, a_lse = addresses
+        for i, address in enumerate((a_q, a_k, a_v, a_dout, a_delta, a_delta, a_delta, a_dk, a_dv)):
+            part = parts.get((i, address))
+            if part is None:
+                t = tensors.get(i)
+                part = self.main.expand(i, stats(i) if t is None else Descriptor(t, box, tile))
+                if len(parts) >= self.MAX_PARTS:
+                    parts.clear()
+                parts[(i, address)] = part
+            front += part
         # ALiBi's pointer and both offsets: the LSE stands in (never read).
         front += (a_lse, a_lse, a_lse, a_dk, a_dv, a_delta + 4 * p.rows, a_delta)
         if len(self.fronts) >= self.MAX_FRONTS:
