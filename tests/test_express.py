@@ -264,3 +264,55 @@ def test_quick_backward_misaligned_tensors_take_the_full_path(device):
         shifted.append(view)
     check_backward(*shifted, causal=True)
     assert len(bwd._QUICK) == 1
+
+
+@pytest.mark.parametrize("permuted", [False, True], ids=["rows", "permuted"])
+def test_quick_hopper_backward_arguments(permuted):
+    """``bwd_sm90.Quick`` passes the main kernel the arguments ``attn_bwd_sm90`` passes it:
+    the descriptors of q, k, v, dout, lse2, delta, the dQ accumulator (the permuted view where
+    the plan permutes its rows), dk, dv, then the LSE for ALiBi and both offsets, dk, dv, lse2,
+    delta; each descriptor's expansion is kept under its address, so that a new set of
+    addresses encodes only its new tensors. (On the CPU: a stand-in for the expansion.)"""
+    import math
+    import types
+
+    from flashcore.ops import bwd_sm90
+
+    b, h, s, d = 2, 3, 128, 64
+    rows = b * h * s
+    plan = types.SimpleNamespace(
+        rows=rows, acc_shape=(b, h, s, d), permuted_rows=permuted, layouts=("tile", "1d", "dq"),
+        boxes=([1, 1, 64, d], [8, 4, 2, d // 2] if permuted else [1, 1, 64, d // 2]),
+    )  # fmt: skip
+    encoded = []
+
+    class Main:
+        def expand(self, i, desc):
+            encoded.append(i)
+            return [(i, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides),
+                     list(desc.block_shape), desc.layout)]  # fmt: skip
+
+    quick = bwd_sm90.Quick(plan, 0, None, Main(), None)
+    q, k, v, dout, dk, dv = (torch.randn(b, h, s, d) for _ in range(6))
+    lse = torch.randn(b, h, s)
+    fp32 = torch.empty(2 * rows + math.prod(plan.acc_shape))
+    delta, lse2, acc = fp32.split_with_sizes((rows, rows, rows * d))
+    acc = acc.view(plan.acc_shape)
+    acc = bwd_sm90.dq_view(acc) if permuted else acc
+    addresses = [t.data_ptr() for t in (q, k, v, dout, fp32, dk, dv, lse)]
+    front = quick._front(tuple(addresses), q, k, v, dout, fp32, dk, dv)
+    tile, dq_box = [1, 1, 64, d], plan.boxes[1]
+    want = [
+        (i, t.data_ptr(), tuple(t.shape), t.stride(), box, layout)
+        for i, (t, box, layout) in enumerate([
+            (q, tile, "tile"), (k, tile, "tile"), (v, tile, "tile"), (dout, tile, "tile"),
+            (lse2, [64], "1d"), (delta, [64], "1d"), (acc, dq_box, "dq"), (dk, tile, "tile"),
+            (dv, tile, "tile"),
+        ])
+    ]  # fmt: skip
+    plain = [lse.data_ptr()] * 3 + [dk.data_ptr(), dv.data_ptr(), lse2.data_ptr(), delta.data_ptr()]
+    assert front == want + plain and encoded == list(range(9))
+    dk2 = torch.randn_like(dk)
+    addresses[5] = dk2.data_ptr()
+    front = quick._front(tuple(addresses), q, k, v, dout, fp32, dk2, dv)
+    assert encoded == [*range(9), 7] and front[7][1] == dk2.data_ptr()
