@@ -277,13 +277,13 @@ SM90_BWD_MIN_SEQLEN_VARLEN_D64 = 384
 # 0.55x; D=64 (2, 8, 2048) 0.87x / 0.59x, (1, 32, 1024) 0.96x / 0.71x), so a capture has no
 # floor.
 # Since the quick backwards (ops/bwd.py: a repeated signature's launches kept and called below
-# the launcher), the Hopper path's host cost a call fell from 155-224 to 49-75 us and the
-# portable one's from 75-114 to 38-64 (H200 machine, bwd.launch with an idle GPU, medians of six
+# the launcher), the Hopper path's host cost a call fell from 134-224 to 42-75 us and the
+# portable one's from 77-114 to 40-64 (H200 machine, bwd.launch with an idle GPU, medians of six
 # rounds; docs/performance_host.md, "Quick backwards"), and the floor came down from 6e10 to
-# 3e10: same script, one H200 call, bf16, sm90 / portable time with both quick: 0.97-1.32x
-# (median 1.06) at 18 problems of 1e9-2.1e10 work, 1.00x at 2.5e10 ((4, 16, 1024, 128) causal),
-# 0.59-0.74x at 3.7e10-7.4e10 ((2, 8, 2048, 128), (4, 16, 1024, 128), (2, 16, 2048, 128) causal
-# and not).
+# 3e10: scripts/bwd_tier_floor.py, one H200 call, bf16, sm90 / portable time with both quick:
+# 0.97-1.32x (median 1.06) at 17 problems of 1e9-2.1e10 work, 1.00x at 2.5e10 ((4, 16, 1024,
+# 128) causal), 0.59-0.74x at 3.7e10-7.4e10 ((2, 8, 2048, 128), (4, 16, 1024, 128), (2, 16,
+# 2048, 128) causal and not).
 SM90_BWD_MIN_FLOPS = 3e10
 SM90_BWD_MIN_FLOPS_GRAPH = 0.0
 # What a program of the Hopper backward (one 128-key block of one kv head) costs besides its
