@@ -209,9 +209,9 @@ class _Attention(torch.autograd.Function):
     Inputs ``(q, k, v, sinks, options)``, ``options`` a tuple of the op's other arguments in
     its order and a kept forward launch or None (``attention_kept``): only q, k, v and the
     sinks take a gradient, and every argument of ``apply`` costs the call (16 arguments ~2.5
-    us more than 5 on the 2-core CPU machine). ``forward`` takes
-    ``ctx`` itself: with a separate ``setup_context`` every ``apply`` would bind its arguments
-    through ``inspect.signature`` (tens of microseconds a call).
+    us more than 5 on the 2-core CPU machine). ``forward`` takes ``ctx`` itself: with a
+    separate ``setup_context`` every ``apply`` would bind its arguments through
+    ``inspect.signature`` (tens of microseconds a call).
     """
 
     @staticmethod
