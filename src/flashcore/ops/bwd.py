@@ -22,7 +22,15 @@ import torch
 from flashcore import tuning
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
-from flashcore.ops.launch import Bound, Launcher, cached, current_stream, no_launch_hooks, remember
+from flashcore.ops.launch import (
+    Bound,
+    Launcher,
+    cached,
+    current_stream,
+    keep,
+    kept,
+    no_launch_hooks,
+)
 from flashcore.tuning import BwdConfig, bwd_config, head_block, sm90_backward, sm90_backward_work
 
 
@@ -225,20 +233,12 @@ _QUICK: dict[tuple, tuple] = {}
 def _quick(key: tuple) -> Callable | None:
     """The run kept for this key, or None: also where the plan maps it was chosen from were
     replaced since or the Hopper backward's eager floor changed (tests do either; ``forget``)."""
-    entry = _QUICK.get(key)
-    if (
-        entry is None
-        or entry[1] is not _PLANS
-        or entry[2] is not _SM90
-        or entry[3] != tuning.SM90_BWD_MIN_FLOPS
-    ):
-        return None
-    return entry[0]
+    return kept(_QUICK, key, _PLANS, _SM90, tuning.SM90_BWD_MIN_FLOPS)
 
 
 def _keep(key: tuple, run: Callable | None) -> None:
     if run is not None:
-        remember(_QUICK, key, (run, _PLANS, _SM90, tuning.SM90_BWD_MIN_FLOPS))
+        keep(_QUICK, key, run, _PLANS, _SM90, tuning.SM90_BWD_MIN_FLOPS)
 
 
 def forget() -> None:

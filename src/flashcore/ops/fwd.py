@@ -10,7 +10,7 @@ import torch
 from flashcore import tuning
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
-from flashcore.ops.launch import cached, remember
+from flashcore.ops.launch import cached, keep, kept
 from flashcore.tuning import FwdConfig, fwd_config
 
 
@@ -164,15 +164,7 @@ _LEARNED: dict[tuple, tuple] = {}
 def learned(key: tuple) -> Callable | None:
     """The run ``launch(learn=key)`` kept, or None: also where the plan maps it came from were
     replaced since or the TMA floor changed (tests do either to plan again; ``forget``)."""
-    entry = _LEARNED.get(key)
-    if (
-        entry is None
-        or entry[1] is not _PLANS
-        or entry[2] is not _SM90_PLANS
-        or entry[3] != tuning.TMA_MIN_FLOPS
-    ):
-        return None
-    return entry[0]
+    return kept(_LEARNED, key, _PLANS, _SM90_PLANS, tuning.TMA_MIN_FLOPS)
 
 
 def forget() -> None:
@@ -183,7 +175,7 @@ def forget() -> None:
 
 
 def _learn(key: tuple, run: Callable) -> None:
-    remember(_LEARNED, key, (run, _PLANS, _SM90_PLANS, tuning.TMA_MIN_FLOPS))
+    keep(_LEARNED, key, run, _PLANS, _SM90_PLANS, tuning.TMA_MIN_FLOPS)
 
 
 def _outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tensor]:

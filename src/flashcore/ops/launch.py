@@ -460,6 +460,21 @@ def remember(cache: dict, key: Any, value: Any) -> Any:
     return value
 
 
+def kept(cache: dict, key: Any, plans: dict, choices: dict, floor: float) -> Any:
+    """The run kept in ``cache`` under ``key`` (``keep``), or None: also where it was kept
+    under other plan maps than ``plans`` and ``choices`` (tests replace them to plan again) or
+    another ``floor`` (a tuning floor its choice read)."""
+    entry = cache.get(key)
+    if entry is None or entry[1] is not plans or entry[2] is not choices or entry[3] != floor:
+        return None
+    return entry[0]
+
+
+def keep(cache: dict, key: Any, run: Any, plans: dict, choices: dict, floor: float) -> None:
+    """Keep ``run`` under ``key`` with what ``kept`` checks it against."""
+    remember(cache, key, (run, plans, choices, floor))
+
+
 def full_descriptors(args: tuple) -> tuple:
     """``args`` with each ``Descriptor`` made a TensorDescriptor: Triton's own launch path (and
     its interpreter) specialises on the real class."""
