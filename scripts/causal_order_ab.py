@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import flashcore
-from flashcore.ops import bwd_sm90, fwd, fwd_sm90
+from flashcore.ops import bwd, bwd_sm90, fwd, fwd_sm90
 
 CHOSEN = {"fwd": fwd_sm90.causal_order, "bwd": bwd_sm90.lpt_group}
 
@@ -36,13 +36,15 @@ def previous_order(costs, heads, sms, persistent, kv_bytes):
 
 
 def use(mode: str, name: str) -> None:
-    """Switch the launcher to ``name``'s order ("new" or "old") and drop the kept plans."""
+    """Switch the launcher to ``name``'s order ("new" or "old") and drop the kept plans (and
+    the launches kept per signature, ops.express's and the quick backwards)."""
     if mode == "fwd":
         fwd_sm90.causal_order = CHOSEN["fwd"] if name == "new" else previous_order
-        fwd._SM90_PLANS.clear()
+        fwd.forget()
     else:
         bwd_sm90.lpt_group = CHOSEN["bwd"] if name == "new" else (lambda heads, nbytes: 1)
         bwd_sm90._PLANS.clear()
+        bwd.forget()
 
 
 def ab(text: str, bwd: bool, rounds: int) -> None:

@@ -86,7 +86,7 @@ def main() -> None:
                 continue
             decode.decode_config = lambda *a, cfg=cfg, **kw: cfg
             # Launch plans are kept per problem signature and split count, not per config.
-            decode._PLANS.clear()
+            decode.forget()  # the plans and ops.express's kept launches
             try:
                 call = functools.partial(
                     flashcore.attention_with_kvcache,
@@ -105,7 +105,7 @@ def main() -> None:
                 continue
             finally:
                 decode.decode_config = tuned_config
-                decode._PLANS.clear()
+                decode.forget()  # the plans and ops.express's kept launches
             rows.append((ms, cfg, splits, f"err {err:.1e}"))
         rows.sort(key=lambda r: r[0])
         where = f" pages of {args.page_size}" if paged else ""
