@@ -64,7 +64,7 @@ def configs(mla: bool) -> dict:
 def use(name: str, mla: bool = False) -> None:
     cfg = configs(mla)[name]
     sm90.pick_config = CHOSEN if cfg is None else (lambda *args, **kwargs: cfg)
-    fwd._SM90_PLANS.clear()
+    fwd.forget()  # the plans and ops.express's kept launches
 
 
 def call(name: str, q, k, v, causal: bool):
