@@ -447,7 +447,7 @@ class Quick:
     (the shapes and strides are the signature's). ``run(dout, q, k, v, out, lse)`` returns
     ``(dq, dk, dv, None)``, or None where an address is not 16-byte aligned."""
 
-    __slots__ = ("convert", "device", "fronts", "main", "parts", "plan", "prep")
+    __slots__ = ("convert", "device", "fronts", "main", "numel", "parts", "plan", "prep")
 
     # Sets of addresses whose main-kernel arguments are kept, per signature, and single
     # descriptors' expansions by address; past these many each map starts over (a descriptor
@@ -457,6 +457,8 @@ class Quick:
 
     def __init__(self, plan: Plan, device: int, prep: Bound, main: Bound, convert: Bound):
         self.plan = plan
+        # delta, lse2 and the dQ accumulator: one fp32 buffer, as attn_bwd_sm90 allocates it.
+        self.numel = 2 * plan.rows + math.prod(plan.acc_shape)
         self.device = device
         self.prep = prep
         self.main = main
@@ -483,15 +485,14 @@ class Quick:
         )  # fmt: skip
         if (a_q | a_k | a_v | a_out | a_dout | a_lse) % 16:
             return None
-        p = self.plan
-        # As attn_bwd_sm90 allocates: delta, lse2 and the dQ accumulator in one fp32 buffer.
-        fp32 = lse.new_empty((2 * p.rows + math.prod(p.acc_shape),))
+        rows = self.plan.rows
+        fp32 = lse.new_empty((self.numel,))
         dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         dv = torch.empty_like(v)
         delta = fp32.data_ptr()
-        lse2 = delta + 4 * p.rows
-        acc = lse2 + 4 * p.rows
+        lse2 = delta + 4 * rows
+        acc = lse2 + 4 * rows
         stream = current_stream(self.device)
         # The LSE stands in for dlse (never read without HAS_DLSE).
         self.prep(stream, (a_out, a_dout, a_lse, a_lse, delta, lse2, acc))

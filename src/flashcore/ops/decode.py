@@ -15,7 +15,7 @@ import torch
 from flashcore.ops import fwd, runtime
 from flashcore.ops import problem as pb
 from flashcore.ops.fwd import paged_mode
-from flashcore.ops.launch import Launcher, cached, remember
+from flashcore.ops.launch import Launcher, cached, keep, kept
 from flashcore.tuning import (
     INTERPRETER_SMS,
     KVCACHE_PACKED_MIN_SEQLEN_Q,
@@ -111,7 +111,7 @@ def launch(
     if learn is not None and pb.used_as_given(
         given, (q, k_cache, v_cache, cache_seqlens, block_table)
     ):
-        remember(_LEARNED, learn, (functools.partial(_run, p), _PLANS))
+        keep(_LEARNED, learn, functools.partial(_run, p), _PLANS)
     return out, lse
 
 
@@ -157,7 +157,8 @@ def _run(
     return out, lse
 
 
-# Launches learned by ``ops.express``'s keys: key -> (run, the plan map it was planned under).
+# Launches learned by ``ops.express``'s keys (``ops.launch.keep``: the run and the plan map it
+# was planned under).
 # A run takes (q, k_cache, v_cache, cache_seqlens, block_table) of the key's signature.
 _LEARNED: dict[tuple, tuple] = {}
 
@@ -165,10 +166,7 @@ _LEARNED: dict[tuple, tuple] = {}
 def learned(key: tuple) -> Callable | None:
     """The run ``launch(learn=key)`` kept, or None (also where ``_PLANS`` was replaced since:
     tests do that to plan again; ``forget``)."""
-    entry = _LEARNED.get(key)
-    if entry is None or entry[1] is not _PLANS:
-        return None
-    return entry[0]
+    return kept(_LEARNED, key, _PLANS)
 
 
 def forget() -> None:

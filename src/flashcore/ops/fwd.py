@@ -87,7 +87,7 @@ def launch(
     capturing = runtime.capturing(q)
     # Whether this call's launch is kept for ops.express (``learn``): on the caller's own
     # tensors, aligned, not captured.
-    keep = learn is not None and aligned and not capturing and pb.used_as_given(given, (q, k, v))
+    keeps = learn is not None and aligned and not capturing and pb.used_as_given(given, (q, k, v))
     if config is None and runtime.forward_tier(q.device) == "sm90":
         # Whether the Hopper forward runs, and its launch, per problem signature (as the
         # portable plan below): the tier's checks and choice cost tens of microseconds of
@@ -111,7 +111,7 @@ def launch(
 
             fwd_sm90.launch(hopper, q, k, v, out, lse, alibi if alibi_slopes is not None else None,
                             sinks, varlen, block_table)  # fmt: skip
-            if keep:
+            if keeps:
                 _learn(learn, functools.partial(_learned_sm90, hopper, v.shape[-1]))
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
@@ -137,7 +137,7 @@ def launch(
         # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
         table = lse if block_table is None else pb.page_table(block_table, k, plan[2]["PAGED"])
         _launch(plan, q, k, v, out, lse, cu, alibi, sinks, table)
-    if keep:
+    if keeps:
         _learn(learn, functools.partial(_learned_portable, plan, v.shape[-1]))
     return out, lse
 

@@ -155,7 +155,7 @@ class Launcher:
         kernel, constexprs, direct = hit
         num_pointers = self.num_pointers
         grid = grid + (1,) * (3 - len(grid))
-        if direct and _no_launch_hooks():
+        if direct and no_launch_hooks():
             stream = _driver.active.get_current_stream(device)
             if type(direct) is TensorMaps:
                 # Below CudaLauncher and its descriptor unpacking (``TensorMaps``).
@@ -305,10 +305,7 @@ class TensorMaps:
     ) -> None:
         """``pointers``: the pointer arguments, tensors already as their addresses."""
         if self.plain:
-            self.native(
-                *grid, stream, kernel.function, self.coop, self.pdl, None, None,
-                kernel.packed_metadata, None, None, None, *pointers, *scalars, *constexprs,
-            )  # fmt: skip
+            self.native(*grid, stream, *self.head(kernel), *pointers, *scalars, *constexprs)
             return
         maps = self.maps
         front = []
@@ -329,9 +326,16 @@ class TensorMaps:
                         maps.clear()
                     maps[key] = expanded
             front += expanded
-        self.native(
-            *grid, stream, kernel.function, self.coop, self.pdl, None, None,
-            kernel.packed_metadata, None, None, None, *front, *scalars, *constexprs,
+        self.native(*grid, stream, *self.head(kernel), *front, *scalars, *constexprs)
+
+    def head(self, kernel: Any) -> tuple:
+        """The native launcher's arguments between the stream and the kernel's own, as
+        ``CudaLauncher.__call__`` passes them: the function, the cooperative and PDL flags, the
+        global and profile scratch (None: ``of`` takes only kernels without), the packed
+        metadata, then the launch metadata and both hooks (None: ``no_launch_hooks``)."""
+        return (
+            kernel.function, self.coop, self.pdl, None, None, kernel.packed_metadata, None, None,
+            None,
         )  # fmt: skip
 
 
@@ -350,10 +354,7 @@ class Bound:
         self.maps = maps
         self.native = maps.native
         self.grid = grid + (1,) * (3 - len(grid))
-        self.head = (
-            kernel.function, maps.coop, maps.pdl, None, None, kernel.packed_metadata, None,
-            None, None,
-        )  # fmt: skip
+        self.head = maps.head(kernel)
         self.tail = (*scalars, *constexprs)
 
     @classmethod
@@ -382,12 +383,8 @@ def current_stream(device: int) -> int:
 
 
 def no_launch_hooks() -> bool:
-    """Whether a ``Bound`` launch may run now: no launch hook registered (``_no_launch_hooks``)."""
-    return _no_launch_hooks()
-
-
-def _no_launch_hooks() -> bool:
-    """Whether no launch hook would run: both of Triton's hooks None or chains without calls."""
+    """Whether no launch hook would run: both of Triton's hooks None or chains without calls
+    (a direct launch, ``Launcher``'s or a ``Bound`` one, may skip them then)."""
     runtime = _knobs.runtime
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     return (enter is None or (type(enter) is _hook_chain and not enter.calls)) and (
@@ -460,7 +457,9 @@ def remember(cache: dict, key: Any, value: Any) -> Any:
     return value
 
 
-def kept(cache: dict, key: Any, plans: dict, choices: dict, floor: float) -> Any:
+def kept(
+    cache: dict, key: Any, plans: dict, choices: dict | None = None, floor: float | None = None
+) -> Any:
     """The run kept in ``cache`` under ``key`` (``keep``), or None: also where it was kept
     under other plan maps than ``plans`` and ``choices`` (tests replace them to plan again) or
     another ``floor`` (a tuning floor its choice read)."""
@@ -470,7 +469,14 @@ def kept(cache: dict, key: Any, plans: dict, choices: dict, floor: float) -> Any
     return entry[0]
 
 
-def keep(cache: dict, key: Any, run: Any, plans: dict, choices: dict, floor: float) -> None:
+def keep(
+    cache: dict,
+    key: Any,
+    run: Any,
+    plans: dict,
+    choices: dict | None = None,
+    floor: float | None = None,
+) -> None:
     """Keep ``run`` under ``key`` with what ``kept`` checks it against."""
     remember(cache, key, (run, plans, choices, floor))
 
