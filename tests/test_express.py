@@ -170,6 +170,43 @@ def test_decode_repeat_takes_the_kept_launch(block_size, device, monkeypatch):
         flashcore.attention_with_kvcache(q, k, v, cache_seqlens=too_long, block_table=table)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("block_size", [0, 16, 256], ids=["dense", "paged16", "paged256"])
+def test_quick_decode_repeats_the_first(block_size, splits, device):
+    """On a GPU a decode call's kept launch calls the kernels' native launchers itself
+    (``ops.decode._run_quick``, the splits' partials in one workspace): a repeat gives the
+    first call's out and LSE bit for bit, with and without ``return_lse``, on other lengths
+    right by FlashAttention's rule, and a misaligned q takes the full launcher, also bit for
+    bit."""
+    if device != "cuda":
+        pytest.skip("needs a CUDA device (the interpreter keeps nothing compiled)")
+    case = DecodeCase(3, 8, 2, 1, 1000, 64, (1000, 377, 1), block_size)
+    q, k, v, lens, table = make_kvcache(case, torch.float16, device)
+
+    def call(q, **options):
+        return flashcore.attention_with_kvcache(
+            q, k, v, cache_seqlens=lens, block_table=table, num_splits=splits, **options
+        )
+
+    first = call(q, return_lse=True)  # through Launcher (``_run``); its launches kept
+    ((run, *_),) = decode._LEARNED.values()
+    assert run.func is decode._run_quick
+    check_decode(q, k, v, lens, table, causal=True, num_splits=splits)
+    again = call(q, return_lse=True)
+    assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    assert torch.equal(call(q), first[0])
+    buf = torch.empty(q.numel() + 1, dtype=q.dtype, device=device)
+    shifted = buf[1:].view(q.shape)
+    shifted.copy_(q)
+    assert shifted.data_ptr() % 16
+    moved = call(shifted, return_lse=True)
+    assert torch.equal(moved[0], first[0]) and torch.equal(moved[1], first[1])
+    lens.sub_(torch.tensor([500, 0, 1], dtype=lens.dtype, device=device))
+    check_decode(q, k, v, lens, table, causal=True, num_splits=splits)
+    assert len(decode._LEARNED) == 1
+
+
 def test_dispatch_modes_still_see_the_ops(device):
     """After a kept launch, a call under a dispatch mode of the same signature goes through the
     registered op (as ``ops.registry.direct`` sends it), for both functions."""

@@ -15,7 +15,15 @@ import torch
 from flashcore.ops import fwd, runtime
 from flashcore.ops import problem as pb
 from flashcore.ops.fwd import paged_mode
-from flashcore.ops.launch import Launcher, cached, keep, kept
+from flashcore.ops.launch import (
+    Bound,
+    Launcher,
+    cached,
+    current_stream,
+    keep,
+    kept,
+    no_launch_hooks,
+)
 from flashcore.tuning import (
     INTERPRETER_SMS,
     KVCACHE_PACKED_MIN_SEQLEN_Q,
@@ -111,7 +119,8 @@ def launch(
     if learn is not None and pb.used_as_given(
         given, (q, k_cache, v_cache, cache_seqlens, block_table)
     ):
-        keep(_LEARNED, learn, functools.partial(_run, p), _PLANS)
+        run = _quick(p, q.get_device()) if q.is_cuda else None
+        keep(_LEARNED, learn, run or functools.partial(_run, p), _PLANS)
     return out, lse
 
 
@@ -124,8 +133,10 @@ def _run(
     block_table: torch.Tensor | None,
     alibi_slopes: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    lse_wanted: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Allocate ``(out, lse)`` and launch ``p`` on these tensors (on the current device)."""
+    """Allocate ``(out, lse)`` and launch ``p`` on these tensors (on the current device).
+    ``lse_wanted`` changes nothing here (``_run_quick`` takes it)."""
     # empty_like and new_empty parse fewer arguments than torch.empty: 2.1-4.2, 3.1-6.0 and
     # 4.0-7.0 us a call on the H200 machine's host (docs/performance_host.md).
     out = torch.empty_like(q) if p.out_like_q else q.new_empty(p.out_shape)
@@ -157,9 +168,86 @@ def _run(
     return out, lse
 
 
+def _quick(p: Plan, device: int) -> Callable | None:
+    """The quick run of plan ``p`` (``_run_quick``), whose launches were made below
+    ``Launcher`` on CUDA device ``device``, or None (``ops.launch.Bound.of``). Its workspace: the
+    splits' partial outputs, their LSEs and an LSE the caller does not want, in one fp32
+    allocation, each part at a 16-byte boundary."""
+    split_kernel, combine_kernel = kernels()
+    split = Bound.of(split_kernel, p.grid, p.split_meta)
+    combine = None
+    if p.num_splits > 1:
+        combine = Bound.of(combine_kernel, p.combine_grid, p.combine_meta)
+        if combine is None:
+            return None
+    if split is None:
+        return None
+    # Rows (B * H * Sq) rounded up to 4: every part then starts at a multiple of 16 bytes.
+    rows = pb.cdiv(p.out_shape[0] * p.out_shape[1] * p.out_shape[2], 4) * 4
+    if p.num_splits == 1:
+        parts = (0, 0, rows)
+    else:
+        parts = (p.num_splits * rows * p.out_shape[3], p.num_splits * rows, rows)
+    return functools.partial(_run_quick, split, combine, device, p, parts)
+
+
+def _run_quick(
+    split: Bound,
+    combine: Bound | None,
+    device: int,
+    p: Plan,
+    parts: tuple[int, int, int],
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor | None,
+    lse_wanted: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``_run(p, ...)`` without ``Launcher``: both kernels' native launchers called with this
+    call's addresses (the launches ``_quick`` bound), the splits' partials (and the LSE, unless
+    ``lse_wanted``) in one workspace. Returns ``(out, lse)``, lse None where not wanted. Takes
+    ``_run`` where a launch hook is registered or an address is not 16-byte aligned (the bound
+    kernels were compiled for aligned ones). Measured on the H200 machine's host:
+    docs/performance_host.md, "Quick decode launches"."""
+    if not no_launch_hooks():
+        return _run(p, q, k_cache, v_cache, cache_seqlens, block_table)
+    table = cache_seqlens
+    if block_table is not None:
+        table = pb.page_table(block_table, k_cache, p.split_meta["PAGED"])
+    a_q, a_k, a_v, a_len, a_table = (
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr(),
+        table.data_ptr(),
+    )  # fmt: skip
+    if (a_q | a_k | a_v | a_len | a_table) % 16:
+        return _run(p, q, k_cache, v_cache, cache_seqlens, block_table)
+    out = torch.empty_like(q) if p.out_like_q else q.new_empty(p.out_shape)
+    o_numel, lse_part_numel, lse_numel = parts
+    lse = None
+    if lse_wanted:
+        lse = q.new_empty(p.out_shape[:3], dtype=torch.float32)
+        work_numel = o_numel + lse_part_numel
+    else:
+        work_numel = o_numel + lse_part_numel + lse_numel
+    work = q.new_empty(work_numel, dtype=torch.float32) if work_numel else None
+    a_work = 0 if work is None else work.data_ptr()
+    a_lse = lse.data_ptr() if lse_wanted else a_work + 4 * (o_numel + lse_part_numel)
+    a_out = out.data_ptr()
+    stream = current_stream(device)
+    # As ``_run`` passes them: the LSE stands in for the ALiBi slopes; no sinks.
+    if combine is None:
+        split(stream, (a_q, a_k, a_v, a_out, a_lse, a_len, a_table, a_lse, None))
+    else:
+        a_lse_part = a_work + 4 * o_numel
+        split(stream, (a_q, a_k, a_v, a_work, a_lse_part, a_len, a_table, a_lse, None))
+        combine(stream, (a_work, a_lse_part, a_out, a_lse))
+    return out, lse
+
+
 # Launches learned by ``ops.express``'s keys (``ops.launch.keep``: the run and the plan map it
 # was planned under).
-# A run takes (q, k_cache, v_cache, cache_seqlens, block_table) of the key's signature.
+# A run takes (q, k_cache, v_cache, cache_seqlens, block_table, lse_wanted) of the key's
+# signature.
 _LEARNED: dict[tuple, tuple] = {}
 
 

@@ -152,7 +152,7 @@ def decode(
     # Its plan holds for any addresses (the launcher takes its full key for misaligned ones).
     if run is None:
         return key, None
-    return key, run(q, k_cache, v_cache, cache_seqlens, block_table)
+    return key, run(q, k_cache, v_cache, cache_seqlens, block_table, lse_wanted=return_lse)
 
 
 def decode_first(key: tuple, *args) -> tuple[torch.Tensor, torch.Tensor]:
