@@ -227,6 +227,58 @@ def test_dispatch_modes_still_see_the_ops(device):
 QUICK_CASES = [Case(1, 2, 1, 37, 45, 32), Case(2, 4, 4, 1024, 1024, 128)]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case, tier, tiles",
+    [
+        (Case(1, 2, 1, 37, 45, 32), "portable", False),
+        (Case(2, 8, 8, 2048, 2048, 128), "portable", True),
+        (Case(2, 8, 8, 2048, 2048, 128), "sm90", True),
+    ],
+    ids=["pointers", "descriptors", "hopper"],
+)
+def test_quick_forward_repeats_the_first(case, tier, tiles, device):
+    """On a GPU a kept forward calls the kernel's native launcher itself (``ops.fwd.Quick``;
+    descriptors expanded once per address): a repeat gives the first call's out and LSE bit
+    for bit, recording autograd too; other tensors of the signature are right by
+    FlashAttention's rule; with a launch hook registered it launches through ``Launcher``, so
+    the hook sees it."""
+    if device != "cuda":
+        pytest.skip("needs a CUDA device (the interpreter keeps nothing compiled)")
+    if tier == "sm90":
+        require_sm90()
+    from triton import knobs
+
+    q, k, v = make_qkv(case, torch.bfloat16, device)
+    with flashcore.use_tier(tier):
+        first = flashcore.attention(q, k, v, return_lse=True)  # through Launcher; kept
+        ((run, *_),) = fwd._LEARNED.values()
+        assert type(run) is fwd.Quick and (run.describe is not None) == tiles
+        assert run.hopper == (tier == "sm90")
+        for _ in range(2):  # a new set of addresses, then the same again
+            again = flashcore.attention(q, k, v, return_lse=True)
+            assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        recorded = flashcore.attention(*leaves, return_lse=True)
+        assert recorded[0].requires_grad
+        assert torch.equal(recorded[0], first[0]) and torch.equal(recorded[1], first[1])
+        q2, k2, v2 = (t.flip(2).contiguous() for t in (q, k, v))
+        check_forward(*flashcore.attention(q2, k2, v2, return_lse=True), q2, k2, v2, causal=False)
+        seen = []
+
+        def hook(metadata):
+            seen.append(metadata.get()["name"])
+
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            hooked = flashcore.attention(q, k, v, return_lse=True)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        assert seen and seen[-1].startswith("attn_fwd")
+        assert torch.equal(hooked[0], first[0]) and torch.equal(hooked[1], first[1])
+        assert len(fwd._LEARNED) == 1
+
+
 @pytest.mark.parametrize("tier", ["portable", "sm90"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("case", QUICK_CASES, ids=["ragged", "d128"])

@@ -10,7 +10,15 @@ import torch
 from flashcore import tuning
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
-from flashcore.ops.launch import cached, keep, kept
+from flashcore.ops.launch import (
+    Bound,
+    Descriptor,
+    cached,
+    current_stream,
+    keep,
+    kept,
+    no_launch_hooks,
+)
 from flashcore.tuning import FwdConfig, fwd_config
 
 
@@ -112,7 +120,8 @@ def launch(
             fwd_sm90.launch(hopper, q, k, v, out, lse, alibi if alibi_slopes is not None else None,
                             sinks, varlen, block_table)  # fmt: skip
             if keeps:
-                _learn(learn, functools.partial(_learned_sm90, hopper, v.shape[-1]))
+                run = functools.partial(_learned_sm90, hopper, v.shape[-1])
+                _learn(learn, Quick.sm90(hopper, q.get_device(), v.shape[-1], run) or run)
             return out, lse
     # Everything but the pointers follows from this key (out's strides from q's shape and
     # strides, descriptor eligibility from strides and 16-byte alignment): the config, scalars
@@ -138,7 +147,8 @@ def launch(
         table = lse if block_table is None else pb.page_table(block_table, k, plan[2]["PAGED"])
         _launch(plan, q, k, v, out, lse, cu, alibi, sinks, table)
     if keeps:
-        _learn(learn, functools.partial(_learned_portable, plan, v.shape[-1]))
+        run = functools.partial(_learned_portable, plan, v.shape[-1])
+        _learn(learn, Quick.portable(plan, q.get_device(), v.shape[-1], run) or run)
     return out, lse
 
 
@@ -196,6 +206,124 @@ def _learned_sm90(hopper, head_dim_v: int, q, k, v) -> tuple[torch.Tensor, torch
     out, lse = _outputs(q, head_dim_v)
     fwd_sm90.launch(hopper, q, k, v, out, lse, None, None)
     return out, lse
+
+
+class Quick:
+    """A kept forward of one dense signature below ``Launcher`` (``ops.express``'s runs): the
+    launch its first call made, bound (``ops.launch.Bound``: grid, function, metadata, scalars
+    and constexprs), called with this call's addresses. Descriptor arguments (the Hopper
+    forward's four, the portable one's where its plan takes tiles) are expanded once per address
+    and kept (``parts``), and the whole pointer list once per set of addresses (``fronts``): an
+    eager loop gets its addresses back from the caching allocator. ``run(q, k, v)`` returns
+    ``(out, lse)`` as ``_learned_portable`` / ``_learned_sm90`` (``fallback``) do, and takes
+    that path where a launch hook is registered. The caller (``ops.express.forward``) has checked
+    q, k and v for 16-byte alignment; out and the LSE are fresh allocations."""
+
+    __slots__ = ("describe", "device", "fallback", "fronts", "head_dim_v", "hopper", "launch",
+                 "parts")  # fmt: skip
+
+    # Sets of addresses and single descriptors' expansions kept; past these the map starts over.
+    MAX_FRONTS = 64
+    MAX_PARTS = 1024
+
+    def __init__(
+        self,
+        launch: Bound,
+        device: int,
+        head_dim_v: int,
+        describe: Callable[[int, torch.Tensor], Descriptor] | None,
+        hopper: bool,
+        fallback: Callable,
+    ) -> None:
+        self.launch = launch
+        self.device = device
+        self.head_dim_v = head_dim_v
+        self.describe = describe  # position, tensor -> its descriptor; None: plain pointers
+        self.hopper = hopper  # the Hopper forward's pointer list (else the portable one's)
+        self.fallback = fallback
+        self.fronts: dict[tuple, list] = {}
+        self.parts: dict[tuple, list] = {}
+
+    @classmethod
+    def portable(
+        cls, plan: tuple, device: int, head_dim_v: int, fallback: Callable
+    ) -> Quick | None:
+        """The quick run of a portable plan launched directly on ``device``, or None."""
+        grid, _, meta, tiles = plan
+        launch = Bound.of(kernel(), grid, meta)
+        if launch is None:
+            return None
+        describe = None
+        if tiles is not None:
+            rows_q, rows_k, block_d, block_dv = tiles
+            shapes = ((rows_q, block_d), (rows_k, block_d), (rows_k, block_dv), (rows_q, block_dv))
+
+            def describe(i: int, t: torch.Tensor) -> Descriptor:
+                return pb.descriptor(t, *shapes[i])
+
+        return cls(launch, device, head_dim_v, describe, False, fallback)
+
+    @classmethod
+    def sm90(cls, hopper, device: int, head_dim_v: int, fallback: Callable) -> Quick | None:
+        """The quick run of a dense Hopper forward plan launched directly on ``device``, or
+        None."""
+        from flashcore.ops import fwd_sm90
+
+        if hopper.work is not None:
+            return None
+        launch = Bound.of(fwd_sm90.launcher(), hopper.grid, hopper.meta)
+        if launch is None:
+            return None
+        boxes = hopper.boxes
+
+        def describe(i: int, t: torch.Tensor) -> Descriptor:
+            return fwd_sm90.descriptor(t, boxes[i])
+
+        return cls(launch, device, head_dim_v, describe, True, fallback)
+
+    def __call__(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+        if not no_launch_hooks():
+            return self.fallback(q, k, v)
+        out, lse = _outputs(q, self.head_dim_v)
+        a_q, a_k, a_v, a_out, a_lse = (
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
+        )  # fmt: skip
+        if self.describe is None:
+            # As _learned_portable passes them: the LSE stands in for ALiBi and the block
+            # table; no offsets, no sinks.
+            front = (a_q, a_k, a_v, a_out, a_lse, None, None, a_lse, None, a_lse)
+        else:
+            addresses = (a_q, a_k, a_v, a_out, a_lse)
+            front = self.fronts.get(addresses)
+            if front is None:
+                front = self._front(addresses, (q, k, v, out))
+        self.launch(current_stream(self.device), front)
+        return out, lse
+
+    def _front(self, addresses: tuple, tensors: tuple) -> list:
+        """The pointer arguments for these tensors (the four descriptors expanded), kept under
+        ``addresses``; each expansion kept under its position and address (``parts``)."""
+        parts = self.parts
+        front = []
+        for i, t in enumerate(tensors):
+            part = parts.get((i, addresses[i]))
+            if part is None:
+                part = self.launch.expand(i, self.describe(i, t))
+                if len(parts) >= self.MAX_PARTS:
+                    parts.clear()
+                parts[(i, addresses[i])] = part
+            front += part
+        a_out, a_lse = addresses[3], addresses[4]
+        if self.hopper:
+            # As fwd_sm90.launch passes them for a dense problem: the LSE, then the LSE for
+            # ALiBi and sinks, out for O, the LSE for both offsets, the work list and the table.
+            front += (a_lse, a_lse, a_lse, a_out, a_lse, a_lse, a_lse, a_lse)
+        else:
+            front += (a_lse, None, None, a_lse, None, a_lse)
+        if len(self.fronts) >= self.MAX_FRONTS:
+            self.fronts.clear()
+        self.fronts[addresses] = front
+        return front
 
 
 # Launch plans by problem signature (see launch; bounded by ops.launch.cached); the Hopper
