@@ -2,6 +2,8 @@
 planned, skipping the checks, and only where everything the checks and the plan depend on is
 the same; every other call takes the full path, with its errors."""
 
+import functools
+
 import pytest
 import torch
 
@@ -405,3 +407,144 @@ def test_quick_hopper_backward_arguments(permuted):
     addresses[5] = dk2.data_ptr()
     front = quick._front(tuple(addresses), q, k, v, dout, fp32, dk2, dv)
     assert encoded == [*range(9), 7] and front[7][1] == dk2.data_ptr()
+
+
+class _Recorder:
+    """Stands for a ``Launcher``: records each call's grid, pointer arguments and constexprs."""
+
+    def __init__(self, name: str, num_pointers: int, calls: list) -> None:
+        self.name, self.num_pointers, self.calls = name, num_pointers, calls
+
+    def __call__(self, grid, args, meta, planned=False):
+        self.calls.append((self.name, grid, list(args[: self.num_pointers]), meta))
+
+
+def _fake_bound(calls: list) -> type:
+    """A stand-in for ``ops.launch.Bound``: ``of`` keeps the launcher's name, grid and
+    constexprs; a call records its pointer arguments in ``calls``; a descriptor expands to one
+    tagged entry."""
+
+    class FakeBound:
+        def __init__(self, name, grid, meta):
+            self.name, self.grid, self.meta = name, grid, meta
+
+        @classmethod
+        def of(cls, launcher, grid, meta):
+            return cls(launcher.name, grid, meta)
+
+        def expand(self, position, desc):
+            return [("desc", desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides),
+                     list(desc.block_shape))]  # fmt: skip
+
+        def __call__(self, stream, front):
+            calls.append((self.name, self.grid, list(front), self.meta))
+
+    return FakeBound
+
+
+def _roles(calls: list, names: dict) -> list:
+    """``calls`` with each address (or descriptor's base) named by ``names`` (else kept)."""
+    from flashcore.ops.launch import Descriptor
+
+    def name(a):
+        if isinstance(a, torch.Tensor):
+            a = a.data_ptr()
+        if isinstance(a, Descriptor):
+            a = ("desc", a.base.data_ptr(), tuple(a.shape), tuple(a.strides), list(a.block_shape))
+        if isinstance(a, tuple):
+            return (a[0], names.get(a[1], a[1]), *a[2:])
+        return names.get(a, a)
+
+    return [(n, grid, [name(a) for a in args], meta) for n, grid, args, meta in calls]
+
+
+@pytest.mark.parametrize("lse_wanted", [True, False], ids=["lse", "no_lse"])
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("block_size", [0, 16, 128], ids=["dense", "paged16", "paged128"])
+def test_quick_decode_arguments(block_size, splits, lse_wanted, monkeypatch):
+    """``decode._run_quick`` passes both kernels, by address, what ``decode._run`` passes them
+    through ``Launcher`` (the same grids and constexprs), the splits' partial outputs and LSEs
+    (and an LSE not asked for) at disjoint 16-byte aligned parts of one workspace that holds
+    them. (On the CPU: stand-ins for the launches.)"""
+    case = DecodeCase(3, 8, 2, 1, 256, 72, (256, 37, 1), block_size)
+    q, k, v, lens, table = make_kvcache(case, torch.float32, "cpu")
+    p = decode._plan(q, k, v, table, None, (True, 0.125, -1, -1, 0.0, splits, False))
+    assert p.num_splits == splits
+    calls = []
+    monkeypatch.setattr(decode, "kernels", lambda: (
+        _Recorder("split", 9, calls), _Recorder("combine", 4, calls)
+    ))  # fmt: skip
+    out, lse = decode._run(p, q, k, v, lens, table)
+    # Dense: the lengths stand in for the table; paged: the (clamped) table's rows.
+    names = {t.data_ptr(): n for n, t in (("q", q), ("k", k), ("v", v), ("lens", lens))}
+    names.update({out.data_ptr(): "out", lse.data_ptr(): "lse"})
+    if splits > 1:
+        names.update({calls[0][2][3].data_ptr(): "o_part", calls[0][2][4].data_ptr(): "lse_part"})
+    names.setdefault(calls[0][2][6].data_ptr(), "table")
+    want = _roles(calls, names)
+
+    quick_calls = []
+    monkeypatch.setattr(decode, "Bound", _fake_bound(quick_calls))
+    monkeypatch.setattr(decode, "current_stream", lambda device: 0)
+    monkeypatch.setattr(decode, "no_launch_hooks", lambda: True)
+    run = decode._quick(p, 0)
+    assert run.func is decode._run_quick
+    out2, lse2 = run(q, k, v, lens, table, lse_wanted=lse_wanted)
+    assert (lse2 is not None) == lse_wanted and out2.shape == out.shape
+    names = {t.data_ptr(): n for n, t in (("q", q), ("k", k), ("v", v), ("lens", lens))}
+    names[out2.data_ptr()] = "out"
+    split = quick_calls[0][2]
+    a_lse = lse2.data_ptr() if lse_wanted else (quick_calls[-1][2][-1] if splits > 1 else split[4])
+    names[a_lse] = "lse"
+    sizes = {"o_part": splits * 3 * 8 * 72 * 4, "lse_part": splits * 3 * 8 * 4}
+    if splits > 1:
+        names.update({split[3]: "o_part", split[4]: "lse_part"})
+        assert split[3] % 16 == 0 and split[4] - split[3] >= sizes["o_part"]
+        assert split[4] % 16 == 0
+        if not lse_wanted:
+            assert a_lse % 16 == 0 and a_lse - split[4] >= sizes["lse_part"]
+    names.setdefault(split[6], "table")
+    assert _roles(quick_calls, names) == want
+
+
+@pytest.mark.parametrize("kind", ["pointers", "descriptors", "hopper"])
+def test_quick_forward_arguments(kind, monkeypatch):
+    """``fwd.Quick`` passes the kernel, by address, what ``_learned_portable`` /
+    ``fwd_sm90.launch`` pass it through ``Launcher`` for a dense problem (the same grid and
+    constexprs; descriptors of q, k, v and out with the plan's boxes); each descriptor is
+    expanded once per address, so a call with a new out encodes only out's. (On the CPU:
+    stand-ins for the launches.)"""
+    from flashcore.ops import fwd_sm90
+
+    q, k, v = make_qkv(Case(2, 4, 2, 128, 96, 64), torch.float16, "cpu")
+    calls = []
+    if kind == "hopper":
+        boxes = ([1, 1, 128, 64], [1, 1, 64, 64], [1, 1, 64, 64], [1, 1, 128, 64])
+        plan = fwd_sm90.Plan((8,), boxes, (1, 2, 3), {"BLOCK": 1})
+        monkeypatch.setattr(fwd_sm90, "launcher", lambda: _Recorder("fwd", 12, calls))
+        fallback = functools.partial(fwd._learned_sm90, plan, 64)
+    else:
+        tiles = (64, 32, 64, 64) if kind == "descriptors" else None
+        plan = ((8,), (1, 2, 3), {"BLOCK": 1}, tiles)
+        monkeypatch.setattr(fwd, "kernel", lambda: _Recorder("fwd", 10, calls))
+        fallback = functools.partial(fwd._learned_portable, plan, 64)
+    out, lse = fallback(q, k, v)
+
+    def named(out, lse):
+        tensors = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
+        return {t.data_ptr(): n for n, t in tensors}
+
+    want = _roles(calls, named(out, lse))
+    quick_calls = []
+    monkeypatch.setattr(fwd, "Bound", _fake_bound(quick_calls))
+    monkeypatch.setattr(fwd, "current_stream", lambda device: 0)
+    monkeypatch.setattr(fwd, "no_launch_hooks", lambda: True)
+    make = fwd.Quick.sm90 if kind == "hopper" else fwd.Quick.portable
+    run = make(plan, 0, 64, fallback)
+    out2, lse2 = run(q, k, v)
+    assert _roles(quick_calls, named(out2, lse2)) == want
+    assert len(run.parts) == (0 if kind == "pointers" else 4)
+    # Again while out2 lives (a new address for out): only out's descriptor is expanded.
+    out3, lse3 = run(q, k, v)
+    assert _roles(quick_calls[-1:], named(out3, lse3)) == want
+    assert len(run.parts) == (0 if kind == "pointers" else 5)
