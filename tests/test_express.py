@@ -377,7 +377,14 @@ def test_quick_hopper_backward_arguments(permuted):
     )  # fmt: skip
     encoded = []
 
+    from flashcore.ops.launch import Bound
+
     class Main:
+        part = Bound.part  # the kept expansions as the real launch keeps them
+
+        def __init__(self):
+            self.parts = {}
+
         def expand(self, i, desc):
             encoded.append(i)
             return [(i, desc.base.data_ptr(), tuple(desc.shape), tuple(desc.strides),
@@ -424,9 +431,14 @@ def _fake_bound(calls: list) -> type:
     constexprs; a call records its pointer arguments in ``calls``; a descriptor expands to one
     tagged entry."""
 
+    from flashcore.ops.launch import Bound
+
     class FakeBound:
+        part = Bound.part  # the kept expansions as the real launch keeps them
+
         def __init__(self, name, grid, meta):
             self.name, self.grid, self.meta = name, grid, meta
+            self.parts = {}
 
         @classmethod
         def of(cls, launcher, grid, meta):
@@ -543,8 +555,8 @@ def test_quick_forward_arguments(kind, monkeypatch):
     run = make(plan, 0, 64, fallback)
     out2, lse2 = run(q, k, v)
     assert _roles(quick_calls, named(out2, lse2)) == want
-    assert len(run.parts) == (0 if kind == "pointers" else 4)
+    assert len(run.launch.parts) == (0 if kind == "pointers" else 4)
     # Again while out2 lives (a new address for out): only out's descriptor is expanded.
     out3, lse3 = run(q, k, v)
     assert _roles(quick_calls[-1:], named(out3, lse3)) == want
-    assert len(run.parts) == (0 if kind == "pointers" else 5)
+    assert len(run.launch.parts) == (0 if kind == "pointers" else 5)

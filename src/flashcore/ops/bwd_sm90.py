@@ -37,7 +37,7 @@ from flashcore.ops.fwd_sm90 import (
     padded_head_dims,
     tma_ok,
 )
-from flashcore.ops.launch import Bound, Descriptor, Launcher, cached, current_stream
+from flashcore.ops.launch import Bound, Descriptor, Launcher, cached, current_stream, remember
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)
 BLOCK_N = 128  # keys per program
@@ -447,13 +447,11 @@ class Quick:
     (the shapes and strides are the signature's). ``run(dout, q, k, v, out, lse)`` returns
     ``(dq, dk, dv, None)``, or None where an address is not 16-byte aligned."""
 
-    __slots__ = ("convert", "device", "fronts", "main", "numel", "parts", "plan", "prep")
+    __slots__ = ("convert", "device", "fronts", "main", "numel", "plan", "prep")
 
-    # Sets of addresses whose main-kernel arguments are kept, per signature, and single
-    # descriptors' expansions by address; past these many each map starts over (a descriptor
-    # seen for the first time is encoded, as the full path's first call encodes all nine).
+    # Sets of addresses whose main-kernel arguments are kept, per signature; past these many the
+    # map starts over (single descriptors' expansions: ``Bound.part``).
     MAX_FRONTS = 64
-    MAX_PARTS = 1024
 
     def __init__(self, plan: Plan, device: int, prep: Bound, main: Bound, convert: Bound):
         self.plan = plan
@@ -464,7 +462,6 @@ class Quick:
         self.main = main
         self.convert = convert
         self.fronts: dict[tuple, list] = {}
-        self.parts: dict[tuple, list] = {}
 
     @classmethod
     def of(cls, plan: Plan, device: int) -> Quick | None:
@@ -508,13 +505,12 @@ class Quick:
     def _front(self, addresses: tuple, q, k, v, dout, fp32, dk, dv) -> list:
         """The main kernel's pointer arguments for these tensors, as ``attn_bwd_sm90`` passes
         them (nine descriptors expanded, then the plain pointers), kept under ``addresses``;
-        each descriptor's expansion kept under its own address too (``parts``), so that a new
-        combination of addresses seen before encodes nothing."""
+        each descriptor's expansion kept under its own address too (``Bound.part``), so that a
+        new combination of addresses seen before encodes nothing."""
         p = self.plan
         box, dq_box = p.boxes
         tile, rows_1d, dq_tile = p.layouts
         a_q, a_k, a_v, a_dout, a_delta, a_dk, a_dv, a_lse = addresses
-        parts = self.parts
         views = []
 
         def stats(i: int) -> Descriptor:
@@ -529,22 +525,17 @@ class Quick:
             return views[i - 4]
 
         tensors = {0: q, 1: k, 2: v, 3: dout, 7: dk, 8: dv}
+
+        def describe(i: int) -> Descriptor:
+            t = tensors.get(i)
+            return stats(i) if t is None else Descriptor(t, box, tile)
+
         front = []
         for i, address in enumerate((a_q, a_k, a_v, a_dout, a_delta, a_delta, a_delta, a_dk, a_dv)):
-            part = parts.get((i, address))
-            if part is None:
-                t = tensors.get(i)
-                part = self.main.expand(i, stats(i) if t is None else Descriptor(t, box, tile))
-                if len(parts) >= self.MAX_PARTS:
-                    parts.clear()
-                parts[(i, address)] = part
-            front += part
+            front += self.main.part(i, address, functools.partial(describe, i))
         # ALiBi's pointer and both offsets: the LSE stands in (never read).
         front += (a_lse, a_lse, a_lse, a_dk, a_dv, a_delta + 4 * p.rows, a_delta)
-        if len(self.fronts) >= self.MAX_FRONTS:
-            self.fronts.clear()
-        self.fronts[addresses] = front
-        return front
+        return remember(self.fronts, addresses, front, self.MAX_FRONTS)
 
 
 class Plan(NamedTuple):

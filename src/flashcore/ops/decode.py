@@ -210,17 +210,17 @@ def _run_quick(
     ``_run`` where a launch hook is registered or an address is not 16-byte aligned (the bound
     kernels were compiled for aligned ones). Measured on the H200 machine's host:
     docs/performance_host.md, "Quick decode launches"."""
-    if not no_launch_hooks():
-        return _run(p, q, k_cache, v_cache, cache_seqlens, block_table)
-    table = cache_seqlens
-    if block_table is not None:
-        table = pb.page_table(block_table, k_cache, p.split_meta["PAGED"])
-    a_q, a_k, a_v, a_len, a_table = (
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr(),
-        table.data_ptr(),
+    given = cache_seqlens if block_table is None else block_table
+    a_q, a_k, a_v, a_len = (
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
     )  # fmt: skip
-    if (a_q | a_k | a_v | a_len | a_table) % 16:
+    if (a_q | a_k | a_v | a_len | given.data_ptr()) % 16 or not no_launch_hooks():
         return _run(p, q, k_cache, v_cache, cache_seqlens, block_table)
+    # The table as _run passes it (clamped into a new tensor for PAGED 1 and 3: aligned).
+    table = (
+        given if block_table is None else pb.page_table(block_table, k_cache, p.split_meta["PAGED"])
+    )
+    a_table = table.data_ptr()
     out = torch.empty_like(q) if p.out_like_q else q.new_empty(p.out_shape)
     o_numel, lse_part_numel, lse_numel = parts
     lse = None

@@ -18,6 +18,7 @@ from flashcore.ops.launch import (
     keep,
     kept,
     no_launch_hooks,
+    remember,
 )
 from flashcore.tuning import FwdConfig, fwd_config
 
@@ -213,18 +214,16 @@ class Quick:
     launch its first call made, bound (``ops.launch.Bound``: grid, function, metadata, scalars
     and constexprs), called with this call's addresses. Descriptor arguments (the Hopper
     forward's four, the portable one's where its plan takes tiles) are expanded once per address
-    and kept (``parts``), and the whole pointer list once per set of addresses (``fronts``): an
+    and kept (``Bound.part``), and the whole pointer list once per set of addresses (``fronts``): an
     eager loop gets its addresses back from the caching allocator. ``run(q, k, v)`` returns
     ``(out, lse)`` as ``_learned_portable`` / ``_learned_sm90`` (``fallback``) do, and takes
     that path where a launch hook is registered. The caller (``ops.express.forward``) has checked
     q, k and v for 16-byte alignment; out and the LSE are fresh allocations."""
 
-    __slots__ = ("describe", "device", "fallback", "fronts", "head_dim_v", "hopper", "launch",
-                 "parts")  # fmt: skip
+    __slots__ = ("describe", "device", "fallback", "fronts", "head_dim_v", "hopper", "launch")
 
-    # Sets of addresses and single descriptors' expansions kept; past these the map starts over.
+    # Sets of addresses whose pointer lists are kept; past this many the map starts over.
     MAX_FRONTS = 64
-    MAX_PARTS = 1024
 
     def __init__(
         self,
@@ -242,7 +241,6 @@ class Quick:
         self.hopper = hopper  # the Hopper forward's pointer list (else the portable one's)
         self.fallback = fallback
         self.fronts: dict[tuple, list] = {}
-        self.parts: dict[tuple, list] = {}
 
     @classmethod
     def portable(
@@ -289,9 +287,7 @@ class Quick:
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
         )  # fmt: skip
         if self.describe is None:
-            # As _learned_portable passes them: the LSE stands in for ALiBi and the block
-            # table; no offsets, no sinks.
-            front = (a_q, a_k, a_v, a_out, a_lse, None, None, a_lse, None, a_lse)
+            front = (a_q, a_k, a_v, a_out, *self._tail(a_out, a_lse))
         else:
             addresses = (a_q, a_k, a_v, a_out, a_lse)
             front = self.fronts.get(addresses)
@@ -301,29 +297,24 @@ class Quick:
         return out, lse
 
     def _front(self, addresses: tuple, tensors: tuple) -> list:
-        """The pointer arguments for these tensors (the four descriptors expanded), kept under
-        ``addresses``; each expansion kept under its position and address (``parts``)."""
-        parts = self.parts
+        """The pointer arguments for these tensors (the four descriptors expanded, each kept
+        under its position and address: ``Bound.part``), kept under ``addresses``."""
         front = []
         for i, t in enumerate(tensors):
-            part = parts.get((i, addresses[i]))
-            if part is None:
-                part = self.launch.expand(i, self.describe(i, t))
-                if len(parts) >= self.MAX_PARTS:
-                    parts.clear()
-                parts[(i, addresses[i])] = part
-            front += part
-        a_out, a_lse = addresses[3], addresses[4]
+            front += self.launch.part(i, addresses[i], functools.partial(self.describe, i, t))
+        front += self._tail(addresses[3], addresses[4])
+        return remember(self.fronts, addresses, front, self.MAX_FRONTS)
+
+    def _tail(self, a_out: int, a_lse: int) -> tuple:
+        """The pointer arguments after q, k, v and out, as the Launcher paths pass them for a
+        dense problem."""
         if self.hopper:
-            # As fwd_sm90.launch passes them for a dense problem: the LSE, then the LSE for
-            # ALiBi and sinks, out for O, the LSE for both offsets, the work list and the table.
-            front += (a_lse, a_lse, a_lse, a_out, a_lse, a_lse, a_lse, a_lse)
-        else:
-            front += (a_lse, None, None, a_lse, None, a_lse)
-        if len(self.fronts) >= self.MAX_FRONTS:
-            self.fronts.clear()
-        self.fronts[addresses] = front
-        return front
+            # fwd_sm90.launch: the LSE, then the LSE for ALiBi and sinks, out for O, the LSE for
+            # both offsets, the work list and the block table.
+            return (a_lse, a_lse, a_lse, a_out, a_lse, a_lse, a_lse, a_lse)
+        # _learned_portable: the LSE, no offsets, the LSE for ALiBi, no sinks, the LSE for the
+        # block table.
+        return (a_lse, None, None, a_lse, None, a_lse)
 
 
 # Launch plans by problem signature (see launch; bounded by ops.launch.cached); the Hopper

@@ -322,9 +322,7 @@ class TensorMaps:
             if expanded is None:
                 expanded = self.encode(a, meta)
                 if key is not None:
-                    if len(maps) >= MAX_TENSOR_MAPS:
-                        maps.clear()
-                    maps[key] = expanded
+                    remember(maps, key, expanded, MAX_TENSOR_MAPS)
             front += expanded
         self.native(*grid, stream, *self.head(kernel), *front, *scalars, *constexprs)
 
@@ -346,9 +344,10 @@ class Bound:
     ``expand`` gives it). For launchers of one problem signature that compute their own
     addresses (``ops.bwd``, "Quick backwards"); ``of`` gives None where no such launch was
     made (the plan's first call went through Triton, a hook was registered, the kernel is not
-    launched below ``CudaLauncher``)."""
+    launched below ``CudaLauncher``). ``part`` keeps each descriptor's expansion by position and
+    address (``parts``)."""
 
-    __slots__ = ("grid", "head", "maps", "native", "tail")
+    __slots__ = ("grid", "head", "maps", "native", "parts", "tail")
 
     def __init__(self, maps: TensorMaps, kernel: Any, grid: tuple, scalars: tuple, constexprs):
         self.maps = maps
@@ -356,6 +355,7 @@ class Bound:
         self.grid = grid + (1,) * (3 - len(grid))
         self.head = maps.head(kernel)
         self.tail = (*scalars, *constexprs)
+        self.parts: dict[tuple, list] = {}
 
     @classmethod
     def of(cls, launcher: Launcher, grid: tuple, meta: dict) -> Bound | None:
@@ -372,6 +372,17 @@ class Bound:
     def expand(self, position: int, descriptor: Descriptor) -> list:
         """The arguments that descriptor ``descriptor`` at pointer ``position`` stands for."""
         return self.maps.encode(descriptor, self.maps.metas[position])
+
+    def part(self, position: int, address: int, describe: Callable[[], Descriptor]) -> list:
+        """``expand(position, describe())``, kept under ``(position, address)``: for the
+        launches of one problem signature, whose descriptors' shapes and strides follow from
+        their positions, so that a base address seen before encodes nothing (an eager loop gets
+        its addresses back from the caching allocator)."""
+        key = (position, address)
+        part = self.parts.get(key)
+        if part is None:
+            part = remember(self.parts, key, self.expand(position, describe()), MAX_TENSOR_MAPS)
+        return part
 
     def __call__(self, stream: int, front: tuple | list) -> None:
         self.native(*self.grid, stream, *self.head, *front, *self.tail)
@@ -449,9 +460,9 @@ def cached(cache: dict, key: Any, build: Callable[[], Any]) -> Any:
     return value
 
 
-def remember(cache: dict, key: Any, value: Any) -> Any:
-    """``cache[key] = value`` in a map that starts over past MAX_ENTRIES keys; returns value."""
-    if len(cache) >= MAX_ENTRIES:
+def remember(cache: dict, key: Any, value: Any, limit: int = MAX_ENTRIES) -> Any:
+    """``cache[key] = value`` in a map that starts over past ``limit`` keys; returns value."""
+    if len(cache) >= limit:
         cache.clear()
     cache[key] = value
     return value
