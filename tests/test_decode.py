@@ -144,6 +144,35 @@ def test_decode_paged_modes(block_size, mode, device, monkeypatch):
     assert fwd.paged_mode(cache, cache, 64, int32_offsets=False) == mode
 
 
+@pytest.mark.parametrize(("block_size", "mode"), [(16, 3), (48, 1), (64, 2)])
+def test_decode_table_entries_outside_the_cache(block_size, mode, device, monkeypatch):
+    """A block-table entry outside ``[0, num_blocks)`` reads a page of the cache, never memory
+    outside it: each key row's lookup (PAGED 1 and 3) and each tile's (2) takes the entry as
+    unsigned and clamps it to the last page, so a negative entry and one past the pool read the
+    last page. The numbers are the reference's on the table clamped the same way."""
+    from flashcore.ops import decode
+
+    if device == "cpu":
+        monkeypatch.setattr(tuning, "INTERPRETER_DECODE", tuning.DecodeConfig(64, 4, 1))
+    case = DecodeCase(2, 4, 2, 1, 150, 32, (150, 61), block_size)
+    q, k, v, lens, table = make_kvcache(case, torch.float16, device)
+    last = k.shape[0] - 1
+    k[last], v[last] = torch.randn_like(k[last]), torch.randn_like(v[last])
+    bad = table.clone()
+    bad[0, 0], bad[1, 0] = -3, last + 1000 if mode != 2 else 2**31 - 1
+    clamped = torch.where((bad < 0) | (bad > last), last, bad)
+    decode.forget()
+    out = flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=bad)
+    (plan,) = decode._PLANS.values()
+    if device == "cpu" or plan.split_meta["BLOCK_N"] == 64:
+        assert plan.split_meta["PAGED"] == mode
+    ref = reference.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=clamped)
+    pt = reference.attention_with_kvcache(
+        q, k, v, cache_seqlens=lens, block_table=clamped, dtype=q.dtype
+    )
+    assert_fa_rule("out", out, pt.out, ref.out)
+
+
 FEATURES = {
     "window-causal": {"window": (20, -1)},
     "window-both-sides": {"window": (9, 4), "causal": False},

@@ -402,10 +402,10 @@ def page_lookup(
     PAGED 3, 400 dense; tests/sm90_compile.py). MASKED: keys from ``seqlen`` on (PAGED 2: a
     tile starting there) read page 0, not the table; unmasked, every key of the tile must be
     below ``seqlen``. Entries are clamped to
-    ``[0, num_blocks)`` (here for PAGED 2, negative ones to the last page; by the launcher for
-    PAGED 1 and 3, where a per-row clamp made the paged decode variant spill on sm_90,
-    tests/test_compile_sm90.py): a bad one reads another page of the cache (wrong numbers for its
-    own sequence), never memory outside it.
+    ``[0, num_blocks)`` here, by one unsigned minimum (a negative one becomes the last page): a
+    bad one reads another page of the cache (wrong numbers for its own sequence), never memory
+    outside it. (A signed clamp a key row, a maximum and a minimum, once made the paged decode
+    variant spill on sm_90; the unsigned one compiles spill-free, tests/test_compile_sm90.py.)
     """
     if PAGED == 2:
         if MASKED:
@@ -424,6 +424,7 @@ def page_lookup(
             page = tl.load(bt_row + idx, mask=cols < seqlen, other=0)
         else:
             page = tl.load(bt_row + idx)
+        page = tl.minimum(page.to(tl.uint32), num_blocks - 1)
     return page
 
 

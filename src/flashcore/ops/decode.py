@@ -148,7 +148,7 @@ def _run(
         lse_part = q.new_empty(p.part_shape[:4], dtype=torch.float32)
     # Unused pointer arguments get a real tensor: the flags compile their loads away.
     paged = block_table is not None
-    table = pb.page_table(block_table, k_cache, p.split_meta["PAGED"]) if paged else cache_seqlens
+    table = block_table if paged else cache_seqlens
     slopes = lse if alibi_slopes is None else alibi_slopes.contiguous()
     split_kernel, combine_kernel = kernels()
     split_kernel(
@@ -216,11 +216,7 @@ def _run_quick(
     )  # fmt: skip
     if (a_q | a_k | a_v | a_len | given.data_ptr()) % 16 or not no_launch_hooks():
         return _run(p, q, k_cache, v_cache, cache_seqlens, block_table)
-    # The table as _run passes it (clamped into a new tensor for PAGED 1 and 3: aligned).
-    table = (
-        given if block_table is None else pb.page_table(block_table, k_cache, p.split_meta["PAGED"])
-    )
-    a_table = table.data_ptr()
+    a_table = given.data_ptr()
     out = torch.empty_like(q) if p.out_like_q else q.new_empty(p.out_shape)
     o_numel, lse_part_numel, lse_numel = parts
     lse = None
@@ -409,8 +405,7 @@ def _plan(
         BLOCK_M=block_m,
         BLOCK_N=cfg.block_n,
         EVEN_M=kv_group * seqlen_q % block_m == 0,
-        # 2: one page a tile; 3 and 1: a page a key row, the table clamped by the launcher
-        # (problem.page_table).
+        # 2: one page a tile; 3 and 1: a page a key row (common.page_lookup clamps each).
         PAGED=paged_mode(k_cache, v_cache, cfg.block_n, int32_offsets=False) if paged else 0,
         EXP_E=exp_e,
         HAS_SINKS=has_sinks,

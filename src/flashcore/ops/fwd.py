@@ -145,7 +145,7 @@ def launch(
     cu = (None, None) if varlen is None else varlen[:2]
     with runtime.launch_on(q):
         # Without a block table the LSE stands in for its pointer (never read: PAGED is off).
-        table = lse if block_table is None else pb.page_table(block_table, k, plan[2]["PAGED"])
+        table = lse if block_table is None else block_table
         _launch(plan, q, k, v, out, lse, cu, alibi, sinks, table)
     if keeps:
         run = functools.partial(_learned_portable, plan, v.shape[-1])

@@ -93,13 +93,6 @@ def packed_totals(
     return q.shape[0], k.shape[0]
 
 
-def page_table(block_table: torch.Tensor, cache: torch.Tensor, paged: int) -> torch.Tensor:
-    """The block table as the kernels read it: with PAGED 1 and 3 (a lookup per key row) clamped
-    to the cache's pages here, one small launch; PAGED 2 clamps its one lookup a tile in the
-    kernel."""
-    return block_table if paged == 2 else block_table.clamp(0, cache.shape[0] - 1)
-
-
 def lse_shape(q: torch.Tensor, packed: bool) -> tuple[int, ...]:
     """The LSE of ``q``'s rows: ``(B, H, Sq)``, or ``(H, total_q)`` for a packed q. The one shape
     function of the forward: its launcher allocates with it and its fake kernel reports it."""
