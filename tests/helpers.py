@@ -222,9 +222,11 @@ def require_sm90() -> None:
 
 def record_sm90_forwards(monkeypatch) -> list:
     """A list that gains an entry per Hopper forward launch (``ops.fwd_sm90.launch``, which
-    still runs)."""
-    from flashcore.ops import fwd_sm90
+    still runs). Quick Hopper forwards (``ops.fwd.Quick.sm90``), which a repeated signature would
+    take without it, are off meanwhile."""
+    from flashcore.ops import fwd, fwd_sm90
 
+    monkeypatch.setattr(fwd.Quick, "sm90", classmethod(lambda cls, *args: None))
     forwards = []
     real = fwd_sm90.launch
     monkeypatch.setattr(fwd_sm90, "launch", lambda *a, **kw: forwards.append(1) or real(*a, **kw))
