@@ -194,6 +194,41 @@ def test_paged_varlen_block_sizes(block_n, block_size, paged, window, device):
     assert_fa_rule("lse", lse, pt.lse.float(), ref.lse)
 
 
+@pytest.mark.parametrize(("block_n", "block_size", "paged"), [(64, 16, 3), (64, 48, 1)])
+def test_paged_varlen_table_entries_outside_the_pool(block_n, block_size, paged, device):
+    """The portable forward's lookups a key row (PAGED 1 and 3) clamp a block-table entry
+    outside ``[0, num_blocks)`` into the pool as an unsigned number: a negative entry and one
+    past the pool read the last page, never memory outside it (the numbers are the reference's
+    on the keys those pages hold)."""
+    from flashcore.ops import fwd, problem
+    from flashcore.tuning import FwdConfig
+
+    seqlens_q, seqlens_k = (9, 50), (150, 64)
+    q, k, v, table, cu_q, cu_k, _, _ = make_paged(
+        seqlens_q, seqlens_k, 2, 1, 16, 16, block_size, torch.float32, device
+    )
+    last = k.shape[0] - 1
+    k[last], v[last] = torch.randn_like(k[last]), torch.randn_like(v[last])
+    table[0, 1], table[1, 0] = -3, last + 1000
+    clamped = torch.where((table < 0) | (table > last), last, table)
+
+    def gather(pool):
+        rows = [pool[clamped[b]].transpose(1, 2).flatten(0, 1)[:n] for b, n in enumerate(seqlens_k)]
+        return torch.cat(rows)
+
+    assert fwd.paged_mode(k, v, block_n) == paged
+    varlen = problem.Varlen(cu_q, cu_k, max(seqlens_q), max(seqlens_k))
+    config = FwdConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=1)
+    out, lse = fwd.launch(q, k, v, True, 0.25, config, varlen, block_table=table)
+    k_dense, v_dense = gather(k), gather(v)
+    ref = reference.attention_varlen(q, k_dense, v_dense, cu_q, cu_k, causal=True, scale=0.25)
+    pt = reference.attention_varlen(
+        q, k_dense, v_dense, cu_q, cu_k, causal=True, scale=0.25, dtype=torch.float32
+    )
+    assert_fa_rule("out", out, pt.out, ref.out)
+    assert_fa_rule("lse", lse, pt.lse.float(), ref.lse)
+
+
 def test_paged_mode():
     """The launcher's choice of page lookup: a cache of 2**31 elements or more keeps 64-bit
     offsets (PAGED 1) even for power-of-two pages below the tile."""
