@@ -159,6 +159,7 @@ def test_decode_table_entries_outside_the_cache(block_size, mode, device, monkey
     last = k.shape[0] - 1
     k[last], v[last] = torch.randn_like(k[last]), torch.randn_like(v[last])
     bad = table.clone()
+    # Past the pool: by 1000 pages for the lookups a key row, the largest int32 for a tile's.
     bad[0, 0], bad[1, 0] = -3, last + 1000 if mode != 2 else 2**31 - 1
     clamped = torch.where((bad < 0) | (bad > last), last, bad)
     decode.forget()
