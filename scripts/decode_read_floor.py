@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.testing import do_bench_cudagraph
+from decode_sweep import bench  # scripts/, the directory Python runs this from
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import flashcore
@@ -32,44 +32,34 @@ HEAD_DIM = 128
 
 
 @triton.jit
-def read_pointers(
+def read_kv(
     K, V, OUT, seqlen, keys_per_split,
     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr,
+    DESCRIPTORS: tl.constexpr,
 ):  # fmt: skip
+    """Sum program (pair, split)'s keys and values; K and V are tensor descriptors over the
+    flattened ``(B * Hkv * S, D)`` caches with DESCRIPTORS, else pointers to them."""
     pair = tl.program_id(0)
     split = tl.program_id(1)
-    base = pair.to(tl.int64) * seqlen * D
     lo = split * keys_per_split
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
     for n in tl.range(lo, lo + keys_per_split, BLOCK_N, num_stages=STAGES):
-        rows = base + (n + offs_n)[:, None] * D + offs_d[None, :]
-        acc += tl.sum(tl.load(K + rows).to(tl.float32) + tl.load(V + rows).to(tl.float32), 0)
+        if DESCRIPTORS:
+            k = K.load([pair * seqlen + n, 0])
+            v = V.load([pair * seqlen + n, 0])
+        else:
+            rows = pair.to(tl.int64) * seqlen * D + (n + offs_n)[:, None] * D + offs_d[None, :]
+            k = tl.load(K + rows)
+            v = tl.load(V + rows)
+        acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), 0)
     tl.store(OUT + (pair * SPLITS + split) * D + offs_d, acc)
 
 
-@triton.jit
-def read_descriptors(
-    K_DESC, V_DESC, OUT, seqlen, keys_per_split,
-    SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, D: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    pair = tl.program_id(0)
-    split = tl.program_id(1)
-    lo = split * keys_per_split
-    row0 = pair * seqlen
-    acc = tl.zeros([D], tl.float32)
-    for n in tl.range(lo, lo + keys_per_split, BLOCK_N, num_stages=STAGES):
-        k = K_DESC.load([row0 + n, 0])
-        v = V_DESC.load([row0 + n, 0])
-        acc += tl.sum(k.to(tl.float32) + v.to(tl.float32), 0)
-    tl.store(OUT + (pair * SPLITS + split) * D + tl.arange(0, D), acc)
-
-
-def bench(fn) -> float:
-    """Median us of ``fn`` replayed from a CUDA graph (captured on a side stream)."""
-    with torch.cuda.stream(torch.cuda.Stream()):
-        return do_bench_cudagraph(fn, return_mode="median") * 1e3
+def microseconds(fn) -> float:
+    """``decode_sweep.bench`` (a CUDA-graph replay's median, on a side stream) in us."""
+    return bench(fn) * 1e3
 
 
 def reads(k: torch.Tensor, v: torch.Tensor, seqlen: int):
@@ -84,18 +74,13 @@ def reads(k: torch.Tensor, v: torch.Tensor, seqlen: int):
         if per_split < block_n:
             continue
         out = torch.empty(pairs * splits * d, device=k.device)
-        consts = (splits, block_n, d, stages)
-        if kind == "pointers":
-            fn = functools.partial(
-                read_pointers[(pairs, splits)], k, v, out, seqlen, per_split, *consts, num_warps=4
-            )
-        else:
-            k_desc = TensorDescriptor.from_tensor(flat_k, [block_n, d])
-            v_desc = TensorDescriptor.from_tensor(flat_v, [block_n, d])
-            fn = functools.partial(
-                read_descriptors[(pairs, splits)], k_desc, v_desc, out, seqlen, per_split,
-                *consts, num_warps=4,
-            )  # fmt: skip
+        args = (k, v)
+        if kind == "descriptors":
+            args = tuple(TensorDescriptor.from_tensor(t, [block_n, d]) for t in (flat_k, flat_v))
+        fn = functools.partial(
+            read_kv[(pairs, splits)], *args, out, seqlen, per_split, splits, block_n, d, stages,
+            kind == "descriptors", num_warps=4,
+        )  # fmt: skip
         yield f"{kind} splits {splits} keys {block_n} stages {stages}", fn
 
 
@@ -119,8 +104,10 @@ def main() -> None:
         k, v = (torch.randn(b, hkv, s, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in "kv")
         seqlens = torch.full((b,), s, dtype=torch.int32, device="cuda")
         mbytes = 2 * k.numel() * k.element_size() / 1e6  # MB per us = TB/s
-        sdpa = bench(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
-        ours = bench(
+        sdpa = microseconds(
+            functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True)
+        )
+        ours = microseconds(
             functools.partial(flashcore.attention_with_kvcache, q, k, v, cache_seqlens=seqlens)
         )
         print(
@@ -133,7 +120,7 @@ def main() -> None:
             try:
                 fn()
                 torch.cuda.synchronize()
-                rows.append((bench(fn), label))
+                rows.append((microseconds(fn), label))
             except triton.runtime.errors.OutOfResources:
                 continue
         rows.sort()

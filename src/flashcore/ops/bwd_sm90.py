@@ -511,24 +511,18 @@ class Quick:
         box, dq_box = p.boxes
         tile, rows_1d, dq_tile = p.layouts
         a_q, a_k, a_v, a_dout, a_delta, a_dk, a_dv, a_lse = addresses
-        views = []
-
-        def stats(i: int) -> Descriptor:
-            # delta, lse2 and the accumulator: views of the one fp32 buffer (made once a miss).
-            if not views:
-                delta, lse2, acc = fp32.split_with_sizes((p.rows, p.rows, math.prod(p.acc_shape)))
-                acc = acc.view(p.acc_shape)
-                views.extend((
-                    Descriptor(lse2, [ROWS], rows_1d), Descriptor(delta, [ROWS], rows_1d),
-                    Descriptor(dq_view(acc) if p.permuted_rows else acc, dq_box, dq_tile),
-                ))  # fmt: skip
-            return views[i - 4]
-
         tensors = {0: q, 1: k, 2: v, 3: dout, 7: dk, 8: dv}
 
         def describe(i: int) -> Descriptor:
             t = tensors.get(i)
-            return stats(i) if t is None else Descriptor(t, box, tile)
+            if t is not None:
+                return Descriptor(t, box, tile)
+            # 4, 5, 6: lse2, delta and the dQ accumulator, views of the one fp32 buffer.
+            delta, lse2, acc = fp32.split_with_sizes((p.rows, p.rows, math.prod(p.acc_shape)))
+            if i < 6:
+                return Descriptor(lse2 if i == 4 else delta, [ROWS], rows_1d)
+            acc = acc.view(p.acc_shape)
+            return Descriptor(dq_view(acc) if p.permuted_rows else acc, dq_box, dq_tile)
 
         front = []
         for i, address in enumerate((a_q, a_k, a_v, a_dout, a_delta, a_delta, a_delta, a_dk, a_dv)):

@@ -175,13 +175,13 @@ def _quick(p: Plan, device: int) -> Callable | None:
     allocation, each part at a 16-byte boundary."""
     split_kernel, combine_kernel = kernels()
     split = Bound.of(split_kernel, p.grid, p.split_meta)
+    if split is None:
+        return None
     combine = None
     if p.num_splits > 1:
         combine = Bound.of(combine_kernel, p.combine_grid, p.combine_meta)
         if combine is None:
             return None
-    if split is None:
-        return None
     # Rows (B * H * Sq) rounded up to 4: every part then starts at a multiple of 16 bytes.
     rows = pb.cdiv(p.out_shape[0] * p.out_shape[1] * p.out_shape[2], 4) * 4
     if p.num_splits == 1:
@@ -210,13 +210,13 @@ def _run_quick(
     ``_run`` where a launch hook is registered or an address is not 16-byte aligned (the bound
     kernels were compiled for aligned ones). Measured on the H200 machine's host:
     docs/performance_host.md, "Quick decode launches"."""
-    given = cache_seqlens if block_table is None else block_table
     a_q, a_k, a_v, a_len = (
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
     )  # fmt: skip
-    if (a_q | a_k | a_v | a_len | given.data_ptr()) % 16 or not no_launch_hooks():
+    # As ``_run`` passes it: the lengths stand in for an absent table (PAGED is off).
+    a_table = a_len if block_table is None else block_table.data_ptr()
+    if (a_q | a_k | a_v | a_len | a_table) % 16 or not no_launch_hooks():
         return _run(p, q, k_cache, v_cache, cache_seqlens, block_table)
-    a_table = given.data_ptr()
     out = torch.empty_like(q) if p.out_like_q else q.new_empty(p.out_shape)
     o_numel, lse_part_numel, lse_numel = parts
     lse = None
