@@ -219,6 +219,36 @@ def stand_in_launch(monkeypatch, run, arg_names, device=3):
     return kernel, Jit()
 
 
+def test_launch_miss_asks_for_fp_contraction(monkeypatch):
+    """A miss compiles with ``enable_fp_fusion=True`` given (``ops.launch``, "Floating-point
+    contraction"): Triton 3.9 warns when it is left unset and 3.10 turns it off by default. The
+    option reaches Triton's launch beside the constexprs, not among them."""
+    import types
+
+    from flashcore.ops import launch
+
+    seen = []
+
+    class Jit:  # a compiled-mode JITFunction (it has device caches)
+        __name__ = "attn_fwd_kernel"
+        device_caches = types.MappingProxyType({})
+        arg_names = ("X", "n", "BLOCK")
+
+        def __getitem__(self, grid):
+            def run(*args, **meta):
+                seen.append(meta)
+                return object()  # not a CompiledKernel: later hits launch through [grid]
+
+            return run
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    launcher = launch.Launcher(Jit(), num_pointers=1)
+    launcher((1,), (None, 7), {"BLOCK": 16, "num_warps": 4})
+    assert seen == [{"BLOCK": 16, "num_warps": 4, "enable_fp_fusion": True}]
+    ((_, constexprs, direct),) = launcher.compiled.values()
+    assert constexprs == (16,) and not direct
+
+
 def test_launch_hit_calls_the_native_launcher(monkeypatch):
     """A launch-cache hit calls ``CompiledKernel.run`` itself with what ``CompiledKernel[grid]``
     passes it (Triton 3.6), less the launch metadata and the hooks, which do nothing while no

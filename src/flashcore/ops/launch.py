@@ -55,6 +55,11 @@ captured like any other kernel (the keys hold pointer alignment, never addresses
 make Triton compile and load a kernel variant, and CUDA forbids loading a module during a stream
 capture: a launch that fails while the stream is capturing is re-raised with a message that says
 to run the call once before capturing (``first_launch_in_capture``).
+
+Floating-point contraction: a miss compiles with ``enable_fp_fusion=True`` given explicitly
+(``FP_FUSION``), which is Triton's default up to 3.9, where a compile that leaves it unset warns
+that the default turns to no contraction in 3.10. The kernels were measured and checked with
+contraction (a multiply and an add into one FMA), so they ask for it.
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ import torch
 # Distinct shapes seen by one process; past this the map starts over (a miss costs only the
 # ordinary Triton launch).
 MAX_ENTRIES = 4096
+# What a miss compiles with (module docstring, "Floating-point contraction").
+FP_FUSION = True
 
 
 class Launcher:
@@ -174,7 +181,7 @@ class Launcher:
         """Launch through ``JITFunction`` (compiling if Triton has no kernel for this
         specialisation) and remember the kernel under ``key``; returns it."""
         try:
-            kernel = self.fn[grid](*full_descriptors(args), **meta)
+            kernel = self.fn[grid](*full_descriptors(args), **meta, enable_fp_fusion=FP_FUSION)
         except Exception as e:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(first_launch_in_capture(self.fn)) from e
