@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from decode_sweep import bench  # scripts/, the directory Python runs this from
+from decode_sweep import add_shape_option, bench  # scripts/, the directory Python runs this from
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 import flashcore
@@ -86,12 +86,7 @@ def reads(k: torch.Tensor, v: torch.Tensor, seqlen: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--shape",
-        action="append",
-        type=lambda text: tuple(int(x) for x in text.split(",")),
-        help="B,H,Hkv,S (repeatable)",
-    )
+    add_shape_option(ap)
     ap.add_argument("--top", type=int, default=6, help="read configs printed a shape")
     args = ap.parse_args()
     shapes = args.shape or [

@@ -29,6 +29,16 @@ from flashcore.ops import decode
 from flashcore.tuning import DecodeConfig
 
 
+def add_shape_option(ap: argparse.ArgumentParser) -> None:
+    """The decode scripts' repeatable ``--shape B,H,Hkv,S``."""
+    ap.add_argument(
+        "--shape",
+        action="append",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        help="B,H,Hkv,S (repeatable)",
+    )
+
+
 def bench(fn) -> float:
     with torch.cuda.stream(torch.cuda.Stream()):
         return do_bench_cudagraph(fn, return_mode="median")
@@ -36,12 +46,7 @@ def bench(fn) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument(
-        "--shape",
-        action="append",
-        type=lambda text: tuple(int(x) for x in text.split(",")),
-        help="B,H,Hkv,S (repeatable)",
-    )
+    add_shape_option(ap)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--page-size", type=int, default=0, help="keys a page (0: dense cache)")
     ap.add_argument("--tuned-only", action="store_true", help="the launcher's choice alone")
