@@ -42,10 +42,14 @@ def launchers(module):
     main = Launcher(module.attn_bwd_sm90_kernel, 16)
     known = set(module.attn_bwd_sm90_kernel.arg_names)
 
-    def launch(grid, args, meta):
+    def launch(grid, args, meta, planned=False):
         # An older module lacks the newer flags (constexprs the tree's plans set): it runs
-        # without them, as it always did.
-        main(grid, args, {k: v for k, v in meta.items() if k in known or not k.isupper()})
+        # without them, as it always did, through the full key (the filtered dict is new).
+        kept = {k: v for k, v in meta.items() if k in known or not k.isupper()}
+        if len(kept) == len(meta):
+            main(grid, args, meta, planned=planned)
+        else:
+            main(grid, args, kept)
 
     return Launcher(module.bwd_prep_kernel, 7), launch
 
