@@ -28,7 +28,7 @@ import torch
 from dq_rows_ab import rates_and_ratio, rotated
 
 import flashcore
-from flashcore.ops import fwd_sm90
+from flashcore.ops import fwd, fwd_sm90
 from flashcore.ops.launch import Launcher
 
 CASES = "128:2048:0,128:8192:0,128:16384:0,128:2048:1,128:8192:1,64:8192:0,64:16384:1"
@@ -64,6 +64,9 @@ def compare(case: str, sides: dict[str, Launcher], rounds: int) -> str:
 
     def select(side):
         fwd_sm90.launcher = functools.partial(lambda s: sides[s], side)
+        # The plans and the express path's kept launches (``fwd.Quick`` binds the launcher it
+        # was learned with): dropped, so that the next call launches this side's kernel.
+        fwd.forget()
 
     outs = {}
     for side in sides:
