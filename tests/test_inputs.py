@@ -310,6 +310,36 @@ def test_batch_times_heads_above_65535():
     check_backward(q, k, v, causal=True)
 
 
+def test_meta_tensors():
+    """Meta tensors (shape inference, deferred initialisation) give meta outputs of the right
+    shapes and gradients, through the registered ops' fake implementations; nothing launches."""
+    meta = {"device": "meta"}
+    q = torch.empty(2, 4, 5, 16, **meta, requires_grad=True)
+    k, v = torch.empty(2, 2, 7, 16, **meta), torch.empty(2, 2, 7, 8, **meta)
+    for _ in range(2):  # the second call as a repeat of the first's signature
+        out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+        assert (out.shape, out.device, lse.shape) == ((2, 4, 5, 8), q.device, (2, 4, 5))
+    out = flashcore.attention(q, k, v, window=(2, 1), softcap=5.0, sinks=torch.zeros(4, **meta))
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    assert (dq.shape, dq.device) == (q.shape, q.device)
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32, **meta)
+    cu_k = torch.tensor([0, 7, 14], dtype=torch.int32, **meta)
+    packed = torch.empty(14, 2, 16, **meta)
+    out = flashcore.attention_varlen(packed[:12].repeat(1, 2, 1), packed, packed, cu_q, cu_k, 7, 7)
+    assert (out.shape, out.device) == ((12, 4, 16), q.device)
+    cache = torch.empty(2, 2, 32, 16, **meta)
+    lengths = torch.tensor([3, 9], dtype=torch.int32, **meta)
+    for _ in range(2):
+        out = flashcore.attention_with_kvcache(
+            q.detach()[:, :, :1], cache, cache, cache_seqlens=lengths
+        )
+        assert (out.shape, out.device) == ((2, 4, 1, 16), q.device)
+    out = flashcore.scaled_dot_product_attention(
+        q.detach(), cache[:, :, :7], cache[:, :, :7], enable_gqa=True
+    )
+    assert (out.shape, out.device) == ((2, 4, 5, 16), q.device)
+
+
 def test_import_leaves_triton_unimported():
     """``import flashcore`` must not import triton: the interpreter flag is read when triton's own
     jit helpers are defined, so a user (or flashcore-bench) may set TRITON_INTERPRET=1 after

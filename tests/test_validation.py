@@ -109,6 +109,53 @@ def test_scale_type(scale, device, no_launch):
         flashcore.attention(*qkv(device), scale=scale)
 
 
+# Tensors without strides for q, k or v: each a clear error naming the argument, before any
+# launch and before the express path keys the call (nested and CSR tensors refuse strides).
+LAYOUTS = {
+    "coo": lambda t: t.to_sparse(),
+    "csr": lambda t: t[0, 0].to_sparse_csr(),
+    "nested": lambda t: torch.nested.nested_tensor([t[0, 0], t[0, 0, :3]], layout=torch.jagged),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("arg", ["q", "k", "v"])
+def test_not_dense(arg, layout, device, no_launch):
+    q, k, v = qkv(device)
+    args = {"q": q, "k": k, "v": v}
+    args[arg] = LAYOUTS[layout](args[arg])
+    with pytest.raises(TypeError, match=rf"^{arg} must be a dense \(strided\) tensor"):
+        flashcore.attention(args["q"], args["k"], args["v"])
+    if arg == "q":
+        seqlens = torch.tensor([3], dtype=torch.int32, device=device)
+        with pytest.raises(TypeError, match=r"^q must be a dense \(strided\) tensor"):
+            flashcore.attention_with_kvcache(args["q"], k, v, cache_seqlens=seqlens)
+
+
+def test_not_dense_options(device, no_launch):
+    """The option tensors too: ALiBi slopes, sinks, a packed batch's offsets."""
+    q, k, v = qkv(device)
+    sparse = torch.zeros(2, device=device).to_sparse()
+    for name in ("alibi_slopes", "sinks"):
+        with pytest.raises(TypeError, match=rf"^{name} must be a dense \(strided\) tensor"):
+            flashcore.attention(q, k, v, **{name: sparse})
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    with pytest.raises(TypeError, match=r"^cu_seqlens_q must be a dense \(strided\) tensor"):
+        flashcore.attention_varlen(q[0], k[0], v[0], cu.to_sparse(), cu, 8, 8)
+
+
+def test_unsupported_device():
+    """A device other than CUDA, the CPU (interpreted) or meta: a clear error (``checks``)."""
+    from flashcore.checks import check_runnable
+
+    class OnXpu:
+        device = torch.device("xpu")
+
+    with pytest.raises(ValueError, match=r"^q must be on a CUDA device .* got xpu"):
+        check_runnable(OnXpu())
+
+
 @pytest.mark.parametrize("flag", ["causal", "return_lse"])
 def test_flag_type(flag, device, no_launch):
     with pytest.raises(TypeError, match=rf"^{flag} must be a bool"):

@@ -155,8 +155,11 @@ def attention(
 
     Inputs may have any strides (a ``(B, S, H, D)`` tensor passed as ``.transpose(1, 2)`` is read
     in place); only a last dim with a stride other than 1 is copied. Supported: float16, bfloat16
-    and float32; any Sq, Sk; head dims 1 to 256. Tensors must be on a CUDA device, or on the CPU
-    with ``TRITON_INTERPRET=1`` set before the first call (Triton's interpreter; slow, for tests).
+    and float32; any Sq, Sk; head dims 1 to 256. Tensors must be dense (strided, not sparse or
+    nested) and on a CUDA device, or on the CPU with ``TRITON_INTERPRET=1`` set before the first
+    call (Triton's interpreter; slow, for tests). Meta tensors (here, in ``attention_varlen`` and
+    in ``attention_with_kvcache``) give meta outputs and gradients of the right shapes, through
+    the registered ops' fake implementations.
 
     Empty sizes are fine: B, H (with Hkv = 0 too) or Sq of 0 give empty results without a launch;
     Sk = 0 gives ``out = 0`` and ``lse = -inf`` (every row sees no key), also without a launch.
@@ -166,8 +169,9 @@ def attention(
     reach rows that share a key tile with j, as ``0 * NaN`` in the P @ V product).
 
     Raises:
-        TypeError: an input is not a tensor, has an unsupported or mismatched dtype, or an option
-            has the wrong type (``window`` not a pair of ints, ``alibi_slopes`` not float32).
+        TypeError: an input is not a dense tensor, has an unsupported or mismatched dtype, or an
+            option has the wrong type (``window`` not a pair of ints, ``alibi_slopes`` not
+            float32).
         ValueError: wrong rank, mismatched shapes or devices, heads not divisible, non-finite scale,
             a window side below -1, a negative or non-finite softcap, ``alibi_slopes`` or
             ``sinks`` of the wrong shape or device.
@@ -411,8 +415,11 @@ def _sdpa_unsupported(
             return "dtype", f"{name}.dtype is {t.dtype} (query.dtype {query.dtype})"
         if t.device != query.device:
             return "device", f"{name} is on {t.device}, query on {query.device}"
-    if query.device.type != "cuda" and not (query.device.type == "cpu" and interpreted()):
-        return "device", f"the inputs are on {query.device} (CUDA, or the CPU interpreter, only)"
+    kind = query.device.type
+    if kind not in ("cuda", "meta") and not (kind == "cpu" and interpreted()):
+        return "device", (
+            f"the inputs are on {query.device} (CUDA, the CPU interpreter or meta only)"
+        )
     if not query.dim() == key.dim() == value.dim() >= 2 or (enable_gqa and query.dim() < 3):
         dims = f"{query.dim()}, {key.dim()}, {value.dim()}"
         return "shape", f"query, key, value have {dims} dims"

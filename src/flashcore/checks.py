@@ -30,9 +30,18 @@ def interpreted() -> bool:
 interpreted._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
-def check_tensor(name: str, t: object, packed: bool = False) -> torch.Tensor:
+def check_dense(name: str, t: object, what: str = "a torch.Tensor") -> torch.Tensor:
+    """``t`` a tensor with strides: not sparse, not nested (the kernels read plain memory)."""
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        raise TypeError(f"{name} must be {what}, got {type(t).__name__}")
+    if t.layout != torch.strided or t.is_nested:
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise TypeError(f"{name} must be a dense (strided) tensor, got {kind}")
+    return t
+
+
+def check_tensor(name: str, t: object, packed: bool = False) -> torch.Tensor:
+    check_dense(name, t)
     dims, layout = (
         (3, "(total, heads, head_dim)") if packed else (4, "(batch, heads, seqlen, head_dim)")
     )
@@ -82,8 +91,15 @@ def check_block_size(block_size: int, name: str) -> None:
 
 
 def check_runnable(q: torch.Tensor) -> None:
-    """CPU tensors run only through Triton's interpreter."""
-    if q.device.type == "cpu" and not interpreted():
+    """CUDA tensors; CPU ones only through Triton's interpreter; meta ones (shapes only, through
+    the registered ops' fake implementations)."""
+    kind = q.device.type
+    if kind not in ("cuda", "cpu", "meta"):
+        raise ValueError(
+            f"q must be on a CUDA device (or the CPU with TRITON_INTERPRET=1, or the meta "
+            f"device for shapes only), got {q.device}"
+        )
+    if kind == "cpu" and not interpreted():
         raise ValueError(
             "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
             "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
@@ -136,8 +152,7 @@ def check_flag(name: str, value: object) -> bool:
 def check_cu_seqlens(q: torch.Tensor, cu_seqlens_q: object, cu_seqlens_k: object) -> None:
     """Type, shape and device only: reading the offsets would sync with the device."""
     for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        check_dense(name, t)
         if t.dtype != torch.int32:
             raise TypeError(f"{name} must be int32, got {t.dtype}")
         if t.dim() != 1 or t.shape[0] < 1:
@@ -198,8 +213,7 @@ def check_alibi(
 ) -> torch.Tensor | None:
     if slopes is None:
         return None
-    if not isinstance(slopes, torch.Tensor):
-        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(slopes).__name__}")
+    check_dense("alibi_slopes", slopes, "a torch.Tensor or None")
     if tuple(slopes.shape) not in ((heads,), (batch, heads)):
         raise ValueError(
             f"alibi_slopes must have shape (heads,) = ({heads},) or (batch, heads) = "
@@ -219,8 +233,7 @@ def check_sinks(
     not requiring a gradient while grad mode is on."""
     if sinks is None:
         return None
-    if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    check_dense("sinks", sinks, "a torch.Tensor or None")
     if tuple(sinks.shape) != (heads,):
         raise ValueError(
             f"sinks must have shape (heads,) = ({heads},), one logit per query head, got "
@@ -255,8 +268,7 @@ def check_paged_varlen(q, k, v, block_table, batch: int) -> int:
 
 
 def check_int_tensor(name: str, t: object, shape: tuple[int, ...], device: torch.device):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_dense(name, t)
     if t.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {t.dtype}")
     if t.dim() != len(shape) or any(e >= 0 and e != g for e, g in zip(shape, t.shape, strict=True)):

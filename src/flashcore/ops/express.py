@@ -59,7 +59,9 @@ def _plain_call(t: torch.Tensor) -> bool:
     state that sends it to the registered ops, no capture, ``t``'s device the current one."""
     if _compiling() or _dispatch_depth() or _functorch_active() or runtime.capturing(t):
         return False
-    return not t.is_cuda or t.get_device() == _current_device()
+    if t.is_cuda:
+        return t.get_device() == _current_device()
+    return not t.is_meta  # the CPU (the interpreter); meta tensors take the registered ops
 
 
 def _keyable(
@@ -101,10 +103,13 @@ def forward(
     launch: it is not in the key."""
     if not _keyable(causal, scale, return_lse, q, k, v, recording=True):
         return None, None
-    key = (_signature(q), _signature(k), _signature(v), causal, scale, runtime.current_tier())
-    run = _fwd.learned(key)
-    if run is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
-        return key, None
+    try:
+        key = (_signature(q), _signature(k), _signature(v), causal, scale, runtime.current_tier())
+        run = _fwd.learned(key)
+        if run is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
+            return key, None
+    except RuntimeError:
+        return None, None  # not a dense tensor (nested, sparse): the caller's checks name it
     if _records(q, k, v):
         # The backward takes the scale resolved, as the full path resolves it.
         scale = check_scale(scale, q.shape[-1])
@@ -147,7 +152,10 @@ def decode(
     if not _keyable(causal, scale, return_lse, *tensors):
         return None, None
     # With a block table the key holds five signatures, else four: the two never meet.
-    key = (*map(_signature, tensors), causal, scale, num_splits, runtime.current_tier())
+    try:
+        key = (*map(_signature, tensors), causal, scale, num_splits, runtime.current_tier())
+    except RuntimeError:
+        return None, None  # not a dense tensor (nested, sparse): the caller's checks name it
     run = _decode.learned(key)
     # Its plan holds for any addresses (the launcher takes its full key for misaligned ones).
     if run is None:

@@ -36,14 +36,16 @@ from flashcore.ops.problem import empty_rows_like, lse_shape, unit_stride_last_d
 
 
 def direct(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call may run the launchers directly rather than through the registered op."""
+    """Whether a call may run the launchers directly rather than through the registered op.
+    Meta tensors (q's device, which the checks made every tensor's) take the op, whose fake
+    implementations give them their outputs' shapes."""
     if (
         torch.compiler.is_compiling()
         or torch._C._len_torch_dispatch_stack()
         or torch._C._are_functorch_transforms_active()
     ):
         return False
-    return _PLAIN.issuperset(map(type, tensors))
+    return _PLAIN.issuperset(map(type, tensors)) and not tensors[0].is_meta
 
 
 # Plain tensors and absent optional ones (not subclasses: those take the op).
