@@ -73,12 +73,49 @@ def check_grads(
         assert_fa_rule(f"d{name}", grad, pt[i], ref[i])
 
 
+# Score elements a reference backward holds per call: a larger problem runs by (batch, kv
+# heads) chunks, which are independent (a kv head's gradients come from its own query heads). At
+# (1, 16, 4096, 4096) the whole float64 backward holds ~13 GB at once, and 16 GPU test workers ran
+# an H200 out of memory (docs/maintainers.md); a chunk of 2^26 scores holds about 2 GB.
+REF_CHUNK_SCORES = 2**26
+
+
 def reference_grads(q, k, v, dout, dlse, *, causal: bool, scale=None, dtype: torch.dtype, **masks):
     """``(dq, dk, dv)`` by autograd through the reference computed in ``dtype``.
 
     Fresh leaves are made in ``dtype`` so a float64 gradient is not rounded back to q's dtype.
     ``dlse`` may be None (the LSE output is not differentiated). ``masks`` as in check_forward.
+    Problems of more than REF_CHUNK_SCORES scores run by chunks of batches and kv heads.
     """
+    batch, heads, seqlen_q = q.shape[:3]
+    kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    if kv_heads == 0 or batch * heads * seqlen_q * seqlen_k <= REF_CHUNK_SCORES:
+        return _reference_grads(
+            q, k, v, dout, dlse, causal=causal, scale=scale, dtype=dtype, **masks
+        )
+    group = heads // kv_heads
+    step = max(1, REF_CHUNK_SCORES // (group * seqlen_q * seqlen_k))
+    rows = []
+    for b in range(batch):
+        parts = []
+        for g in range(0, kv_heads, step):
+            kv, hs = slice(g, g + step), slice(g * group, (g + step) * group)
+            opts = dict(masks)
+            alibi = opts.get("alibi_slopes")
+            if alibi is not None:
+                opts["alibi_slopes"] = alibi[hs] if alibi.dim() == 1 else alibi[b : b + 1, hs]
+            if opts.get("sinks") is not None:
+                opts["sinks"] = opts["sinks"][hs]
+            part_dlse = None if dlse is None else dlse[b : b + 1, hs]
+            parts.append(_reference_grads(
+                q[b : b + 1, hs], k[b : b + 1, kv], v[b : b + 1, kv], dout[b : b + 1, hs],
+                part_dlse, causal=causal, scale=scale, dtype=dtype, **opts,
+            ))  # fmt: skip
+        rows.append([torch.cat(grads, dim=1) for grads in zip(*parts, strict=True)])
+    return tuple(torch.cat(grads, dim=0) for grads in zip(*rows, strict=True))
+
+
+def _reference_grads(q, k, v, dout, dlse, *, causal, scale, dtype, **masks):
     leaves = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
     ref = reference.attention(*leaves, causal=causal, scale=scale, dtype=dtype, **masks)
     outputs, grads = [ref.out], [dout.to(dtype)]

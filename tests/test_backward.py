@@ -661,3 +661,29 @@ def test_sm90_dq_conversion_kernel(device, dtype, shape, acc_rows, packed):
         BLOCK_M=64,
     )  # fmt: skip
     assert torch.equal(dq.float(), want.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16], ids=["f64", "f16"])
+def test_reference_grads_by_chunks(dtype, monkeypatch):
+    """The test helper's reference backward by (batch, kv heads) chunks (``REF_CHUNK_SCORES``,
+    the GPU tests' memory) gives the gradients of the whole problem: GQA, ALiBi per batch and
+    head, sinks, a window, softcap and a gradient through the LSE."""
+    import helpers
+
+    b, h, hkv, sq, sk, d = 2, 6, 3, 7, 9, 8
+    q = torch.randn(b, h, sq, d, dtype=torch.float64)
+    k, v = (torch.randn(b, hkv, sk, d, dtype=torch.float64) for _ in range(2))
+    dout, dlse = torch.randn(b, h, sq, d, dtype=torch.float64), torch.randn(b, h, sq)
+    opts = {
+        "window": (4, 2),
+        "softcap": 5.0,
+        "alibi_slopes": torch.rand(b, h),
+        "sinks": torch.randn(h),
+    }
+    q, k, v, dout = (t.to(dtype) for t in (q, k, v, dout))
+    whole = helpers.reference_grads(q, k, v, dout, dlse, causal=True, dtype=dtype, **opts)
+    monkeypatch.setattr(helpers, "REF_CHUNK_SCORES", 2 * sq * sk)  # one kv head (2 query heads)
+    chunks = helpers.reference_grads(q, k, v, dout, dlse, causal=True, dtype=dtype, **opts)
+    for name, a, c in zip("qkv", whole, chunks, strict=True):
+        assert a.shape == c.shape, name
+        torch.testing.assert_close(c, a, rtol=0, atol=0, msg=f"d{name}")
