@@ -196,6 +196,13 @@ def test_warmup_rejects_bad_sizes(options, match):
         flashcore.warmup("cpu", **options)
 
 
+def test_warmup_without_cuda(monkeypatch):
+    """The default device with no CUDA device visible: a clear error, not torch's assertion."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="torch sees no CUDA device"):
+        flashcore.warmup()
+
+
 def test_warmup_raises_what_the_functions_raise(device):
     # heads (3, 2): 3 query heads cannot share 2 kv heads; attention names the problem.
     with pytest.raises(ValueError, match="head"):

@@ -93,10 +93,16 @@ def warmup(
     Returns the kernel variants compiled (or loaded from Triton's on-disk cache) during the
     warmup, in order; empty under the interpreter, and for variants compiled earlier in the
     process. Raises what the public functions raise for the same arguments (a bad dtype or head
-    dim, ``heads`` with ``H % Hkv != 0``, ...), and ``ValueError`` for an empty or non-positive
+    dim, ``heads`` with ``H % Hkv != 0``, ...), ``RuntimeError`` for a CUDA device where torch
+    sees none, and ``ValueError`` for an empty or non-positive
     ``seqlens`` or ``batch_sizes`` or a ``block_size`` that is not a positive multiple of 16.
     """
     device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"warmup: device {str(device)!r} asked for, but torch sees no CUDA device (nothing to "
+            "compile; on the CPU the kernels run through Triton's interpreter, which needs none)"
+        )
     for name, sizes in (("seqlens", seqlens), ("batch_sizes", batch_sizes)):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"{name} must be positive ints, got {sizes!r}")
