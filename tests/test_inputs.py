@@ -310,9 +310,16 @@ def test_batch_times_heads_above_65535():
     check_backward(q, k, v, causal=True)
 
 
-def test_meta_tensors():
+def test_meta_tensors(monkeypatch):
     """Meta tensors (shape inference, deferred initialisation) give meta outputs of the right
     shapes and gradients, through the registered ops' fake implementations; nothing launches."""
+    from flashcore.ops import bwd, decode
+
+    def launched(*args, **kwargs):
+        raise AssertionError("a launcher was called for meta tensors")
+
+    for module in (fwd, bwd, decode):
+        monkeypatch.setattr(module, "launch", launched)
     meta = {"device": "meta"}
     q = torch.empty(2, 4, 5, 16, **meta, requires_grad=True)
     k, v = torch.empty(2, 2, 7, 16, **meta), torch.empty(2, 2, 7, 8, **meta)
