@@ -687,3 +687,25 @@ def test_reference_grads_by_chunks(dtype, monkeypatch):
     for name, a, c in zip("qkv", whole, chunks, strict=True):
         assert a.shape == c.shape, name
         torch.testing.assert_close(c, a, rtol=0, atol=0, msg=f"d{name}")
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"window": (3, 1), "softcap": 5.0}], ids=["plain", "window-softcap"]
+)
+def test_second_derivative_raises(options, device):
+    """A gradient taken with ``create_graph=True`` has the first-order values, and a loss built
+    from it raises when differentiated (FlashCore's backward has no derivative) instead of taking
+    it as a constant: ``once_differentiable`` alone let a gradient penalty's term drop silently,
+    since the gradient reaching the backward (of ``out.sum()``) does not require grad."""
+    case = Case(1, 2, 1, 9, 7, 16)
+    q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.float32, device))
+    for _ in range(2):  # the second call of the signature takes the kept launch
+        out = flashcore.attention(q, k, v, causal=True, **options)
+        grads = torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
+        plain = torch.autograd.grad(
+            flashcore.attention(q, k, v, causal=True, **options).sum(), (q, k, v)
+        )
+        for g, p in zip(grads, plain, strict=True):
+            torch.testing.assert_close(g.detach(), p)
+        with pytest.raises(RuntimeError, match="attention backward is not differentiable"):
+            (out.sum() + grads[0].pow(2).sum()).backward()

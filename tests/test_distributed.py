@@ -256,6 +256,20 @@ def test_world_of_one_is_attention(world_of_one, device, causal, layout):
     assert torch.equal(only_out, want[0])
 
 
+def test_world_of_one_second_derivative_raises(world_of_one, device):
+    """A gradient of the ring taken with ``create_graph=True`` has its first-order values, and
+    differentiating it raises instead of taking it as a constant (``ops.registry``'s
+    ``not_differentiable``)."""
+    q = torch.randn(1, 2, 10, 16, device=device, requires_grad=True)
+    k, v = (torch.randn(1, 2, 10, 16, device=device) for _ in range(2))
+    out = fd.ring_attention(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    (want,) = torch.autograd.grad(fd.ring_attention(q, k, v, causal=True).sum(), q)
+    assert torch.equal(dq.detach(), want)
+    with pytest.raises(RuntimeError, match="attention backward is not differentiable"):
+        (out.sum() + dq.pow(2).sum()).backward()
+
+
 def test_world_of_one_empty(world_of_one, device):
     """An empty batch gives empty results and zero gradients, without a launch."""
     q = torch.randn(0, 2, 4, 16, device=device, requires_grad=True)

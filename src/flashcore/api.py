@@ -142,7 +142,9 @@ def attention(
         with sinks).
 
     Autograd: ``out`` (and ``lse``) are differentiable with respect to q, k, v and ``sinks``, for
-    every option above (not with respect to ``alibi_slopes``, which get no gradient). The backward
+    every option above (not with respect to ``alibi_slopes``, which get no gradient), once: the
+    gradients of a ``create_graph=True`` backward have their values, but differentiating them
+    again (a second derivative, a gradient penalty) raises a RuntimeError. The backward
     is FlashAttention-2's: it recomputes the probabilities from the saved LSE (only q, k, v, out,
     lse, the slopes and the sinks are kept for it), accumulates in fp32, writes every gradient from
     exactly one program (deterministic, no atomics; on an H100 by default dQ is reduce-added over

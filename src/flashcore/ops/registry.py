@@ -29,7 +29,6 @@ import contextlib
 from collections.abc import Callable
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from flashcore.ops import bwd, decode, fwd, runtime
 from flashcore.ops.problem import empty_rows_like, lse_shape, unit_stride_last_dim, varlen_of
@@ -235,12 +234,35 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        # once_differentiable runs the backward under no_grad and, where grad mode is on (a
-        # create_graph backward), makes a second differentiation raise. With grad mode off, as
-        # in every backward without create_graph, its wrapper changes nothing: skipped there.
+        # Grad mode is on only in a create_graph backward: there the gradients come back as
+        # tensors whose differentiation raises (``not_differentiable``). Every other backward
+        # runs the launchers as they are.
         if torch.is_grad_enabled():
-            return _once_differentiable_backward(ctx, dout, dlse)
+            with torch.no_grad():
+                grads = _direct_backward(ctx, dout, dlse)
+            return not_differentiable(grads)
         return _direct_backward(ctx, dout, dlse)
+
+
+_TWICE = (
+    b"flashcore's attention backward is not differentiable: a gradient it computed under "
+    b"create_graph=True was differentiated again (a second derivative, e.g. a gradient penalty), "
+    b"which FlashCore does not support"
+)
+
+
+def not_differentiable(grads: tuple) -> tuple:
+    """``grads`` (tensors or None) as tensors whose differentiation raises, for a backward run
+    with ``create_graph=True``. ``once_differentiable`` adds that node only where a gradient
+    reaching the backward requires grad (``torch.autograd.grad(out.sum(), q,
+    create_graph=True)``'s does not), yet the gradients depend on q, k and v too: without it a
+    loss built from them took them as constants, silently (a gradient penalty's term lost)."""
+    tensors = [g.detach().requires_grad_() for g in grads if g is not None]
+    if not tensors:
+        return grads
+    wrapped = torch._C._functions.DelayedError(_TWICE, len(tensors))(*tensors)
+    wrapped = iter((wrapped,) if isinstance(wrapped, torch.Tensor) else wrapped)
+    return tuple(None if g is None else next(wrapped) for g in grads)
 
 
 def _direct_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
@@ -262,7 +284,6 @@ def _direct_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None) 
     return dq, dk, dv, dsinks, None
 
 
-_once_differentiable_backward = once_differentiable(_direct_backward)
 _SAME_TIER = contextlib.nullcontext()
 # Function.apply less its Python wrapper (torch/autograd/function.py), which binds the arguments
 # where a Function defines setup_context (_Attention does not), sends calls under functorch
