@@ -114,9 +114,13 @@ def test_alibi_slopes_layouts(device):
 
 
 def test_alibi_slopes_get_no_grad(device):
+    """The slopes take no gradient: slopes that require one are refused while grad mode is on
+    (they would silently get none, tests/test_validation.py); detached, q, k, v get theirs."""
     q, k, v = (t.requires_grad_() for t in make_qkv(Case(1, 2, 1, 9, 9, 16), torch.float32, device))
     slopes = torch.tensor([0.5, 0.25], device=device, requires_grad=True)
-    out = flashcore.attention(q, k, v, alibi_slopes=slopes)
+    with pytest.raises(ValueError, match=r"^alibi_slopes requires grad"):
+        flashcore.attention(q, k, v, alibi_slopes=slopes)
+    out = flashcore.attention(q, k, v, alibi_slopes=slopes.detach())
     out.sum().backward()
     assert slopes.grad is None
     assert q.grad is not None and torch.isfinite(q.grad).all()

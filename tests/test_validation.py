@@ -290,6 +290,29 @@ def test_alibi_slopes_not_a_tensor(device, no_launch):
         flashcore.attention(*qkv(device), alibi_slopes=[0.5, 0.25])
 
 
+def test_alibi_slopes_requiring_grad(device, no_launch):
+    """Learnable slopes would silently get no gradient: an error while grad mode is on, in every
+    function that takes them; under no_grad (nothing to differentiate) they are fine."""
+    q, k, v = qkv(device)
+    slopes = torch.full((2,), 0.5, device=device, requires_grad=True)
+    match = r"^alibi_slopes requires grad, but FlashCore computes no gradient for the slopes"
+    with pytest.raises(ValueError, match=match):
+        flashcore.attention(q, k, v, alibi_slopes=slopes)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=match):
+        flashcore.attention_varlen(
+            *(t[0].transpose(0, 1) for t in (q, k, v)), cu, cu, 8, 8, alibi_slopes=slopes
+        )
+    lengths = torch.tensor([8], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=match):
+        flashcore.attention_with_kvcache(
+            q[:, :, :1], k, v, cache_seqlens=lengths, alibi_slopes=slopes
+        )
+    # Under no_grad the call passes its checks and reaches the (stubbed) launch.
+    with torch.no_grad(), pytest.raises(AssertionError, match="kernel launched"):
+        flashcore.attention(q, k, v, alibi_slopes=slopes)
+
+
 @pytest.mark.parametrize("shape", [(3,), (1, 3), (2, 2), (1, 2, 1), ()])
 def test_alibi_slopes_shape(shape, device, no_launch):
     slopes = torch.ones(shape, device=device)

@@ -142,7 +142,8 @@ def attention(
         with sinks).
 
     Autograd: ``out`` (and ``lse``) are differentiable with respect to q, k, v and ``sinks``, for
-    every option above (not with respect to ``alibi_slopes``, which get no gradient), once: the
+    every option above (not with respect to ``alibi_slopes``, which get no gradient: slopes that
+    require grad raise a ValueError while grad mode is on), once: the
     gradients of a ``create_graph=True`` backward have their values, but differentiating them
     again (a second derivative, a gradient penalty) raises a RuntimeError. The backward
     is FlashAttention-2's: it recomputes the probabilities from the saved LSE (only q, k, v, out,

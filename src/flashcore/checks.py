@@ -223,6 +223,12 @@ def check_alibi(
         raise TypeError(f"alibi_slopes must be float32, got {slopes.dtype}")
     if slopes.device != device:
         raise ValueError(f"alibi_slopes must be on q's device ({device}), got {slopes.device}")
+    if slopes.requires_grad and torch.is_grad_enabled():
+        # Not a silent None: no function here computes a gradient for the slopes.
+        raise ValueError(
+            "alibi_slopes requires grad, but FlashCore computes no gradient for the slopes (they "
+            "would get none); pass alibi_slopes.detach() or slopes that do not require grad"
+        )
     return slopes
 
 
