@@ -259,7 +259,7 @@ def test_world_of_one_is_attention(world_of_one, device, causal, layout):
 def test_world_of_one_second_derivative_raises(world_of_one, device):
     """A gradient of the ring taken with ``create_graph=True`` has its first-order values, and
     differentiating it raises instead of taking it as a constant (``ops.registry``'s
-    ``not_differentiable``)."""
+    ``first_order``)."""
     q = torch.randn(1, 2, 10, 16, device=device, requires_grad=True)
     k, v = (torch.randn(1, 2, 10, 16, device=device) for _ in range(2))
     out = fd.ring_attention(q, k, v, causal=True)

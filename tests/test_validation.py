@@ -142,7 +142,9 @@ def test_not_dense_options(device, no_launch):
             flashcore.attention(q, k, v, **{name: sparse})
     cu = torch.tensor([0, 8], dtype=torch.int32, device=device)
     with pytest.raises(TypeError, match=r"^cu_seqlens_q must be a dense \(strided\) tensor"):
-        flashcore.attention_varlen(q[0], k[0], v[0], cu.to_sparse(), cu, 8, 8)
+        flashcore.attention_varlen(
+            *(t[0].transpose(0, 1) for t in (q, k, v)), cu.to_sparse(), cu, 8, 8
+        )
 
 
 def test_unsupported_device():

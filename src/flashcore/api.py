@@ -25,7 +25,7 @@ from flashcore.checks import (
     check_sinks,
     check_softcap,
     check_window,
-    interpreted,
+    runnable_device,
 )
 from flashcore.ops import express as _express
 from flashcore.ops import registry as _ops
@@ -143,18 +143,18 @@ def attention(
 
     Autograd: ``out`` (and ``lse``) are differentiable with respect to q, k, v and ``sinks``, for
     every option above (not with respect to ``alibi_slopes``, which get no gradient: slopes that
-    require grad raise a ValueError while grad mode is on), once: the
-    gradients of a ``create_graph=True`` backward have their values, but differentiating them
-    again (a second derivative, a gradient penalty) raises a RuntimeError. The backward
-    is FlashAttention-2's: it recomputes the probabilities from the saved LSE (only q, k, v, out,
-    lse, the slopes and the sinks are kept for it), accumulates in fp32, writes every gradient from
-    exactly one program (deterministic, no atomics; on an H100 by default dQ is reduce-added over
-    key blocks instead, see ``deterministic``) and returns dq, dk, dv in the dtype and, when
-    dense, the memory layout of q, k, v (GQA/MQA gradients are summed over each kv head's query
-    heads). A gradient reaching ``lse`` is supported too: it adds ``dlse_i * softmax_ij`` to the
-    score gradients (the kernels fold it into the per-row term ``delta_i = rowsum(dout * out)_i -
-    dlse_i``). Rows that see no key get zero gradients (and, with sinks, pass ``dlse`` to the sink).
-    The gradient of ``out`` may have any strides (one whose last dim is not unit-stride is copied).
+    require grad raise a ValueError while grad mode is on), once: the gradients of a
+    ``create_graph=True`` backward have their values, but differentiating them again (a second
+    derivative, a gradient penalty) raises a RuntimeError. The backward is FlashAttention-2's: it
+    recomputes the probabilities from the saved LSE (only q, k, v, out, lse, the slopes and the
+    sinks are kept for it), accumulates in fp32, writes every gradient from exactly one program
+    (deterministic, no atomics; on an H100 by default dQ is reduce-added over key blocks instead,
+    see ``deterministic``) and returns dq, dk, dv in the dtype and, when dense, the memory layout of
+    q, k, v (GQA/MQA gradients are summed over each kv head's query heads). A gradient reaching
+    ``lse`` is supported too: it adds ``dlse_i * softmax_ij`` to the score gradients (the kernels
+    fold it into the per-row term ``delta_i = rowsum(dout * out)_i - dlse_i``). Rows that see no key
+    get zero gradients (and, with sinks, pass ``dlse`` to the sink). The gradient of ``out`` may
+    have any strides (one whose last dim is not unit-stride is copied).
 
     Inputs may have any strides (a ``(B, S, H, D)`` tensor passed as ``.transpose(1, 2)`` is read
     in place); only a last dim with a stride other than 1 is copied. Supported: float16, bfloat16
@@ -418,8 +418,7 @@ def _sdpa_unsupported(
             return "dtype", f"{name}.dtype is {t.dtype} (query.dtype {query.dtype})"
         if t.device != query.device:
             return "device", f"{name} is on {t.device}, query on {query.device}"
-    kind = query.device.type
-    if kind not in ("cuda", "meta") and not (kind == "cpu" and interpreted()):
+    if not runnable_device(query.device):
         return "device", (
             f"the inputs are on {query.device} (CUDA, the CPU interpreter or meta only)"
         )

@@ -90,21 +90,27 @@ def check_block_size(block_size: int, name: str) -> None:
         )
 
 
+def runnable_device(device: torch.device) -> bool:
+    """Whether FlashCore runs on ``device``: CUDA; the CPU only through Triton's interpreter;
+    meta (shapes only, through the registered ops' fake implementations)."""
+    kind = device.type
+    return kind in ("cuda", "meta") or (kind == "cpu" and interpreted())
+
+
 def check_runnable(q: torch.Tensor) -> None:
-    """CUDA tensors; CPU ones only through Triton's interpreter; meta ones (shapes only, through
-    the registered ops' fake implementations)."""
-    kind = q.device.type
-    if kind not in ("cuda", "cpu", "meta"):
-        raise ValueError(
-            f"q must be on a CUDA device (or the CPU with TRITON_INTERPRET=1, or the meta "
-            f"device for shapes only), got {q.device}"
-        )
-    if kind == "cpu" and not interpreted():
+    """``runnable_device(q.device)``, or an error that says what to do."""
+    if runnable_device(q.device):
+        return
+    if q.device.type == "cpu":
         raise ValueError(
             "q is on the CPU, but FlashCore's kernels were defined for a GPU; set "
             "TRITON_INTERPRET=1 before triton is first imported (flashcore imports it at its "
             "first call) to run them through Triton's interpreter, or move the tensors to CUDA"
         )
+    raise ValueError(
+        f"q must be on a CUDA device (or the CPU with TRITON_INTERPRET=1, or the meta device for "
+        f"shapes only), got {q.device}"
+    )
 
 
 def check_inputs(q: object, k: object, v: object, packed: bool = False) -> None:

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from flashcore.checks import SUPPORTED_DTYPES, check_flag, check_inputs, check_scale
 from flashcore.ops import bwd as _bwd
 from flashcore.ops import fwd as _fwd
-from flashcore.ops.registry import not_differentiable
+from flashcore.ops.registry import first_order
 
 LAYOUTS = ("contiguous", "zigzag")
 # Dtypes unshard tells apart when comparing ranks (others compare as -1).
@@ -213,10 +213,8 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @first_order
     def backward(ctx, dout, dlse):
-        if torch.is_grad_enabled():  # create_graph=True: gradients that raise if differentiated
-            with torch.no_grad():
-                return not_differentiable(_RingAttention.backward(ctx, dout, dlse))
         q, k, v, out, lse = ctx.saved_tensors
         none = (None,) * len(ctx.options)
         if q.numel() == 0:  # on every rank alike

@@ -26,6 +26,7 @@ FlopCounterMode, functorch transforms, tensor subclasses) gets them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 
 import torch
@@ -234,14 +235,7 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        # Grad mode is on only in a create_graph backward: there the gradients come back as
-        # tensors whose differentiation raises (``not_differentiable``). Every other backward
-        # runs the launchers as they are.
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                grads = _direct_backward(ctx, dout, dlse)
-            return not_differentiable(grads)
-        return _direct_backward(ctx, dout, dlse)
+        return _first_order_backward(ctx, dout, dlse)
 
 
 _TWICE = (
@@ -251,18 +245,28 @@ _TWICE = (
 )
 
 
-def not_differentiable(grads: tuple) -> tuple:
-    """``grads`` (tensors or None) as tensors whose differentiation raises, for a backward run
-    with ``create_graph=True``. ``once_differentiable`` adds that node only where a gradient
-    reaching the backward requires grad (``torch.autograd.grad(out.sum(), q,
-    create_graph=True)``'s does not), yet the gradients depend on q, k and v too: without it a
-    loss built from them took them as constants, silently (a gradient penalty's term lost)."""
-    tensors = [g.detach().requires_grad_() for g in grads if g is not None]
-    if not tensors:
-        return grads
-    wrapped = torch._C._functions.DelayedError(_TWICE, len(tensors))(*tensors)
-    wrapped = iter((wrapped,) if isinstance(wrapped, torch.Tensor) else wrapped)
-    return tuple(None if g is None else next(wrapped) for g in grads)
+def first_order(backward: Callable) -> Callable:
+    """An autograd Function's ``backward`` that, in a ``create_graph=True`` backward (the only
+    one run with grad mode on), runs under no_grad and returns its gradients (tensors or None)
+    as tensors whose differentiation raises; otherwise ``backward`` itself, one call deeper.
+    ``once_differentiable`` adds that error only where a gradient reaching the backward requires
+    grad (``torch.autograd.grad(out.sum(), q, create_graph=True)``'s does not), yet the
+    gradients depend on q, k and v too: with it a loss built from them took them as constants,
+    silently (a gradient penalty's term lost)."""
+
+    def wrapper(ctx, *grad_outputs):
+        if not torch.is_grad_enabled():
+            return backward(ctx, *grad_outputs)
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        tensors = [g.detach().requires_grad_() for g in grads if g is not None]
+        if not tensors:
+            return grads
+        wrapped = torch._C._functions.DelayedError(_TWICE, len(tensors))(*tensors)
+        wrapped = iter((wrapped,) if isinstance(wrapped, torch.Tensor) else wrapped)
+        return tuple(None if g is None else next(wrapped) for g in grads)
+
+    return functools.wraps(backward)(wrapper)
 
 
 def _direct_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None) -> tuple:
@@ -284,6 +288,7 @@ def _direct_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None) 
     return dq, dk, dv, dsinks, None
 
 
+_first_order_backward = first_order(_direct_backward)
 _SAME_TIER = contextlib.nullcontext()
 # Function.apply less its Python wrapper (torch/autograd/function.py), which binds the arguments
 # where a Function defines setup_context (_Attention does not), sends calls under functorch
