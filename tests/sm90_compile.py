@@ -27,6 +27,7 @@ from flashcore.ops.bwd import d_panels  # noqa: E402
 from flashcore.tuning import (  # noqa: E402
     bwd_config,
     decode_block_m,
+    decode_combine_warps,
     decode_config,
     fwd_config,
     head_block,
@@ -372,12 +373,18 @@ def main() -> int:
         fields = (head_dim, dtype, True, rows == block_m)
         print(json.dumps(report("attn_decode", fields, compiled, label=label)), flush=True)
         if split:
-            consts = {"HEAD_DIM": head_dim, "BLOCK_D": head_block(head_dim), "BLOCK_S": 64}
-            compiled = compile_kernel(
-                decode.attn_decode_combine_kernel, consts, dtype, {"num_warps": 4}
-            )
-            row = report("attn_decode_combine", fields, compiled, label=label)
-            print(json.dumps(row), flush=True)
+            # The most splits (MAX_SPLITS) and 16, as decode's plans take them.
+            for block_s in (64, 16):
+                block_d = head_block(head_dim)
+                consts = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_S": block_s}
+                warps = decode_combine_warps(block_s, block_d)
+                compiled = compile_kernel(
+                    decode.attn_decode_combine_kernel, consts, dtype, {"num_warps": warps}
+                )
+                row = report(
+                    "attn_decode_combine", fields, compiled, label=f"{label}-splits{block_s}"
+                )
+                print(json.dumps(row), flush=True)
     return 0
 
 

@@ -667,7 +667,9 @@ def test_sm90_dq_conversion_kernel(device, dtype, shape, acc_rows, packed):
 def test_reference_grads_by_chunks(dtype, monkeypatch):
     """The test helper's reference backward by (batch, kv heads) chunks (``REF_CHUNK_SCORES``,
     the GPU tests' memory) gives the gradients of the whole problem: GQA, ALiBi per batch and
-    head, sinks, a window, softcap and a gradient through the LSE."""
+    head, sinks, a window, softcap and a gradient through the LSE. In float64 bit for bit; in
+    float16 (the same-precision baseline of FlashAttention's rule) within that precision's own
+    error: smaller matrix products may round differently (the GPU machine's CPU BLAS did)."""
     import helpers
 
     b, h, hkv, sq, sk, d = 2, 6, 3, 7, 9, 8
@@ -684,9 +686,16 @@ def test_reference_grads_by_chunks(dtype, monkeypatch):
     whole = helpers.reference_grads(q, k, v, dout, dlse, causal=True, dtype=dtype, **opts)
     monkeypatch.setattr(helpers, "REF_CHUNK_SCORES", 2 * sq * sk)  # one kv head (2 query heads)
     chunks = helpers.reference_grads(q, k, v, dout, dlse, causal=True, dtype=dtype, **opts)
-    for name, a, c in zip("qkv", whole, chunks, strict=True):
+    exact = helpers.reference_grads(
+        *(t.double() for t in (q, k, v, dout)), dlse, causal=True, dtype=torch.float64, **opts
+    )
+    for name, a, c, e in zip("qkv", whole, chunks, exact, strict=True):
         assert a.shape == c.shape, name
-        torch.testing.assert_close(c, a, rtol=0, atol=0, msg=f"d{name}")
+        if dtype == torch.float64:
+            torch.testing.assert_close(c, a, rtol=0, atol=0, msg=f"d{name}")
+        else:
+            whole_err = (a.double() - e).abs().max().item()
+            assert (c.double() - e).abs().max().item() <= 2 * whole_err + 1e-3, f"d{name}"
 
 
 @pytest.mark.parametrize(

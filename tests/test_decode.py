@@ -408,10 +408,11 @@ def test_decode_validation(name, device, no_launch):
 
 def test_decode_config_and_splits_by_cache():
     """Decided on the host alone (H100: 132 SMs): a long dense cache streams 128-key tiles, a
-    short one 64-key tiles; a dense cache over few (batch, kv head) pairs splits over a wave of
-    programs rounded down, over more pairs half a wave (long) or a wave rounded up (short); a
-    paged one over three waves (six at head dim 64), with 4 warps and 2 stages on Triton 3.6, 3
-    elsewhere (8 warps and 3 stages for a prefill chunk's 128-row tile)."""
+    short one 64-key tiles unless its splits each stream 2048 keys or more; a dense cache over
+    few (batch, kv head) pairs splits over a wave of programs rounded down, over more pairs half
+    a wave (long) or a wave rounded up (short); a paged one over three waves (six at head dim
+    64), with 4 warps and 2 stages on Triton 3.6, 3 elsewhere (8 warps and 3 stages for a prefill
+    chunk's 128-row tile)."""
     long = tuning.decode_config(128, 2, interpreted=False, capacity=32768)
     short = tuning.decode_config(128, 2, interpreted=False, capacity=4096)
     paged = tuning.decode_config(
@@ -419,6 +420,15 @@ def test_decode_config_and_splits_by_cache():
     )
     chunk = tuning.decode_config(128, 2, interpreted=False, rows=64, capacity=32768)
     assert (long.block_n, short.block_n, paged.block_n, chunk.block_n) == (128, 64, 64, 64)
+    few_splits = tuning.decode_config(128, 2, interpreted=False, capacity=4096, keys_per_split=2048)
+    many_splits = tuning.decode_config(128, 2, interpreted=False, capacity=4096, keys_per_split=256)
+    assert (few_splits.block_n, many_splits.block_n) == (128, 64)
+    assert tuning.decode_config(
+        128, 2, interpreted=False, rows=64, capacity=4096, keys_per_split=4096
+    ).block_n == 64  # fmt: skip
+    # The combine: as few warps as hold its (splits, Dv) tile at 64 fp32 values a thread.
+    combine = tuning.decode_combine_warps
+    assert (combine(2, 128), combine(16, 128), combine(16, 256), combine(64, 128)) == (1, 1, 2, 4)
     assert paged == tuning.DecodeConfig(64, 4, 2)
     assert tuning.decode_config(
         128, 2, interpreted=False, paged=True, rows=64, triton_version="3.6.0"
@@ -441,6 +451,26 @@ def test_decode_config_and_splits_by_cache():
     assert tuning.decode_num_splits(8, 16384, 64, 132, paged=True, head_dim=64) == 64  # capped
     # Smaller head dims keep 64-key tiles (the 128-key tile spilled at D=64 with Triton 3.9).
     assert tuning.decode_config(64, 2, interpreted=False, capacity=32768).block_n == 64
+
+
+@pytest.mark.parametrize(
+    ("batch", "keys", "splits", "block_n", "combine_warps"),
+    [(1, 4096, 16, 64, 1), (8, 4096, 2, 128, 1), (4, 4096, 4, 64, 1), (1, 32768, 16, 128, 1)],
+)
+def test_decode_plan_tile_by_split(batch, keys, splits, block_n, combine_warps, monkeypatch):
+    """A compiled build's plan on a 132-SM GPU (32 query heads on 8 kv heads, D = 128, bf16;
+    meta tensors, no GPU): the split count first, then 128-key tiles where each split streams
+    2048 keys or more (or the cache is long), and the combine's warps by its tile."""
+    from flashcore.ops import decode
+
+    monkeypatch.setattr(decode.runtime, "is_interpreted", lambda: False)
+    monkeypatch.setattr(decode, "_sms", lambda device: 132)
+    q = torch.empty(batch, 32, 1, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(batch, 8, keys, 128, dtype=torch.bfloat16, device="meta")
+    options = (True, 128**-0.5, -1, -1, 0.0, 0, False)
+    p = decode._plan(q, k, k, None, None, options)
+    assert (p.num_splits, p.split_meta["BLOCK_N"]) == (splits, block_n)
+    assert p.combine_meta["num_warps"] == combine_warps
 
 
 def test_packed_prefill_wanted(monkeypatch):

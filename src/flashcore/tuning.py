@@ -513,6 +513,17 @@ MIN_TILES_PER_SPLIT = 4
 MAX_SPLITS = 64  # also caps an explicit num_splits: the combine holds (splits, D) in registers
 
 
+def decode_combine_warps(block_s: int, block_d: int) -> int:
+    """Warps of the decode combine for its ``(block_s, block_d)`` fp32 tile of partials: as few
+    as hold it at 64 elements a thread, at most 4. Fewer warps, fewer of the tile's
+    reductions over splits cross warps through shared memory: H200, bf16, D = 128, 32 query heads
+    over 8 kv heads, CUDA-graph replays of whole decode calls, one warp against four: B = 4 at
+    4096 keys (4 splits) 23.93 against 24.26 us, B = 2 at 8192 (8 splits) 24.14 against 24.32,
+    within 0.1 us elsewhere (docs/performance_host.md, "Decode: the key tile by the split's
+    length")."""
+    return max(1, min(4, block_s * block_d // (64 * 32)))
+
+
 # Rows of one decode tile at most; a longer chunk of queries takes several tiles.
 MAX_DECODE_ROWS = 128
 
@@ -537,6 +548,8 @@ KVCACHE_PACKED_MIN_SEQLEN_Q = 512
 # head) pairs it splits over half a wave of programs, a shorter one over a full wave
 # (decode_num_splits).
 DECODE_LONG_CACHE = 8192
+# A dense cache whose splits each stream at least this many keys also takes 128-key tiles.
+DECODE_LONG_SPLIT = 2048
 
 
 # The Triton versions whose ptxas compiles the paged decode at 4 warps and 2 stages without
@@ -554,6 +567,7 @@ def decode_config(
     paged: bool = False,
     rows: int = 16,
     capacity: int = 0,
+    keys_per_split: int = 0,
     triton_version: str | None = None,
 ) -> DecodeConfig:
     """Decode config for a padded head dim, element size in bytes and row tile (``rows``, from
@@ -561,12 +575,16 @@ def decode_config(
     config's stages (``PAGED_DECODE_TWO_STAGES``).
 
     Decoding is bound by reading the cache. A dense cache of at least DECODE_LONG_CACHE keys
-    (``capacity``) at D = 128 (padded) with a row tile of at most 32 (a GQA group of up to 32 query
-    heads, one query) streams 128-key tiles with 4 warps and 3 stages: from CUDA-graph replays on
-    the H100 (scripts/decode_sweep.py, bf16, D=128, 32 query heads over 8 kv heads) it reads
-    3.04 TB/s at B=8, 32k keys (SDPA 3.06; 64-key tiles 2.79). A shorter cache is latency-bound
-    and keeps 64-key tiles (B=1, 4k keys: 9.6 us against 11.6 with 128-key tiles); larger row
-    tiles (prefill chunks) keep them too (half the score registers). tests/sm90_compile.py
+    (``capacity``), or whose splits each stream at least DECODE_LONG_SPLIT keys
+    (``keys_per_split``: the capacity over the split count), at D = 128 (padded) with a row tile
+    of at most 32 (a GQA group of up to 32 query heads, one query) streams 128-key tiles with 4
+    warps and 3 stages: from CUDA-graph replays on the H100 (scripts/decode_sweep.py, bf16, D=128,
+    32 query heads over 8 kv heads) it reads 3.04 TB/s at B=8, 32k keys (SDPA 3.06; 64-key tiles
+    2.79); on the H200 B=8 at 4k keys (two splits of 2048) 38.9 us against 39.7 with 64-key tiles
+    (docs/performance_host.md, "Decode: the key tile by the split's length"). A shorter cache
+    over more splits is latency-bound and keeps 64-key tiles (B=1, 4k keys, 16 splits of 256:
+    9.6 us against 11.6 with 128-key tiles on the H100, 10.3 against 12.2 on the H200); larger
+    row tiles (prefill chunks) keep them too (half the score registers). tests/sm90_compile.py
     reports registers and spills of each pick.
     """
     if interpreted:
@@ -603,7 +621,8 @@ def decode_config(
             )
         # Measured at D=128; at D=64 the 128-key tile spilled 8 bytes with Triton 3.9's ptxas
         # (128 registers), so smaller head dims keep 64-key tiles.
-        long = capacity >= DECODE_LONG_CACHE and rows <= 32 and block_d == 128
+        streams = capacity >= DECODE_LONG_CACHE or keys_per_split >= DECODE_LONG_SPLIT
+        long = streams and rows <= 32 and block_d == 128
         return DecodeConfig(128 if long else 64, 4, 3)
     return DecodeConfig(32, 4, 2)
 

@@ -29,6 +29,7 @@ from flashcore.tuning import (
     KVCACHE_PACKED_MIN_SEQLEN_Q,
     MAX_SPLITS,
     decode_block_m,
+    decode_combine_warps,
     decode_config,
     decode_num_splits,
     head_block,
@@ -374,6 +375,12 @@ def _plan(
     # Splits past the longest possible sequence would only write empty partials; more than
     # MAX_SPLITS would make the combine's (splits, D) tile spill.
     num_splits = max(1, min(num_splits, pb.cdiv(capacity, cfg.block_n), MAX_SPLITS))
+    if not paged and cfg.block_n < 128:
+        # Few splits of a dense cache each stream enough keys for the longer tile.
+        cfg = decode_config(
+            width, q.element_size(), interpreted=interpreted, rows=block_m, capacity=capacity,
+            keys_per_split=capacity // num_splits,
+        )  # fmt: skip
     exp_e = pb.uses_exp_e(q.dtype, interpreted)
     # Sequence lengths live on the device; the capacity bounds them all (problem.window_bounds).
     sc = pb.scores(
@@ -415,11 +422,12 @@ def _plan(
     combine_scalars = (
         *part_strides, *lse_part_strides, *out_strides, *lse_strides, heads, seqlen_q, num_splits,
     )  # fmt: skip
+    block_s = max(2, pb.next_pow2(num_splits))
     combine_meta = dict(
         HEAD_DIM=head_dim_v,
         BLOCK_D=flags["BLOCK_DV"],
-        BLOCK_S=max(2, pb.next_pow2(num_splits)),
-        num_warps=4,
+        BLOCK_S=block_s,
+        num_warps=decode_combine_warps(block_s, flags["BLOCK_DV"]),
     )
     return Plan(
         out_shape, False, False, num_splits, part_shape, (batch * kv_heads, num_splits, row_tiles),
