@@ -501,7 +501,7 @@ def _last_tile_cost(lq, lk, block_m, block_n, causal, window, n_tiles):
     ],
     ids=["full", "causal", "causal-ragged-k", "window", "causal-window", "many", "long"],
 )
-def test_work_list(lens_q, lens_k, causal, window, block_m, max_q):
+def test_work_list(lens_q, lens_k, causal, window, block_m, max_q, device):
     """The Hopper forward's work list of a packed batch (built by one program on the device):
     each sequence's programs (``heads`` per query tile, at most the grid's tiles from
     ``max_seqlen_q``) as consecutive pairs ``(b, 0 .. n - 1)``, every sequence once, costliest
@@ -510,7 +510,7 @@ def test_work_list(lens_q, lens_k, causal, window, block_m, max_q):
 
     lens_k = lens_k or lens_q
     heads, block_n = 3, 64
-    cu_q, cu_k = cu_seqlens(lens_q, "cpu"), cu_seqlens(lens_k, "cpu")
+    cu_q, cu_k = cu_seqlens(lens_q, device), cu_seqlens(lens_k, device)
     max_q = max_q or max(lens_q)
     if window:
         left, right = window[0], window[1] if not causal else max_q + max(lens_k)
