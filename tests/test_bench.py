@@ -142,7 +142,10 @@ def test_decode_bytes_and_paged_copy():
 
 def test_sinks_provider(tmp_path, monkeypatch):
     # flashcore with sinks beside flashcore without, backward included; Sq > Sk so that causal
-    # rows that see no key (out 0, the whole row's mass on the sink) are checked too.
+    # rows that see no key (out 0, the whole row's mass on the sink) are checked too. SDPA's
+    # CUDA kernels give such rows an output other than the reference's 0 (on the H200 machine,
+    # torch 2.11: out err 1.13 against a bound of 7e-3), its CPU math backend gives 0: the check
+    # marks SDPA wrong there on a GPU, as it should.
     sdpa = providers.PROVIDERS["sdpa"].prepare
 
     def sinks_ignored(case, device):
@@ -162,7 +165,7 @@ def test_sinks_provider(tmp_path, monkeypatch):
     assert len(rows) == 2 * 2 * 4  # causal x mode x provider
     for row in rows:
         name, grads = row["provider"], row["mode"] == "bwd"
-        if name == "sinks-ignored":
+        if name == "sinks-ignored" or (name == "sdpa" and HAS_CUDA and row["causal"]):
             # The check uses the reference with the sinks: leaving them out is caught.
             assert row["status"] == "wrong" and "out: err" in row["reason"], row
             continue
