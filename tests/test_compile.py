@@ -206,6 +206,29 @@ def test_compile_forward(backend, dynamic, device):
         assert torch.equal(lse, want_lse)
 
 
+def test_compile_autocast(device):
+    """fullgraph=True under torch.autocast: the cast of fp32 inputs (tests/test_autocast.py)
+    traces without a graph break; the same values and gradients as the eager call."""
+
+    def fn(q, k, v):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            return flashcore.attention(q, k, v, causal=True)
+
+    case = Case(1, 4, 2, 37, 53, 32)
+    q, k, v = (t.requires_grad_() for t in make_qkv(case, torch.float32, device))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(fn, backend="aot_eager", fullgraph=True)(q, k, v)
+    _assert_no_dynamo_warnings(caught)
+    assert out.dtype == torch.bfloat16
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    want = fn(q, k, v)
+    want_grads = torch.autograd.grad(want.float().sum(), (q, k, v))
+    assert torch.equal(out, want)
+    for name, g, w in zip("qkv", grads, want_grads, strict=True):
+        assert g.dtype == torch.float32 and torch.equal(g, w), name
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_backward(backend, device):
 

@@ -270,6 +270,17 @@ def test_world_of_one_second_derivative_raises(world_of_one, device):
         (out.sum() + dq.pow(2).sum()).backward()
 
 
+def test_world_of_one_autocast(world_of_one, device):
+    """Under torch.autocast the ring takes its inputs as flashcore.attention does (fp32 q and k,
+    bf16 v: all in bf16), the same result."""
+    q, k = (torch.randn(1, 2, 10, 16, device=device) for _ in range(2))
+    v = torch.randn(1, 2, 10, 16, device=device, dtype=torch.bfloat16)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        got = fd.ring_attention(q, k, v, causal=True)
+        want = flashcore.attention(q, k, v, causal=True)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def test_world_of_one_empty(world_of_one, device):
     """An empty batch gives empty results and zero gradients, without a launch."""
     q = torch.randn(0, 2, 4, 16, device=device, requires_grad=True)

@@ -175,6 +175,24 @@ def test_logits_and_gradients(name, device):
     check_against_reference(CASES[name], device, torch.float32)
 
 
+def test_autocast_training_step(device):
+    """An fp32 Llama under ``torch.autocast(dtype=torch.bfloat16)`` (how ``Trainer(bf16=True)``
+    trains): its rotary embedding hands attention q and k in fp32 and v in bf16, which SDPA's
+    autocast casts alike; FlashCore's entry points take them so too (tests/test_autocast.py)."""
+    case = CASES["llama"]
+    model = build(case).to(device)
+    ids, mask, labels = batch(device)
+    logits64, grads64 = train_step(copy.deepcopy(model).double(), REFERENCE64, ids, mask, labels)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        theirs, their_grads = train_step(model, case.reference, ids, mask, labels)
+        ours, our_grads = train_step(model, NAME, ids, mask, labels)
+    valid = mask.bool()
+    assert_fa_rule("logits", ours[valid], theirs[valid], logits64[valid])
+    for name, ref in grads64.items():
+        assert our_grads[name] is not None, f"{name}: no gradient through FlashCore"
+        assert_fa_rule(f"grad {name}", our_grads[name], their_grads[name], ref)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_generate_left_padded(name, device):
     skip_without_sinks(name)

@@ -13,6 +13,8 @@ from flashcore import offsets as _offsets
 from flashcore.checks import (
     MAX_HEAD_DIM,
     SUPPORTED_DTYPES,
+    any_autocast,
+    autocast_inputs,
     check_alibi,
     check_cu_seqlens,
     check_flag,
@@ -158,7 +160,10 @@ def attention(
 
     Inputs may have any strides (a ``(B, S, H, D)`` tensor passed as ``.transpose(1, 2)`` is read
     in place); only a last dim with a stride other than 1 is copied. Supported: float16, bfloat16
-    and float32; any Sq, Sk; head dims 1 to 256. Tensors must be dense (strided, not sparse or
+    and float32; any Sq, Sk; head dims 1 to 256. Under ``torch.autocast`` (on for q's device)
+    float32, float16 and bfloat16 inputs run in autocast's dtype, as PyTorch's SDPA takes them
+    (inputs of mixed dtypes that autocast makes alike too; out in that dtype, gradients in each
+    input's own); the other entry points do the same. Tensors must be dense (strided, not sparse or
     nested) and on a CUDA device, or on the CPU with ``TRITON_INTERPRET=1`` set before the first
     call (Triton's interpreter; slow, for tests). Meta tensors (here, in ``attention_varlen`` and
     in ``attention_with_kvcache``) give meta outputs and gradients of the right shapes, through
@@ -180,6 +185,8 @@ def attention(
             ``sinks`` of the wrong shape or device.
         NotImplementedError: head_dim above 256.
     """
+    if any_autocast():
+        q, k, v = autocast_inputs(q, k, v)
     key = None
     if _scores_plain(window, softcap, alibi_slopes, sinks) and deterministic is False:
         # A call of a signature checked and planned before (ops.express).
@@ -308,6 +315,8 @@ def attention_varlen(
             scale, cu_seqlens not ``(B + 1,)`` alike, a maximum out of range.
         NotImplementedError: head_dim above 256.
     """
+    if any_autocast():
+        q, k, v = autocast_inputs(q, k, v)
     if block_table is None:
         check_inputs(q, k, v, packed=True)
         keys, keys_name = k.shape[0], "total_k"
@@ -497,6 +506,10 @@ def scaled_dot_product_attention(
     and value with different head counts, a non-finite scale, nested tensors. Inputs PyTorch
     rejects (for example ``H != Hkv`` without ``enable_gqa``) raise PyTorch's own error.
     """
+    if any_autocast():
+        # As PyTorch's autocast casts SDPA's inputs (before the fallback's checks, so that
+        # inputs of mixed dtypes that autocast makes alike are run here).
+        query, key, value = autocast_inputs(query, key, value)
     unsupported = _sdpa_unsupported(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
@@ -613,6 +626,8 @@ def attention_with_kvcache(
             that is not a multiple of 16, bad window/softcap/scale/num_splits values.
         NotImplementedError: head_dim above 256.
     """
+    if any_autocast():
+        q, k_cache, v_cache = autocast_inputs(q, k_cache, v_cache)
     key = None
     if _scores_plain(window, softcap, alibi_slopes, sinks) and not _offsets.active():
         # A call of a signature checked and planned before (ops.express).

@@ -32,7 +32,14 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from flashcore.checks import SUPPORTED_DTYPES, check_flag, check_inputs, check_scale
+from flashcore.checks import (
+    SUPPORTED_DTYPES,
+    any_autocast,
+    autocast_inputs,
+    check_flag,
+    check_inputs,
+    check_scale,
+)
 from flashcore.ops import bwd as _bwd
 from flashcore.ops import fwd as _fwd
 from flashcore.ops.registry import first_order
@@ -335,6 +342,8 @@ def ring_attention(
             between ranks.
         NotImplementedError: head_dim above 256.
     """
+    if any_autocast():
+        q, k, v = autocast_inputs(q, k, v)
     check_inputs(q, k, v)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
