@@ -206,6 +206,21 @@ def test_compile_forward(backend, dynamic, device):
         assert torch.equal(lse, want_lse)
 
 
+def test_export(device):
+    """torch.export of a module calling flashcore.attention: the op in the exported graph, the
+    same values when the exported program runs."""
+
+    class Block(torch.nn.Module):
+        def forward(self, q, k, v):
+            return flashcore.attention(q, k, v, causal=True, window=(9, 0))
+
+    q, k, v = make_qkv(Case(1, 4, 2, 21, 30, 16), torch.float32, device)
+    program = torch.export.export(Block(), (q, k, v))
+    ops = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
+    assert any("flashcore" in op for op in ops), ops
+    assert torch.equal(program.module()(q, k, v), Block()(q, k, v))
+
+
 def test_compile_autocast(device):
     """fullgraph=True under torch.autocast: the cast of fp32 inputs (tests/test_autocast.py)
     traces without a graph break; the same values and gradients as the eager call."""
