@@ -8,6 +8,7 @@ by twice their own error), and greedy ``generate`` with the KV cache giving iden
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -133,14 +134,20 @@ def train_step(model, impl: str, ids, mask, labels):
     return out.logits.detach(), grads
 
 
-def check_against_reference(case: Case, device: str, dtype: torch.dtype) -> None:
+def check_against_reference(
+    case: Case, device: str, dtype: torch.dtype, autocast: torch.dtype | None = None
+) -> None:
+    """One training step through FlashCore and through transformers' own attention, in
+    ``dtype`` (and under ``torch.autocast(dtype=autocast)`` where given), against float64."""
     model = build(case).to(device)
     ids, mask, labels = batch(device)
     model64 = copy.deepcopy(model).double()
     logits64, grads64 = train_step(model64, REFERENCE64, ids, mask, labels)
     model = model.to(dtype)
-    theirs, their_grads = train_step(model, case.reference, ids, mask, labels)
-    ours, our_grads = train_step(model, NAME, ids, mask, labels)
+    amp = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
+    with amp:
+        theirs, their_grads = train_step(model, case.reference, ids, mask, labels)
+        ours, our_grads = train_step(model, NAME, ids, mask, labels)
     valid = mask.bool()
     assert_fa_rule("logits", ours[valid], theirs[valid], logits64[valid])
     for name, ref in grads64.items():
@@ -179,18 +186,7 @@ def test_autocast_training_step(device):
     """An fp32 Llama under ``torch.autocast(dtype=torch.bfloat16)`` (how ``Trainer(bf16=True)``
     trains): its rotary embedding hands attention q and k in fp32 and v in bf16, which SDPA's
     autocast casts alike; FlashCore's entry points take them so too (tests/test_autocast.py)."""
-    case = CASES["llama"]
-    model = build(case).to(device)
-    ids, mask, labels = batch(device)
-    logits64, grads64 = train_step(copy.deepcopy(model).double(), REFERENCE64, ids, mask, labels)
-    with torch.autocast(device, dtype=torch.bfloat16):
-        theirs, their_grads = train_step(model, case.reference, ids, mask, labels)
-        ours, our_grads = train_step(model, NAME, ids, mask, labels)
-    valid = mask.bool()
-    assert_fa_rule("logits", ours[valid], theirs[valid], logits64[valid])
-    for name, ref in grads64.items():
-        assert our_grads[name] is not None, f"{name}: no gradient through FlashCore"
-        assert_fa_rule(f"grad {name}", our_grads[name], their_grads[name], ref)
+    check_against_reference(CASES["llama"], device, torch.float32, autocast=torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", list(CASES))
