@@ -281,6 +281,13 @@ def test_world_of_one_autocast(world_of_one, device):
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
+def test_world_of_one_jvp_refused(world_of_one, device):
+    """Forward-mode AD through the ring raises (tests/test_transforms.py)."""
+    q, k, v = (torch.randn(1, 2, 10, 16, device=device) for _ in range(3))
+    with pytest.raises(NotImplementedError, match="ring_attention has no forward-mode"):
+        torch.func.jvp(lambda q: fd.ring_attention(q, k, v), (q,), (torch.ones_like(q),))
+
+
 def test_world_of_one_empty(world_of_one, device):
     """An empty batch gives empty results and zero gradients, without a launch."""
     q = torch.randn(0, 2, 4, 16, device=device, requires_grad=True)

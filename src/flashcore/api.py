@@ -21,12 +21,14 @@ from flashcore.checks import (
     check_inputs,
     check_kvcache_inputs,
     check_max_seqlen,
+    check_no_forward_ad,
     check_num_splits,
     check_paged_varlen,
     check_scale,
     check_sinks,
     check_softcap,
     check_window,
+    forward_ad_active,
     runnable_device,
 )
 from flashcore.ops import express as _express
@@ -147,8 +149,10 @@ def attention(
     every option above (not with respect to ``alibi_slopes``, which get no gradient: slopes that
     require grad raise a ValueError while grad mode is on), once: the gradients of a
     ``create_graph=True`` backward have their values, but differentiating them again (a second
-    derivative, a gradient penalty) raises a RuntimeError. The backward is FlashAttention-2's: it
-    recomputes the probabilities from the saved LSE (only q, k, v, out, lse, the slopes and the
+    derivative, a gradient penalty) raises a RuntimeError. Reverse mode only: forward-mode AD
+    (``torch.func.jvp``, ``jacfwd``, ``hessian``, ``torch.autograd.forward_ad``'s dual tensors)
+    raises a NotImplementedError rather than lose the tangent. The backward is FlashAttention-2's:
+    it recomputes the probabilities from the saved LSE (only q, k, v, out, lse, the slopes and the
     sinks are kept for it), accumulates in fp32, writes every gradient from exactly one program
     (deterministic, no atomics; on an H100 by default dQ is reduce-added over key blocks instead,
     see ``deterministic``) and returns dq, dk, dv in the dtype and, when dense, the memory layout of
@@ -183,10 +187,11 @@ def attention(
         ValueError: wrong rank, mismatched shapes or devices, heads not divisible, non-finite scale,
             a window side below -1, a negative or non-finite softcap, ``alibi_slopes`` or
             ``sinks`` of the wrong shape or device.
-        NotImplementedError: head_dim above 256.
+        NotImplementedError: head_dim above 256; forward-mode AD (a jvp).
     """
     if any_autocast():
         q, k, v = autocast_inputs(q, k, v)
+    check_no_forward_ad("flashcore.attention", q, k, v, sinks)
     key = None
     if _scores_plain(window, softcap, alibi_slopes, sinks) and deterministic is False:
         # A call of a signature checked and planned before (ops.express).
@@ -313,10 +318,11 @@ def attention_varlen(
             type.
         ValueError: wrong rank, mismatched shapes or devices, heads not divisible, non-finite
             scale, cu_seqlens not ``(B + 1,)`` alike, a maximum out of range.
-        NotImplementedError: head_dim above 256.
+        NotImplementedError: head_dim above 256; forward-mode AD (a jvp).
     """
     if any_autocast():
         q, k, v = autocast_inputs(q, k, v)
+    check_no_forward_ad("flashcore.attention_varlen", q, k, v, sinks)
     if block_table is None:
         check_inputs(q, k, v, packed=True)
         keys, keys_name = k.shape[0], "total_k"
@@ -414,6 +420,8 @@ def _sdpa_unsupported(
         return "argument types", "is_causal or enable_gqa is not a bool"
     if attn_mask is not None:
         return "attn_mask", "an attn_mask was given (FlashCore's kernels take no mask)"
+    if forward_ad_active(query, key, value):
+        return "forward-mode AD", "forward-mode AD (FlashCore's kernels have no jvp)"
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or dropout_p != 0:
         return "dropout_p", f"dropout_p = {dropout_p!r} (FlashCore has no dropout)"
     if scale is not None and (
@@ -499,7 +507,8 @@ def scaled_dot_product_attention(
     for the last ``L - S`` rows (two launches and a concatenation).
 
     Falls back to ``torch.nn.functional.scaled_dot_product_attention``, with a ``UserWarning``
-    once per reason, for what FlashCore does not run: an ``attn_mask``, ``dropout_p > 0`` (in this
+    once per reason, for what FlashCore does not run: an ``attn_mask``, forward-mode AD (a jvp,
+    which PyTorch's math backend has), ``dropout_p > 0`` (in this
     functional form dropout applies whatever the module's training mode), dtypes other than
     float16/bfloat16/float32, tensors not on CUDA (or on the CPU without ``TRITON_INTERPRET=1``),
     head dims outside 1..256 or a key head dim other than the query's, batch broadcasting, key
@@ -624,10 +633,11 @@ def attention_with_kvcache(
             alibi_slopes: float32), or an option has the wrong type.
         ValueError: wrong ranks or shapes, mismatched devices, heads not divisible, a block_size
             that is not a multiple of 16, bad window/softcap/scale/num_splits values.
-        NotImplementedError: head_dim above 256.
+        NotImplementedError: head_dim above 256; forward-mode AD (a jvp).
     """
     if any_autocast():
         q, k_cache, v_cache = autocast_inputs(q, k_cache, v_cache)
+    check_no_forward_ad("flashcore.attention_with_kvcache", q, k_cache, v_cache, sinks)
     key = None
     if _scores_plain(window, softcap, alibi_slopes, sinks) and not _offsets.active():
         # A call of a signature checked and planned before (ops.express).

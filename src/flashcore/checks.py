@@ -7,6 +7,7 @@ import math
 import numbers
 
 import torch
+from torch.autograd import forward_ad as _forward_ad
 
 from flashcore.ops.runtime import is_interpreted
 
@@ -61,6 +62,37 @@ def autocast_inputs(*tensors: object) -> tuple:
         else t
         for t in tensors
     )
+
+
+def forward_ad_active(*tensors: object) -> bool:
+    """Whether forward-mode AD would differentiate through a call on ``tensors``: one of them
+    carries a tangent at the current ``torch.autograd.forward_ad`` level, or a ``torch.func``
+    jvp transform (``jvp``, ``jacfwd``, ``hessian``) is active. FlashCore's ops have no
+    forward-mode formula, and PyTorch does not refuse them for it: a tangent through them came
+    out zero (``torch.func.jvp``) or missing (dual tensors), silently."""
+    if _forward_ad._current_level >= 0:
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
+                return True
+    if torch._C._are_functorch_transforms_active():
+        jvp = torch._C._functorch.TransformType.Jvp
+        return any(i.key() == jvp for i in torch._C._functorch.get_interpreter_stack() or ())
+    return False
+
+
+FORWARD_AD = (
+    "{fn} has no forward-mode derivative, and forward-mode AD is differentiating through it "
+    "(torch.func.jvp, jacfwd or hessian, or torch.autograd.forward_ad's dual tensors): the "
+    "tangent of its output would be lost; differentiate it in reverse mode (backward, "
+    "torch.autograd.grad)"
+)
+
+
+def check_no_forward_ad(fn: str, *tensors: object) -> None:
+    """Raise NotImplementedError where forward-mode AD would go through ``fn``
+    (``forward_ad_active``)."""
+    if forward_ad_active(*tensors):
+        raise NotImplementedError(FORWARD_AD.format(fn=fn))
 
 
 def check_dense(name: str, t: object, what: str = "a torch.Tensor") -> torch.Tensor:

@@ -38,6 +38,7 @@ from flashcore.checks import (
     autocast_inputs,
     check_flag,
     check_inputs,
+    check_no_forward_ad,
     check_scale,
 )
 from flashcore.ops import bwd as _bwd
@@ -340,10 +341,11 @@ def ring_attention(
             ``group``; an unknown ``layout``; an odd shard length with ``"zigzag"``; shard
             lengths (or other shapes, the dtype, ``causal``, ``scale``, ``layout``) that differ
             between ranks.
-        NotImplementedError: head_dim above 256.
+        NotImplementedError: head_dim above 256; forward-mode AD (a jvp).
     """
     if any_autocast():
         q, k, v = autocast_inputs(q, k, v)
+    check_no_forward_ad("flashcore.distributed.ring_attention", q, k, v)
     check_inputs(q, k, v)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
