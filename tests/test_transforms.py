@@ -4,7 +4,8 @@ FlashCore's ops have no forward-mode (jvp) formula, and PyTorch does not refuse 
 that: through them ``torch.func.jvp`` gave a zero tangent and a dual tensor's tangent went
 missing. The entry points now raise for forward-mode AD; the SDPA drop-in hands such calls to
 PyTorch's SDPA. ``vmap`` runs (PyTorch's per-sample fallback for the registered op), and
-``torch.func.grad`` either raises PyTorch's own error or gives the autograd gradient.
+``torch.func.grad`` either raises PyTorch's own error or gives the autograd gradient; a vmap
+over the backward (``is_grads_batched``) raises an error that says so.
 """
 
 import pytest
@@ -91,3 +92,19 @@ def test_func_grad_right_or_refused(device):
         return
     (want,) = torch.autograd.grad(fn(q.clone().requires_grad_()), q)
     assert torch.equal(got, want)
+
+
+def test_batched_backward_refused(device):
+    """A vmap over the backward (``is_grads_batched``, a vmapped ``autograd.grad``) raises a
+    NotImplementedError that says so (PyTorch's own error named a BatchedTensorImpl's storage);
+    a plain backward afterwards is unaffected."""
+    q, k, v = (t.requires_grad_() for t in _qkv(device))
+    out = flashcore.attention(q, k, v, causal=True)
+    douts = torch.randn(3, *out.shape, device=device)
+    refused = pytest.raises(NotImplementedError, match="backward does not run under")
+    with refused:
+        torch.autograd.grad(out, (q, k, v), douts, is_grads_batched=True, retain_graph=True)
+    with refused:
+        torch.func.vmap(lambda d: torch.autograd.grad(out, q, d, retain_graph=True))(douts)
+    (dq,) = torch.autograd.grad(out, q, douts[0])
+    assert dq.shape == q.shape and torch.isfinite(dq).all()

@@ -186,6 +186,7 @@ def _saved(ctx, dout: torch.Tensor | None) -> tuple:
 
 def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     """``attn_fwd``'s backward formula, through the ``attn_bwd`` op."""
+    check_not_batched(dout, dlse)
     # No gradient for the offsets, the maxima, the options or the ALiBi slopes; nor, after the
     # sinks', for the block table and ``deterministic``.
     no_grads = (None,) * (2 + len(ctx.scalars) + 1)
@@ -245,6 +246,27 @@ _TWICE = (
 )
 
 
+_BATCHED = (
+    "flashcore's attention backward does not run under torch.func.vmap (a vmap over a backward: "
+    "torch.autograd.grad(..., is_grads_batched=True), torch.autograd.functional.jacobian(..., "
+    "vectorize=True), a vmapped autograd.grad): take the gradients one batch element at a time"
+)
+
+
+def check_not_batched(*grad_outputs: torch.Tensor | None) -> None:
+    """A backward refuses batched gradients: a functorch transform (only a vmap reaches one: the
+    forward refuses jvp, and PyTorch refuses a custom op's autograd under grad) or the legacy
+    vmap of ``is_grads_batched``. Its launchers would read the batched gradient's storage, which
+    PyTorch forbids with an error naming none of this."""
+    if torch._C._are_functorch_transforms_active() or any(
+        g is not None and _legacy_batched(g) for g in grad_outputs
+    ):
+        raise NotImplementedError(_BATCHED)
+
+
+_legacy_batched = torch._C._functorch.is_legacy_batchedtensor
+
+
 def first_order(backward: Callable) -> Callable:
     """An autograd Function's ``backward`` that, in a ``create_graph=True`` backward (the only
     one run with grad mode on), runs under no_grad and returns its gradients (tensors or None)
@@ -255,6 +277,7 @@ def first_order(backward: Callable) -> Callable:
     silently (a gradient penalty's term lost)."""
 
     def wrapper(ctx, *grad_outputs):
+        check_not_batched(*grad_outputs)
         if not torch.is_grad_enabled():
             return backward(ctx, *grad_outputs)
         with torch.no_grad():
