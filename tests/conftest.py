@@ -55,6 +55,17 @@ def _no_kept_launches():
     bwd._QUICK.clear()
 
 
+@pytest.fixture
+def fresh_sdpa_warnings():
+    """The SDPA drop-in warns once per fallback reason and process: a test that expects its
+    warning starts (and leaves) with none given, whatever ran before it on the worker."""
+    from flashcore import api
+
+    api._sdpa_warned.clear()
+    yield
+    api._sdpa_warned.clear()
+
+
 def pytest_runtest_logreport(report):
     path = os.environ.get("FLASHCORE_FAILURE_LOG")
     # Under xdist the workers write; the controller (no worker name) sees the same reports.

@@ -105,7 +105,7 @@ def test_kvcache_under_autocast(paged, device):
     assert torch.equal(out, want)
 
 
-def test_sdpa_drop_in_under_autocast(device):
+def test_sdpa_drop_in_under_autocast(device, fresh_sdpa_warnings):
     """The SDPA drop-in takes mixed dtypes under autocast as PyTorch's SDPA does (no fallback,
     no warning), and a fallback (an attn_mask) returns what PyTorch's autocast gives."""
     q, k = (torch.randn(1, 2, 12, 16, device=device) for _ in range(2))

@@ -11,17 +11,12 @@ import torch
 import torch.nn.functional as F
 
 import flashcore
-from flashcore import api, reference
+from flashcore import reference
 from helpers import make_qkv
 from numerics import assert_fa_rule
 from shapes import SDPA, Case
 
-
-@pytest.fixture(autouse=True)
-def _fresh_warnings():
-    api._sdpa_warned.clear()
-    yield
-    api._sdpa_warned.clear()
+pytestmark = pytest.mark.usefixtures("fresh_sdpa_warnings")
 
 
 def fallback_warnings(caught) -> list[str]:

@@ -50,7 +50,7 @@ def test_jvp_refused(device):
         assert torch.equal(flashcore.attention(q, k, v), flashcore.attention(q.clone(), k, v))
 
 
-def test_sdpa_drop_in_hands_jvp_to_pytorch(device):
+def test_sdpa_drop_in_hands_jvp_to_pytorch(device, fresh_sdpa_warnings):
     """Under forward-mode AD the drop-in falls back to PyTorch's SDPA (whose math backend has a
     jvp), with its warning: the same primal and tangent as PyTorch's."""
     q, k, v = (t.double() for t in _qkv(device))
