@@ -15,12 +15,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcore
-from helpers import cu_seqlens
+from helpers import cu_seqlens, make_qkv
+from shapes import Case
 
 
 def _qkv(device):
-    q = torch.randn(2, 4, 12, 16, device=device)
-    return q, torch.randn(2, 2, 12, 16, device=device), torch.randn(2, 2, 12, 16, device=device)
+    return make_qkv(Case(2, 4, 2, 12, 12, 16), torch.float32, device)
 
 
 def test_jvp_refused(device):

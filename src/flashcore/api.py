@@ -21,13 +21,13 @@ from flashcore.checks import (
     check_inputs,
     check_kvcache_inputs,
     check_max_seqlen,
-    check_no_forward_ad,
     check_num_splits,
     check_paged_varlen,
     check_scale,
     check_sinks,
     check_softcap,
     check_window,
+    entry_inputs,
     forward_ad_active,
     runnable_device,
 )
@@ -189,9 +189,7 @@ def attention(
             ``sinks`` of the wrong shape or device.
         NotImplementedError: head_dim above 256; forward-mode AD (a jvp).
     """
-    if any_autocast():
-        q, k, v = autocast_inputs(q, k, v)
-    check_no_forward_ad("flashcore.attention", q, k, v, sinks)
+    q, k, v = entry_inputs("flashcore.attention", q, k, v, sinks)
     key = None
     if _scores_plain(window, softcap, alibi_slopes, sinks) and deterministic is False:
         # A call of a signature checked and planned before (ops.express).
@@ -320,9 +318,7 @@ def attention_varlen(
             scale, cu_seqlens not ``(B + 1,)`` alike, a maximum out of range.
         NotImplementedError: head_dim above 256; forward-mode AD (a jvp).
     """
-    if any_autocast():
-        q, k, v = autocast_inputs(q, k, v)
-    check_no_forward_ad("flashcore.attention_varlen", q, k, v, sinks)
+    q, k, v = entry_inputs("flashcore.attention_varlen", q, k, v, sinks)
     if block_table is None:
         check_inputs(q, k, v, packed=True)
         keys, keys_name = k.shape[0], "total_k"
@@ -635,9 +631,9 @@ def attention_with_kvcache(
             that is not a multiple of 16, bad window/softcap/scale/num_splits values.
         NotImplementedError: head_dim above 256; forward-mode AD (a jvp).
     """
-    if any_autocast():
-        q, k_cache, v_cache = autocast_inputs(q, k_cache, v_cache)
-    check_no_forward_ad("flashcore.attention_with_kvcache", q, k_cache, v_cache, sinks)
+    q, k_cache, v_cache = entry_inputs(
+        "flashcore.attention_with_kvcache", q, k_cache, v_cache, sinks
+    )
     key = None
     if _scores_plain(window, softcap, alibi_slopes, sinks) and not _offsets.active():
         # A call of a signature checked and planned before (ops.express).

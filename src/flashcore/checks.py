@@ -95,6 +95,16 @@ def check_no_forward_ad(fn: str, *tensors: object) -> None:
         raise NotImplementedError(FORWARD_AD.format(fn=fn))
 
 
+def entry_inputs(fn: str, q: object, k: object, v: object, *others: object) -> tuple:
+    """``(q, k, v)`` as the entry point ``fn`` takes them, before any other check: cast as
+    autocast casts them (``autocast_inputs``), forward-mode AD through them or ``others``
+    refused (``check_no_forward_ad``). With both off, two C calls."""
+    if any_autocast():
+        q, k, v = autocast_inputs(q, k, v)
+    check_no_forward_ad(fn, q, k, v, *others)
+    return q, k, v
+
+
 def check_dense(name: str, t: object, what: str = "a torch.Tensor") -> torch.Tensor:
     """``t`` a tensor with strides: not sparse, not nested (the kernels read plain memory)."""
     if not isinstance(t, torch.Tensor):

@@ -34,12 +34,10 @@ import torch.distributed as dist
 
 from flashcore.checks import (
     SUPPORTED_DTYPES,
-    any_autocast,
-    autocast_inputs,
     check_flag,
     check_inputs,
-    check_no_forward_ad,
     check_scale,
+    entry_inputs,
 )
 from flashcore.ops import bwd as _bwd
 from flashcore.ops import fwd as _fwd
@@ -343,9 +341,7 @@ def ring_attention(
             between ranks.
         NotImplementedError: head_dim above 256; forward-mode AD (a jvp).
     """
-    if any_autocast():
-        q, k, v = autocast_inputs(q, k, v)
-    check_no_forward_ad("flashcore.distributed.ring_attention", q, k, v)
+    q, k, v = entry_inputs("flashcore.distributed.ring_attention", q, k, v)
     check_inputs(q, k, v)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
