@@ -3,9 +3,14 @@
 FlashCore's ops have no forward-mode (jvp) formula, and PyTorch does not refuse custom ops for
 that: through them ``torch.func.jvp`` gave a zero tangent and a dual tensor's tangent went
 missing. The entry points now raise for forward-mode AD; the SDPA drop-in hands such calls to
-PyTorch's SDPA. ``vmap`` runs (PyTorch's per-sample fallback for the registered op), and
-``torch.func.grad`` either raises PyTorch's own error or gives the autograd gradient; a vmap
-over the backward (``is_grads_batched``) raises an error that says so.
+PyTorch's SDPA. Reverse-mode transforms (``grad``, ``vjp``, ``jacrev``) give autograd's
+gradients (``ops.transforms``), and ``vmap`` folds the vmapped dim into the batch (one launch;
+per sample for packed batches and sinks), so per-sample gradients (``vmap(grad(f))``) are each
+sample's own. A second derivative raises, as it does eagerly; a vmap over an eager backward
+(``is_grads_batched``) raises an error that says so.
+
+Exact comparisons use ``deterministic=True`` where a backward runs (the Hopper backward's
+reduce-adds may order dQ's sums differently between two calls).
 """
 
 import pytest
@@ -15,7 +20,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcore
-from helpers import cu_seqlens, make_qkv
+from flashcore.ops import fwd
+from helpers import alibi_slopes, cu_seqlens, make_qkv
 from shapes import Case
 
 
@@ -70,28 +76,144 @@ def test_sdpa_drop_in_hands_jvp_to_pytorch(device, fresh_sdpa_warnings):
         assert torch.equal(g, w)
 
 
-def test_vmap(device):
-    """vmap over a leading dim: each slice as its own call."""
+def test_vmap(device, monkeypatch):
+    """vmap over a leading dim: one call of the folded batch (N samples of B as N * B), whether
+    k and v are vmapped too or shared, at any in_dim; the ALiBi slopes folded with them."""
     q, k, v = _qkv(device)
     qs = torch.stack([q, 0.5 * q, -q])
-    out = torch.func.vmap(lambda q: flashcore.attention(q, k, v, causal=True))(qs)
+    launched, launch = [], fwd.launch
+
+    def spy(q, *args, **kwargs):
+        launched.append(tuple(q.shape))
+        return launch(q, *args, **kwargs)
+
+    monkeypatch.setattr(fwd, "launch", spy)
+    out, lse = torch.func.vmap(
+        lambda q: flashcore.attention(q, k, v, causal=True, return_lse=True)
+    )(qs)
+    assert launched == [(6, 4, 12, 16)]  # one launch of the folded batch
+    monkeypatch.undo()
+    want = flashcore.attention(
+        qs.flatten(0, 1), k.repeat(3, 1, 1, 1), v.repeat(3, 1, 1, 1), causal=True, return_lse=True
+    )
+    assert torch.equal(out, want[0].unflatten(0, (3, 2)))
+    assert torch.equal(lse, want[1].unflatten(0, (3, 2)))
     for i in range(3):
         assert torch.equal(out[i], flashcore.attention(qs[i], k, v, causal=True))
+    ks = torch.stack([k, 2 * k], dim=1)
+    out = torch.func.vmap(lambda k: flashcore.attention(q, k, v), in_dims=1)(ks)
+    for i in range(2):
+        assert torch.equal(out[i], flashcore.attention(q, ks[:, i], v))
+    slopes = (alibi_slopes(4, None, device), alibi_slopes(4, 2, device))
+    for s in slopes:
+        out = torch.func.vmap(lambda q, s=s: flashcore.attention(q, k, v, alibi_slopes=s))(qs)
+        for i in range(3):
+            assert torch.equal(out[i], flashcore.attention(qs[i], k, v, alibi_slopes=s))
+    per_sample = torch.stack([slopes[0], 0.5 * slopes[0], 2 * slopes[0]])
+    out = torch.func.vmap(lambda q, s: flashcore.attention(q, k, v, alibi_slopes=s))(qs, per_sample)
+    for i in range(3):
+        assert torch.equal(out[i], flashcore.attention(qs[i], k, v, alibi_slopes=per_sample[i]))
 
 
-def test_func_grad_right_or_refused(device):
-    """torch.func.grad through the registered op: PyTorch refuses custom ops' autograd under
-    its transforms today (a RuntimeError naming setup_context); should it start to allow it,
-    the gradient must be autograd's."""
+def test_vmap_per_sample_calls(device):
+    """Packed batches, sinks and decoding from a cache run one call per sample: each sample's
+    own result."""
     q, k, v = _qkv(device)
-    fn = lambda q: flashcore.attention(q, k, v, causal=True).square().sum()  # noqa: E731
-    try:
-        got = torch.func.grad(fn)(q)
-    except RuntimeError as e:
-        assert "functorch transforms" in str(e)
-        return
-    (want,) = torch.autograd.grad(fn(q.clone().requires_grad_()), q)
+    qs, sinks = torch.stack([q, -q]), torch.randn(2, 4, device=device)
+    out = torch.func.vmap(lambda q, s: flashcore.attention(q, k, v, sinks=s))(qs, sinks)
+    for i in range(2):
+        assert torch.equal(out[i], flashcore.attention(qs[i], k, v, sinks=sinks[i]))
+    lens = cu_seqlens((5, 7), device)
+    packed = torch.randn(3, 12, 4, 16, device=device)
+    pk, pv = k[0].transpose(0, 1)[:12], v[0].transpose(0, 1)[:12]
+    out = torch.func.vmap(lambda q: flashcore.attention_varlen(q, pk, pv, lens, lens, 7, 7))(packed)
+    for i in range(3):
+        assert torch.equal(out[i], flashcore.attention_varlen(packed[i], pk, pv, lens, lens, 7, 7))
+    seqlens = torch.tensor([12, 7], dtype=torch.int32, device=device)
+    rows = torch.stack([q[:, :, :1], -q[:, :, 1:2]])
+    out = torch.func.vmap(
+        lambda q: flashcore.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)
+    )(rows)
+    for i in range(2):
+        want = flashcore.attention_with_kvcache(rows[i], k, v, cache_seqlens=seqlens)
+        assert torch.equal(out[i], want)
+
+
+def _autograd(fn, *inputs):
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    return torch.autograd.grad(fn(*leaves), leaves)
+
+
+def test_func_grad(device):
+    """torch.func.grad (and vjp) give autograd's gradients: GQA causal q, k, v, sinks, a
+    gradient through the LSE, a packed batch."""
+    q, k, v = _qkv(device)
+    sinks = torch.randn(4, device=device)
+
+    def loss(q, k, v, s):
+        out, lse = flashcore.attention(
+            q, k, v, causal=True, sinks=s, return_lse=True, deterministic=True
+        )
+        return out.square().sum() + lse.sum()
+
+    got = torch.func.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
+    for g, w in zip(got, _autograd(loss, q, k, v, sinks), strict=True):
+        assert torch.equal(g, w)
+    out, vjp = torch.func.vjp(lambda v: flashcore.attention(q, k, v, deterministic=True), v)
+    dout = torch.randn_like(out)
+    (want,) = _autograd(
+        lambda v: (flashcore.attention(q, k, v, deterministic=True) * dout).sum(), v
+    )
+    assert torch.equal(vjp(dout)[0], want)
+    lens = cu_seqlens((5, 7), device)
+    packed = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
+
+    def packed_loss(k):
+        out = flashcore.attention_varlen(
+            packed[0], k, packed[2], lens, lens, 7, 7, causal=True, deterministic=True
+        )
+        return out.square().sum()
+
+    assert torch.equal(
+        torch.func.grad(packed_loss)(packed[1]), _autograd(packed_loss, packed[1])[0]
+    )
+
+
+def test_per_sample_grads(device):
+    """vmap(grad(f)): each sample's gradient, dense (folded into one backward) and with sinks
+    (one backward a sample)."""
+    q, k, v = _qkv(device)
+    qs = torch.stack([q, 0.5 * q, -q])
+
+    def loss(q, s=None):
+        return flashcore.attention(q, k, v, causal=True, sinks=s, deterministic=True).square().sum()
+
+    got = torch.func.vmap(torch.func.grad(loss))(qs)
+    for i in range(3):
+        assert torch.equal(got[i], _autograd(loss, qs[i])[0])
+    sinks = torch.randn(3, 4, device=device)
+    got = torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(qs, sinks)
+    for i in range(3):
+        want = _autograd(loss, qs[i], sinks[i])
+        assert torch.equal(got[0][i], want[0]) and torch.equal(got[1][i], want[1])
+
+
+def test_jacrev(device):
+    """jacrev (a vmap over the backward's op) equals the Jacobian taken a row at a time."""
+    q, k, v = (t[:1, :2, :5] for t in _qkv(device))
+    fn = lambda v: flashcore.attention(q, k, v, causal=True, deterministic=True)  # noqa: E731
+    got = torch.func.jacrev(fn)(v)
+    want = torch.autograd.functional.jacobian(fn, v)
+    assert got.shape == (*q.shape, *v.shape)
     assert torch.equal(got, want)
+
+
+def test_second_derivative_under_grad_raises(device):
+    """grad of grad raises, as a second derivative does eagerly."""
+    q, k, v = _qkv(device)
+    first = torch.func.grad(lambda q: flashcore.attention(q, k, v).square().sum())
+    with pytest.raises(RuntimeError, match="backward is not differentiable"):
+        torch.func.grad(lambda q: first(q).sum())(q)
 
 
 def test_batched_backward_refused(device):

@@ -33,6 +33,7 @@ from flashcore.checks import (
 )
 from flashcore.ops import express as _express
 from flashcore.ops import registry as _ops
+from flashcore.ops import transforms as _transforms  # noqa: F401 (the ops' vmap rules)
 from flashcore.ops.runtime import use_tier as _use_tier
 
 
@@ -151,7 +152,9 @@ def attention(
     ``create_graph=True`` backward have their values, but differentiating them again (a second
     derivative, a gradient penalty) raises a RuntimeError. Reverse mode only: forward-mode AD
     (``torch.func.jvp``, ``jacfwd``, ``hessian``, ``torch.autograd.forward_ad``'s dual tensors)
-    raises a NotImplementedError rather than lose the tangent. The backward is FlashAttention-2's:
+    raises a NotImplementedError rather than lose the tangent; ``torch.func.grad``, ``vjp``,
+    ``jacrev`` and ``vmap`` work (vmap folds the samples into the batch: ``ops/transforms.py``).
+    The backward is FlashAttention-2's:
     it recomputes the probabilities from the saved LSE (only q, k, v, out, lse, the slopes and the
     sinks are kept for it), accumulates in fp32, writes every gradient from exactly one program
     (deterministic, no atomics; on an H100 by default dQ is reduce-added over key blocks instead,

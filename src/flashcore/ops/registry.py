@@ -48,6 +48,8 @@ def direct(*tensors: torch.Tensor | None) -> bool:
     return _PLAIN.issuperset(map(type, tensors)) and not tensors[0].is_meta
 
 
+_functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_depth = torch._C._len_torch_dispatch_stack
 # Plain tensors and absent optional ones (not subclasses: those take the op).
 _PLAIN = frozenset((torch.Tensor, type(None)))
 
@@ -187,6 +189,13 @@ def _saved(ctx, dout: torch.Tensor | None) -> tuple:
 def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     """``attn_fwd``'s backward formula, through the ``attn_bwd`` op."""
     check_not_batched(dout, dlse)
+    return op_backward(ctx, dout, dlse)
+
+
+def op_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, run=None):
+    """``_backward`` for gradients that may be batched, ``run`` (``attn_bwd`` where None)
+    computing them: under ``torch.func`` transforms (``ops.transforms``), whose ``vmap``
+    reaches the ``attn_bwd`` op's rule."""
     # No gradient for the offsets, the maxima, the options or the ALiBi slopes; nor, after the
     # sinks', for the block table and ``deterministic``.
     no_grads = (None,) * (2 + len(ctx.scalars) + 1)
@@ -195,7 +204,7 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
         return None, None, None, *no_grads, None, *tail
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = _saved(ctx, dout)
     with runtime.use_tier(ctx.tier):
-        dq, dk, dv, dsinks = attn_bwd(
+        dq, dk, dv, dsinks = (run or attn_bwd)(
             dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
             alibi_slopes, sinks, ctx.deterministic,
         )  # fmt: skip
@@ -338,6 +347,10 @@ def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
      window_right, softcap, alibi_slopes, sinks, block_table, deterministic) = args  # fmt: skip
     if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, block_table):
+        if _functorch_active() and not (torch.compiler.is_compiling() or _dispatch_depth()):
+            from flashcore.ops import transforms  # imports this module
+
+            return transforms.attention(*args)
         return attn_fwd(*args)
     if torch.is_grad_enabled() and (
         q.requires_grad
