@@ -139,6 +139,31 @@ def test_vmap_per_sample_calls(device):
         assert torch.equal(out[i], want)
 
 
+def test_registered_ops_vmap(device):
+    """The registered ops called under vmap directly fold as the API's Functions do."""
+    q, k, v = _qkv(device)
+    qs, outs = torch.stack([q, -q]), []
+    # cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window, softcap,
+    # alibi_slopes
+    options = (None, None, 0, 0, True, 0.25, -1, -1, 0.0, None)
+    out, lse = torch.func.vmap(lambda q: torch.ops.flashcore.attn_fwd(q, k, v, *options))(qs)
+    for i in range(2):
+        outs.append(torch.ops.flashcore.attn_fwd(qs[i], k, v, *options))
+        assert torch.equal(out[i], outs[i][0]) and torch.equal(lse[i], outs[i][1])
+    douts = torch.randn_like(out)
+    grads = torch.func.vmap(
+        lambda do, q, o, lse: torch.ops.flashcore.attn_bwd(
+            do, q, k, v, o, lse, None, *options, None, True
+        )
+    )(douts, qs, out, lse)
+    for i in range(2):
+        want = torch.ops.flashcore.attn_bwd(
+            douts[i], qs[i], k, v, *outs[i], None, *options, None, True
+        )
+        for g, w in zip(grads[:3], want[:3], strict=True):
+            assert torch.equal(g[i], w)
+
+
 def _autograd(fn, *inputs):
     leaves = [t.detach().clone().requires_grad_() for t in inputs]
     return torch.autograd.grad(fn(*leaves), leaves)
@@ -200,11 +225,12 @@ def test_per_sample_grads(device):
 
 def test_jacrev(device):
     """jacrev (a vmap over the backward's op) equals the Jacobian taken a row at a time."""
-    q, k, v = (t[:1, :2, :5] for t in _qkv(device))
+    q, k, v = (t[:1, :2, :4] for t in _qkv(device))
+    v = v[..., :2].contiguous()  # a value head dim of its own: 16 outputs, 16 rows of backward
     fn = lambda v: flashcore.attention(q, k, v, causal=True, deterministic=True)  # noqa: E731
     got = torch.func.jacrev(fn)(v)
     want = torch.autograd.functional.jacobian(fn, v)
-    assert got.shape == (*q.shape, *v.shape)
+    assert got.shape == (*q.shape[:-1], v.shape[-1], *v.shape)
     assert torch.equal(got, want)
 
 

@@ -1,24 +1,26 @@
-"""``torch.func`` support: reverse-mode transforms (``grad``, ``vjp``, ``jacrev``) through a
-Function they accept, and ``vmap`` rules for the registered ops.
+"""``torch.func`` support: reverse-mode transforms (``grad``, ``vjp``, ``jacrev``) and
+``vmap``, per-sample gradients (``vmap(grad(f))``) included.
 
 Under a functorch transform ``ops.registry.attention`` calls ``attention`` here instead of the
 ``attn_fwd`` op: PyTorch refuses an op's ``register_autograd`` formula under ``torch.func.grad``
-(its generated Function takes ``ctx`` in ``forward``), while ``_FuncAttention`` has the form the
-transforms take (``forward`` without ``ctx``, ``setup_context``, ``generate_vmap_rule``). Its
-forward is the ``attn_fwd`` op and its backward the ``attn_bwd`` op, with the context and the
-gradients of the op's own autograd formula (``registry._setup_context``,
-``registry.op_backward``), so the gradients are the eager path's. The backward's op has no
-autograd formula: differentiating a gradient again (``grad`` of ``grad``, ``hessian``) raises.
-Forward-mode transforms (``jvp``, ``jacfwd``) are refused before this (``checks``).
+(its generated Function takes ``ctx`` in ``forward``). ``_FuncAttention`` has the form the
+transforms take (``forward`` without ``ctx``, ``setup_context``, a ``vmap`` rule): its forward is
+the ``attn_fwd`` op, its context and gradients those of the op's own formula
+(``registry._setup_context``, ``registry.op_backward``), so the gradients are the eager path's.
+Its backward computes them through ``_FuncAttentionBackward`` (the ``attn_bwd`` op), a Function
+too, since under ``grad`` the backward runs on the transform's tensors; that one has no
+derivative: differentiating a gradient again (``grad`` of ``grad``, ``hessian``) raises, as it
+does eagerly. Forward-mode transforms (``jvp``, ``jacfwd``) are refused before this (``checks``).
 
-vmap. ``attn_fwd`` and ``attn_bwd`` fold the vmapped dim into the batch dim of dense inputs: N
+vmap. Both Functions, and the ``attn_fwd`` and ``attn_bwd`` ops themselves (called under vmap
+directly), fold the vmapped dim into the batch dim of dense inputs: N
 samples of a ``(B, H, S, D)`` problem run as one ``(N * B, H, S, D)`` launch (an input that is
 not vmapped is repeated N times), which gives each sample exactly what the call of the folded
-batch gives it. Packed batches (offsets), sinks and vmapped non-tensor arguments run one op call
-per sample instead: a packed batch has no batch dim to fold into, and each sample's sinks
-gradient is its own sum over its rows. ``vmap(grad(f))`` (per-sample gradients) is these two
-together. ``attn_kvcache`` runs one call per sample: folding would copy a cache that is not
-vmapped once per sample.
+batch gives it. Packed batches (offsets), paged caches and sinks run one call per sample
+instead: a packed batch has no batch dim to fold into, and each sample's sinks gradient is its
+own sum over its rows. ``attn_kvcache`` runs one call per sample: folding would copy a cache
+that is not vmapped once per sample. The Functions take the ops' non-tensor arguments as one
+``_Scalars`` argument, since functorch flattens every argument of every call as a pytree.
 """
 
 from __future__ import annotations
@@ -28,35 +30,75 @@ import torch
 from flashcore.ops import registry
 
 
+class _Scalars:
+    """The ops' non-tensor arguments (max_q, max_k, causal, scale, window_left, window_right,
+    softcap, deterministic) as one argument of the Functions below: functorch flattens every
+    argument of a Function's call as a pytree, several times a call at each level, and an
+    object it does not know is one leaf (with the ops' 16 arguments, a vmapped forward took
+    2.2x the host time on the 2-core CPU machine)."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: tuple):
+        self.values = values
+
+
+def _fwd_args(q, k, v, cu_q, cu_k, alibi, sinks, table, scalars: _Scalars) -> tuple:
+    """``attn_fwd``'s 16 arguments in its order."""
+    max_q, max_k, causal, scale, left, right, softcap, deterministic = scalars.values
+    return (
+        q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, sinks,
+        table, deterministic,
+    )  # fmt: skip
+
+
 class _FuncAttention(torch.autograd.Function):
     """``registry.attn_fwd`` with the op's autograd formula, in the form functorch transforms
-    take. Inputs and outputs as the op's (``(out, lse)``)."""
-
-    generate_vmap_rule = True
+    take: inputs ``(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, block_table,
+    scalars)``, outputs ``(out, lse)``."""
 
     @staticmethod
     def forward(*args):
-        return registry.attn_fwd(*args)
+        return registry.attn_fwd(*_fwd_args(*args))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        registry._setup_context(ctx, inputs, output)
+        registry._setup_context(ctx, _fwd_args(*inputs), output)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return registry.op_backward(ctx, dout, dlse, _FuncAttentionBackward.apply)
+        grads = registry.op_backward(ctx, dout, dlse, _backward)
+        return (*grads[:3], None, None, None, grads[13], None, None)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_forward(_FuncAttention.apply, info, in_dims, *args)
+
+
+def _backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *rest):
+    """``attn_bwd``'s signature, for ``registry.op_backward``: through
+    ``_FuncAttentionBackward``."""
+    max_q, max_k, causal, scale, left, right, softcap, alibi, sinks, deterministic = rest
+    scalars = _Scalars((max_q, max_k, causal, scale, left, right, softcap, deterministic))
+    return _FuncAttentionBackward.apply(
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi, sinks, scalars
+    )
 
 
 class _FuncAttentionBackward(torch.autograd.Function):
     """The ``attn_bwd`` op, for ``_FuncAttention``'s backward: under ``torch.func.grad`` the
     gradients come out of a Function one level down (the op's own autograd kernel is refused
-    there, as ``attn_fwd``'s is). Not differentiable: a gradient of these gradients raises."""
-
-    generate_vmap_rule = True
+    there, as ``attn_fwd``'s is). Inputs ``(dout, q, k, v, out, lse, dlse, cu_seqlens_q,
+    cu_seqlens_k, alibi_slopes, sinks, scalars)``, outputs ``(dq, dk, dv, dsinks)``. Not
+    differentiable: a gradient of these gradients raises."""
 
     @staticmethod
-    def forward(*args):
-        return registry.attn_bwd(*args)
+    def forward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi, sinks, scalars):
+        max_q, max_k, causal, scale, left, right, softcap, deterministic = scalars.values
+        return registry.attn_bwd(
+            dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, causal, scale, left, right,
+            softcap, alibi, sinks, deterministic,
+        )  # fmt: skip
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -66,10 +108,17 @@ class _FuncAttentionBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         raise RuntimeError(registry._TWICE.decode())
 
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return _vmap_backward(_FuncAttentionBackward.apply, info, in_dims, *args)
+
 
 def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
-    """``registry.attn_fwd(*args)`` (all 16 arguments) under functorch transforms."""
-    return _FuncAttention.apply(*args)
+    """``registry.attn_fwd(*args)`` (its 16 arguments) under functorch transforms."""
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, sinks,
+     table, deterministic) = args  # fmt: skip
+    scalars = _Scalars((max_q, max_k, causal, scale, left, right, softcap, deterministic))
+    return _FuncAttention.apply(q, k, v, cu_q, cu_k, alibi, sinks, table, scalars)
 
 
 def _fold(t: torch.Tensor | None, bdim: int | None, n: int) -> torch.Tensor | None:
@@ -108,17 +157,35 @@ def _alibi_folded(alibi: torch.Tensor | None, bdim: int | None, n: int, batch: i
     return _fold(alibi, None, n)
 
 
-def _foldable(in_dims: tuple, tensor_slots: int, *per_sample_only: object) -> bool:
-    """Dense inputs whose only vmapped arguments are the first ``tensor_slots`` tensors (and the
-    ALiBi slopes, handled by the caller), none of ``per_sample_only`` present."""
-    return all(d is None for d in in_dims[tensor_slots:]) and all(
-        x is None for x in per_sample_only
-    )
-
-
 def _sample_batch(q: torch.Tensor, bdim: int | None) -> int:
     """B of one sample's ``(B, H, S, D)`` q."""
     return q.shape[0] if bdim is None else q.movedim(bdim, 0).shape[1]
+
+
+def _vmap_forward(apply, info, in_dims, q, k, v, cu_q, cu_k, alibi, sinks, table, scalars):
+    """vmap of ``apply`` (``_FuncAttention``'s arguments, ``(out, lse)``): dense inputs folded
+    (a dense call's only tensors are q, k, v and the slopes), the rest per sample."""
+    args = (q, k, v, cu_q, cu_k, alibi, sinks, table, scalars)
+    if cu_q is not None or sinks is not None or table is not None:
+        return _per_sample(apply, info, in_dims, args)
+    n, batch = info.batch_size, _sample_batch(q, in_dims[0])
+    q, k, v = (_fold(t, d, n) for t, d in zip(args[:3], in_dims[:3], strict=True))
+    out, lse = apply(q, k, v, None, None, _alibi_folded(alibi, in_dims[5], n, batch), None, None,
+                     scalars)  # fmt: skip
+    return (_unfold(out, n), _unfold(lse, n)), (0, 0)
+
+
+def _vmap_backward(apply, info, in_dims, *args):
+    """vmap of ``apply`` (``_FuncAttentionBackward``'s arguments, ``(dq, dk, dv, dsinks)``), as
+    ``_vmap_forward``; without sinks, dsinks is the same empty tensor for every sample."""
+    q, cu_q, alibi, sinks, scalars = args[1], args[7], args[9], args[10], args[11]
+    if cu_q is not None or sinks is not None:
+        return _per_sample(apply, info, in_dims, args)
+    n, batch = info.batch_size, _sample_batch(q, in_dims[1])
+    tensors = (_fold(t, d, n) for t, d in zip(args[:7], in_dims[:7], strict=True))
+    alibi = _alibi_folded(alibi, in_dims[9], n, batch)
+    dq, dk, dv, dsinks = apply(*tensors, None, None, alibi, None, scalars)
+    return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n), dsinks), (0, 0, 0, None)
 
 
 # The ops' arguments after the first 13 (attn_fwd) or 17 (attn_bwd): their defaults.
@@ -126,40 +193,42 @@ _FWD_TAIL = (None, None, False)  # sinks, block_table, deterministic
 _BWD_TAIL = (None, False)  # sinks, deterministic
 
 
+def _attn_fwd_of(*args):
+    return registry.attn_fwd(*_fwd_args(*args))
+
+
+def _attn_bwd_of(dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi, sinks, scalars):
+    return _FuncAttentionBackward.forward(
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi, sinks, scalars
+    )
+
+
+# The registered ops called under vmap directly (``torch.ops.flashcore``): the same rules, their
+# arguments in the ops' order.
 @registry.attn_fwd.register_vmap
-def _attn_fwd_vmap(info, in_dims, q, k, v, cu_seqlens_q, cu_seqlens_k, *rest):
-    rest = (*rest, *_FWD_TAIL[len(rest) - 8 :])
-    in_dims = (*in_dims, *(None,) * (16 - len(in_dims)))
-    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, *rest)
-    alibi, sinks, block_table = rest[7], rest[8], rest[9]
-    dims = list(in_dims)
-    alibi_dim, dims[12] = dims[12], None
-    if cu_seqlens_q is not None or not _foldable(dims, 3, sinks, block_table):
-        return _per_sample(registry.attn_fwd, info, in_dims, args)
-    n = info.batch_size
-    batch = _sample_batch(q, in_dims[0])
-    q, k, v = (_fold(t, d, n) for t, d in zip((q, k, v), in_dims[:3], strict=True))
-    rest = (*rest[:7], _alibi_folded(alibi, alibi_dim, n, batch), *rest[8:])
-    out, lse = registry.attn_fwd(q, k, v, None, None, *rest)
-    return (_unfold(out, n), _unfold(lse, n)), (0, 0)
+def _attn_fwd_vmap(info, in_dims, *args):
+    args = (*args, *_FWD_TAIL[len(args) - 13 :])
+    d = (*in_dims, *(None,) * (16 - len(in_dims)))
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, sinks, table,
+     deterministic) = args  # fmt: skip
+    scalars = _Scalars((max_q, max_k, causal, scale, left, right, softcap, deterministic))
+    dims = (*d[:5], d[12], d[13], d[14], None)
+    return _vmap_forward(
+        _attn_fwd_of, info, dims, q, k, v, cu_q, cu_k, alibi, sinks, table, scalars
+    )
 
 
 @registry.attn_bwd.register_vmap
-def _attn_bwd_vmap(info, in_dims, dout, q, k, v, out, lse, dlse, cu_seqlens_q, *rest):
-    rest = (*rest, *_BWD_TAIL[len(rest) - 9 :])
-    in_dims = (*in_dims, *(None,) * (19 - len(in_dims)))
-    args = (dout, q, k, v, out, lse, dlse, cu_seqlens_q, *rest)
-    alibi, sinks = rest[8], rest[9]
-    dims = list(in_dims)
-    alibi_dim, dims[16] = dims[16], None
-    if cu_seqlens_q is not None or not _foldable(dims, 7, sinks):
-        return _per_sample(registry.attn_bwd, info, in_dims, args)
-    n = info.batch_size
-    batch = _sample_batch(q, in_dims[1])
-    tensors = (_fold(a, b, n) for a, b in zip(args[:7], in_dims[:7], strict=True))
-    rest = (*rest[:8], _alibi_folded(alibi, alibi_dim, n, batch), *rest[9:])
-    dq, dk, dv, dsinks = registry.attn_bwd(*tensors, None, *rest)
-    return (_unfold(dq, n), _unfold(dk, n), _unfold(dv, n), dsinks), (0, 0, 0, None)
+def _attn_bwd_vmap(info, in_dims, *args):
+    args = (*args, *_BWD_TAIL[len(args) - 17 :])
+    d = (*in_dims, *(None,) * (19 - len(in_dims)))
+    (dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap,
+     alibi, sinks, deterministic) = args  # fmt: skip
+    scalars = _Scalars((max_q, max_k, causal, scale, left, right, softcap, deterministic))
+    dims = (*d[:9], d[16], d[17], None)
+    return _vmap_backward(
+        _attn_bwd_of, info, dims, dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi, sinks, scalars
+    )
 
 
 @registry.attn_kvcache.register_vmap
