@@ -288,6 +288,17 @@ def test_world_of_one_jvp_refused(world_of_one, device):
         torch.func.jvp(lambda q: fd.ring_attention(q, k, v), (q,), (torch.ones_like(q),))
 
 
+def test_world_of_one_func_transforms_refused(world_of_one, device):
+    """torch.func's grad and vmap through the ring raise an error that names them (PyTorch's
+    own named the Function's missing setup_context)."""
+    q, k, v = (torch.randn(1, 2, 10, 16, device=device) for _ in range(3))
+    refused = pytest.raises(NotImplementedError, match=r"does not run under torch\.func")
+    with refused:
+        torch.func.grad(lambda q: fd.ring_attention(q, k, v).sum())(q)
+    with refused:
+        torch.func.vmap(lambda q: fd.ring_attention(q, k, v))(q[None])
+
+
 def test_world_of_one_empty(world_of_one, device):
     """An empty batch gives empty results and zero gradients, without a launch."""
     q = torch.randn(0, 2, 4, 16, device=device, requires_grad=True)

@@ -339,9 +339,16 @@ def ring_attention(
             ``group``; an unknown ``layout``; an odd shard length with ``"zigzag"``; shard
             lengths (or other shapes, the dtype, ``causal``, ``scale``, ``layout``) that differ
             between ranks.
-        NotImplementedError: head_dim above 256; forward-mode AD (a jvp).
+        NotImplementedError: head_dim above 256; forward-mode AD (a jvp); a ``torch.func``
+            transform (``grad``, ``vmap``: the ring's collectives run once per call, not per
+            transformed level or sample).
     """
     q, k, v = entry_inputs("flashcore.distributed.ring_attention", q, k, v)
+    if torch._C._are_functorch_transforms_active():
+        raise NotImplementedError(
+            "flashcore.distributed.ring_attention does not run under torch.func transforms "
+            "(grad, vjp, vmap, ...): call it outside them (torch.autograd.grad for gradients)"
+        )
     check_inputs(q, k, v)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
