@@ -20,7 +20,8 @@ a small kernel (docs/performance_host.md, "Host overhead"). They run the same la
 through a ``torch.autograd.Function`` (``_Attention``) that saves what the op's context saves and
 runs the launcher of its backward op when a gradient is needed. Anything that needs the ops
 themselves (torch.compile and export tracing, FakeTensor and other dispatch modes such as
-FlopCounterMode, functorch transforms, tensor subclasses) gets them.
+FlopCounterMode, tensor subclasses) gets them; functorch transforms get ``ops.transforms``'s
+Functions, whose forward and backward are the ops.
 """
 
 from __future__ import annotations
