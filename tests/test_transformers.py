@@ -189,6 +189,28 @@ def test_autocast_training_step(device):
     check_against_reference(CASES["llama"], device, torch.float32, autocast=torch.bfloat16)
 
 
+def test_per_sample_gradients(device):
+    """Per-sample gradients of a Llama's parameters by ``torch.func`` (``functional_call``, then
+    ``vmap(grad(loss))`` over the samples): FlashCore folds the samples into one batch
+    (tests/test_transforms.py); against the model's own attention and float64."""
+    model = build(CASES["llama"]).to(device)
+    ids = batch(device, lengths=(12, 12, 12), seqlen=12)[0].unsqueeze(1)  # 3 samples of 1 row
+    grads = {}
+    for impl, run_model in ((REFERENCE64, copy.deepcopy(model).double()), ("sdpa", model),
+                            (NAME, model)):  # fmt: skip
+        run_model.set_attn_implementation(impl)
+        params = {n: p.detach() for n, p in run_model.named_parameters()}
+
+        def loss(params, ids, run_model=run_model):
+            kwargs = {"labels": ids, "use_cache": False}
+            return torch.func.functional_call(run_model, params, (ids,), kwargs).loss
+
+        grads[impl] = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, ids)
+    for name, ref in grads[REFERENCE64].items():
+        assert ref.shape[0] == 3
+        assert_fa_rule(f"grad {name}", grads[NAME][name], grads["sdpa"][name], ref)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_generate_left_padded(name, device):
     skip_without_sinks(name)
