@@ -234,6 +234,22 @@ def test_jacrev(device):
     assert torch.equal(got, want)
 
 
+def test_functionalize_and_tracing(device):
+    """functionalize runs the op (PyTorch has no functionalize rule for a Function), and make_fx
+    traces grad and vmap into the ops (a dispatch mode under the transforms)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    q, k, v = _qkv(device)
+    fn = lambda q: flashcore.attention(q, k, v, causal=True)  # noqa: E731
+    assert torch.equal(torch.func.functionalize(fn)(q), fn(q))
+    loss = lambda q: fn(q).square().sum()  # noqa: E731
+    traced = make_fx(torch.func.grad(loss))(q)
+    ops = {str(n.target) for n in traced.graph.nodes if n.op == "call_function"}
+    assert {"flashcore.attn_fwd.default", "flashcore.attn_bwd.default"} <= ops
+    traced = make_fx(torch.func.vmap(fn))(torch.stack([q, -q]))
+    assert "flashcore.attn_fwd.default" in {str(n.target) for n in traced.graph.nodes}
+
+
 def test_second_derivative_under_grad_raises(device):
     """grad of grad raises, as a second derivative does eagerly."""
     q, k, v = _qkv(device)

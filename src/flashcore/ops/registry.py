@@ -50,7 +50,6 @@ def direct(*tensors: torch.Tensor | None) -> bool:
 
 
 _functorch_active = torch._C._are_functorch_transforms_active
-_dispatch_depth = torch._C._len_torch_dispatch_stack
 # Plain tensors and absent optional ones (not subclasses: those take the op).
 _PLAIN = frozenset((torch.Tensor, type(None)))
 
@@ -348,10 +347,11 @@ def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, window_left,
      window_right, softcap, alibi_slopes, sinks, block_table, deterministic) = args  # fmt: skip
     if not direct(q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, block_table):
-        if _functorch_active() and not (torch.compiler.is_compiling() or _dispatch_depth()):
+        if _functorch_active() and not torch.compiler.is_compiling():
             from flashcore.ops import transforms  # imports this module
 
-            return transforms.attention(*args)
+            if transforms.takes_transforms():
+                return transforms.attention(*args)
         return attn_fwd(*args)
     if torch.is_grad_enabled() and (
         q.requires_grad

@@ -10,7 +10,8 @@ the ``attn_fwd`` op, its context and gradients those of the op's own formula
 Its backward computes them through ``_FuncAttentionBackward`` (the ``attn_bwd`` op), a Function
 too, since under ``grad`` the backward runs on the transform's tensors; that one has no
 derivative: differentiating a gradient again (``grad`` of ``grad``, ``hessian``) raises, as it
-does eagerly. Forward-mode transforms (``jvp``, ``jacfwd``) are refused before this (``checks``).
+does eagerly. Forward-mode transforms (``jvp``, ``jacfwd``) are refused before this (``checks``);
+under ``functionalize`` the op runs as before (``takes_transforms``).
 
 vmap. Both Functions, and the ``attn_fwd`` and ``attn_bwd`` ops themselves (called under vmap
 directly), fold the vmapped dim into the batch dim of dense inputs: N
@@ -111,6 +112,14 @@ class _FuncAttentionBackward(torch.autograd.Function):
     @staticmethod
     def vmap(info, in_dims, *args):
         return _vmap_backward(_FuncAttentionBackward.apply, info, in_dims, *args)
+
+
+def takes_transforms() -> bool:
+    """Whether the functorch transforms in effect are ones ``attention`` takes: grad and vmap
+    (jvp is refused before this). Under ``torch.func.functionalize`` PyTorch has no rule for a
+    Function (NYI), and the ``attn_fwd`` op, which mutates nothing, runs unchanged."""
+    functionalize = torch._C._functorch.TransformType.Functionalize
+    return all(i.key() != functionalize for i in torch._C._functorch.get_interpreter_stack())
 
 
 def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
