@@ -119,7 +119,7 @@ def takes_transforms() -> bool:
     (jvp is refused before this). Under ``torch.func.functionalize`` PyTorch has no rule for a
     Function (NYI), and the ``attn_fwd`` op, which mutates nothing, runs unchanged."""
     functionalize = torch._C._functorch.TransformType.Functionalize
-    return all(i.key() != functionalize for i in torch._C._functorch.get_interpreter_stack())
+    return all(i.key() != functionalize for i in torch._C._functorch.get_interpreter_stack() or ())
 
 
 def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
