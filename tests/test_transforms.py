@@ -115,6 +115,23 @@ def test_vmap(device, monkeypatch):
         assert torch.equal(out[i], flashcore.attention(qs[i], k, v, alibi_slopes=per_sample[i]))
 
 
+def test_vmap_nested_and_eager_backward(device):
+    """A vmap of a vmap folds twice; a vmapped call's output takes an eager backward (the
+    folded Function sits in the autograd graph): each sample's own values and gradients."""
+    q, k, v = _qkv(device)
+    grid = torch.randn(2, 3, *q.shape, device=device)
+    fn = lambda q: flashcore.attention(q, k, v, causal=True, deterministic=True)  # noqa: E731
+    out = torch.func.vmap(torch.func.vmap(fn))(grid)
+    for i in range(2):
+        for j in range(3):
+            assert torch.equal(out[i, j], fn(grid[i, j]))
+    qs = grid[0].clone().requires_grad_()
+    torch.func.vmap(fn)(qs).square().sum().backward()
+    for i in range(3):
+        (want,) = _autograd(lambda q: fn(q).square().sum(), qs[i])
+        assert torch.equal(qs.grad[i], want)
+
+
 def test_vmap_per_sample_calls(device):
     """Packed batches, sinks and decoding from a cache run one call per sample: each sample's
     own result."""
