@@ -156,6 +156,20 @@ def test_vmap_per_sample_calls(device):
         assert torch.equal(out[i], want)
 
 
+def test_kvcache_under_grad_refused(device):
+    """torch.func.grad through attention_with_kvcache (no backward) raises an error that says
+    so (PyTorch's named the Function's missing setup_context)."""
+    q, k, v = _qkv(device)
+    seqlens = torch.tensor([12, 7], dtype=torch.int32, device=device)
+    fn = lambda q: flashcore.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)  # noqa: E731
+    with pytest.raises(NotImplementedError, match="attention_with_kvcache has no backward"):
+        torch.func.grad(lambda q: fn(q).sum())(q[:, :, :1])
+    # A vmapped call on inputs that require grad outside any grad transform runs.
+    rows = torch.stack([q[:, :, :1], -q[:, :, :1]]).requires_grad_()
+    out = torch.func.vmap(fn)(rows)
+    assert torch.equal(out[1].detach(), fn(rows[1].detach()))
+
+
 def test_registered_ops_vmap(device):
     """The registered ops called under vmap directly fold as the API's Functions do."""
     q, k, v = _qkv(device)

@@ -624,7 +624,8 @@ def attention_with_kvcache(
         scores. Rows that see no key have ``out = 0`` and ``lse = -inf``.
 
     Forward only: there is no backward; differentiating through the result raises PyTorch's
-    "no autograd formula" error at ``backward()``.
+    "no autograd formula" error at ``backward()`` (under ``torch.func.grad``, a
+    NotImplementedError at the call).
 
     Raises:
         TypeError: a tensor argument is not a tensor or has the wrong dtype (q/k_cache/v_cache:

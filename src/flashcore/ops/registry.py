@@ -50,6 +50,7 @@ def direct(*tensors: torch.Tensor | None) -> bool:
 
 
 _functorch_active = torch._C._are_functorch_transforms_active
+_grad_tracked = torch._C._functorch.is_gradtrackingtensor
 # Plain tensors and absent optional ones (not subclasses: those take the op).
 _PLAIN = frozenset((torch.Tensor, type(None)))
 
@@ -430,4 +431,15 @@ def attention_with_kvcache(*args) -> tuple[torch.Tensor, torch.Tensor]:
     error)."""
     if direct(*args[:6], args[-1]) and not needs_grad(*args[:3]):
         return _attn_kvcache(*args)
+    if _functorch_active() and any(map(_grad_tracked, args[:3])):
+        # torch.func.grad differentiates through this call (its input is the transform's):
+        # PyTorch's error would name the op's Function's missing setup_context.
+        raise NotImplementedError(KVCACHE_NO_GRAD)
     return attn_kvcache(*args)
+
+
+KVCACHE_NO_GRAD = (
+    "flashcore.attention_with_kvcache has no backward (it decodes from a cache, for inference), "
+    "and a torch.func transform differentiates through it: use flashcore.attention or "
+    "attention_varlen for a differentiable call"
+)
