@@ -9,7 +9,7 @@ import numbers
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-from flashcore.ops.runtime import is_interpreted
+from flashcore.ops.runtime import is_interpreted, transform_active
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
@@ -74,10 +74,7 @@ def forward_ad_active(*tensors: object) -> bool:
         for t in tensors:
             if isinstance(t, torch.Tensor) and _forward_ad.unpack_dual(t).tangent is not None:
                 return True
-    if torch._C._are_functorch_transforms_active():
-        jvp = torch._C._functorch.TransformType.Jvp
-        return any(i.key() == jvp for i in torch._C._functorch.get_interpreter_stack() or ())
-    return False
+    return transform_active("Jvp")
 
 
 FORWARD_AD = (

@@ -35,22 +35,19 @@ import torch
 from flashcore.ops import bwd, decode, fwd, runtime
 from flashcore.ops.problem import empty_rows_like, lse_shape, unit_stride_last_dim, varlen_of
 
+_functorch_active = torch._C._are_functorch_transforms_active
+_grad_tracked = torch._C._functorch.is_gradtrackingtensor
+
 
 def direct(*tensors: torch.Tensor | None) -> bool:
     """Whether a call may run the launchers directly rather than through the registered op.
     Meta tensors (q's device, which the checks made every tensor's) take the op, whose fake
     implementations give them their outputs' shapes."""
-    if (
-        torch.compiler.is_compiling()
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._are_functorch_transforms_active()
-    ):
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() or _functorch_active():
         return False
     return _PLAIN.issuperset(map(type, tensors)) and not tensors[0].is_meta
 
 
-_functorch_active = torch._C._are_functorch_transforms_active
-_grad_tracked = torch._C._functorch.is_gradtrackingtensor
 # Plain tensors and absent optional ones (not subclasses: those take the op).
 _PLAIN = frozenset((torch.Tensor, type(None)))
 
@@ -193,8 +190,8 @@ def _backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None):
     return op_backward(ctx, dout, dlse)
 
 
-def op_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, run=None):
-    """``_backward`` for gradients that may be batched, ``run`` (``attn_bwd`` where None)
+def op_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, run=attn_bwd):
+    """``_backward`` for gradients that may be batched, ``run`` (``attn_bwd``'s signature)
     computing them: under ``torch.func`` transforms (``ops.transforms``), whose ``vmap``
     reaches the ``attn_bwd`` op's rule."""
     # No gradient for the offsets, the maxima, the options or the ALiBi slopes; nor, after the
@@ -205,7 +202,7 @@ def op_backward(ctx, dout: torch.Tensor | None, dlse: torch.Tensor | None, run=N
         return None, None, None, *no_grads, None, *tail
     dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks = _saved(ctx, dout)
     with runtime.use_tier(ctx.tier):
-        dq, dk, dv, dsinks = (run or attn_bwd)(
+        dq, dk, dv, dsinks = run(
             dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *ctx.scalars,
             alibi_slopes, sinks, ctx.deterministic,
         )  # fmt: skip
@@ -268,9 +265,7 @@ def check_not_batched(*grad_outputs: torch.Tensor | None) -> None:
     forward refuses jvp, and PyTorch refuses a custom op's autograd under grad) or the legacy
     vmap of ``is_grads_batched``. Its launchers would read the batched gradient's storage, which
     PyTorch forbids with an error naming none of this."""
-    if torch._C._are_functorch_transforms_active() or any(
-        g is not None and _legacy_batched(g) for g in grad_outputs
-    ):
+    if _functorch_active() or any(g is not None and _legacy_batched(g) for g in grad_outputs):
         raise NotImplementedError(_BATCHED)
 
 

@@ -152,6 +152,15 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and (_as_captured.get() or torch.cuda.is_current_stream_capturing())
 
 
+def transform_active(kind: str) -> bool:
+    """Whether a ``torch.func`` transform of ``kind`` (a ``TransformType`` name: ``"Jvp"``,
+    ``"Functionalize"``, ...) is in effect."""
+    if not torch._C._are_functorch_transforms_active():
+        return False
+    key = getattr(torch._C._functorch.TransformType, kind)
+    return any(i.key() == key for i in torch._C._functorch.get_interpreter_stack() or ())
+
+
 def in_capture(t: torch.Tensor) -> bool:
     """Whether a launch for ``t`` is being captured into a CUDA graph now (not ``as_captured``).
 

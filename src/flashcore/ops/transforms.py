@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from flashcore.ops import registry
+from flashcore.ops import registry, runtime
 
 
 class _Scalars:
@@ -44,8 +44,20 @@ class _Scalars:
         self.values = values
 
 
+def _fwd_split(args: tuple) -> tuple:
+    """``attn_fwd``'s 16 arguments as ``_FuncAttention`` takes them: ``(q, k, v, cu_seqlens_q,
+    cu_seqlens_k, alibi_slopes, sinks, block_table, scalars)``."""
+    return (*args[:5], args[12], args[13], args[14], _Scalars((*args[5:12], args[15])))
+
+
+def _bwd_split(args: tuple) -> tuple:
+    """``attn_bwd``'s 19 arguments as ``_FuncAttentionBackward`` takes them: ``(dout, q, k, v,
+    out, lse, dlse, cu_seqlens_q, cu_seqlens_k, alibi_slopes, sinks, scalars)``."""
+    return (*args[:9], args[16], args[17], _Scalars((*args[9:16], args[18])))
+
+
 def _fwd_args(q, k, v, cu_q, cu_k, alibi, sinks, table, scalars: _Scalars) -> tuple:
-    """``attn_fwd``'s 16 arguments in its order."""
+    """``attn_fwd``'s 16 arguments in its order (``_fwd_split`` undone)."""
     max_q, max_k, causal, scale, left, right, softcap, deterministic = scalars.values
     return (
         q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, sinks,
@@ -76,14 +88,10 @@ class _FuncAttention(torch.autograd.Function):
         return _vmap_forward(_FuncAttention.apply, info, in_dims, *args)
 
 
-def _backward(dout, q, k, v, out, lse, dlse, cu_q, cu_k, *rest):
+def _backward(*args):
     """``attn_bwd``'s signature, for ``registry.op_backward``: through
     ``_FuncAttentionBackward``."""
-    max_q, max_k, causal, scale, left, right, softcap, alibi, sinks, deterministic = rest
-    scalars = _Scalars((max_q, max_k, causal, scale, left, right, softcap, deterministic))
-    return _FuncAttentionBackward.apply(
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi, sinks, scalars
-    )
+    return _FuncAttentionBackward.apply(*_bwd_split(args))
 
 
 class _FuncAttentionBackward(torch.autograd.Function):
@@ -118,16 +126,12 @@ def takes_transforms() -> bool:
     """Whether the functorch transforms in effect are ones ``attention`` takes: grad and vmap
     (jvp is refused before this). Under ``torch.func.functionalize`` PyTorch has no rule for a
     Function (NYI), and the ``attn_fwd`` op, which mutates nothing, runs unchanged."""
-    functionalize = torch._C._functorch.TransformType.Functionalize
-    return all(i.key() != functionalize for i in torch._C._functorch.get_interpreter_stack() or ())
+    return not runtime.transform_active("Functionalize")
 
 
 def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """``registry.attn_fwd(*args)`` (its 16 arguments) under functorch transforms."""
-    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, sinks,
-     table, deterministic) = args  # fmt: skip
-    scalars = _Scalars((max_q, max_k, causal, scale, left, right, softcap, deterministic))
-    return _FuncAttention.apply(q, k, v, cu_q, cu_k, alibi, sinks, table, scalars)
+    return _FuncAttention.apply(*_fwd_split(args))
 
 
 def _fold(t: torch.Tensor | None, bdim: int | None, n: int) -> torch.Tensor | None:
@@ -202,42 +206,20 @@ _FWD_TAIL = (None, None, False)  # sinks, block_table, deterministic
 _BWD_TAIL = (None, False)  # sinks, deterministic
 
 
-def _attn_fwd_of(*args):
-    return registry.attn_fwd(*_fwd_args(*args))
-
-
-def _attn_bwd_of(dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi, sinks, scalars):
-    return _FuncAttentionBackward.forward(
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi, sinks, scalars
-    )
-
-
 # The registered ops called under vmap directly (``torch.ops.flashcore``): the same rules, their
-# arguments in the ops' order.
+# arguments in the ops' order (the vmapped dims too; a non-tensor is never vmapped).
 @registry.attn_fwd.register_vmap
 def _attn_fwd_vmap(info, in_dims, *args):
     args = (*args, *_FWD_TAIL[len(args) - 13 :])
-    d = (*in_dims, *(None,) * (16 - len(in_dims)))
-    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi, sinks, table,
-     deterministic) = args  # fmt: skip
-    scalars = _Scalars((max_q, max_k, causal, scale, left, right, softcap, deterministic))
-    dims = (*d[:5], d[12], d[13], d[14], None)
-    return _vmap_forward(
-        _attn_fwd_of, info, dims, q, k, v, cu_q, cu_k, alibi, sinks, table, scalars
-    )
+    dims = _fwd_split((*in_dims, *(None,) * (16 - len(in_dims))))[:8]
+    return _vmap_forward(_FuncAttention.forward, info, (*dims, None), *_fwd_split(args))
 
 
 @registry.attn_bwd.register_vmap
 def _attn_bwd_vmap(info, in_dims, *args):
     args = (*args, *_BWD_TAIL[len(args) - 17 :])
-    d = (*in_dims, *(None,) * (19 - len(in_dims)))
-    (dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap,
-     alibi, sinks, deterministic) = args  # fmt: skip
-    scalars = _Scalars((max_q, max_k, causal, scale, left, right, softcap, deterministic))
-    dims = (*d[:9], d[16], d[17], None)
-    return _vmap_backward(
-        _attn_bwd_of, info, dims, dout, q, k, v, out, lse, dlse, cu_q, cu_k, alibi, sinks, scalars
-    )
+    dims = _bwd_split((*in_dims, *(None,) * (19 - len(in_dims))))[:11]
+    return _vmap_backward(_FuncAttentionBackward.forward, info, (*dims, None), *_bwd_split(args))
 
 
 @registry.attn_kvcache.register_vmap
