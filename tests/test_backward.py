@@ -237,6 +237,91 @@ def test_backward_gpu_sm90_tier(case, dtype, causal, layout):
         assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
 
 
+# Head dim 256: dK and dV by the Gluon kernel of ops/bwd256.py, dQ by the portable kernel.
+D256_BWD = [
+    Case(2, 4, 4, 1000, 1000, 256),
+    Case(1, 4, 2, 513, 777, 256),
+    Case(1, 4, 1, 777, 513, 256),
+    Case(1, 2, 1, 203, 1100, 256),
+    Case(1, 8, 8, 2048, 2048, 256),
+]
+
+
+def spy_d256(monkeypatch) -> list:
+    """Force the head-dim-256 dK/dV kernel on (``bwd256.VERIFIED``), drop kept backwards, and
+    return a list that gains an entry per launch of it."""
+    from flashcore.ops import bwd, bwd256
+
+    require_sm90()
+    monkeypatch.setattr(bwd256, "VERIFIED", True)
+    bwd.forget()
+    calls = []
+    real = bwd256.dkdv
+    monkeypatch.setattr(bwd256, "dkdv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", D256_BWD, ids=[c.id for c in D256_BWD])
+def test_backward_gpu_d256_dkdv(case, dtype, causal, layout, monkeypatch):
+    """Head dim 256 on Hopper: GQA/MQA, ragged Sq and Sk either way, both layouts; the Gluon
+    dK/dV kernel ran, and the gradients keep the inputs' strides."""
+    calls = spy_d256(monkeypatch)
+    q, k, v = make_qkv(case, dtype, "cuda", layout=layout)
+    dq, dk, dv = check_backward(q, k, v, causal=causal)
+    assert calls, "the head-dim-256 dK/dV kernel did not run"
+    if layout == "bshd":
+        assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "mc",
+    [
+        MaskCase(Case(1, 4, 2, 700, 900, 256), window=(200, 30)),
+        MaskCase(Case(1, 4, 4, 900, 900, 256), causal=True, window=(300, 0)),
+    ],
+    ids=["window", "causal-window"],
+)
+def test_backward_gpu_d256_dkdv_masks(mc, monkeypatch):
+    calls = spy_d256(monkeypatch)
+    q, k, v = make_qkv(mc.case, torch.bfloat16, "cuda")
+    check_backward(q, k, v, **mask_options(mc, "cuda"))
+    assert calls
+
+
+@pytest.mark.gpu
+def test_backward_gpu_d256_dkdv_deterministic_and_lse_grad(monkeypatch):
+    """No atomics: two backwards are bit-identical, ``deterministic=True`` takes the kernel
+    too; a gradient through the LSE reaches dK and dV (delta carries it)."""
+    calls = spy_d256(monkeypatch)
+    q, k, v = make_qkv(Case(1, 4, 2, 1000, 1100, 256), torch.bfloat16, "cuda")
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flashcore.attention(q, k, v, causal=True, deterministic=True)
+    dout = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), dout)
+    assert calls
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    q, k, v = (t.detach() for t in (q, k, v))
+    check_backward(q, k, v, causal=False, dlse=torch.randn(1, 4, 1000, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_backward_gpu_d256_dkdv_not_taken(monkeypatch):
+    """Softcap, ALiBi and fp32 keep the portable dK/dV kernel (``bwd256.takes``)."""
+    calls = spy_d256(monkeypatch)
+    q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 256), torch.bfloat16, "cuda")
+    check_backward(q, k, v, causal=True, softcap=20.0)
+    check_backward(q, k, v, causal=False, alibi_slopes=torch.rand(2, device="cuda"))
+    check_backward(*(t.float() for t in (q, k, v)), causal=False)
+    assert not calls
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [False, True], ids=["grouped", "split"])
 @pytest.mark.parametrize(

@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 
 from flashcore import tuning
+from flashcore.ops import bwd256, runtime
 from flashcore.ops import problem as pb
-from flashcore.ops import runtime
 from flashcore.ops.launch import (
     Bound,
     Launcher,
@@ -194,6 +194,13 @@ def launch(
             window, softcap, alibi_slopes, stride_ab, pb.problem_dims(q, k, varlen),
         ))  # fmt: skip
     (q_grid, q_tail, q_meta), (kv_grid, kv_tail, kv_meta) = plan
+    # Head dim 256 on Hopper: dK and dV by the Gluon kernel of ops/bwd256.py (the dQ kernel's
+    # delta first, as for the portable dK/dV kernel).
+    hopper_dkdv = (
+        q.shape[-1] == bwd256.HEAD_DIM
+        and config is None
+        and bwd256.takes(q, k, v, dout, softcap, alibi_slopes, varlen)
+    )
     dq_kernel, dkdv_kernel = kernels()
     cu_q, cu_k = (None, None) if varlen is None else varlen[:2]
     # Without an LSE gradient its pointer is never read: the LSE stands in.
@@ -206,14 +213,18 @@ def launch(
             q_meta,
             planned=True,
         )
-        dkdv_kernel(
-            kv_grid,
-            (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail),
-            kv_meta,
-            planned=True,
-        )
+        if hopper_dkdv:
+            bwd256.dkdv(q, k, v, dout, lse, delta, dk, dv, causal, scale, window)
+        else:
+            dkdv_kernel(
+                kv_grid,
+                (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail),
+                kv_meta,
+                planned=True,
+            )
     if (
         quick is not None
+        and not hopper_dkdv
         and pb.used_as_given(given, (q, k, v, out, dout, lse))
         and q.is_cuda  # under the interpreter nothing is compiled to keep
         and not runtime.capturing(q)

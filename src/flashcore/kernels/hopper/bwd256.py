@@ -1,0 +1,328 @@
+"""dK and dV at head dim 256 on Hopper (sm_90a) in Gluon, beside the portable dQ kernel.
+
+Why a kernel of its own. At head dim 256 the Hopper backward's design (``bwd.py``: each consumer
+warpgroup owns 64 keys and holds their dK and dV, 64 x 256 fp32 each) needs 256 accumulator
+registers a thread before any score tile, over the 240 a consumer gets; its shared memory (K, V
+and a two-slot Q/dO ring, 32 KB a tile, plus dS^T tiles and the fp32 dQ staging) is over the 227
+KB of a block too. The portable dK/dV kernel at this head dim runs 32 x 32 tiles (the largest that
+hold both accumulators in registers) at about 220 TFLOP/s on an H100.
+
+Design. The two consumer warpgroups of a program share one block of 64 keys and split the work by
+product and by head-dim halves instead of by keys:
+
+- consumer 0: ``S^T = K Q^T`` (K = 256), the masks, ``P^T = exp2(S^T * qk_scale - lse2)``; P^T
+  into a shared tile for consumer 1; ``dV[:, :128] += P^T dO[:, :128]`` (P^T in registers) and,
+  once consumer 1 has written dS^T, ``dK[:, :128] += dS^T Q[:, :128]`` (dS^T from shared memory);
+- consumer 1: ``dP^T = V dO^T``; P^T from the shared tile; ``dS^T = P^T * (dP^T - delta)`` into a
+  shared tile for consumer 0; ``dK[:, 128:] += dS^T Q[:, 128:]`` and ``dV[:, 128:] += P^T dO[:,
+  128:]`` (both A operands in registers).
+
+Each consumer thus holds half of dK and half of dV (64 + 64 registers) and one 64 x 64 score
+tile (32), and the tensor work is balanced (8 units of 64^3 each a step). dQ is not computed
+here: ``ops/bwd.py`` runs the portable dQ kernel first (it recomputes S and dP, and writes
+delta, which this kernel reads), so the backward stays two launches and deterministic (no
+atomics; dK and dV written once per program). P^T reaches consumer 1 in fp16 whatever the input
+dtype (P is in [0, 1]: 11 significant bits where bf16 has 8, so dS^T = P^T (dP^T - delta) loses
+little against the fp32 P the other kernels use; bf16 P measured dK errors up to 2x the portable
+kernel's against float64), and is rounded to the input dtype for its product.
+
+Grid: ``cdiv(Sk, 64) * B * Hkv`` programs, program ``(n, b, hk)`` (``interleave`` with
+``lpt_heads``) owning keys ``[64 n, 64 n + 64)`` of kv head hk, walking the query blocks of 64
+rows of each query head of its group that see them (causal: from the diagonal; window: its band).
+
+Schedule (``gl.warp_specialize``): consumer 0 is the default partition, consumer 1 worker 0, the
+producer (one warp, 24 registers) worker 1. Shared memory: K and V (32 KB each), a ring of
+NUM_STAGES Q/dO slots (64 KB a slot), P^T and dS^T tiles double-buffered by step (8 KB each):
+229376 B with two slots. Barriers (all single-phase-per-use, parities from the step index):
+
+- ``kv_ready``: K and V landed (count 1, the producer's expect);
+- ``qd_ready[s]``, ``qd_empty[s]``: slot s landed / released by both consumers (count 2);
+- ``p_ready[b]``, ``p_free[b]``: P^T tile b written (consumer 0) / read (consumer 1);
+- ``ds_ready[b]``, ``ds_free[b]``: dS^T tile b written (consumer 1) / read by consumer 0's dK.
+
+Step t uses slot ``t % NUM_STAGES`` (parity ``(t // NUM_STAGES) & 1``) and tile ``b = t % 2``
+(parity ``(t // 2) & 1``); a writer of tile b waits for the reader's completion of step t - 2
+(parity ``((t // 2) & 1) ^ 1``, the first two pass on the barrier's initial phase). No barrier
+can complete twice before its waiter: each writer's next write follows its wait for the reader's
+release of the previous one. No cycle: consumer 0 at step t needs consumer 1's dS^T of step t,
+which needs only consumer 0's P^T of step t (written before consumer 0 waits) and consumer 0's
+release of step t - 2.
+
+Masks as ``bwd.py``'s: causal bottom-right, a window on every step, keys past Sk (without causal,
+on a block that crosses Sk; K and V arrive as zeros there); rows past Sq have Q = dO = 0 and
+lse2 = +inf (P = 0). dK and dV leave from registers by plain stores with a row mask.
+
+Not covered (the launcher's ``supports`` says no): softcap, ALiBi, packed batches, a value head
+dim other than 256.
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashcore.kernels.hopper.common import LOG2E, interleave
+
+ROWS = gl.constexpr(64)  # query rows a step, and keys a program (one m64 wgmma)
+HALF = gl.constexpr(128)  # the head-dim half of dK and dV each consumer holds
+
+
+@gluon.jit
+def _blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL: gl.constexpr,
+            HAS_WINDOW: gl.constexpr):  # fmt: skip
+    """``(lo, n_m)``: the query blocks of ROWS rows that see a key of ``[start_n, start_n +
+    ROWS)``: from ``lo`` on, ``n_m`` of them (``bwd.q_blocks`` for 64-key blocks)."""
+    diag = seqlen_k - seqlen_q
+    if IS_CAUSAL:
+        lo = (gl.maximum(start_n - diag, 0) // ROWS) * ROWS
+    elif HAS_WINDOW:
+        lo = (gl.maximum(start_n - diag - window_right, 0) // ROWS) * ROWS
+    else:
+        lo = start_n * 0
+    if HAS_WINDOW:
+        hi = gl.minimum(gl.maximum(start_n + ROWS - diag + window_left, 0), seqlen_q)
+    else:
+        hi = seqlen_q
+    return lo, gl.maximum(gl.cdiv(hi - lo, ROWS), 0)
+
+
+@gluon.jit
+def _program(kv_heads, seqlen_k, lpt_heads):
+    """``(start_n, off_b, off_hk)`` of this program."""
+    block, off_bh = interleave(gl.program_id(0), gl.cdiv(seqlen_k, ROWS), lpt_heads)
+    return block * ROWS, off_bh // kv_heads, off_bh % kv_heads
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+              qd_ready, qd_empty, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
+              window_left, window_right, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              HAS_WINDOW: gl.constexpr):  # fmt: skip
+    start_n, off_b, off_hk = _program(kv_heads, seqlen_k, lpt_heads)
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, start_n, 0], kv_ready, v_smem)
+    lo, n_m = _blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
+                      HAS_WINDOW)  # fmt: skip
+    for t in range(n_m * kv_group):
+        off_h = off_hk * kv_group + t // n_m
+        start_m = lo + (t % n_m) * ROWS
+        slot = t % NUM_STAGES
+        mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+        bar = qd_ready.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar, q_smem.index(slot))
+        tma.async_copy_global_to_shared(
+            do_desc, [off_b, off_h, start_m, 0], bar, do_smem.index(slot)
+        )
+
+
+@gluon.jit
+def _store_half(ptr, acc, start_n, seqlen_k, stride_n, col0, layout: gl.constexpr):
+    """Columns ``[col0, col0 + HALF)`` of a program's 64 rows of dK or dV (``ptr`` at its batch
+    and head), rows past Sk dropped."""
+    keys = start_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    offs = gl.expand_dims(keys.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptr + offs, acc.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < seqlen_k, 1))
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_ready, qd_empty,
+              p_ready, p_free, ds_ready, ds_free, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
+              kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left, window_right,
+              CONSUMER: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              HAS_WINDOW: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
+    dtype: gl.constexpr = k_smem.dtype
+    HEAD_DIM: gl.constexpr = k_smem.shape[3]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    start_n, off_b, off_hk = _program(kv_heads, seqlen_k, lpt_heads)
+    lo, n_m = _blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
+                      HAS_WINDOW)  # fmt: skip
+    diag = seqlen_k - seqlen_q
+    keys = gl.expand_dims(start_n + gl.arange(0, ROWS, layout=row_layout), 1)
+    offs_m = gl.arange(0, ROWS, layout=col_layout)
+    # Query blocks starting at or past this row see every key of the block: no causal mask.
+    full_m = start_n + ROWS - 1 - diag
+    # The columns of dK and dV this consumer holds, and of Q and dO its products read.
+    col0: gl.constexpr = CONSUMER * HALF
+    kt = k_smem.reshape([ROWS, HEAD_DIM])
+    vt = v_smem.reshape([ROWS, HEAD_DIM])
+    zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
+    dk = gl.zeros([ROWS, HALF], gl.float32, layout=acc_layout)
+    dv = gl.zeros([ROWS, HALF], gl.float32, layout=acc_layout)
+    mbarrier.wait(kv_ready, 0)
+    for t in range(n_m * kv_group):
+        off_h = off_hk * kv_group + t // n_m
+        start_m = lo + (t % n_m) * ROWS
+        slot = t % NUM_STAGES
+        buf = t % 2
+        mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
+        q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
+        do = do_smem.index(slot).reshape([ROWS, HEAD_DIM])
+        rows = start_m + offs_m
+        stats = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+        if CONSUMER == 0:
+            s_tok = warpgroup_mma(kt, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            lse = gl.load(LSE + stats, mask=rows < seqlen_q, other=float("-inf"))
+            # A row with no key (LSE -inf) or past Sq: lse2 = +inf, so its P is exactly 0.
+            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            s = s * qk_scale
+            if IS_CAUSAL:
+                if start_m < full_m:
+                    s = gl.where(keys <= gl.expand_dims(rows, 0) + diag, s, float("-inf"))
+            elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
+                # Keys past Sk (zeros): their P = exp2(-lse2) could overflow (bwd.py, EVEN_N).
+                if start_n + ROWS > seqlen_k:
+                    s = gl.where(keys < seqlen_k, s, float("-inf"))
+            if HAS_WINDOW:
+                r = gl.expand_dims(rows, 0)
+                s = gl.where(keys >= r + (diag - window_left), s, float("-inf"))
+                if not IS_CAUSAL:
+                    s = gl.where(keys <= r + (diag + window_right), s, float("-inf"))
+            p = gl.exp2(s - gl.expand_dims(lse2, 0))
+            # P^T for consumer 1 (in fp16, module docstring), once it has read tile buf of step
+            # t - 2.
+            mbarrier.wait(p_free.index(buf), ((t // 2) & 1) ^ 1)
+            p_smem.index(buf).store(p.to(gl.float16))
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(buf), count=1)
+            p_op = gl.convert_layout(p.to(dtype), a_layout)
+            dv_tok = warpgroup_mma(p_op, do.slice(col0, HALF, dim=1), dv, is_async=True)
+            mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+            ds_t = ds_smem.index(buf)
+            dk_tok = warpgroup_mma(ds_t, q.slice(col0, HALF, dim=1), dk, is_async=True)
+            dv, dk, p_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op])
+            mbarrier.arrive(ds_free.index(buf), count=1)
+        else:
+            dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            delta = gl.load(DELTA + stats, mask=rows < seqlen_q, other=0.0)
+            dp = warpgroup_mma_wait(0, deps=[dp_tok])
+            mbarrier.wait(p_ready.index(buf), (t // 2) & 1)
+            p = p_smem.index(buf).load(s_layout).to(gl.float32)
+            mbarrier.arrive(p_free.index(buf), count=1)
+            ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
+            # dS^T for consumer 0, once its dK products of step t - 2 have read tile buf.
+            mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+            ds_smem.index(buf).store(ds)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            ds_op = gl.convert_layout(ds, a_layout)
+            p_op = gl.convert_layout(p.to(dtype), a_layout)
+            dk_tok = warpgroup_mma(ds_op, q.slice(col0, HALF, dim=1), dk, is_async=True)
+            dv_tok = warpgroup_mma(p_op, do.slice(col0, HALF, dim=1), dv, is_async=True)
+            dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
+        # Every reader of the slot is complete (S^T or dP^T, this consumer's dV and dK).
+        mbarrier.arrive(qd_empty.index(slot), count=1)
+    dk_ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
+    dv_ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
+    _store_half(dk_ptr, dk * scale, start_n, seqlen_k, stride_dkn, col0, acc_layout)
+    _store_half(dv_ptr, dv, start_n, seqlen_k, stride_dvn, col0, acc_layout)
+
+
+@gluon.jit
+def attn_bwd_dkdv_sm90_d256_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_lb,
+    stride_lh,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    kv_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    lpt_heads,
+    qk_scale,
+    scale,
+    window_left,
+    window_right,
+    NUM_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    EVEN_N: gl.constexpr,
+):
+    """dK and dV of one 64-key block (module docstring). ``LSE`` (natural log) and ``DELTA`` are
+    fp32 ``(B, H, Sq)`` with strides ``(stride_lb, stride_lh, 1)``; ``qk_scale`` is ``scale *
+    log2(e)``; dK is scaled by ``scale`` here."""
+    dtype: gl.constexpr = q_desc.dtype
+    q_shape: gl.constexpr = [NUM_STAGES] + q_desc.block_type.shape  # noqa: RUF005
+    q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float16)
+    p_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROWS], p_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], t_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    kv_ready = kv_bar.index(0)
+    qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(qd_ready.index(i), count=1)
+        mbarrier.init(qd_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
+        mbarrier.init(ds_ready.index(i), count=1)
+        mbarrier.init(ds_free.index(i), count=1)
+    # The consumers' argument tuples differ only in CONSUMER (Triton 3.6's frontend has no
+    # starred tuples).
+    gl.warp_specialize(
+        [
+            (_consumer, (
+                q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_ready, qd_empty,
+                p_ready, p_free, ds_ready, ds_free, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
+                kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
+                window_right, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N,
+            )),
+            (_consumer, (
+                q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_ready, qd_empty,
+                p_ready, p_free, ds_ready, ds_free, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
+                kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
+                window_right, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N,
+            )),
+            (_producer, (
+                q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
+                qd_ready, qd_empty, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
+                window_left, window_right, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+            )),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip

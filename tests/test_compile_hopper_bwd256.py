@@ -1,0 +1,102 @@
+"""The head-dim-256 dK/dV kernel (``kernels/hopper/bwd256.py``) compiles for sm_90a on a CPU-only
+machine, and its compiled code shows what its docstring states: shared memory within a block's
+227 KiB, no spills, the register split (240 for each consumer, 24 for the producer) without a
+ptxas warning, the products on the tensor cores (S^T and dP^T with both operands in shared
+memory, consumer 0's dK with dS^T from shared memory, P^T and dS^T as register A operands
+elsewhere), K, V, Q and dO by TMA loads, and no atomics (dK and dV written once: deterministic).
+
+As ``test_compile_hopper_bwd.py``, the variants compile in a subprocess without
+TRITON_INTERPRET: ``python tests/test_compile_hopper_bwd256.py`` prints a JSON line per variant.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import pytest
+
+from test_compile_hopper import assemble, assert_register_split, compiled_rows
+
+SMEM_LIMIT = 227 * 1024
+
+# (label, dtype, causal, window, even_n)
+VARIANTS = [
+    ("bf16", "bf16", False, False, True),
+    ("fp16-causal-ragged", "fp16", True, False, False),
+    ("bf16-causal", "bf16", True, False, True),
+    ("bf16-window-ragged", "bf16", False, True, False),
+]
+
+
+def compile_variant(variant) -> dict:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from flashcore.kernels.hopper import bwd256 as kernels
+    from flashcore.ops import bwd256
+
+    label, dtype, causal, window, even_n = variant
+    gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
+    signature = {}
+    block = [1, 1, bwd256.ROWS, bwd256.HEAD_DIM]
+    layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
+    for name in ("q_desc", "k_desc", "v_desc", "do_desc"):
+        signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
+    consts = dict(
+        NUM_STAGES=bwd256.NUM_STAGES, CONSUMER_REGS=bwd256.CONSUMER_REGS, IS_CAUSAL=causal,
+        HAS_WINDOW=window, EVEN_N=even_n,
+    )  # fmt: skip
+    fn = kernels.attn_bwd_dkdv_sm90_d256_kernel
+    for name in fn.arg_names:
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in ("qk_scale", "scale"):
+            signature[name] = "fp32"
+        elif name in ("LSE", "DELTA"):
+            signature[name] = "*fp32"
+        elif name in ("DK", "DV"):
+            signature[name] = f"*{dtype}"
+        elif name not in signature:
+            signature[name] = "i32"
+    signature = {name: signature[name] for name in fn.arg_names}
+    ptx, _, report = assemble(GluonASTSource(fn, signature, consts, {}), bwd256.MAXNREG)
+    return {
+        "variant": label,
+        "consumer_regs": bwd256.CONSUMER_REGS,
+        **report,
+        "wgmma_ptx": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::cluster\.global", ptx)),
+        "atomics": len(re.findall(r"\b(red|atom)\.global", ptx)),
+    }
+
+
+@pytest.fixture(scope="module")
+def compiled() -> list[dict]:
+    return compiled_rows(__file__, len(VARIANTS))
+
+
+def test_fits_and_no_spills(compiled):
+    for row in compiled:
+        assert row["shared"] <= SMEM_LIMIT, f"{row['variant']}: {row['shared']} B"
+        assert row["spill_bytes"] == 0, f"{row['variant']}: {row['spill_bytes']} B of spills"
+
+
+def test_register_split(compiled):
+    assert_register_split(compiled)
+
+
+def test_products_and_copies(compiled):
+    for row in compiled:
+        # S^T, dP^T and consumer 0's dK read both operands from shared memory; consumer 0's dV
+        # and consumer 1's dK and dV take P^T / dS^T from registers.
+        assert row["hgmma_shared_a"] > 0 and row["hgmma_register_a"] > 0, row
+        assert row["tma_load"] >= 4, row  # K, V and a step's Q and dO
+        assert row["atomics"] == 0, row
+
+
+if __name__ == "__main__":
+    for variant in VARIANTS:
+        print(json.dumps(compile_variant(variant)), flush=True)
+    sys.exit(0)
