@@ -62,6 +62,8 @@ def takes(
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
         return False
+    if not k.dtype == v.dtype == dout.dtype == q.dtype:
+        return False
     if q.shape[-1] != HEAD_DIM or k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
         return False
     if runtime.backward_tier(q.device) != "sm90":
