@@ -257,6 +257,20 @@ def require_sm90() -> None:
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
 
 
+def spy_d256(monkeypatch) -> list:
+    """Force the head-dim-256 dK/dV kernel on (``bwd256.VERIFIED``), drop kept backwards, and
+    return a list that gains an entry per launch of it."""
+    from flashcore.ops import bwd, bwd256
+
+    require_sm90()
+    monkeypatch.setattr(bwd256, "VERIFIED", True)
+    bwd.forget()
+    calls = []
+    real = bwd256.dkdv
+    monkeypatch.setattr(bwd256, "dkdv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 def record_sm90_forwards(monkeypatch) -> list:
     """A list that gains an entry per Hopper forward launch (``ops.fwd_sm90.launch``, which
     still runs). Quick Hopper forwards (``ops.fwd.Quick.sm90``), which a repeated signature would

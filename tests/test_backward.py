@@ -19,6 +19,7 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
     require_sm90,
+    spy_d256,
 )
 from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case, MaskCase
 
@@ -245,20 +246,6 @@ D256_BWD = [
     Case(1, 2, 1, 203, 1100, 256),
     Case(1, 8, 8, 2048, 2048, 256),
 ]
-
-
-def spy_d256(monkeypatch) -> list:
-    """Force the head-dim-256 dK/dV kernel on (``bwd256.VERIFIED``), drop kept backwards, and
-    return a list that gains an entry per launch of it."""
-    from flashcore.ops import bwd, bwd256
-
-    require_sm90()
-    monkeypatch.setattr(bwd256, "VERIFIED", True)
-    bwd.forget()
-    calls = []
-    real = bwd256.dkdv
-    monkeypatch.setattr(bwd256, "dkdv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    return calls
 
 
 @pytest.mark.gpu

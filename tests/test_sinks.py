@@ -18,8 +18,8 @@ from helpers import (
     make_qkv,
     mask_options,
     record_backward_tiers,
-    require_sm90,
     sm90_tier_runs,
+    spy_d256,
 )
 from numerics import assert_fa_rule
 from shapes import DTYPES, Case, MaskCase
@@ -388,14 +388,7 @@ def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
 def test_sinks_gpu_d256_dkdv(monkeypatch):
     """Sinks at head dim 256 with the Hopper dK/dV kernel (``ops/bwd256.py``): its P comes from
     the LSE, which includes the sinks, so nothing of the kernel changes."""
-    from flashcore.ops import bwd, bwd256
-
-    require_sm90()
-    monkeypatch.setattr(bwd256, "VERIFIED", True)
-    bwd.forget()
-    calls = []
-    real = bwd256.dkdv
-    monkeypatch.setattr(bwd256, "dkdv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = spy_d256(monkeypatch)
     mc = MaskCase(Case(2, 4, 2, 600, 700, 256), causal=True)
     q, k, v = make_qkv(mc.case, torch.bfloat16, "cuda")
     check_sinks_case(q, k, v, case_sinks(mc, "cuda"), **mask_options(mc, "cuda"))

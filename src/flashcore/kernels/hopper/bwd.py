@@ -430,11 +430,12 @@ def q_blocks(
     window_right,
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
+    KEYS: gl.constexpr = BLOCK_N,
 ):
     """``(lo, n_m)``: the query blocks of ROWS rows that see any key of ``[start_n, start_n +
-    BLOCK_N)`` start at ``lo`` (a multiple of ROWS), ``n_m`` of them (0 when none). Row i sees key
+    KEYS)`` start at ``lo`` (a multiple of ROWS), ``n_m`` of them (0 when none). Row i sees key
     j iff ``j - d - right <= i <= j - d + left`` (``d = Sk - Sq``; right = 0 when causal, a side
-    without a bound arrives as ``Sq + Sk``)."""
+    without a bound arrives as ``Sq + Sk``). ``KEYS``: the program's keys (``bwd256.py``: 64)."""
     diag = seqlen_k - seqlen_q
     if IS_CAUSAL:
         # The block's first key is seen from row start_n - diag on.
@@ -445,7 +446,7 @@ def q_blocks(
         lo = start_n * 0
     if HAS_WINDOW:
         # The block's last key is seen up to row start_n + BLOCK_N - 1 - diag + window_left.
-        hi = gl.minimum(gl.maximum(start_n + BLOCK_N - diag + window_left, 0), seqlen_q)
+        hi = gl.minimum(gl.maximum(start_n + KEYS - diag + window_left, 0), seqlen_q)
     else:
         hi = seqlen_q
     n_m = gl.maximum(gl.cdiv(hi - lo, ROWS), 0)

@@ -66,29 +66,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashcore.kernels.hopper.bwd import q_blocks
 from flashcore.kernels.hopper.common import LOG2E, interleave
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a program (one m64 wgmma)
 HALF = gl.constexpr(128)  # the head-dim half of dK and dV each consumer holds
-
-
-@gluon.jit
-def _blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL: gl.constexpr,
-            HAS_WINDOW: gl.constexpr):  # fmt: skip
-    """``(lo, n_m)``: the query blocks of ROWS rows that see a key of ``[start_n, start_n +
-    ROWS)``: from ``lo`` on, ``n_m`` of them (``bwd.q_blocks`` for 64-key blocks)."""
-    diag = seqlen_k - seqlen_q
-    if IS_CAUSAL:
-        lo = (gl.maximum(start_n - diag, 0) // ROWS) * ROWS
-    elif HAS_WINDOW:
-        lo = (gl.maximum(start_n - diag - window_right, 0) // ROWS) * ROWS
-    else:
-        lo = start_n * 0
-    if HAS_WINDOW:
-        hi = gl.minimum(gl.maximum(start_n + ROWS - diag + window_left, 0), seqlen_q)
-    else:
-        hi = seqlen_q
-    return lo, gl.maximum(gl.cdiv(hi - lo, ROWS), 0)
 
 
 @gluon.jit
@@ -107,8 +89,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, 
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, start_n, 0], kv_ready, v_smem)
-    lo, n_m = _blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
-                      HAS_WINDOW)  # fmt: skip
+    lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
+                      HAS_WINDOW, ROWS)  # fmt: skip
     for t in range(n_m * kv_group):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
@@ -152,8 +134,8 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_rea
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     start_n, off_b, off_hk = _program(kv_heads, seqlen_k, lpt_heads)
-    lo, n_m = _blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
-                      HAS_WINDOW)  # fmt: skip
+    lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
+                      HAS_WINDOW, ROWS)  # fmt: skip
     diag = seqlen_k - seqlen_q
     keys = gl.expand_dims(start_n + gl.arange(0, ROWS, layout=row_layout), 1)
     offs_m = gl.arange(0, ROWS, layout=col_layout)
