@@ -258,16 +258,16 @@ def require_sm90() -> None:
 
 
 def spy_d256(monkeypatch) -> list:
-    """Force the head-dim-256 dK/dV kernel on (``bwd256.VERIFIED``), drop kept backwards, and
-    return a list that gains an entry per launch of it."""
+    """Force the head-dim-256 Hopper backward on (``bwd256.VERIFIED``), drop kept backwards,
+    and return a list that gains an entry per run of it."""
     from flashcore.ops import bwd, bwd256
 
     require_sm90()
     monkeypatch.setattr(bwd256, "VERIFIED", True)
     bwd.forget()
     calls = []
-    real = bwd256.dkdv
-    monkeypatch.setattr(bwd256, "dkdv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = bwd256.backward
+    monkeypatch.setattr(bwd256, "backward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     return calls
 
 

@@ -1,9 +1,10 @@
-"""The head-dim-256 dK/dV kernel (``kernels/hopper/bwd256.py``) compiles for sm_90a on a CPU-only
-machine, and its compiled code shows what its docstring states: shared memory within a block's
-227 KiB, no spills, the register split (240 for each consumer, 24 for the producer) without a
-ptxas warning, the products on the tensor cores (S^T and dP^T with both operands in shared
-memory, consumer 0's dK with dS^T from shared memory, P^T and dS^T as register A operands
-elsewhere), K, V, Q and dO by TMA loads, and no atomics (dK and dV written once: deterministic).
+"""The head-dim-256 dQ and dK/dV kernels (``kernels/hopper/bwd256.py``) compile for sm_90a on a
+CPU-only machine, and their compiled code shows what the kernels' docstring states: shared memory
+within a block's 227 KiB, no spills, the register split (240 for each consumer, 24 for the
+producer) without a ptxas warning, the products on the tensor cores (the score products with both
+operands in shared memory, consumer 0's dS product with dS from shared memory, P and dS as
+register A operands elsewhere), Q, dO, K and V by TMA loads, and no atomics (each gradient
+written once: deterministic).
 
 As ``test_compile_hopper_bwd.py``, the variants compile in a subprocess without
 TRITON_INTERPRET: ``python tests/test_compile_hopper_bwd256.py`` prints a JSON line per variant.
@@ -21,12 +22,15 @@ from test_compile_hopper import assemble, assert_register_split, compiled_rows
 
 SMEM_LIMIT = 227 * 1024
 
-# (label, dtype, causal, window, even_n)
+# (label, kernel, dtype, causal, window, even_n): the dK/dV kernel ("dkdv") and the dQ kernel
+# ("dq", which has no EVEN_N: its masked key tiles are a run-time range).
 VARIANTS = [
-    ("bf16", "bf16", False, False, True),
-    ("fp16-causal-ragged", "fp16", True, False, False),
-    ("bf16-causal", "bf16", True, False, True),
-    ("bf16-window-ragged", "bf16", False, True, False),
+    ("dkdv-bf16", "dkdv", "bf16", False, False, True),
+    ("dkdv-fp16-causal-ragged", "dkdv", "fp16", True, False, False),
+    ("dkdv-bf16-window-ragged", "dkdv", "bf16", False, True, False),
+    ("dq-bf16", "dq", "bf16", False, False, None),
+    ("dq-fp16-causal", "dq", "fp16", True, False, None),
+    ("dq-bf16-window", "dq", "bf16", False, True, None),
 ]
 
 
@@ -37,7 +41,7 @@ def compile_variant(variant) -> dict:
     from flashcore.kernels.hopper import bwd256 as kernels
     from flashcore.ops import bwd256
 
-    label, dtype, causal, window, even_n = variant
+    label, which, dtype, causal, window, even_n = variant
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     signature = {}
     block = [1, 1, bwd256.ROWS, bwd256.HEAD_DIM]
@@ -46,17 +50,21 @@ def compile_variant(variant) -> dict:
         signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
     consts = dict(
         NUM_STAGES=bwd256.NUM_STAGES, CONSUMER_REGS=bwd256.CONSUMER_REGS, IS_CAUSAL=causal,
-        HAS_WINDOW=window, EVEN_N=even_n,
+        HAS_WINDOW=window,
     )  # fmt: skip
-    fn = kernels.attn_bwd_dkdv_sm90_d256_kernel
+    if which == "dkdv":
+        consts["EVEN_N"] = even_n
+        fn = kernels.attn_bwd_dkdv_sm90_d256_kernel
+    else:
+        fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
         if name in consts:
             signature[name] = "constexpr"
         elif name in ("qk_scale", "scale"):
             signature[name] = "fp32"
-        elif name in ("LSE", "DELTA"):
+        elif name in ("LSE2", "DELTA"):
             signature[name] = "*fp32"
-        elif name in ("DK", "DV"):
+        elif name in ("DQ", "DK", "DV"):
             signature[name] = f"*{dtype}"
         elif name not in signature:
             signature[name] = "i32"
@@ -89,10 +97,10 @@ def test_register_split(compiled):
 
 def test_products_and_copies(compiled):
     for row in compiled:
-        # S^T, dP^T and consumer 0's dK read both operands from shared memory; consumer 0's dV
-        # and consumer 1's dK and dV take P^T / dS^T from registers.
+        # S (S^T), dP (dP^T) and consumer 0's dS product read both operands from shared memory;
+        # consumer 1's dS products (and consumer 0's dV) take dS (P^T) from registers.
         assert row["hgmma_shared_a"] > 0 and row["hgmma_register_a"] > 0, row
-        assert row["tma_load"] >= 4, row  # K, V and a step's Q and dO
+        assert row["tma_load"] >= 4, row  # Q, dO, and a step's K and V (or the other way)
         assert row["atomics"] == 0, row
 
 

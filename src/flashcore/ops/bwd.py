@@ -175,6 +175,16 @@ def launch(
                 return dq, dk, dv, None
             return dq, dk, dv, sink_grad(sinks, lse, delta)
     lse = lse.contiguous()
+    if (
+        q.shape[-1] == bwd256.HEAD_DIM
+        and config is None
+        and bwd256.takes(q, k, v, dout, softcap, alibi_slopes, varlen)
+    ):
+        # Head dim 256 on Hopper: the Gluon kernels of ops/bwd256.py (no atomics: taken with
+        # ``deterministic`` too).
+        dlse = None if dlse is None else dlse.contiguous()
+        delta = bwd256.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, scale, window)
+        return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
     delta = torch.empty_like(lse)
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)
     # Everything but the pointers follows from this key (the gradients' and delta's strides from
@@ -194,13 +204,6 @@ def launch(
             window, softcap, alibi_slopes, stride_ab, pb.problem_dims(q, k, varlen),
         ))  # fmt: skip
     (q_grid, q_tail, q_meta), (kv_grid, kv_tail, kv_meta) = plan
-    # Head dim 256 on Hopper: dK and dV by the Gluon kernel of ops/bwd256.py (the dQ kernel's
-    # delta first, as for the portable dK/dV kernel).
-    hopper_dkdv = (
-        q.shape[-1] == bwd256.HEAD_DIM
-        and config is None
-        and bwd256.takes(q, k, v, dout, softcap, alibi_slopes, varlen)
-    )
     dq_kernel, dkdv_kernel = kernels()
     cu_q, cu_k = (None, None) if varlen is None else varlen[:2]
     # Without an LSE gradient its pointer is never read: the LSE stands in.
@@ -213,18 +216,14 @@ def launch(
             q_meta,
             planned=True,
         )
-        if hopper_dkdv:
-            bwd256.dkdv(q, k, v, dout, lse, delta, dk, dv, causal, scale, window)
-        else:
-            dkdv_kernel(
-                kv_grid,
-                (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail),
-                kv_meta,
-                planned=True,
-            )
+        dkdv_kernel(
+            kv_grid,
+            (q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, alibi, *kv_tail),
+            kv_meta,
+            planned=True,
+        )
     if (
         quick is not None
-        and not hopper_dkdv
         and pb.used_as_given(given, (q, k, v, out, dout, lse))
         and q.is_cuda  # under the interpreter nothing is compiled to keep
         and not runtime.capturing(q)

@@ -1,11 +1,11 @@
-"""Host launcher of dK and dV at head dim 256 on Hopper (``kernels/hopper/bwd256.py``, Gluon).
+"""Host launcher of the head-dim-256 backward on Hopper (``kernels/hopper/bwd256.py``, Gluon).
 
-``ops.bwd.launch`` runs the portable dQ kernel (which writes delta) and then, where ``takes``
-says so, this kernel instead of the portable dK/dV kernel: an sm_90 GPU under a tier that may
-run Gluon (``runtime.backward_tier``), head dim 256 for q, k and v, fp16/bf16, dense tensors
-the copy engine can address, without softcap or ALiBi (causal, a window, GQA/MQA and sinks
-are fine). The kernel writes dK and dV once per program, so the backward stays bit-identical
-over runs (``deterministic=True`` takes it too).
+``ops.bwd.launch`` runs it instead of the portable kernels where ``takes`` says so: an sm_90 GPU
+under a tier that may run Gluon (``runtime.backward_tier``), head dim 256 for q, k and v,
+fp16/bf16, dense tensors the copy engine can address, without softcap or ALiBi (causal, a
+window, GQA/MQA, an LSE gradient and sinks are fine). Three launches: the Hopper backward's
+prep kernel (delta and lse2), the dQ kernel and the dK/dV kernel, each gradient written once
+per program, so the backward is bit-identical over runs (``deterministic=True`` takes it too).
 """
 
 from __future__ import annotations
@@ -23,25 +23,30 @@ from flashcore.ops.launch import Descriptor, Launcher, cached
 
 ROWS = 64  # keys a program and query rows a step (kernels/hopper/bwd256.py)
 HEAD_DIM = 256
-# On since the kernel ran right on a GPU (an H200, Triton 3.6: the `d256` GPU tests of
-# tests/test_backward.py and tests/test_sinks.py, compute-sanitizer memcheck and synccheck
-# clean). Everywhere it was timed it beat the portable dK/dV kernel (the whole backward
-# 1.68-1.79x at 16k-32k tokens, S 1024-8192; docs/performance_backward.md, "Head dim 256"), so
-# it is taken wherever it applies; tests force it either way.
+# On since the kernels ran right on a GPU (an H200, Triton 3.6: the `d256` GPU tests of
+# tests/test_backward.py and tests/test_sinks.py; compute-sanitizer memcheck and synccheck
+# clean). Everywhere it was timed the backward beat the portable one (1.57-1.98x at S 1024-8192,
+# 32k tokens; docs/performance_backward.md, "Head dim 256"), so it is taken wherever it
+# applies; tests force it either way.
 VERIFIED = True
-# Two Q/dO slots (64 KB each) beside K and V (32 KB each) and the P^T / dS^T tiles: 229856 B
-# of the 232448 a block may use; 240 registers for each consumer, 24 for the producer, 168 at
-# entry (12 warps).
+# Two ring slots (64 KB each: Q and dO for the dK/dV kernel, K and V for the dQ kernel) beside
+# the resident pair (32 KB each) and the P / dS tiles: 229,840-229,872 B of the 232,448 a block
+# may use; 240 registers for each consumer, 24 for the producer, 168 at entry (12 warps).
 NUM_STAGES = 2
 CONSUMER_REGS = 240
 MAXNREG = 168
 
 
 @functools.cache
-def kernel() -> Launcher:
-    from flashcore.kernels.hopper import bwd256
+def kernels() -> tuple[Launcher, Launcher, Launcher]:
+    """Launchers of the row-stats kernel (the Hopper backward's), the dQ and the dK/dV kernels."""
+    from flashcore.kernels.hopper import bwd, bwd256
 
-    return Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 8)
+    return (
+        Launcher(bwd.bwd_prep_kernel, 7),
+        Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 7),
+        Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 8),
+    )
 
 
 def takes(
@@ -72,71 +77,112 @@ def takes(
 
 
 class Plan(NamedTuple):
-    grid: tuple[int]
+    rows: int  # B * H * Sq_pad: each row-stat buffer's length
+    prep: tuple  # (grid, scalars, meta) of bwd_prep_kernel
+    dq: tuple  # (grid, scalars, meta) of the dQ kernel
+    dkdv: tuple  # (grid, scalars, meta) of the dK/dV kernel
     box: list[int]
     layout: object
-    scalars: tuple
-    meta: dict
 
 
 _PLANS: dict[tuple, Plan] = {}
 
 
-def _plan(q, k, lse, dk, dv, causal, scale, window) -> Plan:
+def _plan(q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window) -> Plan:
     batch, heads, seqlen_q, _ = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
+    seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
     sc = pb.scores(causal, window, 0.0, scale, False, seqlen_q, seqlen_k)
-    lpt_heads = 1
-    if sc.is_causal and not sc.has_window:
-        # Heaviest key blocks first across heads, as the Hopper backward orders them.
-        q_bytes = seqlen_q * 2 * HEAD_DIM * q.element_size()
-        lpt_heads = lpt_group(batch * kv_heads, q_bytes)
-    box = [1, 1, ROWS, HEAD_DIM]
-    scalars = (
-        *pb.stats_strides(lse, None), *dk.stride()[:3], *dv.stride()[:3], kv_heads,
-        heads // kv_heads, seqlen_q, seqlen_k, lpt_heads, sc.qk_scale, float(scale),
-        sc.window_left, sc.window_right,
+    dlse_strides = (0, 0) if dlse is None else pb.stats_strides(dlse, None)
+    prep = (
+        (seqlen_pad // ROWS * batch * heads,),
+        (
+            *out.stride()[:3], *dout.stride()[:3], *dlse_strides, *pb.stats_strides(lse, None),
+            heads, seqlen_q, seqlen_pad, 0,
+        ),
+        {
+            "HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "BLOCK_M": ROWS,
+            "HAS_DLSE": dlse is not None, "PDL": False, "num_warps": 4,
+        },
     )  # fmt: skip
-    meta = {
+    stats = (heads * seqlen_pad, seqlen_pad)  # the row stats' batch and head strides
+    common = {
         "NUM_STAGES": NUM_STAGES,
         "CONSUMER_REGS": CONSUMER_REGS,
         "IS_CAUSAL": sc.is_causal,
         "HAS_WINDOW": sc.has_window,
-        "EVEN_N": seqlen_k % ROWS == 0,
-        "num_warps": 4,
-        "maxnreg": MAXNREG,
     }
-    grid = (math.ceil(seqlen_k / ROWS) * batch * kv_heads,)
-    return Plan(grid, box, box_layout(tuple(box), q.dtype), scalars, meta)
+    tail = (sc.qk_scale, float(scale), sc.window_left, sc.window_right)
+    q_lpt = kv_lpt = 1
+    if sc.is_causal and not sc.has_window:
+        # Heaviest blocks first across heads, as the Hopper kernels order them.
+        q_lpt = lpt_group(batch * heads, seqlen_k * 2 * HEAD_DIM * k.element_size())
+        kv_lpt = lpt_group(batch * kv_heads, seqlen_q * 2 * HEAD_DIM * q.element_size())
+    meta = {"num_warps": 4, "maxnreg": MAXNREG}
+    dq_launch = (
+        (math.ceil(seqlen_q / ROWS) * batch * heads,),
+        (*stats, *dq.stride()[:3], heads, heads // kv_heads, seqlen_q, seqlen_k, q_lpt, *tail),
+        {**common, **meta},
+    )
+    dkdv_launch = (
+        (math.ceil(seqlen_k / ROWS) * batch * kv_heads,),
+        (
+            *stats, *dk.stride()[:3], *dv.stride()[:3], kv_heads, heads // kv_heads, seqlen_q,
+            seqlen_k, kv_lpt, *tail,
+        ),
+        {**common, "EVEN_N": seqlen_k % ROWS == 0, **meta},
+    )  # fmt: skip
+    box = [1, 1, ROWS, HEAD_DIM]
+    return Plan(
+        batch * heads * seqlen_pad, prep, dq_launch, dkdv_launch, box,
+        box_layout(tuple(box), q.dtype),
+    )  # fmt: skip
 
 
-def dkdv(
+def backward(
+    dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    dout: torch.Tensor,
+    out: torch.Tensor,
     lse: torch.Tensor,
-    delta: torch.Tensor,
+    dlse: torch.Tensor | None,
+    dq: torch.Tensor,
     dk: torch.Tensor,
     dv: torch.Tensor,
     causal: bool,
     scale: float,
     window: tuple[int, int],
-) -> None:
-    """dK and dV into ``dk``, ``dv`` (shaped like k, v; unit stride on the head dim) for a problem
-    ``takes`` accepted: ``q``, ``dout`` ``(B, H, Sq, 256)``, ``k``, ``v`` ``(B, Hkv, Sk, 256)``,
-    ``lse`` the forward's natural-log fp32 ``(B, H, Sq)`` and ``delta`` (``rowsum(dO * O) -
-    dlse``, as the portable dQ kernel writes it) with its strides; ``window`` in
-    ``ops.problem.effective_window``'s form."""
+) -> torch.Tensor:
+    """Write the gradients of a problem ``takes`` accepted into ``dq``, ``dk``, ``dv`` (shaped
+    like q, k, v; unit stride on the head dim) and return delta (``rowsum(dO * O) - dlse``,
+    fp32, shaped like ``lse``: for the sinks' gradient). ``q``, ``out``, ``dout`` ``(B, H, Sq,
+    256)``, ``k``, ``v`` ``(B, Hkv, Sk, 256)``; ``lse`` the forward's natural-log fp32 ``(B, H,
+    Sq)``, ``dlse`` its gradient or None; ``window`` in ``ops.problem.effective_window``'s form.
+    Three launches: the Hopper backward's prep kernel (delta and lse2 into padded fp32 row
+    buffers), the dQ kernel, the dK/dV kernel."""
     key = (
-        q.shape, k.shape, q.dtype, q.device, lse.stride(), delta.stride(), dk.stride(),
-        dv.stride(), causal, scale, window,
+        q.shape, k.shape, q.dtype, q.device, out.stride(), dout.stride(), lse.stride(),
+        None if dlse is None else dlse.stride(), dq.stride(), dk.stride(), dv.stride(), causal,
+        scale, window,
     )  # fmt: skip
     p = _PLANS.get(key)
     if p is None:
-        p = cached(_PLANS, key, lambda: _plan(q, k, lse, dk, dv, causal, scale, window))
-    if delta.stride() != lse.stride():
-        raise ValueError("delta must have lse's strides")
+        p = cached(_PLANS, key, lambda: _plan(
+            q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window
+        ))  # fmt: skip
+    stats = torch.empty(2 * p.rows, device=q.device, dtype=torch.float32)
+    delta, lse2 = stats.split_with_sizes((p.rows, p.rows))
     descs = tuple(Descriptor(t, p.box, p.layout) for t in (q, k, v, dout))
+    prep, dq_kernel, dkdv_kernel = kernels()
     with runtime.launch_on(q):
-        kernel()(p.grid, (*descs, lse, delta, dk, dv, *p.scalars), p.meta, planned=True)
+        grid, scalars, meta = p.prep
+        # The dQ accumulator's rows (0 of them) are never written; delta stands in.
+        args = (out, dout, lse if dlse is None else dlse, lse, delta, lse2, delta, *scalars)
+        prep(grid, args, meta, planned=True)
+        grid, scalars, meta = p.dq
+        dq_kernel(grid, (*descs, lse2, delta, dq, *scalars), meta, planned=True)
+        grid, scalars, meta = p.dkdv
+        dkdv_kernel(grid, (*descs, lse2, delta, dk, dv, *scalars), meta, planned=True)
+    batch, heads, seqlen_q = lse.shape
+    return delta.view(batch, heads, -1)[..., :seqlen_q]

@@ -1,4 +1,4 @@
-"""dK and dV at head dim 256 on Hopper (sm_90a) in Gluon, beside the portable dQ kernel.
+"""The backward at head dim 256 on Hopper (sm_90a) in Gluon: a dK/dV kernel and a dQ kernel.
 
 Why a kernel of its own. At head dim 256 the Hopper backward's design (``bwd.py``: each consumer
 warpgroup owns 64 keys and holds their dK and dV, 64 x 256 fp32 each) needs 256 accumulator
@@ -6,6 +6,13 @@ registers a thread before any score tile, over the 240 a consumer gets; its shar
 and a two-slot Q/dO ring, 32 KB a tile, plus dS^T tiles and the fp32 dQ staging) is over the 227
 KB of a block too. The portable dK/dV kernel at this head dim runs 32 x 32 tiles (the largest that
 hold both accumulators in registers) at about 220 TFLOP/s on an H100.
+
+Both kernels here split one block's work between two consumer warpgroups by product and by
+head-dim halves, and each writes its gradient once per program (no atomics: deterministic).
+Launch order (``ops/bwd256.py``): ``bwd.bwd_prep_kernel`` (delta and lse2 into padded row
+buffers), the dQ kernel, the dK/dV kernel.
+
+dK and dV (``attn_bwd_dkdv_sm90_d256_kernel``).
 
 Design. The two consumer warpgroups of a program share one block of 64 keys and split the work by
 product and by head-dim halves instead of by keys:
@@ -19,12 +26,12 @@ product and by head-dim halves instead of by keys:
 
 Each consumer thus holds half of dK and half of dV (64 + 64 registers) and one 64 x 64 score
 tile (32), and the tensor work is balanced (8 units of 64^3 each a step). dQ is not computed
-here: ``ops/bwd.py`` runs the portable dQ kernel first (it recomputes S and dP, and writes
-delta, which this kernel reads), so the backward stays two launches and deterministic (no
-atomics; dK and dV written once per program). P^T reaches consumer 1 in fp16 whatever the input
-dtype (P is in [0, 1]: 11 significant bits where bf16 has 8, so dS^T = P^T (dP^T - delta) loses
-little against the fp32 P the other kernels use; bf16 P measured dK errors up to 2x the portable
-kernel's against float64), and is rounded to the input dtype for its product.
+here (a fused dQ would need a third accumulator or atomics): the dQ kernel below recomputes S
+and dP (three products of 4 units a step against this kernel's four). P^T reaches consumer 1 in
+fp16 whatever the input dtype (P is in [0, 1]: 11 significant bits where bf16 has 8, so dS^T =
+P^T (dP^T - delta) loses little against the fp32 P the other kernels use; bf16 P measured dK
+errors up to 2x the portable kernel's against float64), and is rounded to the input dtype for
+its product.
 
 Grid: ``cdiv(Sk, 64) * B * Hkv`` programs, program ``(n, b, hk)`` (``interleave`` with
 ``lpt_heads``) owning keys ``[64 n, 64 n + 64)`` of kv head hk, walking the query blocks of 64
@@ -52,7 +59,19 @@ Masks as ``bwd.py``'s: causal bottom-right, a window on every step, keys past Sk
 on a block that crosses Sk; K and V arrive as zeros there); rows past Sq have Q = dO = 0 and
 lse2 = +inf (P = 0). dK and dV leave from registers by plain stores with a row mask.
 
-Not covered (the launcher's ``supports`` says no): softcap, ALiBi, packed batches, a value head
+dQ (``attn_bwd_dq_sm90_d256_kernel``): the same split with rows and keys swapped. A program
+owns 64 query rows of query head h (Q and dO loaded once) and walks the key blocks of 64 they
+see (``common.kv_tile_range``; causal programs last block first), K and V through a two-slot
+ring (``kv_ready`` / ``kv_empty``, count 2). Consumer 0: ``S = Q K^T``, the masks (only on the
+key blocks outside ``[full_lo, full_hi)``), ``P = exp2(S * qk_scale - lse2)`` into a shared tile
+(fp16), then ``dQ[:, :128] += dS K[:, :128]`` with dS from shared memory; consumer 1: ``dP = dO
+V^T``, ``dS = P * (dP - delta)`` into a shared tile (input dtype), ``dQ[:, 128:] += dS K[:, 128:]``
+with dS in registers. The P and dS tiles and their barriers as above, by key step. Each consumer
+holds half of dQ (64 registers) and a score tile; shared memory: Q and dO (32 KB each), two K/V
+slots (64 KB each), the P and dS tiles: 229,840 B. dQ (scaled) leaves from registers with a row
+mask.
+
+Not covered (the launcher's ``takes`` says no): softcap, ALiBi, packed batches, a value head
 dim other than 256.
 """
 
@@ -67,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashcore.kernels.hopper.bwd import q_blocks
-from flashcore.kernels.hopper.common import LOG2E, interleave
+from flashcore.kernels.hopper.common import interleave, kv_tile_range
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a program (one m64 wgmma)
 HALF = gl.constexpr(128)  # the head-dim half of dK and dV each consumer holds
@@ -116,7 +135,7 @@ def _store_half(ptr, acc, start_n, seqlen_k, stride_n, col0, layout: gl.constexp
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_ready, qd_empty,
-              p_ready, p_free, ds_ready, ds_free, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+              p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DK, DV, stride_lb, stride_lh,
               stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
               kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left, window_right,
               CONSUMER: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
@@ -161,9 +180,8 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_rea
         stats = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
         if CONSUMER == 0:
             s_tok = warpgroup_mma(kt, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            lse = gl.load(LSE + stats, mask=rows < seqlen_q, other=float("-inf"))
-            # A row with no key (LSE -inf) or past Sq: lse2 = +inf, so its P is exactly 0.
-            lse2 = gl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+            # The prep kernel's row stats: lse2 = +inf for a row with no key and past Sq (P = 0).
+            lse2 = gl.load(LSE2 + stats)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             s = s * qk_scale
             if IS_CAUSAL:
@@ -194,7 +212,7 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_rea
             mbarrier.arrive(ds_free.index(buf), count=1)
         else:
             dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            delta = gl.load(DELTA + stats, mask=rows < seqlen_q, other=0.0)
+            delta = gl.load(DELTA + stats)
             dp = warpgroup_mma_wait(0, deps=[dp_tok])
             mbarrier.wait(p_ready.index(buf), (t // 2) & 1)
             p = p_smem.index(buf).load(s_layout).to(gl.float32)
@@ -224,7 +242,7 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     k_desc,
     v_desc,
     do_desc,
-    LSE,
+    LSE2,
     DELTA,
     DK,
     DV,
@@ -251,8 +269,9 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     HAS_WINDOW: gl.constexpr,
     EVEN_N: gl.constexpr,
 ):
-    """dK and dV of one 64-key block (module docstring). ``LSE`` (natural log) and ``DELTA`` are
-    fp32 ``(B, H, Sq)`` with strides ``(stride_lb, stride_lh, 1)``; ``qk_scale`` is ``scale *
+    """dK and dV of one 64-key block (module docstring). ``LSE2`` and ``DELTA``: the row stats
+    of ``bwd.bwd_prep_kernel``, fp32 ``(B, H, Sq_pad)`` with strides ``(stride_lb, stride_lh,
+    1)``, ``Sq_pad`` a multiple of 64 (lse2 +inf and delta 0 past Sq); ``qk_scale`` is ``scale *
     log2(e)``; dK is scaled by ``scale`` here."""
     dtype: gl.constexpr = q_desc.dtype
     q_shape: gl.constexpr = [NUM_STAGES] + q_desc.block_type.shape  # noqa: RUF005
@@ -287,14 +306,14 @@ def attn_bwd_dkdv_sm90_d256_kernel(
         [
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_ready, qd_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DK, DV, stride_lb, stride_lh,
                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
                 kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
                 window_right, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N,
             )),
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_ready, qd_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE, DELTA, DK, DV, stride_lb, stride_lh,
+                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DK, DV, stride_lb, stride_lh,
                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
                 kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
                 window_right, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N,
@@ -303,6 +322,218 @@ def attn_bwd_dkdv_sm90_d256_kernel(
                 q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
                 qd_ready, qd_empty, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
                 window_left, window_right, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+            )),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _dq_program(heads, seqlen_q, lpt_heads, IS_CAUSAL: gl.constexpr):
+    """``(start_m, off_b, off_h)`` of a dQ program; causal query blocks last-first (the later
+    rows see more keys: the heavy programs start first)."""
+    n_blocks = gl.cdiv(seqlen_q, ROWS)
+    block, off_bh = interleave(gl.program_id(0), n_blocks, lpt_heads)
+    if IS_CAUSAL:
+        block = n_blocks - 1 - block
+    return block * ROWS, off_bh // heads, off_bh % heads
+
+
+@gluon.jit
+def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, q_ready,
+                 kv_ready, kv_empty, heads, kv_group, seqlen_q, seqlen_k, lpt_heads, window_left,
+                 window_right, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 HAS_WINDOW: gl.constexpr):  # fmt: skip
+    start_m, off_b, off_h = _dq_program(heads, seqlen_q, lpt_heads, IS_CAUSAL)
+    mbarrier.expect(q_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], q_ready, q_smem)
+    tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], q_ready, do_smem)
+    lo, _, _, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS, ROWS, IS_CAUSAL, HAS_WINDOW
+    )
+    off_hk = off_h // kv_group
+    for t in range(gl.cdiv(hi - lo, ROWS)):
+        slot = t % NUM_STAGES
+        mbarrier.wait(kv_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+        bar = kv_ready.index(slot)
+        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        key = lo + t * ROWS
+        tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, key, 0], bar, k_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, key, 0], bar, v_smem.index(slot))
+
+
+@gluon.jit
+def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
+                 p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, stride_lb, stride_lh,
+                 stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads, qk_scale,
+                 scale, window_left, window_right, CONSUMER: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 HAS_WINDOW: gl.constexpr):  # fmt: skip
+    dtype: gl.constexpr = q_smem.dtype
+    HEAD_DIM: gl.constexpr = q_smem.shape[3]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+
+    start_m, off_b, off_h = _dq_program(heads, seqlen_q, lpt_heads, IS_CAUSAL)
+    lo, full_lo, full_hi, hi = kv_tile_range(
+        start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS, ROWS, IS_CAUSAL, HAS_WINDOW
+    )
+    diag = seqlen_k - seqlen_q
+    rows = gl.expand_dims(start_m + gl.arange(0, ROWS, layout=row_layout), 1)
+    offs_n = gl.arange(0, ROWS, layout=col_layout)
+    col0: gl.constexpr = CONSUMER * HALF
+    qt = q_smem.reshape([ROWS, HEAD_DIM])
+    dot = do_smem.reshape([ROWS, HEAD_DIM])
+    zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
+    dq = gl.zeros([ROWS, HALF], gl.float32, layout=acc_layout)
+    # The prep kernel's row stats (rows past Sq: lse2 +inf, delta 0; Sq_pad covers the block).
+    stats = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + start_m
+    stat_rows = gl.arange(0, ROWS, layout=row_layout)
+    if CONSUMER == 0:
+        row_stat = gl.load(LSE2 + stats + stat_rows)
+    else:
+        row_stat = gl.load(DELTA + stats + stat_rows)
+    mbarrier.wait(q_ready, 0)
+    for t in range(gl.cdiv(hi - lo, ROWS)):
+        start_n = lo + t * ROWS
+        slot = t % NUM_STAGES
+        buf = t % 2
+        mbarrier.wait(kv_ready.index(slot), (t // NUM_STAGES) & 1)
+        k = k_smem.index(slot).reshape([ROWS, HEAD_DIM])
+        if CONSUMER == 0:
+            s_tok = warpgroup_mma(qt, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=[s_tok])
+            s = s * qk_scale
+            # Key tiles outside [full_lo, full_hi) cross a mask's edge (or Sk).
+            if (start_n < full_lo) | (start_n >= full_hi):
+                keys = gl.expand_dims(start_n + offs_n, 0)
+                seen = keys < seqlen_k
+                if IS_CAUSAL:
+                    seen = seen & (keys <= rows + diag)
+                if HAS_WINDOW:
+                    seen = seen & (keys >= rows + (diag - window_left))
+                    if not IS_CAUSAL:
+                        seen = seen & (keys <= rows + (diag + window_right))
+                s = gl.where(seen, s, float("-inf"))
+            p = gl.exp2(s - gl.expand_dims(row_stat, 1))
+            mbarrier.wait(p_free.index(buf), ((t // 2) & 1) ^ 1)
+            p_smem.index(buf).store(p.to(gl.float16))
+            fence_async_shared()
+            mbarrier.arrive(p_ready.index(buf), count=1)
+            mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+            ds_t = ds_smem.index(buf)
+            dq_tok = warpgroup_mma(ds_t, k.slice(col0, HALF, dim=1), dq, is_async=True)
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+            mbarrier.arrive(ds_free.index(buf), count=1)
+        else:
+            v = v_smem.index(slot).reshape([ROWS, HEAD_DIM])
+            dp_tok = warpgroup_mma(dot, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            dp = warpgroup_mma_wait(0, deps=[dp_tok])
+            mbarrier.wait(p_ready.index(buf), (t // 2) & 1)
+            p = p_smem.index(buf).load(s_layout).to(gl.float32)
+            mbarrier.arrive(p_free.index(buf), count=1)
+            ds = (p * (dp - gl.expand_dims(row_stat, 1))).to(dtype)
+            mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+            ds_smem.index(buf).store(ds)
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            ds_op = gl.convert_layout(ds, a_layout)
+            dq_tok = warpgroup_mma(ds_op, k.slice(col0, HALF, dim=1), dq, is_async=True)
+            dq, ds_op = warpgroup_mma_wait(0, deps=[dq_tok, ds_op])
+        # Every reader of the slot is complete (S or dP, and this consumer's dQ products).
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+    q_rows = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
+    ptr = DQ + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh
+    offs = gl.expand_dims(q_rows.to(gl.int64) * stride_qm, 1) + gl.expand_dims(cols, 0)
+    gl.store(ptr + offs, (dq * scale).to(DQ.dtype.element_ty),
+             mask=gl.expand_dims(q_rows < seqlen_q, 1))  # fmt: skip
+
+
+@gluon.jit
+def attn_bwd_dq_sm90_d256_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    LSE2,
+    DELTA,
+    DQ,
+    stride_lb,
+    stride_lh,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    lpt_heads,
+    qk_scale,
+    scale,
+    window_left,
+    window_right,
+    NUM_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+):
+    """dQ of one block of 64 query rows (module docstring, "dQ"): the dK/dV kernel's split with
+    rows and keys swapped. ``LSE2``, ``DELTA`` as that kernel takes them; dQ scaled by ``scale``
+    and stored from registers with a row mask."""
+    dtype: gl.constexpr = q_desc.dtype
+    kv_shape: gl.constexpr = [NUM_STAGES] + k_desc.block_type.shape  # noqa: RUF005
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
+    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float16)
+    p_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROWS], p_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], t_layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = q_bar.index(0)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
+        mbarrier.init(ds_ready.index(i), count=1)
+        mbarrier.init(ds_free.index(i), count=1)
+    gl.warp_specialize(
+        [
+            (_dq_consumer, (
+                q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
+                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, stride_lb, stride_lh,
+                stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads, qk_scale,
+                scale, window_left, window_right, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+            )),
+            (_dq_consumer, (
+                q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
+                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, stride_lb, stride_lh,
+                stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads, qk_scale,
+                scale, window_left, window_right, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+            )),
+            (_dq_producer, (
+                q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, q_ready,
+                kv_ready, kv_empty, heads, kv_group, seqlen_q, seqlen_k, lpt_heads, window_left,
+                window_right, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
             )),
         ],
         [4, 1],
