@@ -57,11 +57,9 @@ def takes(
     softcap: float,
     alibi: torch.Tensor | None,
     varlen: pb.Varlen | None,
-    verified: bool | None = None,
 ) -> bool:
-    """Whether the dK/dV of this backward run here (module docstring). ``verified`` overrides
-    ``VERIFIED`` (tests)."""
-    if not (VERIFIED if verified is None else verified):
+    """Whether this backward runs here (module docstring; tests set ``VERIFIED``)."""
+    if not VERIFIED:
         return False
     if varlen is not None or softcap != 0.0 or alibi is not None:
         return False
