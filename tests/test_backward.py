@@ -238,7 +238,7 @@ def test_backward_gpu_sm90_tier(case, dtype, causal, layout):
         assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
 
 
-# Head dim 256: dK and dV by the Gluon kernel of ops/bwd256.py, dQ by the portable kernel.
+# Head dim 256: the Gluon backward of ops/bwd256.py (a dQ and a dK/dV kernel).
 D256_BWD = [
     Case(2, 4, 4, 1000, 1000, 256),
     Case(1, 4, 2, 513, 777, 256),
@@ -253,13 +253,13 @@ D256_BWD = [
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", D256_BWD, ids=[c.id for c in D256_BWD])
-def test_backward_gpu_d256_dkdv(case, dtype, causal, layout, monkeypatch):
+def test_backward_gpu_d256(case, dtype, causal, layout, monkeypatch):
     """Head dim 256 on Hopper: GQA/MQA, ragged Sq and Sk either way, both layouts; the Gluon
-    dK/dV kernel ran, and the gradients keep the inputs' strides."""
+    backward ran, and the gradients keep the inputs' strides."""
     calls = spy_d256(monkeypatch)
     q, k, v = make_qkv(case, dtype, "cuda", layout=layout)
     dq, dk, dv = check_backward(q, k, v, causal=causal)
-    assert calls, "the head-dim-256 dK/dV kernel did not run"
+    assert calls, "the head-dim-256 Gluon backward did not run"
     if layout == "bshd":
         assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
 
@@ -273,7 +273,7 @@ def test_backward_gpu_d256_dkdv(case, dtype, causal, layout, monkeypatch):
     ],
     ids=["window", "causal-window"],
 )
-def test_backward_gpu_d256_dkdv_masks(mc, monkeypatch):
+def test_backward_gpu_d256_masks(mc, monkeypatch):
     calls = spy_d256(monkeypatch)
     q, k, v = make_qkv(mc.case, torch.bfloat16, "cuda")
     check_backward(q, k, v, **mask_options(mc, "cuda"))
@@ -281,9 +281,9 @@ def test_backward_gpu_d256_dkdv_masks(mc, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_backward_gpu_d256_dkdv_deterministic_and_lse_grad(monkeypatch):
-    """No atomics: two backwards are bit-identical, ``deterministic=True`` takes the kernel
-    too; a gradient through the LSE reaches dK and dV (delta carries it)."""
+def test_backward_gpu_d256_deterministic_and_lse_grad(monkeypatch):
+    """No atomics: two backwards are bit-identical, ``deterministic=True`` takes the kernels
+    too; a gradient through the LSE reaches the gradients (delta carries it)."""
     calls = spy_d256(monkeypatch)
     q, k, v = make_qkv(Case(1, 4, 2, 1000, 1100, 256), torch.bfloat16, "cuda")
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -299,8 +299,8 @@ def test_backward_gpu_d256_dkdv_deterministic_and_lse_grad(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_backward_gpu_d256_dkdv_not_taken(monkeypatch):
-    """Softcap, ALiBi and fp32 keep the portable dK/dV kernel (``bwd256.takes``)."""
+def test_backward_gpu_d256_not_taken(monkeypatch):
+    """Softcap, ALiBi and fp32 keep the portable backward (``bwd256.takes``)."""
     calls = spy_d256(monkeypatch)
     q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 256), torch.bfloat16, "cuda")
     check_backward(q, k, v, causal=True, softcap=20.0)

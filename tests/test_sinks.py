@@ -385,9 +385,9 @@ def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
 
 
 @pytest.mark.gpu
-def test_sinks_gpu_d256_dkdv(monkeypatch):
-    """Sinks at head dim 256 with the Hopper dK/dV kernel (``ops/bwd256.py``): its P comes from
-    the LSE, which includes the sinks, so nothing of the kernel changes."""
+def test_sinks_gpu_d256(monkeypatch):
+    """Sinks at head dim 256 with the Hopper backward (``ops/bwd256.py``): its P comes from the
+    LSE, which includes the sinks, so nothing of the kernels changes."""
     calls = spy_d256(monkeypatch)
     mc = MaskCase(Case(2, 4, 2, 600, 700, 256), causal=True)
     q, k, v = make_qkv(mc.case, torch.bfloat16, "cuda")

@@ -39,11 +39,13 @@ MAXNREG = 168
 
 @functools.cache
 def kernels() -> tuple[Launcher, Launcher, Launcher]:
-    """Launchers of the row-stats kernel (the Hopper backward's), the dQ and the dK/dV kernels."""
-    from flashcore.kernels.hopper import bwd, bwd256
+    """Launchers of the row-stats kernel (the Hopper backward's own launcher of it), the dQ and
+    the dK/dV kernels."""
+    from flashcore.kernels.hopper import bwd256
+    from flashcore.ops import bwd_sm90
 
     return (
-        Launcher(bwd.bwd_prep_kernel, 7),
+        bwd_sm90.kernels()[0],
         Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 7),
         Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 8),
     )

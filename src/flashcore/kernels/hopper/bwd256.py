@@ -237,6 +237,40 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_rea
 
 
 @gluon.jit
+def _handoff_state(dtype: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Both kernels' shared state beside their tiles, allocated and initialised (module
+    docstring): the P tiles (fp16) and dS tiles (``dtype``), two of each; the resident pair's
+    barrier (count 1); the ring's ready (count 1) and empty (count 2: both consumers) barriers;
+    the P and dS tiles' ready and free barriers (count 1). Returns ``(p_smem, ds_smem,
+    resident_ready, ring_ready, ring_empty, p_ready, p_free, ds_ready, ds_free)``."""
+    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float16)
+    p_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROWS], p_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], t_layout)
+    resident_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    resident_ready = resident_bar.index(0)
+    ring_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    ring_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(resident_ready, count=1)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ring_ready.index(i), count=1)
+        mbarrier.init(ring_empty.index(i), count=2)
+    for i in gl.static_range(2):
+        mbarrier.init(p_ready.index(i), count=1)
+        mbarrier.init(p_free.index(i), count=1)
+        mbarrier.init(ds_ready.index(i), count=1)
+        mbarrier.init(ds_free.index(i), count=1)
+    return (
+        p_smem, ds_smem, resident_ready, ring_ready, ring_empty, p_ready, p_free, ds_ready,
+        ds_free,
+    )  # fmt: skip
+
+
+@gluon.jit
 def attn_bwd_dkdv_sm90_d256_kernel(
     q_desc,
     k_desc,
@@ -279,27 +313,9 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     do_smem = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float16)
-    p_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROWS], p_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], t_layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    kv_ready = kv_bar.index(0)
-    qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(qd_ready.index(i), count=1)
-        mbarrier.init(qd_empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(p_free.index(i), count=1)
-        mbarrier.init(ds_ready.index(i), count=1)
-        mbarrier.init(ds_free.index(i), count=1)
+    p_smem, ds_smem, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free = (
+        _handoff_state(dtype, NUM_STAGES)
+    )
     # The consumers' argument tuples differ only in CONSUMER (Triton 3.6's frontend has no
     # starred tuples).
     gl.warp_specialize(
@@ -495,27 +511,9 @@ def attn_bwd_dq_sm90_d256_kernel(
     do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
-    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
-    p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float16)
-    p_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROWS], p_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], t_layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    q_ready = q_bar.index(0)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)
-    for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(p_free.index(i), count=1)
-        mbarrier.init(ds_ready.index(i), count=1)
-        mbarrier.init(ds_free.index(i), count=1)
+    p_smem, ds_smem, q_ready, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free = (
+        _handoff_state(dtype, NUM_STAGES)
+    )
     gl.warp_specialize(
         [
             (_dq_consumer, (
