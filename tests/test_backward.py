@@ -264,19 +264,55 @@ def test_backward_gpu_d256(case, dtype, causal, layout, monkeypatch):
         assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
 
 
+D256_MASKS = [
+    (MaskCase(Case(1, 4, 2, 700, 900, 256), window=(200, 30)), torch.bfloat16),
+    (MaskCase(Case(1, 4, 4, 900, 900, 256), causal=True, window=(300, 0)), torch.bfloat16),
+    (MaskCase(Case(2, 4, 2, 600, 700, 256), causal=True, softcap=30.0), torch.bfloat16),
+    (MaskCase(Case(1, 4, 1, 777, 513, 256), softcap=5.0), torch.float16),
+    # Gemma 2's attention at head dim 256: causal, a sliding window and softcap 50.
+    (
+        MaskCase(Case(1, 4, 2, 1100, 1100, 256), causal=True, window=(300, 0), softcap=50.0),
+        torch.bfloat16,
+    ),
+    (MaskCase(Case(1, 4, 4, 513, 777, 256), alibi="h"), torch.float16),
+    (MaskCase(Case(2, 4, 2, 700, 600, 256), causal=True, alibi="bh"), torch.bfloat16),
+    (
+        MaskCase(Case(1, 4, 2, 600, 900, 256), window=(200, 30), softcap=20.0, alibi="h"),
+        torch.float16,
+    ),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "mc",
-    [
-        MaskCase(Case(1, 4, 2, 700, 900, 256), window=(200, 30)),
-        MaskCase(Case(1, 4, 4, 900, 900, 256), causal=True, window=(300, 0)),
-    ],
-    ids=["window", "causal-window"],
+    ("mc", "dtype"), D256_MASKS, ids=[f"{mc.id}-{str(d)[6:]}" for mc, d in D256_MASKS]
 )
-def test_backward_gpu_d256_masks(mc, monkeypatch):
+def test_backward_gpu_d256_masks(mc, dtype, monkeypatch):
+    """Window, softcap and ALiBi (alone and together) at head dim 256 on Hopper."""
     calls = spy_d256(monkeypatch)
-    q, k, v = make_qkv(mc.case, torch.bfloat16, "cuda")
+    q, k, v = make_qkv(mc.case, dtype, "cuda")
     check_backward(q, k, v, **mask_options(mc, "cuda"))
+    assert calls
+
+
+D256_PADDED = [
+    Case(1, 4, 2, 600, 700, 136),
+    Case(2, 4, 4, 513, 513, 192),
+    Case(1, 4, 1, 700, 300, 248),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", D256_PADDED, ids=[c.id for c in D256_PADDED])
+def test_backward_gpu_d256_padded(case, dtype, causal, layout, monkeypatch):
+    """Head dims 136-248 run the head-dim-256 kernels over 256-column boxes: the columns past
+    the tensors' load as zeros and are not stored (the gradients' padding is never written)."""
+    calls = spy_d256(monkeypatch)
+    q, k, v = make_qkv(case, dtype, "cuda", layout=layout)
+    check_backward(q, k, v, causal=causal, softcap=10.0 if causal else None)
     assert calls
 
 
@@ -300,12 +336,16 @@ def test_backward_gpu_d256_deterministic_and_lse_grad(monkeypatch):
 
 @pytest.mark.gpu
 def test_backward_gpu_d256_not_taken(monkeypatch):
-    """Softcap, ALiBi and fp32 keep the portable backward (``bwd256.takes``)."""
+    """fp32, a value head dim unlike the query's, and head dims outside 136-256 or not a
+    multiple of 8 keep the other backwards (``bwd256.takes``)."""
     calls = spy_d256(monkeypatch)
     q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 256), torch.bfloat16, "cuda")
-    check_backward(q, k, v, causal=True, softcap=20.0)
-    check_backward(q, k, v, causal=False, alibi_slopes=torch.rand(2, device="cuda"))
     check_backward(*(t.float() for t in (q, k, v)), causal=False)
+    check_backward(q[..., :192], k[..., :192], v[..., :128], causal=True)
+    q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 132), torch.bfloat16, "cuda")
+    check_backward(q, k, v, causal=False)
+    q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 120), torch.bfloat16, "cuda")
+    check_backward(q, k, v, causal=False)
     assert not calls
 
 

@@ -176,14 +176,16 @@ def launch(
             return dq, dk, dv, sink_grad(sinks, lse, delta)
     lse = lse.contiguous()
     if (
-        q.shape[-1] == bwd256.HEAD_DIM
+        bwd256.takes_head_dim(q.shape[-1])
         and config is None
-        and bwd256.takes(q, k, v, dout, softcap, alibi_slopes, varlen)
+        and bwd256.takes(q, k, v, dout, alibi_slopes, varlen)
     ):
         # Head dim 256 on Hopper: the Gluon kernels of ops/bwd256.py (no atomics: taken with
         # ``deterministic`` too).
         dlse = None if dlse is None else dlse.contiguous()
-        delta = bwd256.backward(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, scale, window)
+        delta = bwd256.backward(
+            dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, scale, window, softcap, alibi_slopes
+        )
         return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
     delta = torch.empty_like(lse)
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)

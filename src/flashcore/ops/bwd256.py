@@ -46,8 +46,8 @@ def kernels() -> tuple[Launcher, Launcher, Launcher]:
 
     return (
         bwd_sm90.kernels()[0],
-        Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 7),
-        Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 8),
+        Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 8),
+        Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 9),
     )
 
 
@@ -56,24 +56,30 @@ def takes(
     k: torch.Tensor,
     v: torch.Tensor,
     dout: torch.Tensor,
-    softcap: float,
     alibi: torch.Tensor | None,
     varlen: pb.Varlen | None,
 ) -> bool:
     """Whether this backward runs here (module docstring; tests set ``VERIFIED``)."""
     if not VERIFIED:
         return False
-    if varlen is not None or softcap != 0.0 or alibi is not None:
+    if varlen is not None or (alibi is not None and alibi.dtype != torch.float32):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
         return False
     if not k.dtype == v.dtype == dout.dtype == q.dtype:
         return False
-    if q.shape[-1] != HEAD_DIM or k.shape[-1] != HEAD_DIM or v.shape[-1] != HEAD_DIM:
+    if not takes_head_dim(q.shape[-1]) or not k.shape[-1] == v.shape[-1] == q.shape[-1]:
         return False
     if runtime.backward_tier(q.device) != "sm90":
         return False
     return all(tma_ok(t) for t in (q, k, v, dout))
+
+
+def takes_head_dim(head_dim: int) -> bool:
+    """Head dims these kernels run: 256, and 136-248 in steps of 8 (the forward's padded ones,
+    over the same 256-column boxes: the columns past the tensors' load as zeros and are not
+    stored)."""
+    return HEAD_DIM // 2 < head_dim <= HEAD_DIM and head_dim % 8 == 0
 
 
 class Plan(NamedTuple):
@@ -88,11 +94,13 @@ class Plan(NamedTuple):
 _PLANS: dict[tuple, Plan] = {}
 
 
-def _plan(q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window) -> Plan:
-    batch, heads, seqlen_q, _ = q.shape
+def _plan(
+    q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window, softcap, stride_ab, has_alibi
+) -> Plan:
+    batch, heads, seqlen_q, head_dim = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
-    sc = pb.scores(causal, window, 0.0, scale, False, seqlen_q, seqlen_k)
+    sc = pb.scores(causal, window, softcap, scale, has_alibi, seqlen_q, seqlen_k)
     dlse_strides = (0, 0) if dlse is None else pb.stats_strides(dlse, None)
     prep = (
         (seqlen_pad // ROWS * batch * heads,),
@@ -101,7 +109,7 @@ def _plan(q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window) -> Plan
             heads, seqlen_q, seqlen_pad, 0,
         ),
         {
-            "HEAD_DIM": HEAD_DIM, "BLOCK_D": HEAD_DIM, "BLOCK_M": ROWS,
+            "HEAD_DIM": head_dim, "BLOCK_D": HEAD_DIM, "BLOCK_M": ROWS,
             "HAS_DLSE": dlse is not None, "PDL": False, "num_warps": 4,
         },
     )  # fmt: skip
@@ -112,7 +120,8 @@ def _plan(q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window) -> Plan
         "IS_CAUSAL": sc.is_causal,
         "HAS_WINDOW": sc.has_window,
     }
-    tail = (sc.qk_scale, float(scale), sc.window_left, sc.window_right)
+    flags = {"SOFTCAP": sc.has_softcap, "HAS_ALIBI": has_alibi}
+    tail = (sc.qk_scale, float(scale), sc.softcap, sc.window_left, sc.window_right, head_dim)
     q_lpt = kv_lpt = 1
     if sc.is_causal and not sc.has_window:
         # Heaviest blocks first across heads, as the Hopper kernels order them.
@@ -121,16 +130,19 @@ def _plan(q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window) -> Plan
     meta = {"num_warps": 4, "maxnreg": MAXNREG}
     dq_launch = (
         (math.ceil(seqlen_q / ROWS) * batch * heads,),
-        (*stats, *dq.stride()[:3], heads, heads // kv_heads, seqlen_q, seqlen_k, q_lpt, *tail),
-        {**common, **meta},
-    )
+        (
+            stride_ab, *stats, *dq.stride()[:3], heads, heads // kv_heads, seqlen_q, seqlen_k,
+            q_lpt, *tail,
+        ),
+        {**common, **flags, **meta},
+    )  # fmt: skip
     dkdv_launch = (
         (math.ceil(seqlen_k / ROWS) * batch * kv_heads,),
         (
-            *stats, *dk.stride()[:3], *dv.stride()[:3], kv_heads, heads // kv_heads, seqlen_q,
-            seqlen_k, kv_lpt, *tail,
+            stride_ab, *stats, *dk.stride()[:3], *dv.stride()[:3], kv_heads, heads // kv_heads,
+            seqlen_q, seqlen_k, kv_lpt, *tail,
         ),
-        {**common, "EVEN_N": seqlen_k % ROWS == 0, **meta},
+        {**common, "EVEN_N": seqlen_k % ROWS == 0, **flags, **meta},
     )  # fmt: skip
     box = [1, 1, ROWS, HEAD_DIM]
     return Plan(
@@ -153,23 +165,29 @@ def backward(
     causal: bool,
     scale: float,
     window: tuple[int, int],
+    softcap: float = 0.0,
+    alibi: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Write the gradients of a problem ``takes`` accepted into ``dq``, ``dk``, ``dv`` (shaped
     like q, k, v; unit stride on the head dim) and return delta (``rowsum(dO * O) - dlse``,
     fp32, shaped like ``lse``: for the sinks' gradient). ``q``, ``out``, ``dout`` ``(B, H, Sq,
-    256)``, ``k``, ``v`` ``(B, Hkv, Sk, 256)``; ``lse`` the forward's natural-log fp32 ``(B, H,
-    Sq)``, ``dlse`` its gradient or None; ``window`` in ``ops.problem.effective_window``'s form.
-    Three launches: the Hopper backward's prep kernel (delta and lse2 into padded fp32 row
-    buffers), the dQ kernel, the dK/dV kernel."""
+    D)``, ``k``, ``v`` ``(B, Hkv, Sk, D)`` (``takes_head_dim(D)``); ``lse`` the forward's
+    natural-log fp32 ``(B, H, Sq)``, ``dlse`` its gradient or None; ``window`` in
+    ``ops.problem.effective_window``'s form; ``softcap`` (0: off) and ``alibi`` (fp32 ``(H,)`` or
+    ``(B, H)`` slopes, or None) as ``flashcore.attention`` takes them. Three launches: the
+    Hopper backward's prep kernel (delta and lse2 into padded fp32 row buffers), the dQ kernel,
+    the dK/dV kernel."""
     key = (
         q.shape, k.shape, q.dtype, q.device, out.stride(), dout.stride(), lse.stride(),
         None if dlse is None else dlse.stride(), dq.stride(), dk.stride(), dv.stride(), causal,
-        scale, window,
+        scale, window, softcap, None if alibi is None else alibi.shape,
     )  # fmt: skip
+    alibi, stride_ab = pb.alibi_arg(alibi, lse)
     p = _PLANS.get(key)
     if p is None:
         p = cached(_PLANS, key, lambda: _plan(
-            q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window
+            q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window, softcap, stride_ab,
+            key[-1] is not None,
         ))  # fmt: skip
     stats = torch.empty(2 * p.rows, device=q.device, dtype=torch.float32)
     delta, lse2 = stats.split_with_sizes((p.rows, p.rows))
@@ -181,8 +199,8 @@ def backward(
         args = (out, dout, lse if dlse is None else dlse, lse, delta, lse2, delta, *scalars)
         prep(grid, args, meta, planned=True)
         grid, scalars, meta = p.dq
-        dq_kernel(grid, (*descs, lse2, delta, dq, *scalars), meta, planned=True)
+        dq_kernel(grid, (*descs, lse2, delta, dq, alibi, *scalars), meta, planned=True)
         grid, scalars, meta = p.dkdv
-        dkdv_kernel(grid, (*descs, lse2, delta, dk, dv, *scalars), meta, planned=True)
+        dkdv_kernel(grid, (*descs, lse2, delta, dk, dv, alibi, *scalars), meta, planned=True)
     batch, heads, seqlen_q = lse.shape
     return delta.view(batch, heads, -1)[..., :seqlen_q]

@@ -86,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashcore.kernels.hopper.bwd import q_blocks
-from flashcore.kernels.hopper.common import interleave, kv_tile_range
+from flashcore.kernels.hopper.common import LOG2E, interleave, kv_tile_range, tanh
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a program (one m64 wgmma)
 HALF = gl.constexpr(128)  # the head-dim half of dK and dV each consumer holds
@@ -124,29 +124,50 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, 
 
 
 @gluon.jit
-def _store_half(ptr, acc, start_n, seqlen_k, stride_n, col0, layout: gl.constexpr):
-    """Columns ``[col0, col0 + HALF)`` of a program's 64 rows of dK or dV (``ptr`` at its batch
-    and head), rows past Sk dropped."""
-    keys = start_n + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    offs = gl.expand_dims(keys.to(gl.int64) * stride_n, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptr + offs, acc.to(ptr.dtype.element_ty), mask=gl.expand_dims(keys < seqlen_k, 1))
+def _store_rows(ptr, acc, start, seqlen, stride, col0, head_dim, layout: gl.constexpr):
+    """``acc`` into rows ``[start, start + ROWS)`` and columns from ``col0`` on of dQ, dK or dV
+    (``ptr`` at its batch and head, ``stride`` its row stride): rows past ``seqlen`` and columns
+    past ``head_dim`` (the tensors' own, 256 or less) dropped."""
+    rows = start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = col0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    offs = gl.expand_dims(rows.to(gl.int64) * stride, 1) + gl.expand_dims(cols, 0)
+    mask = gl.expand_dims(rows < seqlen, 1) & gl.expand_dims(cols < head_dim, 0)
+    gl.store(ptr + offs, acc.to(ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_ready, qd_empty,
-              p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DK, DV, stride_lb, stride_lh,
-              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
-              kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left, window_right,
-              CONSUMER: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              HAS_WINDOW: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
+def _capped(s, rows, keys, diag, qk_scale, softcap, ALIBI, slope_off, SOFTCAP: gl.constexpr,
+            HAS_ALIBI: gl.constexpr):  # fmt: skip
+    """Raw scores ``s`` (q.k) to the forward's log2 units (``ops/problem.py:scores`` folds the
+    units): softcap (``c log2(e) tanh(scale q.k / c)``), then ALiBi (``- slope |i + Sk - Sq -
+    j|``, the slope at ``ALIBI + slope_off``). ``rows`` and ``keys`` broadcast to ``s``'s shape.
+    Returns ``(s, t)``: ``t`` the tanh (``s`` itself without SOFTCAP, unused)."""
+    s = s * qk_scale
+    t = s
+    if SOFTCAP:
+        t = tanh(s)
+        s = t * softcap
+    if HAS_ALIBI:
+        slope = gl.load(ALIBI + slope_off) * LOG2E
+        s = s - slope * gl.abs(rows + diag - keys).to(gl.float32)
+    return s, t
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_empty, p_ready,
+              p_free, LSE2, DELTA, DK, DV, ALIBI, stride_ab, stride_lb, stride_lh, stride_dkb,
+              stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
+              seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left, window_right,
+              head_dim, CONSUMER: gl.constexpr, NUM_STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, EVEN_N: gl.constexpr,
+              SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = k_smem.dtype
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
     )
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -160,13 +181,11 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_rea
     offs_m = gl.arange(0, ROWS, layout=col_layout)
     # Query blocks starting at or past this row see every key of the block: no causal mask.
     full_m = start_n + ROWS - 1 - diag
-    # The columns of dK and dV this consumer holds, and of Q and dO its products read.
-    col0: gl.constexpr = CONSUMER * HALF
     kt = k_smem.reshape([ROWS, HEAD_DIM])
     vt = v_smem.reshape([ROWS, HEAD_DIM])
     zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
-    dk = gl.zeros([ROWS, HALF], gl.float32, layout=acc_layout)
-    dv = gl.zeros([ROWS, HALF], gl.float32, layout=acc_layout)
+    # Consumer 0 holds dV, consumer 1 dK (module docstring).
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
     mbarrier.wait(kv_ready, 0)
     for t in range(n_m * kv_group):
         off_h = off_hk * kv_group + t // n_m
@@ -183,33 +202,35 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_rea
             # The prep kernel's row stats: lse2 = +inf for a row with no key and past Sq (P = 0).
             lse2 = gl.load(LSE2 + stats)
             s = warpgroup_mma_wait(0, deps=[s_tok])
-            s = s * qk_scale
+            r = gl.expand_dims(rows, 0)
+            s, t_cap = _capped(s, r, keys, diag, qk_scale, softcap, ALIBI,
+                               off_b.to(gl.int64) * stride_ab + off_h, SOFTCAP,
+                               HAS_ALIBI)  # fmt: skip
             if IS_CAUSAL:
                 if start_m < full_m:
-                    s = gl.where(keys <= gl.expand_dims(rows, 0) + diag, s, float("-inf"))
+                    s = gl.where(keys <= r + diag, s, float("-inf"))
             elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
                 # Keys past Sk (zeros): their P = exp2(-lse2) could overflow (bwd.py, EVEN_N).
                 if start_n + ROWS > seqlen_k:
                     s = gl.where(keys < seqlen_k, s, float("-inf"))
             if HAS_WINDOW:
-                r = gl.expand_dims(rows, 0)
                 s = gl.where(keys >= r + (diag - window_left), s, float("-inf"))
                 if not IS_CAUSAL:
                     s = gl.where(keys <= r + (diag + window_right), s, float("-inf"))
             p = gl.exp2(s - gl.expand_dims(lse2, 0))
-            # P^T for consumer 1 (in fp16, module docstring), once it has read tile buf of step
-            # t - 2.
+            # For consumer 1's dS^T, in fp16 (module docstring), once it has read tile buf of
+            # step t - 2: P^T, times 1 - tanh^2 with a softcap (the gradient with respect to
+            # scale q.k: dS^T = P^T (1 - t^2) (dP^T - delta)).
             mbarrier.wait(p_free.index(buf), ((t // 2) & 1) ^ 1)
-            p_smem.index(buf).store(p.to(gl.float16))
+            if SOFTCAP:
+                p_smem.index(buf).store((p * (1.0 - t_cap * t_cap)).to(gl.float16))
+            else:
+                p_smem.index(buf).store(p.to(gl.float16))
             fence_async_shared()
             mbarrier.arrive(p_ready.index(buf), count=1)
             p_op = gl.convert_layout(p.to(dtype), a_layout)
-            dv_tok = warpgroup_mma(p_op, do.slice(col0, HALF, dim=1), dv, is_async=True)
-            mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
-            ds_t = ds_smem.index(buf)
-            dk_tok = warpgroup_mma(ds_t, q.slice(col0, HALF, dim=1), dk, is_async=True)
-            dv, dk, p_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op])
-            mbarrier.arrive(ds_free.index(buf), count=1)
+            tok = warpgroup_mma(p_op, do, acc, is_async=True)
+            acc, p_op = warpgroup_mma_wait(0, deps=[tok, p_op])
         else:
             dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             delta = gl.load(DELTA + stats)
@@ -217,57 +238,48 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_rea
             mbarrier.wait(p_ready.index(buf), (t // 2) & 1)
             p = p_smem.index(buf).load(s_layout).to(gl.float32)
             mbarrier.arrive(p_free.index(buf), count=1)
-            ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
-            # dS^T for consumer 0, once its dK products of step t - 2 have read tile buf.
-            mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
-            ds_smem.index(buf).store(ds)
-            fence_async_shared()
-            mbarrier.arrive(ds_ready.index(buf), count=1)
-            ds_op = gl.convert_layout(ds, a_layout)
-            p_op = gl.convert_layout(p.to(dtype), a_layout)
-            dk_tok = warpgroup_mma(ds_op, q.slice(col0, HALF, dim=1), dk, is_async=True)
-            dv_tok = warpgroup_mma(p_op, do.slice(col0, HALF, dim=1), dv, is_async=True)
-            dk, dv, ds_op, p_op = warpgroup_mma_wait(0, deps=[dk_tok, dv_tok, ds_op, p_op])
-        # Every reader of the slot is complete (S^T or dP^T, this consumer's dV and dK).
+            ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 0))).to(dtype), a_layout)
+            tok = warpgroup_mma(ds_op, q, acc, is_async=True)
+            acc, ds_op = warpgroup_mma_wait(0, deps=[tok, ds_op])
+        # Every reader of the slot is complete (S^T or dP^T, and this consumer's dV or dK).
         mbarrier.arrive(qd_empty.index(slot), count=1)
-    dk_ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
-    dv_ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
-    _store_half(dk_ptr, dk * scale, start_n, seqlen_k, stride_dkn, col0, acc_layout)
-    _store_half(dv_ptr, dv, start_n, seqlen_k, stride_dvn, col0, acc_layout)
+    if CONSUMER == 0:
+        ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
+        _store_rows(ptr, acc, start_n, seqlen_k, stride_dvn, 0, head_dim, acc_layout)
+    else:
+        ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
+        _store_rows(ptr, acc * scale, start_n, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
 
 
 @gluon.jit
-def _handoff_state(dtype: gl.constexpr, NUM_STAGES: gl.constexpr):
+def _handoff_state(NUM_STAGES: gl.constexpr):
     """Both kernels' shared state beside their tiles, allocated and initialised (module
-    docstring): the P tiles (fp16) and dS tiles (``dtype``), two of each; the resident pair's
-    barrier (count 1); the ring's ready (count 1) and empty (count 2: both consumers) barriers;
-    the P and dS tiles' ready and free barriers (count 1). Returns ``(p_smem, ds_smem,
-    resident_ready, ring_ready, ring_empty, p_ready, p_free, ds_ready, ds_free)``."""
-    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    docstring): two P tiles (fp16); the resident pair's barrier (count 1); the ring's ready
+    (count 1) and empty (count 2: both consumers) barriers; the P tiles' ready and free barriers
+    (count 1). Returns ``(p_smem, resident_ready, ring_ready, ring_empty, p_ready, p_free)``."""
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float16)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROWS], p_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], t_layout)
     resident_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     resident_ready = resident_bar.index(0)
     ring_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     ring_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    p_ready, p_free = _tile_barriers()
     mbarrier.init(resident_ready, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ring_ready.index(i), count=1)
         mbarrier.init(ring_empty.index(i), count=2)
+    return p_smem, resident_ready, ring_ready, ring_empty, p_ready, p_free
+
+
+@gluon.jit
+def _tile_barriers():
+    """A double-buffered tile's ready and free barriers (two each, count 1), initialised."""
+    ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(p_ready.index(i), count=1)
-        mbarrier.init(p_free.index(i), count=1)
-        mbarrier.init(ds_ready.index(i), count=1)
-        mbarrier.init(ds_free.index(i), count=1)
-    return (
-        p_smem, ds_smem, resident_ready, ring_ready, ring_empty, p_ready, p_free, ds_ready,
-        ds_free,
-    )  # fmt: skip
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(free.index(i), count=1)
+    return ready, free
 
 
 @gluon.jit
@@ -280,6 +292,8 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     DELTA,
     DK,
     DV,
+    ALIBI,
+    stride_ab,
     stride_lb,
     stride_lh,
     stride_dkb,
@@ -295,44 +309,50 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     lpt_heads,
     qk_scale,
     scale,
+    softcap,
     window_left,
     window_right,
+    head_dim,
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     EVEN_N: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
 ):
     """dK and dV of one 64-key block (module docstring). ``LSE2`` and ``DELTA``: the row stats
     of ``bwd.bwd_prep_kernel``, fp32 ``(B, H, Sq_pad)`` with strides ``(stride_lb, stride_lh,
     1)``, ``Sq_pad`` a multiple of 64 (lse2 +inf and delta 0 past Sq); ``qk_scale`` is ``scale *
-    log2(e)``; dK is scaled by ``scale`` here."""
+    log2(e)`` (``scale / c`` with softcap c, then ``softcap`` is ``c log2(e)``); ``ALIBI`` fp32
+    slopes at ``b * stride_ab + h`` (HAS_ALIBI); ``head_dim`` the tensors' (the boxes are 256
+    wide: columns past it load as zeros and are not stored); dK is scaled by ``scale`` here."""
     dtype: gl.constexpr = q_desc.dtype
     q_shape: gl.constexpr = [NUM_STAGES] + q_desc.block_type.shape  # noqa: RUF005
     q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    p_smem, ds_smem, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free = (
-        _handoff_state(dtype, NUM_STAGES)
-    )
+    p_smem, kv_ready, qd_ready, qd_empty, p_ready, p_free = _handoff_state(NUM_STAGES)
     # The consumers' argument tuples differ only in CONSUMER (Triton 3.6's frontend has no
     # starred tuples).
     gl.warp_specialize(
         [
             (_consumer, (
-                q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_ready, qd_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DK, DV, stride_lb, stride_lh,
-                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
-                kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
-                window_right, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N,
+                q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_empty, p_ready,
+                p_free, LSE2, DELTA, DK, DV, ALIBI, stride_ab, stride_lb, stride_lh, stride_dkb,
+                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
+                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+                window_right, head_dim, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP,
+                HAS_ALIBI,
             )),
             (_consumer, (
-                q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, kv_ready, qd_ready, qd_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DK, DV, stride_lb, stride_lh,
-                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
-                kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, window_left,
-                window_right, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N,
+                q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_empty, p_ready,
+                p_free, LSE2, DELTA, DK, DV, ALIBI, stride_ab, stride_lb, stride_lh, stride_dkb,
+                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
+                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+                window_right, head_dim, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP,
+                HAS_ALIBI,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
@@ -381,11 +401,12 @@ def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_sme
 
 @gluon.jit
 def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
-                 p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, stride_lb, stride_lh,
-                 stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads, qk_scale,
-                 scale, window_left, window_right, CONSUMER: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 HAS_WINDOW: gl.constexpr):  # fmt: skip
+                 p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, stride_ab,
+                 stride_lb, stride_lh, stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k,
+                 lpt_heads, qk_scale, scale, softcap, window_left, window_right, head_dim,
+                 CONSUMER: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
+                 HAS_ALIBI: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     HEAD_DIM: gl.constexpr = q_smem.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -427,10 +448,12 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
         if CONSUMER == 0:
             s_tok = warpgroup_mma(qt, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s_tok])
-            s = s * qk_scale
+            keys = gl.expand_dims(start_n + offs_n, 0)
+            s, t_cap = _capped(s, rows, keys, diag, qk_scale, softcap, ALIBI,
+                               off_b.to(gl.int64) * stride_ab + off_h, SOFTCAP,
+                               HAS_ALIBI)  # fmt: skip
             # Key tiles outside [full_lo, full_hi) cross a mask's edge (or Sk).
             if (start_n < full_lo) | (start_n >= full_hi):
-                keys = gl.expand_dims(start_n + offs_n, 0)
                 seen = keys < seqlen_k
                 if IS_CAUSAL:
                     seen = seen & (keys <= rows + diag)
@@ -441,6 +464,10 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
                 s = gl.where(seen, s, float("-inf"))
             p = gl.exp2(s - gl.expand_dims(row_stat, 1))
             mbarrier.wait(p_free.index(buf), ((t // 2) & 1) ^ 1)
+            # Consumer 1 reads the tile for dS alone: with a softcap, P (1 - tanh^2) (the
+            # gradient with respect to scale q.k).
+            if SOFTCAP:
+                p = p * (1.0 - t_cap * t_cap)
             p_smem.index(buf).store(p.to(gl.float16))
             fence_async_shared()
             mbarrier.arrive(p_ready.index(buf), count=1)
@@ -466,12 +493,8 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
             dq, ds_op = warpgroup_mma_wait(0, deps=[dq_tok, ds_op])
         # Every reader of the slot is complete (S or dP, and this consumer's dQ products).
         mbarrier.arrive(kv_empty.index(slot), count=1)
-    q_rows = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, acc_layout))
     ptr = DQ + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh
-    offs = gl.expand_dims(q_rows.to(gl.int64) * stride_qm, 1) + gl.expand_dims(cols, 0)
-    gl.store(ptr + offs, (dq * scale).to(DQ.dtype.element_ty),
-             mask=gl.expand_dims(q_rows < seqlen_q, 1))  # fmt: skip
+    _store_rows(ptr, dq * scale, start_m, seqlen_q, stride_qm, col0, head_dim, acc_layout)
 
 
 @gluon.jit
@@ -483,6 +506,8 @@ def attn_bwd_dq_sm90_d256_kernel(
     LSE2,
     DELTA,
     DQ,
+    ALIBI,
+    stride_ab,
     stride_lb,
     stride_lh,
     stride_qb,
@@ -495,38 +520,45 @@ def attn_bwd_dq_sm90_d256_kernel(
     lpt_heads,
     qk_scale,
     scale,
+    softcap,
     window_left,
     window_right,
+    head_dim,
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
 ):
     """dQ of one block of 64 query rows (module docstring, "dQ"): the dK/dV kernel's split with
-    rows and keys swapped. ``LSE2``, ``DELTA`` as that kernel takes them; dQ scaled by ``scale``
-    and stored from registers with a row mask."""
+    rows and keys swapped. The arguments as that kernel takes them; dQ scaled by ``scale`` and
+    stored from registers with a row mask (and a column mask past ``head_dim``)."""
     dtype: gl.constexpr = q_desc.dtype
     kv_shape: gl.constexpr = [NUM_STAGES] + k_desc.block_type.shape  # noqa: RUF005
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
-    p_smem, ds_smem, q_ready, kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free = (
-        _handoff_state(dtype, NUM_STAGES)
-    )
+    p_smem, q_ready, kv_ready, kv_empty, p_ready, p_free = _handoff_state(NUM_STAGES)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], ds_layout)
+    ds_ready, ds_free = _tile_barriers()
     gl.warp_specialize(
         [
             (_dq_consumer, (
                 q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, stride_lb, stride_lh,
-                stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads, qk_scale,
-                scale, window_left, window_right, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, stride_ab, stride_lb,
+                stride_lh, stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads,
+                qk_scale, scale, softcap, window_left, window_right, head_dim, 0, NUM_STAGES,
+                IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
             )),
             (_dq_consumer, (
                 q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, stride_lb, stride_lh,
-                stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads, qk_scale,
-                scale, window_left, window_right, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, stride_ab, stride_lb,
+                stride_lh, stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads,
+                qk_scale, scale, softcap, window_left, window_right, head_dim, 1, NUM_STAGES,
+                IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
             )),
             (_dq_producer, (
                 q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, q_ready,
