@@ -1,9 +1,10 @@
 """Host launcher of the head-dim-256 backward on Hopper (``kernels/hopper/bwd256.py``, Gluon).
 
 ``ops.bwd.launch`` runs it instead of the portable kernels where ``takes`` says so: an sm_90 GPU
-under a tier that may run Gluon (``runtime.backward_tier``), head dim 256 for q, k and v,
-fp16/bf16, dense tensors the copy engine can address, without softcap or ALiBi (causal, a
-window, GQA/MQA, an LSE gradient and sinks are fine). Three launches: the Hopper backward's
+under a tier that may run Gluon (``runtime.backward_tier``), head dim 256 (or 136-248 in steps
+of 8, run as 256) for q, k and v, fp16/bf16, dense tensors the copy engine can address (causal, a
+window, softcap, ALiBi, GQA/MQA, an LSE gradient and sinks are all fine; packed batches are
+not). Three launches: the Hopper backward's
 prep kernel (delta and lse2), the dQ kernel and the dK/dV kernel, each gradient written once
 per program, so the backward is bit-identical over runs (``deterministic=True`` takes it too).
 """
@@ -24,14 +25,16 @@ from flashcore.ops.launch import Descriptor, Launcher, cached
 ROWS = 64  # keys a program and query rows a step (kernels/hopper/bwd256.py)
 HEAD_DIM = 256
 # On since the kernels ran right on a GPU (an H200, Triton 3.6: the `d256` GPU tests of
-# tests/test_backward.py and tests/test_sinks.py; compute-sanitizer memcheck and synccheck
-# clean). Everywhere it was timed the backward beat the portable one (1.57-1.98x at S 1024-8192,
-# 32k tokens; docs/performance_backward.md, "Head dim 256"), so it is taken wherever it
-# applies; tests force it either way.
+# tests/test_backward.py and tests/test_sinks.py, softcap, ALiBi and head dims 136-248 among
+# them; compute-sanitizer memcheck and synccheck clean). Everywhere it was timed the backward beat
+# the portable one (1.6-2.0x at S 1024-8192, 32k tokens, with softcap too; head dim 192 1.9x;
+# docs/performance_backward.md, "Head dim 256"), so it is taken wherever it applies; tests force
+# it either way.
 VERIFIED = True
 # Two ring slots (64 KB each: Q and dO for the dK/dV kernel, K and V for the dQ kernel) beside
-# the resident pair (32 KB each) and the P / dS tiles: 229,840-229,872 B of the 232,448 a block
-# may use; 240 registers for each consumer, 24 for the producer, 168 at entry (12 warps).
+# the resident pair (32 KB each) and the P (and, dQ kernel, dS) tiles: 213,376 B (dK/dV) and
+# 229,840-229,856 B (dQ) of the 232,448 a block may use; 240 registers for each consumer, 24
+# for the producer, 168 at entry (12 warps).
 NUM_STAGES = 2
 CONSUMER_REGS = 240
 MAXNREG = 168

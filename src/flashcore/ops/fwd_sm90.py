@@ -55,7 +55,7 @@ NARROW_HEAD_DIMS = ((48, 48), (56, 56))
 NARROW_VERIFIED = True
 # Head dims between 128 and 256 (136, 144, ..., 248; V's equal, so not MLA's (192, 128)) run the
 # D = 256 forward the same way, over 256-column boxes; the portable kernels pad them to 256 as
-# well. Forward only: the Hopper backward has no D = 256 kernel, so their backward stays portable.
+# well. Their backward runs the head-dim-256 Gluon kernels the same way (ops/bwd256.py).
 # On the H100 tests/test_forward.py::test_forward_gpu_sm90_wide_padded passed (10 cases, fp16 and
 # bf16: head dims 136-248) and the forward ran 1.28-1.54x the portable one at 160, 192 and 224
 # (docs/hopper_fwd_configs.md, "Head dims between 128 and 256").

@@ -7,31 +7,31 @@ and a two-slot Q/dO ring, 32 KB a tile, plus dS^T tiles and the fp32 dQ staging)
 KB of a block too. The portable dK/dV kernel at this head dim runs 32 x 32 tiles (the largest that
 hold both accumulators in registers) at about 220 TFLOP/s on an H100.
 
-Both kernels here split one block's work between two consumer warpgroups by product and by
-head-dim halves, and each writes its gradient once per program (no atomics: deterministic).
-Launch order (``ops/bwd256.py``): ``bwd.bwd_prep_kernel`` (delta and lse2 into padded row
-buffers), the dQ kernel, the dK/dV kernel.
+Both kernels here split one block's work between two consumer warpgroups by product, and each
+writes its gradient once per program (no atomics: deterministic). Launch order
+(``ops/bwd256.py``): ``bwd.bwd_prep_kernel`` (delta and lse2 into padded row buffers), the dQ
+kernel, the dK/dV kernel.
 
 dK and dV (``attn_bwd_dkdv_sm90_d256_kernel``).
 
 Design. The two consumer warpgroups of a program share one block of 64 keys and split the work by
-product and by head-dim halves instead of by keys:
+product instead of by keys:
 
-- consumer 0: ``S^T = K Q^T`` (K = 256), the masks, ``P^T = exp2(S^T * qk_scale - lse2)``; P^T
-  into a shared tile for consumer 1; ``dV[:, :128] += P^T dO[:, :128]`` (P^T in registers) and,
-  once consumer 1 has written dS^T, ``dK[:, :128] += dS^T Q[:, :128]`` (dS^T from shared memory);
-- consumer 1: ``dP^T = V dO^T``; P^T from the shared tile; ``dS^T = P^T * (dP^T - delta)`` into a
-  shared tile for consumer 0; ``dK[:, 128:] += dS^T Q[:, 128:]`` and ``dV[:, 128:] += P^T dO[:,
-  128:]`` (both A operands in registers).
+- consumer 0: ``S^T = K Q^T`` (K = 256), the scores as the forward forms them, the masks, ``P^T
+  = exp2(S^T - lse2)``; ``P^T (1 - tanh^2)`` (softcap) or P^T into a shared tile for consumer 1;
+  ``dV += P^T dO`` (P^T in registers, N = 256);
+- consumer 1: ``dP^T = V dO^T``; the tile; ``dS^T = tile * (dP^T - delta)``; ``dK += dS^T Q``
+  (dS^T in registers, N = 256).
 
-Each consumer thus holds half of dK and half of dV (64 + 64 registers) and one 64 x 64 score
-tile (32), and the tensor work is balanced (8 units of 64^3 each a step). dQ is not computed
-here (a fused dQ would need a third accumulator or atomics): the dQ kernel below recomputes S
-and dP (three products of 4 units a step against this kernel's four). P^T reaches consumer 1 in
-fp16 whatever the input dtype (P is in [0, 1]: 11 significant bits where bf16 has 8, so dS^T =
-P^T (dP^T - delta) loses little against the fp32 P the other kernels use; bf16 P measured dK
-errors up to 2x the portable kernel's against float64), and is rounded to the input dtype for
-its product.
+Each consumer holds one whole accumulator (64 x 256 fp32: 128 registers) and one 64 x 64 score
+tile (32), and the tensor work is balanced (8 units of 64^3 each a step). One tile crosses, one
+way: consumer 1 needs P only for dS (an earlier build split dK and dV by head-dim halves instead,
+each consumer needing both P^T and dS^T, two tiles crossing both ways; this one is 1-7% faster
+and frees 16 KB). dQ is not computed here (a fused dQ would need a third accumulator or
+atomics): the dQ kernel below recomputes S and dP (three products of 4 units a step against this
+kernel's four). The tile is fp16 whatever the input dtype (P and P (1 - tanh^2) are in [0, 1]:
+11 significant bits where bf16 has 8; bf16 P measured dK errors up to 2x the portable kernel's
+against float64).
 
 Grid: ``cdiv(Sk, 64) * B * Hkv`` programs, program ``(n, b, hk)`` (``interleave`` with
 ``lpt_heads``) owning keys ``[64 n, 64 n + 64)`` of kv head hk, walking the query blocks of 64
@@ -39,40 +39,46 @@ rows of each query head of its group that see them (causal: from the diagonal; w
 
 Schedule (``gl.warp_specialize``): consumer 0 is the default partition, consumer 1 worker 0, the
 producer (one warp, 24 registers) worker 1. Shared memory: K and V (32 KB each), a ring of
-NUM_STAGES Q/dO slots (64 KB a slot), P^T and dS^T tiles double-buffered by step (8 KB each):
-229376 B with two slots. Barriers (all single-phase-per-use, parities from the step index):
+NUM_STAGES Q/dO slots (64 KB a slot), the P tile double-buffered by step (8 KB each): 213,376 B
+with two slots. Barriers (all single-phase-per-use, parities from the step index):
 
 - ``kv_ready``: K and V landed (count 1, the producer's expect);
 - ``qd_ready[s]``, ``qd_empty[s]``: slot s landed / released by both consumers (count 2);
-- ``p_ready[b]``, ``p_free[b]``: P^T tile b written (consumer 0) / read (consumer 1);
-- ``ds_ready[b]``, ``ds_free[b]``: dS^T tile b written (consumer 1) / read by consumer 0's dK.
+- ``p_ready[b]``, ``p_free[b]``: tile b written (consumer 0) / read (consumer 1).
 
 Step t uses slot ``t % NUM_STAGES`` (parity ``(t // NUM_STAGES) & 1``) and tile ``b = t % 2``
-(parity ``(t // 2) & 1``); a writer of tile b waits for the reader's completion of step t - 2
-(parity ``((t // 2) & 1) ^ 1``, the first two pass on the barrier's initial phase). No barrier
-can complete twice before its waiter: each writer's next write follows its wait for the reader's
-release of the previous one. No cycle: consumer 0 at step t needs consumer 1's dS^T of step t,
-which needs only consumer 0's P^T of step t (written before consumer 0 waits) and consumer 0's
-release of step t - 2.
+(parity ``(t // 2) & 1``); consumer 0 writes tile b after consumer 1's read of step t - 2
+(parity ``((t // 2) & 1) ^ 1``, the first two pass on the barrier's initial phase). Consumer 0
+never waits for consumer 1 otherwise, and runs up to two steps ahead of it.
 
-Masks as ``bwd.py``'s: causal bottom-right, a window on every step, keys past Sk (without causal,
-on a block that crosses Sk; K and V arrive as zeros there); rows past Sq have Q = dO = 0 and
-lse2 = +inf (P = 0). dK and dV leave from registers by plain stores with a row mask.
+Scores (SOFTCAP, HAS_ALIBI, ``_capped``): as ``bwd.py`` forms them, ``ops/problem.py:scores``
+folding the units (softcap: ``c log2(e) tanh(scale q.k / c)``, then ALiBi, then the masks); with
+a softcap dS is taken with respect to ``scale q.k``, the factor ``1 - tanh^2`` applied by
+consumer 0 to the tile it hands over. Masks as ``bwd.py``'s: causal bottom-right, a window on
+every step, keys past Sk (without causal, on a block that crosses Sk; K and V arrive as zeros
+there); rows past Sq have Q = dO = 0 and lse2 = +inf (P = 0). dK and dV leave from registers by
+plain stores with a row mask, and a column mask past ``head_dim``: head dims 136-248 run these
+kernels over the same 256-column boxes (the copy engine fills the columns past the tensors'
+with zeros, which add nothing to any product).
 
-dQ (``attn_bwd_dq_sm90_d256_kernel``): the same split with rows and keys swapped. A program
-owns 64 query rows of query head h (Q and dO loaded once) and walks the key blocks of 64 they
-see (``common.kv_tile_range``; causal programs last block first), K and V through a two-slot
-ring (``kv_ready`` / ``kv_empty``, count 2). Consumer 0: ``S = Q K^T``, the masks (only on the
-key blocks outside ``[full_lo, full_hi)``), ``P = exp2(S * qk_scale - lse2)`` into a shared tile
-(fp16), then ``dQ[:, :128] += dS K[:, :128]`` with dS from shared memory; consumer 1: ``dP = dO
-V^T``, ``dS = P * (dP - delta)`` into a shared tile (input dtype), ``dQ[:, 128:] += dS K[:, 128:]``
-with dS in registers. The P and dS tiles and their barriers as above, by key step. Each consumer
-holds half of dQ (64 registers) and a score tile; shared memory: Q and dO (32 KB each), two K/V
-slots (64 KB each), the P and dS tiles: 229,840 B. dQ (scaled) leaves from registers with a row
-mask.
+dQ (``attn_bwd_dq_sm90_d256_kernel``): the same split with rows and keys swapped, and dQ split by
+head-dim halves (one accumulator, 64 x 256, is a single consumer's whole budget, and the other
+would have only dP to compute). A program owns 64 query rows of query head h (Q and dO loaded
+once) and walks the key blocks of 64 they see (``common.kv_tile_range``; causal programs last
+block first), K and V through a two-slot ring (``kv_ready`` / ``kv_empty``, count 2). Consumer
+0: ``S = Q K^T``, the scores (``_capped``), the masks (only on the key blocks outside
+``[full_lo, full_hi)``), ``P = exp2(S - lse2)``, times ``1 - tanh^2`` with a softcap, into a
+shared tile (fp16), then ``dQ[:, :128] += dS K[:, :128]`` with dS from shared memory; consumer 1:
+``dP = dO V^T``, ``dS = tile * (dP - delta)`` into a shared tile (input dtype), ``dQ[:, 128:] +=
+dS K[:, 128:]`` with dS in registers. The P and dS tiles, each with a ready and a free barrier as
+above, by key step: consumer 0 at step t needs consumer 1's dS of step t, which needs only
+consumer 0's P of step t (written before consumer 0 waits) and its release of tile b at step t -
+2, so no cycle. Each consumer holds half of dQ (64 registers) and a score tile; shared memory: Q
+and dO (32 KB each), two K/V slots (64 KB each), the P and dS tiles: 229,840 B. dQ (scaled)
+leaves from registers with a row and column mask.
 
-Not covered (the launcher's ``takes`` says no): softcap, ALiBi, packed batches, a value head
-dim other than 256.
+Not covered (the launcher's ``takes`` says no): packed batches, a value head dim unlike the
+query's, head dims outside 136-256.
 """
 
 from triton.experimental import gluon
@@ -89,7 +95,7 @@ from flashcore.kernels.hopper.bwd import q_blocks
 from flashcore.kernels.hopper.common import LOG2E, interleave, kv_tile_range, tanh
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a program (one m64 wgmma)
-HALF = gl.constexpr(128)  # the head-dim half of dK and dV each consumer holds
+HALF = gl.constexpr(128)  # the head-dim half of dQ each consumer of the dQ kernel holds
 
 
 @gluon.jit
