@@ -12,6 +12,7 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
     require_sm90,
+    spy_d256,
 )
 from shapes import DTYPES, VARLEN, VARLEN_GPU, VarlenCase
 
@@ -384,6 +385,78 @@ def test_varlen_gpu_sm90_backward_sequences_isolated(causal, head_dim):
     others_q = torch.cat([every_q[:100], every_q[137:]])
     others_k = torch.cat([every_k[:130], every_k[167:]])
     same(grads(q1, k1, v1, dout1), want, others_q, others_k)
+
+
+# Packed batches through the head-dim-256 backward (ops/bwd256.py; head dims 136-248 the same
+# way): sequences empty, shorter than a 64-row block, at and past its edges, Sq != Sk, GQA/MQA,
+# and the score options.
+VARLEN_D256_BWD = [
+    (VarlenCase(4, 2, (300, 1, 0, 129, 64, 700), (517, 64, 10, 129, 0, 700), 256), {}),
+    (VarlenCase(4, 2, (300, 1, 0, 129, 64, 700), (517, 64, 10, 129, 0, 700), 256),
+     {"causal": True}),
+    (VarlenCase(4, 1, (200, 65, 513), (200, 63, 600), 256), {"window": (100, 20), "softcap": 30.0}),
+    (VarlenCase(4, 4, (300, 1, 129, 900), (517, 64, 129, 900), 256),
+     {"causal": True, "alibi": "bh"}),
+    (VarlenCase(4, 2, (300, 77, 700), (517, 64, 700), 192), {"causal": True, "softcap": 50.0}),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("case", "opts"), VARLEN_D256_BWD, ids=[_sm90_case_id((c, c.head_dim, o)) for c, o in
+                                            VARLEN_D256_BWD]
+)  # fmt: skip
+def test_varlen_gpu_d256_backward(monkeypatch, case, opts, dtype):
+    """The head-dim-256 Gluon backward on packed batches: dq, dk, dv per sequence against the
+    float64 reference with FlashAttention's rule (through out and lse)."""
+    calls = spy_d256(monkeypatch)
+    q, k, v, cu_q, cu_k = make_varlen(case, dtype, "cuda")
+    opts = dict(opts)
+    causal = opts.pop("causal", False)
+    if opts.pop("alibi", None):
+        opts["alibi_slopes"] = torch.rand(len(case.seqlens_q), case.heads, device="cuda")
+    check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True, **opts)
+    assert calls, "the head-dim-256 Gluon backward did not run"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal):
+    """The head-dim-256 backward's blocks reach into the next sequence's rows (or past the last
+    offset): whatever those rows of q, k, v and dout hold, NaN or inf included, the other
+    sequences' gradients are the same bits (no atomics)."""
+    calls = spy_d256(monkeypatch)
+    case = VarlenCase(4, 2, (100, 37, 260, 5), (130, 37, 300, 9), 256)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+    dout = torch.randn_like(q)
+    maxima = max(case.seqlens_q), max(case.seqlens_k)
+
+    def grads(q, k, v, dout):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flashcore.attention_varlen(q, k, v, cu_q, cu_k, *maxima, causal=causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    def same(got, want, rows_q, rows_k):
+        for g, w, rows in zip(got, want, (rows_q, rows_k, rows_k), strict=True):
+            assert torch.equal(g[rows], w[rows])
+
+    want = grads(q, k, v, dout)
+    assert not any(g.isnan().any() for g in want)
+    nan = float("nan")
+    pad_q = torch.full((70, *q.shape[1:]), nan, dtype=q.dtype, device="cuda")
+    pad_k = torch.full((70, *k.shape[1:]), nan, dtype=k.dtype, device="cuda")
+    got = grads(*(torch.cat([t, p]) for t, p in ((q, pad_q), (k, pad_k), (v, pad_k))),
+                torch.cat([dout, pad_q]))  # fmt: skip
+    every_q = torch.arange(q.shape[0], device="cuda")
+    every_k = torch.arange(k.shape[0], device="cuda")
+    same(got, want, every_q, every_k)
+    q1, k1, v1, dout1 = (t.clone() for t in (q, k, v, dout))
+    q1[100:137] = dout1[100:137] = k1[130:167] = v1[130:167] = float("inf")
+    others_q = torch.cat([every_q[:100], every_q[137:]])
+    others_k = torch.cat([every_k[:130], every_k[167:]])
+    same(grads(q1, k1, v1, dout1), want, others_q, others_k)
+    assert calls
 
 
 @pytest.mark.gpu

@@ -184,8 +184,9 @@ def launch(
         # ``deterministic`` too).
         dlse = None if dlse is None else dlse.contiguous()
         delta = bwd256.backward(
-            dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, scale, window, softcap, alibi_slopes
-        )
+            dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, scale, window, softcap, alibi_slopes,
+            varlen,
+        )  # fmt: skip
         return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
     delta = torch.empty_like(lse)
     alibi, stride_ab = pb.alibi_arg(alibi_slopes, lse)

@@ -19,7 +19,7 @@ import torch
 
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
-from flashcore.ops.fwd_sm90 import box_layout, lpt_group, tma_ok
+from flashcore.ops.fwd_sm90 import box_layout, lpt_group, packed_view, tma_ok
 from flashcore.ops.launch import Descriptor, Launcher, cached
 
 ROWS = 64  # keys a program and query rows a step (kernels/hopper/bwd256.py)
@@ -49,8 +49,8 @@ def kernels() -> tuple[Launcher, Launcher, Launcher]:
 
     return (
         bwd_sm90.kernels()[0],
-        Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 8),
-        Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 9),
+        Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 10),
+        Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 11),
     )
 
 
@@ -65,7 +65,7 @@ def takes(
     """Whether this backward runs here (module docstring; tests set ``VERIFIED``)."""
     if not VERIFIED:
         return False
-    if varlen is not None or (alibi is not None and alibi.dtype != torch.float32):
+    if alibi is not None and alibi.dtype != torch.float32:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
         return False
@@ -75,6 +75,9 @@ def takes(
         return False
     if runtime.backward_tier(q.device) != "sm90":
         return False
+    if varlen is not None:
+        # Packed (total, heads, D) tensors, addressed as (1, heads, total, D) views.
+        return q.dim() == 3 and all(tma_ok(packed_view(t)) for t in (q, k, v, dout))
     return all(tma_ok(t) for t in (q, k, v, dout))
 
 
@@ -98,35 +101,43 @@ _PLANS: dict[tuple, Plan] = {}
 
 
 def _plan(
-    q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window, softcap, stride_ab, has_alibi
-) -> Plan:
-    batch, heads, seqlen_q, head_dim = q.shape
-    kv_heads, seqlen_k = k.shape[1], k.shape[2]
-    seqlen_pad = math.ceil(seqlen_q / ROWS) * ROWS
+    q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window, softcap, stride_ab, has_alibi,
+    varlen,
+) -> Plan:  # fmt: skip
+    batch, heads, kv_heads, seqlen_q, seqlen_k = pb.problem_dims(q, k, varlen)
+    head_dim = q.shape[-1]
+    total_q, total_k = pb.packed_totals(q, k, varlen)
+    # The prep kernel and the row stats see one sequence of total_q rows when packed.
+    rows_b, rows_q = (batch, seqlen_q) if varlen is None else (1, total_q)
+    seqlen_pad = math.ceil(rows_q / ROWS) * ROWS
     sc = pb.scores(causal, window, softcap, scale, has_alibi, seqlen_q, seqlen_k)
-    dlse_strides = (0, 0) if dlse is None else pb.stats_strides(dlse, None)
+    dlse_strides = (0, 0) if dlse is None else pb.stats_strides(dlse, varlen)
     prep = (
-        (seqlen_pad // ROWS * batch * heads,),
+        (seqlen_pad // ROWS * rows_b * heads,),
         (
-            *out.stride()[:3], *dout.stride()[:3], *dlse_strides, *pb.stats_strides(lse, None),
-            heads, seqlen_q, seqlen_pad, 0,
+            *pb.row_strides(out, varlen), *pb.row_strides(dout, varlen), *dlse_strides,
+            *pb.stats_strides(lse, varlen), heads, rows_q, seqlen_pad, 0,
         ),
         {
             "HEAD_DIM": head_dim, "BLOCK_D": HEAD_DIM, "BLOCK_M": ROWS,
             "HAS_DLSE": dlse is not None, "PDL": False, "num_warps": 4,
         },
     )  # fmt: skip
-    stats = (heads * seqlen_pad, seqlen_pad)  # the row stats' batch and head strides
+    # The row stats' batch and head strides (packed: batch 0, one sequence of all rows).
+    stats = (0 if varlen is not None else heads * seqlen_pad, seqlen_pad)
     common = {
         "NUM_STAGES": NUM_STAGES,
         "CONSUMER_REGS": CONSUMER_REGS,
         "IS_CAUSAL": sc.is_causal,
         "HAS_WINDOW": sc.has_window,
     }
-    flags = {"SOFTCAP": sc.has_softcap, "HAS_ALIBI": has_alibi}
-    tail = (sc.qk_scale, float(scale), sc.softcap, sc.window_left, sc.window_right, head_dim)
+    flags = {"SOFTCAP": sc.has_softcap, "HAS_ALIBI": has_alibi, "VARLEN": varlen is not None}
+    tail = (
+        sc.qk_scale, float(scale), sc.softcap, sc.window_left, sc.window_right, head_dim, total_q,
+        total_k,
+    )  # fmt: skip
     q_lpt = kv_lpt = 1
-    if sc.is_causal and not sc.has_window:
+    if sc.is_causal and not sc.has_window and varlen is None:
         # Heaviest blocks first across heads, as the Hopper kernels order them.
         q_lpt = lpt_group(batch * heads, seqlen_k * 2 * HEAD_DIM * k.element_size())
         kv_lpt = lpt_group(batch * kv_heads, seqlen_q * 2 * HEAD_DIM * q.element_size())
@@ -134,22 +145,22 @@ def _plan(
     dq_launch = (
         (math.ceil(seqlen_q / ROWS) * batch * heads,),
         (
-            stride_ab, *stats, *dq.stride()[:3], heads, heads // kv_heads, seqlen_q, seqlen_k,
-            q_lpt, *tail,
+            stride_ab, *stats, *pb.row_strides(dq, varlen), heads, heads // kv_heads, seqlen_q,
+            seqlen_k, q_lpt, *tail,
         ),
         {**common, **flags, **meta},
     )  # fmt: skip
     dkdv_launch = (
         (math.ceil(seqlen_k / ROWS) * batch * kv_heads,),
         (
-            stride_ab, *stats, *dk.stride()[:3], *dv.stride()[:3], kv_heads, heads // kv_heads,
-            seqlen_q, seqlen_k, kv_lpt, *tail,
+            stride_ab, *stats, *pb.row_strides(dk, varlen), *pb.row_strides(dv, varlen), kv_heads,
+            heads // kv_heads, seqlen_q, seqlen_k, kv_lpt, *tail,
         ),
-        {**common, "EVEN_N": seqlen_k % ROWS == 0, **flags, **meta},
+        {**common, "EVEN_N": varlen is None and seqlen_k % ROWS == 0, **flags, **meta},
     )  # fmt: skip
     box = [1, 1, ROWS, HEAD_DIM]
     return Plan(
-        batch * heads * seqlen_pad, prep, dq_launch, dkdv_launch, box,
+        rows_b * heads * seqlen_pad, prep, dq_launch, dkdv_launch, box,
         box_layout(tuple(box), q.dtype),
     )  # fmt: skip
 
@@ -170,6 +181,7 @@ def backward(
     window: tuple[int, int],
     softcap: float = 0.0,
     alibi: torch.Tensor | None = None,
+    varlen: pb.Varlen | None = None,
 ) -> torch.Tensor:
     """Write the gradients of a problem ``takes`` accepted into ``dq``, ``dk``, ``dv`` (shaped
     like q, k, v; unit stride on the head dim) and return delta (``rowsum(dO * O) - dlse``,
@@ -177,24 +189,32 @@ def backward(
     D)``, ``k``, ``v`` ``(B, Hkv, Sk, D)`` (``takes_head_dim(D)``); ``lse`` the forward's
     natural-log fp32 ``(B, H, Sq)``, ``dlse`` its gradient or None; ``window`` in
     ``ops.problem.effective_window``'s form; ``softcap`` (0: off) and ``alibi`` (fp32 ``(H,)`` or
-    ``(B, H)`` slopes, or None) as ``flashcore.attention`` takes them. Three launches: the
+    ``(B, H)`` slopes, or None) as ``flashcore.attention`` takes them; ``varlen`` a packed
+    batch (q, out, dout, dq ``(total_q, H, D)``, k, v, dk, dv ``(total_k, Hkv, D)``, lse and
+    dlse ``(H, total_q)``) or None. Three launches: the
     Hopper backward's prep kernel (delta and lse2 into padded fp32 row buffers), the dQ kernel,
     the dK/dV kernel."""
     key = (
         q.shape, k.shape, q.dtype, q.device, out.stride(), dout.stride(), lse.stride(),
         None if dlse is None else dlse.stride(), dq.stride(), dk.stride(), dv.stride(), causal,
         scale, window, softcap, None if alibi is None else alibi.shape,
+        None if varlen is None else pb.problem_dims(q, k, varlen),
     )  # fmt: skip
     alibi, stride_ab = pb.alibi_arg(alibi, lse)
     p = _PLANS.get(key)
     if p is None:
         p = cached(_PLANS, key, lambda: _plan(
             q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window, softcap, stride_ab,
-            key[-1] is not None,
+            key[-2] is not None, varlen,
         ))  # fmt: skip
     stats = torch.empty(2 * p.rows, device=q.device, dtype=torch.float32)
     delta, lse2 = stats.split_with_sizes((p.rows, p.rows))
-    descs = tuple(Descriptor(t, p.box, p.layout) for t in (q, k, v, dout))
+    if varlen is None:
+        cu_q = cu_k = lse  # never read
+        descs = tuple(Descriptor(t, p.box, p.layout) for t in (q, k, v, dout))
+    else:
+        cu_q, cu_k = varlen[:2]
+        descs = tuple(Descriptor(packed_view(t), p.box, p.layout) for t in (q, k, v, dout))
     prep, dq_kernel, dkdv_kernel = kernels()
     with runtime.launch_on(q):
         grid, scalars, meta = p.prep
@@ -202,8 +222,10 @@ def backward(
         args = (out, dout, lse if dlse is None else dlse, lse, delta, lse2, delta, *scalars)
         prep(grid, args, meta, planned=True)
         grid, scalars, meta = p.dq
-        dq_kernel(grid, (*descs, lse2, delta, dq, alibi, *scalars), meta, planned=True)
+        dq_kernel(grid, (*descs, lse2, delta, dq, alibi, cu_q, cu_k, *scalars), meta, planned=True)
         grid, scalars, meta = p.dkdv
-        dkdv_kernel(grid, (*descs, lse2, delta, dk, dv, alibi, *scalars), meta, planned=True)
-    batch, heads, seqlen_q = lse.shape
-    return delta.view(batch, heads, -1)[..., :seqlen_q]
+        dkdv_kernel(
+            grid, (*descs, lse2, delta, dk, dv, alibi, cu_q, cu_k, *scalars), meta, planned=True
+        )
+    # Shaped like lse: (B, H, Sq) or, packed, (H, total_q).
+    return delta.view(*lse.shape[:-1], -1)[..., : lse.shape[-1]]

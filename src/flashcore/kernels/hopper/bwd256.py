@@ -92,41 +92,93 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashcore.kernels.hopper.bwd import q_blocks
-from flashcore.kernels.hopper.common import LOG2E, interleave, kv_tile_range, tanh
+from flashcore.kernels.hopper.common import (
+    LOG2E,
+    interleave,
+    kv_tile_range,
+    sequence,
+    tanh,
+    zero_rows,
+)
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a program (one m64 wgmma)
 HALF = gl.constexpr(128)  # the head-dim half of dQ each consumer of the dQ kernel holds
 
 
 @gluon.jit
-def _program(kv_heads, seqlen_k, lpt_heads):
-    """``(start_n, off_b, off_hk)`` of this program."""
+def _program(CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k,
+             VARLEN: gl.constexpr):  # fmt: skip
+    """``(start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b)`` of a dK/dV
+    program: its key block's first key, batch (VARLEN: sequence) and kv head, and its sequence's
+    first rows, lengths and batch coordinate in the descriptors (``common.sequence``). With
+    VARLEN the grid is sized by the longest sequence: a block may start past its own."""
     block, off_bh = interleave(gl.program_id(0), gl.cdiv(seqlen_k, ROWS), lpt_heads)
-    return block * ROWS, off_bh // kv_heads, off_bh % kv_heads
+    off_b = off_bh // kv_heads
+    q_start, k_start, seqlen_q, seqlen_k, desc_b = sequence(
+        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
+    )
+    return block * ROWS, off_b, off_bh % kv_heads, q_start, k_start, seqlen_q, seqlen_k, desc_b
+
+
+@gluon.jit
+def _load_tiles(a_desc, b_desc, off_b, off_h, row, bar, a_dest, b_dest):
+    """A tile of ``a_desc`` and one of ``b_desc`` from row ``row`` on into ``a_dest`` and
+    ``b_dest``, by TMA onto ``bar``."""
+    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [off_b, off_h, row, 0], bar, a_dest)
+    tma.async_copy_global_to_shared(b_desc, [off_b, off_h, row, 0], bar, b_dest)
+
+
+@gluon.jit
+def _load_fixed(a_desc, b_desc, off_h, row, keep, bar, fix_bar, n_fix, a_dest, b_dest):
+    """A packed sequence's tile pair from row ``row`` on whose rows from ``keep`` on are past the
+    sequence's end (the next sequence's, or past the tensors): landed on this warp's own
+    ``fix_bar`` (its ``n_fix``-th use), those rows zeroed (a NaN or inf there would reach this
+    sequence's gradients through a product over rows, even times P = 0), then ``bar`` arrived
+    on (the arrival the copies' expect makes otherwise). Returns ``n_fix + 1``."""
+    _load_tiles(a_desc, b_desc, 0, off_h, row, fix_bar, a_dest, b_dest)
+    mbarrier.wait(fix_bar, n_fix & 1)
+    zero_rows(a_dest.reshape([a_dest.shape[2], a_dest.shape[3]]), keep)
+    zero_rows(b_dest.reshape([b_dest.shape[2], b_dest.shape[3]]), keep)
+    fence_async_shared()
+    mbarrier.arrive(bar, count=1)
+    return n_fix + 1
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-              qd_ready, qd_empty, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
-              window_left, window_right, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              HAS_WINDOW: gl.constexpr):  # fmt: skip
-    start_n, off_b, off_hk = _program(kv_heads, seqlen_k, lpt_heads)
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, start_n, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, start_n, 0], kv_ready, v_smem)
+              qd_ready, qd_empty, fix_bar, CU_Q, CU_K, kv_heads, kv_group, seqlen_q, seqlen_k,
+              lpt_heads, window_left, window_right, total_q, total_k, NUM_STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+              VARLEN: gl.constexpr):  # fmt: skip
+    start_n, _, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = _program(
+        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+    )
+    # K and V: their rows past a packed sequence's end reach only dK and dV rows that are not
+    # stored (nothing here sums over keys), so they are not zeroed.
+    _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + start_n, kv_ready, k_smem, v_smem)
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
                       HAS_WINDOW, ROWS)  # fmt: skip
+    n_fix = gl.to_tensor(0)
     for t in range(n_m * kv_group):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
         slot = t % NUM_STAGES
         mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
         bar = qd_ready.index(slot)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], bar, q_smem.index(slot))
-        tma.async_copy_global_to_shared(
-            do_desc, [off_b, off_h, start_m, 0], bar, do_smem.index(slot)
-        )
+        row = q_start + start_m
+        q_dest = q_smem.index(slot)
+        do_dest = do_smem.index(slot)
+        if VARLEN:
+            if start_m + ROWS > seqlen_q:
+                # Q and dO rows past the sequence's end would reach dV and dK through P^T dO
+                # and dS^T Q (sums over query rows).
+                n_fix = _load_fixed(q_desc, do_desc, off_h, row, seqlen_q - start_m, bar,
+                                    fix_bar, n_fix, q_dest, do_dest)  # fmt: skip
+            else:
+                _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, q_dest, do_dest)
+        else:
+            _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, q_dest, do_dest)
 
 
 @gluon.jit
@@ -161,12 +213,13 @@ def _capped(s, rows, keys, diag, qk_scale, softcap, ALIBI, slope_off, SOFTCAP: g
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_empty, p_ready,
-              p_free, LSE2, DELTA, DK, DV, ALIBI, stride_ab, stride_lb, stride_lh, stride_dkb,
-              stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
-              seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left, window_right,
-              head_dim, CONSUMER: gl.constexpr, NUM_STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, EVEN_N: gl.constexpr,
-              SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr):  # fmt: skip
+              p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab, stride_lb, stride_lh,
+              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
+              kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+              window_right, head_dim, total_q, total_k, CONSUMER: gl.constexpr,
+              NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+              EVEN_N: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+              VARLEN: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = k_smem.dtype
     HEAD_DIM: gl.constexpr = k_smem.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -179,7 +232,9 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_em
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    start_n, off_b, off_hk = _program(kv_heads, seqlen_k, lpt_heads)
+    start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, _ = _program(
+        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+    )
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
                       HAS_WINDOW, ROWS)  # fmt: skip
     diag = seqlen_k - seqlen_q
@@ -202,11 +257,16 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_em
         q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
         do = do_smem.index(slot).reshape([ROWS, HEAD_DIM])
         rows = start_m + offs_m
-        stats = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + rows
+        # The prep kernel's row stats (VARLEN: of one sequence of all rows; stride_lb is 0).
+        stats = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + q_start + rows
         if CONSUMER == 0:
             s_tok = warpgroup_mma(kt, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            # The prep kernel's row stats: lse2 = +inf for a row with no key and past Sq (P = 0).
-            lse2 = gl.load(LSE2 + stats)
+            # lse2 = +inf for a row with no key and past Sq (P = 0); VARLEN, the rows past the
+            # sequence's end are the next one's: masked.
+            if VARLEN:
+                lse2 = gl.load(LSE2 + stats, mask=rows < seqlen_q, other=float("inf"))
+            else:
+                lse2 = gl.load(LSE2 + stats)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             r = gl.expand_dims(rows, 0)
             s, t_cap = _capped(s, r, keys, diag, qk_scale, softcap, ALIBI,
@@ -239,7 +299,10 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_em
             acc, p_op = warpgroup_mma_wait(0, deps=[tok, p_op])
         else:
             dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            delta = gl.load(DELTA + stats)
+            if VARLEN:
+                delta = gl.load(DELTA + stats, mask=rows < seqlen_q, other=0.0)
+            else:
+                delta = gl.load(DELTA + stats)
             dp = warpgroup_mma_wait(0, deps=[dp_tok])
             mbarrier.wait(p_ready.index(buf), (t // 2) & 1)
             p = p_smem.index(buf).load(s_layout).to(gl.float32)
@@ -251,18 +314,22 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_em
         mbarrier.arrive(qd_empty.index(slot), count=1)
     if CONSUMER == 0:
         ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
+        ptr += k_start.to(gl.int64) * stride_dvn
         _store_rows(ptr, acc, start_n, seqlen_k, stride_dvn, 0, head_dim, acc_layout)
     else:
         ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
+        ptr += k_start.to(gl.int64) * stride_dkn
         _store_rows(ptr, acc * scale, start_n, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
 
 
 @gluon.jit
-def _handoff_state(NUM_STAGES: gl.constexpr):
+def _handoff_state(NUM_STAGES: gl.constexpr, VARLEN: gl.constexpr):
     """Both kernels' shared state beside their tiles, allocated and initialised (module
     docstring): two P tiles (fp16); the resident pair's barrier (count 1); the ring's ready
     (count 1) and empty (count 2: both consumers) barriers; the P tiles' ready and free barriers
-    (count 1). Returns ``(p_smem, resident_ready, ring_ready, ring_empty, p_ready, p_free)``."""
+    (count 1); with VARLEN the producer's own barrier for the tiles it zeroes past a sequence's
+    end (``_load_fixed``; without, the resident pair's stands in, never touched). Returns
+    ``(p_smem, resident_ready, ring_ready, ring_empty, p_ready, p_free, fix_bar)``."""
     p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], gl.float16)
     p_smem = gl.allocate_shared_memory(gl.float16, [2, ROWS, ROWS], p_layout)
     resident_bar = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
@@ -274,7 +341,12 @@ def _handoff_state(NUM_STAGES: gl.constexpr):
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(ring_ready.index(i), count=1)
         mbarrier.init(ring_empty.index(i), count=2)
-    return p_smem, resident_ready, ring_ready, ring_empty, p_ready, p_free
+    fix_bar = resident_ready
+    if VARLEN:
+        fix = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        fix_bar = fix.index(0)
+        mbarrier.init(fix_bar, count=1)
+    return p_smem, resident_ready, ring_ready, ring_empty, p_ready, p_free, fix_bar
 
 
 @gluon.jit
@@ -299,6 +371,8 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     DK,
     DV,
     ALIBI,
+    CU_Q,
+    CU_K,
     stride_ab,
     stride_lb,
     stride_lh,
@@ -319,6 +393,8 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     window_left,
     window_right,
     head_dim,
+    total_q,
+    total_k,
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
@@ -326,44 +402,59 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     EVEN_N: gl.constexpr,
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """dK and dV of one 64-key block (module docstring). ``LSE2`` and ``DELTA``: the row stats
     of ``bwd.bwd_prep_kernel``, fp32 ``(B, H, Sq_pad)`` with strides ``(stride_lb, stride_lh,
     1)``, ``Sq_pad`` a multiple of 64 (lse2 +inf and delta 0 past Sq); ``qk_scale`` is ``scale *
     log2(e)`` (``scale / c`` with softcap c, then ``softcap`` is ``c log2(e)``); ``ALIBI`` fp32
     slopes at ``b * stride_ab + h`` (HAS_ALIBI); ``head_dim`` the tensors' (the boxes are 256
-    wide: columns past it load as zeros and are not stored); dK is scaled by ``scale`` here."""
+    wide: columns past it load as zeros and are not stored); dK is scaled by ``scale`` here.
+    VARLEN: packed sequences (``CU_Q``, ``CU_K`` int32 offsets, at most ``total_q`` /
+    ``total_k`` rows; ``seqlen_q`` / ``seqlen_k`` the longest sequence's), the descriptors over
+    ``(1, heads, total, D)`` views, the row stats those of one sequence of all rows, the strides
+    of dK and dV ``(0, head, row)``."""
+    if VARLEN:
+        # The grid is sized by the longest sequence: a key block past its own has nothing to do.
+        start_n, _, _, _, _, _, n_keys, _ = _program(
+            CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+        )
+        if start_n >= n_keys:
+            return
     dtype: gl.constexpr = q_desc.dtype
     q_shape: gl.constexpr = [NUM_STAGES] + q_desc.block_type.shape  # noqa: RUF005
     q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    p_smem, kv_ready, qd_ready, qd_empty, p_ready, p_free = _handoff_state(NUM_STAGES)
+    p_smem, kv_ready, qd_ready, qd_empty, p_ready, p_free, fix_bar = _handoff_state(
+        NUM_STAGES, VARLEN
+    )
     # The consumers' argument tuples differ only in CONSUMER (Triton 3.6's frontend has no
     # starred tuples).
     gl.warp_specialize(
         [
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_empty, p_ready,
-                p_free, LSE2, DELTA, DK, DV, ALIBI, stride_ab, stride_lb, stride_lh, stride_dkb,
-                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
-                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
-                window_right, head_dim, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP,
-                HAS_ALIBI,
+                p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab, stride_lb, stride_lh,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
+                kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+                window_right, head_dim, total_q, total_k, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN,
             )),
             (_consumer, (
                 q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_empty, p_ready,
-                p_free, LSE2, DELTA, DK, DV, ALIBI, stride_ab, stride_lb, stride_lh, stride_dkb,
-                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
-                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
-                window_right, head_dim, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP,
-                HAS_ALIBI,
+                p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab, stride_lb, stride_lh,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
+                kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+                window_right, head_dim, total_q, total_k, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-                qd_ready, qd_empty, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
-                window_left, window_right, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                qd_ready, qd_empty, fix_bar, CU_Q, CU_K, kv_heads, kv_group, seqlen_q, seqlen_k,
+                lpt_heads, window_left, window_right, total_q, total_k, NUM_STAGES, IS_CAUSAL,
+                HAS_WINDOW, VARLEN,
             )),
         ],
         [4, 1],
@@ -372,47 +463,66 @@ def attn_bwd_dkdv_sm90_d256_kernel(
 
 
 @gluon.jit
-def _dq_program(heads, seqlen_q, lpt_heads, IS_CAUSAL: gl.constexpr):
-    """``(start_m, off_b, off_h)`` of a dQ program; causal query blocks last-first (the later
-    rows see more keys: the heavy programs start first)."""
+def _dq_program(CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k,
+                IS_CAUSAL: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    """``(start_m, off_b, off_h, q_start, k_start, seqlen_q, seqlen_k, desc_b)`` of a dQ
+    program, as ``_program``'s; causal query blocks last-first (the later rows see more keys: the
+    heavy programs start first; VARLEN, counted from the longest sequence's last)."""
     n_blocks = gl.cdiv(seqlen_q, ROWS)
     block, off_bh = interleave(gl.program_id(0), n_blocks, lpt_heads)
     if IS_CAUSAL:
         block = n_blocks - 1 - block
-    return block * ROWS, off_bh // heads, off_bh % heads
+    off_b = off_bh // heads
+    q_start, k_start, seqlen_q, seqlen_k, desc_b = sequence(
+        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
+    )
+    return block * ROWS, off_b, off_bh % heads, q_start, k_start, seqlen_q, seqlen_k, desc_b
 
 
 @gluon.jit
 def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, q_ready,
-                 kv_ready, kv_empty, heads, kv_group, seqlen_q, seqlen_k, lpt_heads, window_left,
-                 window_right, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 HAS_WINDOW: gl.constexpr):  # fmt: skip
-    start_m, off_b, off_h = _dq_program(heads, seqlen_q, lpt_heads, IS_CAUSAL)
-    mbarrier.expect(q_ready, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [off_b, off_h, start_m, 0], q_ready, q_smem)
-    tma.async_copy_global_to_shared(do_desc, [off_b, off_h, start_m, 0], q_ready, do_smem)
+                 kv_ready, kv_empty, fix_bar, CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k,
+                 lpt_heads, window_left, window_right, total_q, total_k,
+                 NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                 VARLEN: gl.constexpr):  # fmt: skip
+    start_m, _, off_h, q_start, k_start, seqlen_q, seqlen_k, desc_b = _dq_program(
+        CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, IS_CAUSAL, VARLEN
+    )
+    # Q and dO: their rows past a packed sequence's end reach only dQ rows that are not stored.
+    _load_tiles(q_desc, do_desc, desc_b, off_h, q_start + start_m, q_ready, q_smem, do_smem)
     lo, _, _, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS, ROWS, IS_CAUSAL, HAS_WINDOW
     )
     off_hk = off_h // kv_group
+    n_fix = gl.to_tensor(0)
     for t in range(gl.cdiv(hi - lo, ROWS)):
         slot = t % NUM_STAGES
         mbarrier.wait(kv_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
         bar = kv_ready.index(slot)
-        mbarrier.expect(bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         key = lo + t * ROWS
-        tma.async_copy_global_to_shared(k_desc, [off_b, off_hk, key, 0], bar, k_smem.index(slot))
-        tma.async_copy_global_to_shared(v_desc, [off_b, off_hk, key, 0], bar, v_smem.index(slot))
+        k_dest = k_smem.index(slot)
+        v_dest = v_smem.index(slot)
+        if VARLEN:
+            if key + ROWS > seqlen_k:
+                # K and V rows past the sequence's end would reach dQ through dS K (a sum over
+                # keys) and dP = dO V^T.
+                n_fix = _load_fixed(k_desc, v_desc, off_hk, k_start + key, seqlen_k - key, bar,
+                                    fix_bar, n_fix, k_dest, v_dest)  # fmt: skip
+            else:
+                _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + key, bar, k_dest, v_dest)
+        else:
+            _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + key, bar, k_dest, v_dest)
 
 
 @gluon.jit
 def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
-                 p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, stride_ab,
-                 stride_lb, stride_lh, stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k,
-                 lpt_heads, qk_scale, scale, softcap, window_left, window_right, head_dim,
-                 CONSUMER: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr,
-                 HAS_ALIBI: gl.constexpr):  # fmt: skip
+                 p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, CU_Q, CU_K,
+                 stride_ab, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm, heads,
+                 seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+                 window_right, head_dim, total_q, total_k, CONSUMER: gl.constexpr,
+                 NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
+                 SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                 VARLEN: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = q_smem.dtype
     HEAD_DIM: gl.constexpr = q_smem.shape[3]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -425,7 +535,9 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    start_m, off_b, off_h = _dq_program(heads, seqlen_q, lpt_heads, IS_CAUSAL)
+    start_m, off_b, off_h, q_start, _, seqlen_q, seqlen_k, _ = _dq_program(
+        CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, IS_CAUSAL, VARLEN
+    )
     lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS, ROWS, IS_CAUSAL, HAS_WINDOW
     )
@@ -437,11 +549,19 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
     dot = do_smem.reshape([ROWS, HEAD_DIM])
     zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
     dq = gl.zeros([ROWS, HALF], gl.float32, layout=acc_layout)
-    # The prep kernel's row stats (rows past Sq: lse2 +inf, delta 0; Sq_pad covers the block).
-    stats = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + start_m
+    # The prep kernel's row stats (rows past Sq: lse2 +inf, delta 0; Sq_pad covers the block;
+    # VARLEN: those of one sequence of all rows, stride_lb 0, the rows past this sequence's end
+    # the next one's: masked).
+    stats = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + q_start + start_m
     stat_rows = gl.arange(0, ROWS, layout=row_layout)
+    in_seq = start_m + stat_rows < seqlen_q
     if CONSUMER == 0:
-        row_stat = gl.load(LSE2 + stats + stat_rows)
+        if VARLEN:
+            row_stat = gl.load(LSE2 + stats + stat_rows, mask=in_seq, other=float("inf"))
+        else:
+            row_stat = gl.load(LSE2 + stats + stat_rows)
+    elif VARLEN:
+        row_stat = gl.load(DELTA + stats + stat_rows, mask=in_seq, other=0.0)
     else:
         row_stat = gl.load(DELTA + stats + stat_rows)
     mbarrier.wait(q_ready, 0)
@@ -500,6 +620,7 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
         # Every reader of the slot is complete (S or dP, and this consumer's dQ products).
         mbarrier.arrive(kv_empty.index(slot), count=1)
     ptr = DQ + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh
+    ptr += q_start.to(gl.int64) * stride_qm
     _store_rows(ptr, dq * scale, start_m, seqlen_q, stride_qm, col0, head_dim, acc_layout)
 
 
@@ -513,6 +634,8 @@ def attn_bwd_dq_sm90_d256_kernel(
     DELTA,
     DQ,
     ALIBI,
+    CU_Q,
+    CU_K,
     stride_ab,
     stride_lb,
     stride_lh,
@@ -530,23 +653,36 @@ def attn_bwd_dq_sm90_d256_kernel(
     window_left,
     window_right,
     head_dim,
+    total_q,
+    total_k,
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
     HAS_WINDOW: gl.constexpr,
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
+    VARLEN: gl.constexpr,
 ):
     """dQ of one block of 64 query rows (module docstring, "dQ"): the dK/dV kernel's split with
     rows and keys swapped. The arguments as that kernel takes them; dQ scaled by ``scale`` and
     stored from registers with a row mask (and a column mask past ``head_dim``)."""
+    if VARLEN:
+        # The grid is sized by the longest sequence: a query block past its own has nothing to
+        # do.
+        start_m, _, _, _, _, n_rows, _, _ = _dq_program(
+            CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, IS_CAUSAL, VARLEN
+        )
+        if start_m >= n_rows:
+            return
     dtype: gl.constexpr = q_desc.dtype
     kv_shape: gl.constexpr = [NUM_STAGES] + k_desc.block_type.shape  # noqa: RUF005
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
-    p_smem, q_ready, kv_ready, kv_empty, p_ready, p_free = _handoff_state(NUM_STAGES)
+    p_smem, q_ready, kv_ready, kv_empty, p_ready, p_free, fix_bar = _handoff_state(
+        NUM_STAGES, VARLEN
+    )
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], ds_layout)
     ds_ready, ds_free = _tile_barriers()
@@ -554,22 +690,25 @@ def attn_bwd_dq_sm90_d256_kernel(
         [
             (_dq_consumer, (
                 q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, stride_ab, stride_lb,
-                stride_lh, stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads,
-                qk_scale, scale, softcap, window_left, window_right, head_dim, 0, NUM_STAGES,
-                IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, CU_Q, CU_K,
+                stride_ab, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm, heads,
+                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+                window_right, head_dim, total_q, total_k, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_ALIBI, VARLEN,
             )),
             (_dq_consumer, (
                 q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, stride_ab, stride_lb,
-                stride_lh, stride_qb, stride_qh, stride_qm, heads, seqlen_q, seqlen_k, lpt_heads,
-                qk_scale, scale, softcap, window_left, window_right, head_dim, 1, NUM_STAGES,
-                IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, CU_Q, CU_K,
+                stride_ab, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm, heads,
+                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+                window_right, head_dim, total_q, total_k, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                SOFTCAP, HAS_ALIBI, VARLEN,
             )),
             (_dq_producer, (
                 q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, q_ready,
-                kv_ready, kv_empty, heads, kv_group, seqlen_q, seqlen_k, lpt_heads, window_left,
-                window_right, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
+                kv_ready, kv_empty, fix_bar, CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k,
+                lpt_heads, window_left, window_right, total_q, total_k, NUM_STAGES, IS_CAUSAL,
+                HAS_WINDOW, VARLEN,
             )),
         ],
         [4, 1],
