@@ -2,11 +2,11 @@
 
 ``ops.bwd.launch`` runs it instead of the portable kernels where ``takes`` says so: an sm_90 GPU
 under a tier that may run Gluon (``runtime.backward_tier``), head dim 256 (or 136-248 in steps
-of 8, run as 256) for q, k and v, fp16/bf16, dense tensors the copy engine can address (causal, a
-window, softcap, ALiBi, GQA/MQA, an LSE gradient and sinks are all fine; packed batches are
-not). Three launches: the Hopper backward's
-prep kernel (delta and lse2), the dQ kernel and the dK/dV kernel, each gradient written once
-per program, so the backward is bit-identical over runs (``deterministic=True`` takes it too).
+of 8, run as 256) for q, k and v, fp16/bf16, tensors the copy engine can address, dense or
+packed (causal, a window, softcap, ALiBi, GQA/MQA, an LSE gradient and sinks are all fine).
+Three launches: the Hopper backward's prep kernel (delta and lse2), the dQ kernel and the dK/dV
+kernel, each gradient written once per program, so the backward is bit-identical over runs
+(``deterministic=True`` takes it too).
 """
 
 from __future__ import annotations

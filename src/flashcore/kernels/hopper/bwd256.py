@@ -77,8 +77,22 @@ consumer 0's P of step t (written before consumer 0 waits) and its release of ti
 and dO (32 KB each), two K/V slots (64 KB each), the P and dS tiles: 229,840 B. dQ (scaled)
 leaves from registers with a row and column mask.
 
-Not covered (the launcher's ``takes`` says no): packed batches, a value head dim unlike the
-query's, head dims outside 136-256.
+VARLEN (packed batches, FlashAttention-2's varlen): the descriptors are ``(1, heads, total, D)``
+views of the packed tensors (batch coordinate 0), the grids are sized by the longest sequence (a
+program whose block starts past its own sequence returns at entry), and each program reads its
+sequence's first rows and lengths from ``CU_Q``, ``CU_K`` (``common.sequence``). The row stats are
+those of one sequence of all ``total_q`` rows (the prep kernel runs as for a dense batch of one),
+read with a row mask (lse2 +inf and delta 0 past the sequence's end). A tile that crosses the
+sequence's end holds the next sequence's rows (or, past the tensors, the copy engine's zeros);
+where a product sums over those rows a NaN or inf there would reach this sequence's gradients
+even times P = 0, so the producer lands such a tile on its own barrier, zeroes the rows past the
+end (``common.zero_rows``) and then arrives on the slot's ready barrier (``_load_fixed``): Q and
+dO in the dK/dV kernel (dV and dK sum over query rows), K and V in the dQ kernel (dQ sums over
+keys). The resident tiles (K and V of the dK/dV kernel, Q and dO of the dQ kernel) reach only
+gradient rows past the end, which the row-masked stores drop.
+
+Not covered (the launcher's ``takes`` says no): a value head dim unlike the query's, head dims
+outside 136-256.
 """
 
 from triton.experimental import gluon
