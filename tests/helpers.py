@@ -258,12 +258,13 @@ def require_sm90() -> None:
 
 
 def spy_d256(monkeypatch) -> list:
-    """Force the head-dim-256 Hopper backward on (``bwd256.VERIFIED``), drop kept backwards,
-    and return a list that gains an entry per run of it."""
+    """Force the head-dim-256 Hopper backward on (``bwd256.VERIFIED``; MLA's head dims non-causal
+    too), drop kept backwards, and return a list that gains an entry per run of it."""
     from flashcore.ops import bwd, bwd256
 
     require_sm90()
     monkeypatch.setattr(bwd256, "VERIFIED", True)
+    monkeypatch.setattr(bwd256, "MLA_NON_CAUSAL", True)
     bwd.forget()
     calls = []
     real = bwd256.backward

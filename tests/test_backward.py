@@ -316,6 +316,36 @@ def test_backward_gpu_d256_padded(case, dtype, causal, layout, monkeypatch):
     assert calls
 
 
+D256_MLA = [
+    (MaskCase(Case(2, 4, 4, 1000, 1000, 192)), "bhsd", torch.bfloat16),
+    (MaskCase(Case(1, 4, 2, 513, 777, 192), causal=True), "bshd", torch.float16),
+    (MaskCase(Case(1, 4, 1, 777, 513, 192), causal=True), "bhsd", torch.bfloat16),
+    (MaskCase(Case(1, 8, 8, 2048, 2048, 192), causal=True), "bhsd", torch.bfloat16),
+    (
+        MaskCase(Case(1, 4, 2, 600, 900, 192), window=(200, 30), softcap=20.0, alibi="h"),
+        "bhsd",
+        torch.float16,
+    ),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("mc", "layout", "dtype"),
+    D256_MLA,
+    ids=[f"{mc.id}-{layout}-{str(d)[6:]}" for mc, layout, d in D256_MLA],
+)
+def test_backward_gpu_d256_mla(mc, layout, dtype, monkeypatch):
+    """MLA's head dims (q and k 192, v 128) through the head-dim-256 kernels (Q and K in a 128-
+    and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options."""
+    calls = spy_d256(monkeypatch)
+    q, k, _ = make_qkv(mc.case, dtype, "cuda", layout=layout)
+    _, _, v = make_qkv(mc.case._replace(head_dim=128), dtype, "cuda", layout=layout)
+    dv = check_backward(q, k, v, **mask_options(mc, "cuda"))[2]
+    assert calls, "the head-dim-256 Gluon backward did not run"
+    assert dv.shape == v.shape
+
+
 @pytest.mark.gpu
 def test_backward_gpu_d256_deterministic_and_lse_grad(monkeypatch):
     """No atomics: two backwards are bit-identical, ``deterministic=True`` takes the kernels
@@ -336,17 +366,26 @@ def test_backward_gpu_d256_deterministic_and_lse_grad(monkeypatch):
 
 @pytest.mark.gpu
 def test_backward_gpu_d256_not_taken(monkeypatch):
-    """fp32, a value head dim unlike the query's, and head dims outside 136-256 or not a
-    multiple of 8 keep the other backwards (``bwd256.takes``)."""
+    """fp32, a value head dim unlike the query's but MLA's, and head dims outside 136-256 or not
+    a multiple of 8 keep the other backwards (``bwd256.takes``)."""
     calls = spy_d256(monkeypatch)
     q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 256), torch.bfloat16, "cuda")
     check_backward(*(t.float() for t in (q, k, v)), causal=False)
-    check_backward(q[..., :192], k[..., :192], v[..., :128], causal=True)
+    check_backward(q[..., :192], k[..., :192], v[..., :64], causal=True)
     q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 132), torch.bfloat16, "cuda")
     check_backward(q, k, v, causal=False)
     q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 120), torch.bfloat16, "cuda")
     check_backward(q, k, v, causal=False)
     assert not calls
+    # MLA's head dims run these kernels causal only (``bwd256.MLA_NON_CAUSAL`` off, as shipped).
+    from flashcore.ops import bwd256
+
+    monkeypatch.setattr(bwd256, "MLA_NON_CAUSAL", False)
+    q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 192), torch.bfloat16, "cuda")
+    check_backward(q, k, v[..., :128], causal=False)
+    assert not calls
+    check_backward(q, k, v[..., :128], causal=True)
+    assert calls
 
 
 @pytest.mark.gpu

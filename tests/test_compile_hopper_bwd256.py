@@ -39,6 +39,12 @@ VARIANTS = [
     ("dkdv-fp16-window-softcap-varlen", "dkdv", "fp16", False, True, False, True, False),
     ("dq-bf16-causal-varlen", "dq", "bf16", True, False, None, False, False),
     ("dq-fp16-softcap-alibi-varlen", "dq", "fp16", False, False, None, True, True),
+    # MLA's head dims (q and k 192, v 128: a label starting "mla"), three ring slots.
+    ("mla-dkdv-bf16-causal-ragged", "dkdv", "bf16", True, False, False, False, False),
+    ("mla-dkdv-fp16", "dkdv", "fp16", False, False, True, False, False),
+    ("mla-dkdv-bf16-window-softcap-alibi-varlen", "dkdv", "bf16", False, True, False, True, True),
+    ("mla-dq-bf16-causal", "dq", "bf16", True, False, None, False, False),
+    ("mla-dq-fp16-window-softcap-varlen", "dq", "fp16", False, True, None, True, False),
 ]
 
 
@@ -52,12 +58,16 @@ def compile_variant(variant) -> dict:
     label, which, dtype, causal, window, even_n, softcap, alibi = variant
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     signature = {}
-    block = [1, 1, bwd256.ROWS, bwd256.HEAD_DIM]
-    layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
-    for name in ("q_desc", "k_desc", "v_desc", "do_desc"):
-        signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
+    mla = label.startswith("mla")
+    qk_a, qk_b, qk_box, v_tile = bwd256._tiles(*((192, 128) if mla else (256, 256)))
+    for names, width in ((("q_desc", "k_desc"), qk_box), (("v_desc", "do_desc"), v_tile)):
+        block = [1, 1, bwd256.ROWS, width]
+        layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
+        for name in names:
+            signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
     consts = dict(
-        NUM_STAGES=bwd256.NUM_STAGES, CONSUMER_REGS=bwd256.CONSUMER_REGS, IS_CAUSAL=causal,
+        QK_A=qk_a, QK_B=qk_b, NUM_STAGES=bwd256.MLA_STAGES if mla else bwd256.NUM_STAGES,
+        CONSUMER_REGS=bwd256.CONSUMER_REGS, IS_CAUSAL=causal,
         HAS_WINDOW=window, SOFTCAP=softcap, HAS_ALIBI=alibi, VARLEN="varlen" in label,
     )  # fmt: skip
     if which == "dkdv":
@@ -126,10 +136,15 @@ def test_products_and_copies(compiled):
         # operands from shared memory; dV and dK (K = 64: 4 each) take P^T and dS^T from
         # registers. dQ: S and dP (16 each) and consumer 0's dQ half (4, dS from shared memory);
         # consumer 1's dQ half (4) takes dS from registers.
-        if row["variant"].startswith("dkdv"):
-            assert (row["hgmma_shared_a"], row["hgmma_register_a"]) == (32, 8), row
+        # MLA (K = 192 for S, 128 for dP): dK/dV 12 + 8 from shared memory, dV 4 and dK's two
+        # tiles 4 + 4 from registers; dQ 12 + 8 + consumer 0's 64 columns (4) from shared memory,
+        # consumer 1's 128 (4) from registers.
+        mla = row["variant"].startswith("mla")
+        if "dkdv" in row["variant"]:
+            want = (20, 12) if mla else (32, 8)
         else:
-            assert (row["hgmma_shared_a"], row["hgmma_register_a"]) == (36, 4), row
+            want = (24, 4) if mla else (36, 4)
+        assert (row["hgmma_shared_a"], row["hgmma_register_a"]) == want, row
         assert row["tma_load"] >= 4, row  # Q, dO, and a step's K and V (or the other way)
         assert row["atomics"] == 0, row
 

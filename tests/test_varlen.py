@@ -398,6 +398,9 @@ VARLEN_D256_BWD = [
     (VarlenCase(4, 4, (300, 1, 129, 900), (517, 64, 129, 900), 256),
      {"causal": True, "alibi": "bh"}),
     (VarlenCase(4, 2, (300, 77, 700), (517, 64, 700), 192), {"causal": True, "softcap": 50.0}),
+    # MLA's head dims: q and k 192, v 128.
+    (VarlenCase(4, 2, (300, 1, 129, 700), (517, 64, 129, 700), 192),
+     {"causal": True, "value_dim": 128}),
 ]  # fmt: skip
 
 
@@ -413,6 +416,8 @@ def test_varlen_gpu_d256_backward(monkeypatch, case, opts, dtype):
     calls = spy_d256(monkeypatch)
     q, k, v, cu_q, cu_k = make_varlen(case, dtype, "cuda")
     opts = dict(opts)
+    if "value_dim" in opts:
+        v = v[..., : opts.pop("value_dim")].contiguous()
     causal = opts.pop("causal", False)
     if opts.pop("alibi", None):
         opts["alibi_slopes"] = torch.rand(len(case.seqlens_q), case.heads, device="cuda")

@@ -176,9 +176,9 @@ def launch(
             return dq, dk, dv, sink_grad(sinks, lse, delta)
     lse = lse.contiguous()
     if (
-        bwd256.takes_head_dim(q.shape[-1])
+        bwd256.takes_head_dims(q.shape[-1], v.shape[-1])
         and config is None
-        and bwd256.takes(q, k, v, dout, alibi_slopes, varlen)
+        and bwd256.takes(q, k, v, dout, causal, alibi_slopes, varlen)
     ):
         # Head dim 256 on Hopper: the Gluon kernels of ops/bwd256.py (no atomics: taken with
         # ``deterministic`` too).

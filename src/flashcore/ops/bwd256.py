@@ -19,7 +19,7 @@ import torch
 
 from flashcore.ops import problem as pb
 from flashcore.ops import runtime
-from flashcore.ops.fwd_sm90 import box_layout, lpt_group, packed_view, tma_ok
+from flashcore.ops.fwd_sm90 import MLA_HEAD_DIMS, box_layout, lpt_group, packed_view, tma_ok
 from flashcore.ops.launch import Descriptor, Launcher, cached
 
 ROWS = 64  # keys a program and query rows a step (kernels/hopper/bwd256.py)
@@ -31,11 +31,18 @@ HEAD_DIM = 256
 # docs/performance_backward.md, "Head dim 256"), so it is taken wherever it applies; tests force
 # it either way.
 VERIFIED = True
+# MLA's head dims (192, 128) run these kernels causal only: H200, bf16, 32k tokens of 16 heads
+# (docs/performance_backward.md, "MLA's head dims"), causal 1.07-1.09x the portable backward,
+# non-causal 0.94-0.95x (the portable one keeps those). Tests set it to run them either way.
+MLA_NON_CAUSAL = False
 # Two ring slots (64 KB each: Q and dO for the dK/dV kernel, K and V for the dQ kernel) beside
 # the resident pair (32 KB each) and the P (and, dQ kernel, dS) tiles: 213,376 B (dK/dV) and
 # 229,840-229,856 B (dQ) of the 232,448 a block may use; 240 registers for each consumer, 24
 # for the producer, 168 at entry (12 warps).
 NUM_STAGES = 2
+# MLA's (192, 128): a ring slot is 40 KB (Q or K at 24, dO or V at 16), and three fit (176 KB in
+# the dK/dV kernel, 192 KB in the dQ kernel).
+MLA_STAGES = 3
 CONSUMER_REGS = 240
 MAXNREG = 168
 
@@ -59,11 +66,15 @@ def takes(
     k: torch.Tensor,
     v: torch.Tensor,
     dout: torch.Tensor,
+    causal: bool,
     alibi: torch.Tensor | None,
     varlen: pb.Varlen | None,
 ) -> bool:
-    """Whether this backward runs here (module docstring; tests set ``VERIFIED``)."""
+    """Whether this backward runs here (module docstring; tests set ``VERIFIED`` and
+    ``MLA_NON_CAUSAL``). ``causal`` as ``ops.problem.effective_window`` gives it."""
     if not VERIFIED:
+        return False
+    if (q.shape[-1], v.shape[-1]) == MLA_HEAD_DIMS and not (causal or MLA_NON_CAUSAL):
         return False
     if alibi is not None and alibi.dtype != torch.float32:
         return False
@@ -71,7 +82,7 @@ def takes(
         return False
     if not k.dtype == v.dtype == dout.dtype == q.dtype:
         return False
-    if not takes_head_dim(q.shape[-1]) or not k.shape[-1] == v.shape[-1] == q.shape[-1]:
+    if k.shape[-1] != q.shape[-1] or not takes_head_dims(q.shape[-1], v.shape[-1]):
         return False
     if runtime.backward_tier(q.device) != "sm90":
         return False
@@ -81,11 +92,22 @@ def takes(
     return all(tma_ok(t) for t in (q, k, v, dout))
 
 
-def takes_head_dim(head_dim: int) -> bool:
-    """Head dims these kernels run: 256, and 136-248 in steps of 8 (the forward's padded ones,
-    over the same 256-column boxes: the columns past the tensors' load as zeros and are not
-    stored)."""
-    return HEAD_DIM // 2 < head_dim <= HEAD_DIM and head_dim % 8 == 0
+def takes_head_dims(head_dim: int, head_dim_v: int) -> bool:
+    """Whether these kernels run head dims ``(head_dim, head_dim_v)`` (q and k's, v's): 256, and
+    136-248 in steps of 8 (the forward's padded ones, over the same 256-column boxes: the columns
+    past the tensors' load as zeros and are not stored), v's equal; or MLA's (192, 128)."""
+    if (head_dim, head_dim_v) == MLA_HEAD_DIMS:
+        return True
+    return head_dim == head_dim_v and HEAD_DIM // 2 < head_dim <= HEAD_DIM and head_dim % 8 == 0
+
+
+def _tiles(head_dim: int, head_dim_v: int) -> tuple[int, int, int, int]:
+    """``(QK_A, QK_B, Q/K box width, V tile and box width)`` for ``takes_head_dims``' head dims:
+    MLA's Q and K in a 128- and a 64-column tile, by 64-column boxes (a box and a tile are a
+    power of two wide), V at 128; the others in one 256-column tile and box each."""
+    if (head_dim, head_dim_v) == MLA_HEAD_DIMS:
+        return 128, 64, 64, head_dim_v
+    return HEAD_DIM, 0, HEAD_DIM, HEAD_DIM
 
 
 class Plan(NamedTuple):
@@ -93,8 +115,8 @@ class Plan(NamedTuple):
     prep: tuple  # (grid, scalars, meta) of bwd_prep_kernel
     dq: tuple  # (grid, scalars, meta) of the dQ kernel
     dkdv: tuple  # (grid, scalars, meta) of the dK/dV kernel
-    box: list[int]
-    layout: object
+    boxes: tuple[list[int], list[int]]  # Q and K's, V and dO's
+    layouts: tuple[object, object]
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -105,7 +127,8 @@ def _plan(
     varlen,
 ) -> Plan:  # fmt: skip
     batch, heads, kv_heads, seqlen_q, seqlen_k = pb.problem_dims(q, k, varlen)
-    head_dim = q.shape[-1]
+    head_dim, head_dim_v = q.shape[-1], dout.shape[-1]
+    qk_a, qk_b, qk_box, v_tile = _tiles(head_dim, head_dim_v)
     total_q, total_k = pb.packed_totals(q, k, varlen)
     # The prep kernel and the row stats see one sequence of total_q rows when packed.
     rows_b, rows_q = (batch, seqlen_q) if varlen is None else (1, total_q)
@@ -119,14 +142,16 @@ def _plan(
             *pb.stats_strides(lse, varlen), heads, rows_q, seqlen_pad, 0,
         ),
         {
-            "HEAD_DIM": head_dim, "BLOCK_D": HEAD_DIM, "BLOCK_M": ROWS,
+            "HEAD_DIM": head_dim_v, "BLOCK_D": v_tile, "BLOCK_M": ROWS,
             "HAS_DLSE": dlse is not None, "PDL": False, "num_warps": 4,
         },
     )  # fmt: skip
     # The row stats' batch and head strides (packed: batch 0, one sequence of all rows).
     stats = (0 if varlen is not None else heads * seqlen_pad, seqlen_pad)
     common = {
-        "NUM_STAGES": NUM_STAGES,
+        "QK_A": qk_a,
+        "QK_B": qk_b,
+        "NUM_STAGES": MLA_STAGES if qk_b else NUM_STAGES,
         "CONSUMER_REGS": CONSUMER_REGS,
         "IS_CAUSAL": sc.is_causal,
         "HAS_WINDOW": sc.has_window,
@@ -139,8 +164,9 @@ def _plan(
     q_lpt = kv_lpt = 1
     if sc.is_causal and not sc.has_window and varlen is None:
         # Heaviest blocks first across heads, as the Hopper kernels order them.
-        q_lpt = lpt_group(batch * heads, seqlen_k * 2 * HEAD_DIM * k.element_size())
-        kv_lpt = lpt_group(batch * kv_heads, seqlen_q * 2 * HEAD_DIM * q.element_size())
+        tile_bytes = (qk_a + qk_b + v_tile) * k.element_size()
+        q_lpt = lpt_group(batch * heads, seqlen_k * tile_bytes)
+        kv_lpt = lpt_group(batch * kv_heads, seqlen_q * tile_bytes)
     meta = {"num_warps": 4, "maxnreg": MAXNREG}
     dq_launch = (
         (math.ceil(seqlen_q / ROWS) * batch * heads,),
@@ -158,10 +184,10 @@ def _plan(
         ),
         {**common, "EVEN_N": varlen is None and seqlen_k % ROWS == 0, **flags, **meta},
     )  # fmt: skip
-    box = [1, 1, ROWS, HEAD_DIM]
+    boxes = ([1, 1, ROWS, qk_box], [1, 1, ROWS, v_tile])
     return Plan(
-        rows_b * heads * seqlen_pad, prep, dq_launch, dkdv_launch, box,
-        box_layout(tuple(box), q.dtype),
+        rows_b * heads * seqlen_pad, prep, dq_launch, dkdv_launch, boxes,
+        tuple(box_layout(tuple(box), q.dtype) for box in boxes),
     )  # fmt: skip
 
 
@@ -209,12 +235,14 @@ def backward(
         ))  # fmt: skip
     stats = torch.empty(2 * p.rows, device=q.device, dtype=torch.float32)
     delta, lse2 = stats.split_with_sizes((p.rows, p.rows))
-    if varlen is None:
-        cu_q = cu_k = lse  # never read
-        descs = tuple(Descriptor(t, p.box, p.layout) for t in (q, k, v, dout))
-    else:
+    cu_q = cu_k = lse  # never read without varlen
+    view = (lambda t: t) if varlen is None else packed_view
+    if varlen is not None:
         cu_q, cu_k = varlen[:2]
-        descs = tuple(Descriptor(packed_view(t), p.box, p.layout) for t in (q, k, v, dout))
+    descs = tuple(
+        Descriptor(view(t), p.boxes[i // 2], p.layouts[i // 2])
+        for i, t in enumerate((q, k, v, dout))
+    )
     prep, dq_kernel, dkdv_kernel = kernels()
     with runtime.launch_on(q):
         grid, scalars, meta = p.prep

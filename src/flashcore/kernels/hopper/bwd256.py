@@ -116,7 +116,6 @@ from flashcore.kernels.hopper.common import (
 )
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a program (one m64 wgmma)
-HALF = gl.constexpr(128)  # the head-dim half of dQ each consumer of the dQ kernel holds
 
 
 @gluon.jit
@@ -135,42 +134,64 @@ def _program(CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total
 
 
 @gluon.jit
-def _load_tiles(a_desc, b_desc, off_b, off_h, row, bar, a_dest, b_dest):
-    """A tile of ``a_desc`` and one of ``b_desc`` from row ``row`` on into ``a_dest`` and
-    ``b_dest``, by TMA onto ``bar``."""
-    mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(a_desc, [off_b, off_h, row, 0], bar, a_dest)
-    tma.async_copy_global_to_shared(b_desc, [off_b, off_h, row, 0], bar, b_dest)
+def _load_tiles(qk_desc, v_desc, off_b, off_h, row, bar, a_dest, b_dest, v_dest,
+                QK_B: gl.constexpr):  # fmt: skip
+    """A Q (or K) tile and a dO (or V) tile from row ``row`` on, by TMA onto ``bar``: the Q/K
+    tile's first ``a_dest.shape[3]`` columns into ``a_dest`` and, with QK_B (MLA), the next QK_B
+    into ``b_dest``, in boxes of ``qk_desc``'s width (a box is a power of two wide: MLA's 192
+    columns come as three of 64); the other into ``v_dest``."""
+    PANEL: gl.constexpr = qk_desc.block_type.shape[3]
+    QK_A: gl.constexpr = a_dest.shape[3]
+    A_PANELS: gl.constexpr = QK_A // PANEL
+    B_PANELS: gl.constexpr = QK_B // PANEL
+    mbarrier.expect(
+        bar, (A_PANELS + B_PANELS) * qk_desc.block_type.nbytes + v_desc.block_type.nbytes
+    )
+    if A_PANELS == 1:
+        tma.async_copy_global_to_shared(qk_desc, [off_b, off_h, row, 0], bar, a_dest)
+    else:
+        for i in gl.static_range(A_PANELS):
+            tma.async_copy_global_to_shared(
+                qk_desc, [off_b, off_h, row, i * PANEL], bar, a_dest.slice(i * PANEL, PANEL, dim=3)
+            )
+    if QK_B > 0:
+        gl.static_assert(B_PANELS == 1)
+        tma.async_copy_global_to_shared(qk_desc, [off_b, off_h, row, QK_A], bar, b_dest)
+    tma.async_copy_global_to_shared(v_desc, [off_b, off_h, row, 0], bar, v_dest)
 
 
 @gluon.jit
-def _load_fixed(a_desc, b_desc, off_h, row, keep, bar, fix_bar, n_fix, a_dest, b_dest):
-    """A packed sequence's tile pair from row ``row`` on whose rows from ``keep`` on are past the
+def _load_fixed(qk_desc, v_desc, off_h, row, keep, bar, fix_bar, n_fix, a_dest, b_dest, v_dest,
+                QK_B: gl.constexpr):  # fmt: skip
+    """``_load_tiles`` for a packed sequence's tiles whose rows from ``keep`` on are past the
     sequence's end (the next sequence's, or past the tensors): landed on this warp's own
     ``fix_bar`` (its ``n_fix``-th use), those rows zeroed (a NaN or inf there would reach this
     sequence's gradients through a product over rows, even times P = 0), then ``bar`` arrived
     on (the arrival the copies' expect makes otherwise). Returns ``n_fix + 1``."""
-    _load_tiles(a_desc, b_desc, 0, off_h, row, fix_bar, a_dest, b_dest)
+    _load_tiles(qk_desc, v_desc, 0, off_h, row, fix_bar, a_dest, b_dest, v_dest, QK_B)
     mbarrier.wait(fix_bar, n_fix & 1)
     zero_rows(a_dest.reshape([a_dest.shape[2], a_dest.shape[3]]), keep)
-    zero_rows(b_dest.reshape([b_dest.shape[2], b_dest.shape[3]]), keep)
+    if QK_B > 0:
+        zero_rows(b_dest.reshape([b_dest.shape[2], b_dest.shape[3]]), keep)
+    zero_rows(v_dest.reshape([v_dest.shape[2], v_dest.shape[3]]), keep)
     fence_async_shared()
     mbarrier.arrive(bar, count=1)
     return n_fix + 1
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-              qd_ready, qd_empty, fix_bar, CU_Q, CU_K, kv_heads, kv_group, seqlen_q, seqlen_k,
-              lpt_heads, window_left, window_right, total_q, total_k, NUM_STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              VARLEN: gl.constexpr):  # fmt: skip
+def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
+              do_smem, kv_ready, qd_ready, qd_empty, fix_bar, CU_Q, CU_K, kv_heads, kv_group,
+              seqlen_q, seqlen_k, lpt_heads, window_left, window_right, total_q, total_k,
+              QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              HAS_WINDOW: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
     start_n, _, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = _program(
         CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
     )
     # K and V: their rows past a packed sequence's end reach only dK and dV rows that are not
     # stored (nothing here sums over keys), so they are not zeroed.
-    _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + start_n, kv_ready, k_smem, v_smem)
+    _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + start_n, kv_ready, ka_smem, kb_smem,
+                v_smem, QK_B)  # fmt: skip
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
                       HAS_WINDOW, ROWS)  # fmt: skip
     n_fix = gl.to_tensor(0)
@@ -181,18 +202,19 @@ def _producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, 
         mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
         bar = qd_ready.index(slot)
         row = q_start + start_m
-        q_dest = q_smem.index(slot)
+        qa = qa_smem.index(slot)
+        qb = qb_smem.index(slot)
         do_dest = do_smem.index(slot)
         if VARLEN:
             if start_m + ROWS > seqlen_q:
                 # Q and dO rows past the sequence's end would reach dV and dK through P^T dO
                 # and dS^T Q (sums over query rows).
                 n_fix = _load_fixed(q_desc, do_desc, off_h, row, seqlen_q - start_m, bar,
-                                    fix_bar, n_fix, q_dest, do_dest)  # fmt: skip
+                                    fix_bar, n_fix, qa, qb, do_dest, QK_B)  # fmt: skip
             else:
-                _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, q_dest, do_dest)
+                _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa, qb, do_dest, QK_B)
         else:
-            _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, q_dest, do_dest)
+            _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa, qb, do_dest, QK_B)
 
 
 @gluon.jit
@@ -226,21 +248,26 @@ def _capped(s, rows, keys, diag, qk_scale, softcap, ALIBI, slope_off, SOFTCAP: g
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_empty, p_ready,
-              p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab, stride_lb, stride_lh,
-              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
-              kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
-              window_right, head_dim, total_q, total_k, CONSUMER: gl.constexpr,
-              NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-              EVEN_N: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready,
+              qd_empty, p_ready, p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
+              stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+              stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
+              softcap, window_left, window_right, head_dim, total_q, total_k,
+              CONSUMER: gl.constexpr, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, EVEN_N: gl.constexpr,
+              SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
               VARLEN: gl.constexpr):  # fmt: skip
-    dtype: gl.constexpr = k_smem.dtype
-    HEAD_DIM: gl.constexpr = k_smem.shape[3]
+    dtype: gl.constexpr = ka_smem.dtype
+    QK_A: gl.constexpr = ka_smem.shape[3]
+    V_DIM: gl.constexpr = v_smem.shape[3]
+    # Consumer 0 holds dV, consumer 1 dK (module docstring; MLA's dK as columns [0, QK_A) and
+    # [QK_A, QK_A + QK_B)).
+    ACC_DIM: gl.constexpr = V_DIM if CONSUMER == 0 else QK_A
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
     )
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ACC_DIM, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
@@ -256,11 +283,17 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_em
     offs_m = gl.arange(0, ROWS, layout=col_layout)
     # Query blocks starting at or past this row see every key of the block: no causal mask.
     full_m = start_n + ROWS - 1 - diag
-    kt = k_smem.reshape([ROWS, HEAD_DIM])
-    vt = v_smem.reshape([ROWS, HEAD_DIM])
+    kat = ka_smem.reshape([ROWS, QK_A])
+    vt = v_smem.reshape([ROWS, V_DIM])
     zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
-    # Consumer 0 holds dV, consumer 1 dK (module docstring).
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=acc_layout)
+    acc = gl.zeros([ROWS, ACC_DIM], gl.float32, layout=acc_layout)
+    if QK_B > 0:
+        kbt = kb_smem.reshape([ROWS, QK_B])
+        if CONSUMER == 1:
+            b_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QK_B, 16]
+            )
+            acc_b = gl.zeros([ROWS, QK_B], gl.float32, layout=b_layout)
     mbarrier.wait(kv_ready, 0)
     for t in range(n_m * kv_group):
         off_h = off_hk * kv_group + t // n_m
@@ -268,13 +301,16 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_em
         slot = t % NUM_STAGES
         buf = t % 2
         mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
-        q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
-        do = do_smem.index(slot).reshape([ROWS, HEAD_DIM])
+        qa = qa_smem.index(slot).reshape([ROWS, QK_A])
+        do = do_smem.index(slot).reshape([ROWS, V_DIM])
         rows = start_m + offs_m
         # The prep kernel's row stats (VARLEN: of one sequence of all rows; stride_lb is 0).
         stats = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + q_start + rows
         if CONSUMER == 0:
-            s_tok = warpgroup_mma(kt, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(kat, qa.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if QK_B > 0:
+                qb = qb_smem.index(slot).reshape([ROWS, QK_B])
+                s_tok = warpgroup_mma(kbt, qb.permute((1, 0)), s_tok, is_async=True)
             # lse2 = +inf for a row with no key and past Sq (P = 0); VARLEN, the rows past the
             # sequence's end are the next one's: masked.
             if VARLEN:
@@ -322,8 +358,13 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_em
             p = p_smem.index(buf).load(s_layout).to(gl.float32)
             mbarrier.arrive(p_free.index(buf), count=1)
             ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 0))).to(dtype), a_layout)
-            tok = warpgroup_mma(ds_op, q, acc, is_async=True)
-            acc, ds_op = warpgroup_mma_wait(0, deps=[tok, ds_op])
+            tok = warpgroup_mma(ds_op, qa, acc, is_async=True)
+            if QK_B > 0:
+                qb = qb_smem.index(slot).reshape([ROWS, QK_B])
+                tok_b = warpgroup_mma(ds_op, qb, acc_b, is_async=True)
+                acc, acc_b, ds_op = warpgroup_mma_wait(0, deps=[tok, tok_b, ds_op])
+            else:
+                acc, ds_op = warpgroup_mma_wait(0, deps=[tok, ds_op])
         # Every reader of the slot is complete (S^T or dP^T, and this consumer's dV or dK).
         mbarrier.arrive(qd_empty.index(slot), count=1)
     if CONSUMER == 0:
@@ -334,6 +375,21 @@ def _consumer(q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_em
         ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
         ptr += k_start.to(gl.int64) * stride_dkn
         _store_rows(ptr, acc * scale, start_n, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
+        if QK_B > 0:
+            _store_rows(ptr, acc_b * scale, start_n, seqlen_k, stride_dkn, QK_A, head_dim,
+                        b_layout)  # fmt: skip
+
+
+@gluon.jit
+def _qk_tiles(desc, lead: gl.constexpr, QK_A: gl.constexpr, QK_B: gl.constexpr):
+    """Shared memory for Q or K tiles (``lead`` the shape before the columns): QK_A columns
+    and, with QK_B (MLA's 192 = 128 + 64; a shared-memory tile is a power of two wide), a second
+    buffer of QK_B; without, the first stands in for the second (never touched)."""
+    a = gl.allocate_shared_memory(desc.dtype, lead + [QK_A], desc.layout)  # noqa: RUF005
+    b = a
+    if QK_B > 0:
+        b = gl.allocate_shared_memory(desc.dtype, lead + [QK_B], desc.layout)  # noqa: RUF005
+    return a, b
 
 
 @gluon.jit
@@ -409,6 +465,8 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     head_dim,
     total_q,
     total_k,
+    QK_A: gl.constexpr,
+    QK_B: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
@@ -436,10 +494,10 @@ def attn_bwd_dkdv_sm90_d256_kernel(
         if start_n >= n_keys:
             return
     dtype: gl.constexpr = q_desc.dtype
-    q_shape: gl.constexpr = [NUM_STAGES] + q_desc.block_type.shape  # noqa: RUF005
-    q_smem = gl.allocate_shared_memory(dtype, q_shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, q_shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    qa_smem, qb_smem = _qk_tiles(q_desc, [NUM_STAGES, 1, 1, ROWS], QK_A, QK_B)
+    ka_smem, kb_smem = _qk_tiles(k_desc, [1, 1, ROWS], QK_A, QK_B)
+    do_shape: gl.constexpr = [NUM_STAGES] + do_desc.block_type.shape  # noqa: RUF005
+    do_smem = gl.allocate_shared_memory(dtype, do_shape, do_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     p_smem, kv_ready, qd_ready, qd_empty, p_ready, p_free, fix_bar = _handoff_state(
         NUM_STAGES, VARLEN
@@ -449,26 +507,26 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     gl.warp_specialize(
         [
             (_consumer, (
-                q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_empty, p_ready,
-                p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab, stride_lb, stride_lh,
-                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
-                kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
-                window_right, head_dim, total_q, total_k, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN,
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready,
+                qd_empty, p_ready, p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
+                stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
+                softcap, window_left, window_right, head_dim, total_q, total_k, 0, QK_B,
+                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN,
             )),
             (_consumer, (
-                q_smem, k_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready, qd_empty, p_ready,
-                p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab, stride_lb, stride_lh,
-                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads,
-                kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
-                window_right, head_dim, total_q, total_k, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN,
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready,
+                qd_empty, p_ready, p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
+                stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
+                softcap, window_left, window_right, head_dim, total_q, total_k, 1, QK_B,
+                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN,
             )),
             (_producer, (
-                q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_ready,
-                qd_ready, qd_empty, fix_bar, CU_Q, CU_K, kv_heads, kv_group, seqlen_q, seqlen_k,
-                lpt_heads, window_left, window_right, total_q, total_k, NUM_STAGES, IS_CAUSAL,
-                HAS_WINDOW, VARLEN,
+                q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
+                do_smem, kv_ready, qd_ready, qd_empty, fix_bar, CU_Q, CU_K, kv_heads, kv_group,
+                seqlen_q, seqlen_k, lpt_heads, window_left, window_right, total_q, total_k, QK_B,
+                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, VARLEN,
             )),
         ],
         [4, 1],
@@ -494,16 +552,17 @@ def _dq_program(CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total
 
 
 @gluon.jit
-def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, q_ready,
-                 kv_ready, kv_empty, fix_bar, CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k,
-                 lpt_heads, window_left, window_right, total_q, total_k,
-                 NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                 VARLEN: gl.constexpr):  # fmt: skip
+def _dq_producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
+                 do_smem, q_ready, kv_ready, kv_empty, fix_bar, CU_Q, CU_K, heads, kv_group,
+                 seqlen_q, seqlen_k, lpt_heads, window_left, window_right, total_q, total_k,
+                 QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 HAS_WINDOW: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
     start_m, _, off_h, q_start, k_start, seqlen_q, seqlen_k, desc_b = _dq_program(
         CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, IS_CAUSAL, VARLEN
     )
     # Q and dO: their rows past a packed sequence's end reach only dQ rows that are not stored.
-    _load_tiles(q_desc, do_desc, desc_b, off_h, q_start + start_m, q_ready, q_smem, do_smem)
+    _load_tiles(q_desc, do_desc, desc_b, off_h, q_start + start_m, q_ready, qa_smem, qb_smem,
+                do_smem, QK_B)  # fmt: skip
     lo, _, _, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS, ROWS, IS_CAUSAL, HAS_WINDOW
     )
@@ -514,36 +573,48 @@ def _dq_producer(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_sme
         mbarrier.wait(kv_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
         bar = kv_ready.index(slot)
         key = lo + t * ROWS
-        k_dest = k_smem.index(slot)
+        ka = ka_smem.index(slot)
+        kb = kb_smem.index(slot)
         v_dest = v_smem.index(slot)
         if VARLEN:
             if key + ROWS > seqlen_k:
                 # K and V rows past the sequence's end would reach dQ through dS K (a sum over
                 # keys) and dP = dO V^T.
                 n_fix = _load_fixed(k_desc, v_desc, off_hk, k_start + key, seqlen_k - key, bar,
-                                    fix_bar, n_fix, k_dest, v_dest)  # fmt: skip
+                                    fix_bar, n_fix, ka, kb, v_dest, QK_B)  # fmt: skip
             else:
-                _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + key, bar, k_dest, v_dest)
+                _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + key, bar, ka, kb, v_dest,
+                            QK_B)  # fmt: skip
         else:
-            _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + key, bar, k_dest, v_dest)
+            _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + key, bar, ka, kb, v_dest, QK_B)
 
 
 @gluon.jit
-def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
-                 p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, CU_Q, CU_K,
-                 stride_ab, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm, heads,
-                 seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+def _dq_consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, q_ready,
+                 kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI,
+                 CU_Q, CU_K, stride_ab, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
+                 heads, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
                  window_right, head_dim, total_q, total_k, CONSUMER: gl.constexpr,
-                 NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr,
-                 SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
+                 QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                 HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
                  VARLEN: gl.constexpr):  # fmt: skip
-    dtype: gl.constexpr = q_smem.dtype
-    HEAD_DIM: gl.constexpr = q_smem.shape[3]
+    dtype: gl.constexpr = qa_smem.dtype
+    QK_A: gl.constexpr = qa_smem.shape[3]
+    V_DIM: gl.constexpr = do_smem.shape[3]
+    # dQ's columns [COL0, COL0 + WIDTH) of this consumer: head-dim halves, or with QK_B (MLA)
+    # consumer 0 the last QK_B (beside S, K = 192) and consumer 1 the first QK_A (beside dP, K =
+    # 128): the same tensor work each (module docstring, "dQ").
+    if QK_B > 0:
+        WIDTH: gl.constexpr = QK_B if CONSUMER == 0 else QK_A
+        COL0: gl.constexpr = QK_A if CONSUMER == 0 else 0
+    else:
+        WIDTH: gl.constexpr = QK_A // 2
+        COL0: gl.constexpr = CONSUMER * (QK_A // 2)
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
     )
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HALF, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, WIDTH, 16]
     )
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -558,11 +629,11 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
     diag = seqlen_k - seqlen_q
     rows = gl.expand_dims(start_m + gl.arange(0, ROWS, layout=row_layout), 1)
     offs_n = gl.arange(0, ROWS, layout=col_layout)
-    col0: gl.constexpr = CONSUMER * HALF
-    qt = q_smem.reshape([ROWS, HEAD_DIM])
-    dot = do_smem.reshape([ROWS, HEAD_DIM])
+    qat = qa_smem.reshape([ROWS, QK_A])
+    qbt = qb_smem.reshape([ROWS, QK_B if QK_B > 0 else QK_A])
+    dot = do_smem.reshape([ROWS, V_DIM])
     zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
-    dq = gl.zeros([ROWS, HALF], gl.float32, layout=acc_layout)
+    dq = gl.zeros([ROWS, WIDTH], gl.float32, layout=acc_layout)
     # The prep kernel's row stats (rows past Sq: lse2 +inf, delta 0; Sq_pad covers the block;
     # VARLEN: those of one sequence of all rows, stride_lb 0, the rows past this sequence's end
     # the next one's: masked).
@@ -584,9 +655,20 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
         slot = t % NUM_STAGES
         buf = t % 2
         mbarrier.wait(kv_ready.index(slot), (t // NUM_STAGES) & 1)
-        k = k_smem.index(slot).reshape([ROWS, HEAD_DIM])
+        ka = ka_smem.index(slot).reshape([ROWS, QK_A])
+        # The B operand of this consumer's dQ columns.
+        if QK_B > 0:
+            if CONSUMER == 0:
+                k_dq = kb_smem.index(slot).reshape([ROWS, QK_B])
+            else:
+                k_dq = ka
+        else:
+            k_dq = ka.slice(COL0, WIDTH, dim=1)
         if CONSUMER == 0:
-            s_tok = warpgroup_mma(qt, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(qat, ka.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if QK_B > 0:
+                kb = kb_smem.index(slot).reshape([ROWS, QK_B])
+                s_tok = warpgroup_mma(qbt, kb.permute((1, 0)), s_tok, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s_tok])
             keys = gl.expand_dims(start_n + offs_n, 0)
             s, t_cap = _capped(s, rows, keys, diag, qk_scale, softcap, ALIBI,
@@ -613,11 +695,11 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
             mbarrier.arrive(p_ready.index(buf), count=1)
             mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
             ds_t = ds_smem.index(buf)
-            dq_tok = warpgroup_mma(ds_t, k.slice(col0, HALF, dim=1), dq, is_async=True)
+            dq_tok = warpgroup_mma(ds_t, k_dq, dq, is_async=True)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
             mbarrier.arrive(ds_free.index(buf), count=1)
         else:
-            v = v_smem.index(slot).reshape([ROWS, HEAD_DIM])
+            v = v_smem.index(slot).reshape([ROWS, V_DIM])
             dp_tok = warpgroup_mma(dot, v.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             dp = warpgroup_mma_wait(0, deps=[dp_tok])
             mbarrier.wait(p_ready.index(buf), (t // 2) & 1)
@@ -629,13 +711,13 @@ def _dq_consumer(q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_r
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(buf), count=1)
             ds_op = gl.convert_layout(ds, a_layout)
-            dq_tok = warpgroup_mma(ds_op, k.slice(col0, HALF, dim=1), dq, is_async=True)
+            dq_tok = warpgroup_mma(ds_op, k_dq, dq, is_async=True)
             dq, ds_op = warpgroup_mma_wait(0, deps=[dq_tok, ds_op])
         # Every reader of the slot is complete (S or dP, and this consumer's dQ products).
         mbarrier.arrive(kv_empty.index(slot), count=1)
     ptr = DQ + off_b.to(gl.int64) * stride_qb + off_h.to(gl.int64) * stride_qh
     ptr += q_start.to(gl.int64) * stride_qm
-    _store_rows(ptr, dq * scale, start_m, seqlen_q, stride_qm, col0, head_dim, acc_layout)
+    _store_rows(ptr, dq * scale, start_m, seqlen_q, stride_qm, COL0, head_dim, acc_layout)
 
 
 @gluon.jit
@@ -669,6 +751,8 @@ def attn_bwd_dq_sm90_d256_kernel(
     head_dim,
     total_q,
     total_k,
+    QK_A: gl.constexpr,
+    QK_B: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     IS_CAUSAL: gl.constexpr,
@@ -689,11 +773,11 @@ def attn_bwd_dq_sm90_d256_kernel(
         if start_m >= n_rows:
             return
     dtype: gl.constexpr = q_desc.dtype
-    kv_shape: gl.constexpr = [NUM_STAGES] + k_desc.block_type.shape  # noqa: RUF005
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    qa_smem, qb_smem = _qk_tiles(q_desc, [1, 1, ROWS], QK_A, QK_B)
+    ka_smem, kb_smem = _qk_tiles(k_desc, [NUM_STAGES, 1, 1, ROWS], QK_A, QK_B)
+    v_shape: gl.constexpr = [NUM_STAGES] + v_desc.block_type.shape  # noqa: RUF005
     do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, kv_shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, kv_shape, v_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_shape, v_desc.layout)
     p_smem, q_ready, kv_ready, kv_empty, p_ready, p_free, fix_bar = _handoff_state(
         NUM_STAGES, VARLEN
     )
@@ -703,26 +787,26 @@ def attn_bwd_dq_sm90_d256_kernel(
     gl.warp_specialize(
         [
             (_dq_consumer, (
-                q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, CU_Q, CU_K,
-                stride_ab, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm, heads,
-                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
-                window_right, head_dim, total_q, total_k, 0, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_ALIBI, VARLEN,
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, q_ready,
+                kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI,
+                CU_Q, CU_K, stride_ab, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
+                heads, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+                window_right, head_dim, total_q, total_k, 0, QK_B, NUM_STAGES, IS_CAUSAL,
+                HAS_WINDOW, SOFTCAP, HAS_ALIBI, VARLEN,
             )),
             (_dq_consumer, (
-                q_smem, k_smem, v_smem, do_smem, p_smem, ds_smem, q_ready, kv_ready, kv_empty,
-                p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI, CU_Q, CU_K,
-                stride_ab, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm, heads,
-                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
-                window_right, head_dim, total_q, total_k, 1, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_ALIBI, VARLEN,
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, q_ready,
+                kv_ready, kv_empty, p_ready, p_free, ds_ready, ds_free, LSE2, DELTA, DQ, ALIBI,
+                CU_Q, CU_K, stride_ab, stride_lb, stride_lh, stride_qb, stride_qh, stride_qm,
+                heads, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, softcap, window_left,
+                window_right, head_dim, total_q, total_k, 1, QK_B, NUM_STAGES, IS_CAUSAL,
+                HAS_WINDOW, SOFTCAP, HAS_ALIBI, VARLEN,
             )),
             (_dq_producer, (
-                q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, q_ready,
-                kv_ready, kv_empty, fix_bar, CU_Q, CU_K, heads, kv_group, seqlen_q, seqlen_k,
-                lpt_heads, window_left, window_right, total_q, total_k, NUM_STAGES, IS_CAUSAL,
-                HAS_WINDOW, VARLEN,
+                q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
+                do_smem, q_ready, kv_ready, kv_empty, fix_bar, CU_Q, CU_K, heads, kv_group,
+                seqlen_q, seqlen_k, lpt_heads, window_left, window_right, total_q, total_k, QK_B,
+                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, VARLEN,
             )),
         ],
         [4, 1],
