@@ -1,12 +1,13 @@
-"""Host launcher of the head-dim-256 backward on Hopper (``kernels/hopper/bwd256.py``, Gluon).
+"""Host launcher of the head-dim-256 backward on Hopper (``kernels/hopper/bwd256.py``, Gluon),
+which runs MLA's head dims (q and k 192, v 128) too.
 
 ``ops.bwd.launch`` runs it instead of the portable kernels where ``takes`` says so: an sm_90 GPU
 under a tier that may run Gluon (``runtime.backward_tier``), head dim 256 (or 136-248 in steps
-of 8, run as 256) for q, k and v, fp16/bf16, tensors the copy engine can address, dense or
-packed (causal, a window, softcap, ALiBi, GQA/MQA, an LSE gradient and sinks are all fine).
-Three launches: the Hopper backward's prep kernel (delta and lse2), the dQ kernel and the dK/dV
-kernel, each gradient written once per program, so the backward is bit-identical over runs
-(``deterministic=True`` takes it too).
+of 8, run as 256) for q, k and v, or MLA's (192, 128) when causal; fp16/bf16, tensors the copy
+engine can address, dense or packed (causal, a window, softcap, ALiBi, GQA/MQA, an LSE gradient
+and sinks are all fine). Three launches: the Hopper backward's prep kernel (delta and lse2), the
+dQ kernel and the dK/dV kernel, each gradient written once per program, so the backward is
+bit-identical over runs (``deterministic=True`` takes it too).
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ HEAD_DIM = 256
 # docs/performance_backward.md, "Head dim 256"), so it is taken wherever it applies; tests force
 # it either way.
 VERIFIED = True
-# MLA's head dims (192, 128) run these kernels causal only: H200, bf16, 32k tokens of 16 heads
-# (docs/performance_backward.md, "MLA's head dims"), causal 1.07-1.09x the portable backward,
-# non-causal 0.94-0.95x (the portable one keeps those). Tests set it to run them either way.
+# MLA's head dims (192, 128) run these kernels causal only: H200, bf16, 8k tokens of 16 heads
+# (docs/performance_backward.md, "Then MLA's head dims"), causal 1.06-1.09x the portable
+# backward, non-causal 0.94-0.95x (the portable one keeps those). Tests set it to run them
+# either way.
 MLA_NON_CAUSAL = False
 # Two ring slots (64 KB each: Q and dO for the dK/dV kernel, K and V for the dQ kernel) beside
 # the resident pair (32 KB each) and the P (and, dQ kernel, dS) tiles: 213,376 B (dK/dV) and

@@ -1,4 +1,5 @@
-"""The backward at head dim 256 on Hopper (sm_90a) in Gluon: a dK/dV kernel and a dQ kernel.
+"""The backward at head dim 256 (and MLA's 192 / 128) on Hopper (sm_90a) in Gluon: a dK/dV kernel
+and a dQ kernel.
 
 Why a kernel of its own. At head dim 256 the Hopper backward's design (``bwd.py``: each consumer
 warpgroup owns 64 keys and holds their dK and dV, 64 x 256 fp32 each) needs 256 accumulator
@@ -91,8 +92,17 @@ dO in the dK/dV kernel (dV and dK sum over query rows), K and V in the dQ kernel
 keys). The resident tiles (K and V of the dK/dV kernel, Q and dO of the dQ kernel) reach only
 gradient rows past the end, which the row-masked stores drop.
 
-Not covered (the launcher's ``takes`` says no): a value head dim unlike the query's, head dims
-outside 136-256.
+MLA's head dims (QK_B = 64: q and k 192, v 128). A shared-memory tile is a power of two wide, so
+Q and K live in two tiles, columns ``[0, QK_A)`` (128) and ``[QK_A, QK_A + QK_B)`` (64), each
+filled by 64-column copy boxes (``_load_tiles``); V, dO and dV are 128 wide. ``S^T = K Q^T`` (and
+the dQ kernel's S) is two chained wgmmas over the tiles, consumer 1's dK two accumulators (128
+and 64 columns) from the same dS^T operand; the dQ kernel gives consumer 0 (beside S, K = 192)
+the last 64 columns of dQ and consumer 1 (beside dP, K = 128) the first 128, 4 units of 64^3 a
+step each. Three ring slots (``ops/bwd256.py``): 180,688 B (dK/dV), 197,152 B (dQ). Without
+QK_B, QK_A is the tile's whole width (256) and the second tile is never allocated.
+
+Not covered (the launcher's ``takes`` says no): a value head dim unlike the query's other than
+MLA's, head dims outside 136-256.
 """
 
 from triton.experimental import gluon
