@@ -213,17 +213,17 @@ def backward(
 ) -> torch.Tensor:
     """Write the gradients of a problem ``takes`` accepted into ``dq``, ``dk``, ``dv`` (shaped
     like q, k, v; unit stride on the head dim) and return delta (``rowsum(dO * O) - dlse``,
-    fp32, shaped like ``lse``: for the sinks' gradient). ``q``, ``out``, ``dout`` ``(B, H, Sq,
-    D)``, ``k``, ``v`` ``(B, Hkv, Sk, D)`` (``takes_head_dim(D)``); ``lse`` the forward's
-    natural-log fp32 ``(B, H, Sq)``, ``dlse`` its gradient or None; ``window`` in
-    ``ops.problem.effective_window``'s form; ``softcap`` (0: off) and ``alibi`` (fp32 ``(H,)`` or
-    ``(B, H)`` slopes, or None) as ``flashcore.attention`` takes them; ``varlen`` a packed
-    batch (q, out, dout, dq ``(total_q, H, D)``, k, v, dk, dv ``(total_k, Hkv, D)``, lse and
-    dlse ``(H, total_q)``) or None. Three launches: the
+    fp32, shaped like ``lse``: for the sinks' gradient). ``q`` ``(B, H, Sq, D)``, ``k``
+    ``(B, Hkv, Sk, D)``, ``v`` ``(B, Hkv, Sk, Dv)``, ``out`` and ``dout`` ``(B, H, Sq, Dv)``
+    (``takes_head_dims(D, Dv)``); ``lse`` the forward's natural-log fp32 ``(B, H, Sq)``, ``dlse``
+    its gradient or None; ``window`` in ``ops.problem.effective_window``'s form; ``softcap`` (0:
+    off) and ``alibi`` (fp32 ``(H,)`` or ``(B, H)`` slopes, or None) as ``flashcore.attention``
+    takes them; ``varlen`` a packed batch (each tensor's batch and length dims as one of total
+    rows: ``(total, heads, D)``; lse and dlse ``(H, total_q)``) or None. Three launches: the
     Hopper backward's prep kernel (delta and lse2 into padded fp32 row buffers), the dQ kernel,
     the dK/dV kernel."""
     key = (
-        q.shape, k.shape, q.dtype, q.device, out.stride(), dout.stride(), lse.stride(),
+        q.shape, k.shape, v.shape, q.dtype, q.device, out.stride(), dout.stride(), lse.stride(),
         None if dlse is None else dlse.stride(), dq.stride(), dk.stride(), dv.stride(), causal,
         scale, window, softcap, None if alibi is None else alibi.shape,
         None if varlen is None else pb.problem_dims(q, k, varlen),
