@@ -342,6 +342,30 @@ def test_varlen_sm90_backward_judges_mean_lengths(monkeypatch):
     assert asked == [True] * 4
 
 
+def poison_neighbours(grads, same, q, k, v, dout) -> None:
+    """The sequence-isolation checks of a packed backward over ``VarlenCase(4, 2, (100, 37, 260,
+    5), (130, 37, 300, 9), D)``'s tensors: ``grads(q, k, v, dout)`` with NaN rows past the last
+    offset, then with sequence 1's rows inf (queries 100..136, keys 130..166), and ``same(got,
+    want, rows_q, rows_k)`` asserting the other rows' gradients unchanged."""
+    want = grads(q, k, v, dout)
+    assert not any(g.isnan().any() for g in want)
+    # Rows past the last offset hold NaN.
+    nan = float("nan")
+    pad_q = torch.full((70, *q.shape[1:]), nan, dtype=q.dtype, device="cuda")
+    pad_k = torch.full((70, *k.shape[1:]), nan, dtype=k.dtype, device="cuda")
+    got = grads(*(torch.cat([t, p]) for t, p in ((q, pad_q), (k, pad_k), (v, pad_k))),
+                torch.cat([dout, pad_q]))  # fmt: skip
+    every_q = torch.arange(q.shape[0], device="cuda")
+    every_k = torch.arange(k.shape[0], device="cuda")
+    same(got, want, every_q, every_k)
+    # Sequence 1's rows are inf: the others keep theirs.
+    q1, k1, v1, dout1 = (t.clone() for t in (q, k, v, dout))
+    q1[100:137] = dout1[100:137] = k1[130:167] = v1[130:167] = float("inf")
+    others_q = torch.cat([every_q[:100], every_q[137:]])
+    others_k = torch.cat([every_k[:130], every_k[167:]])
+    same(grads(q1, k1, v1, dout1), want, others_q, others_k)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -368,23 +392,7 @@ def test_varlen_gpu_sm90_backward_sequences_isolated(causal, head_dim):
         ulp = want[0][rows_q].abs().max() * 2.0**-7
         assert (dq[rows_q].float() - want[0][rows_q].float()).abs().max() <= ulp
 
-    want = grads(q, k, v, dout)
-    assert not any(g.isnan().any() for g in want)
-    # Rows past the last offset hold NaN.
-    nan = float("nan")
-    pad_q = torch.full((70, *q.shape[1:]), nan, dtype=q.dtype, device="cuda")
-    pad_k = torch.full((70, *k.shape[1:]), nan, dtype=k.dtype, device="cuda")
-    got = grads(*(torch.cat([t, p]) for t, p in ((q, pad_q), (k, pad_k), (v, pad_k))),
-                torch.cat([dout, pad_q]))  # fmt: skip
-    every_q = torch.arange(q.shape[0], device="cuda")
-    every_k = torch.arange(k.shape[0], device="cuda")
-    same(got, want, every_q, every_k)
-    # Sequence 1's rows are inf (queries 100..136, keys 130..166): the others keep theirs.
-    q1, k1, v1, dout1 = (t.clone() for t in (q, k, v, dout))
-    q1[100:137] = dout1[100:137] = k1[130:167] = v1[130:167] = float("inf")
-    others_q = torch.cat([every_q[:100], every_q[137:]])
-    others_k = torch.cat([every_k[:130], every_k[167:]])
-    same(grads(q1, k1, v1, dout1), want, others_q, others_k)
+    poison_neighbours(grads, same, q, k, v, dout)
 
 
 # Packed batches through the head-dim-256 backward (ops/bwd256.py; head dims 136-248 the same
@@ -446,21 +454,7 @@ def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal):
         for g, w, rows in zip(got, want, (rows_q, rows_k, rows_k), strict=True):
             assert torch.equal(g[rows], w[rows])
 
-    want = grads(q, k, v, dout)
-    assert not any(g.isnan().any() for g in want)
-    nan = float("nan")
-    pad_q = torch.full((70, *q.shape[1:]), nan, dtype=q.dtype, device="cuda")
-    pad_k = torch.full((70, *k.shape[1:]), nan, dtype=k.dtype, device="cuda")
-    got = grads(*(torch.cat([t, p]) for t, p in ((q, pad_q), (k, pad_k), (v, pad_k))),
-                torch.cat([dout, pad_q]))  # fmt: skip
-    every_q = torch.arange(q.shape[0], device="cuda")
-    every_k = torch.arange(k.shape[0], device="cuda")
-    same(got, want, every_q, every_k)
-    q1, k1, v1, dout1 = (t.clone() for t in (q, k, v, dout))
-    q1[100:137] = dout1[100:137] = k1[130:167] = v1[130:167] = float("inf")
-    others_q = torch.cat([every_q[:100], every_q[137:]])
-    others_k = torch.cat([every_k[:130], every_k[167:]])
-    same(grads(q1, k1, v1, dout1), want, others_q, others_k)
+    poison_neighbours(grads, same, q, k, v, dout)
     assert calls
 
 
