@@ -45,7 +45,12 @@ VARIANTS = [
     ("mla-dkdv-bf16-window-softcap-alibi-varlen", "dkdv", "bf16", False, True, False, True, True),
     ("mla-dq-bf16-causal", "dq", "bf16", True, False, None, False, False),
     ("mla-dq-fp16-window-softcap-varlen", "dq", "fp16", False, True, None, True, False),
-]
+    # MLA with dQ in the dK/dV kernel (FUSED_DQ: a label with "fused"), two ring slots.
+    ("mla-fused-dkdv-bf16-causal-ragged", "dkdv", "bf16", True, False, False, False, False),
+    ("mla-fused-dkdv-fp16", "dkdv", "fp16", False, False, True, False, False),
+    ("mla-fused-dkdv-bf16-window-softcap-alibi-varlen", "dkdv", "bf16", False, True, False, True,
+     True),
+]  # fmt: skip
 
 
 def compile_variant(variant) -> dict:
@@ -65,13 +70,24 @@ def compile_variant(variant) -> dict:
         layout = gl.NVMMASharedLayout.get_default_for(block, gdtype)
         for name in names:
             signature[name] = f"tensordesc<{dtype}{block},{layout!r}>"
+    fused = "fused" in label
+    for name, width in (("dqa_desc", qk_a), ("dqb_desc", qk_b)):
+        if fused:
+            block = [1, 1, bwd256.ROWS, width]
+            signature[name] = f"tensordesc<fp32{block},{bwd256.dq_layout()!r}>"
+        else:
+            signature[name] = signature["q_desc"]  # stand-ins, never touched
+    stages = bwd256.NUM_STAGES
+    if mla:
+        stages = bwd256.FUSED_STAGES if fused else bwd256.MLA_STAGES
     consts = dict(
-        QK_A=qk_a, QK_B=qk_b, NUM_STAGES=bwd256.MLA_STAGES if mla else bwd256.NUM_STAGES,
+        QK_A=qk_a, QK_B=qk_b, NUM_STAGES=stages,
         CONSUMER_REGS=bwd256.CONSUMER_REGS, IS_CAUSAL=causal,
         HAS_WINDOW=window, SOFTCAP=softcap, HAS_ALIBI=alibi, VARLEN="varlen" in label,
     )  # fmt: skip
     if which == "dkdv":
         consts["EVEN_N"] = even_n
+        consts["FUSED_DQ"] = fused
         fn = kernels.attn_bwd_dkdv_sm90_d256_kernel
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel

@@ -180,12 +180,12 @@ def launch(
         and config is None
         and bwd256.takes(q, k, v, dout, causal, alibi_slopes, varlen)
     ):
-        # Head dim 256 on Hopper: the Gluon kernels of ops/bwd256.py (no atomics: taken with
-        # ``deterministic`` too).
+        # Head dim 256 on Hopper: the Gluon kernels of ops/bwd256.py (taken with
+        # ``deterministic`` too: then without atomics).
         dlse = None if dlse is None else dlse.contiguous()
         delta = bwd256.backward(
             dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, scale, window, softcap, alibi_slopes,
-            varlen,
+            varlen, deterministic or torch.are_deterministic_algorithms_enabled(),
         )  # fmt: skip
         return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
     delta = torch.empty_like(lse)

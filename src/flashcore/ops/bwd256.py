@@ -45,8 +45,28 @@ NUM_STAGES = 2
 # MLA's (192, 128): a ring slot is 40 KB (Q or K at 24, dO or V at 16), and three fit (176 KB in
 # the dK/dV kernel, 192 KB in the dQ kernel).
 MLA_STAGES = 3
+# MLA's dQ in the dK/dV kernel (FUSED_DQ: dQ = dS K on both consumers, reduce-added by the copy
+# engine into an fp32 accumulator, then scaled and cast by the Hopper backward's conversion
+# kernel), instead of the dQ kernel: the dS^T tiles (16 KB) and the fp32 staging tiles (48 KB)
+# leave room for two ring slots (204,864 B). Its dQ is summed by atomic reduce-adds, so its
+# last bits may vary between runs: ``deterministic`` keeps the dQ kernel.
+FUSED_MLA = True
+FUSED_STAGES = 2
 CONSUMER_REGS = 240
 MAXNREG = 168
+
+
+def dq_layout():
+    """The shared layout of the fp32 dQ staging tiles and their reduce-add descriptors
+    (FUSED_DQ): the Hopper backward's, 128-byte swizzle, rows in order."""
+    from flashcore.ops.bwd_sm90 import dq_layout as sm90_dq_layout
+
+    return sm90_dq_layout(HEAD_DIM)
+
+
+def fused(head_dim: int, head_dim_v: int, deterministic: bool) -> bool:
+    """Whether MLA's dQ is computed in the dK/dV kernel (``FUSED_MLA``, not ``deterministic``)."""
+    return FUSED_MLA and not deterministic and (head_dim, head_dim_v) == MLA_HEAD_DIMS
 
 
 @functools.cache
@@ -59,7 +79,7 @@ def kernels() -> tuple[Launcher, Launcher, Launcher]:
     return (
         bwd_sm90.kernels()[0],
         Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 10),
-        Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 11),
+        Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 13),
     )
 
 
@@ -115,10 +135,11 @@ def _tiles(head_dim: int, head_dim_v: int) -> tuple[int, int, int, int]:
 class Plan(NamedTuple):
     rows: int  # B * H * Sq_pad: each row-stat buffer's length
     prep: tuple  # (grid, scalars, meta) of bwd_prep_kernel
-    dq: tuple  # (grid, scalars, meta) of the dQ kernel
+    dq: tuple  # (grid, scalars, meta) of the dQ kernel, or with ``acc`` of the conversion
     dkdv: tuple  # (grid, scalars, meta) of the dK/dV kernel
     boxes: tuple[list[int], list[int]]  # Q and K's, V and dO's
     layouts: tuple[object, object]
+    acc: tuple | None  # FUSED_DQ: the fp32 dQ accumulator's shape, and its two boxes
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -126,7 +147,7 @@ _PLANS: dict[tuple, Plan] = {}
 
 def _plan(
     q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window, softcap, stride_ab, has_alibi,
-    varlen,
+    varlen, fused_dq,
 ) -> Plan:  # fmt: skip
     batch, heads, kv_heads, seqlen_q, seqlen_k = pb.problem_dims(q, k, varlen)
     head_dim, head_dim_v = q.shape[-1], dout.shape[-1]
@@ -153,7 +174,7 @@ def _plan(
     common = {
         "QK_A": qk_a,
         "QK_B": qk_b,
-        "NUM_STAGES": MLA_STAGES if qk_b else NUM_STAGES,
+        "NUM_STAGES": (FUSED_STAGES if fused_dq else MLA_STAGES) if qk_b else NUM_STAGES,
         "CONSUMER_REGS": CONSUMER_REGS,
         "IS_CAUSAL": sc.is_causal,
         "HAS_WINDOW": sc.has_window,
@@ -184,12 +205,30 @@ def _plan(
             stride_ab, *stats, *pb.row_strides(dk, varlen), *pb.row_strides(dv, varlen), kv_heads,
             heads // kv_heads, seqlen_q, seqlen_k, kv_lpt, *tail,
         ),
-        {**common, "EVEN_N": varlen is None and seqlen_k % ROWS == 0, **flags, **meta},
+        {
+            **common, "EVEN_N": varlen is None and seqlen_k % ROWS == 0, **flags,
+            "FUSED_DQ": fused_dq, **meta,
+        },
     )  # fmt: skip
     boxes = ([1, 1, ROWS, qk_box], [1, 1, ROWS, v_tile])
+    acc = None
+    if fused_dq:
+        from flashcore.ops.bwd_sm90 import DQ_ROWS
+
+        # (B, H, Sq, D) or, packed, (1, H, total_q, D): the conversion's rows a head as the
+        # Hopper backward's (ops/bwd_sm90.py).
+        acc = ((rows_b, heads, rows_q, head_dim), [1, 1, ROWS, qk_a], [1, 1, ROWS, qk_b])
+        dq_launch = (
+            (math.ceil(rows_q / DQ_ROWS) * rows_b * heads,),
+            (heads, rows_q, rows_q),
+            {
+                "HEAD_DIM": head_dim, "BLOCK_D": HEAD_DIM, "BLOCK_M": DQ_ROWS, "PDL": False,
+                "num_warps": 4,
+            },
+        )  # fmt: skip
     return Plan(
         rows_b * heads * seqlen_pad, prep, dq_launch, dkdv_launch, boxes,
-        tuple(box_layout(tuple(box), q.dtype) for box in boxes),
+        tuple(box_layout(tuple(box), q.dtype) for box in boxes), acc,
     )  # fmt: skip
 
 
@@ -210,6 +249,7 @@ def backward(
     softcap: float = 0.0,
     alibi: torch.Tensor | None = None,
     varlen: pb.Varlen | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Write the gradients of a problem ``takes`` accepted into ``dq``, ``dk``, ``dv`` (shaped
     like q, k, v; unit stride on the head dim) and return delta (``rowsum(dO * O) - dlse``,
@@ -221,19 +261,21 @@ def backward(
     takes them; ``varlen`` a packed batch (each tensor's batch and length dims as one of total
     rows: ``(total, heads, D)``; lse and dlse ``(H, total_q)``) or None. Three launches: the
     Hopper backward's prep kernel (delta and lse2 into padded fp32 row buffers), the dQ kernel,
-    the dK/dV kernel."""
+    the dK/dV kernel; for MLA's head dims (``fused``, not ``deterministic``) the dK/dV kernel
+    with dQ reduce-added into a zeroed fp32 accumulator, then the conversion into ``dq``."""
+    fused_dq = fused(q.shape[-1], v.shape[-1], deterministic)
     key = (
         q.shape, k.shape, v.shape, q.dtype, q.device, out.stride(), dout.stride(), lse.stride(),
         None if dlse is None else dlse.stride(), dq.stride(), dk.stride(), dv.stride(), causal,
         scale, window, softcap, None if alibi is None else alibi.shape,
-        None if varlen is None else pb.problem_dims(q, k, varlen),
+        None if varlen is None else pb.problem_dims(q, k, varlen), fused_dq,
     )  # fmt: skip
     alibi, stride_ab = pb.alibi_arg(alibi, lse)
     p = _PLANS.get(key)
     if p is None:
         p = cached(_PLANS, key, lambda: _plan(
             q, k, out, dout, lse, dlse, dq, dk, dv, causal, scale, window, softcap, stride_ab,
-            key[-2] is not None, varlen,
+            key[-3] is not None, varlen, fused_dq,
         ))  # fmt: skip
     stats = torch.empty(2 * p.rows, device=q.device, dtype=torch.float32)
     delta, lse2 = stats.split_with_sizes((p.rows, p.rows))
@@ -251,11 +293,30 @@ def backward(
         # The dQ accumulator's rows (0 of them) are never written; delta stands in.
         args = (out, dout, lse if dlse is None else dlse, lse, delta, lse2, delta, *scalars)
         prep(grid, args, meta, planned=True)
-        grid, scalars, meta = p.dq
-        dq_kernel(grid, (*descs, lse2, delta, dq, alibi, cu_q, cu_k, *scalars), meta, planned=True)
+        if p.acc is None:
+            grid, scalars, meta = p.dq
+            dq_kernel(
+                grid, (*descs, lse2, delta, dq, alibi, cu_q, cu_k, *scalars), meta, planned=True
+            )
+            # Stand-ins for the dQ accumulator's descriptors (never touched without FUSED_DQ).
+            acc_descs = descs[:2]
+        else:
+            acc_shape, box_a, box_b = p.acc
+            dq_acc = torch.zeros(acc_shape, device=q.device, dtype=torch.float32)
+            acc_descs = (
+                Descriptor(dq_acc, box_a, dq_layout()), Descriptor(dq_acc, box_b, dq_layout())
+            )  # fmt: skip
         grid, scalars, meta = p.dkdv
         dkdv_kernel(
-            grid, (*descs, lse2, delta, dk, dv, alibi, cu_q, cu_k, *scalars), meta, planned=True
-        )
+            grid, (*descs, *acc_descs, lse2, delta, dk, dv, alibi, cu_q, cu_k, *scalars), meta,
+            planned=True,
+        )  # fmt: skip
+        if p.acc is not None:
+            # The dK/dV kernel accumulates dQ unscaled; the conversion scales and casts it.
+            from flashcore.ops import bwd_sm90
+
+            grid, scalars, meta = p.dq
+            strides = bwd_sm90.dq_strides(dq, varlen is not None)
+            bwd_sm90.dq_kernel()(grid, (dq_acc, dq, scale, *strides, *scalars), meta, planned=True)
     # Shaped like lse: (B, H, Sq) or, packed, (H, total_q).
     return delta.view(*lse.shape[:-1], -1)[..., : lse.shape[-1]]

@@ -116,6 +116,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashcore.kernels.hopper.bwd import q_blocks
+from flashcore.kernels.hopper.bwd_dq import reduce_dq, rows_of_sequence, stage_dq
 from flashcore.kernels.hopper.common import (
     LOG2E,
     interleave,
@@ -194,17 +195,28 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
               do_smem, kv_ready, qd_ready, qd_empty, fix_bar, CU_Q, CU_K, kv_heads, kv_group,
               seqlen_q, seqlen_k, lpt_heads, window_left, window_right, total_q, total_k,
               QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              HAS_WINDOW: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+              HAS_WINDOW: gl.constexpr, VARLEN: gl.constexpr,
+              FUSED_DQ: gl.constexpr):  # fmt: skip
     start_n, _, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = _program(
         CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
     )
-    # K and V: their rows past a packed sequence's end reach only dK and dV rows that are not
-    # stored (nothing here sums over keys), so they are not zeroed.
-    _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + start_n, kv_ready, ka_smem, kb_smem,
-                v_smem, QK_B)  # fmt: skip
+    n_fix = gl.to_tensor(0)
+    # K and V: without FUSED_DQ their rows past a packed sequence's end reach only dK and dV
+    # rows that are not stored (nothing sums over keys), so they are not zeroed; with it, dQ =
+    # dS K sums over keys (and dS takes dP^T = V dO^T): zeroed.
+    if VARLEN and FUSED_DQ:
+        if start_n + ROWS > seqlen_k:
+            n_fix = _load_fixed(k_desc, v_desc, off_hk, k_start + start_n, seqlen_k - start_n,
+                                kv_ready, fix_bar, n_fix, ka_smem, kb_smem, v_smem,
+                                QK_B)  # fmt: skip
+        else:
+            _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + start_n, kv_ready, ka_smem,
+                        kb_smem, v_smem, QK_B)  # fmt: skip
+    else:
+        _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + start_n, kv_ready, ka_smem,
+                    kb_smem, v_smem, QK_B)  # fmt: skip
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
                       HAS_WINDOW, ROWS)  # fmt: skip
-    n_fix = gl.to_tensor(0)
     for t in range(n_m * kv_group):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
@@ -258,15 +270,16 @@ def _capped(s, rows, keys, diag, qk_scale, softcap, ALIBI, slope_off, SOFTCAP: g
 
 
 @gluon.jit
-def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready,
-              qd_empty, p_ready, p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
+def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, dq_tile,
+              dq_desc, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free, LSE2,
+              DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
               stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
               stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
               softcap, window_left, window_right, head_dim, total_q, total_k,
               CONSUMER: gl.constexpr, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
               IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, EVEN_N: gl.constexpr,
-              SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr,
-              VARLEN: gl.constexpr):  # fmt: skip
+              SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, VARLEN: gl.constexpr,
+              FUSED_DQ: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = ka_smem.dtype
     QK_A: gl.constexpr = ka_smem.shape[3]
     V_DIM: gl.constexpr = v_smem.shape[3]
@@ -283,7 +296,7 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_re
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, _ = _program(
+    start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = _program(
         CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
     )
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
@@ -304,6 +317,17 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_re
                 version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QK_B, 16]
             )
             acc_b = gl.zeros([ROWS, QK_B], gl.float32, layout=b_layout)
+    if FUSED_DQ:
+        # This consumer's columns of a step's dQ = dS K (consumer 0 the first QK_A, beside dV's
+        # layout; consumer 1 the last QK_B, beside dK's second tile), from the dS^T tile.
+        if CONSUMER == 0:
+            zero_dq = gl.zeros([ROWS, QK_A], gl.float32, layout=acc_layout)
+            k_dq = kat
+            dq_col = 0
+        else:
+            zero_dq = gl.zeros([ROWS, QK_B], gl.float32, layout=b_layout)
+            k_dq = kbt
+            dq_col = QK_A
     mbarrier.wait(kv_ready, 0)
     for t in range(n_m * kv_group):
         off_h = off_hk * kv_group + t // n_m
@@ -357,6 +381,16 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_re
             p_op = gl.convert_layout(p.to(dtype), a_layout)
             tok = warpgroup_mma(p_op, do, acc, is_async=True)
             acc, p_op = warpgroup_mma_wait(0, deps=[tok, p_op])
+            if FUSED_DQ:
+                # S^T and dV have read the slot; dQ reads the dS^T tile and K.
+                mbarrier.arrive(qd_empty.index(slot), count=1)
+                mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
+                dq_tok = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_dq, zero_dq,
+                                       use_acc=False, is_async=True)  # fmt: skip
+                dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                mbarrier.arrive(ds_free.index(buf), count=1)
+                _reduce_dq(dq, dq_tile, dq_desc, desc_b, off_h, q_start + start_m, dq_col,
+                           seqlen_q - start_m, VARLEN)  # fmt: skip
         else:
             dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             if VARLEN:
@@ -367,16 +401,38 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_re
             mbarrier.wait(p_ready.index(buf), (t // 2) & 1)
             p = p_smem.index(buf).load(s_layout).to(gl.float32)
             mbarrier.arrive(p_free.index(buf), count=1)
-            ds_op = gl.convert_layout((p * (dp - gl.expand_dims(delta, 0))).to(dtype), a_layout)
+            ds = (p * (dp - gl.expand_dims(delta, 0))).to(dtype)
+            if FUSED_DQ:
+                # dS^T for both consumers' dQ products, once both have read step t - 2's.
+                mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+                ds_smem.index(buf).store(ds)
+                fence_async_shared()
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+            ds_op = gl.convert_layout(ds, a_layout)
             tok = warpgroup_mma(ds_op, qa, acc, is_async=True)
             if QK_B > 0:
                 qb = qb_smem.index(slot).reshape([ROWS, QK_B])
                 tok_b = warpgroup_mma(ds_op, qb, acc_b, is_async=True)
-                acc, acc_b, ds_op = warpgroup_mma_wait(0, deps=[tok, tok_b, ds_op])
+                if FUSED_DQ:
+                    dq_tok = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_dq, zero_dq,
+                                           use_acc=False, is_async=True)  # fmt: skip
+                    # dK's two products first (the slot's last readers), dQ's left in flight.
+                    acc, acc_b, ds_op = warpgroup_mma_wait(1, deps=[tok, tok_b, ds_op])
+                    mbarrier.arrive(qd_empty.index(slot), count=1)
+                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                    mbarrier.arrive(ds_free.index(buf), count=1)
+                    _reduce_dq(dq, dq_tile, dq_desc, desc_b, off_h, q_start + start_m, dq_col,
+                               seqlen_q - start_m, VARLEN)  # fmt: skip
+                else:
+                    acc, acc_b, ds_op = warpgroup_mma_wait(0, deps=[tok, tok_b, ds_op])
             else:
                 acc, ds_op = warpgroup_mma_wait(0, deps=[tok, ds_op])
-        # Every reader of the slot is complete (S^T or dP^T, and this consumer's dV or dK).
-        mbarrier.arrive(qd_empty.index(slot), count=1)
+        if not FUSED_DQ:
+            # Every reader of the slot is complete (S^T or dP^T, and this consumer's dV or dK).
+            mbarrier.arrive(qd_empty.index(slot), count=1)
+    if FUSED_DQ:
+        # No bulk reduce may still read this consumer's staging tile when the block exits.
+        tma.store_wait(0)
     if CONSUMER == 0:
         ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
         ptr += k_start.to(gl.int64) * stride_dvn
@@ -388,6 +444,20 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_re
         if QK_B > 0:
             _store_rows(ptr, acc_b * scale, start_n, seqlen_k, stride_dkn, QK_A, head_dim,
                         b_layout)  # fmt: skip
+
+
+@gluon.jit
+def _reduce_dq(dq, tile, desc, desc_b, off_h, row, col, n_rows, VARLEN: gl.constexpr):
+    """FUSED_DQ: a consumer's columns ``[col, col + dq.shape[1])`` of a step's dQ (fp32,
+    unscaled) into its staging ``tile``, once the copy engine has read the previous step's, then
+    reduce-added into the accumulator at row ``row`` of head ``off_h``. VARLEN: rows from
+    ``n_rows`` on (the next sequence's) as zeros."""
+    tma.store_wait(0)
+    if VARLEN:
+        dq = rows_of_sequence(dq, n_rows)
+    stage_dq(tile, dq)
+    fence_async_shared()
+    reduce_dq(desc, desc_b, off_h, row, col, tile)
 
 
 @gluon.jit
@@ -446,6 +516,8 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     k_desc,
     v_desc,
     do_desc,
+    dqa_desc,
+    dqb_desc,
     LSE2,
     DELTA,
     DK,
@@ -485,6 +557,7 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     SOFTCAP: gl.constexpr,
     HAS_ALIBI: gl.constexpr,
     VARLEN: gl.constexpr,
+    FUSED_DQ: gl.constexpr = False,
 ):
     """dK and dV of one 64-key block (module docstring). ``LSE2`` and ``DELTA``: the row stats
     of ``bwd.bwd_prep_kernel``, fp32 ``(B, H, Sq_pad)`` with strides ``(stride_lb, stride_lh,
@@ -512,31 +585,52 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     p_smem, kv_ready, qd_ready, qd_empty, p_ready, p_free, fix_bar = _handoff_state(
         NUM_STAGES, VARLEN
     )
-    # The consumers' argument tuples differ only in CONSUMER (Triton 3.6's frontend has no
-    # starred tuples).
+    # FUSED_DQ: the dS^T tiles (ready count 1, free count 2: both consumers read them) and each
+    # consumer's fp32 staging tile; without, the P tiles, their barriers and V stand in (never
+    # touched).
+    ds_smem = p_smem
+    ds_ready = p_ready
+    ds_free = p_free
+    dqa_tile = v_smem
+    dqb_tile = v_smem
+    if FUSED_DQ:
+        gl.static_assert(QK_B > 0)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], ds_layout)
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=1)
+            mbarrier.init(ds_free.index(i), count=2)
+        dqa_tile = gl.allocate_shared_memory(gl.float32, dqa_desc.block_type.shape, dqa_desc.layout)
+        dqb_tile = gl.allocate_shared_memory(gl.float32, dqb_desc.block_type.shape, dqb_desc.layout)
+    # The consumers' argument tuples differ only in CONSUMER and the dQ staging (Triton 3.6's
+    # frontend has no starred tuples).
     gl.warp_specialize(
         [
             (_consumer, (
-                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready,
-                qd_empty, p_ready, p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, dqa_tile,
+                dqa_desc, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free, LSE2,
+                DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
                 stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                 stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                 softcap, window_left, window_right, head_dim, total_q, total_k, 0, QK_B,
-                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN,
+                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN, FUSED_DQ,
             )),
             (_consumer, (
-                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, kv_ready, qd_ready,
-                qd_empty, p_ready, p_free, LSE2, DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, dqb_tile,
+                dqb_desc, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free, LSE2,
+                DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
                 stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                 stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                 softcap, window_left, window_right, head_dim, total_q, total_k, 1, QK_B,
-                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN,
+                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN, FUSED_DQ,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
                 do_smem, kv_ready, qd_ready, qd_empty, fix_bar, CU_Q, CU_K, kv_heads, kv_group,
                 seqlen_q, seqlen_k, lpt_heads, window_left, window_right, total_q, total_k, QK_B,
-                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, VARLEN,
+                NUM_STAGES, IS_CAUSAL, HAS_WINDOW, VARLEN, FUSED_DQ,
             )),
         ],
         [4, 1],
