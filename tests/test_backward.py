@@ -35,7 +35,7 @@ def test_backward(case, dtype, causal, device):
 @pytest.mark.parametrize("layout", ["bshd", "sliced"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_backward_strided(layout, causal, device):
-    q, k, v = make_qkv(Case(2, 4, 2, 77, 93, 64), torch.float16, device, layout=layout)
+    q, k, v = make_qkv(Case(2, 4, 2, 45, 61, 64), torch.float16, device, layout=layout)
     assert not q.is_contiguous()
     dq, dk, dv = check_backward(q, k, v, causal=causal)
     if layout == "bshd":
@@ -45,7 +45,7 @@ def test_backward_strided(layout, causal, device):
 
 @pytest.mark.parametrize("kind", ["bshd", "sliced", "strided_last_dim", "broadcast"])
 def test_backward_dout_layouts(kind, device):
-    case = Case(1, 4, 2, 50, 70, 32)
+    case = Case(1, 4, 2, 20, 37, 32)
     q, k, v = make_qkv(case, torch.float32, device)
     shape = (case.batch, case.heads, case.seqlen_q, case.head_dim)
     if kind == "bshd":
@@ -314,14 +314,19 @@ D256_MLA = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-dq", "dq-kernel"])
 @pytest.mark.parametrize(
     ("mc", "layout", "dtype"),
     D256_MLA,
     ids=[f"{mc.id}-{layout}-{str(d)[6:]}" for mc, layout, d in D256_MLA],
 )
-def test_backward_gpu_d256_mla(mc, layout, dtype, monkeypatch):
+def test_backward_gpu_d256_mla(mc, layout, dtype, fused, monkeypatch):
     """MLA's head dims (q and k 192, v 128) through the head-dim-256 kernels (Q and K in a 128-
-    and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options."""
+    and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options; dQ in
+    the dK/dV kernel (``bwd256.FUSED_MLA``, as shipped) and by the dQ kernel."""
+    from flashcore.ops import bwd256
+
+    monkeypatch.setattr(bwd256, "FUSED_MLA", fused)
     calls = spy_d256(monkeypatch)
     q, k, _ = make_qkv(mc.case, dtype, "cuda", layout=layout)
     _, _, v = make_qkv(mc.case._replace(head_dim=128), dtype, "cuda", layout=layout)
@@ -349,6 +354,33 @@ def test_backward_gpu_d256_deterministic_and_lse_grad(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_backward_gpu_mla_deterministic(monkeypatch):
+    """MLA's dQ is reduce-added in the dK/dV kernel by default (its plan holds the fp32
+    accumulator) and by the dQ kernel with ``deterministic=True``, whose two backwards are
+    bit-identical."""
+    from flashcore.ops import bwd256
+
+    calls = spy_d256(monkeypatch)
+    q, k, _ = make_qkv(Case(1, 4, 2, 700, 900, 192), torch.bfloat16, "cuda")
+    v = make_qkv(Case(1, 4, 2, 700, 900, 128), torch.bfloat16, "cuda")[2]
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    for deterministic in (False, True):
+        bwd256._PLANS.clear()
+        out = flashcore.attention(q, k, v, causal=True, deterministic=deterministic)
+        dout = torch.randn_like(out)
+        first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        second = torch.autograd.grad(out, (q, k, v), dout)
+        (plan,) = bwd256._PLANS.values()
+        assert (plan.acc is None) == deterministic
+        if deterministic:
+            for a, b in zip(first, second, strict=True):
+                assert torch.equal(a, b)
+        # Either way dK and dV are written once per program.
+        assert torch.equal(first[1], second[1]) and torch.equal(first[2], second[2])
+    assert len(calls) == 4
+
+
+@pytest.mark.gpu
 def test_backward_gpu_d256_not_taken(monkeypatch):
     """fp32, a value head dim unlike the query's but MLA's, and head dims outside 136-256 or not
     a multiple of 8 keep the other backwards (``bwd256.takes``)."""
@@ -361,7 +393,8 @@ def test_backward_gpu_d256_not_taken(monkeypatch):
     q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 120), torch.bfloat16, "cuda")
     check_backward(q, k, v, causal=False)
     assert not calls
-    # MLA's head dims run these kernels causal only (``bwd256.MLA_NON_CAUSAL`` off, as shipped).
+    # MLA's head dims run these kernels causal, and non-causal from MLA_NON_CAUSAL_MIN_SEQLEN
+    # keys (``bwd256.MLA_NON_CAUSAL`` off, as shipped).
     from flashcore.ops import bwd256
 
     monkeypatch.setattr(bwd256, "MLA_NON_CAUSAL", False)
@@ -370,6 +403,11 @@ def test_backward_gpu_d256_not_taken(monkeypatch):
     assert not calls
     check_backward(q, k, v[..., :128], causal=True)
     assert calls
+    long_k = torch.empty(1, 2, bwd256.MLA_NON_CAUSAL_MIN_SEQLEN, 192, device="cuda").bfloat16()
+    long_v = long_k[..., :128]
+    dout = torch.empty_like(q[..., :128])
+    assert bwd256.takes(q, long_k, long_v, dout, False, None, None)
+    assert not bwd256.takes(q, long_k[:, :, :-1], long_v[:, :, :-1], dout, False, None, None)
 
 
 @pytest.mark.gpu
@@ -840,8 +878,8 @@ def test_activation_checkpointing(reentrant, device):
     launch too."""
     from torch.utils.checkpoint import checkpoint
 
-    q, k, v = (torch.randn(1, 4, 24, 32, device=device, requires_grad=True) for _ in range(3))
-    sinks = torch.randn(4, device=device, requires_grad=True)
+    q, k, v = (torch.randn(1, 2, 24, 32, device=device, requires_grad=True) for _ in range(3))
+    sinks = torch.randn(2, device=device, requires_grad=True)
 
     def block(q, k, v, sinks):
         plain = flashcore.attention(q, k, v, causal=True)

@@ -4,7 +4,8 @@ within a block's 227 KiB, no spills (one allowance), the register split (240 for
 for the producer) without a ptxas warning, the products on the tensor cores (the score products
 with both operands in shared memory, the dQ kernel's consumer 0 product with dS from shared
 memory, P and dS as register A operands elsewhere), Q, dO, K and V by TMA loads, and no atomics
-(each gradient written once: deterministic).
+(each gradient written once: deterministic) but MLA's dQ reduce-added by the copy engine where
+the dK/dV kernel computes it (FUSED_DQ).
 
 As ``test_compile_hopper_bwd.py``, the variants compile in a subprocess without
 TRITON_INTERPRET: ``python tests/test_compile_hopper_bwd256.py`` prints a JSON line per variant.
@@ -113,6 +114,7 @@ def compile_variant(variant) -> dict:
         "wgmma_ptx": len(re.findall(r"wgmma\.mma_async", ptx)),
         "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::cluster\.global", ptx)),
         "atomics": len(re.findall(r"\b(red|atom)\.global", ptx)),
+        "bulk_reduce": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
     }
 
 
@@ -132,6 +134,8 @@ SPILL_ALLOWANCE = {
     "dkdv-fp16-window-softcap-varlen": 48,
     "dq-bf16-causal-varlen": 16,
     "dq-fp16-softcap-alibi-varlen": 24,
+    # With dQ in the kernel consumer 1 also holds its dQ columns and the next step's dP^T.
+    "mla-fused-dkdv-bf16-window-softcap-alibi-varlen": 248,
 }
 
 
@@ -154,15 +158,21 @@ def test_products_and_copies(compiled):
         # consumer 1's dQ half (4) takes dS from registers.
         # MLA (K = 192 for S, 128 for dP): dK/dV 12 + 8 from shared memory, dV 4 and dK's two
         # tiles 4 + 4 from registers; dQ 12 + 8 + consumer 0's 64 columns (4) from shared memory,
-        # consumer 1's 128 (4) from registers.
+        # consumer 1's 128 (4) from registers. FUSED_DQ (MLA): dQ = dS K from the dS^T tile in
+        # shared memory, consumer 0's 128 columns (4, issued in the loop and after it) and
+        # consumer 1's 64 (4), and consumer 1's dP^T issued a step ahead (8, before the loop and
+        # in it): 12 + 16 + 8 + 4.
         mla = row["variant"].startswith("mla")
+        fused = "fused" in row["variant"]
         if "dkdv" in row["variant"]:
-            want = (20, 12) if mla else (32, 8)
+            want = (40 if fused else 20, 12) if mla else (32, 8)
         else:
             want = (24, 4) if mla else (36, 4)
         assert (row["hgmma_shared_a"], row["hgmma_register_a"]) == want, row
         assert row["tma_load"] >= 4, row  # Q, dO, and a step's K and V (or the other way)
         assert row["atomics"] == 0, row
+        # dQ reduce-added by the copy engine, by both consumers (FUSED_DQ), or not at all.
+        assert (row["bulk_reduce"] >= 2) if fused else (row["bulk_reduce"] == 0), row
 
 
 if __name__ == "__main__":

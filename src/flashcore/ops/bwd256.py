@@ -3,11 +3,13 @@ which runs MLA's head dims (q and k 192, v 128) too.
 
 ``ops.bwd.launch`` runs it instead of the portable kernels where ``takes`` says so: an sm_90 GPU
 under a tier that may run Gluon (``runtime.backward_tier``), head dim 256 (or 136-248 in steps
-of 8, run as 256) for q, k and v, or MLA's (192, 128) when causal; fp16/bf16, tensors the copy
-engine can address, dense or packed (causal, a window, softcap, ALiBi, GQA/MQA, an LSE gradient
-and sinks are all fine). Three launches: the Hopper backward's prep kernel (delta and lse2), the
-dQ kernel and the dK/dV kernel, each gradient written once per program, so the backward is
-bit-identical over runs (``deterministic=True`` takes it too).
+of 8, run as 256) for q, k and v, or MLA's (192, 128) (causal, or from 4096 keys); fp16/bf16,
+tensors the copy engine can address, dense or packed (causal, a window, softcap, ALiBi, GQA/MQA,
+an LSE gradient and sinks are all fine). Three launches: the Hopper backward's prep kernel
+(delta and lse2), the dQ kernel and the dK/dV kernel, each gradient written once per program, so
+the backward is bit-identical over runs (``deterministic=True`` takes it too). MLA's head dims,
+unless ``deterministic``: the prep kernel, a zeroed fp32 dQ accumulator, the dK/dV kernel with
+dQ reduce-added (``FUSED_MLA``) and the conversion into dq.
 """
 
 from __future__ import annotations
@@ -32,11 +34,13 @@ HEAD_DIM = 256
 # docs/performance_backward.md, "Head dim 256"), so it is taken wherever it applies; tests force
 # it either way.
 VERIFIED = True
-# MLA's head dims (192, 128) run these kernels causal only: H200, bf16, 8k tokens of 16 heads
-# (docs/performance_backward.md, "Then MLA's head dims"), causal 1.06-1.09x the portable
-# backward, non-causal 0.94-0.95x (the portable one keeps those). Tests set it to run them
-# either way.
+# MLA's head dims (192, 128) with dQ in the dK/dV kernel (FUSED_MLA below), against the portable
+# backward (H200, bf16, 16 heads; docs/performance_backward.md, "MLA's dQ in the dK/dV kernel"):
+# causal 1.12-1.18x at 4096-8192 keys and level at 1024; non-causal 1.02-1.06x at 4096-8192
+# keys, 0.91-0.94x at 1024. Non-causal runs here from MLA_NON_CAUSAL_MIN_SEQLEN keys; tests set
+# MLA_NON_CAUSAL to run these kernels at every length.
 MLA_NON_CAUSAL = False
+MLA_NON_CAUSAL_MIN_SEQLEN = 4096
 # Two ring slots (64 KB each: Q and dO for the dK/dV kernel, K and V for the dQ kernel) beside
 # the resident pair (32 KB each) and the P (and, dQ kernel, dS) tiles: 213,376 B (dK/dV) and
 # 229,840-229,856 B (dQ) of the 232,448 a block may use; 240 registers for each consumer, 24
@@ -97,7 +101,9 @@ def takes(
     if not VERIFIED:
         return False
     if (q.shape[-1], v.shape[-1]) == MLA_HEAD_DIMS and not (causal or MLA_NON_CAUSAL):
-        return False
+        seqlen_k = k.shape[2] if varlen is None else varlen.max_seqlen_k
+        if seqlen_k < MLA_NON_CAUSAL_MIN_SEQLEN:
+            return False
     if alibi is not None and alibi.dtype != torch.float32:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:

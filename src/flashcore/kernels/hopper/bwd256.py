@@ -328,7 +328,15 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
             zero_dq = gl.zeros([ROWS, QK_B], gl.float32, layout=b_layout)
             k_dq = kbt
             dq_col = QK_A
+        # Consumer 0 runs step t - 1's dQ beside step t's S^T (its dS^T tile is written by then:
+        # no wait on consumer 1's step t), and reduces it at that step's row of that head.
+        prev_h = off_hk * kv_group
+        prev_m = lo
     mbarrier.wait(kv_ready, 0)
+    if FUSED_DQ and CONSUMER == 1:
+        # Consumer 1 issues step t + 1's dP^T before it retires step t's dK and dQ (the tensor
+        # cores keep its products while it waits for consumer 0's P): step 0's here.
+        dp_tok = _dp_product(vt, do_smem, qd_ready, zero_s, 0, n_m * kv_group, NUM_STAGES)
     for t in range(n_m * kv_group):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
@@ -345,13 +353,21 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
             if QK_B > 0:
                 qb = qb_smem.index(slot).reshape([ROWS, QK_B])
                 s_tok = warpgroup_mma(kbt, qb.permute((1, 0)), s_tok, is_async=True)
+            if FUSED_DQ:
+                # Step t - 1's dQ (tile (t + 1) % 2; at t = 0 the barrier's initial phase passes
+                # and the product runs on whatever the tile holds, not reduced: a run-time branch
+                # around a product would not do, bwd.py).
+                dq_tok = _dq_product(ds_smem, ds_ready, k_dq, zero_dq, t - 1)
             # lse2 = +inf for a row with no key and past Sq (P = 0); VARLEN, the rows past the
             # sequence's end are the next one's: masked.
             if VARLEN:
                 lse2 = gl.load(LSE2 + stats, mask=rows < seqlen_q, other=float("inf"))
             else:
                 lse2 = gl.load(LSE2 + stats)
-            s = warpgroup_mma_wait(0, deps=[s_tok])
+            if FUSED_DQ:
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+            else:
+                s = warpgroup_mma_wait(0, deps=[s_tok])
             r = gl.expand_dims(rows, 0)
             s, t_cap = _capped(s, r, keys, diag, qk_scale, softcap, ALIBI,
                                off_b.to(gl.int64) * stride_ab + off_h, SOFTCAP,
@@ -380,19 +396,21 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
             mbarrier.arrive(p_ready.index(buf), count=1)
             p_op = gl.convert_layout(p.to(dtype), a_layout)
             tok = warpgroup_mma(p_op, do, acc, is_async=True)
-            acc, p_op = warpgroup_mma_wait(0, deps=[tok, p_op])
             if FUSED_DQ:
-                # S^T and dV have read the slot; dQ reads the dS^T tile and K.
+                acc, p_op, dq = warpgroup_mma_wait(0, deps=[tok, p_op, dq_tok])
                 mbarrier.arrive(qd_empty.index(slot), count=1)
-                mbarrier.wait(ds_ready.index(buf), (t // 2) & 1)
-                dq_tok = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_dq, zero_dq,
-                                       use_acc=False, is_async=True)  # fmt: skip
-                dq = warpgroup_mma_wait(0, deps=[dq_tok])
-                mbarrier.arrive(ds_free.index(buf), count=1)
-                _reduce_dq(dq, dq_tile, dq_desc, desc_b, off_h, q_start + start_m, dq_col,
-                           seqlen_q - start_m, VARLEN)  # fmt: skip
+                mbarrier.arrive(ds_free.index((t + 1) % 2), count=1, pred=t > 0)
+                if t > 0:
+                    _reduce_dq(dq, dq_tile, dq_desc, desc_b, prev_h, q_start + prev_m, dq_col,
+                               seqlen_q - prev_m, VARLEN)  # fmt: skip
+                prev_h = off_h
+                prev_m = start_m
+            else:
+                acc, p_op = warpgroup_mma_wait(0, deps=[tok, p_op])
         else:
-            dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            if not FUSED_DQ:
+                dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False,
+                                       is_async=True)  # fmt: skip
             if VARLEN:
                 delta = gl.load(DELTA + stats, mask=rows < seqlen_q, other=0.0)
             else:
@@ -416,10 +434,13 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
                 if FUSED_DQ:
                     dq_tok = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_dq, zero_dq,
                                            use_acc=False, is_async=True)  # fmt: skip
-                    # dK's two products first (the slot's last readers), dQ's left in flight.
-                    acc, acc_b, ds_op = warpgroup_mma_wait(1, deps=[tok, tok_b, ds_op])
+                    # Step t + 1's dP^T (past the last step: on whatever its slot holds, never
+                    # read); then dK's two products (the slot's last readers), then dQ.
+                    dp_tok = _dp_product(vt, do_smem, qd_ready, zero_s, t + 1, n_m * kv_group,
+                                         NUM_STAGES)  # fmt: skip
+                    acc, acc_b, ds_op = warpgroup_mma_wait(2, deps=[tok, tok_b, ds_op])
                     mbarrier.arrive(qd_empty.index(slot), count=1)
-                    dq = warpgroup_mma_wait(0, deps=[dq_tok])
+                    dq = warpgroup_mma_wait(1, deps=[dq_tok])
                     mbarrier.arrive(ds_free.index(buf), count=1)
                     _reduce_dq(dq, dq_tile, dq_desc, desc_b, off_h, q_start + start_m, dq_col,
                                seqlen_q - start_m, VARLEN)  # fmt: skip
@@ -431,6 +452,17 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
             # Every reader of the slot is complete (S^T or dP^T, and this consumer's dV or dK).
             mbarrier.arrive(qd_empty.index(slot), count=1)
     if FUSED_DQ:
+        if CONSUMER == 0:
+            # The last step's dQ.
+            n_steps = n_m * kv_group
+            dq_tok = _dq_product(ds_smem, ds_ready, k_dq, zero_dq, n_steps - 1)
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+            if n_steps > 0:
+                _reduce_dq(dq, dq_tile, dq_desc, desc_b, prev_h, q_start + prev_m, dq_col,
+                           seqlen_q - prev_m, VARLEN)  # fmt: skip
+        else:
+            # The dP^T issued past the last step.
+            warpgroup_mma_wait(0, deps=[dp_tok])
         # No bulk reduce may still read this consumer's staging tile when the block exits.
         tma.store_wait(0)
     if CONSUMER == 0:
@@ -444,6 +476,28 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
         if QK_B > 0:
             _store_rows(ptr, acc_b * scale, start_n, seqlen_k, stride_dkn, QK_A, head_dim,
                         b_layout)  # fmt: skip
+
+
+@gluon.jit
+def _dp_product(vt, do_smem, qd_ready, zero_s, step, n_steps, NUM_STAGES: gl.constexpr):
+    """FUSED_DQ: issue consumer 1's ``dP^T = V dO^T`` of step ``step`` once its ring slot has
+    landed (at ``step == n_steps`` nothing is waited for: the product reads whatever the slot
+    holds and is never used); returns the accumulator's token."""
+    slot = step % NUM_STAGES
+    mbarrier.wait(qd_ready.index(slot), (step // NUM_STAGES) & 1, pred=step < n_steps)
+    do = do_smem.index(slot).reshape([vt.shape[0], vt.shape[1]])
+    return warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _dq_product(ds_smem, ds_ready, k_dq, zero_dq, step):
+    """FUSED_DQ: issue consumer 0's columns of step ``step``'s dQ (``dS K``, ``k_dq`` K's
+    columns) once consumer 1 has written the step's dS^T tile (``step + 2``: step -1 is the
+    barrier's initial phase, which passes); returns the accumulator's token."""
+    buf = (step + 2) % 2
+    mbarrier.wait(ds_ready.index(buf), (((step + 2) // 2) & 1) ^ 1)
+    ds = ds_smem.index(buf).permute((1, 0))
+    return warpgroup_mma(ds, k_dq, zero_dq, use_acc=False, is_async=True)
 
 
 @gluon.jit
