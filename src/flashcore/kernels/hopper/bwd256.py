@@ -101,6 +101,24 @@ the last 64 columns of dQ and consumer 1 (beside dP, K = 128) the first 128, 4 u
 step each. Three ring slots (``ops/bwd256.py``): 180,688 B (dK/dV), 197,152 B (dQ). Without
 QK_B, QK_A is the tile's whole width (256) and the second tile is never allocated.
 
+MLA's dQ in the dK/dV kernel (FUSED_DQ, ``ops/bwd256.py: FUSED_MLA``; the dQ kernel is not
+launched): five products a step instead of the two kernels' seven (13 units of 64^3 against 18).
+Consumer 1 stores dS^T (input dtype) into a double-buffered tile (``ds_ready`` count 1,
+``ds_free`` count 2: both consumers read it); ``dQ = dS K`` (dS from that tile, transposed, as
+the A operand) is split by columns, consumer 0 the first QK_A (beside dV's layout), consumer 1
+the last QK_B (beside dK's second tile): 7 and 6 units a step. Each stages its fp32 columns in a
+tile of its own and reduce-adds them into an fp32 accumulator (zeroed by the launcher; the Hopper
+backward's conversion kernel scales and casts it afterwards) by ``cp.reduce.async.bulk``, waiting
+for the previous step's reduce to have read the tile first. Two pipelining moves keep the tensor
+cores fed: consumer 0 runs step t - 1's dQ beside step t's S^T (so it never waits on consumer 1's
+step t), and consumer 1 issues step t + 1's dP^T before it retires step t's dK and dQ (wgmma
+groups retire in order: ``warpgroup_mma_wait(2)`` then ``(1)``). The products past either end
+(consumer 0's at step 0, consumer 1's after the last step) run on whatever their tiles hold and
+are never used or reduced; their waits pass on the barriers' initial phase or are predicated
+off. With VARLEN the producer zeroes the resident K and V rows past the sequence's end too (dQ
+sums over keys) and the reduced rows past it are zeros. Two ring slots: 205,344 B. dQ's last
+bits then depend on the order of the reduce-adds: ``deterministic`` keeps the dQ kernel.
+
 Not covered (the launcher's ``takes`` says no): a value head dim unlike the query's other than
 MLA's, head dims outside 136-256.
 """
