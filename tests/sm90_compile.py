@@ -6,6 +6,7 @@ runs without a GPU. Run without TRITON_INTERPRET (tests/test_compile_sm90.py sta
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
@@ -221,8 +222,11 @@ def pipeline(ttgir: str, ptx: str) -> dict:
     }
 
 
+@functools.cache
 def ptxas_resources(ptx: str) -> dict:
-    """Registers per thread and spill bytes, as ptxas reports them for sm_90a (no driver needed)."""
+    """Registers per thread and spill bytes, as ptxas reports them for sm_90a (no driver needed).
+    Cached by the PTX: the decode variants of one head dim and dtype share their combine kernels,
+    assembled once."""
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:

@@ -391,25 +391,32 @@ def ptx_exp2_while_product_runs(ptx: str) -> int:
             current = None
         elif line in ("ret;", "exit;"):
             current = None
+    # A block takes the count n to min(n + a, c) (each commit adds one, each wait caps): read
+    # once per block, then swept to the fixpoint (counts only fall).
     inf = float("inf")
+    effect = {}
+    for name in order:
+        add, cap = 0, inf
+        for line in blocks[name]:
+            if "wgmma.commit_group" in line:
+                add, cap = add + 1, cap + 1
+            wait = re.search(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", line)
+            if wait:
+                cap = min(cap, int(wait.group(1)))
+        effect[name] = (add, cap)
     state = {name: inf for name in order}
     state["entry"] = 0
-    exits = {}
-    for _ in range(len(order) + 2):
+    changed = True
+    while changed:
+        changed = False
         for name in order:
-            n = state[name]
-            if n == inf:
+            if state[name] == inf:
                 continue
-            for line in blocks[name]:
-                if "wgmma.commit_group" in line:
-                    n += 1
-                wait = re.search(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", line)
-                if wait:
-                    n = min(n, int(wait.group(1)))
-            exits[name] = n
+            add, cap = effect[name]
+            n = min(state[name] + add, cap)
             for nxt in succ.get(name, []):
-                if nxt in state:
-                    state[nxt] = n if state[nxt] == inf else min(state[nxt], n)
+                if nxt in state and n < state[nxt]:
+                    state[nxt], changed = n, True
     count = 0
     for name in order:
         n = state[name]
