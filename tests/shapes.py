@@ -61,9 +61,9 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 INTERP = [
     Case(1, 1, 1, 1, 1, 16),  # single query, single key
     Case(2, 2, 1, 1, 257, 64),  # decode-like Sq=1, MQA
-    Case(1, 4, 2, 113, 203, 80),  # Sq < Sk, GQA, padded head dim
-    Case(1, 2, 2, 203, 113, 64),  # Sq > Sk: causal leaves rows with no key
-    Case(1, 2, 1, 257, 257, 128),  # ragged in both directions
+    Case(1, 4, 2, 45, 77, 80),  # Sq < Sk, GQA, padded head dim
+    Case(1, 2, 2, 83, 45, 64),  # Sq > Sk: causal leaves rows with no key
+    Case(1, 2, 1, 129, 129, 128),  # ragged in both directions, one past a block multiple
     Case(1, 1, 1, 64, 96, 256),  # block multiples, largest head dim
     Case(2, 3, 3, 33, 17, 16),  # Sq > Sk, ragged, smallest head dim
     Case(1, 2, 2, 47, 47, 96),  # head dim 96 (padded to 128)
@@ -110,9 +110,9 @@ SANITIZE = [
 # somewhere, and the features the backward treats specially are all here.
 BWD_INTERP = [
     Case(1, 1, 1, 2, 3, 16),  # one tile each way, smallest head dim
-    Case(2, 2, 1, 1, 203, 64),  # Sq=1 (decode-like), MQA: one dK/dV program sums 2 heads
-    Case(1, 4, 2, 113, 203, 80),  # GQA, Sq < Sk, head dim padded to 128
-    Case(1, 2, 2, 203, 113, 64),  # Sq > Sk: causal leaves 90 rows with no key (zero dQ)
+    Case(2, 2, 1, 1, 77, 64),  # Sq=1 (decode-like), MQA: one dK/dV program sums 2 heads
+    Case(1, 4, 2, 45, 77, 80),  # GQA, Sq < Sk, head dim padded to 128
+    Case(1, 2, 2, 83, 45, 64),  # Sq > Sk: causal leaves 38 rows with no key (zero dQ)
     Case(1, 3, 1, 17, 17, 128),  # MQA over 3 heads, one ragged tile each way
     Case(1, 1, 1, 64, 96, 256),  # block multiples (EVEN_M/EVEN_N), largest head dim
     Case(2, 3, 3, 33, 17, 16),  # Sq > Sk, ragged, smallest head dim

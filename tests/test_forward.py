@@ -28,7 +28,7 @@ def test_forward(case, dtype, causal, device):
 @pytest.mark.parametrize("layout", ["bshd", "sliced"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_forward_strided(layout, causal, device):
-    case = Case(2, 4, 2, 77, 93, 64)
+    case = Case(2, 4, 2, 45, 61, 64)
     q, k, v = make_qkv(case, torch.float16, device, layout=layout)
     assert not q.is_contiguous()
     out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
