@@ -158,7 +158,7 @@ def test_sinks_provider(tmp_path, monkeypatch):
         providers.Provider("sinks-ignored", "test", sinks_ignored, sinks=True, base="sdpa"),
     )
     out = tmp_path / "sinks.jsonl"
-    argv = ["--shape", "1,4,56,32,2,40", "--mode", "fwd,bwd", "--dtype", "fp16"]
+    argv = ["--shape", "1,4,24,32,2,16", "--mode", "fwd,bwd", "--dtype", "fp16"]
     names = "flashcore,flashcore-sinks,sdpa,sinks-ignored"
     assert main([*argv, "--providers", names, "--out", str(out)]) == 0
     rows = measurements(out)
@@ -207,13 +207,13 @@ def test_value_head_dim(tmp_path):
     # Dv != D end to end: flashcore (fwd and bwd), SDPA's math backend, SDPA's flash backend
     # refusing up front; then the decode providers on a dense and a paged cache.
     out = tmp_path / "dv.jsonl"
-    argv = ["--shape", "1,4,40,32:16,2,56", "--mode", "fwd,bwd", "--dtype", "fp16"]
+    argv = ["--shape", "1,4,20,32:16,2,28", "--mode", "fwd,bwd", "--dtype", "fp16"]
     names = "flashcore,sdpa,sdpa-flash,sdpa-math"
     assert main([*argv, "--providers", names, "--out", str(out)]) == 0
     rows = measurements(out)
     assert len(rows) == 2 * 2 * 4  # causal x mode x provider
     for row in rows:
-        assert (row["shape"], row["head_dim"], row["value_dim"]) == ("1,4,40,32:16,2,56", 32, 16)
+        assert (row["shape"], row["head_dim"], row["value_dim"]) == ("1,4,20,32:16,2,28", 32, 16)
         case = cases.Case(cases.parse_shape(row["shape"]), row["causal"])
         assert row["flops"] == metrics.attention_flops(case, row["mode"])
         if row["provider"] == "sdpa-flash":
@@ -278,7 +278,7 @@ def test_paged_prefill_building_blocks():
 
 def test_backward_modes(tmp_path):
     out = tmp_path / "bwd.jsonl"
-    argv = ["--shape", "1,4,40,32,2,56", "--mode", "bwd,fwdbwd", "--dtype", "fp16"]
+    argv = ["--shape", "1,4,20,32,2,28", "--mode", "bwd,fwdbwd", "--dtype", "fp16"]
     assert main([*argv, "--providers", "flashcore,sdpa", "--out", str(out)]) == 0
     rows = measurements(out)
     assert len(rows) == 2 * 2 * 2  # causal x mode x provider
