@@ -28,10 +28,10 @@ def test_attention_under_autocast(dtype, device):
     """q and k in fp32, v in autocast's dtype (a rotary embedding's promotion): the forward in
     that dtype, equal to the hand-cast call; dq and dk in fp32, dv in the autocast dtype, equal
     to the hand-cast call's gradients; the express path's repeat and options alike."""
-    q = torch.randn(2, 4, 24, 32, device=device, requires_grad=True)
-    k = torch.randn(2, 2, 40, 32, device=device, requires_grad=True)
-    v = torch.randn(2, 2, 40, 32, device=device).to(dtype).requires_grad_()
-    dout = torch.randn(2, 4, 24, 32, device=device).to(dtype)
+    q = torch.randn(1, 4, 24, 32, device=device, requires_grad=True)
+    k = torch.randn(1, 2, 40, 32, device=device, requires_grad=True)
+    v = torch.randn(1, 2, 40, 32, device=device).to(dtype).requires_grad_()
+    dout = torch.randn(1, 4, 24, 32, device=device).to(dtype)
     for options in ({"causal": True}, {"causal": True}, {"window": (7, 0), "softcap": 5.0}):
         q.grad = k.grad = v.grad = None
         with torch.autocast(device, dtype=dtype):
