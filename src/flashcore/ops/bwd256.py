@@ -3,7 +3,7 @@ which runs MLA's head dims (q and k 192, v 128) too.
 
 ``ops.bwd.launch`` runs it instead of the portable kernels where ``takes`` says so: an sm_90 GPU
 under a tier that may run Gluon (``runtime.backward_tier``), head dim 256 (or 136-248 in steps
-of 8, run as 256) for q, k and v, or MLA's (192, 128) (causal, or from 4096 keys); fp16/bf16,
+of 8, run as 256) for q, k and v, or MLA's (192, 128) (causal, or from 2048 keys); fp16/bf16,
 tensors the copy engine can address, dense or packed (causal, a window, softcap, ALiBi, GQA/MQA,
 an LSE gradient and sinks are all fine). Three launches: the Hopper backward's prep kernel
 (delta and lse2), the dQ kernel and the dK/dV kernel, each gradient written once per program, so
@@ -36,11 +36,11 @@ HEAD_DIM = 256
 VERIFIED = True
 # MLA's head dims (192, 128) with dQ in the dK/dV kernel (FUSED_MLA below), against the portable
 # backward (H200, bf16, 16 heads; docs/performance_backward.md, "MLA's dQ in the dK/dV kernel"):
-# causal 1.12-1.18x at 4096-8192 keys and level at 1024; non-causal 1.02-1.06x at 4096-8192
-# keys, 0.91-0.94x at 1024. Non-causal runs here from MLA_NON_CAUSAL_MIN_SEQLEN keys; tests set
-# MLA_NON_CAUSAL to run these kernels at every length.
+# causal 1.15-1.18x at 4096-8192 keys, 1.04-1.05x at 2048; non-causal 1.05-1.11x at 4096-8192,
+# 1.01-1.02x at 2048 and 0.91-0.94x at 1024 (an earlier build). Non-causal runs here from
+# MLA_NON_CAUSAL_MIN_SEQLEN keys; tests set MLA_NON_CAUSAL to run these kernels at every length.
 MLA_NON_CAUSAL = False
-MLA_NON_CAUSAL_MIN_SEQLEN = 4096
+MLA_NON_CAUSAL_MIN_SEQLEN = 2048
 # Two ring slots (64 KB each: Q and dO for the dK/dV kernel, K and V for the dQ kernel) beside
 # the resident pair (32 KB each) and the P (and, dQ kernel, dS) tiles: 213,376 B (dK/dV) and
 # 229,840-229,856 B (dQ) of the 232,448 a block may use; 240 registers for each consumer, 24

@@ -112,7 +112,8 @@ backward's conversion kernel scales and casts it afterwards) by ``cp.reduce.asyn
 for the previous step's reduce to have read the tile first. Two pipelining moves keep the tensor
 cores fed: consumer 0 runs step t - 1's dQ beside step t's S^T (so it never waits on consumer 1's
 step t), and consumer 1 issues step t + 1's dP^T before it retires step t's dK and dQ (wgmma
-groups retire in order: ``warpgroup_mma_wait(2)`` then ``(1)``). The products past either end
+groups retire in order: ``warpgroup_mma_wait(2)`` then ``(1)``); consumer 0 stages and reduces
+step t - 1's dQ while step t's dV runs. The products past either end
 (consumer 0's at step 0, consumer 1's after the last step) run on whatever their tiles hold and
 are never used or reduced; their waits pass on the barriers' initial phase or are predicated
 off. With VARLEN the producer zeroes the resident K and V rows past the sequence's end too (dQ
@@ -415,12 +416,14 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
             p_op = gl.convert_layout(p.to(dtype), a_layout)
             tok = warpgroup_mma(p_op, do, acc, is_async=True)
             if FUSED_DQ:
-                acc, p_op, dq = warpgroup_mma_wait(0, deps=[tok, p_op, dq_tok])
-                mbarrier.arrive(qd_empty.index(slot), count=1)
+                # Step t - 1's dQ first (older than dV): its staging and reduce run under dV.
+                dq = warpgroup_mma_wait(1, deps=[dq_tok])
                 mbarrier.arrive(ds_free.index((t + 1) % 2), count=1, pred=t > 0)
                 if t > 0:
                     _reduce_dq(dq, dq_tile, dq_desc, desc_b, prev_h, q_start + prev_m, dq_col,
                                seqlen_q - prev_m, VARLEN)  # fmt: skip
+                acc, p_op = warpgroup_mma_wait(0, deps=[tok, p_op])
+                mbarrier.arrive(qd_empty.index(slot), count=1)
                 prev_h = off_h
                 prev_m = start_m
             else:
