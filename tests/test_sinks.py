@@ -27,7 +27,7 @@ from shapes import DTYPES, Case, MaskCase
 # (mask case, label): plain GQA with Sq < Sk; causal with Sq > Sk (rows without keys); window,
 # softcap and (B, H) ALiBi together; MQA at a padded head dim.
 SINK_CASES = [
-    (MaskCase(Case(2, 4, 2, 37, 53, 32)), "gqa"),
+    (MaskCase(Case(2, 4, 2, 21, 37, 32)), "gqa"),
     (MaskCase(Case(1, 2, 2, 70, 45, 64), causal=True), "causal-rows-without-keys"),
     (MaskCase(Case(1, 4, 2, 45, 70, 32), window=(8, 3), softcap=5.0, alibi="bh"), "masks"),
     (MaskCase(Case(2, 2, 1, 33, 40, 80), causal=True, window=(16, 0)), "mqa-d80"),
