@@ -36,7 +36,7 @@ HEAD_DIM = 256
 VERIFIED = True
 # MLA's head dims (192, 128) with dQ in the dK/dV kernel (FUSED_MLA below), against the portable
 # backward (H200, bf16, 16 heads; docs/performance_backward.md, "MLA's dQ in the dK/dV kernel"):
-# causal 1.15-1.18x at 4096-8192 keys, 1.04-1.05x at 2048; non-causal 1.05-1.11x at 4096-8192,
+# causal 1.14-1.18x at 4096-8192 keys, 1.04-1.05x at 2048; non-causal 1.05-1.11x at 4096-8192,
 # 1.01-1.02x at 2048 and 0.91-0.94x at 1024 (an earlier build). Non-causal runs here from
 # MLA_NON_CAUSAL_MIN_SEQLEN keys; tests set MLA_NON_CAUSAL to run these kernels at every length.
 MLA_NON_CAUSAL = False
