@@ -41,7 +41,7 @@ def _pre_hopper_fwd(block_d: int) -> FwdConfig:
 
 
 # The interpreter runs every program in numpy on the CPU: tiles small enough that odd lengths
-# (113, 203, 257) cover several blocks in both directions, and BLOCK_M != BLOCK_N so the causal
+# (45, 77, 83, 129) cover several blocks in both directions, and BLOCK_M != BLOCK_N so the causal
 # diagonal crosses tile borders at every alignment.
 INTERPRETER_FWD = FwdConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
 
@@ -152,7 +152,7 @@ class BwdConfig:
         return self.num_stages if self.num_stages2 is None else self.num_stages2
 
 
-# Non-square tiles in both kernels so that odd lengths (17, 113, 203) span several tiles both ways
+# Non-square tiles in both kernels so that odd lengths (17, 45, 77, 83) span several tiles both ways
 # and the causal diagonal crosses tile borders; each kernel holds the larger tile, as on the GPU.
 INTERPRETER_BWD = BwdConfig(
     block_m1=16, block_n1=32, block_m2=32, block_n2=16, num_warps=4, num_stages=1
