@@ -59,7 +59,7 @@ def compile_variant(variant) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashcore.kernels.hopper import bwd256 as kernels
-    from flashcore.ops import bwd256
+    from flashcore.ops import bwd256, bwd_sm90
 
     label, which, dtype, causal, window, even_n, softcap, alibi = variant
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
@@ -75,7 +75,8 @@ def compile_variant(variant) -> dict:
     for name, width in (("dqa_desc", qk_a), ("dqb_desc", qk_b)):
         if fused:
             block = [1, 1, bwd256.ROWS, width]
-            signature[name] = f"tensordesc<fp32{block},{bwd256.dq_layout()!r}>"
+            layout = bwd_sm90.dq_layout(bwd256.HEAD_DIM)
+            signature[name] = f"tensordesc<fp32{block},{layout!r}>"
         else:
             signature[name] = signature["q_desc"]  # stand-ins, never touched
     stages = bwd256.NUM_STAGES

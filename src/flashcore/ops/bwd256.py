@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import torch
 
+from flashcore.ops import bwd_sm90, runtime
 from flashcore.ops import problem as pb
-from flashcore.ops import runtime
 from flashcore.ops.fwd_sm90 import MLA_HEAD_DIMS, box_layout, lpt_group, packed_view, tma_ok
 from flashcore.ops.launch import Descriptor, Launcher, cached
 
@@ -60,14 +60,6 @@ CONSUMER_REGS = 240
 MAXNREG = 168
 
 
-def dq_layout():
-    """The shared layout of the fp32 dQ staging tiles and their reduce-add descriptors
-    (FUSED_DQ): the Hopper backward's, 128-byte swizzle, rows in order."""
-    from flashcore.ops.bwd_sm90 import dq_layout as sm90_dq_layout
-
-    return sm90_dq_layout(HEAD_DIM)
-
-
 def fused(head_dim: int, head_dim_v: int, deterministic: bool) -> bool:
     """Whether MLA's dQ is computed in the dK/dV kernel (``FUSED_MLA``, not ``deterministic``)."""
     return FUSED_MLA and not deterministic and (head_dim, head_dim_v) == MLA_HEAD_DIMS
@@ -78,7 +70,6 @@ def kernels() -> tuple[Launcher, Launcher, Launcher]:
     """Launchers of the row-stats kernel (the Hopper backward's own launcher of it), the dQ and
     the dK/dV kernels."""
     from flashcore.kernels.hopper import bwd256
-    from flashcore.ops import bwd_sm90
 
     return (
         bwd_sm90.kernels()[0],
@@ -145,7 +136,7 @@ class Plan(NamedTuple):
     dkdv: tuple  # (grid, scalars, meta) of the dK/dV kernel
     boxes: tuple[list[int], list[int]]  # Q and K's, V and dO's
     layouts: tuple[object, object]
-    acc: tuple | None  # FUSED_DQ: the fp32 dQ accumulator's shape, and its two boxes
+    acc: tuple | None  # FUSED_DQ: the fp32 dQ accumulator's shape, its two boxes, their layout
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -219,17 +210,18 @@ def _plan(
     boxes = ([1, 1, ROWS, qk_box], [1, 1, ROWS, v_tile])
     acc = None
     if fused_dq:
-        from flashcore.ops.bwd_sm90 import DQ_ROWS
-
         # (B, H, Sq, D) or, packed, (1, H, total_q, D): the conversion's rows a head as the
-        # Hopper backward's (ops/bwd_sm90.py).
-        acc = ((rows_b, heads, rows_q, head_dim), [1, 1, ROWS, qk_a], [1, 1, ROWS, qk_b])
+        # Hopper backward's (ops/bwd_sm90.py); the staging tiles' layout is its too.
+        acc = (
+            (rows_b, heads, rows_q, head_dim), [1, 1, ROWS, qk_a], [1, 1, ROWS, qk_b],
+            bwd_sm90.dq_layout(HEAD_DIM),
+        )  # fmt: skip
         dq_launch = (
-            (math.ceil(rows_q / DQ_ROWS) * rows_b * heads,),
+            (math.ceil(rows_q / bwd_sm90.DQ_ROWS) * rows_b * heads,),
             (heads, rows_q, rows_q),
             {
-                "HEAD_DIM": head_dim, "BLOCK_D": HEAD_DIM, "BLOCK_M": DQ_ROWS, "PDL": False,
-                "num_warps": 4,
+                "HEAD_DIM": head_dim, "BLOCK_D": HEAD_DIM, "BLOCK_M": bwd_sm90.DQ_ROWS,
+                "PDL": False, "num_warps": 4,
             },
         )  # fmt: skip
     return Plan(
@@ -307,11 +299,12 @@ def backward(
             # Stand-ins for the dQ accumulator's descriptors (never touched without FUSED_DQ).
             acc_descs = descs[:2]
         else:
-            acc_shape, box_a, box_b = p.acc
+            acc_shape, box_a, box_b, acc_layout = p.acc
             dq_acc = torch.zeros(acc_shape, device=q.device, dtype=torch.float32)
             acc_descs = (
-                Descriptor(dq_acc, box_a, dq_layout()), Descriptor(dq_acc, box_b, dq_layout())
-            )  # fmt: skip
+                Descriptor(dq_acc, box_a, acc_layout),
+                Descriptor(dq_acc, box_b, acc_layout),
+            )
         grid, scalars, meta = p.dkdv
         dkdv_kernel(
             grid, (*descs, *acc_descs, lse2, delta, dk, dv, alibi, cu_q, cu_k, *scalars), meta,
@@ -319,8 +312,6 @@ def backward(
         )  # fmt: skip
         if p.acc is not None:
             # The dK/dV kernel accumulates dQ unscaled; the conversion scales and casts it.
-            from flashcore.ops import bwd_sm90
-
             grid, scalars, meta = p.dq
             strides = bwd_sm90.dq_strides(dq, varlen is not None)
             bwd_sm90.dq_kernel()(grid, (dq_acc, dq, scale, *strides, *scalars), meta, planned=True)

@@ -135,7 +135,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashcore.kernels.hopper.bwd import q_blocks
-from flashcore.kernels.hopper.bwd_dq import reduce_dq, rows_of_sequence, stage_dq
+from flashcore.kernels.hopper.bwd_dq import stage_and_reduce
 from flashcore.kernels.hopper.common import (
     LOG2E,
     interleave,
@@ -149,18 +149,28 @@ ROWS = gl.constexpr(64)  # query rows a step, and keys a program (one m64 wgmma)
 
 
 @gluon.jit
-def _program(CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k,
-             VARLEN: gl.constexpr):  # fmt: skip
-    """``(start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b)`` of a dK/dV
-    program: its key block's first key, batch (VARLEN: sequence) and kv head, and its sequence's
-    first rows, lengths and batch coordinate in the descriptors (``common.sequence``). With
-    VARLEN the grid is sized by the longest sequence: a block may start past its own."""
-    block, off_bh = interleave(gl.program_id(0), gl.cdiv(seqlen_k, ROWS), lpt_heads)
-    off_b = off_bh // kv_heads
+def _program(CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k,
+             BY_KEYS: gl.constexpr, LAST_FIRST: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    """``(start, off_b, off_h, q_start, k_start, seqlen_q, seqlen_k, desc_b)`` of a program: its
+    block's first key (BY_KEYS, the dK/dV kernel; ``heads`` the kv heads) or first query row
+    (the dQ kernel; ``heads`` the query heads), its batch (VARLEN: sequence) and head, and its
+    sequence's first rows, lengths and batch coordinate in the descriptors
+    (``common.sequence``). LAST_FIRST: the blocks in reverse (causal dQ: the later rows see more
+    keys, so the heavy programs start first; VARLEN, counted from the longest sequence's last).
+    With VARLEN the grid is sized by the longest sequence: a block may start past its own."""
+    pid = gl.program_id(0)
+    if BY_KEYS:
+        n_blocks = gl.cdiv(seqlen_k, ROWS)
+    else:
+        n_blocks = gl.cdiv(seqlen_q, ROWS)
+    block, off_bh = interleave(pid, n_blocks, lpt_heads)
+    if LAST_FIRST:
+        block = n_blocks - 1 - block
+    off_b = off_bh // heads
     q_start, k_start, seqlen_q, seqlen_k, desc_b = sequence(
         CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
     )
-    return block * ROWS, off_b, off_bh % kv_heads, q_start, k_start, seqlen_q, seqlen_k, desc_b
+    return block * ROWS, off_b, off_bh % heads, q_start, k_start, seqlen_q, seqlen_k, desc_b
 
 
 @gluon.jit
@@ -217,7 +227,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
               HAS_WINDOW: gl.constexpr, VARLEN: gl.constexpr,
               FUSED_DQ: gl.constexpr):  # fmt: skip
     start_n, _, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = _program(
-        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, True, False, VARLEN
     )
     n_fix = gl.to_tensor(0)
     # K and V: without FUSED_DQ their rows past a packed sequence's end reach only dK and dV
@@ -316,7 +326,7 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = _program(
-        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, True, False, VARLEN
     )
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, window_left, window_right, IS_CAUSAL,
                       HAS_WINDOW, ROWS)  # fmt: skip
@@ -420,8 +430,8 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
                 dq = warpgroup_mma_wait(1, deps=[dq_tok])
                 mbarrier.arrive(ds_free.index((t + 1) % 2), count=1, pred=t > 0)
                 if t > 0:
-                    _reduce_dq(dq, dq_tile, dq_desc, desc_b, prev_h, q_start + prev_m, dq_col,
-                               seqlen_q - prev_m, VARLEN)  # fmt: skip
+                    stage_and_reduce(dq, dq_tile, dq_desc, desc_b, prev_h, q_start + prev_m,
+                                     dq_col, seqlen_q - prev_m, True, VARLEN)  # fmt: skip
                 acc, p_op = warpgroup_mma_wait(0, deps=[tok, p_op])
                 mbarrier.arrive(qd_empty.index(slot), count=1)
                 prev_h = off_h
@@ -463,8 +473,8 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
                     mbarrier.arrive(qd_empty.index(slot), count=1)
                     dq = warpgroup_mma_wait(1, deps=[dq_tok])
                     mbarrier.arrive(ds_free.index(buf), count=1)
-                    _reduce_dq(dq, dq_tile, dq_desc, desc_b, off_h, q_start + start_m, dq_col,
-                               seqlen_q - start_m, VARLEN)  # fmt: skip
+                    stage_and_reduce(dq, dq_tile, dq_desc, desc_b, off_h, q_start + start_m,
+                                     dq_col, seqlen_q - start_m, True, VARLEN)  # fmt: skip
                 else:
                     acc, acc_b, ds_op = warpgroup_mma_wait(0, deps=[tok, tok_b, ds_op])
             else:
@@ -479,8 +489,8 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
             dq_tok = _dq_product(ds_smem, ds_ready, k_dq, zero_dq, n_steps - 1)
             dq = warpgroup_mma_wait(0, deps=[dq_tok])
             if n_steps > 0:
-                _reduce_dq(dq, dq_tile, dq_desc, desc_b, prev_h, q_start + prev_m, dq_col,
-                           seqlen_q - prev_m, VARLEN)  # fmt: skip
+                stage_and_reduce(dq, dq_tile, dq_desc, desc_b, prev_h, q_start + prev_m, dq_col,
+                                 seqlen_q - prev_m, True, VARLEN)  # fmt: skip
         else:
             # The dP^T issued past the last step.
             warpgroup_mma_wait(0, deps=[dp_tok])
@@ -519,20 +529,6 @@ def _dq_product(ds_smem, ds_ready, k_dq, zero_dq, step):
     mbarrier.wait(ds_ready.index(buf), (((step + 2) // 2) & 1) ^ 1)
     ds = ds_smem.index(buf).permute((1, 0))
     return warpgroup_mma(ds, k_dq, zero_dq, use_acc=False, is_async=True)
-
-
-@gluon.jit
-def _reduce_dq(dq, tile, desc, desc_b, off_h, row, col, n_rows, VARLEN: gl.constexpr):
-    """FUSED_DQ: a consumer's columns ``[col, col + dq.shape[1])`` of a step's dQ (fp32,
-    unscaled) into its staging ``tile``, once the copy engine has read the previous step's, then
-    reduce-added into the accumulator at row ``row`` of head ``off_h``. VARLEN: rows from
-    ``n_rows`` on (the next sequence's) as zeros."""
-    tma.store_wait(0)
-    if VARLEN:
-        dq = rows_of_sequence(dq, n_rows)
-    stage_dq(tile, dq)
-    fence_async_shared()
-    reduce_dq(desc, desc_b, off_h, row, col, tile)
 
 
 @gluon.jit
@@ -647,8 +643,9 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     if VARLEN:
         # The grid is sized by the longest sequence: a key block past its own has nothing to do.
         start_n, _, _, _, _, _, n_keys, _ = _program(
-            CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
-        )
+            CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, True, False,
+            VARLEN,
+        )  # fmt: skip
         if start_n >= n_keys:
             return
     dtype: gl.constexpr = q_desc.dtype
@@ -714,30 +711,13 @@ def attn_bwd_dkdv_sm90_d256_kernel(
 
 
 @gluon.jit
-def _dq_program(CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k,
-                IS_CAUSAL: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
-    """``(start_m, off_b, off_h, q_start, k_start, seqlen_q, seqlen_k, desc_b)`` of a dQ
-    program, as ``_program``'s; causal query blocks last-first (the later rows see more keys: the
-    heavy programs start first; VARLEN, counted from the longest sequence's last)."""
-    n_blocks = gl.cdiv(seqlen_q, ROWS)
-    block, off_bh = interleave(gl.program_id(0), n_blocks, lpt_heads)
-    if IS_CAUSAL:
-        block = n_blocks - 1 - block
-    off_b = off_bh // heads
-    q_start, k_start, seqlen_q, seqlen_k, desc_b = sequence(
-        CU_Q, CU_K, off_b, seqlen_q, seqlen_k, total_q, total_k, VARLEN
-    )
-    return block * ROWS, off_b, off_bh % heads, q_start, k_start, seqlen_q, seqlen_k, desc_b
-
-
-@gluon.jit
 def _dq_producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
                  do_smem, q_ready, kv_ready, kv_empty, fix_bar, CU_Q, CU_K, heads, kv_group,
                  seqlen_q, seqlen_k, lpt_heads, window_left, window_right, total_q, total_k,
                  QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  HAS_WINDOW: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
-    start_m, _, off_h, q_start, k_start, seqlen_q, seqlen_k, desc_b = _dq_program(
-        CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, IS_CAUSAL, VARLEN
+    start_m, _, off_h, q_start, k_start, seqlen_q, seqlen_k, desc_b = _program(
+        CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, False, IS_CAUSAL, VARLEN
     )
     # Q and dO: their rows past a packed sequence's end reach only dQ rows that are not stored.
     _load_tiles(q_desc, do_desc, desc_b, off_h, q_start + start_m, q_ready, qa_smem, qb_smem,
@@ -799,8 +779,8 @@ def _dq_consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
 
-    start_m, off_b, off_h, q_start, _, seqlen_q, seqlen_k, _ = _dq_program(
-        CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, IS_CAUSAL, VARLEN
+    start_m, off_b, off_h, q_start, _, seqlen_q, seqlen_k, _ = _program(
+        CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, False, IS_CAUSAL, VARLEN
     )
     lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, ROWS, ROWS, IS_CAUSAL, HAS_WINDOW
@@ -946,9 +926,10 @@ def attn_bwd_dq_sm90_d256_kernel(
     if VARLEN:
         # The grid is sized by the longest sequence: a query block past its own has nothing to
         # do.
-        start_m, _, _, _, _, n_rows, _, _ = _dq_program(
-            CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, IS_CAUSAL, VARLEN
-        )
+        start_m, _, _, _, _, n_rows, _, _ = _program(
+            CU_Q, CU_K, heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, False, IS_CAUSAL,
+            VARLEN,
+        )  # fmt: skip
         if start_m >= n_rows:
             return
     dtype: gl.constexpr = q_desc.dtype

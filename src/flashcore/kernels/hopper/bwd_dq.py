@@ -152,15 +152,27 @@ def dq_finish(
     zeros (``rows_of_sequence``); ``start_m`` is the descriptor's row (``reduce_dq``)."""
     mbarrier.arrive(ds_free.index((step + 2) % 2), count=1)
     if ABLATE < 2:
-        # The staging tile was last read by the previous step's reduce: wait until the copy
-        # engine has read it (cp.async.bulk.wait_group.read).
-        tma.store_wait(0)
-        if VARLEN:
-            dq = rows_of_sequence(dq, q_end - start_m)
-        stage_dq(dq_tile, dq)
-        fence_async_shared()
-        if ABLATE == 0 and live:
-            reduce_dq(dq_desc, off_b, off_h, start_m, CONSUMER * dq.shape[1], dq_tile)
+        stage_and_reduce(
+            dq, dq_tile, dq_desc, off_b, off_h, start_m, CONSUMER * dq.shape[1], q_end - start_m,
+            ABLATE == 0 and live, VARLEN,
+        )  # fmt: skip
+
+
+@gluon.jit
+def stage_and_reduce(dq, tile, dq_desc, off_b, off_h, row, col, n_rows, live,
+                     VARLEN: gl.constexpr):  # fmt: skip
+    """A consumer's fp32 ``dq`` (64 rows x its columns) into its staging ``tile`` once the copy
+    engine has read the tile's previous contents (``cp.async.bulk.wait_group.read``), then, when
+    ``live``, reduce-added into dQ at ``(off_b, off_h, row)``, columns from ``col``
+    (``reduce_dq``). VARLEN: rows from ``n_rows`` on (the next sequence's) as zeros
+    (``rows_of_sequence``)."""
+    tma.store_wait(0)
+    if VARLEN:
+        dq = rows_of_sequence(dq, n_rows)
+    stage_dq(tile, dq)
+    fence_async_shared()
+    if live:
+        reduce_dq(dq_desc, off_b, off_h, row, col, tile)
 
 
 @gluon.jit
