@@ -305,6 +305,10 @@ D256_MLA = [
     (MaskCase(Case(1, 4, 2, 513, 777, 192), causal=True), "bshd", torch.float16),
     (MaskCase(Case(1, 4, 1, 777, 513, 192), causal=True), "bhsd", torch.bfloat16),
     (MaskCase(Case(1, 8, 8, 2048, 2048, 192), causal=True), "bhsd", torch.bfloat16),
+    # Keys ending halfway through a 128-key block (the 128-key kernel's consumer 1 past Sk), and
+    # fewer keys than one block with more queries than keys.
+    (MaskCase(Case(1, 4, 1, 300, 1088, 192)), "bhsd", torch.float16),
+    (MaskCase(Case(2, 4, 2, 130, 100, 192), causal=True), "bshd", torch.bfloat16),
     (
         MaskCase(Case(1, 4, 2, 600, 900, 192), window=(200, 30), softcap=20.0, alibi="h"),
         "bhsd",
@@ -314,25 +318,31 @@ D256_MLA = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-dq", "dq-kernel"])
+@pytest.mark.parametrize("path", ["wide", "fused-dq", "dq-kernel"])
 @pytest.mark.parametrize(
     ("mc", "layout", "dtype"),
     D256_MLA,
     ids=[f"{mc.id}-{layout}-{str(d)[6:]}" for mc, layout, d in D256_MLA],
 )
-def test_backward_gpu_d256_mla(mc, layout, dtype, fused, monkeypatch):
+def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     """MLA's head dims (q and k 192, v 128) through the head-dim-256 kernels (Q and K in a 128-
     and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options; dQ in
-    the dK/dV kernel (``bwd256.FUSED_MLA``, as shipped) and by the dQ kernel."""
+    the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
+    shipped: "wide") or at 64 ("fused-dq"), and by the dQ kernel ("dq-kernel")."""
     from flashcore.ops import bwd256
 
-    monkeypatch.setattr(bwd256, "FUSED_MLA", fused)
+    monkeypatch.setattr(bwd256, "FUSED_MLA", path != "dq-kernel")
+    monkeypatch.setattr(bwd256, "WIDE_MLA", path == "wide")
+    bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
     q, k, _ = make_qkv(mc.case, dtype, "cuda", layout=layout)
     _, _, v = make_qkv(mc.case._replace(head_dim=128), dtype, "cuda", layout=layout)
-    dv = check_backward(q, k, v, **mask_options(mc, "cuda"))[2]
+    options = mask_options(mc, "cuda")
+    dv = check_backward(q, k, v, **options)[2]
     assert calls, "the head-dim-256 Gluon backward did not run"
     assert dv.shape == v.shape
+    plain = not (mc.window or mc.softcap or mc.alibi)
+    assert any(p.wide for p in bwd256._PLANS.values()) == (path == "wide" and plain)
 
 
 @pytest.mark.gpu

@@ -51,6 +51,10 @@ VARIANTS = [
     ("mla-fused-dkdv-fp16", "dkdv", "fp16", False, False, True, False, False),
     ("mla-fused-dkdv-bf16-window-softcap-alibi-varlen", "dkdv", "bf16", False, True, False, True,
      True),
+    # MLA's 128-key kernel (kernels/hopper/bwd_mla.py: a label with "wide"); no score options.
+    ("mla-wide-fused-bf16", "wide", "bf16", False, False, True, False, False),
+    ("mla-wide-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False, False),
+    ("mla-wide-fused-bf16-ragged", "wide", "bf16", False, False, False, False, False),
 ]  # fmt: skip
 
 
@@ -59,6 +63,7 @@ def compile_variant(variant) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashcore.kernels.hopper import bwd256 as kernels
+    from flashcore.kernels.hopper import bwd_mla
     from flashcore.ops import bwd256, bwd_sm90
 
     label, which, dtype, causal, window, even_n, softcap, alibi = variant
@@ -87,10 +92,12 @@ def compile_variant(variant) -> dict:
         CONSUMER_REGS=bwd256.CONSUMER_REGS, IS_CAUSAL=causal,
         HAS_WINDOW=window, SOFTCAP=softcap, HAS_ALIBI=alibi, VARLEN="varlen" in label,
     )  # fmt: skip
-    if which == "dkdv":
+    if which in ("dkdv", "wide"):
         consts["EVEN_N"] = even_n
         consts["FUSED_DQ"] = fused
         fn = kernels.attn_bwd_dkdv_sm90_d256_kernel
+        if which == "wide":
+            fn = bwd_mla.attn_bwd_mla_sm90_kernel
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -137,6 +144,12 @@ SPILL_ALLOWANCE = {
     "dq-fp16-softcap-alibi-varlen": 24,
     # With dQ in the kernel consumer 1 also holds its dQ columns and the next step's dP^T.
     "mla-fused-dkdv-bf16-window-softcap-alibi-varlen": 248,
+    # The 128-key kernel's consumers hold dK and dV of their 64 keys (160 registers) through the
+    # step: ptxas keeps a dozen of the step's scalars (indices, phases, offsets) in local memory,
+    # reloaded from L1 each step.
+    "mla-wide-fused-bf16": 400,
+    "mla-wide-fused-fp16-causal-ragged": 448,
+    "mla-wide-fused-bf16-ragged": 448,
 }
 
 
@@ -163,9 +176,14 @@ def test_products_and_copies(compiled):
         # shared memory, consumer 0's 128 columns (4, issued in the loop and after it) and
         # consumer 1's 64 (4), and consumer 1's dP^T issued a step ahead (8, before the loop and
         # in it): 12 + 16 + 8 + 4.
+        # The 128-key kernel (MLA, per consumer): S^T 12 and dP^T 8 from shared memory, dQ =
+        # dS K over both consumers' keys by 64-column panels (consumer 0 two, consumer 1 one; 8
+        # each) with dS^T from shared memory, dV 4 and dK 4 + 4 from registers: (36 + 28, 24).
         mla = row["variant"].startswith("mla")
         fused = "fused" in row["variant"]
-        if "dkdv" in row["variant"]:
+        if "wide" in row["variant"]:
+            want = (64, 24)
+        elif "dkdv" in row["variant"]:
             want = (40 if fused else 20, 12) if mla else (32, 8)
         else:
             want = (24, 4) if mla else (36, 4)

@@ -56,6 +56,10 @@ MLA_STAGES = 3
 # last bits may vary between runs: ``deterministic`` keeps the dQ kernel.
 FUSED_MLA = True
 FUSED_STAGES = 2
+# MLA's fused backward at 128 keys a program (kernels/hopper/bwd_mla.py: half the L2 traffic a
+# key of the 64-key kernel's) where it applies: no window, softcap, ALiBi or packed batch.
+WIDE_MLA = True
+WIDE_KEYS = 128
 CONSUMER_REGS = 240
 MAXNREG = 168
 
@@ -76,6 +80,23 @@ def kernels() -> tuple[Launcher, Launcher, Launcher]:
         Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 10),
         Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 13),
     )
+
+
+@functools.cache
+def wide_kernel() -> Launcher:
+    """Launcher of MLA's 128-key kernel (``kernels/hopper/bwd_mla.py``)."""
+    from flashcore.kernels.hopper import bwd_mla
+
+    return Launcher(bwd_mla.attn_bwd_mla_sm90_kernel, 13)
+
+
+def wide(fused_dq: bool, sc: pb.Scores, has_alibi: bool, varlen: pb.Varlen | None) -> bool:
+    """Whether MLA's fused backward runs at 128 keys a program (``WIDE_MLA``): the options that
+    kernel covers only."""
+    return (
+        WIDE_MLA and fused_dq and not (sc.has_window or sc.has_softcap or has_alibi)
+        and varlen is None
+    )  # fmt: skip
 
 
 def takes(
@@ -137,6 +158,7 @@ class Plan(NamedTuple):
     boxes: tuple[list[int], list[int]]  # Q and K's, V and dO's
     layouts: tuple[object, object]
     acc: tuple | None  # FUSED_DQ: the fp32 dQ accumulator's shape, its two boxes, their layout
+    wide: bool  # MLA's 128-key kernel in place of the dK/dV kernel (``wide``)
 
 
 _PLANS: dict[tuple, Plan] = {}
@@ -154,6 +176,8 @@ def _plan(
     rows_b, rows_q = (batch, seqlen_q) if varlen is None else (1, total_q)
     seqlen_pad = math.ceil(rows_q / ROWS) * ROWS
     sc = pb.scores(causal, window, softcap, scale, has_alibi, seqlen_q, seqlen_k)
+    wide_mla = wide(fused_dq, sc, has_alibi, varlen)
+    keys = WIDE_KEYS if wide_mla else ROWS
     dlse_strides = (0, 0) if dlse is None else pb.stats_strides(dlse, varlen)
     prep = (
         (seqlen_pad // ROWS * rows_b * heads,),
@@ -197,13 +221,13 @@ def _plan(
         {**common, **flags, **meta},
     )  # fmt: skip
     dkdv_launch = (
-        (math.ceil(seqlen_k / ROWS) * batch * kv_heads,),
+        (math.ceil(seqlen_k / keys) * batch * kv_heads,),
         (
             stride_ab, *stats, *pb.row_strides(dk, varlen), *pb.row_strides(dv, varlen), kv_heads,
             heads // kv_heads, seqlen_q, seqlen_k, kv_lpt, *tail,
         ),
         {
-            **common, "EVEN_N": varlen is None and seqlen_k % ROWS == 0, **flags,
+            **common, "EVEN_N": varlen is None and seqlen_k % keys == 0, **flags,
             "FUSED_DQ": fused_dq, **meta,
         },
     )  # fmt: skip
@@ -226,7 +250,7 @@ def _plan(
         )  # fmt: skip
     return Plan(
         rows_b * heads * seqlen_pad, prep, dq_launch, dkdv_launch, boxes,
-        tuple(box_layout(tuple(box), q.dtype) for box in boxes), acc,
+        tuple(box_layout(tuple(box), q.dtype) for box in boxes), acc, wide_mla,
     )  # fmt: skip
 
 
@@ -306,7 +330,7 @@ def backward(
                 Descriptor(dq_acc, box_b, acc_layout),
             )
         grid, scalars, meta = p.dkdv
-        dkdv_kernel(
+        (wide_kernel() if p.wide else dkdv_kernel)(
             grid, (*descs, *acc_descs, lse2, delta, dk, dv, alibi, cu_q, cu_k, *scalars), meta,
             planned=True,
         )  # fmt: skip

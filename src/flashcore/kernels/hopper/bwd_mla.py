@@ -1,0 +1,347 @@
+"""MLA's backward (q and k head dim 192, v 128) on Hopper (sm_90a) in Gluon, 128 keys a program.
+
+Why a kernel of its own. ``bwd256.py``'s dK/dV kernel with FUSED_DQ takes 64 keys a program and
+splits their work between its two consumers by product. Each of its steps (64 keys by 64 query
+rows) loads 40 KB of Q and dO from L2 and reduce-adds 48 KB of fp32 dQ into it; under ncu (H200,
+(2, 16, 4096) bf16 non-causal) the reduce-adds came to 10.3 of the kernel's 15.3 GB of L2
+traffic, which ran at 87% of L2's throughput: L2 set the pace, and its bytes alone needed more
+time than FlashAttention-4's whole kernel (96 keys a program: 10.0 GB). Both kinds of traffic are
+per key block, so the lever is more keys a program (docs/performance_backward.md, "MLA's backward
+at 128 keys a program").
+
+Design: ``bwd.py``'s (the D = 128 backward) at MLA's head dims. A program owns 128 keys of a kv
+head; consumer c (the default partition and worker 0) owns keys ``[64 c, 64 c + 64)``: its K_c
+(a 128- and a 64-column tile) and V_c in shared memory, loaded once, and its dV_c (64 x 128 fp32:
+64 registers a thread) and dK_c (64 x 192: 96) in registers. Per step (query head g, 64 query
+rows; the producer warp lands Q, dO and the rows' lse2 and delta in a ring slot), consumer c::
+
+    S^T  = K_c Q^T        (K = 192: two wgmmas); wait
+    P^T = exp2(S^T qk_scale - lse2) (masked; lse2 from the slot)
+    dV_c += P^T dO        (P^T in registers); wait
+    dP^T = V_c dO^T       (K = 128); wait
+    dS^T = P^T (dP^T - delta)   (P^T kept in fp16; delta from the slot)
+    dS^T -> shared (tile c), once both consumers' dQ of the previous step has read it
+    dK_c += dS^T Q        (dS^T in registers, two wgmmas); wait; release the slot
+    wait for both dS^T tiles; for each 64-column panel i of this consumer's dQ columns:
+        dQ_i = dS_0 K_0[:, panel i] + dS_1 K_1[:, panel i]; wait
+        stage dQ_i in fp32 (``bwd_dq.stage_dq``), fence, reduce-add it into the accumulator
+
+with consumer 0's columns ``[0, 128)`` (two panels) and consumer 1's ``[128, 192)`` (one). The
+step sends its 64 x 192 fp32 dQ to L2 once for 128 keys, half of ``bwd256.py``'s bytes a key,
+and Q and dO likewise. Registers: a consumer's dK and dV are 160 a thread through the loop, and
+one tile of 32 beside them at a time (S^T, dP^T or a dQ panel), a step's products one after
+another: with S^T and dP^T in flight together, or both of consumer 0's panels (ptxas issued the
+second panel's products before the first's staging stores), ptxas spilled the accumulators and
+serialised every wgmma (C7512); the fence between a panel's staging and the next panel's
+products keeps them apart. The row stats come from shared memory where they are used (as
+vectors in registers, loaded from global memory, they held 32 a thread over the step). The two
+consumers' steps interleave on the tensor cores.
+
+Shared memory (two ring slots): Q 2 x 24 KB, dO 2 x 16 KB, the row stats 2 x 512 B, K 2 x 24 KB,
+V 2 x 16 KB, the dS^T tiles 2 x 8 KB (one step's; FlashAttention-4's MLA backward keeps one
+too), the fp32 staging 3 x 16 KB: 230,920 B with the barriers, of the 232,448 a block may use.
+
+Barriers: ``kv_ready`` (count 2: each consumer's K and V by their own expect); ``qd_ready[s]``
+(count 2: the copies' expect and the producer's arrival after it stored the row stats),
+``qd_empty[s]`` (count 2) as ``bwd.py``'s ring; ``ds_ready`` (count 2: both consumers
+wrote their step's dS^T tile) completes once a step, waited with parity ``t & 1``; ``ds_free``
+(count 2: both consumers' dQ products of the step read both tiles) once a step, waited before
+step t's dS^T store with parity ``(t & 1) ^ 1`` (step 0's passes on the initial phase). Neither
+runs two phases ahead of a waiter: a consumer arrives on ``ds_ready`` for step t + 1 only after
+``ds_free`` of step t, which needs the other consumer's dQ of step t, after its ``ds_ready``
+wait of step t; ``ds_free`` of step t + 1 needs both consumers' ``ds_ready`` arrivals of step t
++ 1, after their ``ds_free`` waits of step t. No cycle: a consumer's dS^T of step t needs only
+its own products and the previous step's dQ of both.
+
+Covered: fp16 and bf16, causal (bottom-right) or not, ragged Sq and Sk (TMA zero fill: rows past
+Sq have Q = dO = 0 and lse2 = +inf; keys past Sk are masked, their K and V rows zeros), GQA/MQA
+(a program walks its group's query heads). Not covered (``ops/bwd256.py: wide`` says no; the
+64-key kernel runs them): window, softcap, ALiBi, packed batches. dQ's last bits depend on the
+order of the reduce-adds (``deterministic`` keeps ``bwd256.py``'s dQ kernel).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashcore.kernels.hopper.bwd import key_block, q_blocks
+from flashcore.kernels.hopper.bwd256 import _load_tiles, _qk_tiles, _store_rows
+from flashcore.kernels.hopper.bwd_dq import reduce_dq, stage_dq
+
+ROWS = gl.constexpr(64)  # query rows a step, and keys a consumer (one m64 wgmma)
+KEYS = gl.constexpr(128)  # keys a program: two consumers x 64
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
+              do_smem, stats_smem, kv_ready, qd_ready, qd_empty, LSE2, DELTA, stride_lb,
+              stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, QK_B: gl.constexpr,
+              NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):  # fmt: skip
+    start_n, off_b, off_hk, _, _, _, _, _ = key_block(
+        seqlen_q, seqlen_q, kv_heads, seqlen_q, seqlen_k, lpt_heads, 0, 0, False
+    )
+    for c in gl.static_range(2):
+        # Each consumer's K and V on kv_ready (count 2: one expect each).
+        _load_tiles(k_desc, v_desc, off_b, off_hk, start_n + c * ROWS, kv_ready,
+                    ka_smem.index(c), kb_smem.index(c), v_smem.index(c), QK_B)  # fmt: skip
+    lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, 0, 0, IS_CAUSAL, False, KEYS)
+    offs = gl.arange(0, ROWS, layout=gl.BlockedLayout([2], [32], [1], [0]))
+    for t in range(n_m * kv_group):
+        off_h = off_hk * kv_group + t // n_m
+        start_m = lo + (t % n_m) * ROWS
+        slot = t % NUM_STAGES
+        mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
+        bar = qd_ready.index(slot)
+        _load_tiles(q_desc, do_desc, off_b, off_h, start_m, bar, qa_smem.index(slot),
+                    qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
+        # The step's row stats (lse2, delta) into the slot, read by the consumers from shared
+        # memory where they use them (as row vectors in registers they held 32 a thread over
+        # the step); qd_ready's second arrival.
+        base = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + start_m
+        stats_smem.index(2 * slot).store(gl.load(LSE2 + base + offs))
+        stats_smem.index(2 * slot + 1).store(gl.load(DELTA + base + offs))
+        mbarrier.arrive(bar, count=1)
+
+
+@gluon.jit
+def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
+              dq_tiles, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV,
+              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, head_dim,
+              CONSUMER: gl.constexpr, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
+    dtype: gl.constexpr = ka_smem.dtype
+    QK_A: gl.constexpr = ka_smem.shape[4]
+    V_DIM: gl.constexpr = v_smem.shape[4]
+    gl.static_assert(QK_A == V_DIM)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
+    )
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QK_A, 16]
+    )
+    b_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QK_B, 16]
+    )
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    start_n, off_b, off_hk, _, _, _, _, _ = key_block(
+        seqlen_q, seqlen_q, kv_heads, seqlen_q, seqlen_k, lpt_heads, 0, 0, False
+    )
+    lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, 0, 0, IS_CAUSAL, False, KEYS)
+    key0 = start_n + CONSUMER * ROWS
+    diag = seqlen_k - seqlen_q
+    # Query blocks starting at or past this row see every key of this consumer's: no mask.
+    full_m = key0 + ROWS - 1 - diag
+    ka = ka_smem.index(CONSUMER).reshape([ROWS, QK_A])
+    kb = kb_smem.index(CONSUMER).reshape([ROWS, QK_B])
+    vt = v_smem.index(CONSUMER).reshape([ROWS, V_DIM])
+    # This consumer's dQ columns over both consumers' keys, in 64-column panels (consumer 0
+    # the two of [0, QK_A), consumer 1 the one of [QK_A, QK_A + QK_B)): one panel's 32
+    # registers at a time beside dK and dV.
+    PANEL: gl.constexpr = QK_B
+    if CONSUMER == 0:
+        k0_dq = ka_smem.index(0).reshape([ROWS, QK_A])
+        k1_dq = ka_smem.index(1).reshape([ROWS, QK_A])
+        N_PANELS: gl.constexpr = QK_A // PANEL
+        dq_col = 0
+    else:
+        k0_dq = kb_smem.index(0).reshape([ROWS, QK_B])
+        k1_dq = kb_smem.index(1).reshape([ROWS, QK_B])
+        N_PANELS: gl.constexpr = 1
+        dq_col = QK_A
+    zero_dq = gl.zeros([ROWS, PANEL], gl.float32, layout=b_layout)
+    zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
+    dv = gl.zeros([ROWS, V_DIM], gl.float32, layout=acc_layout)
+    dk_a = gl.zeros([ROWS, QK_A], gl.float32, layout=acc_layout)
+    dk_b = gl.zeros([ROWS, QK_B], gl.float32, layout=b_layout)
+    mbarrier.wait(kv_ready, 0)
+    for t in range(n_m * kv_group):
+        off_h = off_hk * kv_group + t // n_m
+        start_m = lo + (t % n_m) * ROWS
+        slot = t % NUM_STAGES
+        mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
+        qa = qa_smem.index(slot).reshape([ROWS, QK_A])
+        qb = qb_smem.index(slot).reshape([ROWS, QK_B])
+        do = do_smem.index(slot).reshape([ROWS, V_DIM])
+        s_tok = warpgroup_mma(ka, qa.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(kb, qb.permute((1, 0)), s_tok, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[s_tok])
+        s = s * qk_scale
+        if IS_CAUSAL:
+            if start_m < full_m:
+                keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
+                r = gl.expand_dims(start_m + gl.arange(0, ROWS, layout=col_layout), 0)
+                s = gl.where(keys <= r + diag, s, float("-inf"))
+        elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
+            # Keys past Sk (zeros): their P = exp2(-lse2) could overflow (bwd.py, EVEN_N).
+            if key0 + ROWS > seqlen_k:
+                keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
+                s = gl.where(keys < seqlen_k, s, float("-inf"))
+        p = gl.exp2(s - gl.expand_dims(stats_smem.index(2 * slot).load(col_layout), 0))
+        # One score tile at a time beside dK and dV (160 registers): dV += P^T dO, retired,
+        # then dP^T = V dO^T, with P^T kept in fp16 for dS.
+        p_op = gl.convert_layout(p.to(dtype), a_layout)
+        p = p.to(gl.float16)
+        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+        dv, p_op = warpgroup_mma_wait(0, deps=[dv_tok, p_op])
+        dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma_wait(0, deps=[dp_tok])
+        delta = gl.expand_dims(stats_smem.index(2 * slot + 1).load(col_layout), 0)
+        ds = (p.to(gl.float32) * (dp - delta)).to(dtype)
+        # dS^T for both consumers' dQ, once both have read the previous step's tiles.
+        mbarrier.wait(ds_free, (t & 1) ^ 1)
+        ds_smem.index(CONSUMER).store(ds)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready, count=1)
+        ds_op = gl.convert_layout(ds, a_layout)
+        dka_tok = warpgroup_mma(ds_op, qa, dk_a, is_async=True)
+        dkb_tok = warpgroup_mma(ds_op, qb, dk_b, is_async=True)
+        dk_a, dk_b, ds_op = warpgroup_mma_wait(0, deps=[dka_tok, dkb_tok, ds_op])
+        # Every reader of the slot is complete (both score products, dV and dK).
+        mbarrier.arrive(qd_empty.index(slot), count=1)
+        mbarrier.wait(ds_ready, t & 1)
+        # The staging tiles' previous reduce-adds (step t - 1's) have read them.
+        tma.store_wait(0)
+        for i in gl.static_range(N_PANELS):
+            dq_tok = warpgroup_mma(ds_smem.index(0).permute((1, 0)),
+                                   k0_dq.slice(i * PANEL, PANEL, dim=1), zero_dq, use_acc=False,
+                                   is_async=True)  # fmt: skip
+            dq_tok = warpgroup_mma(ds_smem.index(1).permute((1, 0)),
+                                   k1_dq.slice(i * PANEL, PANEL, dim=1), dq_tok,
+                                   is_async=True)  # fmt: skip
+            dq = warpgroup_mma_wait(0, deps=[dq_tok])
+            if i == N_PANELS - 1:
+                mbarrier.arrive(ds_free, count=1)
+            # Each panel reduced as soon as it is staged: the fence keeps ptxas from issuing the
+            # next panel's products beside this one's registers (two panels at once serialised
+            # the consumer's products for lack of registers, ptxas C7512).
+            stage_dq(dq_tiles.index(i), dq)
+            fence_async_shared()
+            reduce_dq(dq_desc, off_b, off_h, start_m, dq_col + i * PANEL, dq_tiles.index(i))
+    # No bulk reduce may still read this consumer's staging tile when the block exits.
+    tma.store_wait(0)
+    ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
+    _store_rows(ptr, dv, key0, seqlen_k, stride_dvn, 0, head_dim, acc_layout)
+    ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
+    _store_rows(ptr, dk_a * scale, key0, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
+    _store_rows(ptr, dk_b * scale, key0, seqlen_k, stride_dkn, QK_A, head_dim, b_layout)
+
+
+@gluon.jit
+def attn_bwd_mla_sm90_kernel(
+    q_desc,
+    k_desc,
+    v_desc,
+    do_desc,
+    dqa_desc,
+    dqb_desc,
+    LSE2,
+    DELTA,
+    DK,
+    DV,
+    ALIBI,
+    CU_Q,
+    CU_K,
+    stride_ab,
+    stride_lb,
+    stride_lh,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    kv_heads,
+    kv_group,
+    seqlen_q,
+    seqlen_k,
+    lpt_heads,
+    qk_scale,
+    scale,
+    softcap,
+    window_left,
+    window_right,
+    head_dim,
+    total_q,
+    total_k,
+    QK_A: gl.constexpr,
+    QK_B: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr,
+    IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr,
+    EVEN_N: gl.constexpr,
+    SOFTCAP: gl.constexpr,
+    HAS_ALIBI: gl.constexpr,
+    VARLEN: gl.constexpr,
+    FUSED_DQ: gl.constexpr = True,
+):
+    """dK, dV and the reduce-adds of dQ of one 128-key block (module docstring), with the
+    arguments of ``bwd256.attn_bwd_dkdv_sm90_d256_kernel`` (FUSED_DQ; the ones for the options
+    this kernel does not cover are not read). ``EVEN_N``: Sk a multiple of 128."""
+    gl.static_assert(QK_B > 0 and FUSED_DQ)
+    gl.static_assert(not (HAS_WINDOW or SOFTCAP or HAS_ALIBI or VARLEN))
+    dtype: gl.constexpr = q_desc.dtype
+    qa_smem, qb_smem = _qk_tiles(q_desc, [NUM_STAGES, 1, 1, ROWS], QK_A, QK_B)
+    ka_smem, kb_smem = _qk_tiles(k_desc, [2, 1, 1, ROWS], QK_A, QK_B)
+    do_shape: gl.constexpr = [NUM_STAGES] + do_desc.block_type.shape  # noqa: RUF005
+    do_smem = gl.allocate_shared_memory(dtype, do_shape, do_desc.layout)
+    v_shape: gl.constexpr = [2] + v_desc.block_type.shape  # noqa: RUF005
+    v_smem = gl.allocate_shared_memory(dtype, v_shape, v_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], ds_layout)
+    # fp32 dQ staging, 64-column panels: consumer 0's two, consumer 1's one (reduce-added with
+    # dqb_desc's 64-column box; dqa_desc is not read).
+    dq_box: gl.constexpr = dqb_desc.block_type.shape
+    dq_tiles0 = gl.allocate_shared_memory(gl.float32, [2] + dq_box, dqb_desc.layout)  # noqa: RUF005
+    dq_tiles1 = gl.allocate_shared_memory(gl.float32, [1] + dq_box, dqb_desc.layout)  # noqa: RUF005
+    # The ring's row stats: lse2 and delta of each slot's 64 rows.
+    stats_smem = gl.allocate_shared_memory(
+        gl.float32, [2 * NUM_STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0])
+    )
+    bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
+    kv_ready = bars.index(0)
+    ds_ready = bars.index(1)
+    ds_free = bars.index(2)
+    qd_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(3):
+        mbarrier.init(bars.index(i), count=2)
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(qd_ready.index(i), count=2)
+        mbarrier.init(qd_empty.index(i), count=2)
+    gl.warp_specialize(
+        [
+            (_consumer, (
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
+                dq_tiles0, dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
+                head_dim, 0, QK_B, NUM_STAGES, IS_CAUSAL, EVEN_N,
+            )),
+            (_consumer, (
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
+                dq_tiles1, dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV,
+                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
+                head_dim, 1, QK_B, NUM_STAGES, IS_CAUSAL, EVEN_N,
+            )),
+            (_producer, (
+                q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
+                do_smem, stats_smem, kv_ready, qd_ready, qd_empty, LSE2, DELTA, stride_lb,
+                stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, QK_B, NUM_STAGES,
+                IS_CAUSAL,
+            )),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, 24],
+    )  # fmt: skip
