@@ -9,7 +9,9 @@ an LSE gradient and sinks are all fine). Three launches: the Hopper backward's p
 (delta and lse2), the dQ kernel and the dK/dV kernel, each gradient written once per program, so
 the backward is bit-identical over runs (``deterministic=True`` takes it too). MLA's head dims,
 unless ``deterministic``: the prep kernel, a zeroed fp32 dQ accumulator, the dK/dV kernel with
-dQ reduce-added (``FUSED_MLA``) and the conversion into dq.
+dQ reduce-added (``FUSED_MLA``) and the conversion into dq; without a window, softcap, ALiBi or
+packed batch the dK/dV kernel is ``kernels/hopper/bwd_mla.py``'s, 128 keys a program
+(``WIDE_MLA``), with the same arguments.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ MLA_STAGES = 3
 FUSED_MLA = True
 FUSED_STAGES = 2
 # MLA's fused backward at 128 keys a program (kernels/hopper/bwd_mla.py: half the L2 traffic a
-# key of the 64-key kernel's) where it applies: no window, softcap, ALiBi or packed batch.
+# key of the 64-key kernel's; 1.12-1.22x its speed at 2048-8192 keys, H200,
+# docs/performance_backward.md, "MLA's backward at 128 keys a program") where it applies: no
+# window, softcap, ALiBi or packed batch. Tests set it either way.
 WIDE_MLA = True
 WIDE_KEYS = 128
 CONSUMER_REGS = 240

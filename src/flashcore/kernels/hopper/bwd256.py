@@ -119,6 +119,9 @@ are never used or reduced; their waits pass on the barriers' initial phase or ar
 off. With VARLEN the producer zeroes the resident K and V rows past the sequence's end too (dQ
 sums over keys) and the reduced rows past it are zeros. Two ring slots: 205,344 B. dQ's last
 bits then depend on the order of the reduce-adds: ``deterministic`` keeps the dQ kernel.
+Without a window, softcap, ALiBi or packed batch, MLA's fused backward runs ``bwd_mla.py``'s
+kernel instead (128 keys a program: half the L2 traffic a key of this one's, which its
+reduce-adds held at 87% of L2's throughput).
 
 Not covered (the launcher's ``takes`` says no): a value head dim unlike the query's other than
 MLA's, head dims outside 136-256.
