@@ -324,7 +324,8 @@ def attn_bwd_mla_sm90_kernel(
         mbarrier.init(qd_empty.index(i), count=2)
     # Consumer 1 (one dQ panel a step) is the default partition, consumer 0 worker 0 with 16
     # registers more (fewer spills: 268-380 B against 360-400 with 240 each; 0.97-1.09x the
-    # time of the even split, geomean about 1.02, H200).
+    # time of the even split, geomean about 1.02, H200). The two argument tuples differ only in
+    # CONSUMER and the staging tiles (Triton 3.6's frontend has no starred tuples).
     gl.warp_specialize(
         [
             (_consumer, (
