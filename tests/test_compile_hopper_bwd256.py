@@ -55,6 +55,8 @@ VARIANTS = [
     ("mla-wide-fused-bf16", "wide", "bf16", False, False, True, False, False),
     ("mla-wide-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False, False),
     ("mla-wide-fused-bf16-ragged", "wide", "bf16", False, False, False, False, False),
+    ("mla-wide-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False, False),
+    ("mla-wide-fused-fp16-varlen", "wide", "fp16", False, False, False, False, False),
 ]  # fmt: skip
 
 
@@ -151,6 +153,9 @@ SPILL_ALLOWANCE = {
     "mla-wide-fused-bf16": 268,
     "mla-wide-fused-fp16-causal-ragged": 380,
     "mla-wide-fused-bf16-ragged": 348,
+    # VARLEN adds each program's sequence bounds and the producer's zeroing path.
+    "mla-wide-fused-bf16-causal-varlen": 876,
+    "mla-wide-fused-fp16-varlen": 656,
 }
 
 

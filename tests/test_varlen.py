@@ -349,12 +349,12 @@ def poison_neighbours(grads, same, q, k, v, dout) -> None:
     want, rows_q, rows_k)`` asserting the other rows' gradients unchanged."""
     want = grads(q, k, v, dout)
     assert not any(g.isnan().any() for g in want)
-    # Rows past the last offset hold NaN.
-    nan = float("nan")
-    pad_q = torch.full((70, *q.shape[1:]), nan, dtype=q.dtype, device="cuda")
-    pad_k = torch.full((70, *k.shape[1:]), nan, dtype=k.dtype, device="cuda")
-    got = grads(*(torch.cat([t, p]) for t, p in ((q, pad_q), (k, pad_k), (v, pad_k))),
-                torch.cat([dout, pad_q]))  # fmt: skip
+
+    def padded(t):  # 70 rows of NaN past the last offset
+        nan = torch.full((70, *t.shape[1:]), float("nan"), dtype=t.dtype, device="cuda")
+        return torch.cat([t, nan])
+
+    got = grads(*(padded(t) for t in (q, k, v, dout)))
     every_q = torch.arange(q.shape[0], device="cuda")
     every_k = torch.arange(k.shape[0], device="cuda")
     same(got, want, every_q, every_k)
@@ -456,6 +456,43 @@ def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal):
 
     poison_neighbours(grads, same, q, k, v, dout)
     assert calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_gpu_mla_wide_backward(monkeypatch, causal):
+    """MLA's 128-key backward (``kernels/hopper/bwd_mla.py``) on packed batches
+    (``bwd256.WIDE_MLA_VARLEN``, forced): sequences empty, of one row, ending inside either
+    consumer's half of a block and past it, GQA, against the float64 reference; then with NaN
+    past the last offset and inf in sequence 1's rows, the other sequences' gradients unchanged
+    (dK and dV the same bits, dQ within an ulp of its largest element)."""
+    from flashcore.ops import bwd256
+
+    monkeypatch.setattr(bwd256, "WIDE_MLA_VARLEN", True)
+    calls = spy_d256(monkeypatch)
+    bwd256._PLANS.clear()
+    case = VarlenCase(4, 2, (300, 1, 0, 129, 64, 700), (517, 64, 10, 129, 0, 700), 192)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+    check_varlen(case, q, k, v[..., :128].contiguous(), cu_q, cu_k, causal=causal, backward=True)
+    assert calls and any(p.wide for p in bwd256._PLANS.values())
+    case = VarlenCase(4, 2, (100, 37, 260, 5), (130, 37, 300, 9), 192)
+    q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+    v = v[..., :128].contiguous()
+    dout = torch.randn(q.shape[0], q.shape[1], 128, dtype=q.dtype, device="cuda")
+    maxima = max(case.seqlens_q), max(case.seqlens_k)
+
+    def grads(q, k, v, dout):
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = flashcore.attention_varlen(q, k, v, cu_q, cu_k, *maxima, causal=causal)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    def same(got, want, rows_q, rows_k):
+        dq, dk, dv = got
+        assert torch.equal(dk[rows_k], want[1][rows_k]) and torch.equal(dv[rows_k], want[2][rows_k])
+        ulp = want[0][rows_q].abs().max() * 2.0**-7
+        assert (dq[rows_q].float() - want[0][rows_q].float()).abs().max() <= ulp
+
+    poison_neighbours(grads, same, q, k, v, dout)
 
 
 @pytest.mark.gpu

@@ -55,9 +55,15 @@ its own products and the previous step's dQ of both.
 
 Covered: fp16 and bf16, causal (bottom-right) or not, ragged Sq and Sk (TMA zero fill: rows past
 Sq have Q = dO = 0 and lse2 = +inf; keys past Sk are masked, their K and V rows zeros), GQA/MQA
-(a program walks its group's query heads). Not covered (``ops/bwd256.py: wide`` says no; the
-64-key kernel runs them): window, softcap, ALiBi, packed batches. dQ's last bits depend on the
-order of the reduce-adds (``deterministic`` keeps ``bwd256.py``'s dQ kernel).
+(a program walks its group's query heads). VARLEN (packed batches, ``bwd256.py``'s way: the grid
+sized by the longest sequence, a block past its own returns at entry; the producer zeroes the
+rows of a Q/dO tile or of a consumer's K/V tile past the sequence's end (``bwd256._load_fixed``,
+its own ``fix_bar``) and loads the row stats with lse2 +inf and delta 0 there; the dQ rows past
+the end reduce-add exact zeros; dK and dV rows past it are not stored): compiled, not yet run on
+a GPU, so ``ops/bwd256.py: WIDE_MLA_VARLEN`` keeps packed batches on the 64-key kernel. Not
+covered (``ops/bwd256.py: wide`` says no; the 64-key kernel runs them): window, softcap, ALiBi.
+dQ's last bits depend on the order of the reduce-adds (``deterministic`` keeps ``bwd256.py``'s
+dQ kernel).
 """
 
 from triton.experimental import gluon
@@ -70,12 +76,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashcore.kernels.hopper.bwd import key_block, q_blocks
-from flashcore.kernels.hopper.bwd256 import _load_tiles, _qk_tiles, _store_rows
-from flashcore.kernels.hopper.bwd_dq import reduce_dq, stage_dq
+from flashcore.kernels.hopper.bwd import BLOCK_N, key_block, q_blocks
+from flashcore.kernels.hopper.bwd256 import _load_fixed, _load_tiles, _qk_tiles, _store_rows
+from flashcore.kernels.hopper.bwd_dq import reduce_dq, rows_of_sequence, stage_dq
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a consumer (one m64 wgmma)
-KEYS = gl.constexpr(128)  # keys a program: two consumers x 64
+KEYS = BLOCK_N  # keys a program: two consumers x 64 (bwd.py's key_block walks them)
 # Registers a thread of consumer 0 (worker 0: two dQ panels a step); consumer 1, the default
 # partition, gets what the producer and it leave of 512: 232.
 HEAVY_REGS = gl.constexpr(248)
@@ -83,16 +89,30 @@ HEAVY_REGS = gl.constexpr(248)
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
-              do_smem, stats_smem, kv_ready, qd_ready, qd_empty, LSE2, DELTA, stride_lb,
-              stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, QK_B: gl.constexpr,
-              NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr):  # fmt: skip
-    start_n, off_b, off_hk, _, _, _, _, _ = key_block(
-        seqlen_q, seqlen_q, kv_heads, seqlen_q, seqlen_k, lpt_heads, 0, 0, False
+              do_smem, stats_smem, kv_ready, qd_ready, qd_empty, fix_bar, LSE2, DELTA, CU_Q,
+              CU_K, stride_lb, stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
+              total_q, total_k, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = key_block(
+        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
     )
+    n_fix = gl.to_tensor(0)
     for c in gl.static_range(2):
-        # Each consumer's K and V on kv_ready (count 2: one expect each).
-        _load_tiles(k_desc, v_desc, off_b, off_hk, start_n + c * ROWS, kv_ready,
-                    ka_smem.index(c), kb_smem.index(c), v_smem.index(c), QK_B)  # fmt: skip
+        # Each consumer's K and V on kv_ready (count 2: one arrival each). VARLEN: rows past
+        # the sequence's end zeroed first (dQ sums over keys; ``bwd256._load_fixed``).
+        key = start_n + c * ROWS
+        if VARLEN:
+            if key + ROWS > seqlen_k:
+                n_fix = _load_fixed(k_desc, v_desc, off_hk, k_start + key, seqlen_k - key,
+                                    kv_ready, fix_bar, n_fix, ka_smem.index(c), kb_smem.index(c),
+                                    v_smem.index(c), QK_B)  # fmt: skip
+            else:
+                _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + key, kv_ready,
+                            ka_smem.index(c), kb_smem.index(c), v_smem.index(c),
+                            QK_B)  # fmt: skip
+        else:
+            _load_tiles(k_desc, v_desc, desc_b, off_hk, key, kv_ready, ka_smem.index(c),
+                        kb_smem.index(c), v_smem.index(c), QK_B)  # fmt: skip
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, 0, 0, IS_CAUSAL, False, KEYS)
     offs = gl.arange(0, ROWS, layout=gl.BlockedLayout([2], [32], [1], [0]))
     for t in range(n_m * kv_group):
@@ -101,24 +121,44 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
         slot = t % NUM_STAGES
         mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
         bar = qd_ready.index(slot)
-        _load_tiles(q_desc, do_desc, off_b, off_h, start_m, bar, qa_smem.index(slot),
-                    qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
+        row = q_start + start_m
+        if VARLEN:
+            if start_m + ROWS > seqlen_q:
+                # Q and dO rows past the sequence's end (dV and dK sum over query rows).
+                n_fix = _load_fixed(q_desc, do_desc, off_h, row, seqlen_q - start_m, bar,
+                                    fix_bar, n_fix, qa_smem.index(slot), qb_smem.index(slot),
+                                    do_smem.index(slot), QK_B)  # fmt: skip
+            else:
+                _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
+                            qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
+        else:
+            _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
+                        qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
         # The step's row stats (lse2, delta) into the slot, read by the consumers from shared
         # memory where they use them (as row vectors in registers they held 32 a thread over
-        # the step); qd_ready's second arrival.
-        base = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + start_m
-        stats_smem.index(2 * slot).store(gl.load(LSE2 + base + offs))
-        stats_smem.index(2 * slot + 1).store(gl.load(DELTA + base + offs))
+        # the step); qd_ready's second arrival. VARLEN (the stats of one sequence of all rows):
+        # lse2 +inf and delta 0 past the sequence's end (P = 0, dS = 0 there).
+        base = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + row
+        if VARLEN:
+            inside = start_m + offs < seqlen_q
+            lse2 = gl.load(LSE2 + base + offs, mask=inside, other=float("inf"))
+            delta = gl.load(DELTA + base + offs, mask=inside, other=0.0)
+        else:
+            lse2 = gl.load(LSE2 + base + offs)
+            delta = gl.load(DELTA + base + offs)
+        stats_smem.index(2 * slot).store(lse2)
+        stats_smem.index(2 * slot + 1).store(delta)
         mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
 def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
-              dq_tiles, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV,
-              stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+              dq_tiles, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV, CU_Q,
+              CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
               kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, head_dim,
-              CONSUMER: gl.constexpr, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
+              total_q, total_k, CONSUMER: gl.constexpr, QK_B: gl.constexpr,
+              NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EVEN_N: gl.constexpr,
+              VARLEN: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = ka_smem.dtype
     QK_A: gl.constexpr = ka_smem.shape[4]
     V_DIM: gl.constexpr = v_smem.shape[4]
@@ -136,8 +176,8 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
     col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
     row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
-    start_n, off_b, off_hk, _, _, _, _, _ = key_block(
-        seqlen_q, seqlen_q, kv_heads, seqlen_q, seqlen_k, lpt_heads, 0, 0, False
+    start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = key_block(
+        CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
     )
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, 0, 0, IS_CAUSAL, False, KEYS)
     key0 = start_n + CONSUMER * ROWS
@@ -227,14 +267,21 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
             # Each panel reduced as soon as it is staged: the fence keeps ptxas from issuing the
             # next panel's products beside this one's registers (two panels at once serialised
             # the consumer's products for lack of registers, ptxas C7512).
+            if VARLEN:
+                # The next sequence's rows of the block get exact zeros.
+                dq = rows_of_sequence(dq, seqlen_q - start_m)
             stage_dq(dq_tiles.index(i), dq)
             fence_async_shared()
-            reduce_dq(dq_desc, off_b, off_h, start_m, dq_col + i * PANEL, dq_tiles.index(i))
+            reduce_dq(dq_desc, desc_b, off_h, q_start + start_m, dq_col + i * PANEL,
+                      dq_tiles.index(i))  # fmt: skip
     # No bulk reduce may still read this consumer's staging tile when the block exits.
     tma.store_wait(0)
+    # VARLEN: dK and dV strides (0, head, row), the sequence's rows from k_start on.
     ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
+    ptr += k_start.to(gl.int64) * stride_dvn
     _store_rows(ptr, dv, key0, seqlen_k, stride_dvn, 0, head_dim, acc_layout)
     ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
+    ptr += k_start.to(gl.int64) * stride_dkn
     _store_rows(ptr, dk_a * scale, key0, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
     _store_rows(ptr, dk_b * scale, key0, seqlen_k, stride_dkn, QK_A, head_dim, b_layout)
 
@@ -292,7 +339,14 @@ def attn_bwd_mla_sm90_kernel(
     arguments of ``bwd256.attn_bwd_dkdv_sm90_d256_kernel`` (FUSED_DQ; the ones for the options
     this kernel does not cover are not read). ``EVEN_N``: Sk a multiple of 128."""
     gl.static_assert(QK_B > 0 and FUSED_DQ)
-    gl.static_assert(not (HAS_WINDOW or SOFTCAP or HAS_ALIBI or VARLEN))
+    gl.static_assert(not (HAS_WINDOW or SOFTCAP or HAS_ALIBI))
+    if VARLEN:
+        # The grid is sized by the longest sequence: a key block past its own has nothing to do.
+        start_n, _, _, _, _, _, n_keys, _ = key_block(
+            CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
+        )
+        if start_n >= n_keys:
+            return
     dtype: gl.constexpr = q_desc.dtype
     qa_smem, qb_smem = _qk_tiles(q_desc, [NUM_STAGES, 1, 1, ROWS], QK_A, QK_B)
     ka_smem, kb_smem = _qk_tiles(k_desc, [2, 1, 1, ROWS], QK_A, QK_B)
@@ -319,6 +373,13 @@ def attn_bwd_mla_sm90_kernel(
     qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
         mbarrier.init(bars.index(i), count=2)
+    # VARLEN: the producer's own barrier for the tiles it zeroes (``bwd256._load_fixed``);
+    # without, kv_ready stands in (never touched).
+    fix_bar = kv_ready
+    if VARLEN:
+        fix = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        fix_bar = fix.index(0)
+        mbarrier.init(fix_bar, count=1)
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(qd_ready.index(i), count=2)
         mbarrier.init(qd_empty.index(i), count=2)
@@ -331,22 +392,22 @@ def attn_bwd_mla_sm90_kernel(
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
                 dq_tiles1, dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV,
-                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                 stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
-                head_dim, 1, QK_B, NUM_STAGES, IS_CAUSAL, EVEN_N,
+                head_dim, total_q, total_k, 1, QK_B, NUM_STAGES, IS_CAUSAL, EVEN_N, VARLEN,
             )),
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
                 dq_tiles0, dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV,
-                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                 stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
-                head_dim, 0, QK_B, NUM_STAGES, IS_CAUSAL, EVEN_N,
+                head_dim, total_q, total_k, 0, QK_B, NUM_STAGES, IS_CAUSAL, EVEN_N, VARLEN,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
-                do_smem, stats_smem, kv_ready, qd_ready, qd_empty, LSE2, DELTA, stride_lb,
-                stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, QK_B, NUM_STAGES,
-                IS_CAUSAL,
+                do_smem, stats_smem, kv_ready, qd_ready, qd_empty, fix_bar, LSE2, DELTA, CU_Q,
+                CU_K, stride_lb, stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
+                total_q, total_k, QK_B, NUM_STAGES, IS_CAUSAL, VARLEN,
             )),
         ],
         [4, 1],
