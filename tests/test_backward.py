@@ -318,7 +318,7 @@ D256_MLA = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["wide", "fused-dq", "dq-kernel"])
+@pytest.mark.parametrize("path", ["wide", "wide-balance", "fused-dq", "dq-kernel"])
 @pytest.mark.parametrize(
     ("mc", "layout", "dtype"),
     D256_MLA,
@@ -328,11 +328,13 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     """MLA's head dims (q and k 192, v 128) through the head-dim-256 kernels (Q and K in a 128-
     and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options; dQ in
     the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
-    shipped: "wide") or at 64 ("fused-dq"), and by the dQ kernel ("dq-kernel")."""
+    shipped: "wide"; "wide-balance" with its middle dQ panel alternating between the consumers,
+    ``bwd256.WIDE_BALANCE``) or at 64 ("fused-dq"), and by the dQ kernel ("dq-kernel")."""
     from flashcore.ops import bwd256
 
     monkeypatch.setattr(bwd256, "FUSED_MLA", path != "dq-kernel")
-    monkeypatch.setattr(bwd256, "WIDE_MLA", path == "wide")
+    monkeypatch.setattr(bwd256, "WIDE_MLA", path.startswith("wide"))
+    monkeypatch.setattr(bwd256, "WIDE_BALANCE", path == "wide-balance")
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
     q, k, _ = make_qkv(mc.case, dtype, "cuda", layout=layout)
@@ -342,7 +344,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     assert calls, "the head-dim-256 Gluon backward did not run"
     assert dv.shape == v.shape
     plain = not (mc.window or mc.softcap or mc.alibi)
-    assert any(p.wide for p in bwd256._PLANS.values()) == (path == "wide" and plain)
+    assert any(p.wide for p in bwd256._PLANS.values()) == (path.startswith("wide") and plain)
 
 
 @pytest.mark.gpu

@@ -67,6 +67,9 @@ WIDE_KEYS = 128
 # Packed batches through it too: the kernel's VARLEN path is compiled (tests/
 # test_compile_hopper_bwd256.py) but has not run on a GPU; off until it has (tests force it).
 WIDE_MLA_VARLEN = False
+# The middle dQ panel alternating between the 128-key kernel's consumers by step (its BALANCE:
+# 13 units of 64^3 a step each instead of 14 and 12): compiled, not yet run on a GPU; off.
+WIDE_BALANCE = False
 CONSUMER_REGS = 240
 MAXNREG = 168
 
@@ -235,7 +238,7 @@ def _plan(
         ),
         {
             **common, "EVEN_N": varlen is None and seqlen_k % keys == 0, **flags,
-            "FUSED_DQ": fused_dq, **meta,
+            "FUSED_DQ": fused_dq, **({"BALANCE": WIDE_BALANCE} if wide_mla else {}), **meta,
         },
     )  # fmt: skip
     boxes = ([1, 1, ROWS, qk_box], [1, 1, ROWS, v_tile])
