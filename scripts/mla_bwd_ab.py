@@ -1,0 +1,89 @@
+"""MLA's backward (q and k 192, v 128) on Hopper, its paths side by side in one process:
+
+    PYTHONPATH=src python scripts/mla_bwd_ab.py [--paths 64key,wide,wide-balance] [--rounds 2]
+    PYTHONPATH=src python scripts/mla_bwd_ab.py --short      # the Hopper kernels against portable
+
+Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards dropped in between):
+
+- ``64key``: the 64-key fused dK/dV kernel (``kernels/hopper/bwd256.py``, FUSED_DQ);
+- ``wide``: the 128-key kernel (``kernels/hopper/bwd_mla.py``, ``WIDE_MLA``);
+- ``wide-balance``: the same with its middle dQ panel alternating between the consumers
+  (``WIDE_BALANCE``);
+- ``dqkernel``: the dQ kernel beside the 64-key dK/dV kernel (``FUSED_MLA`` off);
+- ``portable``: the portable backward (``VERIFIED`` off).
+
+Each point times ``torch.autograd.grad`` of one forward (``triton.testing.do_bench`` median, bf16,
+16 heads) for every path, rounds interleaved, and prints ms and TFLOP/s (2 B H Sq Sk (3 D + 2
+Dv), halved causal), each path's time ratio to the first path (> 1: faster) and the largest
+difference of its gradients from the first path's (dQ's reduce-adds vary its last bits).
+``--short`` runs the taking rule's lengths (512-2048) with ``hopper`` (the kernels ``takes``
+would pick, forced at every length) against ``portable``.
+"""
+
+import argparse
+
+import torch
+import triton
+
+import flashcore
+from flashcore.ops import bwd, bwd256
+
+LONG = [(2, 16, 4096), (1, 16, 8192), (4, 16, 2048)]
+SHORT = [(16, 16, 512), (8, 16, 1024), (4, 16, 2048)]
+
+
+def use(path: str) -> None:
+    """Set ``ops/bwd256.py``'s switches for ``path`` and drop every plan."""
+    bwd256.VERIFIED = path != "portable"
+    bwd256.MLA_NON_CAUSAL = path != "portable"
+    bwd256.FUSED_MLA = path != "dqkernel"
+    bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
+    bwd256.WIDE_BALANCE = path == "wide-balance"
+    bwd256._PLANS.clear()
+    bwd.forget()
+
+
+def point(batch: int, heads: int, seqlen: int, causal: bool, paths: list[str]) -> str:
+    """One line: every path's time for the backward of one (batch, heads, seqlen) forward."""
+    torch.manual_seed(0)
+    shape = (batch, heads, seqlen)
+    q = torch.randn(*shape, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(*shape, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(*shape, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    flops = 2 * batch * heads * seqlen * seqlen * (3 * 192 + 2 * 128) * (0.5 if causal else 1.0)
+    out = flashcore.attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+
+    def grads():
+        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    cells, first = [], None
+    for path in paths:
+        use(path)
+        got = grads()
+        ms = triton.testing.do_bench(grads, warmup=50, rep=300)
+        if first is None:
+            first = (ms, got)
+        diff = max(
+            (a.float() - b.float()).abs().max().item() for a, b in zip(got, first[1], strict=True)
+        )
+        cells.append(f"{path} {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s x{first[0] / ms:.3f} "
+                     f"d{diff:.1e}")  # fmt: skip
+    return f"{batch},{heads},{seqlen} causal={int(causal)} | " + " | ".join(cells)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--paths", default="64key,wide,wide-balance")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--short", action="store_true")
+    args = parser.parse_args()
+    paths = ["hopper", "portable"] if args.short else args.paths.split(",")
+    for rnd in range(args.rounds):
+        for batch, heads, seqlen in SHORT if args.short else LONG:
+            for causal in (False, True):
+                print(f"r{rnd} " + point(batch, heads, seqlen, causal, paths), flush=True)
+
+
+if __name__ == "__main__":
+    main()
