@@ -63,7 +63,6 @@ FUSED_STAGES = 2
 # docs/performance_backward.md, "MLA's backward at 128 keys a program") where it applies: no
 # window, softcap, ALiBi or packed batch. Tests set it either way.
 WIDE_MLA = True
-WIDE_KEYS = 128
 # Packed batches through it too: the kernel's VARLEN path is compiled (tests/
 # test_compile_hopper_bwd256.py) but has not run on a GPU; off until it has (tests force it).
 WIDE_MLA_VARLEN = False
@@ -187,7 +186,7 @@ def _plan(
     seqlen_pad = math.ceil(rows_q / ROWS) * ROWS
     sc = pb.scores(causal, window, softcap, scale, has_alibi, seqlen_q, seqlen_k)
     wide_mla = wide(fused_dq, sc, has_alibi, varlen)
-    keys = WIDE_KEYS if wide_mla else ROWS
+    keys = bwd_sm90.BLOCK_N if wide_mla else ROWS  # the 128-key kernel walks bwd.py's blocks
     dlse_strides = (0, 0) if dlse is None else pb.stats_strides(dlse, varlen)
     prep = (
         (seqlen_pad // ROWS * rows_b * heads,),

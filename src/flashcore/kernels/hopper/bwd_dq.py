@@ -160,13 +160,14 @@ def dq_finish(
 
 @gluon.jit
 def stage_and_reduce(dq, tile, dq_desc, off_b, off_h, row, col, n_rows, live,
-                     VARLEN: gl.constexpr):  # fmt: skip
+                     VARLEN: gl.constexpr, WAIT_READ: gl.constexpr = True):  # fmt: skip
     """A consumer's fp32 ``dq`` (64 rows x its columns) into its staging ``tile`` once the copy
-    engine has read the tile's previous contents (``cp.async.bulk.wait_group.read``), then, when
-    ``live``, reduce-added into dQ at ``(off_b, off_h, row)``, columns from ``col``
-    (``reduce_dq``). VARLEN: rows from ``n_rows`` on (the next sequence's) as zeros
-    (``rows_of_sequence``)."""
-    tma.store_wait(0)
+    engine has read the tile's previous contents (``cp.async.bulk.wait_group.read``; without
+    WAIT_READ the caller has waited), then, when ``live``, reduce-added into dQ at ``(off_b,
+    off_h, row)``, columns from ``col`` (``reduce_dq``). VARLEN: rows from ``n_rows`` on (the
+    next sequence's) as zeros (``rows_of_sequence``)."""
+    if WAIT_READ:
+        tma.store_wait(0)
     if VARLEN:
         dq = rows_of_sequence(dq, n_rows)
     stage_dq(tile, dq)

@@ -91,7 +91,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from flashcore.kernels.hopper.bwd import BLOCK_N, key_block, q_blocks
 from flashcore.kernels.hopper.bwd256 import _load_fixed, _load_tiles, _qk_tiles, _store_rows
-from flashcore.kernels.hopper.bwd_dq import reduce_dq, rows_of_sequence, stage_dq
+from flashcore.kernels.hopper.bwd_dq import stage_and_reduce
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a consumer (one m64 wgmma)
 KEYS = BLOCK_N  # keys a program: two consumers x 64 (bwd.py's key_block walks them)
@@ -171,9 +171,9 @@ def _dq_panel(ds_smem, k0, k1, zero_dq, tile, dq_desc, desc_b, off_h, row, col, 
     """One 64-column panel of a step's dQ over both consumers' keys (``k0``, ``k1``: the panel's
     columns of K_0 and K_1): the products, ``ds_free`` arrived on (RELEASE 1: this consumer's
     last reader of the dS^T tiles; 2: if ``release``; 0: not), with HANDOVER a wait for
-    ``tile`` (parity ``free_parity`` if ``free_pred``), the staging, the reduce-add at
-    ``(desc_b, off_h, row, col)``. VARLEN: rows from ``n_rows`` on (the next sequence's) as
-    exact zeros."""
+    ``tile`` (parity ``free_parity`` if ``free_pred``), the staging and the reduce-add at
+    ``(desc_b, off_h, row, col)`` (``bwd_dq.stage_and_reduce``; VARLEN: rows from ``n_rows`` on,
+    the next sequence's, as exact zeros)."""
     dq_tok = warpgroup_mma(ds_smem.index(0).permute((1, 0)), k0, zero_dq, use_acc=False,
                            is_async=True)  # fmt: skip
     dq_tok = warpgroup_mma(ds_smem.index(1).permute((1, 0)), k1, dq_tok, is_async=True)
@@ -184,11 +184,8 @@ def _dq_panel(ds_smem, k0, k1, zero_dq, tile, dq_desc, desc_b, off_h, row, col, 
         mbarrier.arrive(ds_free, count=1, pred=release)
     if HANDOVER:
         mbarrier.wait(tile_free, free_parity, pred=free_pred)
-    if VARLEN:
-        dq = rows_of_sequence(dq, n_rows)
-    stage_dq(tile, dq)
-    fence_async_shared()
-    reduce_dq(dq_desc, desc_b, off_h, row, col, tile)
+    # The step's one wait for the staging tiles' previous reads is the caller's.
+    stage_and_reduce(dq, tile, dq_desc, desc_b, off_h, row, col, n_rows, True, VARLEN, False)
 
 
 @gluon.jit
