@@ -1,7 +1,7 @@
 """MLA's backward (q and k 192, v 128) on Hopper, its paths side by side in one process:
 
     PYTHONPATH=src python scripts/mla_bwd_ab.py [--paths 64key,wide,wide-balance] [--rounds 2]
-    PYTHONPATH=src python scripts/mla_bwd_ab.py --short      # the Hopper kernels against portable
+    PYTHONPATH=src python scripts/mla_bwd_ab.py --short [--paths hopper,portable]
 
 Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards dropped in between):
 
@@ -9,6 +9,9 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
 - ``wide``: the 128-key kernel (``kernels/hopper/bwd_mla.py``, ``WIDE_MLA``);
 - ``wide-balance``: the same with its middle dQ panel alternating between the consumers
   (``WIDE_BALANCE``);
+- ``wide-skip`` / ``wide-noskip``: the 128-key kernel with (as every other path) and without
+  consumer 1's products skipped on causal steps that see none of its keys
+  (``WIDE_SKIP_MASKED``);
 - ``dqkernel``: the dQ kernel beside the 64-key dK/dV kernel (``FUSED_MLA`` off);
 - ``portable``: the portable backward (``VERIFIED`` off).
 
@@ -16,8 +19,8 @@ Each point times ``torch.autograd.grad`` of one forward (``triton.testing.do_ben
 16 heads) for every path, rounds interleaved, and prints ms and TFLOP/s (2 B H Sq Sk (3 D + 2
 Dv), halved causal), each path's time ratio to the first path (> 1: faster) and the largest
 difference of its gradients from the first path's (dQ's reduce-adds vary its last bits).
-``--short`` runs the taking rule's lengths (512-2048) with ``hopper`` (the kernels ``takes``
-would pick, forced at every length) against ``portable``.
+``--short`` runs the taking rule's lengths (512-2048), by default with ``hopper`` (the kernels
+``takes`` would pick, forced at every length) against ``portable``.
 """
 
 import argparse
@@ -39,6 +42,7 @@ def use(path: str) -> None:
     bwd256.FUSED_MLA = path != "dqkernel"
     bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
     bwd256.WIDE_BALANCE = path == "wide-balance"
+    bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
     bwd256._PLANS.clear()
     bwd.forget()
 
@@ -74,11 +78,12 @@ def point(batch: int, heads: int, seqlen: int, causal: bool, paths: list[str]) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paths", default="64key,wide,wide-balance")
+    parser.add_argument("--paths", default=None, help="default: 64key,wide,wide-balance")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--short", action="store_true")
     args = parser.parse_args()
-    paths = ["hopper", "portable"] if args.short else args.paths.split(",")
+    paths = args.paths or ("hopper,portable" if args.short else "64key,wide,wide-balance")
+    paths = paths.split(",")
     for rnd in range(args.rounds):
         for batch, heads, seqlen in SHORT if args.short else LONG:
             for causal in (False, True):

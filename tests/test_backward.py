@@ -318,7 +318,7 @@ D256_MLA = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["wide", "wide-balance", "fused-dq", "dq-kernel"])
+@pytest.mark.parametrize("path", ["wide", "wide-noskip", "wide-balance", "fused-dq", "dq-kernel"])
 @pytest.mark.parametrize(
     ("mc", "layout", "dtype"),
     D256_MLA,
@@ -328,13 +328,17 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     """MLA's head dims (q and k 192, v 128) through the head-dim-256 kernels (Q and K in a 128-
     and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options; dQ in
     the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
-    shipped: "wide"; "wide-balance" with its middle dQ panel alternating between the consumers,
-    ``bwd256.WIDE_BALANCE``) or at 64 ("fused-dq"), and by the dQ kernel ("dq-kernel")."""
+    shipped: "wide"; "wide-noskip" without skipping consumer 1's causal steps that see none of
+    its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-balance" with its middle dQ panel alternating
+    between the consumers, ``bwd256.WIDE_BALANCE``) or at 64 ("fused-dq"), and by the dQ kernel
+    ("dq-kernel")."""
     from flashcore.ops import bwd256
 
     monkeypatch.setattr(bwd256, "FUSED_MLA", path != "dq-kernel")
     monkeypatch.setattr(bwd256, "WIDE_MLA", path.startswith("wide"))
     monkeypatch.setattr(bwd256, "WIDE_BALANCE", path == "wide-balance")
+    if path == "wide-noskip":
+        monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", False)
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
     q, k, _ = make_qkv(mc.case, dtype, "cuda", layout=layout)
@@ -405,21 +409,30 @@ def test_backward_gpu_d256_not_taken(monkeypatch):
     q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 120), torch.bfloat16, "cuda")
     check_backward(q, k, v, causal=False)
     assert not calls
-    # MLA's head dims run these kernels causal, and non-causal from MLA_NON_CAUSAL_MIN_SEQLEN
-    # keys (``bwd256.MLA_NON_CAUSAL`` off, as shipped).
+    # MLA's head dims run these kernels causal; non-causal at every length where the 128-key
+    # kernel takes them, else from MLA_NON_CAUSAL_MIN_SEQLEN keys (``bwd256.MLA_NON_CAUSAL``
+    # off, as shipped).
     from flashcore.ops import bwd256
 
     monkeypatch.setattr(bwd256, "MLA_NON_CAUSAL", False)
     q, k, v = make_qkv(Case(1, 2, 2, 300, 300, 192), torch.bfloat16, "cuda")
-    check_backward(q, k, v[..., :128], causal=False)
+    check_backward(q, k, v[..., :128], causal=False, softcap=20.0)
+    check_backward(q, k, v[..., :128], causal=False, window=(100, 100))
     assert not calls
-    check_backward(q, k, v[..., :128], causal=True)
-    assert calls
+    check_backward(q, k, v[..., :128], causal=False)
+    assert len(calls) == 1
+    check_backward(q, k, v[..., :128], causal=True, softcap=20.0)
+    assert len(calls) == 2
     long_k = torch.empty(1, 2, bwd256.MLA_NON_CAUSAL_MIN_SEQLEN, 192, device="cuda").bfloat16()
     long_v = long_k[..., :128]
     dout = torch.empty_like(q[..., :128])
-    assert bwd256.takes(q, long_k, long_v, dout, False, None, None)
-    assert not bwd256.takes(q, long_k[:, :, :-1], long_v[:, :, :-1], dout, False, None, None)
+    short = (q, long_k[:, :, :-1], long_v[:, :, :-1], dout, False, None, None)
+    assert bwd256.takes(*short)
+    assert not bwd256.takes(*short, (-1, -1), 20.0)
+    assert not bwd256.takes(*short, deterministic=True)
+    assert bwd256.takes(q, long_k, long_v, dout, False, None, None, (-1, -1), 20.0)
+    monkeypatch.setattr(bwd256, "WIDE_MLA", False)
+    assert not bwd256.takes(*short)
 
 
 @pytest.mark.gpu

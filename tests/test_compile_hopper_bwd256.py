@@ -61,6 +61,10 @@ VARIANTS = [
     ("mla-wide-balance-fused-bf16", "wide", "bf16", False, False, True, False, False),
     ("mla-wide-balance-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False,
      False),
+    # Causal, consumer 1's steps that see none of its keys without products (SKIP_MASKED, as
+    # shipped: a label with "skip").
+    ("mla-wide-skip-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
+    ("mla-wide-skip-fused-fp16-causal-varlen", "wide", "fp16", True, False, False, False, False),
 ]  # fmt: skip
 
 
@@ -105,6 +109,7 @@ def compile_variant(variant) -> dict:
         if which == "wide":
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
             consts["BALANCE"] = "balance" in label
+            consts["SKIP_MASKED"] = "skip" in label
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -163,6 +168,9 @@ SPILL_ALLOWANCE = {
     "mla-wide-fused-fp16-varlen": 656,
     "mla-wide-balance-fused-bf16": 356,
     "mla-wide-balance-fused-fp16-causal-ragged": 368,
+    # The skipping branch's bookkeeping beside the step.
+    "mla-wide-skip-fused-bf16-causal": 472,
+    "mla-wide-skip-fused-fp16-causal-varlen": 784,
 }
 
 

@@ -462,16 +462,21 @@ def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_gpu_mla_wide_backward(monkeypatch, causal):
+@pytest.mark.parametrize(
+    ("causal", "skip"), [(False, False), (True, False), (True, True)],
+    ids=["full", "causal", "causal-skip"],
+)  # fmt: skip
+def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip):
     """MLA's 128-key backward (``kernels/hopper/bwd_mla.py``) on packed batches
-    (``bwd256.WIDE_MLA_VARLEN``, forced): sequences empty, of one row, ending inside either
-    consumer's half of a block and past it, GQA, against the float64 reference; then with NaN
-    past the last offset and inf in sequence 1's rows, the other sequences' gradients unchanged
-    (dK and dV the same bits, dQ within an ulp of its largest element)."""
+    (``bwd256.WIDE_MLA_VARLEN``; causal also with ``WIDE_SKIP_MASKED``): sequences empty, of one
+    row, ending inside either consumer's half of a block and past it, GQA, against the float64
+    reference; then with NaN past the last offset and inf in sequence 1's rows, the other
+    sequences' gradients unchanged (dK and dV the same bits, dQ within an ulp of its largest
+    element)."""
     from flashcore.ops import bwd256
 
     monkeypatch.setattr(bwd256, "WIDE_MLA_VARLEN", True)
+    monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", skip)
     calls = spy_d256(monkeypatch)
     bwd256._PLANS.clear()
     case = VarlenCase(4, 2, (300, 1, 0, 129, 64, 700), (517, 64, 10, 129, 0, 700), 192)

@@ -175,17 +175,20 @@ def launch(
                 return dq, dk, dv, None
             return dq, dk, dv, sink_grad(sinks, lse, delta)
     lse = lse.contiguous()
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     if (
         bwd256.takes_head_dims(q.shape[-1], v.shape[-1])
         and config is None
-        and bwd256.takes(q, k, v, dout, causal, alibi_slopes, varlen)
+        and bwd256.takes(
+            q, k, v, dout, causal, alibi_slopes, varlen, window, softcap, deterministic
+        )
     ):
         # Head dim 256 on Hopper: the Gluon kernels of ops/bwd256.py (taken with
         # ``deterministic`` too: then without atomics).
         dlse = None if dlse is None else dlse.contiguous()
         delta = bwd256.backward(
             dout, q, k, v, out, lse, dlse, dq, dk, dv, causal, scale, window, softcap, alibi_slopes,
-            varlen, deterministic or torch.are_deterministic_algorithms_enabled(),
+            varlen, deterministic,
         )  # fmt: skip
         return dq, dk, dv, None if sinks is None else sink_grad(sinks, lse, delta)
     delta = torch.empty_like(lse)

@@ -3,15 +3,16 @@ which runs MLA's head dims (q and k 192, v 128) too.
 
 ``ops.bwd.launch`` runs it instead of the portable kernels where ``takes`` says so: an sm_90 GPU
 under a tier that may run Gluon (``runtime.backward_tier``), head dim 256 (or 136-248 in steps
-of 8, run as 256) for q, k and v, or MLA's (192, 128) (causal, or from 2048 keys); fp16/bf16,
+of 8, run as 256) for q, k and v, or MLA's (192, 128) (causal, non-causal at any length where
+the 128-key kernel runs, otherwise from 2048 keys); fp16/bf16,
 tensors the copy engine can address, dense or packed (causal, a window, softcap, ALiBi, GQA/MQA,
 an LSE gradient and sinks are all fine). Three launches: the Hopper backward's prep kernel
 (delta and lse2), the dQ kernel and the dK/dV kernel, each gradient written once per program, so
 the backward is bit-identical over runs (``deterministic=True`` takes it too). MLA's head dims,
 unless ``deterministic``: the prep kernel, a zeroed fp32 dQ accumulator, the dK/dV kernel with
-dQ reduce-added (``FUSED_MLA``) and the conversion into dq; without a window, softcap, ALiBi or
-packed batch the dK/dV kernel is ``kernels/hopper/bwd_mla.py``'s, 128 keys a program
-(``WIDE_MLA``), with the same arguments.
+dQ reduce-added (``FUSED_MLA``) and the conversion into dq; without a window, softcap or ALiBi
+the dK/dV kernel is ``kernels/hopper/bwd_mla.py``'s, 128 keys a program (``WIDE_MLA``; packed
+batches too, ``WIDE_MLA_VARLEN``), with the same arguments.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ VERIFIED = True
 # backward (H200, bf16, 16 heads; docs/performance_backward.md, "MLA's dQ in the dK/dV kernel"):
 # causal 1.14-1.18x at 4096-8192 keys, 1.04-1.05x at 2048; non-causal 1.05-1.11x at 4096-8192,
 # 1.01-1.02x at 2048 and 0.91-0.94x at 1024 (an earlier build). Non-causal runs here from
-# MLA_NON_CAUSAL_MIN_SEQLEN keys; tests set MLA_NON_CAUSAL to run these kernels at every length.
+# MLA_NON_CAUSAL_MIN_SEQLEN keys, or at every length where the 128-key kernel (WIDE_MLA below)
+# takes it: 1.04-1.05x the portable backward at 512 keys, 1.15-1.16x at 1024, 1.23x at 2048
+# (H200, bf16, 16 heads, scripts/mla_bwd_ab.py --short). Tests set MLA_NON_CAUSAL to run these
+# kernels at every length.
 MLA_NON_CAUSAL = False
 MLA_NON_CAUSAL_MIN_SEQLEN = 2048
 # Two ring slots (64 KB each: Q and dO for the dK/dV kernel, K and V for the dQ kernel) beside
@@ -61,14 +65,20 @@ FUSED_STAGES = 2
 # MLA's fused backward at 128 keys a program (kernels/hopper/bwd_mla.py: half the L2 traffic a
 # key of the 64-key kernel's; 1.12-1.22x its speed at 2048-8192 keys, H200,
 # docs/performance_backward.md, "MLA's backward at 128 keys a program") where it applies: no
-# window, softcap, ALiBi or packed batch. Tests set it either way.
+# window, softcap or ALiBi (packed batches with WIDE_MLA_VARLEN). Tests set it either way.
 WIDE_MLA = True
-# Packed batches through it too: the kernel's VARLEN path is compiled (tests/
-# test_compile_hopper_bwd256.py) but has not run on a GPU; off until it has (tests force it).
-WIDE_MLA_VARLEN = False
+# Packed batches through it too (H200, bf16, 16 heads, packed 4 x 2048, 3000/1000/2500/1692 and
+# one 8192: 1.11-1.28x the 64-key kernel non-causal, 1.01-1.11x causal).
+WIDE_MLA_VARLEN = True
 # The middle dQ panel alternating between the 128-key kernel's consumers by step (its BALANCE:
-# 13 units of 64^3 a step each instead of 14 and 12): compiled, not yet run on a GPU; off.
+# 13 units of 64^3 a step each instead of 14 and 12): exact on the GPU, but not faster (0.90-1.04x
+# the kernel without it at 2048-8192 keys, H200; docs/performance_backward.md); off.
 WIDE_BALANCE = False
+# Causal: consumer 1 of the 128-key kernel skips the products of a step that sees none of its
+# keys (a block's first; its dS^T tile written as zeros), 10 of the step's 26 units of 64^3:
+# 1.02-1.04x at 512-2048 keys, 0.99-1.01x at 4096-8192 (H200, bf16, 16 heads,
+# scripts/mla_bwd_ab.py --paths wide-noskip,wide-skip). Tests set it either way.
+WIDE_SKIP_MASKED = True
 CONSUMER_REGS = 240
 MAXNREG = 168
 
@@ -116,14 +126,23 @@ def takes(
     causal: bool,
     alibi: torch.Tensor | None,
     varlen: pb.Varlen | None,
+    window: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    deterministic: bool = False,
 ) -> bool:
     """Whether this backward runs here (module docstring; tests set ``VERIFIED`` and
-    ``MLA_NON_CAUSAL``). ``causal`` as ``ops.problem.effective_window`` gives it."""
+    ``MLA_NON_CAUSAL``). ``causal`` and ``window`` as ``ops.problem.effective_window`` gives
+    them; ``deterministic`` as the backward will run."""
     if not VERIFIED:
         return False
     if (q.shape[-1], v.shape[-1]) == MLA_HEAD_DIMS and not (causal or MLA_NON_CAUSAL):
-        seqlen_k = k.shape[2] if varlen is None else varlen.max_seqlen_k
-        if seqlen_k < MLA_NON_CAUSAL_MIN_SEQLEN:
+        seqlen_q, seqlen_k = pb.problem_dims(q, k, varlen)[3:]
+        # MLA's 128-key kernel runs non-causal at every length; the others from
+        # MLA_NON_CAUSAL_MIN_SEQLEN keys.
+        sc = pb.scores(causal, window, softcap, 1.0, alibi is not None, seqlen_q, seqlen_k)
+        if seqlen_k < MLA_NON_CAUSAL_MIN_SEQLEN and not wide(
+            fused(*MLA_HEAD_DIMS, deterministic), sc, alibi is not None, varlen
+        ):
             return False
     if alibi is not None and alibi.dtype != torch.float32:
         return False
@@ -237,7 +256,8 @@ def _plan(
         ),
         {
             **common, "EVEN_N": varlen is None and seqlen_k % keys == 0, **flags,
-            "FUSED_DQ": fused_dq, **({"BALANCE": WIDE_BALANCE} if wide_mla else {}), **meta,
+            "FUSED_DQ": fused_dq, **meta,
+            **({"BALANCE": WIDE_BALANCE, "SKIP_MASKED": WIDE_SKIP_MASKED} if wide_mla else {}),
         },
     )  # fmt: skip
     boxes = ([1, 1, ROWS, qk_box], [1, 1, ROWS, v_tile])

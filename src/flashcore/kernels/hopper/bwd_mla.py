@@ -37,7 +37,13 @@ products keeps them apart. The row stats come from shared memory where they are 
 vectors in registers, loaded from global memory, they held 32 a thread over the step). The two
 consumers' steps interleave on the tensor cores.
 
-BALANCE (``ops/bwd256.py: WIDE_BALANCE``; compiled, not yet run on a GPU, off): consumer 0 does
+SKIP_MASKED (``ops/bwd256.py: WIDE_SKIP_MASKED``, on), causal: a step none of whose rows sees
+a key of consumer 1's (a block's first step: its rows start at or below the block's first key's
+diagonal) has P = dS = 0 there, so consumer 1 issues none of its products (10 of the step's 26
+units of 64^3), writes a zero dS^T tile for both consumers' dQ panels and keeps the barriers'
+order (``ds_free`` wait, ``ds_ready`` and ``qd_empty`` arrivals); 1.02-1.04x at 512-2048 keys.
+
+BALANCE (``ops/bwd256.py: WIDE_BALANCE``; exact on a GPU, not faster: off): consumer 0 does
 14 units of 64^3 a step to consumer 1's 12, and the ``ds_free`` wait keeps them in step, so
 consumer 0 sets the pace. With BALANCE each consumer computes its own panel every step
 (``[0, 64)``, ``[QK_A, QK_A + QK_B)``) and the middle one ``[64, 128)`` every other step
@@ -48,7 +54,8 @@ says step k's reduce-add has read the tile, arrived by step k's user in step k +
 ``cp.async.bulk.wait_group.read 0``; step t's user waits for completion t - 1 (parity ``(t - 1)
 & 1``; step 0's use waits for nothing) before staging. No cycle: the arrival needs only the
 arriving consumer's own reduce. No phase runs ahead of its waiter: completion k + 1 is made
-after its maker staged step k + 1's panel, which followed its wait for completion k.
+after its maker staged step k + 1's panel, which followed its wait for completion k. Measured
+0.90-1.04x the kernel without it (H200): the hand-off costs what the even split saves.
 
 Shared memory (two ring slots): Q 2 x 24 KB, dO 2 x 16 KB, the row stats 2 x 512 B, K 2 x 24 KB,
 V 2 x 16 KB, the dS^T tiles 2 x 8 KB (one step's; FlashAttention-4's MLA backward keeps one
@@ -72,9 +79,9 @@ Sq have Q = dO = 0 and lse2 = +inf; keys past Sk are masked, their K and V rows 
 sized by the longest sequence, a block past its own returns at entry; the producer zeroes the
 rows of a Q/dO tile or of a consumer's K/V tile past the sequence's end (``bwd256._load_fixed``,
 its own ``fix_bar``) and loads the row stats with lse2 +inf and delta 0 there; the dQ rows past
-the end reduce-add exact zeros; dK and dV rows past it are not stored): compiled, not yet run on
-a GPU, so ``ops/bwd256.py: WIDE_MLA_VARLEN`` keeps packed batches on the 64-key kernel. Not
-covered (``ops/bwd256.py: wide`` says no; the 64-key kernel runs them): window, softcap, ALiBi.
+the end reduce-add exact zeros; dK and dV rows past it are not stored; ``ops/bwd256.py:
+WIDE_MLA_VARLEN``, on). Not covered (``ops/bwd256.py: wide`` says no; the 64-key kernel runs
+them): window, softcap, ALiBi.
 dQ's last bits depend on the order of the reduce-adds (``deterministic`` keeps ``bwd256.py``'s
 dQ kernel).
 """
@@ -189,13 +196,65 @@ def _dq_panel(ds_smem, k0, k1, zero_dq, tile, dq_desc, desc_b, off_h, row, col, 
 
 
 @gluon.jit
+def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_free, dv, dk_a,
+          dk_b, zero_s, t, slot, start_m, key0, diag, full_m, seqlen_k, qk_scale,
+          CONSUMER: gl.constexpr, IS_CAUSAL: gl.constexpr, EVEN_N: gl.constexpr):  # fmt: skip
+    """One step's products of a consumer up to its dS^T tile and dK (module docstring), the
+    slot released; returns ``(dv, dk_a, dk_b)``."""
+    dtype: gl.constexpr = ka.dtype
+    s_layout: gl.constexpr = zero_s.type.layout
+    acc_layout: gl.constexpr = dv.type.layout
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
+    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    s_tok = warpgroup_mma(ka, qa.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    s_tok = warpgroup_mma(kb, qb.permute((1, 0)), s_tok, is_async=True)
+    s = warpgroup_mma_wait(0, deps=[s_tok])
+    s = s * qk_scale
+    if IS_CAUSAL:
+        if start_m < full_m:
+            keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
+            r = gl.expand_dims(start_m + gl.arange(0, ROWS, layout=col_layout), 0)
+            s = gl.where(keys <= r + diag, s, float("-inf"))
+    elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
+        # Keys past Sk (zeros): their P = exp2(-lse2) could overflow (bwd.py, EVEN_N).
+        if key0 + ROWS > seqlen_k:
+            keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
+            s = gl.where(keys < seqlen_k, s, float("-inf"))
+    p = gl.exp2(s - gl.expand_dims(stats_smem.index(2 * slot).load(col_layout), 0))
+    # One score tile at a time beside dK and dV (160 registers): dV += P^T dO, retired,
+    # then dP^T = V dO^T, with P^T kept in fp16 for dS.
+    p_op = gl.convert_layout(p.to(dtype), a_layout)
+    p = p.to(gl.float16)
+    dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
+    dv, p_op = warpgroup_mma_wait(0, deps=[dv_tok, p_op])
+    dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    dp = warpgroup_mma_wait(0, deps=[dp_tok])
+    delta = gl.expand_dims(stats_smem.index(2 * slot + 1).load(col_layout), 0)
+    ds = (p.to(gl.float32) * (dp - delta)).to(dtype)
+    # dS^T for both consumers' dQ, once both have read the previous step's tiles.
+    mbarrier.wait(ds_free, (t & 1) ^ 1)
+    ds_smem.index(CONSUMER).store(ds)
+    fence_async_shared()
+    mbarrier.arrive(ds_ready, count=1)
+    ds_op = gl.convert_layout(ds, a_layout)
+    dka_tok = warpgroup_mma(ds_op, qa, dk_a, is_async=True)
+    dkb_tok = warpgroup_mma(ds_op, qb, dk_b, is_async=True)
+    dk_a, dk_b, ds_op = warpgroup_mma_wait(0, deps=[dka_tok, dkb_tok, ds_op])
+    # Every reader of the slot is complete (both score products, dV and dK).
+    mbarrier.arrive(qd_empty.index(slot), count=1)
+    return dv, dk_a, dk_b
+
+
+@gluon.jit
 def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
               dq_tiles, mid_tile, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free,
               mid_free, DK, DV, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
               stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
               qk_scale, scale, head_dim, total_q, total_k, CONSUMER: gl.constexpr,
               QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              EVEN_N: gl.constexpr, VARLEN: gl.constexpr, BALANCE: gl.constexpr):  # fmt: skip
+              EVEN_N: gl.constexpr, VARLEN: gl.constexpr, BALANCE: gl.constexpr,
+              SKIP_MASKED: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = ka_smem.dtype
     QK_A: gl.constexpr = ka_smem.shape[4]
     V_DIM: gl.constexpr = v_smem.shape[4]
@@ -209,9 +268,6 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
     b_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QK_B, 16]
     )
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    col_layout: gl.constexpr = gl.SliceLayout(0, s_layout)
-    row_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
 
     start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = key_block(
         CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
@@ -255,42 +311,22 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
         qa = qa_smem.index(slot).reshape([ROWS, QK_A])
         qb = qb_smem.index(slot).reshape([ROWS, QK_B])
         do = do_smem.index(slot).reshape([ROWS, V_DIM])
-        s_tok = warpgroup_mma(ka, qa.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s_tok = warpgroup_mma(kb, qb.permute((1, 0)), s_tok, is_async=True)
-        s = warpgroup_mma_wait(0, deps=[s_tok])
-        s = s * qk_scale
-        if IS_CAUSAL:
-            if start_m < full_m:
-                keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
-                r = gl.expand_dims(start_m + gl.arange(0, ROWS, layout=col_layout), 0)
-                s = gl.where(keys <= r + diag, s, float("-inf"))
-        elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
-            # Keys past Sk (zeros): their P = exp2(-lse2) could overflow (bwd.py, EVEN_N).
-            if key0 + ROWS > seqlen_k:
-                keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
-                s = gl.where(keys < seqlen_k, s, float("-inf"))
-        p = gl.exp2(s - gl.expand_dims(stats_smem.index(2 * slot).load(col_layout), 0))
-        # One score tile at a time beside dK and dV (160 registers): dV += P^T dO, retired,
-        # then dP^T = V dO^T, with P^T kept in fp16 for dS.
-        p_op = gl.convert_layout(p.to(dtype), a_layout)
-        p = p.to(gl.float16)
-        dv_tok = warpgroup_mma(p_op, do, dv, is_async=True)
-        dv, p_op = warpgroup_mma_wait(0, deps=[dv_tok, p_op])
-        dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp = warpgroup_mma_wait(0, deps=[dp_tok])
-        delta = gl.expand_dims(stats_smem.index(2 * slot + 1).load(col_layout), 0)
-        ds = (p.to(gl.float32) * (dp - delta)).to(dtype)
-        # dS^T for both consumers' dQ, once both have read the previous step's tiles.
-        mbarrier.wait(ds_free, (t & 1) ^ 1)
-        ds_smem.index(CONSUMER).store(ds)
-        fence_async_shared()
-        mbarrier.arrive(ds_ready, count=1)
-        ds_op = gl.convert_layout(ds, a_layout)
-        dka_tok = warpgroup_mma(ds_op, qa, dk_a, is_async=True)
-        dkb_tok = warpgroup_mma(ds_op, qb, dk_b, is_async=True)
-        dk_a, dk_b, ds_op = warpgroup_mma_wait(0, deps=[dka_tok, dkb_tok, ds_op])
-        # Every reader of the slot is complete (both score products, dV and dK).
-        mbarrier.arrive(qd_empty.index(slot), count=1)
+        masked = False
+        if SKIP_MASKED and IS_CAUSAL and CONSUMER == 1:
+            # Causal: no row of the step sees a key of this consumer's (a 128-key block's
+            # first step): P = dS = 0, so no products, a zero dS^T tile for the dQ panels.
+            masked = start_m + ROWS - 1 + diag < key0
+        if masked:
+            mbarrier.wait(ds_free, (t & 1) ^ 1)
+            ds_smem.index(CONSUMER).store(gl.zeros([ROWS, ROWS], dtype, layout=s_layout))
+            fence_async_shared()
+            mbarrier.arrive(ds_ready, count=1)
+            mbarrier.arrive(qd_empty.index(slot), count=1)
+        else:
+            dv, dk_a, dk_b = _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty,
+                                   ds_ready, ds_free, dv, dk_a, dk_b, zero_s, t, slot, start_m,
+                                   key0, diag, full_m, seqlen_k, qk_scale, CONSUMER, IS_CAUSAL,
+                                   EVEN_N)  # fmt: skip
         mbarrier.wait(ds_ready, t & 1)
         # The staging tiles' previous reduce-adds (step t - 1's) have read them.
         tma.store_wait(0)
@@ -380,6 +416,7 @@ def attn_bwd_mla_sm90_kernel(
     VARLEN: gl.constexpr,
     FUSED_DQ: gl.constexpr = True,
     BALANCE: gl.constexpr = False,
+    SKIP_MASKED: gl.constexpr = False,
 ):
     """dK, dV and the reduce-adds of dQ of one 128-key block (module docstring), with the
     arguments of ``bwd256.attn_bwd_dkdv_sm90_d256_kernel`` (FUSED_DQ; the ones for the options
@@ -448,7 +485,7 @@ def attn_bwd_mla_sm90_kernel(
                 ds_free, mid_free, DK, DV, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
                 lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 1, QK_B, NUM_STAGES,
-                IS_CAUSAL, EVEN_N, VARLEN, BALANCE,
+                IS_CAUSAL, EVEN_N, VARLEN, BALANCE, SKIP_MASKED,
             )),
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
@@ -456,7 +493,7 @@ def attn_bwd_mla_sm90_kernel(
                 ds_free, mid_free, DK, DV, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
                 lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 0, QK_B, NUM_STAGES,
-                IS_CAUSAL, EVEN_N, VARLEN, BALANCE,
+                IS_CAUSAL, EVEN_N, VARLEN, BALANCE, SKIP_MASKED,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
