@@ -12,6 +12,8 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
 - ``wide-skip`` / ``wide-noskip``: the 128-key kernel with (as every other path) and without
   consumer 1's products skipped on causal steps that see none of its keys
   (``WIDE_SKIP_MASKED``);
+- ``wide-tma``: the 128-key kernel with dK and dV stored by TMA (``WIDE_TMA_EPILOGUE``; the
+  other paths without);
 - ``dqkernel``: the dQ kernel beside the 64-key dK/dV kernel (``FUSED_MLA`` off);
 - ``portable``: the portable backward (``VERIFIED`` off).
 
@@ -43,6 +45,7 @@ def use(path: str) -> None:
     bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
     bwd256.WIDE_BALANCE = path == "wide-balance"
     bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
+    bwd256.WIDE_TMA_EPILOGUE = path == "wide-tma"
     bwd256._PLANS.clear()
     bwd.forget()
 

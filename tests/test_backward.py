@@ -318,7 +318,9 @@ D256_MLA = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("path", ["wide", "wide-noskip", "wide-balance", "fused-dq", "dq-kernel"])
+@pytest.mark.parametrize(
+    "path", ["wide", "wide-noskip", "wide-tma", "wide-balance", "fused-dq", "dq-kernel"]
+)
 @pytest.mark.parametrize(
     ("mc", "layout", "dtype"),
     D256_MLA,
@@ -329,7 +331,8 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options; dQ in
     the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
     shipped: "wide"; "wide-noskip" without skipping consumer 1's causal steps that see none of
-    its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-balance" with its middle dQ panel alternating
+    its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-tma" with dK and dV stored by TMA,
+    ``bwd256.WIDE_TMA_EPILOGUE``; "wide-balance" with its middle dQ panel alternating
     between the consumers, ``bwd256.WIDE_BALANCE``) or at 64 ("fused-dq"), and by the dQ kernel
     ("dq-kernel")."""
     from flashcore.ops import bwd256
@@ -339,6 +342,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     monkeypatch.setattr(bwd256, "WIDE_BALANCE", path == "wide-balance")
     if path == "wide-noskip":
         monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", False)
+    monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", path == "wide-tma")
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
     q, k, _ = make_qkv(mc.case, dtype, "cuda", layout=layout)
@@ -349,6 +353,8 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     assert dv.shape == v.shape
     plain = not (mc.window or mc.softcap or mc.alibi)
     assert any(p.wide for p in bwd256._PLANS.values()) == (path.startswith("wide") and plain)
+    tma = any(p.wide and p.dkdv[2]["TMA_EPILOGUE"] for p in bwd256._PLANS.values())
+    assert tma == (path == "wide-tma" and plain)
 
 
 @pytest.mark.gpu

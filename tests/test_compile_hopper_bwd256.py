@@ -65,6 +65,12 @@ VARIANTS = [
     # shipped: a label with "skip").
     ("mla-wide-skip-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
     ("mla-wide-skip-fused-fp16-causal-varlen", "wide", "fp16", True, False, False, False, False),
+    # dK and dV through the K and V tiles by TMA stores (TMA_EPILOGUE: a label with "tma").
+    ("mla-wide-tma-fused-bf16", "wide", "bf16", False, False, True, False, False),
+    ("mla-wide-tma-skip-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False,
+     False),
+    ("mla-wide-tma-skip-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False,
+     False),
 ]  # fmt: skip
 
 
@@ -110,6 +116,10 @@ def compile_variant(variant) -> dict:
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
             consts["BALANCE"] = "balance" in label
             consts["SKIP_MASKED"] = "skip" in label
+            consts["TMA_EPILOGUE"] = "tma" in label
+            # dK's first 128 columns in a box of V's shape, its last 64 in K's box.
+            signature["dka_desc"] = signature["dv_desc"] = signature["v_desc"]
+            signature["dkb_desc"] = signature["k_desc"]
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -171,6 +181,10 @@ SPILL_ALLOWANCE = {
     # The skipping branch's bookkeeping beside the step.
     "mla-wide-skip-fused-bf16-causal": 472,
     "mla-wide-skip-fused-fp16-causal-varlen": 784,
+    # The TMA epilogue's wait, tiles and coordinates beside the step's scalars.
+    "mla-wide-tma-fused-bf16": 488,
+    "mla-wide-tma-skip-fused-fp16-causal-ragged": 500,
+    "mla-wide-tma-skip-fused-bf16-causal-varlen": 888,
 }
 
 

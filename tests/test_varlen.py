@@ -463,12 +463,15 @@ def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("causal", "skip"), [(False, False), (True, False), (True, True)],
-    ids=["full", "causal", "causal-skip"],
+    ("causal", "skip", "tma"),
+    [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
+     (True, True, True)],
+    ids=["full", "causal", "causal-skip", "full-tma", "causal-skip-tma"],
 )  # fmt: skip
-def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip):
+def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma):
     """MLA's 128-key backward (``kernels/hopper/bwd_mla.py``) on packed batches
-    (``bwd256.WIDE_MLA_VARLEN``; causal also with ``WIDE_SKIP_MASKED``): sequences empty, of one
+    (``bwd256.WIDE_MLA_VARLEN``; causal with and without ``WIDE_SKIP_MASKED``; with
+    ``WIDE_TMA_EPILOGUE``, blocks inside a sequence stored by TMA): sequences empty, of one
     row, ending inside either consumer's half of a block and past it, GQA, against the float64
     reference; then with NaN past the last offset and inf in sequence 1's rows, the other
     sequences' gradients unchanged (dK and dV the same bits, dQ within an ulp of its largest
@@ -477,6 +480,7 @@ def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip):
 
     monkeypatch.setattr(bwd256, "WIDE_MLA_VARLEN", True)
     monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", skip)
+    monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     calls = spy_d256(monkeypatch)
     bwd256._PLANS.clear()
     case = VarlenCase(4, 2, (300, 1, 0, 129, 64, 700), (517, 64, 10, 129, 0, 700), 192)

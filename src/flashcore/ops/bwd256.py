@@ -79,6 +79,11 @@ WIDE_BALANCE = False
 # 1.02-1.04x at 512-2048 keys, 0.99-1.01x at 4096-8192 (H200, bf16, 16 heads,
 # scripts/mla_bwd_ab.py --paths wide-noskip,wide-skip). Tests set it either way.
 WIDE_SKIP_MASKED = True
+# The 128-key kernel's dK and dV through each consumer's K and V tiles and TMA stores (as
+# bwd.py's) instead of 4-byte stores from registers, which cost 43-64 us at 1024 programs
+# (docs/performance_backward.md, "Where the short lengths go"): compiled, not yet run on a GPU;
+# off until it has (tests force it).
+WIDE_TMA_EPILOGUE = False
 CONSUMER_REGS = 240
 MAXNREG = 168
 
@@ -106,7 +111,7 @@ def wide_kernel() -> Launcher:
     """Launcher of MLA's 128-key kernel (``kernels/hopper/bwd_mla.py``)."""
     from flashcore.kernels.hopper import bwd_mla
 
-    return Launcher(bwd_mla.attn_bwd_mla_sm90_kernel, 13)
+    return Launcher(bwd_mla.attn_bwd_mla_sm90_kernel, 16)
 
 
 def wide(fused_dq: bool, sc: pb.Scores, has_alibi: bool, varlen: pb.Varlen | None) -> bool:
@@ -257,7 +262,15 @@ def _plan(
         {
             **common, "EVEN_N": varlen is None and seqlen_k % keys == 0, **flags,
             "FUSED_DQ": fused_dq, **meta,
-            **({"BALANCE": WIDE_BALANCE, "SKIP_MASKED": WIDE_SKIP_MASKED} if wide_mla else {}),
+            **(
+                {
+                    "BALANCE": WIDE_BALANCE, "SKIP_MASKED": WIDE_SKIP_MASKED,
+                    "TMA_EPILOGUE": WIDE_TMA_EPILOGUE and all(
+                        tma_ok(t if varlen is None else packed_view(t)) for t in (dk, dv)
+                    ),
+                }
+                if wide_mla else {}
+            ),
         },
     )  # fmt: skip
     boxes = ([1, 1, ROWS, qk_box], [1, 1, ROWS, v_tile])
@@ -359,10 +372,20 @@ def backward(
                 Descriptor(dq_acc, box_b, acc_layout),
             )
         grid, scalars, meta = p.dkdv
-        (wide_kernel() if p.wide else dkdv_kernel)(
-            grid, (*descs, *acc_descs, lse2, delta, dk, dv, alibi, cu_q, cu_k, *scalars), meta,
-            planned=True,
-        )  # fmt: skip
+        args = (*descs, *acc_descs, lse2, delta, dk, dv, alibi, cu_q, cu_k)
+        if not p.wide:
+            dkdv_kernel(grid, (*args, *scalars), meta, planned=True)
+        else:
+            # The TMA epilogue's descriptors: dK's first QK_A columns in a box of V's shape
+            # (128 wide), its last QK_B in K's, dV in V's. Without it V's, K's and V's stand in
+            # (never touched).
+            grad_descs = (descs[2], descs[1], descs[2])
+            if meta["TMA_EPILOGUE"]:
+                grad_descs = tuple(
+                    Descriptor(view(t), p.boxes[i], p.layouts[i])
+                    for t, i in ((dk, 1), (dk, 0), (dv, 1))
+                )
+            wide_kernel()(grid, (*args, *grad_descs, *scalars), meta, planned=True)
         if p.acc is not None:
             # The dK/dV kernel accumulates dQ unscaled; the conversion scales and casts it.
             grid, scalars, meta = p.dq

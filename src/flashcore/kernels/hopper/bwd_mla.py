@@ -43,6 +43,16 @@ diagonal) has P = dS = 0 there, so consumer 1 issues none of its products (10 of
 units of 64^3), writes a zero dS^T tile for both consumers' dQ panels and keeps the barriers'
 order (``ds_free`` wait, ``ds_ready`` and ``qd_empty`` arrivals); 1.02-1.04x at 512-2048 keys.
 
+TMA_EPILOGUE (``ops/bwd256.py: WIDE_TMA_EPILOGUE``; compiled, not yet run on a GPU, off): dK
+and dV leave through shared memory and TMA stores, as ``bwd.py``'s, instead of 4-byte stores
+from registers in the wgmma layout (43-64 us a backward at 1024 programs on an H200, whatever
+their length: docs/performance_backward.md). Consumer c waits for ``ds_free``'s completion of
+the last step (both consumers' last dQ products, the other's of which read K_c), then writes
+dK_c into its K tiles (the 128- and 64-column ones: dK's boxes are a 128-wide one like V's
+and a 64-wide one, so no store reads a sub-view of a tile) and dV_c into V_c, and stores them
+(rows past Sk clipped by the copy engine). VARLEN: a block that crosses the sequence's end
+keeps the row-masked register stores.
+
 BALANCE (``ops/bwd256.py: WIDE_BALANCE``; exact on a GPU, not faster: off): consumer 0 does
 14 units of 64^3 a step to consumer 1's 12, and the ``ds_free`` wait keeps them in step, so
 consumer 0 sets the pace. With BALANCE each consumer computes its own panel every step
@@ -247,14 +257,51 @@ def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_fr
 
 
 @gluon.jit
+def _store_registers(DK, DV, dk_a, dk_b, dv, off_b, off_hk, k_start, key0, seqlen_k, stride_dkb,
+                     stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale,
+                     head_dim):  # fmt: skip
+    """dK (scaled) and dV of a consumer's 64 keys from registers, rows past ``seqlen_k``
+    dropped (VARLEN: strides (0, head, row), the sequence's rows from ``k_start`` on)."""
+    QK_A: gl.constexpr = dk_a.shape[1]
+    acc_layout: gl.constexpr = dk_a.type.layout
+    b_layout: gl.constexpr = dk_b.type.layout
+    ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
+    ptr += k_start.to(gl.int64) * stride_dvn
+    _store_rows(ptr, dv, key0, seqlen_k, stride_dvn, 0, head_dim, acc_layout)
+    ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
+    ptr += k_start.to(gl.int64) * stride_dkn
+    _store_rows(ptr, dk_a * scale, key0, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
+    _store_rows(ptr, dk_b * scale, key0, seqlen_k, stride_dkn, QK_A, head_dim, b_layout)
+
+
+@gluon.jit
+def _store_dk_dv(dka_desc, dkb_desc, dv_desc, ka_tile, kb_tile, v_tile, dk_a, dk_b, dv, desc_b,
+                 off_hk, key):  # fmt: skip
+    """TMA_EPILOGUE: dK (scaled; its first QK_A columns and its last QK_B, each in a box of its
+    tile's width) and dV of a consumer's 64 keys from row ``key`` on, through its own K and V
+    tiles (dK_c and dV_c are their shapes; their last readers are complete), by TMA stores
+    (rows past the tensor's end dropped)."""
+    ROWS_T: gl.constexpr = ka_tile.shape[2]
+    QK_A: gl.constexpr = ka_tile.shape[3]
+    ka_tile.reshape([ROWS_T, QK_A]).store(dk_a.to(dka_desc.dtype))
+    kb_tile.reshape([ROWS_T, kb_tile.shape[3]]).store(dk_b.to(dkb_desc.dtype))
+    v_tile.reshape([ROWS_T, v_tile.shape[3]]).store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dka_desc, [desc_b, off_hk, key, 0], ka_tile)
+    tma.async_copy_shared_to_global(dkb_desc, [desc_b, off_hk, key, QK_A], kb_tile)
+    tma.async_copy_shared_to_global(dv_desc, [desc_b, off_hk, key, 0], v_tile)
+
+
+@gluon.jit
 def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
               dq_tiles, mid_tile, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free,
-              mid_free, DK, DV, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
-              stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
-              qk_scale, scale, head_dim, total_q, total_k, CONSUMER: gl.constexpr,
-              QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
-              EVEN_N: gl.constexpr, VARLEN: gl.constexpr, BALANCE: gl.constexpr,
-              SKIP_MASKED: gl.constexpr):  # fmt: skip
+              mid_free, DK, DV, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh,
+              stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q,
+              seqlen_k, lpt_heads, qk_scale, scale, head_dim, total_q, total_k,
+              CONSUMER: gl.constexpr, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
+              IS_CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, VARLEN: gl.constexpr,
+              BALANCE: gl.constexpr, SKIP_MASKED: gl.constexpr,
+              TMA_EPILOGUE: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = ka_smem.dtype
     QK_A: gl.constexpr = ka_smem.shape[4]
     V_DIM: gl.constexpr = v_smem.shape[4]
@@ -357,14 +404,31 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
                           False, VARLEN)  # fmt: skip
     # No bulk reduce may still read this consumer's staging tile when the block exits.
     tma.store_wait(0)
-    # VARLEN: dK and dV strides (0, head, row), the sequence's rows from k_start on.
-    ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
-    ptr += k_start.to(gl.int64) * stride_dvn
-    _store_rows(ptr, dv, key0, seqlen_k, stride_dvn, 0, head_dim, acc_layout)
-    ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
-    ptr += k_start.to(gl.int64) * stride_dkn
-    _store_rows(ptr, dk_a * scale, key0, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
-    _store_rows(ptr, dk_b * scale, key0, seqlen_k, stride_dkn, QK_A, head_dim, b_layout)
+    if TMA_EPILOGUE:
+        # Both consumers' last dQ products (the other's read this consumer's K tile) have
+        # completed: ds_free's completion of the last step (none without steps).
+        n_steps = n_m * kv_group
+        mbarrier.wait(ds_free, (n_steps - 1) & 1, pred=n_steps > 0)
+        key = k_start + key0
+        tiles = (ka_smem.index(CONSUMER), kb_smem.index(CONSUMER), v_smem.index(CONSUMER))
+        if VARLEN:
+            # A block that crosses the sequence's end keeps the row-masked stores (a TMA store
+            # would overwrite the next sequence's rows).
+            if key0 + ROWS > seqlen_k:
+                _store_registers(DK, DV, dk_a, dk_b, dv, off_b, off_hk, k_start, key0, seqlen_k,
+                                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                                 stride_dvn, scale, head_dim)  # fmt: skip
+            else:
+                _store_dk_dv(dka_desc, dkb_desc, dv_desc, *tiles, dk_a * scale, dk_b * scale, dv,
+                             desc_b, off_hk, key)  # fmt: skip
+        else:
+            _store_dk_dv(dka_desc, dkb_desc, dv_desc, *tiles, dk_a * scale, dk_b * scale, dv,
+                         desc_b, off_hk, key)  # fmt: skip
+        tma.store_wait(0)
+    else:
+        _store_registers(DK, DV, dk_a, dk_b, dv, off_b, off_hk, k_start, key0, seqlen_k,
+                         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                         scale, head_dim)  # fmt: skip
 
 
 @gluon.jit
@@ -382,6 +446,9 @@ def attn_bwd_mla_sm90_kernel(
     ALIBI,
     CU_Q,
     CU_K,
+    dka_desc,
+    dkb_desc,
+    dv_desc,
     stride_ab,
     stride_lb,
     stride_lh,
@@ -417,6 +484,7 @@ def attn_bwd_mla_sm90_kernel(
     FUSED_DQ: gl.constexpr = True,
     BALANCE: gl.constexpr = False,
     SKIP_MASKED: gl.constexpr = False,
+    TMA_EPILOGUE: gl.constexpr = False,
 ):
     """dK, dV and the reduce-adds of dQ of one 128-key block (module docstring), with the
     arguments of ``bwd256.attn_bwd_dkdv_sm90_d256_kernel`` (FUSED_DQ; the ones for the options
@@ -482,18 +550,18 @@ def attn_bwd_mla_sm90_kernel(
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
                 dq_tiles1, dq_tiles0.index(1), dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready,
-                ds_free, mid_free, DK, DV, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
-                lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 1, QK_B, NUM_STAGES,
-                IS_CAUSAL, EVEN_N, VARLEN, BALANCE, SKIP_MASKED,
+                ds_free, mid_free, DK, DV, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb,
+                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
+                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 1, QK_B,
+                NUM_STAGES, IS_CAUSAL, EVEN_N, VARLEN, BALANCE, SKIP_MASKED, TMA_EPILOGUE,
             )),
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
                 dq_tiles0, dq_tiles0.index(1), dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready,
-                ds_free, mid_free, DK, DV, CU_Q, CU_K, stride_dkb, stride_dkh, stride_dkn,
-                stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
-                lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 0, QK_B, NUM_STAGES,
-                IS_CAUSAL, EVEN_N, VARLEN, BALANCE, SKIP_MASKED,
+                ds_free, mid_free, DK, DV, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb,
+                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
+                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 0, QK_B,
+                NUM_STAGES, IS_CAUSAL, EVEN_N, VARLEN, BALANCE, SKIP_MASKED, TMA_EPILOGUE,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
