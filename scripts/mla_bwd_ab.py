@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python scripts/mla_bwd_ab.py [--paths 64key,wide,wide-balance] [--rounds 2]
     PYTHONPATH=src python scripts/mla_bwd_ab.py --short [--paths hopper,portable]
+    PYTHONPATH=src python scripts/mla_bwd_ab.py --d256 [--short]   # head dim 256, TMA epilogue
 
 Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards dropped in between):
 
@@ -12,8 +13,9 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
 - ``wide-skip`` / ``wide-noskip``: the 128-key kernel with (as every other path) and without
   consumer 1's products skipped on causal steps that see none of its keys
   (``WIDE_SKIP_MASKED``);
-- ``wide-tma``: the 128-key kernel with dK and dV stored by TMA (``WIDE_TMA_EPILOGUE``; the
-  other paths without);
+- ``wide-tma``, ``64key-tma``, ``dqkernel-tma``: those with dK and dV stored by TMA
+  (``WIDE_TMA_EPILOGUE``, ``DKDV_TMA_EPILOGUE``; the other paths without);
+- with ``--d256`` (q, k and v of head dim 256): ``d256`` and ``d256-tma`` (``DKDV_TMA_EPILOGUE``);
 - ``dqkernel``: the dQ kernel beside the 64-key dK/dV kernel (``FUSED_MLA`` off);
 - ``portable``: the portable backward (``VERIFIED`` off).
 
@@ -41,23 +43,28 @@ def use(path: str) -> None:
     """Set ``ops/bwd256.py``'s switches for ``path`` and drop every plan."""
     bwd256.VERIFIED = path != "portable"
     bwd256.MLA_NON_CAUSAL = path != "portable"
-    bwd256.FUSED_MLA = path != "dqkernel"
+    bwd256.FUSED_MLA = not path.startswith("dqkernel")
     bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
     bwd256.WIDE_BALANCE = path == "wide-balance"
     bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
     bwd256.WIDE_TMA_EPILOGUE = path == "wide-tma"
+    bwd256.DKDV_TMA_EPILOGUE = path in ("64key-tma", "dqkernel-tma", "d256-tma")
     bwd256._PLANS.clear()
     bwd.forget()
 
 
-def point(batch: int, heads: int, seqlen: int, causal: bool, paths: list[str]) -> str:
-    """One line: every path's time for the backward of one (batch, heads, seqlen) forward."""
+def point(
+    batch: int, heads: int, seqlen: int, causal: bool, paths: list[str], dims: tuple[int, int]
+) -> str:
+    """One line: every path's time for the backward of one (batch, heads, seqlen) forward, q and
+    k of head dim ``dims[0]``, v of ``dims[1]``."""
     torch.manual_seed(0)
     shape = (batch, heads, seqlen)
-    q = torch.randn(*shape, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(*shape, 192, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(*shape, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    flops = 2 * batch * heads * seqlen * seqlen * (3 * 192 + 2 * 128) * (0.5 if causal else 1.0)
+    d, dv = dims
+    q = torch.randn(*shape, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(*shape, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(*shape, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    flops = 2 * batch * heads * seqlen * seqlen * (3 * d + 2 * dv) * (0.5 if causal else 1.0)
     out = flashcore.attention(q, k, v, causal=causal)
     dout = torch.randn_like(out)
 
@@ -84,13 +91,17 @@ def main() -> None:
     parser.add_argument("--paths", default=None, help="default: 64key,wide,wide-balance")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--short", action="store_true")
+    parser.add_argument(
+        "--d256", action="store_true", help="head dim 256 (default paths: d256,d256-tma)"
+    )
     args = parser.parse_args()
-    paths = args.paths or ("hopper,portable" if args.short else "64key,wide,wide-balance")
-    paths = paths.split(",")
+    default = "hopper,portable" if args.short else "64key,wide,wide-balance"
+    paths = (args.paths or ("d256,d256-tma" if args.d256 else default)).split(",")
+    dims = (256, 256) if args.d256 else (192, 128)
     for rnd in range(args.rounds):
         for batch, heads, seqlen in SHORT if args.short else LONG:
             for causal in (False, True):
-                print(f"r{rnd} " + point(batch, heads, seqlen, causal, paths), flush=True)
+                print(f"r{rnd} " + point(batch, heads, seqlen, causal, paths, dims), flush=True)
 
 
 if __name__ == "__main__":

@@ -289,6 +289,24 @@ D256_MASKS = [
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("case", D256_BWD[1:4] + D256_BWD[5:], ids=lambda c: c.id)
+def test_backward_gpu_d256_tma_epilogue(case, causal, layout, monkeypatch):
+    """dK and dV of the 64-key dK/dV kernel stored by TMA (``bwd256.DKDV_TMA_EPILOGUE``, forced):
+    ragged Sk (the copy engine drops the rows past it), head dims below 256 (and the columns
+    past them), GQA/MQA, both layouts."""
+    from flashcore.ops import bwd256
+
+    monkeypatch.setattr(bwd256, "DKDV_TMA_EPILOGUE", True)
+    bwd256._PLANS.clear()
+    calls = spy_d256(monkeypatch)
+    q, k, v = make_qkv(case, torch.bfloat16, "cuda", layout=layout)
+    check_backward(q, k, v, causal=causal)
+    assert calls and all(p.dkdv[2]["TMA_EPILOGUE"] for p in bwd256._PLANS.values())
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("mc", "dtype"), D256_MASKS, ids=[f"{mc.id}-{str(d)[6:]}" for mc, d in D256_MASKS]
 )
@@ -317,10 +335,14 @@ D256_MLA = [
 ]
 
 
+# The 128-key kernel as shipped, without SKIP_MASKED, with the TMA epilogue, with BALANCE; the
+# 64-key fused kernel; the dQ kernel beside the 64-key dK/dV kernel; "-tma": TMA epilogues.
+MLA_PATHS = ["wide", "wide-noskip", "wide-tma", "wide-balance"]
+MLA_PATHS += ["fused-dq", "fused-dq-tma", "dq-kernel", "dq-kernel-tma"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize(
-    "path", ["wide", "wide-noskip", "wide-tma", "wide-balance", "fused-dq", "dq-kernel"]
-)
+@pytest.mark.parametrize("path", MLA_PATHS)
 @pytest.mark.parametrize(
     ("mc", "layout", "dtype"),
     D256_MLA,
@@ -331,13 +353,14 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options; dQ in
     the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
     shipped: "wide"; "wide-noskip" without skipping consumer 1's causal steps that see none of
-    its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-tma" with dK and dV stored by TMA,
-    ``bwd256.WIDE_TMA_EPILOGUE``; "wide-balance" with its middle dQ panel alternating
+    its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-balance" with its middle dQ panel alternating
     between the consumers, ``bwd256.WIDE_BALANCE``) or at 64 ("fused-dq"), and by the dQ kernel
-    ("dq-kernel")."""
+    ("dq-kernel"); "-tma": dK and dV stored by TMA (``bwd256.WIDE_TMA_EPILOGUE`` and
+    ``DKDV_TMA_EPILOGUE``, forced)."""
     from flashcore.ops import bwd256
 
-    monkeypatch.setattr(bwd256, "FUSED_MLA", path != "dq-kernel")
+    monkeypatch.setattr(bwd256, "FUSED_MLA", not path.startswith("dq-kernel"))
+    monkeypatch.setattr(bwd256, "DKDV_TMA_EPILOGUE", path.endswith("-tma"))
     monkeypatch.setattr(bwd256, "WIDE_MLA", path.startswith("wide"))
     monkeypatch.setattr(bwd256, "WIDE_BALANCE", path == "wide-balance")
     if path == "wide-noskip":
@@ -353,8 +376,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     assert dv.shape == v.shape
     plain = not (mc.window or mc.softcap or mc.alibi)
     assert any(p.wide for p in bwd256._PLANS.values()) == (path.startswith("wide") and plain)
-    tma = any(p.wide and p.dkdv[2]["TMA_EPILOGUE"] for p in bwd256._PLANS.values())
-    assert tma == (path == "wide-tma" and plain)
+    assert all(p.dkdv[2]["TMA_EPILOGUE"] == path.endswith("-tma") for p in bwd256._PLANS.values())
 
 
 @pytest.mark.gpu

@@ -51,6 +51,11 @@ VARIANTS = [
     ("mla-fused-dkdv-fp16", "dkdv", "fp16", False, False, True, False, False),
     ("mla-fused-dkdv-bf16-window-softcap-alibi-varlen", "dkdv", "bf16", False, True, False, True,
      True),
+    # dK and dV by TMA stores (TMA_EPILOGUE: a label with "tma").
+    ("dkdv-tma-bf16-causal", "dkdv", "bf16", True, False, True, False, False),
+    ("dkdv-tma-fp16-window-softcap-varlen", "dkdv", "fp16", False, True, False, True, False),
+    ("mla-fused-tma-dkdv-bf16-causal-ragged", "dkdv", "bf16", True, False, False, False, False),
+    ("mla-tma-dkdv-fp16-softcap-alibi-varlen", "dkdv", "fp16", False, False, False, True, True),
     # MLA's 128-key kernel (kernels/hopper/bwd_mla.py: a label with "wide"); no score options.
     ("mla-wide-fused-bf16", "wide", "bf16", False, False, True, False, False),
     ("mla-wide-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False, False),
@@ -111,15 +116,16 @@ def compile_variant(variant) -> dict:
     if which in ("dkdv", "wide"):
         consts["EVEN_N"] = even_n
         consts["FUSED_DQ"] = fused
+        # dK and dV by TMA stores (TMA_EPILOGUE: a label with "tma"): dK's first QK_A columns in
+        # a box of V's shape, its last QK_B in K's box.
+        consts["TMA_EPILOGUE"] = "tma" in label
+        signature["dka_desc"] = signature["dv_desc"] = signature["v_desc"]
+        signature["dkb_desc"] = signature["k_desc"]
         fn = kernels.attn_bwd_dkdv_sm90_d256_kernel
         if which == "wide":
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
             consts["BALANCE"] = "balance" in label
             consts["SKIP_MASKED"] = "skip" in label
-            consts["TMA_EPILOGUE"] = "tma" in label
-            # dK's first 128 columns in a box of V's shape, its last 64 in K's box.
-            signature["dka_desc"] = signature["dv_desc"] = signature["v_desc"]
-            signature["dkb_desc"] = signature["k_desc"]
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -182,6 +188,7 @@ SPILL_ALLOWANCE = {
     "mla-wide-skip-fused-bf16-causal": 472,
     "mla-wide-skip-fused-fp16-causal-varlen": 784,
     # The TMA epilogue's wait, tiles and coordinates beside the step's scalars.
+    "dkdv-tma-fp16-window-softcap-varlen": 28,
     "mla-wide-tma-fused-bf16": 488,
     "mla-wide-tma-skip-fused-fp16-causal-ragged": 500,
     "mla-wide-tma-skip-fused-bf16-causal-varlen": 888,

@@ -79,11 +79,13 @@ WIDE_BALANCE = False
 # 1.02-1.04x at 512-2048 keys, 0.99-1.01x at 4096-8192 (H200, bf16, 16 heads,
 # scripts/mla_bwd_ab.py --paths wide-noskip,wide-skip). Tests set it either way.
 WIDE_SKIP_MASKED = True
-# The 128-key kernel's dK and dV through each consumer's K and V tiles and TMA stores (as
-# bwd.py's) instead of 4-byte stores from registers, which cost 43-64 us at 1024 programs
-# (docs/performance_backward.md, "Where the short lengths go"): compiled, not yet run on a GPU;
-# off until it has (tests force it).
+# dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
+# from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
+# docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the
+# 128-key kernel (WIDE_TMA_EPILOGUE) and the 64-key dK/dV kernel (DKDV_TMA_EPILOGUE): compiled,
+# not yet run on a GPU; off until they have (tests force them).
 WIDE_TMA_EPILOGUE = False
+DKDV_TMA_EPILOGUE = False
 CONSUMER_REGS = 240
 MAXNREG = 168
 
@@ -102,7 +104,7 @@ def kernels() -> tuple[Launcher, Launcher, Launcher]:
     return (
         bwd_sm90.kernels()[0],
         Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 10),
-        Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 13),
+        Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 16),
     )
 
 
@@ -253,6 +255,11 @@ def _plan(
         ),
         {**common, **flags, **meta},
     )  # fmt: skip
+    # dK and dV by TMA stores where the copy engine can address them (``WIDE_TMA_EPILOGUE``,
+    # ``DKDV_TMA_EPILOGUE``).
+    tma_epilogue = (WIDE_TMA_EPILOGUE if wide_mla else DKDV_TMA_EPILOGUE) and all(
+        tma_ok(t if varlen is None else packed_view(t)) for t in (dk, dv)
+    )
     dkdv_launch = (
         (math.ceil(seqlen_k / keys) * batch * kv_heads,),
         (
@@ -261,16 +268,8 @@ def _plan(
         ),
         {
             **common, "EVEN_N": varlen is None and seqlen_k % keys == 0, **flags,
-            "FUSED_DQ": fused_dq, **meta,
-            **(
-                {
-                    "BALANCE": WIDE_BALANCE, "SKIP_MASKED": WIDE_SKIP_MASKED,
-                    "TMA_EPILOGUE": WIDE_TMA_EPILOGUE and all(
-                        tma_ok(t if varlen is None else packed_view(t)) for t in (dk, dv)
-                    ),
-                }
-                if wide_mla else {}
-            ),
+            "FUSED_DQ": fused_dq, "TMA_EPILOGUE": tma_epilogue, **meta,
+            **({"BALANCE": WIDE_BALANCE, "SKIP_MASKED": WIDE_SKIP_MASKED} if wide_mla else {}),
         },
     )  # fmt: skip
     boxes = ([1, 1, ROWS, qk_box], [1, 1, ROWS, v_tile])
@@ -372,20 +371,19 @@ def backward(
                 Descriptor(dq_acc, box_b, acc_layout),
             )
         grid, scalars, meta = p.dkdv
-        args = (*descs, *acc_descs, lse2, delta, dk, dv, alibi, cu_q, cu_k)
-        if not p.wide:
-            dkdv_kernel(grid, (*args, *scalars), meta, planned=True)
-        else:
-            # The TMA epilogue's descriptors: dK's first QK_A columns in a box of V's shape
-            # (128 wide), its last QK_B in K's, dV in V's. Without it V's, K's and V's stand in
-            # (never touched).
-            grad_descs = (descs[2], descs[1], descs[2])
-            if meta["TMA_EPILOGUE"]:
-                grad_descs = tuple(
-                    Descriptor(view(t), p.boxes[i], p.layouts[i])
-                    for t, i in ((dk, 1), (dk, 0), (dv, 1))
-                )
-            wide_kernel()(grid, (*args, *grad_descs, *scalars), meta, planned=True)
+        # The TMA epilogue's descriptors: dK's first QK_A columns in a box of V's shape (MLA:
+        # 128 wide; head dim 256: K's too), its last QK_B in K's, dV in V's. Without it V's,
+        # K's and V's stand in (never touched).
+        grad_descs = (descs[2], descs[1], descs[2])
+        if meta["TMA_EPILOGUE"]:
+            grad_descs = tuple(
+                Descriptor(view(t), p.boxes[i], p.layouts[i])
+                for t, i in ((dk, 1), (dk, 0), (dv, 1))
+            )
+        (wide_kernel() if p.wide else dkdv_kernel)(
+            grid, (*descs, *acc_descs, lse2, delta, dk, dv, alibi, cu_q, cu_k, *grad_descs,
+                   *scalars), meta, planned=True,
+        )  # fmt: skip
         if p.acc is not None:
             # The dK/dV kernel accumulates dQ unscaled; the conversion scales and casts it.
             grid, scalars, meta = p.dq

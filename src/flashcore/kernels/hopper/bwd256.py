@@ -60,7 +60,13 @@ every step, keys past Sk (without causal, on a block that crosses Sk; K and V ar
 there); rows past Sq have Q = dO = 0 and lse2 = +inf (P = 0). dK and dV leave from registers by
 plain stores with a row mask, and a column mask past ``head_dim``: head dims 136-248 run these
 kernels over the same 256-column boxes (the copy engine fills the columns past the tensors'
-with zeros, which add nothing to any product).
+with zeros, which add nothing to any product). TMA_EPILOGUE (``ops/bwd256.py:
+DKDV_TMA_EPILOGUE``; compiled, not yet run on a GPU, off): once both consumers' last products
+are complete (``epi_bar``, count 2: consumer 0's S^T and dQ read K, consumer 1's dP^T reads V),
+consumer 0 writes dV into V's tile and consumer 1 dK into K's (MLA: its two), and each stores
+its tile by TMA (rows past Sk and columns past the head dim clipped by the copy engine; VARLEN:
+a block that crosses its sequence's end keeps the register stores), as ``bwd.py`` does; the
+register stores cost the 128-key MLA kernel 43-64 us at 1024 programs on an H200.
 
 dQ (``attn_bwd_dq_sm90_d256_kernel``): the same split with rows and keys swapped, and dQ split by
 head-dim halves (one accumulator, 64 x 256, is a single consumer's whole budget, and the other
@@ -304,14 +310,14 @@ def _capped(s, rows, keys, diag, qk_scale, softcap, ALIBI, slope_off, SOFTCAP: g
 @gluon.jit
 def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, dq_tile,
               dq_desc, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free, LSE2,
-              DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
+              DELTA, DK, DV, ALIBI, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, epi_bar, stride_ab,
               stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
               stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
               softcap, window_left, window_right, head_dim, total_q, total_k,
               CONSUMER: gl.constexpr, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
               IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, EVEN_N: gl.constexpr,
               SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-              FUSED_DQ: gl.constexpr):  # fmt: skip
+              FUSED_DQ: gl.constexpr, TMA_EPILOGUE: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = ka_smem.dtype
     QK_A: gl.constexpr = ka_smem.shape[3]
     V_DIM: gl.constexpr = v_smem.shape[3]
@@ -499,6 +505,42 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
             warpgroup_mma_wait(0, deps=[dp_tok])
         # No bulk reduce may still read this consumer's staging tile when the block exits.
         tma.store_wait(0)
+    if QK_B == 0 or CONSUMER == 0:
+        acc_b = acc  # a stand-in: only consumer 1 holds MLA's second dK tile
+    if TMA_EPILOGUE:
+        # Both consumers' last products have completed (consumer 0's S^T and dQ read K,
+        # consumer 1's dP^T reads V): each overwrites the tile of its own accumulator.
+        mbarrier.arrive(epi_bar, count=1)
+        mbarrier.wait(epi_bar, 0)
+        key = k_start + start_n
+        if VARLEN:
+            # A block that crosses the sequence's end keeps the row-masked stores (a TMA store
+            # would overwrite the next sequence's rows).
+            if start_n + ROWS > seqlen_k:
+                _store_acc_rows(DK, DV, acc, acc_b, off_b, off_hk, k_start, start_n, seqlen_k,
+                                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                                stride_dvn, scale, head_dim, CONSUMER, QK_B)  # fmt: skip
+            else:
+                _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_smem, kb_smem, v_smem, acc, acc_b,
+                               scale, desc_b, off_hk, key, CONSUMER, QK_B)  # fmt: skip
+        else:
+            _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_smem, kb_smem, v_smem, acc, acc_b,
+                           scale, desc_b, off_hk, key, CONSUMER, QK_B)  # fmt: skip
+        tma.store_wait(0)
+    else:
+        _store_acc_rows(DK, DV, acc, acc_b, off_b, off_hk, k_start, start_n, seqlen_k, stride_dkb,
+                        stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale,
+                        head_dim, CONSUMER, QK_B)  # fmt: skip
+
+
+@gluon.jit
+def _store_acc_rows(DK, DV, acc, acc_b, off_b, off_hk, k_start, start_n, seqlen_k, stride_dkb,
+                    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale, head_dim,
+                    CONSUMER: gl.constexpr, QK_B: gl.constexpr):  # fmt: skip
+    """A consumer's accumulator from registers (consumer 0: dV; consumer 1: dK, scaled, with
+    MLA's second tile ``acc_b``), rows past ``seqlen_k`` and columns past ``head_dim`` dropped
+    (VARLEN: strides (0, head, row), the sequence's rows from ``k_start`` on)."""
+    acc_layout: gl.constexpr = acc.type.layout
     if CONSUMER == 0:
         ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
         ptr += k_start.to(gl.int64) * stride_dvn
@@ -508,8 +550,31 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
         ptr += k_start.to(gl.int64) * stride_dkn
         _store_rows(ptr, acc * scale, start_n, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
         if QK_B > 0:
-            _store_rows(ptr, acc_b * scale, start_n, seqlen_k, stride_dkn, QK_A, head_dim,
-                        b_layout)  # fmt: skip
+            b_layout: gl.constexpr = acc_b.type.layout
+            _store_rows(ptr, acc_b * scale, start_n, seqlen_k, stride_dkn, acc.shape[1],
+                        head_dim, b_layout)  # fmt: skip
+
+
+@gluon.jit
+def _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_smem, kb_smem, v_smem, acc, acc_b, scale,
+                   desc_b, off_hk, key, CONSUMER: gl.constexpr, QK_B: gl.constexpr):  # fmt: skip
+    """TMA_EPILOGUE: a consumer's accumulator through the tile it matches (consumer 0: dV into
+    V's; consumer 1: dK, scaled, into K's one or two, in boxes of their widths), by TMA stores
+    from row ``key`` on (rows past the tensor's end dropped, columns past its head dim too)."""
+    ROWS_T: gl.constexpr = ka_smem.shape[2]
+    if CONSUMER == 0:
+        v_smem.reshape([ROWS_T, v_smem.shape[3]]).store(acc.to(dv_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dv_desc, [desc_b, off_hk, key, 0], v_smem)
+    else:
+        QK_A: gl.constexpr = ka_smem.shape[3]
+        ka_smem.reshape([ROWS_T, QK_A]).store((acc * scale).to(dka_desc.dtype))
+        if QK_B > 0:
+            kb_smem.reshape([ROWS_T, QK_B]).store((acc_b * scale).to(dkb_desc.dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dka_desc, [desc_b, off_hk, key, 0], ka_smem)
+        if QK_B > 0:
+            tma.async_copy_shared_to_global(dkb_desc, [desc_b, off_hk, key, QK_A], kb_smem)
 
 
 @gluon.jit
@@ -599,6 +664,9 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     ALIBI,
     CU_Q,
     CU_K,
+    dka_desc,
+    dkb_desc,
+    dv_desc,
     stride_ab,
     stride_lb,
     stride_lh,
@@ -632,6 +700,7 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     HAS_ALIBI: gl.constexpr,
     VARLEN: gl.constexpr,
     FUSED_DQ: gl.constexpr = False,
+    TMA_EPILOGUE: gl.constexpr = False,
 ):
     """dK and dV of one 64-key block (module docstring). ``LSE2`` and ``DELTA``: the row stats
     of ``bwd.bwd_prep_kernel``, fp32 ``(B, H, Sq_pad)`` with strides ``(stride_lb, stride_lh,
@@ -679,6 +748,13 @@ def attn_bwd_dkdv_sm90_d256_kernel(
             mbarrier.init(ds_free.index(i), count=2)
         dqa_tile = gl.allocate_shared_memory(gl.float32, dqa_desc.block_type.shape, dqa_desc.layout)
         dqb_tile = gl.allocate_shared_memory(gl.float32, dqb_desc.block_type.shape, dqb_desc.layout)
+    # TMA_EPILOGUE: both consumers' last products are complete (count 2, one phase); without,
+    # kv_ready stands in (never touched).
+    epi_bar = kv_ready
+    if TMA_EPILOGUE:
+        epi = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+        epi_bar = epi.index(0)
+        mbarrier.init(epi_bar, count=2)
     # The consumers' argument tuples differ only in CONSUMER and the dQ staging (Triton 3.6's
     # frontend has no starred tuples).
     gl.warp_specialize(
@@ -686,20 +762,22 @@ def attn_bwd_dkdv_sm90_d256_kernel(
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, dqa_tile,
                 dqa_desc, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free, LSE2,
-                DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
+                DELTA, DK, DV, ALIBI, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, epi_bar, stride_ab,
                 stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                 stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                 softcap, window_left, window_right, head_dim, total_q, total_k, 0, QK_B,
                 NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN, FUSED_DQ,
+                TMA_EPILOGUE,
             )),
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, dqb_tile,
                 dqb_desc, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free, LSE2,
-                DELTA, DK, DV, ALIBI, CU_Q, CU_K, stride_ab,
+                DELTA, DK, DV, ALIBI, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, epi_bar, stride_ab,
                 stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                 stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                 softcap, window_left, window_right, head_dim, total_q, total_k, 1, QK_B,
                 NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN, FUSED_DQ,
+                TMA_EPILOGUE,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
