@@ -512,69 +512,93 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_sm
         # consumer 1's dP^T reads V): each overwrites the tile of its own accumulator.
         mbarrier.arrive(epi_bar, count=1)
         mbarrier.wait(epi_bar, 0)
-        key = k_start + start_n
-        if VARLEN:
-            # A block that crosses the sequence's end keeps the row-masked stores (a TMA store
-            # would overwrite the next sequence's rows).
-            if start_n + ROWS > seqlen_k:
-                _store_acc_rows(DK, DV, acc, acc_b, off_b, off_hk, k_start, start_n, seqlen_k,
-                                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
-                                stride_dvn, scale, head_dim, CONSUMER, QK_B)  # fmt: skip
-            else:
-                _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_smem, kb_smem, v_smem, acc, acc_b,
-                               scale, desc_b, off_hk, key, CONSUMER, QK_B)  # fmt: skip
-        else:
-            _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_smem, kb_smem, v_smem, acc, acc_b,
-                           scale, desc_b, off_hk, key, CONSUMER, QK_B)  # fmt: skip
+    # Consumer 0 holds dV, consumer 1 dK (and MLA's second tile).
+    _store_acc(DK, DV, dka_desc, dkb_desc, dv_desc, ka_smem, kb_smem, v_smem, acc, acc, acc_b,
+               off_b, off_hk, desc_b, k_start, start_n, seqlen_k, stride_dkb, stride_dkh,
+               stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale, head_dim, CONSUMER == 0,
+               CONSUMER == 1, QK_B, TMA_EPILOGUE, VARLEN)  # fmt: skip
+    if TMA_EPILOGUE:
+        # No TMA store may still read the tile when the block exits.
         tma.store_wait(0)
-    else:
-        _store_acc_rows(DK, DV, acc, acc_b, off_b, off_hk, k_start, start_n, seqlen_k, stride_dkb,
-                        stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale,
-                        head_dim, CONSUMER, QK_B)  # fmt: skip
 
 
 @gluon.jit
-def _store_acc_rows(DK, DV, acc, acc_b, off_b, off_hk, k_start, start_n, seqlen_k, stride_dkb,
-                    stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale, head_dim,
-                    CONSUMER: gl.constexpr, QK_B: gl.constexpr):  # fmt: skip
-    """A consumer's accumulator from registers (consumer 0: dV; consumer 1: dK, scaled, with
-    MLA's second tile ``acc_b``), rows past ``seqlen_k`` and columns past ``head_dim`` dropped
-    (VARLEN: strides (0, head, row), the sequence's rows from ``k_start`` on)."""
-    acc_layout: gl.constexpr = acc.type.layout
-    if CONSUMER == 0:
+def _store_acc(DK, DV, dka_desc, dkb_desc, dv_desc, ka_tile, kb_tile, v_tile, dv, dk_a, dk_b,
+               off_b, off_hk, desc_b, k_start, start_n, seqlen_k, stride_dkb, stride_dkh,
+               stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale, head_dim,
+               HAS_DV: gl.constexpr, HAS_DK: gl.constexpr, QK_B: gl.constexpr,
+               TMA_EPILOGUE: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+    """dV (HAS_DV) and dK (HAS_DK: scaled; MLA's second tile ``dk_b``) of the ROWS keys from
+    ``start_n``: with TMA_EPILOGUE through the tiles they match by TMA stores (the caller has
+    seen the tiles' last readers complete, and waits for the stores' reads), where a packed
+    block does not cross its sequence's end (a TMA store would overwrite the next sequence's
+    rows); otherwise from registers. Shared by ``bwd_mla.py``'s consumers (both at once)."""
+    if TMA_EPILOGUE:
+        if VARLEN:
+            if start_n + ROWS > seqlen_k:
+                _store_acc_rows(DK, DV, dv, dk_a, dk_b, off_b, off_hk, k_start, start_n, seqlen_k,
+                                stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
+                                stride_dvn, scale, head_dim, HAS_DV, HAS_DK, QK_B)  # fmt: skip
+            else:
+                _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_tile, kb_tile, v_tile, dv, dk_a,
+                               dk_b, scale, desc_b, off_hk, k_start + start_n, HAS_DV, HAS_DK,
+                               QK_B)  # fmt: skip
+        else:
+            _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_tile, kb_tile, v_tile, dv, dk_a, dk_b,
+                           scale, desc_b, off_hk, k_start + start_n, HAS_DV, HAS_DK,
+                           QK_B)  # fmt: skip
+    else:
+        _store_acc_rows(DK, DV, dv, dk_a, dk_b, off_b, off_hk, k_start, start_n, seqlen_k,
+                        stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+                        scale, head_dim, HAS_DV, HAS_DK, QK_B)  # fmt: skip
+
+
+@gluon.jit
+def _store_acc_rows(DK, DV, dv, dk_a, dk_b, off_b, off_hk, k_start, start_n, seqlen_k,
+                    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale,
+                    head_dim, HAS_DV: gl.constexpr, HAS_DK: gl.constexpr,
+                    QK_B: gl.constexpr):  # fmt: skip
+    """``_store_acc`` from registers, dV first, rows past ``seqlen_k`` and columns past
+    ``head_dim`` dropped (VARLEN: strides (0, head, row), the sequence's rows from ``k_start``
+    on)."""
+    if HAS_DV:
+        dv_layout: gl.constexpr = dv.type.layout
         ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
         ptr += k_start.to(gl.int64) * stride_dvn
-        _store_rows(ptr, acc, start_n, seqlen_k, stride_dvn, 0, head_dim, acc_layout)
-    else:
+        _store_rows(ptr, dv, start_n, seqlen_k, stride_dvn, 0, head_dim, dv_layout)
+    if HAS_DK:
+        a_layout: gl.constexpr = dk_a.type.layout
         ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
         ptr += k_start.to(gl.int64) * stride_dkn
-        _store_rows(ptr, acc * scale, start_n, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
+        _store_rows(ptr, dk_a * scale, start_n, seqlen_k, stride_dkn, 0, head_dim, a_layout)
         if QK_B > 0:
-            b_layout: gl.constexpr = acc_b.type.layout
-            _store_rows(ptr, acc_b * scale, start_n, seqlen_k, stride_dkn, acc.shape[1],
+            b_layout: gl.constexpr = dk_b.type.layout
+            _store_rows(ptr, dk_b * scale, start_n, seqlen_k, stride_dkn, dk_a.shape[1],
                         head_dim, b_layout)  # fmt: skip
 
 
 @gluon.jit
-def _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_smem, kb_smem, v_smem, acc, acc_b, scale,
-                   desc_b, off_hk, key, CONSUMER: gl.constexpr, QK_B: gl.constexpr):  # fmt: skip
-    """TMA_EPILOGUE: a consumer's accumulator through the tile it matches (consumer 0: dV into
-    V's; consumer 1: dK, scaled, into K's one or two, in boxes of their widths), by TMA stores
-    from row ``key`` on (rows past the tensor's end dropped, columns past its head dim too)."""
-    ROWS_T: gl.constexpr = ka_smem.shape[2]
-    if CONSUMER == 0:
-        v_smem.reshape([ROWS_T, v_smem.shape[3]]).store(acc.to(dv_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dv_desc, [desc_b, off_hk, key, 0], v_smem)
-    else:
-        QK_A: gl.constexpr = ka_smem.shape[3]
-        ka_smem.reshape([ROWS_T, QK_A]).store((acc * scale).to(dka_desc.dtype))
+def _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_tile, kb_tile, v_tile, dv, dk_a, dk_b, scale,
+                   desc_b, off_hk, key, HAS_DV: gl.constexpr, HAS_DK: gl.constexpr,
+                   QK_B: gl.constexpr):  # fmt: skip
+    """``_store_acc`` through the tiles they match (dK, scaled, into K's one or two, in boxes of
+    their widths; dV into V's), one fence, then TMA stores from row ``key`` on (rows past the
+    tensor's end dropped, columns past its head dim too)."""
+    ROWS_T: gl.constexpr = ka_tile.shape[2]
+    QK_A: gl.constexpr = ka_tile.shape[3]
+    if HAS_DK:
+        ka_tile.reshape([ROWS_T, QK_A]).store((dk_a * scale).to(dka_desc.dtype))
         if QK_B > 0:
-            kb_smem.reshape([ROWS_T, QK_B]).store((acc_b * scale).to(dkb_desc.dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dka_desc, [desc_b, off_hk, key, 0], ka_smem)
+            kb_tile.reshape([ROWS_T, QK_B]).store((dk_b * scale).to(dkb_desc.dtype))
+    if HAS_DV:
+        v_tile.reshape([ROWS_T, v_tile.shape[3]]).store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    if HAS_DK:
+        tma.async_copy_shared_to_global(dka_desc, [desc_b, off_hk, key, 0], ka_tile)
         if QK_B > 0:
-            tma.async_copy_shared_to_global(dkb_desc, [desc_b, off_hk, key, QK_A], kb_smem)
+            tma.async_copy_shared_to_global(dkb_desc, [desc_b, off_hk, key, QK_A], kb_tile)
+    if HAS_DV:
+        tma.async_copy_shared_to_global(dv_desc, [desc_b, off_hk, key, 0], v_tile)
 
 
 @gluon.jit

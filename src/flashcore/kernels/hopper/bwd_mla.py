@@ -107,7 +107,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashcore.kernels.hopper.bwd import BLOCK_N, key_block, q_blocks
-from flashcore.kernels.hopper.bwd256 import _load_fixed, _load_tiles, _qk_tiles, _store_rows
+from flashcore.kernels.hopper.bwd256 import _load_fixed, _load_tiles, _qk_tiles, _store_acc
 from flashcore.kernels.hopper.bwd_dq import stage_and_reduce
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a consumer (one m64 wgmma)
@@ -257,42 +257,6 @@ def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_fr
 
 
 @gluon.jit
-def _store_registers(DK, DV, dk_a, dk_b, dv, off_b, off_hk, k_start, key0, seqlen_k, stride_dkb,
-                     stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale,
-                     head_dim):  # fmt: skip
-    """dK (scaled) and dV of a consumer's 64 keys from registers, rows past ``seqlen_k``
-    dropped (VARLEN: strides (0, head, row), the sequence's rows from ``k_start`` on)."""
-    QK_A: gl.constexpr = dk_a.shape[1]
-    acc_layout: gl.constexpr = dk_a.type.layout
-    b_layout: gl.constexpr = dk_b.type.layout
-    ptr = DV + off_b.to(gl.int64) * stride_dvb + off_hk.to(gl.int64) * stride_dvh
-    ptr += k_start.to(gl.int64) * stride_dvn
-    _store_rows(ptr, dv, key0, seqlen_k, stride_dvn, 0, head_dim, acc_layout)
-    ptr = DK + off_b.to(gl.int64) * stride_dkb + off_hk.to(gl.int64) * stride_dkh
-    ptr += k_start.to(gl.int64) * stride_dkn
-    _store_rows(ptr, dk_a * scale, key0, seqlen_k, stride_dkn, 0, head_dim, acc_layout)
-    _store_rows(ptr, dk_b * scale, key0, seqlen_k, stride_dkn, QK_A, head_dim, b_layout)
-
-
-@gluon.jit
-def _store_dk_dv(dka_desc, dkb_desc, dv_desc, ka_tile, kb_tile, v_tile, dk_a, dk_b, dv, desc_b,
-                 off_hk, key):  # fmt: skip
-    """TMA_EPILOGUE: dK (scaled; its first QK_A columns and its last QK_B, each in a box of its
-    tile's width) and dV of a consumer's 64 keys from row ``key`` on, through its own K and V
-    tiles (dK_c and dV_c are their shapes; their last readers are complete), by TMA stores
-    (rows past the tensor's end dropped)."""
-    ROWS_T: gl.constexpr = ka_tile.shape[2]
-    QK_A: gl.constexpr = ka_tile.shape[3]
-    ka_tile.reshape([ROWS_T, QK_A]).store(dk_a.to(dka_desc.dtype))
-    kb_tile.reshape([ROWS_T, kb_tile.shape[3]]).store(dk_b.to(dkb_desc.dtype))
-    v_tile.reshape([ROWS_T, v_tile.shape[3]]).store(dv.to(dv_desc.dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dka_desc, [desc_b, off_hk, key, 0], ka_tile)
-    tma.async_copy_shared_to_global(dkb_desc, [desc_b, off_hk, key, QK_A], kb_tile)
-    tma.async_copy_shared_to_global(dv_desc, [desc_b, off_hk, key, 0], v_tile)
-
-
-@gluon.jit
 def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
               dq_tiles, mid_tile, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free,
               mid_free, DK, DV, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh,
@@ -409,26 +373,15 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
         # completed: ds_free's completion of the last step (none without steps).
         n_steps = n_m * kv_group
         mbarrier.wait(ds_free, (n_steps - 1) & 1, pred=n_steps > 0)
-        key = k_start + key0
-        tiles = (ka_smem.index(CONSUMER), kb_smem.index(CONSUMER), v_smem.index(CONSUMER))
-        if VARLEN:
-            # A block that crosses the sequence's end keeps the row-masked stores (a TMA store
-            # would overwrite the next sequence's rows).
-            if key0 + ROWS > seqlen_k:
-                _store_registers(DK, DV, dk_a, dk_b, dv, off_b, off_hk, k_start, key0, seqlen_k,
-                                 stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
-                                 stride_dvn, scale, head_dim)  # fmt: skip
-            else:
-                _store_dk_dv(dka_desc, dkb_desc, dv_desc, *tiles, dk_a * scale, dk_b * scale, dv,
-                             desc_b, off_hk, key)  # fmt: skip
-        else:
-            _store_dk_dv(dka_desc, dkb_desc, dv_desc, *tiles, dk_a * scale, dk_b * scale, dv,
-                         desc_b, off_hk, key)  # fmt: skip
+    # dK and dV (``bwd256._store_acc``: by TMA through this consumer's own tiles, or from
+    # registers).
+    _store_acc(DK, DV, dka_desc, dkb_desc, dv_desc, ka_smem.index(CONSUMER),
+               kb_smem.index(CONSUMER), v_smem.index(CONSUMER), dv, dk_a, dk_b, off_b, off_hk,
+               desc_b, k_start, key0, seqlen_k, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+               stride_dvh, stride_dvn, scale, head_dim, True, True, QK_B, TMA_EPILOGUE,
+               VARLEN)  # fmt: skip
+    if TMA_EPILOGUE:
         tma.store_wait(0)
-    else:
-        _store_registers(DK, DV, dk_a, dk_b, dv, off_b, off_hk, k_start, key0, seqlen_k,
-                         stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-                         scale, head_dim)  # fmt: skip
 
 
 @gluon.jit
