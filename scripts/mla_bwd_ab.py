@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python scripts/mla_bwd_ab.py [--paths 64key,wide,wide-balance] [--rounds 2]
     PYTHONPATH=src python scripts/mla_bwd_ab.py --short [--paths hopper,portable]
-    PYTHONPATH=src python scripts/mla_bwd_ab.py --d256 [--short]   # head dim 256, TMA epilogue
+    PYTHONPATH=src python scripts/mla_bwd_ab.py --d256 [--short]   # head dim 256
 
 Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards dropped in between):
 
@@ -13,9 +13,10 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
 - ``wide-skip`` / ``wide-noskip``: the 128-key kernel with (as every other path) and without
   consumer 1's products skipped on causal steps that see none of its keys
   (``WIDE_SKIP_MASKED``);
-- ``wide-tma``, ``64key-tma``, ``dqkernel-tma``: those with dK and dV stored by TMA
-  (``WIDE_TMA_EPILOGUE``, ``DKDV_TMA_EPILOGUE``; the other paths without);
-- with ``--d256`` (q, k and v of head dim 256): ``d256`` and ``d256-tma`` (``DKDV_TMA_EPILOGUE``);
+- ``wide-regs``, ``64key-regs``, ``dqkernel-regs``: those with dK and dV stored from
+  registers (``WIDE_TMA_EPILOGUE``, ``DKDV_TMA_EPILOGUE`` off; every other path stores them by
+  TMA, as shipped);
+- with ``--d256`` (q, k and v of head dim 256): ``d256`` and ``d256-regs``;
 - ``dqkernel``: the dQ kernel beside the 64-key dK/dV kernel (``FUSED_MLA`` off);
 - ``portable``: the portable backward (``VERIFIED`` off).
 
@@ -45,10 +46,9 @@ def use(path: str) -> None:
     bwd256.MLA_NON_CAUSAL = path != "portable"
     bwd256.FUSED_MLA = not path.startswith("dqkernel")
     bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
-    bwd256.WIDE_BALANCE = path == "wide-balance"
+    bwd256.WIDE_BALANCE = path.startswith("wide-balance")
     bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
-    bwd256.WIDE_TMA_EPILOGUE = path == "wide-tma"
-    bwd256.DKDV_TMA_EPILOGUE = path in ("64key-tma", "dqkernel-tma", "d256-tma")
+    bwd256.WIDE_TMA_EPILOGUE = bwd256.DKDV_TMA_EPILOGUE = not path.endswith("-regs")
     bwd256._PLANS.clear()
     bwd.forget()
 
@@ -92,11 +92,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--short", action="store_true")
     parser.add_argument(
-        "--d256", action="store_true", help="head dim 256 (default paths: d256,d256-tma)"
+        "--d256", action="store_true", help="head dim 256 (default paths: d256,d256-regs)"
     )
     args = parser.parse_args()
     default = "hopper,portable" if args.short else "64key,wide,wide-balance"
-    paths = (args.paths or ("d256,d256-tma" if args.d256 else default)).split(",")
+    paths = (args.paths or ("d256,d256-regs" if args.d256 else default)).split(",")
     dims = (256, 256) if args.d256 else (192, 128)
     for rnd in range(args.rounds):
         for batch, heads, seqlen in SHORT if args.short else LONG:

@@ -335,10 +335,11 @@ D256_MLA = [
 ]
 
 
-# The 128-key kernel as shipped, without SKIP_MASKED, with the TMA epilogue, with BALANCE; the
-# 64-key fused kernel; the dQ kernel beside the 64-key dK/dV kernel; "-tma": TMA epilogues.
-MLA_PATHS = ["wide", "wide-noskip", "wide-tma", "wide-balance"]
-MLA_PATHS += ["fused-dq", "fused-dq-tma", "dq-kernel", "dq-kernel-tma"]
+# The 128-key kernel as shipped, without SKIP_MASKED, with BALANCE; the 64-key fused kernel; the
+# dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored from registers instead of
+# by TMA.
+MLA_PATHS = ["wide", "wide-noskip", "wide-regs", "wide-balance-regs"]
+MLA_PATHS += ["fused-dq", "fused-dq-regs", "dq-kernel", "dq-kernel-regs"]
 
 
 @pytest.mark.gpu
@@ -355,17 +356,17 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     shipped: "wide"; "wide-noskip" without skipping consumer 1's causal steps that see none of
     its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-balance" with its middle dQ panel alternating
     between the consumers, ``bwd256.WIDE_BALANCE``) or at 64 ("fused-dq"), and by the dQ kernel
-    ("dq-kernel"); "-tma": dK and dV stored by TMA (``bwd256.WIDE_TMA_EPILOGUE`` and
-    ``DKDV_TMA_EPILOGUE``, forced)."""
+    ("dq-kernel"); "-regs": dK and dV stored from registers
+    (``bwd256.WIDE_TMA_EPILOGUE`` and ``DKDV_TMA_EPILOGUE`` off; on elsewhere, by TMA)."""
     from flashcore.ops import bwd256
 
     monkeypatch.setattr(bwd256, "FUSED_MLA", not path.startswith("dq-kernel"))
-    monkeypatch.setattr(bwd256, "DKDV_TMA_EPILOGUE", path.endswith("-tma"))
+    tma = not path.endswith("-regs")
+    monkeypatch.setattr(bwd256, "DKDV_TMA_EPILOGUE", tma)
     monkeypatch.setattr(bwd256, "WIDE_MLA", path.startswith("wide"))
-    monkeypatch.setattr(bwd256, "WIDE_BALANCE", path == "wide-balance")
-    if path == "wide-noskip":
-        monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", False)
-    monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", path == "wide-tma")
+    monkeypatch.setattr(bwd256, "WIDE_BALANCE", path.startswith("wide-balance"))
+    monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", path != "wide-noskip")
+    monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
     q, k, _ = make_qkv(mc.case, dtype, "cuda", layout=layout)
@@ -376,7 +377,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     assert dv.shape == v.shape
     plain = not (mc.window or mc.softcap or mc.alibi)
     assert any(p.wide for p in bwd256._PLANS.values()) == (path.startswith("wide") and plain)
-    assert all(p.dkdv[2]["TMA_EPILOGUE"] == path.endswith("-tma") for p in bwd256._PLANS.values())
+    assert all(p.dkdv[2]["TMA_EPILOGUE"] == tma for p in bwd256._PLANS.values())
 
 
 @pytest.mark.gpu

@@ -82,10 +82,13 @@ WIDE_SKIP_MASKED = True
 # dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
 # from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the
-# 128-key kernel (WIDE_TMA_EPILOGUE) and the 64-key dK/dV kernel (DKDV_TMA_EPILOGUE): compiled,
-# not yet run on a GPU; off until they have (tests force them).
-WIDE_TMA_EPILOGUE = False
-DKDV_TMA_EPILOGUE = False
+# 128-key kernel (WIDE_TMA_EPILOGUE) and the 64-key dK/dV kernel (DKDV_TMA_EPILOGUE). H200,
+# bf16, 16 heads, scripts/mla_bwd_ab.py, each path bracketed by its register-store twin: 128-key
+# 1.05-1.07x non-causal at 1024-8192 keys, causal 0.98-1.02x; 64-key 1.02-1.08x at 1024-8192
+# keys; head dim 256 1.00-1.09x at 512-8192 (docs/performance_backward.md). Tests set them either
+# way.
+WIDE_TMA_EPILOGUE = True
+DKDV_TMA_EPILOGUE = True
 CONSUMER_REGS = 240
 MAXNREG = 168
 

@@ -58,10 +58,10 @@ a softcap dS is taken with respect to ``scale q.k``, the factor ``1 - tanh^2`` a
 consumer 0 to the tile it hands over. Masks as ``bwd.py``'s: causal bottom-right, a window on
 every step, keys past Sk (without causal, on a block that crosses Sk; K and V arrive as zeros
 there); rows past Sq have Q = dO = 0 and lse2 = +inf (P = 0). dK and dV leave from registers by
-plain stores with a row mask, and a column mask past ``head_dim``: head dims 136-248 run these
-kernels over the same 256-column boxes (the copy engine fills the columns past the tensors'
-with zeros, which add nothing to any product). TMA_EPILOGUE (``ops/bwd256.py:
-DKDV_TMA_EPILOGUE``; compiled, not yet run on a GPU, off): once both consumers' last products
+plain stores with a row mask, and a column mask past ``head_dim`` (head dims 136-248 run these
+kernels over the same 256-column boxes: the copy engine fills the columns past the tensors'
+with zeros, which add nothing to any product), or with TMA_EPILOGUE (``ops/bwd256.py:
+DKDV_TMA_EPILOGUE``, on: 1.02-1.08x at 1024-8192 keys, H200): once both consumers' last products
 are complete (``epi_bar``, count 2: consumer 0's S^T and dQ read K, consumer 1's dP^T reads V),
 consumer 0 writes dV into V's tile and consumer 1 dK into K's (MLA: its two), and each stores
 its tile by TMA (rows past Sk and columns past the head dim clipped by the copy engine; VARLEN:
