@@ -1,6 +1,6 @@
 """MLA's backward (q and k 192, v 128) on Hopper, its paths side by side in one process:
 
-    PYTHONPATH=src python scripts/mla_bwd_ab.py [--paths 64key,wide,wide-balance] [--rounds 2]
+    PYTHONPATH=src python scripts/mla_bwd_ab.py [--paths 64key,wide] [--rounds 2]
     PYTHONPATH=src python scripts/mla_bwd_ab.py --short [--paths hopper,portable]
     PYTHONPATH=src python scripts/mla_bwd_ab.py --d256 [--short]   # head dim 256
 
@@ -8,8 +8,6 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
 
 - ``64key``: the 64-key fused dK/dV kernel (``kernels/hopper/bwd256.py``, FUSED_DQ);
 - ``wide``: the 128-key kernel (``kernels/hopper/bwd_mla.py``, ``WIDE_MLA``);
-- ``wide-balance``: the same with its middle dQ panel alternating between the consumers
-  (``WIDE_BALANCE``);
 - ``wide-skip`` / ``wide-noskip``: the 128-key kernel with (as every other path) and without
   consumer 1's products skipped on causal steps that see none of its keys
   (``WIDE_SKIP_MASKED``);
@@ -46,7 +44,6 @@ def use(path: str) -> None:
     bwd256.MLA_NON_CAUSAL = path != "portable"
     bwd256.FUSED_MLA = not path.startswith("dqkernel")
     bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
-    bwd256.WIDE_BALANCE = path.startswith("wide-balance")
     bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
     bwd256.WIDE_TMA_EPILOGUE = bwd256.DKDV_TMA_EPILOGUE = not path.endswith("-regs")
     bwd256._PLANS.clear()
@@ -88,14 +85,14 @@ def point(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paths", default=None, help="default: 64key,wide,wide-balance")
+    parser.add_argument("--paths", default=None, help="default: 64key,wide")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--short", action="store_true")
     parser.add_argument(
         "--d256", action="store_true", help="head dim 256 (default paths: d256,d256-regs)"
     )
     args = parser.parse_args()
-    default = "hopper,portable" if args.short else "64key,wide,wide-balance"
+    default = "hopper,portable" if args.short else "64key,wide"
     paths = (args.paths or ("d256,d256-regs" if args.d256 else default)).split(",")
     dims = (256, 256) if args.d256 else (192, 128)
     for rnd in range(args.rounds):

@@ -335,10 +335,9 @@ D256_MLA = [
 ]
 
 
-# The 128-key kernel as shipped, without SKIP_MASKED, with BALANCE; the 64-key fused kernel; the
-# dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored from registers instead of
-# by TMA.
-MLA_PATHS = ["wide", "wide-noskip", "wide-regs", "wide-balance-regs"]
+# The 128-key kernel as shipped, without SKIP_MASKED; the 64-key fused kernel; the dQ kernel beside
+# the 64-key dK/dV kernel; "-regs": dK and dV stored from registers instead of by TMA.
+MLA_PATHS = ["wide", "wide-noskip", "wide-regs"]
 MLA_PATHS += ["fused-dq", "fused-dq-regs", "dq-kernel", "dq-kernel-regs"]
 
 
@@ -354,8 +353,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options; dQ in
     the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
     shipped: "wide"; "wide-noskip" without skipping consumer 1's causal steps that see none of
-    its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-balance" with its middle dQ panel alternating
-    between the consumers, ``bwd256.WIDE_BALANCE``) or at 64 ("fused-dq"), and by the dQ kernel
+    its keys, ``bwd256.WIDE_SKIP_MASKED``) or at 64 ("fused-dq"), and by the dQ kernel
     ("dq-kernel"); "-regs": dK and dV stored from registers
     (``bwd256.WIDE_TMA_EPILOGUE`` and ``DKDV_TMA_EPILOGUE`` off; on elsewhere, by TMA)."""
     from flashcore.ops import bwd256
@@ -364,7 +362,6 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     tma = not path.endswith("-regs")
     monkeypatch.setattr(bwd256, "DKDV_TMA_EPILOGUE", tma)
     monkeypatch.setattr(bwd256, "WIDE_MLA", path.startswith("wide"))
-    monkeypatch.setattr(bwd256, "WIDE_BALANCE", path.startswith("wide-balance"))
     monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", path != "wide-noskip")
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     bwd256._PLANS.clear()

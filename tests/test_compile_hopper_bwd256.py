@@ -62,10 +62,6 @@ VARIANTS = [
     ("mla-wide-fused-bf16-ragged", "wide", "bf16", False, False, False, False, False),
     ("mla-wide-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False, False),
     ("mla-wide-fused-fp16-varlen", "wide", "fp16", False, False, False, False, False),
-    # Its middle dQ panel alternating between the consumers (BALANCE: a label with "balance").
-    ("mla-wide-balance-fused-bf16", "wide", "bf16", False, False, True, False, False),
-    ("mla-wide-balance-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False,
-     False),
     # Causal, consumer 1's steps that see none of its keys without products (SKIP_MASKED, as
     # shipped: a label with "skip").
     ("mla-wide-skip-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
@@ -74,6 +70,7 @@ VARIANTS = [
     ("mla-wide-tma-fused-bf16", "wide", "bf16", False, False, True, False, False),
     ("mla-wide-tma-skip-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False,
      False),
+    ("mla-wide-tma-skip-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
     ("mla-wide-tma-skip-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False,
      False),
 ]  # fmt: skip
@@ -124,7 +121,6 @@ def compile_variant(variant) -> dict:
         fn = kernels.attn_bwd_dkdv_sm90_d256_kernel
         if which == "wide":
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
-            consts["BALANCE"] = "balance" in label
             consts["SKIP_MASKED"] = "skip" in label
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
@@ -182,8 +178,6 @@ SPILL_ALLOWANCE = {
     # VARLEN adds each program's sequence bounds and the producer's zeroing path.
     "mla-wide-fused-bf16-causal-varlen": 876,
     "mla-wide-fused-fp16-varlen": 656,
-    "mla-wide-balance-fused-bf16": 356,
-    "mla-wide-balance-fused-fp16-causal-ragged": 368,
     # The skipping branch's bookkeeping beside the step.
     "mla-wide-skip-fused-bf16-causal": 472,
     "mla-wide-skip-fused-fp16-causal-varlen": 784,
@@ -191,6 +185,7 @@ SPILL_ALLOWANCE = {
     "dkdv-tma-fp16-window-softcap-varlen": 28,
     "mla-wide-tma-fused-bf16": 488,
     "mla-wide-tma-skip-fused-fp16-causal-ragged": 500,
+    "mla-wide-tma-skip-fused-bf16-causal": 608,
     "mla-wide-tma-skip-fused-bf16-causal-varlen": 888,
 }
 
@@ -220,12 +215,11 @@ def test_products_and_copies(compiled):
         # in it): 12 + 16 + 8 + 4.
         # The 128-key kernel (MLA, per consumer): S^T 12 and dP^T 8 from shared memory, dQ =
         # dS K over both consumers' keys by 64-column panels (consumer 0 two, consumer 1 one; 8
-        # each) with dS^T from shared memory, dV 4 and dK 4 + 4 from registers: (36 + 28, 24);
-        # with the middle panel on both consumers' code paths (BALANCE) (36 + 36, 24).
+        # each) with dS^T from shared memory, dV 4 and dK 4 + 4 from registers: (36 + 28, 24).
         mla = row["variant"].startswith("mla")
         fused = "fused" in row["variant"]
         if "wide" in row["variant"]:
-            want = (72 if "balance" in row["variant"] else 64, 24)
+            want = (64, 24)
         elif "dkdv" in row["variant"]:
             want = (40 if fused else 20, 12) if mla else (32, 8)
         else:

@@ -70,10 +70,6 @@ WIDE_MLA = True
 # Packed batches through it too (H200, bf16, 16 heads, packed 4 x 2048, 3000/1000/2500/1692 and
 # one 8192: 1.11-1.28x the 64-key kernel non-causal, 1.01-1.11x causal).
 WIDE_MLA_VARLEN = True
-# The middle dQ panel alternating between the 128-key kernel's consumers by step (its BALANCE:
-# 13 units of 64^3 a step each instead of 14 and 12): exact on the GPU, but not faster (0.90-1.04x
-# the kernel without it at 2048-8192 keys, H200; docs/performance_backward.md); off.
-WIDE_BALANCE = False
 # Causal: consumer 1 of the 128-key kernel skips the products of a step that sees none of its
 # keys (a block's first; its dS^T tile written as zeros), 10 of the step's 26 units of 64^3:
 # 1.02-1.04x at 512-2048 keys, 0.99-1.01x at 4096-8192 (H200, bf16, 16 heads,
@@ -272,7 +268,7 @@ def _plan(
         {
             **common, "EVEN_N": varlen is None and seqlen_k % keys == 0, **flags,
             "FUSED_DQ": fused_dq, "TMA_EPILOGUE": tma_epilogue, **meta,
-            **({"BALANCE": WIDE_BALANCE, "SKIP_MASKED": WIDE_SKIP_MASKED} if wide_mla else {}),
+            **({"SKIP_MASKED": WIDE_SKIP_MASKED} if wide_mla else {}),
         },
     )  # fmt: skip
     boxes = ([1, 1, ROWS, qk_box], [1, 1, ROWS, v_tile])

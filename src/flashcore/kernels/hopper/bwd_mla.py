@@ -53,19 +53,10 @@ and a 64-wide one, so no store reads a sub-view of a tile) and dV_c into V_c, an
 (rows past Sk clipped by the copy engine). VARLEN: a block that crosses the sequence's end
 keeps the row-masked register stores.
 
-BALANCE (``ops/bwd256.py: WIDE_BALANCE``; exact on a GPU, not faster: off): consumer 0 does
-14 units of 64^3 a step to consumer 1's 12, and the ``ds_free`` wait keeps them in step, so
-consumer 0 sets the pace. With BALANCE each consumer computes its own panel every step
-(``[0, 64)``, ``[QK_A, QK_A + QK_B)``) and the middle one ``[64, 128)`` every other step
-(consumer 0 on even steps, consumer 1 on odd: 13 units each on average), in a run-time branch
-(ptxas 12.8 compiles it; ``bwd.py`` met a crash with another such branch). The middle panel's
-staging tile (consumer 0's second) passes between them on ``mid_free`` (count 1): completion k
-says step k's reduce-add has read the tile, arrived by step k's user in step k + 1 after its
-``cp.async.bulk.wait_group.read 0``; step t's user waits for completion t - 1 (parity ``(t - 1)
-& 1``; step 0's use waits for nothing) before staging. No cycle: the arrival needs only the
-arriving consumer's own reduce. No phase runs ahead of its waiter: completion k + 1 is made
-after its maker staged step k + 1's panel, which followed its wait for completion k. Measured
-0.90-1.04x the kernel without it (H200): the hand-off costs what the even split saves.
+Consumer 0 does 14 units of 64^3 a step to consumer 1's 12, and the ``ds_free`` wait keeps
+them in step. The middle dQ panel alternating between them by step (13 units each, its staging
+tile handed over on an mbarrier) was built, ran exact and was not faster (0.90-1.04x, H200:
+docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."); removed.
 
 Shared memory (two ring slots): Q 2 x 24 KB, dO 2 x 16 KB, the row stats 2 x 512 B, K 2 x 24 KB,
 V 2 x 16 KB, the dS^T tiles 2 x 8 KB (one step's; FlashAttention-4's MLA backward keeps one
@@ -183,24 +174,18 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
 
 @gluon.jit
 def _dq_panel(ds_smem, k0, k1, zero_dq, tile, dq_desc, desc_b, off_h, row, col, n_rows, ds_free,
-              release, tile_free, free_parity, free_pred, RELEASE: gl.constexpr,
-              HANDOVER: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+              RELEASE: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
     """One 64-column panel of a step's dQ over both consumers' keys (``k0``, ``k1``: the panel's
-    columns of K_0 and K_1): the products, ``ds_free`` arrived on (RELEASE 1: this consumer's
-    last reader of the dS^T tiles; 2: if ``release``; 0: not), with HANDOVER a wait for
-    ``tile`` (parity ``free_parity`` if ``free_pred``), the staging and the reduce-add at
-    ``(desc_b, off_h, row, col)`` (``bwd_dq.stage_and_reduce``; VARLEN: rows from ``n_rows`` on,
-    the next sequence's, as exact zeros)."""
+    columns of K_0 and K_1): the products, ``ds_free`` arrived on with RELEASE (this consumer's
+    last reader of the dS^T tiles), the staging and the reduce-add at ``(desc_b, off_h, row,
+    col)`` (``bwd_dq.stage_and_reduce``; VARLEN: rows from ``n_rows`` on, the next sequence's, as
+    exact zeros)."""
     dq_tok = warpgroup_mma(ds_smem.index(0).permute((1, 0)), k0, zero_dq, use_acc=False,
                            is_async=True)  # fmt: skip
     dq_tok = warpgroup_mma(ds_smem.index(1).permute((1, 0)), k1, dq_tok, is_async=True)
     dq = warpgroup_mma_wait(0, deps=[dq_tok])
-    if RELEASE == 1:
+    if RELEASE:
         mbarrier.arrive(ds_free, count=1)
-    elif RELEASE == 2:
-        mbarrier.arrive(ds_free, count=1, pred=release)
-    if HANDOVER:
-        mbarrier.wait(tile_free, free_parity, pred=free_pred)
     # The step's one wait for the staging tiles' previous reads is the caller's.
     stage_and_reduce(dq, tile, dq_desc, desc_b, off_h, row, col, n_rows, True, VARLEN, False)
 
@@ -258,13 +243,12 @@ def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_fr
 
 @gluon.jit
 def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
-              dq_tiles, mid_tile, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free,
-              mid_free, DK, DV, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh,
-              stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q,
-              seqlen_k, lpt_heads, qk_scale, scale, head_dim, total_q, total_k,
-              CONSUMER: gl.constexpr, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, EVEN_N: gl.constexpr, VARLEN: gl.constexpr,
-              BALANCE: gl.constexpr, SKIP_MASKED: gl.constexpr,
+              dq_tiles, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV, CU_Q,
+              CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+              stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
+              qk_scale, scale, head_dim, total_q, total_k, CONSUMER: gl.constexpr,
+              QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              EVEN_N: gl.constexpr, VARLEN: gl.constexpr, SKIP_MASKED: gl.constexpr,
               TMA_EPILOGUE: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = ka_smem.dtype
     QK_A: gl.constexpr = ka_smem.shape[4]
@@ -305,9 +289,6 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
         k1_dq = kb_smem.index(1).reshape([ROWS, QK_B])
         N_PANELS: gl.constexpr = 1
         dq_col = QK_A
-    # BALANCE: the middle panel's columns [PANEL, 2 PANEL) of both K tiles.
-    k0_mid = ka_smem.index(0).reshape([ROWS, QK_A]).slice(PANEL, PANEL, dim=1)
-    k1_mid = ka_smem.index(1).reshape([ROWS, QK_A]).slice(PANEL, PANEL, dim=1)
     zero_dq = gl.zeros([ROWS, PANEL], gl.float32, layout=b_layout)
     zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
     dv = gl.zeros([ROWS, V_DIM], gl.float32, layout=acc_layout)
@@ -342,30 +323,14 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
         # The staging tiles' previous reduce-adds (step t - 1's) have read them.
         tma.store_wait(0)
         row = q_start + start_m
-        if BALANCE:
-            # Consumer 0's panel [0, 64) and consumer 1's [QK_A, QK_A + QK_B) every step, the
-            # middle one every other step (consumer 0 on even steps), its tile handed over by
-            # mid_free once its last user's reduce-adds have read it (the wait above).
-            mbarrier.arrive(mid_free, count=1, pred=(t > 0) & ((t - 1) % 2 == CONSUMER))
-            mid = t % 2 == CONSUMER
-            _dq_panel(ds_smem, k0_dq.slice(0, PANEL, dim=1), k1_dq.slice(0, PANEL, dim=1),
-                      zero_dq, dq_tiles.index(0), dq_desc, desc_b, off_h, row, dq_col,
-                      seqlen_q - start_m, ds_free, not mid, mid_free, 0, False, 2, False,
-                      VARLEN)  # fmt: skip
-            if mid:
-                _dq_panel(ds_smem, k0_mid, k1_mid, zero_dq, mid_tile, dq_desc, desc_b, off_h,
-                          row, PANEL, seqlen_q - start_m, ds_free, True, mid_free,
-                          (t - 1) & 1, t > 0, 1, True, VARLEN)  # fmt: skip
-        else:
-            for i in gl.static_range(N_PANELS):
-                # Each panel reduced as soon as it is staged: the fence keeps ptxas from
-                # issuing the next panel's products beside this one's registers (two panels at
-                # once serialised the consumer's products for lack of registers, C7512).
-                _dq_panel(ds_smem, k0_dq.slice(i * PANEL, PANEL, dim=1),
-                          k1_dq.slice(i * PANEL, PANEL, dim=1), zero_dq, dq_tiles.index(i),
-                          dq_desc, desc_b, off_h, row, dq_col + i * PANEL, seqlen_q - start_m,
-                          ds_free, True, mid_free, 0, False, 1 if i == N_PANELS - 1 else 0,
-                          False, VARLEN)  # fmt: skip
+        for i in gl.static_range(N_PANELS):
+            # Each panel reduced as soon as it is staged: the fence keeps ptxas from issuing the
+            # next panel's products beside this one's registers (two panels at once serialised
+            # the consumer's products for lack of registers, C7512).
+            _dq_panel(ds_smem, k0_dq.slice(i * PANEL, PANEL, dim=1),
+                      k1_dq.slice(i * PANEL, PANEL, dim=1), zero_dq, dq_tiles.index(i), dq_desc,
+                      desc_b, off_h, row, dq_col + i * PANEL, seqlen_q - start_m, ds_free,
+                      i == N_PANELS - 1, VARLEN)  # fmt: skip
     # No bulk reduce may still read this consumer's staging tile when the block exits.
     tma.store_wait(0)
     if TMA_EPILOGUE:
@@ -435,7 +400,6 @@ def attn_bwd_mla_sm90_kernel(
     HAS_ALIBI: gl.constexpr,
     VARLEN: gl.constexpr,
     FUSED_DQ: gl.constexpr = True,
-    BALANCE: gl.constexpr = False,
     SKIP_MASKED: gl.constexpr = False,
     TMA_EPILOGUE: gl.constexpr = False,
 ):
@@ -480,13 +444,6 @@ def attn_bwd_mla_sm90_kernel(
     # VARLEN: the producer's own barrier for the tiles it zeroes (``bwd256._load_fixed``);
     # without, kv_ready stands in (never touched).
     fix_bar = kv_ready
-    # BALANCE: the middle dQ panel's staging tile (consumer 0's second) passes between the
-    # consumers on mid_free (count 1); without, ds_free stands in (never touched).
-    mid_free = ds_free
-    if BALANCE:
-        mid = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-        mid_free = mid.index(0)
-        mbarrier.init(mid_free, count=1)
     if VARLEN:
         fix = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
         fix_bar = fix.index(0)
@@ -502,19 +459,19 @@ def attn_bwd_mla_sm90_kernel(
         [
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
-                dq_tiles1, dq_tiles0.index(1), dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready,
-                ds_free, mid_free, DK, DV, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb,
-                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
-                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 1, QK_B,
-                NUM_STAGES, IS_CAUSAL, EVEN_N, VARLEN, BALANCE, SKIP_MASKED, TMA_EPILOGUE,
+                dq_tiles1, dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV,
+                CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
+                lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 1, QK_B, NUM_STAGES,
+                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE,
             )),
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
-                dq_tiles0, dq_tiles0.index(1), dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready,
-                ds_free, mid_free, DK, DV, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb,
-                stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group,
-                seqlen_q, seqlen_k, lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 0, QK_B,
-                NUM_STAGES, IS_CAUSAL, EVEN_N, VARLEN, BALANCE, SKIP_MASKED, TMA_EPILOGUE,
+                dq_tiles0, dqb_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV,
+                CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh, stride_dkn,
+                stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
+                lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 0, QK_B, NUM_STAGES,
+                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
