@@ -11,6 +11,8 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
 - ``wide-skip`` / ``wide-noskip``: the 128-key kernel with (as every other path) and without
   consumer 1's products skipped on causal steps that see none of its keys
   (``WIDE_SKIP_MASKED``);
+- ``wide-mexp``: the 128-key kernel with its exponent formed before the masks' branches
+  (``WIDE_MASK_EXPONENT``);
 - ``wide-regs``, ``64key-regs``, ``dqkernel-regs``: those with dK and dV stored from
   registers (``WIDE_TMA_EPILOGUE``, ``DKDV_TMA_EPILOGUE`` off; every other path stores them by
   TMA, as shipped);
@@ -45,6 +47,7 @@ def use(path: str) -> None:
     bwd256.FUSED_MLA = not path.startswith("dqkernel")
     bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
     bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
+    bwd256.WIDE_MASK_EXPONENT = path == "wide-mexp"
     bwd256.WIDE_TMA_EPILOGUE = bwd256.DKDV_TMA_EPILOGUE = not path.endswith("-regs")
     bwd256._PLANS.clear()
     bwd.forget()

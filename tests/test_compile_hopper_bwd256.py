@@ -71,6 +71,9 @@ VARIANTS = [
     ("mla-wide-tma-skip-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False,
      False),
     ("mla-wide-tma-skip-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
+    # The exponent formed before the masks' run-time branches (MASK_EXPONENT: "mexp").
+    ("mla-wide-tma-skip-mexp-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
+    ("mla-wide-tma-mexp-fused-bf16-ragged", "wide", "bf16", False, False, False, False, False),
     ("mla-wide-tma-skip-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False,
      False),
 ]  # fmt: skip
@@ -122,6 +125,7 @@ def compile_variant(variant) -> dict:
         if which == "wide":
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
             consts["SKIP_MASKED"] = "skip" in label
+            consts["MASK_EXPONENT"] = "mexp" in label
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -186,6 +190,9 @@ SPILL_ALLOWANCE = {
     "mla-wide-tma-fused-bf16": 488,
     "mla-wide-tma-skip-fused-fp16-causal-ragged": 500,
     "mla-wide-tma-skip-fused-bf16-causal": 608,
+    # The exponent before the masks' branch: fewer (consumer 1's nine stores a step go).
+    "mla-wide-tma-skip-mexp-fused-bf16-causal": 564,
+    "mla-wide-tma-mexp-fused-bf16-ragged": 424,
     "mla-wide-tma-skip-fused-bf16-causal-varlen": 888,
 }
 

@@ -288,6 +288,33 @@ def test_varlen_gpu_sm90_backward(monkeypatch, case, opts, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("case", "opts"), VARLEN_SM90_BWD[:3], ids=[_sm90_case_id((c, c.head_dim, o)) for c, o in
+                                                VARLEN_SM90_BWD[:3]]
+)  # fmt: skip
+def test_varlen_gpu_sm90_backward_mask_exponent(monkeypatch, case, opts):
+    """The packed Hopper backward with ``bwd_sm90.MASK_EXPONENT`` (the exponent formed before
+    the masks), causal and not, bf16."""
+    from flashcore.ops import bwd, bwd_sm90
+
+    require_sm90()
+    monkeypatch.setattr(bwd_sm90, "MASK_EXPONENT", True)
+    bwd_sm90._PLANS.clear()
+    bwd.forget()
+    try:
+        q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+        opts = dict(opts)
+        causal = opts.pop("causal", False)
+        with flashcore.use_tier("sm90"):
+            check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True, **opts)
+        plans = bwd_sm90._PLANS.values()
+        assert plans and all(p.main_meta["MASK_EXPONENT"] for p in plans)
+    finally:
+        bwd_sm90._PLANS.clear()
+        bwd.forget()
+
+
+@pytest.mark.gpu
 def test_varlen_gpu_deterministic_keeps_portable_backward(monkeypatch):
     """``deterministic=True`` keeps a packed batch's backward on the portable tier (no
     reduce-adds): two runs give the same bits; without it "auto" takes the Hopper backward."""
@@ -473,15 +500,18 @@ def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal, tma):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("causal", "skip", "tma"),
-    [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
-     (True, True, True)],
-    ids=["full", "causal", "causal-skip", "full-tma", "causal-skip-tma"],
+    ("causal", "skip", "tma", "mexp"),
+    [(False, False, False, False), (True, False, False, False), (True, True, False, False),
+     (False, False, True, False), (True, True, True, False), (False, False, True, True),
+     (True, True, True, True)],
+    ids=["full", "causal", "causal-skip", "full-tma", "causal-skip-tma", "full-tma-mexp",
+         "causal-skip-tma-mexp"],
 )  # fmt: skip
-def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma):
+def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma, mexp):
     """MLA's 128-key backward (``kernels/hopper/bwd_mla.py``) on packed batches
     (``bwd256.WIDE_MLA_VARLEN``; causal with and without ``WIDE_SKIP_MASKED``; with
-    ``WIDE_TMA_EPILOGUE``, blocks inside a sequence stored by TMA): sequences empty, of one
+    ``WIDE_TMA_EPILOGUE``, blocks inside a sequence stored by TMA; with ``WIDE_MASK_EXPONENT``,
+    the exponent formed before the masks' branches): sequences empty, of one
     row, ending inside either consumer's half of a block and past it, GQA, against the float64
     reference; then with NaN past the last offset and inf in sequence 1's rows, the other
     sequences' gradients unchanged (dK and dV the same bits, dQ within an ulp of its largest
@@ -491,6 +521,7 @@ def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma):
     monkeypatch.setattr(bwd256, "WIDE_MLA_VARLEN", True)
     monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", skip)
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
+    monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", mexp)
     calls = spy_d256(monkeypatch)
     bwd256._PLANS.clear()
     case = VarlenCase(4, 2, (300, 1, 0, 129, 64, 700), (517, 64, 10, 129, 0, 700), 192)

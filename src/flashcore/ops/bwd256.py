@@ -75,6 +75,11 @@ WIDE_MLA_VARLEN = True
 # 1.02-1.04x at 512-2048 keys, 0.99-1.01x at 4096-8192 (H200, bf16, 16 heads,
 # scripts/mla_bwd_ab.py --paths wide-noskip,wide-skip). Tests set it either way.
 WIDE_SKIP_MASKED = True
+# The 128-key kernel's exponent S^T qk_scale - lse2 formed before the masks' run-time branches
+# (causal, or Sk not a multiple of 128), so that its unmasked steps take one FFMA an element as
+# the unbranched build does, not an FMUL and an FADD either side of the branch (CPU compile;
+# not yet run on a GPU: off; tests set it either way).
+WIDE_MASK_EXPONENT = False
 # dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
 # from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the
@@ -268,7 +273,11 @@ def _plan(
         {
             **common, "EVEN_N": varlen is None and seqlen_k % keys == 0, **flags,
             "FUSED_DQ": fused_dq, "TMA_EPILOGUE": tma_epilogue, **meta,
-            **({"SKIP_MASKED": WIDE_SKIP_MASKED} if wide_mla else {}),
+            **(
+                {"SKIP_MASKED": WIDE_SKIP_MASKED, "MASK_EXPONENT": WIDE_MASK_EXPONENT}
+                if wide_mla
+                else {}
+            ),
         },
     )  # fmt: skip
     boxes = ([1, 1, ROWS, qk_box], [1, 1, ROWS, v_tile])
