@@ -85,7 +85,7 @@ WIDE_MASK_EXPONENT = False
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the
 # 128-key kernel (WIDE_TMA_EPILOGUE) and the 64-key dK/dV kernel (DKDV_TMA_EPILOGUE). H200,
 # bf16, 16 heads, scripts/mla_bwd_ab.py, each path bracketed by its register-store twin: 128-key
-# 1.05-1.07x non-causal at 1024-8192 keys, causal 0.98-1.02x; 64-key 1.02-1.08x at 1024-8192
+# 1.05-1.11x non-causal at 1024-8192 keys, causal 0.96-1.03x; 64-key 1.02-1.08x at 1024-8192
 # keys; head dim 256 1.00-1.09x at 512-8192 (docs/performance_backward.md). Tests set them either
 # way.
 WIDE_TMA_EPILOGUE = True

@@ -43,7 +43,7 @@ diagonal) has P = dS = 0 there, so consumer 1 issues none of its products (10 of
 units of 64^3), writes a zero dS^T tile for both consumers' dQ panels and keeps the barriers'
 order (``ds_free`` wait, ``ds_ready`` and ``qd_empty`` arrivals); 1.02-1.04x at 512-2048 keys.
 
-TMA_EPILOGUE (``ops/bwd256.py: WIDE_TMA_EPILOGUE``, on; 1.05-1.07x non-causal, level causal): dK
+TMA_EPILOGUE (``ops/bwd256.py: WIDE_TMA_EPILOGUE``, on; 1.05-1.11x non-causal, level causal): dK
 and dV leave through shared memory and TMA stores, as ``bwd.py``'s, instead of 4-byte stores
 from registers in the wgmma layout (43-64 us a backward at 1024 programs on an H200, whatever
 their length: docs/performance_backward.md). Consumer c waits for ``ds_free``'s completion of
