@@ -19,6 +19,7 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
     require_sm90,
+    sm90_backward_switch,
     spy_d256,
 )
 from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case, MaskCase
@@ -260,21 +261,11 @@ SM90_MEXP = [
 def test_backward_gpu_sm90_mask_exponent(mc, dtype, monkeypatch):
     """The Hopper backward (D 64/128, forced) with ``bwd_sm90.MASK_EXPONENT``: the exponent
     ``S^T qk_scale - lse2`` formed before the masks, which then select -inf on it."""
-    from flashcore.ops import bwd, bwd_sm90
-
-    monkeypatch.setattr(bwd_sm90, "MASK_EXPONENT", True)
-    bwd_sm90._PLANS.clear()
-    bwd.forget()
-    try:
+    with sm90_backward_switch(monkeypatch, "MASK_EXPONENT") as plans:
         q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd")
         with flashcore.use_tier("sm90"):
             check_backward(q, k, v, **mask_options(mc, "cuda"))
-        plans = bwd_sm90._PLANS.values()
-        assert plans and all(p.main_meta["MASK_EXPONENT"] for p in plans)
-    finally:
-        # No plan built with the switch on outlives the test.
-        bwd_sm90._PLANS.clear()
-        bwd.forget()
+        assert plans and all(p.main_meta["MASK_EXPONENT"] for p in plans.values())
 
 
 # Head dim 256: the Gluon backward of ops/bwd256.py (a dQ and a dK/dV kernel).

@@ -280,7 +280,8 @@ def compiled_rows(script: str, expected: int) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
-    # The backward's 33 builds take 180 s with a cold Triton cache on one of CI's two cores.
+    # The head-dim-256/MLA backward's builds take over 180 s with a cold Triton cache on one of
+    # CI's two cores.
     proc = subprocess.run(
         [sys.executable, script], env=env, capture_output=True, text=True, timeout=900
     )

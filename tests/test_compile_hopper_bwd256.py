@@ -238,12 +238,6 @@ def test_products_and_copies(compiled):
         assert (row["bulk_reduce"] >= 2) if fused else (row["bulk_reduce"] == 0), row
 
 
-if __name__ == "__main__":
-    for variant in VARIANTS:
-        print(json.dumps(compile_variant(variant)), flush=True)
-    sys.exit(0)
-
-
 def test_mla_trace_build_still_applies():
     """``scripts/mla_bwd_trace.py`` edits the 128-key kernel's source as text; a change that its
     edits no longer match fails here, not later on the GPU machine."""
@@ -259,3 +253,9 @@ def test_mla_trace_build_still_applies():
     for fake_full in (False, True):
         assert module.trace_source(False, fake_full=fake_full).count("_stamp(ALIBI") == 8
         assert module.trace_source(True, fake_full=fake_full).count("_stamp(ALIBI") == 11
+
+
+if __name__ == "__main__":
+    for variant in VARIANTS:
+        print(json.dumps(compile_variant(variant)), flush=True)
+    sys.exit(0)

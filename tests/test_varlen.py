@@ -12,6 +12,7 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
     require_sm90,
+    sm90_backward_switch,
     spy_d256,
 )
 from shapes import DTYPES, VARLEN, VARLEN_GPU, VarlenCase
@@ -295,23 +296,13 @@ def test_varlen_gpu_sm90_backward(monkeypatch, case, opts, dtype):
 def test_varlen_gpu_sm90_backward_mask_exponent(monkeypatch, case, opts):
     """The packed Hopper backward with ``bwd_sm90.MASK_EXPONENT`` (the exponent formed before
     the masks), causal and not, bf16."""
-    from flashcore.ops import bwd, bwd_sm90
-
-    require_sm90()
-    monkeypatch.setattr(bwd_sm90, "MASK_EXPONENT", True)
-    bwd_sm90._PLANS.clear()
-    bwd.forget()
-    try:
+    with sm90_backward_switch(monkeypatch, "MASK_EXPONENT") as plans:
         q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
         opts = dict(opts)
         causal = opts.pop("causal", False)
         with flashcore.use_tier("sm90"):
             check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True, **opts)
-        plans = bwd_sm90._PLANS.values()
-        assert plans and all(p.main_meta["MASK_EXPONENT"] for p in plans)
-    finally:
-        bwd_sm90._PLANS.clear()
-        bwd.forget()
+        assert plans and all(p.main_meta["MASK_EXPONENT"] for p in plans.values())
 
 
 @pytest.mark.gpu

@@ -148,13 +148,11 @@ def takes(
         return False
     if (q.shape[-1], v.shape[-1]) == MLA_HEAD_DIMS and not (causal or MLA_NON_CAUSAL):
         seqlen_q, seqlen_k = pb.problem_dims(q, k, varlen)[3:]
-        # MLA's 128-key kernel runs non-causal at every length; the others from
-        # MLA_NON_CAUSAL_MIN_SEQLEN keys.
-        sc = pb.scores(causal, window, softcap, 1.0, alibi is not None, seqlen_q, seqlen_k)
-        if seqlen_k < MLA_NON_CAUSAL_MIN_SEQLEN and not wide(
-            fused(*MLA_HEAD_DIMS, deterministic), sc, alibi is not None, varlen
-        ):
-            return False
+        if seqlen_k < MLA_NON_CAUSAL_MIN_SEQLEN:
+            # Shorter, only where MLA's 128-key kernel runs (non-causal at every length).
+            sc = pb.scores(causal, window, softcap, 1.0, alibi is not None, seqlen_q, seqlen_k)
+            if not wide(fused(*MLA_HEAD_DIMS, deterministic), sc, alibi is not None, varlen):
+                return False
     if alibi is not None and alibi.dtype != torch.float32:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or not q.is_cuda:
