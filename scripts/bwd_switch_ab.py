@@ -1,7 +1,7 @@
 """A/B of one boolean switch of the Hopper backward (``ops/bwd_sm90.py``), in one process on the
 GPU machine:
 
-    PYTHONPATH=src python scripts/bwd_switch_ab.py MASK_EXPONENT [--rounds 5] [--cases causal,full]
+    PYTHONPATH=src python scripts/bwd_switch_ab.py PDL [--rounds 5] [--cases causal,full]
 
 Both sides run the same kernel module; the switch (a module attribute read when a plan is built)
 is set off or on and the plans are built again. The cases are those of ``bwd_module_ab.py``

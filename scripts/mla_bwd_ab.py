@@ -11,8 +11,8 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
 - ``wide-skip`` / ``wide-noskip``: the 128-key kernel with (as every other path) and without
   consumer 1's products skipped on causal steps that see none of its keys
   (``WIDE_SKIP_MASKED``);
-- ``wide-mexp``: the 128-key kernel with its exponent formed before the masks' branches
-  (``WIDE_MASK_EXPONENT``);
+- ``wide-nomexp``: the 128-key kernel with its exponent formed after the masks' branches
+  (``WIDE_MASK_EXPONENT`` off; every other path forms it before them, as shipped);
 - ``wide-regs``, ``64key-regs``, ``dqkernel-regs``: those with dK and dV stored from
   registers (``WIDE_TMA_EPILOGUE``, ``DKDV_TMA_EPILOGUE`` off; every other path stores them by
   TMA, as shipped);
@@ -25,13 +25,17 @@ Each point times ``torch.autograd.grad`` of one forward (``triton.testing.do_ben
 Dv), halved causal), each path's time ratio to the first path (> 1: faster) and the largest
 difference of its gradients from the first path's (dQ's reduce-adds vary its last bits).
 ``--short`` runs the taking rule's lengths (512-2048), by default with ``hopper`` (the kernels
-``takes`` would pick, forced at every length) against ``portable``.
+``takes`` would pick, forced at every length) against ``portable``. ``--rotate N``: instead, N
+rounds at each point, each starting one path later (so that no path always runs first after the
+problem's allocation), and each path's median with the range of its per-round ratios to the first
+path; ``--causal 0`` or ``1``: only those points.
 """
 
 import argparse
 
 import torch
 import triton
+from dq_rows_ab import rotated
 
 import flashcore
 from flashcore.ops import bwd, bwd256
@@ -47,7 +51,7 @@ def use(path: str) -> None:
     bwd256.FUSED_MLA = not path.startswith("dqkernel")
     bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
     bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
-    bwd256.WIDE_MASK_EXPONENT = path == "wide-mexp"
+    bwd256.WIDE_MASK_EXPONENT = path != "wide-nomexp"
     bwd256.WIDE_TMA_EPILOGUE = bwd256.DKDV_TMA_EPILOGUE = not path.endswith("-regs")
     bwd256._PLANS.clear()
     bwd.forget()
@@ -86,6 +90,35 @@ def point(
     return f"{batch},{heads},{seqlen} causal={int(causal)} | " + " | ".join(cells)
 
 
+def rotated_point(
+    batch: int, heads: int, seqlen: int, causal: bool, paths: list[str], dims: tuple[int, int],
+    rounds: int,
+) -> str:  # fmt: skip
+    """One line: each path's median time over ``rounds`` rotated rounds (``dq_rows_ab.rotated``)
+    and its speed over the first path's, the medians' ratio and the per-round ratios' range."""
+    torch.manual_seed(0)
+    shape = (batch, heads, seqlen)
+    d, dv = dims
+    q = torch.randn(*shape, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(*shape, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(*shape, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    flops = 2 * batch * heads * seqlen * seqlen * (3 * d + 2 * dv) * (0.5 if causal else 1.0)
+    out = flashcore.attention(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+
+    def grads():
+        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+
+    times, med = rotated(dict.fromkeys(paths, grads), rounds, use)
+    cells = []
+    for path in paths:
+        ratios = sorted(a / b for a, b in zip(times[paths[0]], times[path], strict=True))
+        spread = f"({ratios[0]:.3f}-{ratios[-1]:.3f})"
+        cells.append(f"{path} {med[path]:.3f} ms {flops / med[path] / 1e9:.0f} TF/s "
+                     f"x{med[paths[0]] / med[path]:.3f} {spread}")  # fmt: skip
+    return f"{batch},{heads},{seqlen} causal={int(causal)} | " + " | ".join(cells)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paths", default=None, help="default: 64key,wide")
@@ -94,13 +127,22 @@ def main() -> None:
     parser.add_argument(
         "--d256", action="store_true", help="head dim 256 (default paths: d256,d256-regs)"
     )
+    parser.add_argument("--rotate", type=int, default=0, metavar="N")
+    parser.add_argument("--causal", choices=("0", "1"), default=None)
     args = parser.parse_args()
     default = "hopper,portable" if args.short else "64key,wide"
     paths = (args.paths or ("d256,d256-regs" if args.d256 else default)).split(",")
     dims = (256, 256) if args.d256 else (192, 128)
+    causals = (False, True) if args.causal is None else (args.causal == "1",)
+    if args.rotate:
+        for batch, heads, seqlen in SHORT if args.short else LONG:
+            for causal in causals:
+                line = rotated_point(batch, heads, seqlen, causal, paths, dims, args.rotate)
+                print(line, flush=True)
+        return
     for rnd in range(args.rounds):
         for batch, heads, seqlen in SHORT if args.short else LONG:
-            for causal in (False, True):
+            for causal in causals:
                 print(f"r{rnd} " + point(batch, heads, seqlen, causal, paths, dims), flush=True)
 
 

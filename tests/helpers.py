@@ -272,24 +272,6 @@ def spy_d256(monkeypatch) -> list:
     return calls
 
 
-@contextlib.contextmanager
-def sm90_backward_switch(monkeypatch, name: str):
-    """The Hopper backward (D 64/128) with the boolean ``ops/bwd_sm90.py`` switch ``name`` on;
-    yields its plans, and drops every plan and kept backward before and after, so that none built
-    with the switch outlives the block."""
-    from flashcore.ops import bwd, bwd_sm90
-
-    require_sm90()
-    monkeypatch.setattr(bwd_sm90, name, True)
-    bwd_sm90._PLANS.clear()
-    bwd.forget()
-    try:
-        yield bwd_sm90._PLANS
-    finally:
-        bwd_sm90._PLANS.clear()
-        bwd.forget()
-
-
 def record_sm90_forwards(monkeypatch) -> list:
     """A list that gains an entry per Hopper forward launch (``ops.fwd_sm90.launch``, which
     still runs). Quick Hopper forwards (``ops.fwd.Quick.sm90``), which a repeated signature would

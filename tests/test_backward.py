@@ -19,7 +19,6 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
     require_sm90,
-    sm90_backward_switch,
     spy_d256,
 )
 from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case, MaskCase
@@ -239,35 +238,6 @@ def test_backward_gpu_sm90_tier(case, dtype, causal, layout):
         assert (dq.stride(), dk.stride(), dv.stride()) == (q.stride(), k.stride(), v.stride())
 
 
-# The exponent formed before the masks' run-time branches (``bwd_sm90.MASK_EXPONENT``): causal
-# and ragged lengths (the branches' builds), a window, softcap and ALiBi (their masks on every
-# step), both head dims.
-SM90_MEXP = [
-    (MaskCase(Case(2, 4, 4, 1000, 1000, 128), causal=True), torch.bfloat16),
-    (MaskCase(Case(2, 4, 4, 1000, 1000, 128)), torch.float16),
-    (MaskCase(Case(1, 3, 3, 1500, 1000, 64), causal=True), torch.float16),
-    (MaskCase(Case(1, 8, 2, 2048, 2048, 128), causal=True), torch.bfloat16),
-    (MaskCase(Case(1, 4, 2, 300, 517, 128), causal=True, window=(100, 0)), torch.bfloat16),
-    (MaskCase(Case(1, 4, 2, 517, 300, 64), window=(64, 16), softcap=30.0, alibi="bh"),
-     torch.float16),
-    (MaskCase(Case(1, 4, 4, 777, 700, 128), causal=True, softcap=20.0), torch.bfloat16),
-]  # fmt: skip
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("mc", "dtype"), SM90_MEXP, ids=[f"{mc.id}-{str(d)[6:]}" for mc, d in SM90_MEXP]
-)
-def test_backward_gpu_sm90_mask_exponent(mc, dtype, monkeypatch):
-    """The Hopper backward (D 64/128, forced) with ``bwd_sm90.MASK_EXPONENT``: the exponent
-    ``S^T qk_scale - lse2`` formed before the masks, which then select -inf on it."""
-    with sm90_backward_switch(monkeypatch, "MASK_EXPONENT") as plans:
-        q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd")
-        with flashcore.use_tier("sm90"):
-            check_backward(q, k, v, **mask_options(mc, "cuda"))
-        assert plans and all(p.main_meta["MASK_EXPONENT"] for p in plans.values())
-
-
 # Head dim 256: the Gluon backward of ops/bwd256.py (a dQ and a dK/dV kernel).
 D256_BWD = [
     Case(2, 4, 4, 1000, 1000, 256),
@@ -365,10 +335,10 @@ D256_MLA = [
 ]
 
 
-# The 128-key kernel as shipped, without SKIP_MASKED, with MASK_EXPONENT; the 64-key fused kernel;
-# the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored from registers instead
-# of by TMA.
-MLA_PATHS = ["wide", "wide-noskip", "wide-mexp", "wide-regs"]
+# The 128-key kernel as shipped, without SKIP_MASKED, without MASK_EXPONENT; the 64-key fused
+# kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored from registers
+# instead of by TMA.
+MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-regs"]
 MLA_PATHS += ["fused-dq", "fused-dq-regs", "dq-kernel", "dq-kernel-regs"]
 
 
@@ -384,8 +354,8 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     and a 64-column tile): GQA/MQA, ragged lengths either way, causal, the score options; dQ in
     the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
     shipped: "wide"; "wide-noskip" without skipping consumer 1's causal steps that see none of
-    its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-mexp" with its exponent formed before the
-    masks' branches, ``bwd256.WIDE_MASK_EXPONENT``) or at 64 ("fused-dq"), and by the dQ kernel
+    its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-nomexp" with its exponent formed after the
+    masks' branches, ``bwd256.WIDE_MASK_EXPONENT`` off) or at 64 ("fused-dq"), and by the dQ kernel
     ("dq-kernel"); "-regs": dK and dV stored from registers
     (``bwd256.WIDE_TMA_EPILOGUE`` and ``DKDV_TMA_EPILOGUE`` off; on elsewhere, by TMA)."""
     from flashcore.ops import bwd256
@@ -395,7 +365,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     monkeypatch.setattr(bwd256, "DKDV_TMA_EPILOGUE", tma)
     monkeypatch.setattr(bwd256, "WIDE_MLA", path.startswith("wide"))
     monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", path != "wide-noskip")
-    monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", path == "wide-mexp")
+    monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", path != "wide-nomexp")
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)

@@ -58,10 +58,6 @@ VARIANTS = [
     ("d128-bf16-causal-varlen", 128, "bf16", True, False, ("VARLEN",)),
     ("d128-fp16-varlen", 128, "fp16", False, False, ("VARLEN",)),
     ("d64-bf16-causal-varlen", 64, "bf16", True, False, ("VARLEN",)),
-    # The exponent formed before the masks' run-time branches (MASK_EXPONENT).
-    ("d128-bf16-causal-long-mexp", 128, "bf16", True, True, ("LONG", "MASK_EXPONENT")),
-    ("d64-bf16-causal-mexp", 64, "bf16", True, True, ("MASK_EXPONENT",)),
-    ("d128-bf16-ragged-mexp", 128, "bf16", False, False, ("MASK_EXPONENT",)),
 ]
 SCORE_FLAGS = ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")
 
@@ -105,7 +101,6 @@ def compile_variant(variant) -> dict:
         PERMUTED_ROWS=permuted,
         DQ_BESIDE_DK=bwd_sm90.dq_beside_dk(cfg, causal, "VARLEN" in options, seqlen_q),
         PDL=bwd_sm90.PDL,
-        MASK_EXPONENT="MASK_EXPONENT" in options,
         **{flag: flag in options for flag in SCORE_FLAGS},
     )  # fmt: skip
     fn = bwd.attn_bwd_sm90_kernel
@@ -398,10 +393,6 @@ SPILL_ALLOWANCE = {
     "d128-bf16-softcap": 136,
     "d128-bf16-causal-softcap-long": 192,
     "d128-fp16-causal-alibi": 196,
-    # MASK_EXPONENT: the exponent's FFMA before the masks' branch; fewer spills than without.
-    "d128-bf16-causal-long-mexp": 120,
-    "d64-bf16-causal-mexp": 16,
-    "d128-bf16-ragged-mexp": 180,
 }
 
 
@@ -418,8 +409,6 @@ STEP_LOOP_ALLOWANCE = {
     "d128-bf16-causal-softcap-long": 7,
     "d128-fp16-causal-alibi": 10,
     "d128-bf16-causal-varlen": 11,
-    "d128-bf16-causal-long-mexp": 2,
-    "d128-bf16-ragged-mexp": 7,
 }
 
 

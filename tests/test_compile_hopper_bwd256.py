@@ -68,13 +68,14 @@ VARIANTS = [
     ("mla-wide-skip-fused-fp16-causal-varlen", "wide", "fp16", True, False, False, False, False),
     # dK and dV through the K and V tiles by TMA stores (TMA_EPILOGUE: a label with "tma").
     ("mla-wide-tma-fused-bf16", "wide", "bf16", False, False, True, False, False),
-    ("mla-wide-tma-skip-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False,
-     False),
     ("mla-wide-tma-skip-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
-    # The exponent formed before the masks' run-time branches (MASK_EXPONENT: "mexp").
+    # The exponent formed before the masks' run-time branches (MASK_EXPONENT, as shipped: "mexp"):
+    # the shipped causal, ragged and packed builds.
     ("mla-wide-tma-skip-mexp-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
+    ("mla-wide-tma-skip-mexp-fused-fp16-causal-ragged", "wide", "fp16", True, False, False, False,
+     False),
     ("mla-wide-tma-mexp-fused-bf16-ragged", "wide", "bf16", False, False, False, False, False),
-    ("mla-wide-tma-skip-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False,
+    ("mla-wide-tma-skip-mexp-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False,
      False),
 ]  # fmt: skip
 
@@ -188,12 +189,12 @@ SPILL_ALLOWANCE = {
     # The TMA epilogue's wait, tiles and coordinates beside the step's scalars.
     "dkdv-tma-fp16-window-softcap-varlen": 28,
     "mla-wide-tma-fused-bf16": 488,
-    "mla-wide-tma-skip-fused-fp16-causal-ragged": 500,
     "mla-wide-tma-skip-fused-bf16-causal": 608,
     # The exponent before the masks' branch: fewer (consumer 1's nine stores a step go).
     "mla-wide-tma-skip-mexp-fused-bf16-causal": 564,
+    "mla-wide-tma-skip-mexp-fused-fp16-causal-ragged": 476,
     "mla-wide-tma-mexp-fused-bf16-ragged": 424,
-    "mla-wide-tma-skip-fused-bf16-causal-varlen": 888,
+    "mla-wide-tma-skip-mexp-fused-bf16-causal-varlen": 868,
 }
 
 

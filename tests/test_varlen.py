@@ -12,7 +12,6 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
     require_sm90,
-    sm90_backward_switch,
     spy_d256,
 )
 from shapes import DTYPES, VARLEN, VARLEN_GPU, VarlenCase
@@ -286,23 +285,6 @@ def test_varlen_gpu_sm90_backward(monkeypatch, case, opts, dtype):
     with flashcore.use_tier("sm90"):
         check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True, **opts)
     assert ran == ["sm90"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("case", "opts"), VARLEN_SM90_BWD[:3], ids=[_sm90_case_id((c, c.head_dim, o)) for c, o in
-                                                VARLEN_SM90_BWD[:3]]
-)  # fmt: skip
-def test_varlen_gpu_sm90_backward_mask_exponent(monkeypatch, case, opts):
-    """The packed Hopper backward with ``bwd_sm90.MASK_EXPONENT`` (the exponent formed before
-    the masks), causal and not, bf16."""
-    with sm90_backward_switch(monkeypatch, "MASK_EXPONENT") as plans:
-        q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
-        opts = dict(opts)
-        causal = opts.pop("causal", False)
-        with flashcore.use_tier("sm90"):
-            check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True, **opts)
-        assert plans and all(p.main_meta["MASK_EXPONENT"] for p in plans.values())
 
 
 @pytest.mark.gpu

@@ -77,9 +77,10 @@ WIDE_MLA_VARLEN = True
 WIDE_SKIP_MASKED = True
 # The 128-key kernel's exponent S^T qk_scale - lse2 formed before the masks' run-time branches
 # (causal, or Sk not a multiple of 128), so that its unmasked steps take one FFMA an element as
-# the unbranched build does, not an FMUL and an FADD either side of the branch (CPU compile;
-# not yet run on a GPU: off; tests set it either way).
-WIDE_MASK_EXPONENT = False
+# the unbranched build does, not an FMUL and an FADD either side of the branch: causal 1.01-1.02x
+# at 2048-8192 keys (H200, bf16, 16 heads, scripts/mla_bwd_ab.py --paths wide,wide-nomexp
+# --rotate 7; docs/performance_backward.md). Tests set it either way.
+WIDE_MASK_EXPONENT = True
 # dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
 # from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the

@@ -48,11 +48,6 @@ DQ_ROWS = 64  # rows a program of the dQ conversion (bwd_dq_kernel)
 # the prep kernel's last ones run, and the launch gaps between the three close. Under CUDA graphs
 # 2.4-7.4 us less a backward (H200; docs/performance_backward.md, "Programmatic dependent launch").
 PDL = True
-# The exponent S^T qk_scale - lse2 formed before the masks' run-time branches (causal, or Sk not a
-# multiple of the key block), so that the steps they skip take one FFMA an element as the
-# unbranched builds do, not an FMUL and an FADD either side of the branch (kernels/hopper/bwd.py,
-# MASK_EXPONENT). CPU compile only, not yet run on a GPU: off; tests set it either way.
-MASK_EXPONENT = False
 # dQ leaves in (64, D / 2) fp32 tiles: each consumer reduce-adds half the columns of a step's dQ.
 
 
@@ -660,7 +655,6 @@ def _plan(
         "PERMUTED_ROWS": permuted_rows,
         "DQ_BESIDE_DK": dq_beside_dk(cfg, sc.is_causal, varlen is not None, seqlen_q),
         "PDL": PDL,
-        "MASK_EXPONENT": MASK_EXPONENT,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
         "launch_pdl": PDL,

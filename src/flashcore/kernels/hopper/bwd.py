@@ -121,13 +121,6 @@ other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, `
   slower with it, longer ones and every non-causal length 1-5% faster (H200, bf16;
   docs/performance_backward.md, "dQ beside dK").
 
-  MASK_EXPONENT (``ops/bwd_sm90.py: MASK_EXPONENT``; compiled, not yet run on a GPU: off): the
-  exponent ``S^T qk_scale - lse2`` formed before the masks, which then select -inf on it. The
-  masks' run-time branches (causal, Sk not a multiple of 128) otherwise split the scaling from
-  the subtraction, and the builds with them take an FMUL and an FADD an element on every step
-  where the unbranched ones take one FFMA (sm_90a SASS: 32 instructions fewer a consumer step,
-  and 120 B of spills against 172 in the long causal D=128 build).
-
   After the loop each consumer waits (``ds_free``) until the other's last dQ products, which read
   this consumer's K tile, have completed. Epilogue: dK_c * scale and dV_c, cast, written into
   K_c's and V_c's slots, fence, TMA stores (rows past Sk dropped by the copy engine), then
@@ -725,7 +718,6 @@ def _consumer(
     KV_REGS: gl.constexpr = False,
     VARLEN: gl.constexpr = False,
     DQ_BESIDE_DK: gl.constexpr = False,
-    MASK_EXPONENT: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
@@ -817,11 +809,6 @@ def _consumer(
             slope = gl.load(ALIBI + off_b.to(gl.int64) * stride_ab + off_h) * LOG2E
             rows = gl.expand_dims(start_m + offs_m, 0)
             s = s - slope * gl.abs(rows + diag - keys).to(gl.float32)
-        if MASK_EXPONENT:
-            # The exponent whole before the masks' run-time branches, which select -inf on it
-            # (exp2(-inf) = 0 whatever lse2 is): without softcap or ALiBi one FFMA an element,
-            # where the scaled scores' subtraction after a branch is an FMUL and an FADD.
-            s = s - gl.expand_dims(lse2, 0)
         if IS_CAUSAL:
             # Only the steps the diagonal crosses, except with softcap at D=128: on every step
             # there (behind the run-time branch ptxas 12.8 kept tanh's values and the scores
@@ -842,10 +829,7 @@ def _consumer(
             s = gl.where(keys >= rows + (diag - window_left), s, float("-inf"))
             if not IS_CAUSAL:
                 s = gl.where(keys <= rows + (diag + window_right), s, float("-inf"))
-        if MASK_EXPONENT:
-            p = gl.exp2(s)
-        else:
-            p = gl.exp2(s - gl.expand_dims(lse2, 0))
+        p = gl.exp2(s - gl.expand_dims(lse2, 0))
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
         delta = delta_smem.index(slot).load(col_layout)
         # dS^T before the dV issue: P^T's fp32 and register-operand copies are never live
@@ -1084,7 +1068,6 @@ def attn_bwd_sm90_kernel(
     PERMUTED_ROWS: gl.constexpr = False,
     DQ_BESIDE_DK: gl.constexpr = False,
     PDL: gl.constexpr = False,
-    MASK_EXPONENT: gl.constexpr = False,
 ):
     if PDL:
         # The dQ conversion may launch now (it waits for this grid before reading DQ_ACC).
@@ -1157,7 +1140,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, MASK_EXPONENT,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1166,7 +1149,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, MASK_EXPONENT,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
@@ -1195,7 +1178,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, MASK_EXPONENT,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1204,7 +1187,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, MASK_EXPONENT,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,

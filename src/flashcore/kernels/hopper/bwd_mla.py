@@ -53,11 +53,11 @@ and a 64-wide one, so no store reads a sub-view of a tile) and dV_c into V_c, an
 (rows past Sk clipped by the copy engine). VARLEN: a block that crosses the sequence's end
 keeps the row-masked register stores.
 
-MASK_EXPONENT (``ops/bwd256.py: WIDE_MASK_EXPONENT``; compiled, not yet run on a GPU: off): the
-exponent ``S^T qk_scale - lse2`` formed before the masks' run-time branches (``_step``). In the
-shipped causal build the branch splits an FMUL from an FADD on every step and consumer 1 spills
-nine registers a step beside it; with the exponent first, each consumer's softmax is 32 FFMAs
-and the exponentials as in the non-causal build (sm_90a SASS), 564 B of spills against 608.
+MASK_EXPONENT (``ops/bwd256.py: WIDE_MASK_EXPONENT``, on): the exponent ``S^T qk_scale - lse2``
+formed before the masks' run-time branches (``_step``). Without it the causal build's branch
+splits an FMUL from an FADD on every step and consumer 1 spills nine registers a step beside it;
+with the exponent first, each consumer's softmax is 32 FFMAs and the exponentials as in the
+non-causal build (sm_90a SASS), 564 B of spills against 608; causal 1.01-1.02x (H200).
 
 Consumer 0 does 14 units of 64^3 a step to consumer 1's 12, and the ``ds_free`` wait keeps
 them in step. The middle dQ panel alternating between them by step (13 units each, its staging
