@@ -57,11 +57,10 @@ def use(path: str) -> None:
     bwd.forget()
 
 
-def point(
-    batch: int, heads: int, seqlen: int, causal: bool, paths: list[str], dims: tuple[int, int]
-) -> str:
-    """One line: every path's time for the backward of one (batch, heads, seqlen) forward, q and
-    k of head dim ``dims[0]``, v of ``dims[1]``."""
+def problem(batch: int, heads: int, seqlen: int, causal: bool, dims: tuple[int, int]):
+    """``(flops, grads)``: the backward's FLOPs (2 B H Sq Sk (3 D + 2 Dv), halved causal) and a
+    function giving the gradients of one (batch, heads, seqlen) forward, bf16, q and k of head dim
+    ``dims[0]``, v of ``dims[1]``."""
     torch.manual_seed(0)
     shape = (batch, heads, seqlen)
     d, dv = dims
@@ -75,6 +74,15 @@ def point(
     def grads():
         return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
 
+    return flops, grads
+
+
+def point(
+    batch: int, heads: int, seqlen: int, causal: bool, paths: list[str], dims: tuple[int, int]
+) -> str:
+    """One line: every path's time for the backward of one (batch, heads, seqlen) forward, q and
+    k of head dim ``dims[0]``, v of ``dims[1]``."""
+    flops, grads = problem(batch, heads, seqlen, causal, dims)
     cells, first = [], None
     for path in paths:
         use(path)
@@ -96,19 +104,7 @@ def rotated_point(
 ) -> str:  # fmt: skip
     """One line: each path's median time over ``rounds`` rotated rounds (``dq_rows_ab.rotated``)
     and its speed over the first path's, the medians' ratio and the per-round ratios' range."""
-    torch.manual_seed(0)
-    shape = (batch, heads, seqlen)
-    d, dv = dims
-    q = torch.randn(*shape, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    k = torch.randn(*shape, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    v = torch.randn(*shape, dv, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    flops = 2 * batch * heads * seqlen * seqlen * (3 * d + 2 * dv) * (0.5 if causal else 1.0)
-    out = flashcore.attention(q, k, v, causal=causal)
-    dout = torch.randn_like(out)
-
-    def grads():
-        return torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
-
+    flops, grads = problem(batch, heads, seqlen, causal, dims)
     times, med = rotated(dict.fromkeys(paths, grads), rounds, use)
     cells = []
     for path in paths:
