@@ -77,9 +77,6 @@ VARIANTS = [
     ("mla-wide-tma-mexp-fused-bf16-ragged", "wide", "bf16", False, False, False, False, False),
     ("mla-wide-tma-skip-mexp-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False,
      False),
-    # P formed before the masks' branches, which select 0 on it (MASK_P: "maskp").
-    ("mla-wide-tma-skip-maskp-fused-bf16-causal", "wide", "bf16", True, False, True, False,
-     False),
 ]  # fmt: skip
 
 
@@ -130,7 +127,6 @@ def compile_variant(variant) -> dict:
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
             consts["SKIP_MASKED"] = "skip" in label
             consts["MASK_EXPONENT"] = "mexp" in label
-            consts["MASK_P"] = "maskp" in label
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -199,7 +195,6 @@ SPILL_ALLOWANCE = {
     "mla-wide-tma-skip-mexp-fused-fp16-causal-ragged": 476,
     "mla-wide-tma-mexp-fused-bf16-ragged": 424,
     "mla-wide-tma-skip-mexp-fused-bf16-causal-varlen": 868,
-    "mla-wide-tma-skip-maskp-fused-bf16-causal": 564,
 }
 
 

@@ -200,14 +200,12 @@ def _dq_panel(ds_smem, k0, k1, zero_dq, tile, dq_desc, desc_b, off_h, row, col, 
 def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_free, dv, dk_a,
           dk_b, zero_s, t, slot, start_m, key0, diag, full_m, seqlen_k, qk_scale,
           CONSUMER: gl.constexpr, IS_CAUSAL: gl.constexpr, EVEN_N: gl.constexpr,
-          MASK_EXPONENT: gl.constexpr, MASK_P: gl.constexpr):  # fmt: skip
+          MASK_EXPONENT: gl.constexpr):  # fmt: skip
     """One step's products of a consumer up to its dS^T tile and dK (module docstring), the
     slot released; returns ``(dv, dk_a, dk_b)``. MASK_EXPONENT: the exponent ``S^T qk_scale -
     lse2`` formed whole before the masks' run-time branches (one FFMA an element on the steps
     they skip; ``exp2(-inf) = 0`` whatever lse2 is), instead of the scaled scores, whose
-    subtraction after the branch ptxas cannot fuse. MASK_P: P formed whole before the branches
-    too, which then select 0 on it: the unmasked steps' exponentials as the unbranched build
-    interleaves them with the FFMAs, and the same values as MASK_EXPONENT's."""
+    subtraction after the branch ptxas cannot fuse."""
     dtype: gl.constexpr = ka.dtype
     s_layout: gl.constexpr = zero_s.type.layout
     acc_layout: gl.constexpr = dv.type.layout
@@ -217,33 +215,21 @@ def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_fr
     s_tok = warpgroup_mma(ka, qa.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     s_tok = warpgroup_mma(kb, qb.permute((1, 0)), s_tok, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
-    if MASK_EXPONENT or MASK_P:
+    if MASK_EXPONENT:
         s = s * qk_scale - gl.expand_dims(stats_smem.index(2 * slot).load(col_layout), 0)
     else:
         s = s * qk_scale
-    if MASK_P:
-        # P itself, then the masks select 0 on it (the exponentials of the masked elements,
-        # inf or not, are dropped by the select, never multiplied).
-        s = gl.exp2(s)
     if IS_CAUSAL:
         if start_m < full_m:
             keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
             r = gl.expand_dims(start_m + gl.arange(0, ROWS, layout=col_layout), 0)
-            if MASK_P:
-                s = gl.where(keys <= r + diag, s, 0.0)
-            else:
-                s = gl.where(keys <= r + diag, s, float("-inf"))
+            s = gl.where(keys <= r + diag, s, float("-inf"))
     elif not EVEN_N:  # noqa: SIM102 (a constexpr branch around a runtime one)
         # Keys past Sk (zeros): their P = exp2(-lse2) could overflow (bwd.py, EVEN_N).
         if key0 + ROWS > seqlen_k:
             keys = gl.expand_dims(key0 + gl.arange(0, ROWS, layout=row_layout), 1)
-            if MASK_P:
-                s = gl.where(keys < seqlen_k, s, 0.0)
-            else:
-                s = gl.where(keys < seqlen_k, s, float("-inf"))
-    if MASK_P:
-        p = s
-    elif MASK_EXPONENT:
+            s = gl.where(keys < seqlen_k, s, float("-inf"))
+    if MASK_EXPONENT:
         p = gl.exp2(s)
     else:
         p = gl.exp2(s - gl.expand_dims(stats_smem.index(2 * slot).load(col_layout), 0))
@@ -279,8 +265,7 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
               qk_scale, scale, head_dim, total_q, total_k, CONSUMER: gl.constexpr,
               QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
               EVEN_N: gl.constexpr, VARLEN: gl.constexpr, SKIP_MASKED: gl.constexpr,
-              TMA_EPILOGUE: gl.constexpr, MASK_EXPONENT: gl.constexpr,
-              MASK_P: gl.constexpr):  # fmt: skip
+              TMA_EPILOGUE: gl.constexpr, MASK_EXPONENT: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = ka_smem.dtype
     QK_A: gl.constexpr = ka_smem.shape[4]
     V_DIM: gl.constexpr = v_smem.shape[4]
@@ -349,7 +334,7 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
             dv, dk_a, dk_b = _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty,
                                    ds_ready, ds_free, dv, dk_a, dk_b, zero_s, t, slot, start_m,
                                    key0, diag, full_m, seqlen_k, qk_scale, CONSUMER, IS_CAUSAL,
-                                   EVEN_N, MASK_EXPONENT, MASK_P)  # fmt: skip
+                                   EVEN_N, MASK_EXPONENT)  # fmt: skip
         mbarrier.wait(ds_ready, t & 1)
         # The staging tiles' previous reduce-adds (step t - 1's) have read them.
         tma.store_wait(0)
@@ -434,7 +419,6 @@ def attn_bwd_mla_sm90_kernel(
     SKIP_MASKED: gl.constexpr = False,
     TMA_EPILOGUE: gl.constexpr = False,
     MASK_EXPONENT: gl.constexpr = False,
-    MASK_P: gl.constexpr = False,
 ):
     """dK, dV and the reduce-adds of dQ of one 128-key block (module docstring), with the
     arguments of ``bwd256.attn_bwd_dkdv_sm90_d256_kernel`` (FUSED_DQ; the ones for the options
@@ -496,7 +480,7 @@ def attn_bwd_mla_sm90_kernel(
                 CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
                 lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 1, QK_B, NUM_STAGES,
-                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT, MASK_P,
+                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT,
             )),
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
@@ -504,7 +488,7 @@ def attn_bwd_mla_sm90_kernel(
                 CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
                 lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 0, QK_B, NUM_STAGES,
-                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT, MASK_P,
+                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
