@@ -13,8 +13,6 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
   (``WIDE_SKIP_MASKED``);
 - ``wide-nomexp``: the 128-key kernel with its exponent formed after the masks' branches
   (``WIDE_MASK_EXPONENT`` off; every other path forms it before them, as shipped);
-- ``wide-split``: the 128-key kernel with the causal diagonal's steps in a loop of their own
-  (``WIDE_SPLIT_DIAG``);
 - ``wide-regs``, ``64key-regs``, ``dqkernel-regs``: those with dK and dV stored from
   registers (``WIDE_TMA_EPILOGUE``, ``DKDV_TMA_EPILOGUE`` off; every other path stores them by
   TMA, as shipped);
@@ -54,7 +52,6 @@ def use(path: str) -> None:
     bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
     bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
     bwd256.WIDE_MASK_EXPONENT = path != "wide-nomexp"
-    bwd256.WIDE_SPLIT_DIAG = path == "wide-split"
     bwd256.WIDE_TMA_EPILOGUE = bwd256.DKDV_TMA_EPILOGUE = not path.endswith("-regs")
     bwd256._PLANS.clear()
     bwd.forget()

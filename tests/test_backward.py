@@ -335,11 +335,10 @@ D256_MLA = [
 ]
 
 
-# The 128-key kernel as shipped, without SKIP_MASKED, without MASK_EXPONENT, with SPLIT_DIAG; the
-# 64-key fused
+# The 128-key kernel as shipped, without SKIP_MASKED, without MASK_EXPONENT; the 64-key fused
 # kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored from registers
 # instead of by TMA.
-MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-split", "wide-regs"]
+MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-regs"]
 MLA_PATHS += ["fused-dq", "fused-dq-regs", "dq-kernel", "dq-kernel-regs"]
 
 
@@ -356,9 +355,8 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
     shipped: "wide"; "wide-noskip" without skipping consumer 1's causal steps that see none of
     its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-nomexp" with its exponent formed after the
-    masks' branches, ``bwd256.WIDE_MASK_EXPONENT`` off; "wide-split" with the causal diagonal's
-    steps in a loop of their own, ``bwd256.WIDE_SPLIT_DIAG``) or at 64 ("fused-dq"), and by the
-    dQ kernel ("dq-kernel"); "-regs": dK and dV stored from registers
+    masks' branches, ``bwd256.WIDE_MASK_EXPONENT`` off) or at 64 ("fused-dq"), and by the dQ kernel
+    ("dq-kernel"); "-regs": dK and dV stored from registers
     (``bwd256.WIDE_TMA_EPILOGUE`` and ``DKDV_TMA_EPILOGUE`` off; on elsewhere, by TMA)."""
     from flashcore.ops import bwd256
 
@@ -368,7 +366,6 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     monkeypatch.setattr(bwd256, "WIDE_MLA", path.startswith("wide"))
     monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", path != "wide-noskip")
     monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", path != "wide-nomexp")
-    monkeypatch.setattr(bwd256, "WIDE_SPLIT_DIAG", path == "wide-split")
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)

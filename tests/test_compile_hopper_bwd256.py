@@ -77,13 +77,6 @@ VARIANTS = [
     ("mla-wide-tma-mexp-fused-bf16-ragged", "wide", "bf16", False, False, False, False, False),
     ("mla-wide-tma-skip-mexp-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False,
      False),
-    # Causal, the diagonal's steps in a loop of their own (SPLIT_DIAG: a label with "split").
-    ("mla-wide-tma-skip-mexp-split-fused-bf16-causal", "wide", "bf16", True, False, True, False,
-     False),
-    ("mla-wide-tma-skip-mexp-split-fused-fp16-causal-ragged", "wide", "fp16", True, False, False,
-     False, False),
-    ("mla-wide-tma-skip-mexp-split-fused-bf16-causal-varlen", "wide", "bf16", True, False, False,
-     False, False),
 ]  # fmt: skip
 
 
@@ -134,7 +127,6 @@ def compile_variant(variant) -> dict:
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
             consts["SKIP_MASKED"] = "skip" in label
             consts["MASK_EXPONENT"] = "mexp" in label
-            consts["SPLIT_DIAG"] = "split" in label
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:

@@ -81,10 +81,6 @@ WIDE_SKIP_MASKED = True
 # at 2048-8192 keys (H200, bf16, 16 heads, scripts/mla_bwd_ab.py --paths wide,wide-nomexp
 # --rotate 7; docs/performance_backward.md). Tests set it either way.
 WIDE_MASK_EXPONENT = True
-# Causal: the 128-key kernel's steps that the diagonal crosses in a loop of their own, the others
-# in one without the mask's code (``kernels/hopper/bwd_mla.py``, SPLIT_DIAG). Tests set it either
-# way.
-WIDE_SPLIT_DIAG = False
 # dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
 # from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the
@@ -277,10 +273,7 @@ def _plan(
             **common, "EVEN_N": varlen is None and seqlen_k % keys == 0, **flags,
             "FUSED_DQ": fused_dq, "TMA_EPILOGUE": tma_epilogue, **meta,
             **(
-                {
-                    "SKIP_MASKED": WIDE_SKIP_MASKED, "MASK_EXPONENT": WIDE_MASK_EXPONENT,
-                    "SPLIT_DIAG": WIDE_SPLIT_DIAG,
-                }
+                {"SKIP_MASKED": WIDE_SKIP_MASKED, "MASK_EXPONENT": WIDE_MASK_EXPONENT}
                 if wide_mla
                 else {}
             ),
