@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python scripts/gpu_fuzz.py [--seconds 240] [--seed 0] [--tiers sm90,portable]
     PYTHONPATH=src python scripts/gpu_fuzz.py --replay "<a problem line it printed>"
+    PYTHONPATH=src python scripts/gpu_fuzz.py --tiers sm90 --kinds attention --dims 192:128
 
 The test files hold every option to a grid of cases; this draws problems off that grid: batch,
 heads and a GQA group, Sq and Sk from 1 to about 4600 (equal half the time, so that the Hopper
@@ -51,6 +52,8 @@ MAX_SCORES = 6e7
 
 
 MAX_LEN = [4600]
+# --dims: the (head dim, value head dim) pairs to draw from instead (empty: the mix above).
+DIMS: list[tuple[int, int]] = []
 
 
 def length(rng: random.Random) -> int:
@@ -69,6 +72,10 @@ def draw(seed: int, index: int, tier: str) -> dict:
     head_dim_v = head_dim
     if rng.random() < 0.15:
         head_dim_v = rng.choice([64, 128, 32, head_dim // 2 or 1])
+    elif head_dim == 192 and rng.random() < 0.6:
+        head_dim_v = 128  # MLA's pair, which has kernels of its own on the Hopper tier
+    if DIMS:
+        head_dim, head_dim_v = rng.choice(DIMS)
     p = {
         "dtype": dtype,
         "varlen": rng.random() < 0.25,
@@ -345,10 +352,18 @@ def main() -> int:
     )
     ap.add_argument("--replay", help="a problem line this script printed (its dict and tier)")
     ap.add_argument("--max-len", type=int, default=4600)
+    ap.add_argument(
+        "--dims",
+        default="",
+        help="attention problems' head dims only from these, e.g. 192:128,256 (D or D:Dv)",
+    )
     ap.add_argument("--device", default="cuda", help="cpu: the interpreter")
     args = ap.parse_args()
     ran = Ran()
     MAX_LEN[0] = args.max_len
+    for item in filter(None, args.dims.split(",")):
+        d, _, dv = item.partition(":")
+        DIMS.append((int(d), int(dv or d)))
     if args.replay:
         # "<tier> #<index> seed <seed> {...}": the same tensors as in the run that printed it.
         tier, index, _, seed, problem = args.replay.split(" ", 4)
