@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import flashcore
 from flashcore import reference
-from flashcore.ops import bwd_sm90, fwd_sm90
+from flashcore.ops import bwd256, bwd_sm90, fwd_sm90
 from helpers import alibi_slopes, paged_pools
 from numerics import assert_fa_rule
 
@@ -207,11 +207,13 @@ def tensors(p: dict, device: str):
 
 
 class Ran:
-    """Which forward and backward the last call ran: counts of the Hopper launchers' calls."""
+    """Which forward and backward the last call ran: counts of the Hopper launchers' calls (the
+    backward's: head dims up to 128, ``bwd_sm90``; head dim 256 and MLA's, ``bwd256``)."""
 
     def __init__(self) -> None:
         self.fwd = self.bwd = 0
-        real_fwd, real_bwd = fwd_sm90.launch, bwd_sm90.attn_bwd_sm90
+        real_fwd = fwd_sm90.launch
+        real_bwd, real_bwd256 = bwd_sm90.attn_bwd_sm90, bwd256.backward
 
         def fwd_hook(*a, **kw):
             self.fwd += 1
@@ -221,7 +223,12 @@ class Ran:
             self.bwd += 1
             return real_bwd(*a, **kw)
 
+        def bwd256_hook(*a, **kw):
+            self.bwd += 1
+            return real_bwd256(*a, **kw)
+
         fwd_sm90.launch, bwd_sm90.attn_bwd_sm90 = fwd_hook, bwd_hook
+        bwd256.backward = bwd256_hook
 
     def since(self, before: tuple[int, int]) -> str:
         f = "sm90" if self.fwd > before[0] else "portable"
