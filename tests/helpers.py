@@ -257,6 +257,24 @@ def require_sm90() -> None:
         pytest.skip("needs an sm_90 GPU and a Triton the sm90 tier was verified on")
 
 
+@contextlib.contextmanager
+def sm90_backward_switch(monkeypatch, name: str):
+    """The Hopper backward (D 64/128) with the boolean ``ops/bwd_sm90.py`` switch ``name`` on;
+    yields its plans, and drops every plan and kept backward before and after, so that none built
+    with the switch outlives the block."""
+    from flashcore.ops import bwd, bwd_sm90
+
+    require_sm90()
+    monkeypatch.setattr(bwd_sm90, name, True)
+    bwd_sm90._PLANS.clear()
+    bwd.forget()
+    try:
+        yield bwd_sm90._PLANS
+    finally:
+        bwd_sm90._PLANS.clear()
+        bwd.forget()
+
+
 def spy_d256(monkeypatch) -> list:
     """Force the head-dim-256 Hopper backward on (``bwd256.VERIFIED``; MLA's head dims non-causal
     too), drop kept backwards, and return a list that gains an entry per run of it."""

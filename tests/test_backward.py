@@ -19,6 +19,7 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
     require_sm90,
+    sm90_backward_switch,
     spy_d256,
 )
 from shapes import BWD_GPU, BWD_INTERP, DTYPES, Case, MaskCase
@@ -335,10 +336,40 @@ D256_MLA = [
 ]
 
 
-# The 128-key kernel as shipped, without SKIP_MASKED, without MASK_EXPONENT; the 64-key fused
+# The consumers' fixed tiles' descriptors formed in the step loop (``bwd_sm90.FRESH_DESC``):
+# causal and ragged lengths, GQA, a window, softcap and ALiBi, both head dims (at D = 64 K and V
+# sit in registers in the plain builds, which the switch leaves as they are).
+SM90_FRESH = [
+    (MaskCase(Case(2, 4, 4, 1000, 1000, 128), causal=True), torch.bfloat16),
+    (MaskCase(Case(2, 4, 4, 1000, 1000, 128)), torch.float16),
+    (MaskCase(Case(1, 3, 3, 1500, 1000, 64), causal=True), torch.float16),
+    (MaskCase(Case(1, 8, 2, 2048, 2048, 128), causal=True), torch.bfloat16),
+    (MaskCase(Case(1, 4, 2, 300, 517, 128), causal=True, window=(100, 0)), torch.bfloat16),
+    (MaskCase(Case(1, 4, 2, 517, 300, 64), window=(64, 16), softcap=30.0, alibi="bh"),
+     torch.float16),
+    (MaskCase(Case(1, 4, 4, 777, 700, 128), causal=True, softcap=20.0), torch.bfloat16),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("mc", "dtype"), SM90_FRESH, ids=[f"{mc.id}-{str(d)[6:]}" for mc, d in SM90_FRESH]
+)
+def test_backward_gpu_sm90_fresh_desc(mc, dtype, monkeypatch):
+    """The Hopper backward (D 64/128, forced) with ``bwd_sm90.FRESH_DESC``: the consumers' K, V
+    and dQ K-column descriptors formed in the step loop."""
+    with sm90_backward_switch(monkeypatch, "FRESH_DESC") as plans:
+        q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd")
+        with flashcore.use_tier("sm90"):
+            check_backward(q, k, v, **mask_options(mc, "cuda"))
+        assert plans and all(p.main_meta["FRESH_DESC"] for p in plans.values())
+
+
+# The 128-key kernel as shipped, without SKIP_MASKED, without MASK_EXPONENT, with FRESH_DESC; the
+# 64-key fused
 # kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored from registers
 # instead of by TMA.
-MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-regs"]
+MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-fresh", "wide-regs"]
 MLA_PATHS += ["fused-dq", "fused-dq-regs", "dq-kernel", "dq-kernel-regs"]
 
 
@@ -355,8 +386,9 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
     shipped: "wide"; "wide-noskip" without skipping consumer 1's causal steps that see none of
     its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-nomexp" with its exponent formed after the
-    masks' branches, ``bwd256.WIDE_MASK_EXPONENT`` off) or at 64 ("fused-dq"), and by the dQ kernel
-    ("dq-kernel"); "-regs": dK and dV stored from registers
+    masks' branches, ``bwd256.WIDE_MASK_EXPONENT`` off; "wide-fresh" with its fixed tiles'
+    descriptors formed in the step loop, ``bwd256.WIDE_FRESH_DESC``) or at 64 ("fused-dq"), and by
+    the dQ kernel ("dq-kernel"); "-regs": dK and dV stored from registers
     (``bwd256.WIDE_TMA_EPILOGUE`` and ``DKDV_TMA_EPILOGUE`` off; on elsewhere, by TMA)."""
     from flashcore.ops import bwd256
 
@@ -366,6 +398,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     monkeypatch.setattr(bwd256, "WIDE_MLA", path.startswith("wide"))
     monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", path != "wide-noskip")
     monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", path != "wide-nomexp")
+    monkeypatch.setattr(bwd256, "WIDE_FRESH_DESC", path == "wide-fresh")
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
@@ -378,6 +411,8 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     plain = not (mc.window or mc.softcap or mc.alibi)
     assert any(p.wide for p in bwd256._PLANS.values()) == (path.startswith("wide") and plain)
     assert all(p.dkdv[2]["TMA_EPILOGUE"] == tma for p in bwd256._PLANS.values())
+    wide = [p for p in bwd256._PLANS.values() if p.wide]
+    assert all(p.dkdv[2]["FRESH_DESC"] == (path == "wide-fresh") for p in wide)
 
 
 @pytest.mark.gpu

@@ -58,6 +58,9 @@ VARIANTS = [
     ("d128-bf16-causal-varlen", 128, "bf16", True, False, ("VARLEN",)),
     ("d128-fp16-varlen", 128, "fp16", False, False, ("VARLEN",)),
     ("d64-bf16-causal-varlen", 64, "bf16", True, False, ("VARLEN",)),
+    ("d128-bf16-fresh", 128, "bf16", False, True, ("FRESH_DESC",)),
+    ("d128-bf16-causal-long-fresh", 128, "bf16", True, True, ("LONG", "FRESH_DESC")),
+    ("d64-bf16-causal-fresh", 64, "bf16", True, True, ("FRESH_DESC",)),
 ]
 SCORE_FLAGS = ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")
 
@@ -101,6 +104,7 @@ def compile_variant(variant) -> dict:
         PERMUTED_ROWS=permuted,
         DQ_BESIDE_DK=bwd_sm90.dq_beside_dk(cfg, causal, "VARLEN" in options, seqlen_q),
         PDL=bwd_sm90.PDL,
+        FRESH_DESC="FRESH_DESC" in options,
         **{flag: flag in options for flag in SCORE_FLAGS},
     )  # fmt: skip
     fn = bwd.attn_bwd_sm90_kernel
@@ -129,6 +133,10 @@ def compile_variant(variant) -> dict:
         "permuted_rows": permuted,
         "staging_conflicts": staging_bank_conflicts(cols, permuted, dq_layout),
         "step_loop_local": [mix["local"] for mix in mixes],
+        "step_loop_r2ur": [
+            sum(bool(re.match(r"(@!?U?P\w+\s+)?R2UR", t)) for t in body)
+            for body in step_loops(sass)
+        ],
         "step_loop_mix": mixes,
         "consumer_regs": cfg.consumer_regs,
         "dq_regs": cfg.dq_regs if cfg.dq_warpgroup else None,
@@ -393,6 +401,10 @@ SPILL_ALLOWANCE = {
     "d128-bf16-softcap": 136,
     "d128-bf16-causal-softcap-long": 192,
     "d128-fp16-causal-alibi": 196,
+    # FRESH_DESC: the causal build keeps two scalars in local memory outside its loops; D = 64's
+    # plain builds hold K and V in registers, which the switch leaves as they are.
+    "d128-bf16-causal-long-fresh": 8,
+    "d64-bf16-causal-fresh": 16,
 }
 
 
@@ -643,6 +655,21 @@ def main() -> int:
     for variant in VARIANTS:
         print(json.dumps(compile_variant(variant)), flush=True)
     return 0
+
+
+def test_fresh_descriptors_stay_uniform(compiled):
+    """FRESH_DESC (``kernels/hopper/bwd.py``): with the fixed tiles' wgmma descriptors formed in
+    the step loop, the D = 128 consumers' loops move next to nothing from vector to uniform
+    registers (``R2UR``: the descriptors of the builds without it, formed before the loop and
+    held in vector registers, 18-27 a step)."""
+    rows = {row["variant"]: row for row in compiled}
+    for fresh in ("d128-bf16-fresh", "d128-bf16-causal-long-fresh"):
+        ours, theirs = (
+            rows[fresh]["step_loop_r2ur"],
+            rows[fresh[: -len("-fresh")]]["step_loop_r2ur"],
+        )
+        assert len(ours) == len(theirs) == 2, (fresh, ours, theirs)
+        assert all(a <= 4 < b for a, b in zip(ours, theirs, strict=True)), (fresh, ours, theirs)
 
 
 if __name__ == "__main__":

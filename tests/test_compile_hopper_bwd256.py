@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from test_compile_hopper import assemble, assert_register_split, compiled_rows
+from test_compile_hopper_bwd import step_loops
 
 SMEM_LIMIT = 227 * 1024
 
@@ -64,11 +65,9 @@ VARIANTS = [
     ("mla-wide-fused-fp16-varlen", "wide", "fp16", False, False, False, False, False),
     # Causal, consumer 1's steps that see none of its keys without products (SKIP_MASKED, as
     # shipped: a label with "skip").
-    ("mla-wide-skip-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
     ("mla-wide-skip-fused-fp16-causal-varlen", "wide", "fp16", True, False, False, False, False),
     # dK and dV through the K and V tiles by TMA stores (TMA_EPILOGUE: a label with "tma").
     ("mla-wide-tma-fused-bf16", "wide", "bf16", False, False, True, False, False),
-    ("mla-wide-tma-skip-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
     # The exponent formed before the masks' run-time branches (MASK_EXPONENT, as shipped: "mexp"):
     # the shipped causal, ragged and packed builds.
     ("mla-wide-tma-skip-mexp-fused-bf16-causal", "wide", "bf16", True, False, True, False, False),
@@ -77,6 +76,13 @@ VARIANTS = [
     ("mla-wide-tma-mexp-fused-bf16-ragged", "wide", "bf16", False, False, False, False, False),
     ("mla-wide-tma-skip-mexp-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False,
      False),
+    # The fixed tiles' wgmma descriptors formed in the step loop (FRESH_DESC: "fresh"), beside
+    # the shipped builds above (the same labels without "-fresh").
+    ("mla-wide-tma-fresh-fused-bf16", "wide", "bf16", False, False, True, False, False),
+    ("mla-wide-tma-skip-mexp-fresh-fused-bf16-causal", "wide", "bf16", True, False, True, False,
+     False),
+    ("mla-wide-tma-skip-mexp-fresh-fused-bf16-causal-varlen", "wide", "bf16", True, False, False,
+     False, False),
 ]  # fmt: skip
 
 
@@ -127,6 +133,7 @@ def compile_variant(variant) -> dict:
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
             consts["SKIP_MASKED"] = "skip" in label
             consts["MASK_EXPONENT"] = "mexp" in label
+            consts["FRESH_DESC"] = "fresh" in label
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -143,7 +150,7 @@ def compile_variant(variant) -> dict:
         elif name not in signature:
             signature[name] = "i32"
     signature = {name: signature[name] for name in fn.arg_names}
-    ptx, _, report = assemble(GluonASTSource(fn, signature, consts, {}), bwd256.MAXNREG)
+    ptx, sass, report = assemble(GluonASTSource(fn, signature, consts, {}), bwd256.MAXNREG)
     return {
         "variant": label,
         # The 128-key kernel's consumer 0 (two dQ panels a step) takes 248, consumer 1 232.
@@ -153,6 +160,11 @@ def compile_variant(variant) -> dict:
         "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::cluster\.global", ptx)),
         "atomics": len(re.findall(r"\b(red|atom)\.global", ptx)),
         "bulk_reduce": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
+        # Local loads and stores in each step loop (the 128-key kernel's: one a consumer).
+        "loop_local": [
+            sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)", t)) for t in body)
+            for body in step_loops(sass)
+        ],
     }
 
 
@@ -175,26 +187,27 @@ SPILL_ALLOWANCE = {
     # With dQ in the kernel consumer 1 also holds its dQ columns and the next step's dP^T.
     "mla-fused-dkdv-bf16-window-softcap-alibi-varlen": 248,
     # The 128-key kernel's consumers hold dK and dV of their 64 keys (160 registers) through the
-    # step: ptxas keeps some of the step's scalars (indices, phases, offsets) in local memory,
-    # reloaded from L1.
+    # step: ptxas keeps the fixed tiles' wgmma descriptors, which LLVM forms before the loop, and
+    # some of the step's scalars in local memory, reloaded every step (FRESH_DESC below).
     "mla-wide-fused-bf16": 268,
     "mla-wide-fused-fp16-causal-ragged": 380,
     "mla-wide-fused-bf16-ragged": 348,
     # VARLEN adds each program's sequence bounds and the producer's zeroing path.
     "mla-wide-fused-bf16-causal-varlen": 876,
     "mla-wide-fused-fp16-varlen": 656,
-    # The skipping branch's bookkeeping beside the step.
-    "mla-wide-skip-fused-bf16-causal": 472,
     "mla-wide-skip-fused-fp16-causal-varlen": 784,
     # The TMA epilogue's wait, tiles and coordinates beside the step's scalars.
     "dkdv-tma-fp16-window-softcap-varlen": 28,
     "mla-wide-tma-fused-bf16": 488,
-    "mla-wide-tma-skip-fused-bf16-causal": 608,
     # The exponent before the masks' branch: fewer (consumer 1's nine stores a step go).
     "mla-wide-tma-skip-mexp-fused-bf16-causal": 564,
     "mla-wide-tma-skip-mexp-fused-fp16-causal-ragged": 476,
     "mla-wide-tma-mexp-fused-bf16-ragged": 424,
     "mla-wide-tma-skip-mexp-fused-bf16-causal-varlen": 868,
+    # FRESH_DESC: the fixed tiles' wgmma descriptors no longer live across the step loop.
+    "mla-wide-tma-fresh-fused-bf16": 36,
+    "mla-wide-tma-skip-mexp-fresh-fused-bf16-causal": 132,
+    "mla-wide-tma-skip-mexp-fresh-fused-bf16-causal-varlen": 216,
 }
 
 
@@ -237,6 +250,21 @@ def test_products_and_copies(compiled):
         assert row["atomics"] == 0, row
         # dQ reduce-added by the copy engine, by both consumers (FUSED_DQ), or not at all.
         assert (row["bulk_reduce"] >= 2) if fused else (row["bulk_reduce"] == 0), row
+
+
+def test_fresh_descriptors_stay_out_of_local_memory(compiled):
+    """FRESH_DESC (``kernels/hopper/bwd_mla.py``): with the fixed tiles' descriptors formed in
+    the step loop, each consumer's step loop makes fewer local-memory accesses than the same
+    build's without it (which reload the descriptors there every step), and none non-causal."""
+    rows = {row["variant"]: row for row in compiled}
+    fresh_builds = [label for label in rows if "-fresh" in label]
+    assert len(fresh_builds) == 3
+    for fresh in fresh_builds:
+        ours, theirs = rows[fresh]["loop_local"], rows[fresh.replace("-fresh", "")]["loop_local"]
+        assert len(ours) == len(theirs) == 2, (fresh, ours, theirs)
+        assert all(a < b for a, b in zip(ours, theirs, strict=True)), (fresh, ours, theirs)
+        if "causal" not in fresh:
+            assert ours == [0, 0], (fresh, ours)
 
 
 def test_mla_trace_build_still_applies():

@@ -12,6 +12,7 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
     require_sm90,
+    sm90_backward_switch,
     spy_d256,
 )
 from shapes import DTYPES, VARLEN, VARLEN_GPU, VarlenCase
@@ -287,6 +288,28 @@ def test_varlen_gpu_sm90_backward(monkeypatch, case, opts, dtype):
     assert ran == ["sm90"]
 
 
+VARLEN_SM90_FRESH = [row for row in VARLEN_SM90_BWD if row[0].head_dim == 128]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("case", "opts"), VARLEN_SM90_FRESH, ids=[_sm90_case_id((c, c.head_dim, o)) for c, o in
+                                              VARLEN_SM90_FRESH]
+)  # fmt: skip
+def test_varlen_gpu_sm90_backward_fresh_desc(monkeypatch, case, opts):
+    """The Hopper backward on packed batches with ``bwd_sm90.FRESH_DESC`` (the consumers' fixed
+    tiles' descriptors formed in the step loop), bf16, as ``test_varlen_gpu_sm90_backward``."""
+    with sm90_backward_switch(monkeypatch, "FRESH_DESC") as plans:
+        q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
+        opts = dict(opts)
+        causal = opts.pop("causal", False)
+        if opts.pop("alibi", None):
+            opts["alibi_slopes"] = torch.rand(len(case.seqlens_q), case.heads, device="cuda")
+        with flashcore.use_tier("sm90"):
+            check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True, **opts)
+        assert plans and all(p.main_meta["FRESH_DESC"] for p in plans.values())
+
+
 @pytest.mark.gpu
 def test_varlen_gpu_deterministic_keeps_portable_backward(monkeypatch):
     """``deterministic=True`` keeps a packed batch's backward on the portable tier (no
@@ -473,18 +496,21 @@ def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal, tma):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("causal", "skip", "tma", "mexp"),
-    [(False, False, False, False), (True, False, False, False), (True, True, False, False),
-     (False, False, True, False), (True, True, True, False), (False, False, True, True),
-     (True, True, True, True)],
+    ("causal", "skip", "tma", "mexp", "fresh"),
+    [(False, False, False, False, False), (True, False, False, False, False),
+     (True, True, False, False, False), (False, False, True, False, False),
+     (True, True, True, False, False), (False, False, True, True, False),
+     (True, True, True, True, False), (False, False, True, True, True),
+     (True, True, True, True, True)],
     ids=["full", "causal", "causal-skip", "full-tma", "causal-skip-tma", "full-tma-mexp",
-         "causal-skip-tma-mexp"],
+         "causal-skip-tma-mexp", "full-tma-mexp-fresh", "causal-skip-tma-mexp-fresh"],
 )  # fmt: skip
-def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma, mexp):
+def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma, mexp, fresh):
     """MLA's 128-key backward (``kernels/hopper/bwd_mla.py``) on packed batches
     (``bwd256.WIDE_MLA_VARLEN``; causal with and without ``WIDE_SKIP_MASKED``; with
     ``WIDE_TMA_EPILOGUE``, blocks inside a sequence stored by TMA; with ``WIDE_MASK_EXPONENT``,
-    the exponent formed before the masks' branches): sequences empty, of one
+    the exponent formed before the masks' branches; with ``WIDE_FRESH_DESC``, the fixed tiles'
+    descriptors formed in the step loop): sequences empty, of one
     row, ending inside either consumer's half of a block and past it, GQA, against the float64
     reference; then with NaN past the last offset and inf in sequence 1's rows, the other
     sequences' gradients unchanged (dK and dV the same bits, dQ within an ulp of its largest
@@ -495,6 +521,7 @@ def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma, mexp):
     monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", skip)
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", mexp)
+    monkeypatch.setattr(bwd256, "WIDE_FRESH_DESC", fresh)
     calls = spy_d256(monkeypatch)
     bwd256._PLANS.clear()
     case = VarlenCase(4, 2, (300, 1, 0, 129, 64, 700), (517, 64, 10, 129, 0, 700), 192)

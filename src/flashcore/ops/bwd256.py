@@ -81,6 +81,11 @@ WIDE_SKIP_MASKED = True
 # at 2048-8192 keys (H200, bf16, 16 heads, scripts/mla_bwd_ab.py --paths wide,wide-nomexp
 # --rotate 7; docs/performance_backward.md). Tests set it either way.
 WIDE_MASK_EXPONENT = True
+# The 128-key kernel's fixed tiles' wgmma descriptors formed in its step loop instead of before it
+# (``kernels/hopper/bwd_mla.py``, FRESH_DESC): compiled for sm_90a (no local accesses left in the
+# non-causal step loops, 10% fewer instructions a step), not yet run on a GPU, so off. Tests set
+# it either way.
+WIDE_FRESH_DESC = False
 # dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
 # from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the
@@ -273,7 +278,8 @@ def _plan(
             **common, "EVEN_N": varlen is None and seqlen_k % keys == 0, **flags,
             "FUSED_DQ": fused_dq, "TMA_EPILOGUE": tma_epilogue, **meta,
             **(
-                {"SKIP_MASKED": WIDE_SKIP_MASKED, "MASK_EXPONENT": WIDE_MASK_EXPONENT}
+                {"SKIP_MASKED": WIDE_SKIP_MASKED, "MASK_EXPONENT": WIDE_MASK_EXPONENT,
+                 "FRESH_DESC": WIDE_FRESH_DESC}
                 if wide_mla
                 else {}
             ),

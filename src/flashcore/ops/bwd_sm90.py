@@ -48,6 +48,12 @@ DQ_ROWS = 64  # rows a program of the dQ conversion (bwd_dq_kernel)
 # the prep kernel's last ones run, and the launch gaps between the three close. Under CUDA graphs
 # 2.4-7.4 us less a backward (H200; docs/performance_backward.md, "Programmatic dependent launch").
 PDL = True
+# The consumers' fixed tiles' (K_c, V_c, the dQ products' K columns) wgmma descriptors formed in
+# the step loop through a zero LLVM cannot see, instead of every k-step's descriptor before the
+# loop (``kernels/hopper/bwd.py``, FRESH_DESC; not with K and V in registers). sm_90a: D = 128
+# spills 0 B (120), causal 8 (172), 2-3 ``R2UR`` a step (18-27). Compiled, not yet run on a GPU:
+# off.
+FRESH_DESC = False
 # dQ leaves in (64, D / 2) fp32 tiles: each consumer reduce-adds half the columns of a step's dQ.
 
 
@@ -655,6 +661,7 @@ def _plan(
         "PERMUTED_ROWS": permuted_rows,
         "DQ_BESIDE_DK": dq_beside_dk(cfg, sc.is_causal, varlen is not None, seqlen_q),
         "PDL": PDL,
+        "FRESH_DESC": FRESH_DESC,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
         "launch_pdl": PDL,

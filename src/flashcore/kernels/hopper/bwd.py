@@ -294,6 +294,7 @@ from flashcore.kernels.hopper.bwd_dq import (
 from flashcore.kernels.hopper.common import (
     LOG2E,
     interleave,
+    opaque,
     sequence,
     store_rows,
     tanh,
@@ -718,6 +719,7 @@ def _consumer(
     KV_REGS: gl.constexpr = False,
     VARLEN: gl.constexpr = False,
     DQ_BESIDE_DK: gl.constexpr = False,
+    FRESH_DESC: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
@@ -792,8 +794,27 @@ def _consumer(
         mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
         q = q_smem.index(slot).reshape([ROWS, HEAD_DIM])
         do = do_smem.index(slot).reshape([ROWS, HEAD_DIM])
-        s_tok = warpgroup_mma(k_a, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        dp_tok = warpgroup_mma(v_a, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if FRESH_DESC and not KV_REGS:
+            # The fixed tiles' views through a zero LLVM cannot see: their wgmma descriptors are
+            # formed here each step, not before the loop (kernels/hopper/bwd_mla.py, FRESH_DESC).
+            z = opaque(0)
+            k_op = k_smem.index(CONSUMER + z).reshape([ROWS, HEAD_DIM])
+            v_op = v_smem.index(CONSUMER + z).reshape([ROWS, HEAD_DIM])
+            k0_step = (
+                k_smem.index(z).reshape([ROWS, HEAD_DIM]).slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
+            )
+            k1_step = (
+                k_smem.index(1 + z)
+                .reshape([ROWS, HEAD_DIM])
+                .slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
+            )
+        else:
+            k_op = k_a
+            v_op = v_a
+            k0_step = k0_cols
+            k1_step = k1_cols
+        s_tok = warpgroup_mma(k_op, q.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp_tok = warpgroup_mma(v_op, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(1, deps=[s_tok])
         # lse2 and delta are read from shared memory where they are used: in the score layout a
         # row vector takes 16 registers a thread, and loaded early they overlapped S^T, dP^T, dK
@@ -857,7 +878,7 @@ def _consumer(
             mbarrier.arrive(ds_ready.index(buf), count=1)
             # The dQ products of step t - 1 go in beside dV, and dK beside them; the dQ staging
             # then runs under dK. (At most two accumulators in flight at a time.)
-            dq_tok = dq_issue(ds_smem, ds_ready, k0_cols, k1_cols, zero_dq, t - 1, ABLATE)
+            dq_tok = dq_issue(ds_smem, ds_ready, k0_step, k1_step, zero_dq, t - 1, ABLATE)
             dv, p_op = warpgroup_mma_wait(2, deps=[dv_tok, p_op])
             dk_tok = warpgroup_mma(ds_op, q, dk, is_async=True)
             if ABLATE < 2:
@@ -891,13 +912,13 @@ def _consumer(
                 # The dQ of step t - 1 (at t = 0 of no step: computed from whatever the tiles
                 # hold, as a run-time branch around the products crashes ptxas, and not reduced).
                 dq_step(
-                    ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq,
+                    ds_smem, ds_ready, ds_free, k0_step, k1_step, dq_tile, dq_desc, zero_dq,
                     t - 1, t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q,
                     VARLEN,
                 )  # fmt: skip
             else:
                 dq_step(
-                    ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq, t,
+                    ds_smem, ds_ready, ds_free, k0_step, k1_step, dq_tile, dq_desc, zero_dq, t,
                     True, desc_b, off_h,
                     dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m), CONSUMER, ABLATE,
                     q_start + seqlen_q, VARLEN,
@@ -1068,6 +1089,7 @@ def attn_bwd_sm90_kernel(
     PERMUTED_ROWS: gl.constexpr = False,
     DQ_BESIDE_DK: gl.constexpr = False,
     PDL: gl.constexpr = False,
+    FRESH_DESC: gl.constexpr = False,
 ):
     if PDL:
         # The dQ conversion may launch now (it waits for this grid before reading DQ_ACC).
@@ -1140,7 +1162,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1149,7 +1171,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
@@ -1178,7 +1200,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1187,7 +1209,7 @@ def attn_bwd_sm90_kernel(
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
-                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK,
+                    EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,

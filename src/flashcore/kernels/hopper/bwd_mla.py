@@ -59,6 +59,16 @@ splits an FMUL from an FADD on every step and consumer 1 spills nine registers a
 with the exponent first, each consumer's softmax is 32 FFMAs and the exponentials as in the
 non-causal build (sm_90a SASS), 564 B of spills against 608; causal 1.01-1.02x (H200).
 
+FRESH_DESC (``ops/bwd256.py: WIDE_FRESH_DESC``, off: compiled, not yet run on a GPU): the views
+of the tiles that stay put (K_c, V_c, both consumers' K columns for dQ) are taken each step
+through a zero that LLVM cannot see (``common.opaque``). Without it LLVM forms every k-step's
+64-bit wgmma descriptor of those tiles once before the loop (dozens of values live across it),
+ptxas spills them, and each step reloads them (``LDL``) right before the ``R2UR`` that hands them
+to an ``HGMMA`` (docs/performance_backward.md, "MLA's backward: the diagonal's steps in a loop
+of their own"); with it, sm_90a: no local accesses in the non-causal step loops (11 / 26 a step
+without), 549 / 477 instructions (608 / 540), 36 B of spills (488); causal 635 / 613 (707 /
+651), 0 / 3 local accesses (16 / 28), 132 B (564).
+
 Consumer 0 does 14 units of 64^3 a step to consumer 1's 12, and the ``ds_free`` wait keeps
 them in step. The middle dQ panel alternating between them by step (13 units each, its staging
 tile handed over on an mbarrier) was built, ran exact and was not faster (0.90-1.04x, H200:
@@ -106,6 +116,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashcore.kernels.hopper.bwd import BLOCK_N, key_block, q_blocks
 from flashcore.kernels.hopper.bwd256 import _load_fixed, _load_tiles, _qk_tiles, _store_acc
 from flashcore.kernels.hopper.bwd_dq import stage_and_reduce
+from flashcore.kernels.hopper.common import opaque
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a consumer (one m64 wgmma)
 KEYS = BLOCK_N  # keys a program: two consumers x 64 (bwd.py's key_block walks them)
@@ -265,7 +276,8 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
               qk_scale, scale, head_dim, total_q, total_k, CONSUMER: gl.constexpr,
               QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
               EVEN_N: gl.constexpr, VARLEN: gl.constexpr, SKIP_MASKED: gl.constexpr,
-              TMA_EPILOGUE: gl.constexpr, MASK_EXPONENT: gl.constexpr):  # fmt: skip
+              TMA_EPILOGUE: gl.constexpr, MASK_EXPONENT: gl.constexpr,
+              FRESH_DESC: gl.constexpr):  # fmt: skip
     dtype: gl.constexpr = ka_smem.dtype
     QK_A: gl.constexpr = ka_smem.shape[4]
     V_DIM: gl.constexpr = v_smem.shape[4]
@@ -315,6 +327,19 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
         slot = t % NUM_STAGES
+        if FRESH_DESC:
+            # The fixed tiles' views through a zero LLVM cannot see (a side-effecting mov), so
+            # that their wgmma descriptors are formed here each step (module docstring).
+            z = opaque(0)
+            ka = ka_smem.index(CONSUMER + z).reshape([ROWS, QK_A])
+            kb = kb_smem.index(CONSUMER + z).reshape([ROWS, QK_B])
+            vt = v_smem.index(CONSUMER + z).reshape([ROWS, V_DIM])
+            if CONSUMER == 0:
+                k0_dq = ka_smem.index(z).reshape([ROWS, QK_A])
+                k1_dq = ka_smem.index(1 + z).reshape([ROWS, QK_A])
+            else:
+                k0_dq = kb_smem.index(z).reshape([ROWS, QK_B])
+                k1_dq = kb_smem.index(1 + z).reshape([ROWS, QK_B])
         mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
         qa = qa_smem.index(slot).reshape([ROWS, QK_A])
         qb = qb_smem.index(slot).reshape([ROWS, QK_B])
@@ -419,6 +444,7 @@ def attn_bwd_mla_sm90_kernel(
     SKIP_MASKED: gl.constexpr = False,
     TMA_EPILOGUE: gl.constexpr = False,
     MASK_EXPONENT: gl.constexpr = False,
+    FRESH_DESC: gl.constexpr = False,
 ):
     """dK, dV and the reduce-adds of dQ of one 128-key block (module docstring), with the
     arguments of ``bwd256.attn_bwd_dkdv_sm90_d256_kernel`` (FUSED_DQ; the ones for the options
@@ -480,7 +506,7 @@ def attn_bwd_mla_sm90_kernel(
                 CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
                 lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 1, QK_B, NUM_STAGES,
-                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT,
+                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT, FRESH_DESC,
             )),
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
@@ -488,7 +514,7 @@ def attn_bwd_mla_sm90_kernel(
                 CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh, stride_dkn,
                 stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
                 lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 0, QK_B, NUM_STAGES,
-                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT,
+                IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT, FRESH_DESC,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
