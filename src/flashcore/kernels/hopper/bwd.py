@@ -203,7 +203,11 @@ SOFTCAP, HAS_ALIBI: the scores exactly as the forward forms them (``ops/problem.
 folds the units: ``qk_scale`` is ``scale / c`` with a softcap, ``softcap`` is ``c log2(e)``;
 softcap, then ALiBi, then the masks); the window's query-block range in ``q_blocks`` and its
 masks on every step; with SOFTCAP dS is multiplied by ``1 - tanh^2`` (the gradient with respect
-to ``scale q.k``); the ALiBi slope is read once a step (its query head). ABLATE
+to ``scale q.k``); the ALiBi slope is read once a step (its query head). FRESH_DESC (the
+launcher's ``ops/bwd_sm90.FRESH_DESC``, off: compiled, not yet run on a GPU): the consumer's K_c,
+V_c and dQ K-column views taken each step through a zero LLVM cannot see, so that their wgmma
+descriptors are formed in the step loop rather than every k-step's before it, held in vector
+registers and moved to uniform ones (``R2UR``) at each use (``kernels/hopper/bwd_mla.py``). ABLATE
 (measurement only, wrong dQ): 1 computes dQ but does not reduce it; 2 skips the dQ products
 (Triton 3.6's ptxas crashes on that variant; with DQ_WARPGROUP it is 1).
 
