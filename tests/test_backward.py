@@ -366,9 +366,8 @@ def test_backward_gpu_sm90_fresh_desc(mc, dtype, monkeypatch):
 
 
 # The 128-key kernel as shipped, without SKIP_MASKED, without MASK_EXPONENT, with FRESH_DESC; the
-# 64-key fused
-# kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored from registers
-# instead of by TMA.
+# 64-key fused kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored
+# from registers instead of by TMA.
 MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-fresh", "wide-regs"]
 MLA_PATHS += ["fused-dq", "fused-dq-regs", "dq-kernel", "dq-kernel-regs"]
 
