@@ -278,6 +278,13 @@ def test_varlen_gpu_sm90_backward(monkeypatch, case, opts, dtype):
     against the float64 reference with FlashAttention's rule."""
     require_sm90()
     ran = record_backward_tiers(monkeypatch)
+    check_sm90_backward(case, opts, dtype)
+    assert ran == ["sm90"]
+
+
+def check_sm90_backward(case, opts: dict, dtype) -> None:
+    """One packed batch of ``VARLEN_SM90_BWD`` forward and backward under ``use_tier("sm90")``,
+    against the float64 reference."""
     q, k, v, cu_q, cu_k = make_varlen(case, dtype, "cuda")
     opts = dict(opts)
     causal = opts.pop("causal", False)
@@ -285,7 +292,6 @@ def test_varlen_gpu_sm90_backward(monkeypatch, case, opts, dtype):
         opts["alibi_slopes"] = torch.rand(len(case.seqlens_q), case.heads, device="cuda")
     with flashcore.use_tier("sm90"):
         check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True, **opts)
-    assert ran == ["sm90"]
 
 
 VARLEN_SM90_FRESH = [row for row in VARLEN_SM90_BWD if row[0].head_dim == 128]
@@ -300,13 +306,7 @@ def test_varlen_gpu_sm90_backward_fresh_desc(monkeypatch, case, opts):
     """The Hopper backward on packed batches with ``bwd_sm90.FRESH_DESC`` (the consumers' fixed
     tiles' descriptors formed in the step loop), bf16, as ``test_varlen_gpu_sm90_backward``."""
     with sm90_backward_switch(monkeypatch, "FRESH_DESC") as plans:
-        q, k, v, cu_q, cu_k = make_varlen(case, torch.bfloat16, "cuda")
-        opts = dict(opts)
-        causal = opts.pop("causal", False)
-        if opts.pop("alibi", None):
-            opts["alibi_slopes"] = torch.rand(len(case.seqlens_q), case.heads, device="cuda")
-        with flashcore.use_tier("sm90"):
-            check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True, **opts)
+        check_sm90_backward(case, opts, torch.bfloat16)
         assert plans and all(p.main_meta["FRESH_DESC"] for p in plans.values())
 
 
