@@ -669,6 +669,14 @@ def _producer(
 
 
 @gluon.jit
+def _dq_k_cols(k_smem, i, CONSUMER: gl.constexpr):
+    """The columns of K tile ``i`` that this consumer's half of dQ reads (``D / 2`` of them)."""
+    HEAD_DIM: gl.constexpr = k_smem.shape[4]
+    DQ_COLS: gl.constexpr = HEAD_DIM // 2
+    return k_smem.index(i).reshape([ROWS, HEAD_DIM]).slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
+
+
+@gluon.jit
 def _consumer(
     q_smem,
     k_smem,
@@ -761,8 +769,8 @@ def _consumer(
     # dQ of a step: this consumer computes its half of the columns (DQ_COLS = D / 2), over both
     # consumers' keys (K_0 and K_1 with both dS^T tiles), and reduce-adds it.
     DQ_COLS: gl.constexpr = HEAD_DIM // 2
-    k0_cols = k_smem.index(0).reshape([ROWS, HEAD_DIM]).slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
-    k1_cols = k_smem.index(1).reshape([ROWS, HEAD_DIM]).slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
+    k0_cols = _dq_k_cols(k_smem, 0, CONSUMER)
+    k1_cols = _dq_k_cols(k_smem, 1, CONSUMER)
     dq_tile = dq_smem.index(CONSUMER)
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, DQ_COLS, 16]
@@ -804,14 +812,8 @@ def _consumer(
             z = opaque(0)
             k_op = k_smem.index(CONSUMER + z).reshape([ROWS, HEAD_DIM])
             v_op = v_smem.index(CONSUMER + z).reshape([ROWS, HEAD_DIM])
-            k0_step = (
-                k_smem.index(z).reshape([ROWS, HEAD_DIM]).slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
-            )
-            k1_step = (
-                k_smem.index(1 + z)
-                .reshape([ROWS, HEAD_DIM])
-                .slice(CONSUMER * DQ_COLS, DQ_COLS, dim=1)
-            )
+            k0_step = _dq_k_cols(k_smem, z, CONSUMER)
+            k1_step = _dq_k_cols(k_smem, 1 + z, CONSUMER)
         else:
             k_op = k_a
             v_op = v_a

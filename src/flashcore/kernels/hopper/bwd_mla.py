@@ -269,6 +269,25 @@ def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_fr
 
 
 @gluon.jit
+def _fixed_tiles(ka_smem, kb_smem, v_smem, z, CONSUMER: gl.constexpr):
+    """``(ka, kb, vt, k0_dq, k1_dq)``: this consumer's K (its 128- and 64-column tiles) and V,
+    and both consumers' K columns its dQ panels read (consumer 0: the 128-column tiles, 1: the
+    64-column ones), each through index ``z + i`` (``z`` is 0: FRESH_DESC passes an opaque 0)."""
+    QK_A: gl.constexpr = ka_smem.shape[4]
+    QK_B: gl.constexpr = kb_smem.shape[4]
+    ka = ka_smem.index(CONSUMER + z).reshape([ROWS, QK_A])
+    kb = kb_smem.index(CONSUMER + z).reshape([ROWS, QK_B])
+    vt = v_smem.index(CONSUMER + z).reshape([ROWS, v_smem.shape[4]])
+    if CONSUMER == 0:
+        k0_dq = ka_smem.index(z).reshape([ROWS, QK_A])
+        k1_dq = ka_smem.index(1 + z).reshape([ROWS, QK_A])
+    else:
+        k0_dq = kb_smem.index(z).reshape([ROWS, QK_B])
+        k1_dq = kb_smem.index(1 + z).reshape([ROWS, QK_B])
+    return ka, kb, vt, k0_dq, k1_dq
+
+
+@gluon.jit
 def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
               dq_tiles, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV, CU_Q,
               CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
@@ -300,21 +319,15 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
     diag = seqlen_k - seqlen_q
     # Query blocks starting at or past this row see every key of this consumer's: no mask.
     full_m = key0 + ROWS - 1 - diag
-    ka = ka_smem.index(CONSUMER).reshape([ROWS, QK_A])
-    kb = kb_smem.index(CONSUMER).reshape([ROWS, QK_B])
-    vt = v_smem.index(CONSUMER).reshape([ROWS, V_DIM])
+    ka, kb, vt, k0_dq, k1_dq = _fixed_tiles(ka_smem, kb_smem, v_smem, 0, CONSUMER)
     # This consumer's dQ columns over both consumers' keys, in 64-column panels (consumer 0
     # the two of [0, QK_A), consumer 1 the one of [QK_A, QK_A + QK_B)): one panel's 32
     # registers at a time beside dK and dV.
     PANEL: gl.constexpr = QK_B
     if CONSUMER == 0:
-        k0_dq = ka_smem.index(0).reshape([ROWS, QK_A])
-        k1_dq = ka_smem.index(1).reshape([ROWS, QK_A])
         N_PANELS: gl.constexpr = QK_A // PANEL
         dq_col = 0
     else:
-        k0_dq = kb_smem.index(0).reshape([ROWS, QK_B])
-        k1_dq = kb_smem.index(1).reshape([ROWS, QK_B])
         N_PANELS: gl.constexpr = 1
         dq_col = QK_A
     zero_dq = gl.zeros([ROWS, PANEL], gl.float32, layout=b_layout)
@@ -330,16 +343,7 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
         if FRESH_DESC:
             # The fixed tiles' views through a zero LLVM cannot see (a side-effecting mov), so
             # that their wgmma descriptors are formed here each step (module docstring).
-            z = opaque(0)
-            ka = ka_smem.index(CONSUMER + z).reshape([ROWS, QK_A])
-            kb = kb_smem.index(CONSUMER + z).reshape([ROWS, QK_B])
-            vt = v_smem.index(CONSUMER + z).reshape([ROWS, V_DIM])
-            if CONSUMER == 0:
-                k0_dq = ka_smem.index(z).reshape([ROWS, QK_A])
-                k1_dq = ka_smem.index(1 + z).reshape([ROWS, QK_A])
-            else:
-                k0_dq = kb_smem.index(z).reshape([ROWS, QK_B])
-                k1_dq = kb_smem.index(1 + z).reshape([ROWS, QK_B])
+            ka, kb, vt, k0_dq, k1_dq = _fixed_tiles(ka_smem, kb_smem, v_smem, opaque(0), CONSUMER)
         mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
         qa = qa_smem.index(slot).reshape([ROWS, QK_A])
         qb = qb_smem.index(slot).reshape([ROWS, QK_B])
