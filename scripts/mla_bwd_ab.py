@@ -13,8 +13,8 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
   (``WIDE_SKIP_MASKED``);
 - ``wide-nomexp``: the 128-key kernel with its exponent formed after the masks' branches
   (``WIDE_MASK_EXPONENT`` off; every other path forms it before them, as shipped);
-- ``wide-fresh``: the 128-key kernel with its fixed tiles' wgmma descriptors formed in the step
-  loop (``WIDE_FRESH_DESC``; off in every other path, as shipped);
+- ``wide-nofresh``: the 128-key kernel with its fixed tiles' wgmma descriptors formed before the
+  step loop (``WIDE_FRESH_DESC`` off; every other path forms them in it, as shipped);
 - ``wide-regs``, ``64key-regs``, ``dqkernel-regs``: those with dK and dV stored from
   registers (``WIDE_TMA_EPILOGUE``, ``DKDV_TMA_EPILOGUE`` off; every other path stores them by
   TMA, as shipped);
@@ -54,7 +54,7 @@ def use(path: str) -> None:
     bwd256.WIDE_MLA = path.startswith("wide") or path == "hopper"
     bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
     bwd256.WIDE_MASK_EXPONENT = path != "wide-nomexp"
-    bwd256.WIDE_FRESH_DESC = path == "wide-fresh"
+    bwd256.WIDE_FRESH_DESC = path != "wide-nofresh"
     bwd256.WIDE_TMA_EPILOGUE = bwd256.DKDV_TMA_EPILOGUE = not path.endswith("-regs")
     bwd256._PLANS.clear()
     bwd.forget()

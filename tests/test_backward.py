@@ -336,9 +336,10 @@ D256_MLA = [
 ]
 
 
-# The consumers' fixed tiles' descriptors formed in the step loop (``bwd_sm90.FRESH_DESC``):
-# causal and ragged lengths, GQA, a window, softcap and ALiBi, both head dims (at D = 64 K and V
-# sit in registers in the plain builds, which the switch leaves as they are).
+# The consumers' fixed tiles' descriptors formed in the step loop in every build
+# (``bwd_sm90.FRESH_DESC_ALWAYS``): causal and ragged lengths, GQA, a window, softcap and ALiBi,
+# both head dims (at D = 64 K and V sit in registers in the plain builds, which the switch leaves
+# as they are).
 SM90_FRESH = [
     (MaskCase(Case(2, 4, 4, 1000, 1000, 128), causal=True), torch.bfloat16),
     (MaskCase(Case(2, 4, 4, 1000, 1000, 128)), torch.float16),
@@ -356,19 +357,22 @@ SM90_FRESH = [
     ("mc", "dtype"), SM90_FRESH, ids=[f"{mc.id}-{str(d)[6:]}" for mc, d in SM90_FRESH]
 )
 def test_backward_gpu_sm90_fresh_desc(mc, dtype, monkeypatch):
-    """The Hopper backward (D 64/128, forced) with ``bwd_sm90.FRESH_DESC``: the consumers' K, V
-    and dQ K-column descriptors formed in the step loop."""
-    with sm90_backward_switch(monkeypatch, "FRESH_DESC") as plans:
+    """The Hopper backward (D 64/128, forced) with ``bwd_sm90.FRESH_DESC_ALWAYS``: the
+    consumers' K, V and dQ K-column descriptors formed in the step loop in every build (shipped:
+    in those with the dQ products beside dK)."""
+    with sm90_backward_switch(monkeypatch, "FRESH_DESC_ALWAYS") as plans:
         q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd")
         with flashcore.use_tier("sm90"):
             check_backward(q, k, v, **mask_options(mc, "cuda"))
-        assert plans and all(p.main_meta["FRESH_DESC"] for p in plans.values())
+        assert plans and all(
+            p.main_meta["FRESH_DESC"] != p.main_meta["KV_REGS"] for p in plans.values()
+        )
 
 
-# The 128-key kernel as shipped, without SKIP_MASKED, without MASK_EXPONENT, with FRESH_DESC; the
+# The 128-key kernel as shipped, without SKIP_MASKED, MASK_EXPONENT or FRESH_DESC; the
 # 64-key fused kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored
 # from registers instead of by TMA.
-MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-fresh", "wide-regs"]
+MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-nofresh", "wide-regs"]
 MLA_PATHS += ["fused-dq", "fused-dq-regs", "dq-kernel", "dq-kernel-regs"]
 
 
@@ -385,9 +389,9 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     the dK/dV kernel, at 128 keys a program where the options allow (``bwd256.WIDE_MLA``, as
     shipped: "wide"; "wide-noskip" without skipping consumer 1's causal steps that see none of
     its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-nomexp" with its exponent formed after the
-    masks' branches, ``bwd256.WIDE_MASK_EXPONENT`` off; "wide-fresh" with its fixed tiles'
-    descriptors formed in the step loop, ``bwd256.WIDE_FRESH_DESC``) or at 64 ("fused-dq"), and by
-    the dQ kernel ("dq-kernel"); "-regs": dK and dV stored from registers
+    masks' branches, ``bwd256.WIDE_MASK_EXPONENT`` off; "wide-nofresh" with its fixed tiles'
+    descriptors formed before the step loop, ``bwd256.WIDE_FRESH_DESC`` off) or at 64
+    ("fused-dq"), and by the dQ kernel ("dq-kernel"); "-regs": dK and dV stored from registers
     (``bwd256.WIDE_TMA_EPILOGUE`` and ``DKDV_TMA_EPILOGUE`` off; on elsewhere, by TMA)."""
     from flashcore.ops import bwd256
 
@@ -397,7 +401,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     monkeypatch.setattr(bwd256, "WIDE_MLA", path.startswith("wide"))
     monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", path != "wide-noskip")
     monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", path != "wide-nomexp")
-    monkeypatch.setattr(bwd256, "WIDE_FRESH_DESC", path == "wide-fresh")
+    monkeypatch.setattr(bwd256, "WIDE_FRESH_DESC", path != "wide-nofresh")
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
@@ -411,7 +415,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     assert any(p.wide for p in bwd256._PLANS.values()) == (path.startswith("wide") and plain)
     assert all(p.dkdv[2]["TMA_EPILOGUE"] == tma for p in bwd256._PLANS.values())
     wide = [p for p in bwd256._PLANS.values() if p.wide]
-    assert all(p.dkdv[2]["FRESH_DESC"] == (path == "wide-fresh") for p in wide)
+    assert all(p.dkdv[2]["FRESH_DESC"] == (path != "wide-nofresh") for p in wide)
 
 
 @pytest.mark.gpu

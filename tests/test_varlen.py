@@ -303,9 +303,10 @@ VARLEN_SM90_FRESH = [row for row in VARLEN_SM90_BWD if row[0].head_dim == 128]
                                               VARLEN_SM90_FRESH]
 )  # fmt: skip
 def test_varlen_gpu_sm90_backward_fresh_desc(monkeypatch, case, opts):
-    """The Hopper backward on packed batches with ``bwd_sm90.FRESH_DESC`` (the consumers' fixed
-    tiles' descriptors formed in the step loop), bf16, as ``test_varlen_gpu_sm90_backward``."""
-    with sm90_backward_switch(monkeypatch, "FRESH_DESC") as plans:
+    """The Hopper backward on packed batches with ``bwd_sm90.FRESH_DESC_ALWAYS`` (the consumers'
+    fixed tiles' descriptors formed in the step loop, causal too), bf16, as
+    ``test_varlen_gpu_sm90_backward``."""
+    with sm90_backward_switch(monkeypatch, "FRESH_DESC_ALWAYS") as plans:
         check_sm90_backward(case, opts, torch.bfloat16)
         assert plans and all(p.main_meta["FRESH_DESC"] for p in plans.values())
 

@@ -82,10 +82,11 @@ WIDE_SKIP_MASKED = True
 # --rotate 7; docs/performance_backward.md). Tests set it either way.
 WIDE_MASK_EXPONENT = True
 # The 128-key kernel's fixed tiles' wgmma descriptors formed in its step loop instead of before it
-# (``kernels/hopper/bwd_mla.py``, FRESH_DESC): compiled for sm_90a (no local accesses left in the
-# non-causal step loops, 10% fewer instructions a step), not yet run on a GPU, so off. Tests set
-# it either way.
-WIDE_FRESH_DESC = False
+# (``kernels/hopper/bwd_mla.py``, FRESH_DESC; sm_90a: no local accesses left in the non-causal
+# step loops, 10% fewer instructions a step). H200, bf16, 16 heads, scripts/mla_bwd_ab.py --paths
+# wide,wide-fresh --rotate 5: non-causal 1.04-1.05x, causal 1.09-1.10x at 2048-8192 keys
+# (docs/performance_backward.md). Tests set it either way.
+WIDE_FRESH_DESC = True
 # dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
 # from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the

@@ -51,9 +51,13 @@ PDL = True
 # The consumers' fixed tiles' (K_c, V_c, the dQ products' K columns) wgmma descriptors formed in
 # the step loop through a zero LLVM cannot see, instead of every k-step's descriptor before the
 # loop (``kernels/hopper/bwd.py``, FRESH_DESC; not with K and V in registers). sm_90a: D = 128
-# spills 0 B (120), causal 8 (172), 2-3 ``R2UR`` a step (18-27). Compiled, not yet run on a GPU:
-# off.
-FRESH_DESC = False
+# spills 0 B (120), causal long 8 (172), 2-3 ``R2UR`` a step (18-27). Taken in the builds with
+# the dQ products beside dK (``dq_beside_dk``): H200, bf16, scripts/bwd_switch_ab.py FRESH_DESC,
+# two runs: there 1.01-1.03x (non-causal, causal from 4096), in the causal builds without it
+# 0.95-0.97x at 1024-3000 (docs/performance_backward.md). FRESH_DESC_ALWAYS (tests): in every
+# build without K and V in registers.
+FRESH_DESC = True
+FRESH_DESC_ALWAYS = False
 # dQ leaves in (64, D / 2) fp32 tiles: each consumer reduce-adds half the columns of a step's dQ.
 
 
@@ -644,6 +648,8 @@ def _plan(
         seqlen_pad, sc.qk_scale, float(scale), sc.window_left, sc.window_right, sc.softcap,
         stride_ab, total_q, total_k,
     )  # fmt: skip
+    beside = dq_beside_dk(cfg, sc.is_causal, varlen is not None, seqlen_q)
+    kv_regs = kv_in_registers(cfg, sc.has_window, sc.has_softcap, sc.has_alibi)
     main_meta = {
         "HEAD_DIM": head_dim,
         "NUM_STAGES": cfg.num_stages,
@@ -656,12 +662,12 @@ def _plan(
         "DQ_WARPGROUP": cfg.dq_warpgroup,
         "DQ_REGS": cfg.dq_regs,
         "ABLATE": cfg.ablate,
-        "KV_REGS": kv_in_registers(cfg, sc.has_window, sc.has_softcap, sc.has_alibi),
+        "KV_REGS": kv_regs,
         "VARLEN": varlen is not None,
         "PERMUTED_ROWS": permuted_rows,
-        "DQ_BESIDE_DK": dq_beside_dk(cfg, sc.is_causal, varlen is not None, seqlen_q),
+        "DQ_BESIDE_DK": beside,
         "PDL": PDL,
-        "FRESH_DESC": FRESH_DESC,
+        "FRESH_DESC": FRESH_DESC and (beside or FRESH_DESC_ALWAYS) and not kv_regs,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
         "launch_pdl": PDL,
