@@ -58,6 +58,14 @@ PDL = True
 # build without K and V in registers.
 FRESH_DESC = True
 FRESH_DESC_ALWAYS = False
+
+
+def fresh_desc(beside: bool, kv_regs: bool) -> bool:
+    """Whether a build forms its fixed tiles' descriptors in the step loop (``FRESH_DESC``), given
+    its ``DQ_BESIDE_DK`` and ``KV_REGS``."""
+    return FRESH_DESC and (beside or FRESH_DESC_ALWAYS) and not kv_regs
+
+
 # dQ leaves in (64, D / 2) fp32 tiles: each consumer reduce-adds half the columns of a step's dQ.
 
 
@@ -667,7 +675,7 @@ def _plan(
         "PERMUTED_ROWS": permuted_rows,
         "DQ_BESIDE_DK": beside,
         "PDL": PDL,
-        "FRESH_DESC": FRESH_DESC and (beside or FRESH_DESC_ALWAYS) and not kv_regs,
+        "FRESH_DESC": fresh_desc(beside, kv_regs),
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
         "launch_pdl": PDL,
