@@ -76,10 +76,10 @@ VARIANTS = [
     ("mla-wide-tma-mexp-fused-bf16-ragged", "wide", "bf16", False, False, False, False, False),
     ("mla-wide-tma-skip-mexp-fused-bf16-causal-varlen", "wide", "bf16", True, False, False, False,
      False),
-    # The fixed tiles' wgmma descriptors formed in the step loop (FRESH_DESC: "fresh"), beside
-    # the shipped builds above (the same labels without "-fresh").
-    ("mla-wide-tma-fresh-fused-bf16", "wide", "bf16", False, False, True, False, False),
-    ("mla-wide-tma-skip-mexp-fresh-fused-bf16-causal", "wide", "bf16", True, False, True, False,
+    # The fixed tiles' wgmma descriptors formed before the step loop (FRESH_DESC off: "nofresh";
+    # every other label forms them in it, as shipped), beside two of the builds above.
+    ("mla-wide-tma-nofresh-fused-bf16", "wide", "bf16", False, False, True, False, False),
+    ("mla-wide-tma-skip-mexp-nofresh-fused-bf16-causal", "wide", "bf16", True, False, True, False,
      False),
 ]  # fmt: skip
 
@@ -131,7 +131,7 @@ def compile_variant(variant) -> dict:
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
             consts["SKIP_MASKED"] = "skip" in label
             consts["MASK_EXPONENT"] = "mexp" in label
-            consts["FRESH_DESC"] = "fresh" in label
+            consts["FRESH_DESC"] = "nofresh" not in label
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -185,26 +185,25 @@ SPILL_ALLOWANCE = {
     # With dQ in the kernel consumer 1 also holds its dQ columns and the next step's dP^T.
     "mla-fused-dkdv-bf16-window-softcap-alibi-varlen": 248,
     # The 128-key kernel's consumers hold dK and dV of their 64 keys (160 registers) through the
-    # step: ptxas keeps the fixed tiles' wgmma descriptors, which LLVM forms before the loop, and
-    # some of the step's scalars in local memory, reloaded every step (FRESH_DESC below).
-    "mla-wide-fused-bf16": 268,
-    "mla-wide-fused-fp16-causal-ragged": 380,
-    "mla-wide-fused-bf16-ragged": 348,
+    # step: ptxas keeps some of the step's scalars in local memory, a few reloaded in the loop.
+    "mla-wide-fused-bf16": 32,
+    "mla-wide-fused-fp16-causal-ragged": 32,
+    "mla-wide-fused-bf16-ragged": 28,
     # VARLEN adds each program's sequence bounds and the producer's zeroing path.
-    "mla-wide-fused-bf16-causal-varlen": 876,
-    "mla-wide-fused-fp16-varlen": 656,
-    "mla-wide-skip-fused-fp16-causal-varlen": 784,
+    "mla-wide-fused-bf16-causal-varlen": 160,
+    "mla-wide-fused-fp16-varlen": 68,
+    "mla-wide-skip-fused-fp16-causal-varlen": 116,
     # The TMA epilogue's wait, tiles and coordinates beside the step's scalars.
     "dkdv-tma-fp16-window-softcap-varlen": 28,
-    "mla-wide-tma-fused-bf16": 488,
-    # The exponent before the masks' branch: fewer (consumer 1's nine stores a step go).
-    "mla-wide-tma-skip-mexp-fused-bf16-causal": 564,
-    "mla-wide-tma-skip-mexp-fused-fp16-causal-ragged": 476,
-    "mla-wide-tma-mexp-fused-bf16-ragged": 424,
-    "mla-wide-tma-skip-mexp-fused-bf16-causal-varlen": 868,
-    # FRESH_DESC: the fixed tiles' wgmma descriptors no longer live across the step loop.
-    "mla-wide-tma-fresh-fused-bf16": 36,
-    "mla-wide-tma-skip-mexp-fresh-fused-bf16-causal": 132,
+    "mla-wide-tma-fused-bf16": 36,
+    "mla-wide-tma-skip-mexp-fused-bf16-causal": 132,
+    "mla-wide-tma-skip-mexp-fused-fp16-causal-ragged": 56,
+    "mla-wide-tma-mexp-fused-bf16-ragged": 36,
+    "mla-wide-tma-skip-mexp-fused-bf16-causal-varlen": 216,
+    # Without FRESH_DESC LLVM forms the fixed tiles' wgmma descriptors before the step loop and
+    # ptxas keeps them in local memory, reloaded every step.
+    "mla-wide-tma-nofresh-fused-bf16": 488,
+    "mla-wide-tma-skip-mexp-nofresh-fused-bf16-causal": 564,
 }
 
 
@@ -250,14 +249,16 @@ def test_products_and_copies(compiled):
 
 
 def test_fresh_descriptors_stay_out_of_local_memory(compiled):
-    """FRESH_DESC (``kernels/hopper/bwd_mla.py``): with the fixed tiles' descriptors formed in
-    the step loop, each consumer's step loop makes fewer local-memory accesses than the same
-    build's without it (which reload the descriptors there every step), and none non-causal."""
+    """FRESH_DESC (``kernels/hopper/bwd_mla.py``, shipped): with the fixed tiles' descriptors
+    formed in the step loop, each consumer's step loop makes fewer local-memory accesses than the
+    same build's without it ("nofresh": they are reloaded there every step), and none
+    non-causal."""
     rows = {row["variant"]: row for row in compiled}
-    fresh_builds = [label for label in rows if "-fresh" in label]
-    assert len(fresh_builds) == 2
-    for fresh in fresh_builds:
-        ours, theirs = rows[fresh]["loop_local"], rows[fresh.replace("-fresh", "")]["loop_local"]
+    stale_builds = [label for label in rows if "-nofresh" in label]
+    assert len(stale_builds) == 2
+    for stale in stale_builds:
+        fresh = stale.replace("-nofresh", "")
+        ours, theirs = rows[fresh]["loop_local"], rows[stale]["loop_local"]
         assert len(ours) == len(theirs) == 2, (fresh, ours, theirs)
         assert all(a < b for a, b in zip(ours, theirs, strict=True)), (fresh, ours, theirs)
         if "causal" not in fresh:
