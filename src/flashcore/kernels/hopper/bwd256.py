@@ -66,7 +66,12 @@ are complete (``epi_bar``, count 2: consumer 0's S^T and dQ read K, consumer 1's
 consumer 0 writes dV into V's tile and consumer 1 dK into K's (MLA: its two), and each stores
 its tile by TMA (rows past Sk and columns past the head dim clipped by the copy engine; VARLEN:
 a block that crosses its sequence's end keeps the register stores), as ``bwd.py`` does; the
-register stores cost the 128-key MLA kernel 43-64 us at 1024 programs on an H200.
+register stores cost the 128-key MLA kernel 43-64 us at 1024 programs on an H200. FRESH_DESC
+(``ops/bwd256.py: DKDV_FRESH_DESC``, off): the consumers take their K and V views each step
+through an opaque zero (K and V are allocated with a leading dimension of one, which they index),
+so that the wgmma descriptors are formed in the step loop rather than every k-step's before it
+(as ``bwd_mla.py``'s FRESH_DESC): sm_90a, 11-17 ``R2UR`` a step to 1-2, no spills either way;
+exact, and level at head dim 256 (0.997-1.008x, H200), so off.
 
 dQ (``attn_bwd_dq_sm90_d256_kernel``): the same split with rows and keys swapped, and dQ split by
 head-dim halves (one accumulator, 64 x 256, is a single consumer's whole budget, and the other
