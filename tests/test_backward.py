@@ -402,8 +402,8 @@ def test_backward_gpu_sm90_fresh_desc(mc, dtype, monkeypatch):
 
 
 # The 128-key kernel as shipped, without SKIP_MASKED, MASK_EXPONENT or FRESH_DESC; the
-# 64-key fused kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored
-# from registers instead of by TMA.
+# 64-key fused kernel (and with DKDV_FRESH_DESC); the dQ kernel beside the 64-key dK/dV kernel;
+# "-regs": dK and dV stored from registers instead of by TMA.
 MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-nofresh", "wide-regs"]
 MLA_PATHS += ["fused-dq", "fused-dq-regs", "fused-dq-fresh", "dq-kernel", "dq-kernel-regs"]
 

@@ -83,9 +83,9 @@ WIDE_SKIP_MASKED = True
 WIDE_MASK_EXPONENT = True
 # The 128-key kernel's fixed tiles' wgmma descriptors formed in its step loop instead of before it
 # (``kernels/hopper/bwd_mla.py``, FRESH_DESC; sm_90a: no local accesses left in the non-causal
-# step loops, 10% fewer instructions a step). H200, bf16, 16 heads, scripts/mla_bwd_ab.py --paths
-# wide,wide-fresh --rotate 5: non-causal 1.04-1.05x, causal 1.09-1.10x at 2048-8192 keys
-# (docs/performance_backward.md). Tests set it either way.
+# step loops, 10% fewer instructions a step). H200, bf16, 16 heads, scripts/mla_bwd_ab.py
+# --rotate 5, against the path without it ("wide-nofresh" now): non-causal 1.04-1.05x, causal
+# 1.09-1.10x at 2048-8192 keys (docs/performance_backward.md). Tests set it either way.
 WIDE_FRESH_DESC = True
 # The same in the 64-key dK/dV kernel (``kernels/hopper/bwd256.py``, FRESH_DESC: K's and V's
 # views taken each step through an opaque zero; sm_90a: 11-17 ``R2UR`` a step to 1-2, no spills
