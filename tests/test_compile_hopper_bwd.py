@@ -363,13 +363,15 @@ def test_shared_memory_within_limit(compiled):
 # Spill bytes (stores + loads, as ptxas reports them) a variant may have, all scalars. At D=128
 # the consumers hold dK and dV (128 registers) and S^T, dP^T (64) at once; a masked step adds the
 # mask's indices (the query-row vector is 16 registers a thread in the score layout). With ragged
-# Sk ptxas spills a few scalars (loop invariants reloaded from L1 on masked steps or once per
-# step: six 4-byte loads a step in the non-causal ragged variant since the dQ of each step runs
-# a step late and carries that step's head and query block). Softcap and ALiBi at D=128 keep
-# each step's dQ in its own step (DQ_LAG off): carrying the step's indices spilled 20-80% more.
+# Sk ptxas spilled a few scalars before FRESH_DESC (loop invariants reloaded from L1 on masked
+# steps or once per step: six 4-byte loads a step in the non-causal ragged variant since the dQ
+# of each step runs a step late and carries that step's head and query block; none with it).
+# Softcap and ALiBi at D=128 keep each step's dQ in its own step (DQ_LAG off): carrying the
+# step's indices spilled 20-80% more.
 # The score options at D=128 hold more per step (the query-row index vector for the window's
 # masks on every step, tanh's values until dS for softcap, the distances for ALiBi): ptxas spills
-# 120-412 B there (Triton 3.6); D=64 has room. Measured cost: docs/performance_backward.md.
+# 120-412 B there (Triton 3.6; 16-196 B with FRESH_DESC where the launcher takes it); D=64 has
+# room. Measured cost: docs/performance_backward.md.
 # With the dQ staging rows permuted (``rows_permuted``: D=128 without a window, causal only on long
 # problems or with ALiBi, softcap only non-causal) ptxas spills 136-224 B of scalars, at most 3
 # local accesses a step inside the step loops in the plain builds
