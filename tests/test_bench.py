@@ -546,7 +546,7 @@ def test_cuda_graph_arguments():
 
 def _graph_measurement(provider: str, loop_ms: float, graph_ms: float) -> runner.Measurement:
     case = cases.Case(cases.shape(1, 8, 512, 64), True)
-    timing = metrics.Timing(0.010, 0.011, 0.012, metrics.TIMER_GPU)
+    timing = metrics.Timing(0.0105, 0.011, 0.0115, metrics.TIMER_GPU)  # steady: 9% spread
     graph = metrics.GraphTiming(
         metrics.Timing(loop_ms * 0.9, loop_ms, loop_ms * 1.1, metrics.TIMER_LOOP),
         metrics.Timing(graph_ms * 0.9, graph_ms, graph_ms * 1.1, metrics.TIMER_GRAPH),
@@ -616,7 +616,7 @@ def test_variant_summary():
     assert text.startswith("Variants over their base provider")
     line = text.splitlines()[1]
     assert "flashcore-sinks over flashcore, 1,8,512,64 causal fwd bf16: +1.8%" in line
-    assert "spread 8.9% and 18.2% of the medians" in line
+    assert "spread 8.9% and 9.1% of the medians" in line
     assert "flashcore-sinks" in report.table_row(rows[1])  # the wider provider column
     # Interpreter rows have no time ratio, and then no summary.
     sinks.timing = metrics.Timing(1.0, 1.0, 1.0, metrics.TIMER_INTERPRETER)
@@ -678,3 +678,20 @@ def test_fa4_provider_refuses_clearly(tmp_path, monkeypatch):
     assert rows["flashcore"]["status"] == "ok"
     assert rows["fa4"]["status"] == "refused"
     assert "does not import" in rows["fa4"]["reason"]
+
+
+def test_noisy_timings_marked():
+    # A GPU timing whose p20-p80 spread exceeds NOISY_SPREAD of its median is marked in its row
+    # of the table (the status stays); a steady one, a CPU timing and a refused row are not.
+    env = {"device": "test", "git_sha": None}
+    steady = _graph_measurement("flashcore", loop_ms=0.050, graph_ms=0.009)
+    row = report.measurement_row(steady, env=env, peak=None, speedup=1.0)
+    assert not report.noisy(row) and report.table_row(row).split()[-1] == "ok"
+    disturbed = _graph_measurement("flashcore", loop_ms=0.050, graph_ms=0.009)
+    disturbed.timing = metrics.Timing(0.49, 0.55, 0.62, metrics.TIMER_GPU)
+    row = report.measurement_row(disturbed, env=env, peak=None, speedup=1.0)
+    assert report.noisy(row)
+    assert report.table_row(row).endswith("ok (noisy: p20-p80 24% of the median)")
+    assert not report.noisy({**row, "timer": metrics.TIMER_INTERPRETER})
+    assert not report.noisy({**row, "ms_p20": None, "ms_p50": None, "ms_p80": None})
+    assert "noisy: a p20-p80 spread over 10%" in report.table_footer(False, None)

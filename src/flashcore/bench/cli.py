@@ -377,7 +377,11 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
         print(f"rows: {args.out}")
 
     counts = {s: sum(r["status"] == s for r in rows) for s in ("ok", "wrong", "refused")}
-    print(f"{counts['ok']} ok, {counts['wrong']} wrong, {counts['refused']} refused")
+    summary = f"{counts['ok']} ok, {counts['wrong']} wrong, {counts['refused']} refused"
+    n_noisy = sum(report.noisy(r) for r in rows)
+    if n_noisy:
+        summary += f"; {n_noisy} timed noisy (marked; re-run them before comparing)"
+    print(summary)
     flashcore_wrong = [
         r for r in rows if r["provider"].startswith("flashcore") and r["status"] == "wrong"
     ]

@@ -228,6 +228,8 @@ def table_row(row: dict, graph: bool = False) -> str:
     cells = [f"{v!s:{a}{w}}" for v, (_, w, a) in zip(values, columns, strict=True)]
     status = {"ok": "ok", "wrong": "WRONG", "refused": "refused"}[row["status"]]
     text = " ".join(cells) + f"  {status}"
+    if noisy(row):
+        text += f" (noisy: p20-p80 {_spread(row):.0f}% of the median)"
     reasons = [row["reason"]] + ([row.get("graph_reason")] if graph else [])
     for reason in filter(None, reasons):
         text += f" ({reason[:97] + '...' if len(reason) > 100 else reason})"
@@ -281,7 +283,8 @@ def table_footer(
         lines.append(
             "Times: triton.testing.do_bench, median and 20th-80th percentiles. TFLOP/s: fwd "
             "4*B*H*Sq*Sk*D (causal: half), bwd 2.5x, fwd+bwd 3.5x; with Dv != D (shape D:Dv), "
-            "fwd 2*B*H*Sq*Sk*(D+Dv), bwd 2*B*H*Sq*Sk*(3D+2Dv)."
+            "fwd 2*B*H*Sq*Sk*(D+Dv), bwd 2*B*H*Sq*Sk*(3D+2Dv). noisy: a p20-p80 spread over "
+            f"{NOISY_SPREAD:.0f}% of the median (the GPU was disturbed while timing; re-run it)."
         )
         if peak:
             lines.append(
@@ -330,6 +333,20 @@ def _key(row: dict, provider: str | None) -> tuple:
 
 def _spread(row: dict) -> float:
     return 100 * (row["ms_p80"] - row["ms_p20"]) / row["ms_p50"]
+
+
+# A GPU timing whose 20th-80th percentile spread exceeds this share of its median (in percent)
+# is marked noisy: something else shared the GPU or its clocks moved during the timing, and its
+# median is not to be compared. On an H200 steady backward timings spread 1-9% and the disturbed
+# ones seen 14-57% (docs/performance_backward.md, "`FRESH_DESC` run").
+NOISY_SPREAD = 10.0
+
+
+def noisy(row: dict) -> bool:
+    """Whether ``row``'s GPU timing spread more than ``NOISY_SPREAD`` percent of its median."""
+    if row.get("timer") != metrics.TIMER_GPU or not row.get("ms_p50"):
+        return False
+    return _spread(row) > NOISY_SPREAD
 
 
 def _seq_label(n: int) -> str:
