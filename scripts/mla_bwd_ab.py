@@ -18,9 +18,7 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
 - ``wide-regs``, ``64key-regs``, ``dqkernel-regs``: those with dK and dV stored from
   registers (``WIDE_TMA_EPILOGUE``, ``DKDV_TMA_EPILOGUE`` off; every other path stores them by
   TMA, as shipped);
-- ``64key-fresh``, ``d256-fresh``: the 64-key dK/dV kernel with K's and V's wgmma descriptors
-  formed in the step loop (``DKDV_FRESH_DESC``; off in every other path, as shipped);
-- with ``--d256`` (q, k and v of head dim 256): ``d256``, ``d256-regs``, ``d256-fresh``;
+- with ``--d256`` (q, k and v of head dim 256): ``d256`` and ``d256-regs``;
 - ``dqkernel``: the dQ kernel beside the 64-key dK/dV kernel (``FUSED_MLA`` off);
 - ``portable``: the portable backward (``VERIFIED`` off).
 
@@ -57,7 +55,6 @@ def use(path: str) -> None:
     bwd256.WIDE_SKIP_MASKED = path != "wide-noskip"
     bwd256.WIDE_MASK_EXPONENT = path != "wide-nomexp"
     bwd256.WIDE_FRESH_DESC = path != "wide-nofresh"
-    bwd256.DKDV_FRESH_DESC = path.endswith("-fresh")
     bwd256.WIDE_TMA_EPILOGUE = bwd256.DKDV_TMA_EPILOGUE = not path.endswith("-regs")
     bwd256._PLANS.clear()
     bwd.forget()

@@ -319,38 +319,6 @@ def test_backward_gpu_d256_masks(mc, dtype, monkeypatch):
     assert calls
 
 
-# The 64-key dK/dV kernel with K's and V's views taken each step (``bwd256.DKDV_FRESH_DESC``,
-# forced): ragged lengths, GQA/MQA, head dims below 256, causal and not, the score options.
-D256_FRESH = [
-    (MaskCase(D256_BWD[1]), torch.bfloat16),
-    (MaskCase(D256_BWD[2], causal=True), torch.float16),
-    (MaskCase(D256_BWD[5], causal=True), torch.bfloat16),
-    (MaskCase(D256_BWD[7]), torch.float16),
-    *D256_MASKS[1:3],
-    *D256_MASKS[6:],
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize(
-    ("mc", "dtype"), D256_FRESH, ids=[f"{mc.id}-{str(d)[6:]}" for mc, d in D256_FRESH]
-)
-def test_backward_gpu_d256_fresh_desc(mc, dtype, monkeypatch):
-    """Head dims 136-256 on Hopper with the dK/dV kernel's K and V descriptors formed in the
-    step loop (``bwd256.DKDV_FRESH_DESC``)."""
-    from flashcore.ops import bwd256
-
-    monkeypatch.setattr(bwd256, "DKDV_FRESH_DESC", True)
-    bwd256._PLANS.clear()
-    calls = spy_d256(monkeypatch)
-    try:
-        q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd")
-        check_backward(q, k, v, **mask_options(mc, "cuda"))
-        assert calls and all(p.dkdv[2]["FRESH_DESC"] for p in bwd256._PLANS.values())
-    finally:
-        bwd256._PLANS.clear()  # no plan built with the switch outlives the test
-
-
 D256_MLA = [
     (MaskCase(Case(2, 4, 4, 1000, 1000, 192)), "bhsd", torch.bfloat16),
     (MaskCase(Case(1, 4, 2, 513, 777, 192), causal=True), "bshd", torch.float16),
@@ -402,10 +370,10 @@ def test_backward_gpu_sm90_fresh_desc(mc, dtype, monkeypatch):
 
 
 # The 128-key kernel as shipped, without SKIP_MASKED, MASK_EXPONENT or FRESH_DESC; the
-# 64-key fused kernel (and with DKDV_FRESH_DESC); the dQ kernel beside the 64-key dK/dV kernel;
-# "-regs": dK and dV stored from registers instead of by TMA.
+# 64-key fused kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored
+# from registers instead of by TMA.
 MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-nofresh", "wide-regs"]
-MLA_PATHS += ["fused-dq", "fused-dq-regs", "fused-dq-fresh", "dq-kernel", "dq-kernel-regs"]
+MLA_PATHS += ["fused-dq", "fused-dq-regs", "dq-kernel", "dq-kernel-regs"]
 
 
 @pytest.mark.gpu
@@ -423,10 +391,8 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-nomexp" with its exponent formed after the
     masks' branches, ``bwd256.WIDE_MASK_EXPONENT`` off; "wide-nofresh" with its fixed tiles'
     descriptors formed before the step loop, ``bwd256.WIDE_FRESH_DESC`` off) or at 64
-    ("fused-dq"; "fused-dq-fresh" with its K and V descriptors formed in the step loop,
-    ``bwd256.DKDV_FRESH_DESC``), and by the dQ kernel ("dq-kernel"); "-regs": dK and dV stored
-    from registers (``bwd256.WIDE_TMA_EPILOGUE`` and ``DKDV_TMA_EPILOGUE`` off; on elsewhere, by
-    TMA)."""
+    ("fused-dq"), and by the dQ kernel ("dq-kernel"); "-regs": dK and dV stored from registers
+    (``bwd256.WIDE_TMA_EPILOGUE`` and ``DKDV_TMA_EPILOGUE`` off; on elsewhere, by TMA)."""
     from flashcore.ops import bwd256
 
     monkeypatch.setattr(bwd256, "FUSED_MLA", not path.startswith("dq-kernel"))
@@ -436,7 +402,6 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     monkeypatch.setattr(bwd256, "WIDE_SKIP_MASKED", path != "wide-noskip")
     monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", path != "wide-nomexp")
     monkeypatch.setattr(bwd256, "WIDE_FRESH_DESC", path != "wide-nofresh")
-    monkeypatch.setattr(bwd256, "DKDV_FRESH_DESC", path == "fused-dq-fresh")
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
@@ -451,8 +416,6 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     assert all(p.dkdv[2]["TMA_EPILOGUE"] == tma for p in bwd256._PLANS.values())
     wide = [p for p in bwd256._PLANS.values() if p.wide]
     assert all(p.dkdv[2]["FRESH_DESC"] == (path != "wide-nofresh") for p in wide)
-    narrow = [p for p in bwd256._PLANS.values() if not p.wide]
-    assert all(p.dkdv[2]["FRESH_DESC"] == (path == "fused-dq-fresh") for p in narrow)
 
 
 @pytest.mark.gpu

@@ -56,9 +56,6 @@ VARIANTS = [
     ("dkdv-tma-bf16-causal", "dkdv", "bf16", True, False, True, False, False),
     ("dkdv-tma-fp16-window-softcap-varlen", "dkdv", "fp16", False, True, False, True, False),
     ("mla-fused-tma-dkdv-bf16-causal-ragged", "dkdv", "bf16", True, False, False, False, False),
-    # K's and V's views taken each step (FRESH_DESC: "-fresh"; off as shipped), beside
-    # "dkdv-tma-bf16-causal".
-    ("dkdv-tma-bf16-causal-fresh", "dkdv", "bf16", True, False, True, False, False),
     ("mla-tma-dkdv-fp16-softcap-alibi-varlen", "dkdv", "fp16", False, False, False, True, True),
     # MLA's 128-key kernel (kernels/hopper/bwd_mla.py: a label with "wide"); no score options.
     ("mla-wide-fused-bf16", "wide", "bf16", False, False, True, False, False),
@@ -123,10 +120,6 @@ def compile_variant(variant) -> dict:
     )  # fmt: skip
     if which in ("dkdv", "wide"):
         consts["EVEN_N"] = even_n
-        # The fixed tiles' descriptors formed in the step loop (FRESH_DESC): as the launcher
-        # takes it, "-fresh" on and "nofresh" off.
-        shipped = bwd256.WIDE_FRESH_DESC if which == "wide" else bwd256.DKDV_FRESH_DESC
-        consts["FRESH_DESC"] = "-fresh" in label or (shipped and "nofresh" not in label)
         consts["FUSED_DQ"] = fused
         # dK and dV by TMA stores (TMA_EPILOGUE: a label with "tma"): dK's first QK_A columns in
         # a box of V's shape, its last QK_B in K's box.
@@ -138,6 +131,7 @@ def compile_variant(variant) -> dict:
             fn = bwd_mla.attn_bwd_mla_sm90_kernel
             consts["SKIP_MASKED"] = "skip" in label
             consts["MASK_EXPONENT"] = "mexp" in label
+            consts["FRESH_DESC"] = "nofresh" not in label
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -167,12 +161,6 @@ def compile_variant(variant) -> dict:
         # Local loads and stores in each step loop (the 128-key kernel's: one a consumer).
         "loop_local": [
             sum(bool(re.match(r"(@!?U?P\w+\s+)?(LDL|STL)", t)) for t in body)
-            for body in step_loops(sass)
-        ],
-        # Vector-to-uniform moves in each step loop (``R2UR``: wgmma descriptors held in vector
-        # registers are moved so before each product).
-        "loop_r2ur": [
-            sum(bool(re.match(r"(@!?U?P\w+\s+)?R2UR", t)) for t in body)
             for body in step_loops(sass)
         ],
     }
@@ -275,18 +263,6 @@ def test_fresh_descriptors_stay_out_of_local_memory(compiled):
         assert all(a < b for a, b in zip(ours, theirs, strict=True)), (fresh, ours, theirs)
         if "causal" not in fresh:
             assert ours == [0, 0], (fresh, ours)
-
-
-def test_dkdv_fresh_descriptors_stay_uniform(compiled):
-    """FRESH_DESC in the 64-key dK/dV kernel (``kernels/hopper/bwd256.py``): with K's and V's
-    views taken each step, its consumers' step loops move at most two values from vector to
-    uniform registers (``R2UR``), against 11-13 a step without (the descriptors formed before
-    the loop and held in vector registers)."""
-    rows = {row["variant"]: row for row in compiled}
-    ours = rows["dkdv-tma-bf16-causal-fresh"]["loop_r2ur"]
-    theirs = rows["dkdv-tma-bf16-causal"]["loop_r2ur"]
-    assert len(ours) == len(theirs) == 2, (ours, theirs)
-    assert all(a <= 2 < b for a, b in zip(ours, theirs, strict=True)), (ours, theirs)
 
 
 def test_mla_trace_build_still_applies():

@@ -461,20 +461,17 @@ def test_varlen_gpu_d256_backward(monkeypatch, case, opts, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("tma", "fresh"), [(False, False), (True, False), (True, True)],
-                         ids=["", "tma", "tma-fresh"])  # fmt: skip
+@pytest.mark.parametrize("tma", [False, True], ids=["", "tma"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal, tma, fresh):
+def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal, tma):
     """The head-dim-256 backward's blocks reach into the next sequence's rows (or past the last
     offset): whatever those rows of q, k, v and dout hold, NaN or inf included, the other
     sequences' gradients are the same bits (no atomics); "tma": dK and dV of the blocks inside
     a sequence stored by TMA (``bwd256.DKDV_TMA_EPILOGUE``), also against the float64
-    reference; "fresh": K's and V's descriptors formed in the step loop
-    (``bwd256.DKDV_FRESH_DESC``)."""
+    reference."""
     from flashcore.ops import bwd256
 
     monkeypatch.setattr(bwd256, "DKDV_TMA_EPILOGUE", tma)
-    monkeypatch.setattr(bwd256, "DKDV_FRESH_DESC", fresh)
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
     case = VarlenCase(4, 2, (100, 37, 260, 5), (130, 37, 300, 9), 256)
@@ -494,10 +491,8 @@ def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal, tma, f
     poison_neighbours(grads, same, q, k, v, dout)
     assert calls
     assert all(p.dkdv[2]["TMA_EPILOGUE"] == tma for p in bwd256._PLANS.values())
-    assert all(p.dkdv[2]["FRESH_DESC"] == fresh for p in bwd256._PLANS.values())
     if tma:
         check_varlen(case, q, k, v, cu_q, cu_k, causal=causal, backward=True)
-    bwd256._PLANS.clear()
 
 
 @pytest.mark.gpu

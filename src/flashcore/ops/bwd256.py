@@ -87,12 +87,6 @@ WIDE_MASK_EXPONENT = True
 # --rotate 5, against the path without it ("wide-nofresh" now): non-causal 1.04-1.05x, causal
 # 1.09-1.10x at 2048-8192 keys (docs/performance_backward.md). Tests set it either way.
 WIDE_FRESH_DESC = True
-# The same in the 64-key dK/dV kernel (``kernels/hopper/bwd256.py``, FRESH_DESC: K's and V's
-# views taken each step through an opaque zero; sm_90a: 11-17 ``R2UR`` a step to 1-2, no spills
-# either way): exact and level at head dim 256 (H200, bf16, 16 heads, scripts/mla_bwd_ab.py --d256
-# --paths d256,d256-fresh --rotate 3: 0.997-1.008x at 2048-8192 keys), so off. Tests set it
-# either way.
-DKDV_FRESH_DESC = False
 # dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
 # from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the
@@ -288,7 +282,7 @@ def _plan(
                 {"SKIP_MASKED": WIDE_SKIP_MASKED, "MASK_EXPONENT": WIDE_MASK_EXPONENT,
                  "FRESH_DESC": WIDE_FRESH_DESC}
                 if wide_mla
-                else {"FRESH_DESC": DKDV_FRESH_DESC}
+                else {}
             ),
         },
     )  # fmt: skip

@@ -66,12 +66,7 @@ are complete (``epi_bar``, count 2: consumer 0's S^T and dQ read K, consumer 1's
 consumer 0 writes dV into V's tile and consumer 1 dK into K's (MLA: its two), and each stores
 its tile by TMA (rows past Sk and columns past the head dim clipped by the copy engine; VARLEN:
 a block that crosses its sequence's end keeps the register stores), as ``bwd.py`` does; the
-register stores cost the 128-key MLA kernel 43-64 us at 1024 programs on an H200. FRESH_DESC
-(``ops/bwd256.py: DKDV_FRESH_DESC``, off): the consumers take their K and V views each step
-through an opaque zero (K and V are allocated with a leading dimension of one, which they index),
-so that the wgmma descriptors are formed in the step loop rather than every k-step's before it
-(as ``bwd_mla.py``'s FRESH_DESC): sm_90a, 11-17 ``R2UR`` a step to 1-2, no spills either way;
-exact, and level at head dim 256 (0.997-1.008x, H200), so off.
+register stores cost the 128-key MLA kernel 43-64 us at 1024 programs on an H200.
 
 dQ (``attn_bwd_dq_sm90_d256_kernel``): the same split with rows and keys swapped, and dQ split by
 head-dim halves (one accumulator, 64 x 256, is a single consumer's whole budget, and the other
@@ -154,7 +149,6 @@ from flashcore.kernels.hopper.common import (
     LOG2E,
     interleave,
     kv_tile_range,
-    opaque,
     sequence,
     tanh,
     zero_rows,
@@ -314,20 +308,7 @@ def _capped(s, rows, keys, diag, qk_scale, softcap, ALIBI, slope_off, SOFTCAP: g
 
 
 @gluon.jit
-def _fixed_views(ka_all, kb_all, v_all, z, QK_B: gl.constexpr):
-    """``(kat, kbt, vt)``: the dK/dV kernel's K tiles and V tile (each allocated with a leading
-    dimension of one) as 2-D views, each through index ``z`` (0; FRESH_DESC passes an opaque 0).
-    Without QK_B, ``kbt`` stands in as ``kat``."""
-    kat = ka_all.index(z).reshape([ka_all.shape[3], ka_all.shape[4]])
-    vt = v_all.index(z).reshape([v_all.shape[3], v_all.shape[4]])
-    kbt = kat
-    if QK_B > 0:
-        kbt = kb_all.index(z).reshape([kb_all.shape[3], QK_B])
-    return kat, kbt, vt
-
-
-@gluon.jit
-def _consumer(qa_smem, qb_smem, ka_all, kb_all, v_all, do_smem, p_smem, ds_smem, dq_tile,
+def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, dq_tile,
               dq_desc, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free, LSE2,
               DELTA, DK, DV, ALIBI, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, epi_bar, stride_ab,
               stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
@@ -336,11 +317,10 @@ def _consumer(qa_smem, qb_smem, ka_all, kb_all, v_all, do_smem, p_smem, ds_smem,
               CONSUMER: gl.constexpr, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
               IS_CAUSAL: gl.constexpr, HAS_WINDOW: gl.constexpr, EVEN_N: gl.constexpr,
               SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, VARLEN: gl.constexpr,
-              FUSED_DQ: gl.constexpr, TMA_EPILOGUE: gl.constexpr,
-              FRESH_DESC: gl.constexpr):  # fmt: skip
-    dtype: gl.constexpr = ka_all.dtype
-    QK_A: gl.constexpr = ka_all.shape[4]
-    V_DIM: gl.constexpr = v_all.shape[4]
+              FUSED_DQ: gl.constexpr, TMA_EPILOGUE: gl.constexpr):  # fmt: skip
+    dtype: gl.constexpr = ka_smem.dtype
+    QK_A: gl.constexpr = ka_smem.shape[3]
+    V_DIM: gl.constexpr = v_smem.shape[3]
     # Consumer 0 holds dV, consumer 1 dK (module docstring; MLA's dK as columns [0, QK_A) and
     # [QK_A, QK_A + QK_B)).
     ACC_DIM: gl.constexpr = V_DIM if CONSUMER == 0 else QK_A
@@ -364,14 +344,17 @@ def _consumer(qa_smem, qb_smem, ka_all, kb_all, v_all, do_smem, p_smem, ds_smem,
     offs_m = gl.arange(0, ROWS, layout=col_layout)
     # Query blocks starting at or past this row see every key of the block: no causal mask.
     full_m = start_n + ROWS - 1 - diag
-    kat, kbt, vt = _fixed_views(ka_all, kb_all, v_all, 0, QK_B)
+    kat = ka_smem.reshape([ROWS, QK_A])
+    vt = v_smem.reshape([ROWS, V_DIM])
     zero_s = gl.zeros([ROWS, ROWS], gl.float32, layout=s_layout)
     acc = gl.zeros([ROWS, ACC_DIM], gl.float32, layout=acc_layout)
-    if QK_B > 0 and CONSUMER == 1:
-        b_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QK_B, 16]
-        )
-        acc_b = gl.zeros([ROWS, QK_B], gl.float32, layout=b_layout)
+    if QK_B > 0:
+        kbt = kb_smem.reshape([ROWS, QK_B])
+        if CONSUMER == 1:
+            b_layout: gl.constexpr = gl.NVMMADistributedLayout(
+                version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, QK_B, 16]
+            )
+            acc_b = gl.zeros([ROWS, QK_B], gl.float32, layout=b_layout)
     if FUSED_DQ:
         # This consumer's columns of a step's dQ = dS K (consumer 0 the first QK_A, beside dV's
         # layout; consumer 1 the last QK_B, beside dK's second tile), from the dS^T tile.
@@ -397,12 +380,6 @@ def _consumer(qa_smem, qb_smem, ka_all, kb_all, v_all, do_smem, p_smem, ds_smem,
         start_m = lo + (t % n_m) * ROWS
         slot = t % NUM_STAGES
         buf = t % 2
-        if FRESH_DESC:
-            # K's and V's views through a zero LLVM cannot see, so that their wgmma descriptors
-            # are formed here each step, not every k-step's before the loop (module docstring).
-            kat, kbt, vt = _fixed_views(ka_all, kb_all, v_all, opaque(0), QK_B)
-            if FUSED_DQ:
-                k_dq = kat if CONSUMER == 0 else kbt
         mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
         qa = qa_smem.index(slot).reshape([ROWS, QK_A])
         do = do_smem.index(slot).reshape([ROWS, V_DIM])
@@ -536,11 +513,10 @@ def _consumer(qa_smem, qb_smem, ka_all, kb_all, v_all, do_smem, p_smem, ds_smem,
         mbarrier.arrive(epi_bar, count=1)
         mbarrier.wait(epi_bar, 0)
     # Consumer 0 holds dV, consumer 1 dK (and MLA's second tile).
-    _store_acc(DK, DV, dka_desc, dkb_desc, dv_desc, ka_all.index(0), kb_all.index(0),
-               v_all.index(0), acc, acc, acc_b, off_b, off_hk, desc_b, k_start, start_n,
-               seqlen_k, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-               scale, head_dim, CONSUMER == 0, CONSUMER == 1, QK_B, TMA_EPILOGUE,
-               VARLEN)  # fmt: skip
+    _store_acc(DK, DV, dka_desc, dkb_desc, dv_desc, ka_smem, kb_smem, v_smem, acc, acc, acc_b,
+               off_b, off_hk, desc_b, k_start, start_n, seqlen_k, stride_dkb, stride_dkh,
+               stride_dkn, stride_dvb, stride_dvh, stride_dvn, scale, head_dim, CONSUMER == 0,
+               CONSUMER == 1, QK_B, TMA_EPILOGUE, VARLEN)  # fmt: skip
     if TMA_EPILOGUE:
         # No TMA store may still read the tile when the block exits.
         tma.store_wait(0)
@@ -749,7 +725,6 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     VARLEN: gl.constexpr,
     FUSED_DQ: gl.constexpr = False,
     TMA_EPILOGUE: gl.constexpr = False,
-    FRESH_DESC: gl.constexpr = False,
 ):
     """dK and dV of one 64-key block (module docstring). ``LSE2`` and ``DELTA``: the row stats
     of ``bwd.bwd_prep_kernel``, fp32 ``(B, H, Sq_pad)`` with strides ``(stride_lb, stride_lh,
@@ -771,14 +746,10 @@ def attn_bwd_dkdv_sm90_d256_kernel(
             return
     dtype: gl.constexpr = q_desc.dtype
     qa_smem, qb_smem = _qk_tiles(q_desc, [NUM_STAGES, 1, 1, ROWS], QK_A, QK_B)
-    # K and V with a leading dimension of one: the consumers index it (FRESH_DESC).
-    ka_all, kb_all = _qk_tiles(k_desc, [1, 1, 1, ROWS], QK_A, QK_B)
-    ka_smem = ka_all.index(0)
-    kb_smem = kb_all.index(0)
+    ka_smem, kb_smem = _qk_tiles(k_desc, [1, 1, ROWS], QK_A, QK_B)
     do_shape: gl.constexpr = [NUM_STAGES] + do_desc.block_type.shape  # noqa: RUF005
     do_smem = gl.allocate_shared_memory(dtype, do_shape, do_desc.layout)
-    v_all = gl.allocate_shared_memory(dtype, [1] + v_desc.block_type.shape, v_desc.layout)  # noqa: RUF005
-    v_smem = v_all.index(0)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     p_smem, kv_ready, qd_ready, qd_empty, p_ready, p_free, fix_bar = _handoff_state(
         NUM_STAGES, VARLEN
     )
@@ -813,24 +784,24 @@ def attn_bwd_dkdv_sm90_d256_kernel(
     gl.warp_specialize(
         [
             (_consumer, (
-                qa_smem, qb_smem, ka_all, kb_all, v_all, do_smem, p_smem, ds_smem, dqa_tile,
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, dqa_tile,
                 dqa_desc, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free, LSE2,
                 DELTA, DK, DV, ALIBI, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, epi_bar, stride_ab,
                 stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                 stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                 softcap, window_left, window_right, head_dim, total_q, total_k, 0, QK_B,
                 NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN, FUSED_DQ,
-                TMA_EPILOGUE, FRESH_DESC,
+                TMA_EPILOGUE,
             )),
             (_consumer, (
-                qa_smem, qb_smem, ka_all, kb_all, v_all, do_smem, p_smem, ds_smem, dqb_tile,
+                qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, p_smem, ds_smem, dqb_tile,
                 dqb_desc, kv_ready, qd_ready, qd_empty, p_ready, p_free, ds_ready, ds_free, LSE2,
                 DELTA, DK, DV, ALIBI, CU_Q, CU_K, dka_desc, dkb_desc, dv_desc, epi_bar, stride_ab,
                 stride_lb, stride_lh, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh,
                 stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, qk_scale, scale,
                 softcap, window_left, window_right, head_dim, total_q, total_k, 1, QK_B,
                 NUM_STAGES, IS_CAUSAL, HAS_WINDOW, EVEN_N, SOFTCAP, HAS_ALIBI, VARLEN, FUSED_DQ,
-                TMA_EPILOGUE, FRESH_DESC,
+                TMA_EPILOGUE,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
