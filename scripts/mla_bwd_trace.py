@@ -136,8 +136,15 @@ def trace_source(steps: bool, pid: int = 0, fake_full: bool = False) -> str:
     stamp = STEP_STAMP.replace("PID_", str(pid)).replace("STEPS_", str(STEPS))
     src = _edit(src, "\n\n@gluon.jit\ndef _step(", stamp)
     src = _edit(src, "          dk_b, zero_s, t, slot,", "          dk_b, zero_s, ALIBI, t, slot,")
-    src = _edit(src, "ds_ready, ds_free, dv, dk_a, dk_b, zero_s, t, slot, start_m,",
-                "ds_ready, ds_free, dv, dk_a, dk_b, zero_s, ALIBI, t, slot, start_m,")  # fmt: skip
+    step_args = "ds_free, dv, dk_a, dk_b, zero_s, t, slot, start_m, key0, diag,"
+    src = _edit(src, step_args, step_args.replace("zero_s, t,", "zero_s, ALIBI, t,"))
+    # The pointer into the step function (``_full_step``) and its three calls.
+    src = _edit(src, "def _full_step(ka_smem,", "def _full_step(ALIBI, ka_smem,")
+    src = _edit(src, "_full_step(\n                    ka_smem,",
+                "_full_step(\n                    ALIBI, ka_smem,", 2)  # fmt: skip
+    src = _edit(
+        src, "_full_step(\n                ka_smem,", "_full_step(\n                ALIBI, ka_smem,"
+    )
     inside = (
         "    s = warpgroup_mma_wait(0, deps=[s_tok])\n",
         "    dv, p_op = warpgroup_mma_wait(0, deps=[dv_tok, p_op])\n",
@@ -148,18 +155,18 @@ def trace_source(steps: bool, pid: int = 0, fake_full: bool = False) -> str:
     for e, line in enumerate(inside, start=2):
         head, _, tail = line.partition("\n")
         src = _edit(src, line, f"{head}\n    _stamp(ALIBI, t, {e}, CONSUMER, t)\n{tail}")
-    wait = "        mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)\n"
-    src = _edit(src, wait, "        _stamp(ALIBI, t, 0, CONSUMER, t)\n" + wait
-                + "        _stamp(ALIBI, t, 1, CONSUMER, t)\n")  # fmt: skip
-    ready = "        mbarrier.wait(ds_ready, t & 1)\n"
-    read = "        tma.store_wait(0)\n        row = q_start + start_m\n"
-    src = _edit(src, ready, "        _stamp(ALIBI, t, 7, CONSUMER, t)\n" + ready
-                + "        _stamp(ALIBI, t, 8, CONSUMER, t)\n")  # fmt: skip
-    stamp9 = "        _stamp(ALIBI, t, 9, CONSUMER, t)\n"
-    src = _edit(src, read, read.replace("        row", stamp9 + "        row"))
-    return _edit(src, "                      i == N_PANELS - 1, VARLEN)  # fmt: skip\n",
-                 "                      i == N_PANELS - 1, VARLEN)  # fmt: skip\n"
-                 "        _stamp(ALIBI, t, 10, CONSUMER, t)\n")  # fmt: skip
+    wait = "    mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)\n"
+    src = _edit(src, wait, "    _stamp(ALIBI, t, 0, CONSUMER, t)\n" + wait
+                + "    _stamp(ALIBI, t, 1, CONSUMER, t)\n")  # fmt: skip
+    ready = "    mbarrier.wait(ds_ready, t & 1)\n"
+    read = "    tma.store_wait(0)\n    row = q_start + start_m\n"
+    src = _edit(src, ready, "    _stamp(ALIBI, t, 7, CONSUMER, t)\n" + ready
+                + "    _stamp(ALIBI, t, 8, CONSUMER, t)\n")  # fmt: skip
+    stamp9 = "    _stamp(ALIBI, t, 9, CONSUMER, t)\n"
+    src = _edit(src, read, read.replace("    row", stamp9 + "    row"))
+    return _edit(src, "                  i == N_PANELS - 1, VARLEN)  # fmt: skip\n",
+                 "                  i == N_PANELS - 1, VARLEN)  # fmt: skip\n"
+                 "    _stamp(ALIBI, t, 10, CONSUMER, t)\n")  # fmt: skip
 
 
 def _use(source: str, tmp: str) -> None:

@@ -497,21 +497,23 @@ def test_varlen_gpu_d256_backward_sequences_isolated(monkeypatch, causal, tma):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("causal", "skip", "tma", "mexp", "fresh"),
-    [(False, False, False, False, False), (True, False, False, False, False),
-     (True, True, False, False, False), (False, False, True, False, False),
-     (True, True, True, False, False), (False, False, True, True, False),
-     (True, True, True, True, False), (False, False, True, True, True),
-     (True, True, True, True, True)],
+    ("causal", "skip", "tma", "mexp", "fresh", "split"),
+    [(False, False, False, False, False, False), (True, False, False, False, False, False),
+     (True, True, False, False, False, False), (False, False, True, False, False, False),
+     (True, True, True, False, False, False), (False, False, True, True, False, False),
+     (True, True, True, True, False, False), (False, False, True, True, True, False),
+     (True, True, True, True, True, False), (True, True, True, True, True, True)],
     ids=["full", "causal", "causal-skip", "full-tma", "causal-skip-tma", "full-tma-mexp",
-         "causal-skip-tma-mexp", "full-tma-mexp-fresh", "causal-skip-tma-mexp-fresh"],
+         "causal-skip-tma-mexp", "full-tma-mexp-fresh", "causal-skip-tma-mexp-fresh",
+         "causal-skip-tma-mexp-fresh-split"],
 )  # fmt: skip
-def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma, mexp, fresh):
+def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma, mexp, fresh, split):
     """MLA's 128-key backward (``kernels/hopper/bwd_mla.py``) on packed batches
     (``bwd256.WIDE_MLA_VARLEN``; causal with and without ``WIDE_SKIP_MASKED``; with
     ``WIDE_TMA_EPILOGUE``, blocks inside a sequence stored by TMA; with ``WIDE_MASK_EXPONENT``,
     the exponent formed before the masks' branches; with ``WIDE_FRESH_DESC``, the fixed tiles'
-    descriptors formed in the step loop): sequences empty, of one
+    descriptors formed in the step loop; with ``WIDE_SPLIT_DIAG``, the diagonal's steps
+    in a loop of their own): sequences empty, of one
     row, ending inside either consumer's half of a block and past it, GQA, against the float64
     reference; then with NaN past the last offset and inf in sequence 1's rows, the other
     sequences' gradients unchanged (dK and dV the same bits, dQ within an ulp of its largest
@@ -523,6 +525,7 @@ def test_varlen_gpu_mla_wide_backward(monkeypatch, causal, skip, tma, mexp, fres
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", mexp)
     monkeypatch.setattr(bwd256, "WIDE_FRESH_DESC", fresh)
+    monkeypatch.setattr(bwd256, "WIDE_SPLIT_DIAG", split)
     calls = spy_d256(monkeypatch)
     bwd256._PLANS.clear()
     case = VarlenCase(4, 2, (300, 1, 0, 129, 64, 700), (517, 64, 10, 129, 0, 700), 192)

@@ -87,6 +87,13 @@ WIDE_MASK_EXPONENT = True
 # --rotate 5, against the path without it ("wide-nofresh" now): non-causal 1.04-1.05x, causal
 # 1.09-1.10x at 2048-8192 keys (docs/performance_backward.md). Tests set it either way.
 WIDE_FRESH_DESC = True
+# Causal: the 128-key kernel's steps that the diagonal crosses in a loop of their own, the others
+# in one built as the non-causal step (``kernels/hopper/bwd_mla.py``, SPLIT_DIAG; sm_90a: 565 / 516
+# instructions a step there against 635 / 613). H200, bf16, 16 heads, kernel time by
+# torch.profiler: 1.02x at 512 keys, 1.04x at 1024, 1.05x at 2048, 1.07x at 4096; scripts/
+# mla_bwd_ab.py --rotate 5 at 2048-8192 keys 1.02-1.05x (docs/performance_backward.md). Tests set
+# it either way.
+WIDE_SPLIT_DIAG = True
 # dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
 # from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the
@@ -280,7 +287,7 @@ def _plan(
             "FUSED_DQ": fused_dq, "TMA_EPILOGUE": tma_epilogue, **meta,
             **(
                 {"SKIP_MASKED": WIDE_SKIP_MASKED, "MASK_EXPONENT": WIDE_MASK_EXPONENT,
-                 "FRESH_DESC": WIDE_FRESH_DESC}
+                 "FRESH_DESC": WIDE_FRESH_DESC, "SPLIT_DIAG": WIDE_SPLIT_DIAG}
                 if wide_mla
                 else {}
             ),

@@ -70,6 +70,15 @@ without), 549 / 477 instructions (608 / 540), 36 B of spills (488); causal 635 /
 651), 0 / 3 local accesses (16 / 28), 132 B (564). H200: non-causal 1.04-1.05x, causal
 1.09-1.10x at 2048-8192 keys.
 
+SPLIT_DIAG (``ops/bwd256.py: WIDE_SPLIT_DIAG``, on), causal: a block's steps that the diagonal
+crosses for either consumer (``diagonal_steps``: those starting before consumer 1's ``full_m``),
+every head's of its kv group, run in one loop with the masks, then the others in a second loop
+built as the non-causal step (no mask, EVEN_N: below the diagonal every key of the block is in
+[0, Sk) and seen by every row); the producer loads them in that order. sm_90a: the second loops
+565 / 516 instructions a step against the one loop's 635 / 613; the spills grow outside the loops
+(344 B against 132). Before FRESH_DESC the same split was 0.88-0.91x (it doubled the descriptors'
+reloads); with it, H200: 1.02-1.07x kernel time at 512-4096 keys.
+
 Consumer 0 does 14 units of 64^3 a step to consumer 1's 12, and the ``ds_free`` wait keeps
 them in step. The middle dQ panel alternating between them by step (13 units each, its staging
 tile handed over on an mbarrier) was built, ran exact and was not faster (0.90-1.04x, H200:
@@ -127,11 +136,26 @@ HEAVY_REGS = gl.constexpr(248)
 
 
 @gluon.jit
+def diagonal_steps(start_n, lo, n_m, diag, SPLIT: gl.constexpr):
+    """SPLIT_DIAG: how many of a head's ``n_m`` steps (from row ``lo``) the causal diagonal
+    crosses for either consumer of the block from key ``start_n`` (``diag = Sk - Sq``): those
+    whose rows start before ``start_n + KEYS - 1 - diag``, consumer 1's ``full_m``; 0 without
+    SPLIT. The steps of a block run in this order: every head's diagonal steps (head by head),
+    then every head's others; without SPLIT, head by head."""
+    if SPLIT:
+        n = gl.minimum(gl.cdiv(gl.maximum(start_n + KEYS - 1 - diag - lo, 0), ROWS), n_m)
+    else:
+        n = n_m * 0
+    return n
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
               do_smem, stats_smem, kv_ready, qd_ready, qd_empty, fix_bar, LSE2, DELTA, CU_Q,
               CU_K, stride_lb, stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
               total_q, total_k, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, VARLEN: gl.constexpr):  # fmt: skip
+              IS_CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+              SPLIT_DIAG: gl.constexpr):  # fmt: skip
     start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = key_block(
         CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
     )
@@ -154,9 +178,17 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
                         kb_smem.index(c), v_smem.index(c), QK_B)  # fmt: skip
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, 0, 0, IS_CAUSAL, False, KEYS)
     offs = gl.arange(0, ROWS, layout=gl.BlockedLayout([2], [32], [1], [0]))
+    n_diag = diagonal_steps(start_n, lo, n_m, seqlen_k - seqlen_q, IS_CAUSAL and SPLIT_DIAG)
+    n_a = n_diag * kv_group
     for t in range(n_m * kv_group):
-        off_h = off_hk * kv_group + t // n_m
-        start_m = lo + (t % n_m) * ROWS
+        # The steps in the consumers' order (``step_order``).
+        if t < n_a:
+            off_h = off_hk * kv_group + t // n_diag
+            start_m = lo + (t % n_diag) * ROWS
+        else:
+            u = t - n_a
+            off_h = off_hk * kv_group + u // (n_m - n_diag)
+            start_m = lo + (n_diag + u % (n_m - n_diag)) * ROWS
         slot = t % NUM_STAGES
         mbarrier.wait(qd_empty.index(slot), ((t // NUM_STAGES) & 1) ^ 1)
         bar = qd_ready.index(slot)
@@ -289,6 +321,62 @@ def _fixed_tiles(ka_smem, kb_smem, v_smem, z, CONSUMER: gl.constexpr):
 
 
 @gluon.jit
+def _full_step(ka_smem, kb_smem, v_smem, ka, kb, vt, qa_smem, qb_smem, do_smem, stats_smem,
+               ds_smem, qd_ready, qd_empty, ds_ready, ds_free, dv, dk_a, dk_b, zero_s, zero_dq,
+               k0_dq, k1_dq, dq_tiles, dq_desc, desc_b, t, off_h, start_m, q_start, key0, diag,
+               full_m, seqlen_q, seqlen_k, qk_scale, dq_col, CONSUMER: gl.constexpr,
+               NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr, EVEN_N: gl.constexpr,
+               VARLEN: gl.constexpr, SKIP_MASKED: gl.constexpr, MASK_EXPONENT: gl.constexpr,
+               N_PANELS: gl.constexpr, PANEL: gl.constexpr,
+               FRESH_DESC: gl.constexpr):  # fmt: skip
+    """Step ``t`` of a consumer (query head ``off_h``, rows from ``start_m``): its products, its
+    dS^T tile and its dQ panels (module docstring); returns ``(dv, dk_a, dk_b)``."""
+    QK_A: gl.constexpr = qa_smem.shape[4]
+    QK_B: gl.constexpr = qb_smem.shape[4]
+    V_DIM: gl.constexpr = do_smem.shape[4]
+    dtype: gl.constexpr = qa_smem.dtype
+    s_layout: gl.constexpr = zero_s.type.layout
+    slot = t % NUM_STAGES
+    if FRESH_DESC:
+        # The fixed tiles' views through a zero LLVM cannot see (a side-effecting mov), so
+        # that their wgmma descriptors are formed here each step (module docstring).
+        ka, kb, vt, k0_dq, k1_dq = _fixed_tiles(ka_smem, kb_smem, v_smem, opaque(0), CONSUMER)
+    mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
+    qa = qa_smem.index(slot).reshape([ROWS, QK_A])
+    qb = qb_smem.index(slot).reshape([ROWS, QK_B])
+    do = do_smem.index(slot).reshape([ROWS, V_DIM])
+    masked = False
+    if SKIP_MASKED and IS_CAUSAL and CONSUMER == 1:
+        # Causal: no row of the step sees a key of this consumer's (a 128-key block's first
+        # step): P = dS = 0, so no products, a zero dS^T tile for the dQ panels.
+        masked = start_m + ROWS - 1 + diag < key0
+    if masked:
+        mbarrier.wait(ds_free, (t & 1) ^ 1)
+        ds_smem.index(CONSUMER).store(gl.zeros([ROWS, ROWS], dtype, layout=s_layout))
+        fence_async_shared()
+        mbarrier.arrive(ds_ready, count=1)
+        mbarrier.arrive(qd_empty.index(slot), count=1)
+    else:
+        dv, dk_a, dk_b = _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready,
+                               ds_free, dv, dk_a, dk_b, zero_s, t, slot, start_m, key0, diag,
+                               full_m, seqlen_k, qk_scale, CONSUMER, IS_CAUSAL, EVEN_N,
+                               MASK_EXPONENT)  # fmt: skip
+    mbarrier.wait(ds_ready, t & 1)
+    # The staging tiles' previous reduce-adds (step t - 1's) have read them.
+    tma.store_wait(0)
+    row = q_start + start_m
+    for i in gl.static_range(N_PANELS):
+        # Each panel reduced as soon as it is staged: the fence keeps ptxas from issuing the
+        # next panel's products beside this one's registers (two panels at once serialised
+        # the consumer's products for lack of registers, C7512).
+        _dq_panel(ds_smem, k0_dq.slice(i * PANEL, PANEL, dim=1),
+                  k1_dq.slice(i * PANEL, PANEL, dim=1), zero_dq, dq_tiles.index(i), dq_desc,
+                  desc_b, off_h, row, dq_col + i * PANEL, seqlen_q - start_m, ds_free,
+                  i == N_PANELS - 1, VARLEN)  # fmt: skip
+    return dv, dk_a, dk_b
+
+
+@gluon.jit
 def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
               dq_tiles, dq_desc, kv_ready, qd_ready, qd_empty, ds_ready, ds_free, DK, DV, CU_Q,
               CU_K, dka_desc, dkb_desc, dv_desc, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
@@ -297,8 +385,7 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
               QK_B: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
               EVEN_N: gl.constexpr, VARLEN: gl.constexpr, SKIP_MASKED: gl.constexpr,
               TMA_EPILOGUE: gl.constexpr, MASK_EXPONENT: gl.constexpr,
-              FRESH_DESC: gl.constexpr):  # fmt: skip
-    dtype: gl.constexpr = ka_smem.dtype
+              FRESH_DESC: gl.constexpr, SPLIT_DIAG: gl.constexpr):  # fmt: skip
     QK_A: gl.constexpr = ka_smem.shape[4]
     V_DIM: gl.constexpr = v_smem.shape[4]
     gl.static_assert(QK_A == V_DIM)
@@ -337,46 +424,45 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
     dk_a = gl.zeros([ROWS, QK_A], gl.float32, layout=acc_layout)
     dk_b = gl.zeros([ROWS, QK_B], gl.float32, layout=b_layout)
     mbarrier.wait(kv_ready, 0)
-    for t in range(n_m * kv_group):
-        off_h = off_hk * kv_group + t // n_m
-        start_m = lo + (t % n_m) * ROWS
-        slot = t % NUM_STAGES
-        if FRESH_DESC:
-            # The fixed tiles' views through a zero LLVM cannot see (a side-effecting mov), so
-            # that their wgmma descriptors are formed here each step (module docstring).
-            ka, kb, vt, k0_dq, k1_dq = _fixed_tiles(ka_smem, kb_smem, v_smem, opaque(0), CONSUMER)
-        mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
-        qa = qa_smem.index(slot).reshape([ROWS, QK_A])
-        qb = qb_smem.index(slot).reshape([ROWS, QK_B])
-        do = do_smem.index(slot).reshape([ROWS, V_DIM])
-        masked = False
-        if SKIP_MASKED and IS_CAUSAL and CONSUMER == 1:
-            # Causal: no row of the step sees a key of this consumer's (a 128-key block's
-            # first step): P = dS = 0, so no products, a zero dS^T tile for the dQ panels.
-            masked = start_m + ROWS - 1 + diag < key0
-        if masked:
-            mbarrier.wait(ds_free, (t & 1) ^ 1)
-            ds_smem.index(CONSUMER).store(gl.zeros([ROWS, ROWS], dtype, layout=s_layout))
-            fence_async_shared()
-            mbarrier.arrive(ds_ready, count=1)
-            mbarrier.arrive(qd_empty.index(slot), count=1)
-        else:
-            dv, dk_a, dk_b = _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty,
-                                   ds_ready, ds_free, dv, dk_a, dk_b, zero_s, t, slot, start_m,
-                                   key0, diag, full_m, seqlen_k, qk_scale, CONSUMER, IS_CAUSAL,
-                                   EVEN_N, MASK_EXPONENT)  # fmt: skip
-        mbarrier.wait(ds_ready, t & 1)
-        # The staging tiles' previous reduce-adds (step t - 1's) have read them.
-        tma.store_wait(0)
-        row = q_start + start_m
-        for i in gl.static_range(N_PANELS):
-            # Each panel reduced as soon as it is staged: the fence keeps ptxas from issuing the
-            # next panel's products beside this one's registers (two panels at once serialised
-            # the consumer's products for lack of registers, C7512).
-            _dq_panel(ds_smem, k0_dq.slice(i * PANEL, PANEL, dim=1),
-                      k1_dq.slice(i * PANEL, PANEL, dim=1), zero_dq, dq_tiles.index(i), dq_desc,
-                      desc_b, off_h, row, dq_col + i * PANEL, seqlen_q - start_m, ds_free,
-                      i == N_PANELS - 1, VARLEN)  # fmt: skip
+    if SPLIT_DIAG and IS_CAUSAL:
+        # The steps the diagonal crosses, every head's, in a loop of their own, then the others
+        # in a loop without the mask's code, as the non-causal build's (``diagonal_steps``; the
+        # producer's order is the same).
+        n_diag = diagonal_steps(start_n, lo, n_m, diag, True)
+        n_rest = n_m - n_diag
+        for g in range(kv_group):
+            for i in range(n_diag):
+                dv, dk_a, dk_b = _full_step(
+                    ka_smem, kb_smem, v_smem, ka, kb, vt, qa_smem, qb_smem, do_smem,
+                    stats_smem, ds_smem, qd_ready, qd_empty, ds_ready, ds_free, dv, dk_a, dk_b,
+                    zero_s, zero_dq, k0_dq, k1_dq, dq_tiles, dq_desc, desc_b, g * n_diag + i,
+                    off_hk * kv_group + g, lo + i * ROWS, q_start, key0, diag, full_m,
+                    seqlen_q, seqlen_k, qk_scale, dq_col, CONSUMER, NUM_STAGES, True, EVEN_N,
+                    VARLEN, SKIP_MASKED, MASK_EXPONENT, N_PANELS, PANEL, FRESH_DESC,
+                )  # fmt: skip
+        t0 = n_diag * kv_group - n_diag
+        for g in range(kv_group):
+            for i in range(n_diag, n_m):
+                # Below the diagonal every key of the block is in [0, Sk) and seen by every row
+                # (a block that crosses Sk has only diagonal steps): no mask, EVEN_N.
+                dv, dk_a, dk_b = _full_step(
+                    ka_smem, kb_smem, v_smem, ka, kb, vt, qa_smem, qb_smem, do_smem,
+                    stats_smem, ds_smem, qd_ready, qd_empty, ds_ready, ds_free, dv, dk_a, dk_b,
+                    zero_s, zero_dq, k0_dq, k1_dq, dq_tiles, dq_desc, desc_b,
+                    t0 + g * n_rest + i, off_hk * kv_group + g, lo + i * ROWS, q_start, key0,
+                    diag, full_m, seqlen_q, seqlen_k, qk_scale, dq_col, CONSUMER, NUM_STAGES,
+                    False, True, VARLEN, False, MASK_EXPONENT, N_PANELS, PANEL, FRESH_DESC,
+                )  # fmt: skip
+    else:
+        for t in range(n_m * kv_group):
+            dv, dk_a, dk_b = _full_step(
+                ka_smem, kb_smem, v_smem, ka, kb, vt, qa_smem, qb_smem, do_smem, stats_smem,
+                ds_smem, qd_ready, qd_empty, ds_ready, ds_free, dv, dk_a, dk_b, zero_s, zero_dq,
+                k0_dq, k1_dq, dq_tiles, dq_desc, desc_b, t, off_hk * kv_group + t // n_m,
+                lo + (t % n_m) * ROWS, q_start, key0, diag, full_m, seqlen_q, seqlen_k,
+                qk_scale, dq_col, CONSUMER, NUM_STAGES, IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED,
+                MASK_EXPONENT, N_PANELS, PANEL, FRESH_DESC,
+            )  # fmt: skip
     # No bulk reduce may still read this consumer's staging tile when the block exits.
     tma.store_wait(0)
     if TMA_EPILOGUE:
@@ -450,6 +536,7 @@ def attn_bwd_mla_sm90_kernel(
     TMA_EPILOGUE: gl.constexpr = False,
     MASK_EXPONENT: gl.constexpr = False,
     FRESH_DESC: gl.constexpr = False,
+    SPLIT_DIAG: gl.constexpr = False,
 ):
     """dK, dV and the reduce-adds of dQ of one 128-key block (module docstring), with the
     arguments of ``bwd256.attn_bwd_dkdv_sm90_d256_kernel`` (FUSED_DQ; the ones for the options
@@ -512,6 +599,7 @@ def attn_bwd_mla_sm90_kernel(
                 stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
                 lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 1, QK_B, NUM_STAGES,
                 IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT, FRESH_DESC,
+                SPLIT_DIAG,
             )),
             (_consumer, (
                 qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, ds_smem,
@@ -520,12 +608,13 @@ def attn_bwd_mla_sm90_kernel(
                 stride_dvb, stride_dvh, stride_dvn, kv_heads, kv_group, seqlen_q, seqlen_k,
                 lpt_heads, qk_scale, scale, head_dim, total_q, total_k, 0, QK_B, NUM_STAGES,
                 IS_CAUSAL, EVEN_N, VARLEN, SKIP_MASKED, TMA_EPILOGUE, MASK_EXPONENT, FRESH_DESC,
+                SPLIT_DIAG,
             )),
             (_producer, (
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
                 do_smem, stats_smem, kv_ready, qd_ready, qd_empty, fix_bar, LSE2, DELTA, CU_Q,
                 CU_K, stride_lb, stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
-                total_q, total_k, QK_B, NUM_STAGES, IS_CAUSAL, VARLEN,
+                total_q, total_k, QK_B, NUM_STAGES, IS_CAUSAL, VARLEN, SPLIT_DIAG,
             )),
         ],
         [4, 1],
