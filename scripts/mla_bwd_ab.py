@@ -3,6 +3,7 @@
     PYTHONPATH=src python scripts/mla_bwd_ab.py [--paths 64key,wide] [--rounds 2]
     PYTHONPATH=src python scripts/mla_bwd_ab.py --short [--paths hopper,portable]
     PYTHONPATH=src python scripts/mla_bwd_ab.py --d256 [--short]   # head dim 256
+    PYTHONPATH=src python scripts/mla_bwd_ab.py --paths wide,wide-nosplit --rotate 4 --kernel-time
 
 Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards dropped in between):
 
@@ -32,7 +33,11 @@ difference of its gradients from the first path's (dQ's reduce-adds vary its las
 ``takes`` would pick, forced at every length) against ``portable``. ``--rotate N``: instead, N
 rounds at each point, each starting one path later (so that no path always runs first after the
 problem's allocation), and each path's median with the range of its per-round ratios to the first
-path; ``--causal 0`` or ``1``: only those points.
+path; ``--causal 0`` or ``1``: only those points. ``--kernel-time`` (with ``--rotate``): each
+round times the main kernels instead of the call (``torch.profiler``'s device time of the
+kernels named ``attn_bwd*`` over 20 backwards; the row stats, the dQ conversion and the host are
+out of it, and they are the same on every path): at 512-1024 tokens a backward is 0.3 ms and the
+host disturbs whole ``do_bench`` rounds.
 """
 
 import argparse
@@ -40,6 +45,7 @@ import argparse
 import torch
 import triton
 from dq_rows_ab import rotated
+from torch.profiler import ProfilerActivity, profile
 
 import flashcore
 from flashcore.ops import bwd, bwd256
@@ -121,6 +127,48 @@ def rotated_point(
     return f"{batch},{heads},{seqlen} causal={int(causal)} | " + " | ".join(cells)
 
 
+def kernel_us(grads, calls: int = 20) -> float:
+    """Device time (us) per backward of the kernels named ``attn_bwd*`` (the main ones), by
+    ``torch.profiler`` over ``calls`` backwards after three unprofiled ones."""
+    for _ in range(3):
+        grads()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            grads()
+        torch.cuda.synchronize()
+    total = sum(
+        e.device_time_total
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.name.startswith("attn_bwd")
+    )
+    if total <= 0:
+        raise SystemExit("no attn_bwd* kernel in the profile: were the kernels renamed?")
+    return total / calls
+
+
+def kernel_point(
+    batch: int, heads: int, seqlen: int, causal: bool, paths: list[str], dims: tuple[int, int],
+    rounds: int,
+) -> str:  # fmt: skip
+    """``rotated_point`` with the main kernels' device time (``kernel_us``) instead of
+    ``do_bench`` of the call."""
+    flops, grads = problem(batch, heads, seqlen, causal, dims)
+    times = {path: [] for path in paths}
+    for r in range(rounds):
+        for path in paths[r % len(paths) :] + paths[: r % len(paths)]:
+            use(path)
+            times[path].append(kernel_us(grads))
+    med = {path: sorted(t)[len(t) // 2] for path, t in times.items()}
+    cells = []
+    for path in paths:
+        ratios = sorted(a / b for a, b in zip(times[paths[0]], times[path], strict=True))
+        spread = f"({ratios[0]:.3f}-{ratios[-1]:.3f})"
+        cells.append(f"{path} {med[path]:.1f} us kernels {flops / med[path] / 1e6:.0f} TF/s "
+                     f"x{med[paths[0]] / med[path]:.3f} {spread}")  # fmt: skip
+    return f"{batch},{heads},{seqlen} causal={int(causal)} | " + " | ".join(cells)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--paths", default=None, help="default: 64key,wide")
@@ -131,7 +179,12 @@ def main() -> None:
     )
     parser.add_argument("--rotate", type=int, default=0, metavar="N")
     parser.add_argument("--causal", choices=("0", "1"), default=None)
+    parser.add_argument(
+        "--kernel-time", action="store_true", help="with --rotate: the main kernels' device time"
+    )
     args = parser.parse_args()
+    if args.kernel_time and not args.rotate:
+        parser.error("--kernel-time: give --rotate N")
     default = "hopper,portable" if args.short else "64key,wide"
     paths = (args.paths or ("d256,d256-regs" if args.d256 else default)).split(",")
     dims = (256, 256) if args.d256 else (192, 128)
@@ -139,7 +192,8 @@ def main() -> None:
     if args.rotate:
         for batch, heads, seqlen in SHORT if args.short else LONG:
             for causal in causals:
-                line = rotated_point(batch, heads, seqlen, causal, paths, dims, args.rotate)
+                point_fn = kernel_point if args.kernel_time else rotated_point
+                line = point_fn(batch, heads, seqlen, causal, paths, dims, args.rotate)
                 print(line, flush=True)
         return
     for rnd in range(args.rounds):
