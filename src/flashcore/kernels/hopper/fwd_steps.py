@@ -14,18 +14,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashcore.kernels.hopper.common import (
-    ROWS,
-    lazy_rescale,
-    rescale,
-    scores,
-    softmax,
-    tile_scores,
-)
-
-# Causal builds without a window walk a work tile's key tiles in two loops: those below the
-# diagonal (``[lo, full_hi)``) without the masks' code, then the masked ones (``_steps``).
-SPLIT_MASKED = gl.constexpr(True)
+from flashcore.kernels.hopper.common import ROWS, lazy_rescale, rescale, softmax, tile_scores
 
 
 @gluon.jit
@@ -294,63 +283,44 @@ def _steps(
     if P_EARLY:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    # SPLIT (SPLIT_MASKED, causal without a window): tiles [1, t_mid) below full_hi in a loop
-    # without the masks' code, then [t_mid, n_tiles) masked; else one loop, the mask chosen per
-    # tile (``tile_scores``). The same tiles get the same code either way.
-    SPLIT: gl.constexpr = SPLIT_MASKED and IS_CAUSAL and not HAS_WINDOW and not CHECK_N
-    t_mid = n_tiles
-    if SPLIT:
-        t_mid = gl.minimum(gl.maximum((full_hi - lo) // BLOCK_N, 1), n_tiles)
-    for half in gl.static_range(2 if SPLIT else 1):
-        t_begin = 1 if half == 0 else t_mid
-        t_end = t_mid if SPLIT and half == 0 else n_tiles
-        for t in range(t_begin, t_end):
-            g = kv0 + t
-            slot = g % NUM_STAGES
-            prev = (g - 1) % NUM_STAGES
+    for t in range(1, n_tiles):
+        g = kv0 + t
+        slot = g % NUM_STAGES
+        prev = (g - 1) % NUM_STAGES
+        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
+        turn_take(turn, turn0 + t, CONSUMER, PINGPONG)
+        s_tok = _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N, PANELS)
+        # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
+        acc = rescale(acc, alpha, LAZY)
+        if not P_EARLY:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+        mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
+        v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V])
+        acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
+        turn_pass(turn, turn0 + t, NEXT, PINGPONG)
+        s = warpgroup_mma_wait(1, deps=[s_tok])
+        # K_t is read: the producer may load tile t + NUM_STAGES's K while V_{t-1} is in use.
+        mbarrier.arrive(kv_empty.index(slot), count=1)
+        if FREE_Q:  # noqa: SIM102
+            if t == n_tiles - 1:
+                mbarrier.arrive(q_free, count=1)  # the last Q K^T has completed
+        s = tile_scores(
+            s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
+            qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
+            SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
+        )  # fmt: skip
+        # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
+        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)
+        if OWN_PV:
+            # K_t's phase completed above and cannot complete again before this consumer frees
+            # the slot: a wait that passes at once, but a loop, which ptxas does not move its
+            # DEPBAR across (docs/hopper_fwd.md, "Compile-time evidence"), so the exponentials
+            # stay before the wait for P_{t-1} V_{t-1}.
             mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
-            turn_take(turn, turn0 + t, CONSUMER, PINGPONG)
-            s_tok = _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N, PANELS)
-            # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
-            acc = rescale(acc, alpha, LAZY)
-            if not P_EARLY:
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
-            mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
-            v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V])
-            acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
-            turn_pass(turn, turn0 + t, NEXT, PINGPONG)
-            s = warpgroup_mma_wait(1, deps=[s_tok])
-            # K_t is read: the producer may load tile t + NUM_STAGES's K while V_{t-1} is in use.
-            mbarrier.arrive(kv_empty.index(slot), count=1)
-            if FREE_Q:  # noqa: SIM102
-                if t == n_tiles - 1:
-                    mbarrier.arrive(q_free, count=1)  # the last Q K^T has completed
-            if SPLIT:
-                # The first loop's tiles lie below full_hi (every row sees every key), the
-                # second's are the masked ones: the branch of ``tile_scores`` taken per loop.
-                s = scores(
-                    s, rows, gl.expand_dims(lo + t * BLOCK_N + offs_n, 0), seqlen_q, seqlen_k,
-                    qk_scale, window_left, window_right, softcap, slope, half == 1, IS_CAUSAL,
-                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
-                )  # fmt: skip
-            else:
-                s = tile_scores(
-                    s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
-                    qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
-                    SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
-                )  # fmt: skip
-            # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
-            p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)
-            if OWN_PV:
-                # K_t's phase completed above and cannot complete again before this consumer frees
-                # the slot: a wait that passes at once, but a loop, which ptxas does not move its
-                # DEPBAR across (docs/hopper_fwd.md, "Compile-time evidence"), so the exponentials
-                # stay before the wait for P_{t-1} V_{t-1}.
-                mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
-            acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
-            mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
-            if P_EARLY:
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+        mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
+        if P_EARLY:
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     # The last tile's P V.
     g = kv0 + n_tiles - 1
