@@ -54,15 +54,18 @@ def problem(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, op
     return (dout, q, k, v, out, lse, causal, scale), opts
 
 
-def rotated(fns: dict, rounds: int, select=lambda name: None) -> tuple[dict, dict]:
-    """``do_bench`` times of each of ``fns`` over ``rounds`` rounds, each round starting one name
-    later (``select(name)`` before each), and their medians: ``(times, medians)``, ms."""
+def rotated(fns: dict, rounds: int, select=lambda name: None, timer=None) -> tuple[dict, dict]:
+    """``do_bench`` times (ms; or ``timer(fn)``'s) of each of ``fns`` over ``rounds`` rounds, each
+    round starting one name later (``select(name)`` before each), and their medians: ``(times,
+    medians)``."""
+    if timer is None:
+        timer = functools.partial(triton.testing.do_bench, warmup=25, rep=100)
     times = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             select(name)
-            times[name].append(triton.testing.do_bench(fns[name], warmup=25, rep=100))
+            times[name].append(timer(fns[name]))
     return times, {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 

@@ -112,18 +112,23 @@ def point(
 
 def rotated_point(
     batch: int, heads: int, seqlen: int, causal: bool, paths: list[str], dims: tuple[int, int],
-    rounds: int,
+    rounds: int, kernel_time: bool = False,
 ) -> str:  # fmt: skip
-    """One line: each path's median time over ``rounds`` rotated rounds (``dq_rows_ab.rotated``)
-    and its speed over the first path's, the medians' ratio and the per-round ratios' range."""
+    """One line: each path's median time over ``rounds`` rotated rounds (``dq_rows_ab.rotated``;
+    with ``kernel_time`` the main kernels' device time, ``kernel_us``, instead of ``do_bench`` of
+    the call) and its speed over the first path's, the medians' ratio and the per-round ratios'
+    range."""
     flops, grads = problem(batch, heads, seqlen, causal, dims)
-    times, med = rotated(dict.fromkeys(paths, grads), rounds, use)
+    timer = kernel_us if kernel_time else None
+    times, med = rotated(dict.fromkeys(paths, grads), rounds, use, timer)
+    # ms (do_bench) or us (kernel_us)
+    unit, per_s = ("us kernels", 1e6) if kernel_time else ("ms", 1e3)
     cells = []
     for path in paths:
         ratios = sorted(a / b for a, b in zip(times[paths[0]], times[path], strict=True))
         spread = f"({ratios[0]:.3f}-{ratios[-1]:.3f})"
-        cells.append(f"{path} {med[path]:.3f} ms {flops / med[path] / 1e9:.0f} TF/s "
-                     f"x{med[paths[0]] / med[path]:.3f} {spread}")  # fmt: skip
+        cells.append(f"{path} {med[path]:.3f} {unit} {flops * per_s / med[path] / 1e12:.0f} "
+                     f"TF/s x{med[paths[0]] / med[path]:.3f} {spread}")  # fmt: skip
     return f"{batch},{heads},{seqlen} causal={int(causal)} | " + " | ".join(cells)
 
 
@@ -145,28 +150,6 @@ def kernel_us(grads, calls: int = 20) -> float:
     if total <= 0:
         raise SystemExit("no attn_bwd* kernel in the profile: were the kernels renamed?")
     return total / calls
-
-
-def kernel_point(
-    batch: int, heads: int, seqlen: int, causal: bool, paths: list[str], dims: tuple[int, int],
-    rounds: int,
-) -> str:  # fmt: skip
-    """``rotated_point`` with the main kernels' device time (``kernel_us``) instead of
-    ``do_bench`` of the call."""
-    flops, grads = problem(batch, heads, seqlen, causal, dims)
-    times = {path: [] for path in paths}
-    for r in range(rounds):
-        for path in paths[r % len(paths) :] + paths[: r % len(paths)]:
-            use(path)
-            times[path].append(kernel_us(grads))
-    med = {path: sorted(t)[len(t) // 2] for path, t in times.items()}
-    cells = []
-    for path in paths:
-        ratios = sorted(a / b for a, b in zip(times[paths[0]], times[path], strict=True))
-        spread = f"({ratios[0]:.3f}-{ratios[-1]:.3f})"
-        cells.append(f"{path} {med[path]:.1f} us kernels {flops / med[path] / 1e6:.0f} TF/s "
-                     f"x{med[paths[0]] / med[path]:.3f} {spread}")  # fmt: skip
-    return f"{batch},{heads},{seqlen} causal={int(causal)} | " + " | ".join(cells)
 
 
 def main() -> None:
@@ -192,8 +175,9 @@ def main() -> None:
     if args.rotate:
         for batch, heads, seqlen in SHORT if args.short else LONG:
             for causal in causals:
-                point_fn = kernel_point if args.kernel_time else rotated_point
-                line = point_fn(batch, heads, seqlen, causal, paths, dims, args.rotate)
+                line = rotated_point(
+                    batch, heads, seqlen, causal, paths, dims, args.rotate, args.kernel_time
+                )
                 print(line, flush=True)
         return
     for rnd in range(args.rounds):
