@@ -195,7 +195,7 @@ SPILL_ALLOWANCE = {
     # The 128-key kernel's consumers hold dK and dV of their 64 keys (160 registers) through the
     # step: ptxas keeps some of the step's scalars in local memory, a few reloaded in the loop.
     # Causal builds run their steps in two loops (SPLIT_DIAG), each with its own copies of the
-    # step's scalars: 100-210 B more, outside the loops (0-10 local accesses a loop's step).
+    # step's scalars: 100-212 B more, outside the loops (0-10 local accesses a loop's step).
     "mla-wide-fused-bf16": 32,
     "mla-wide-fused-fp16-causal-ragged": 132,
     "mla-wide-fused-bf16-ragged": 28,

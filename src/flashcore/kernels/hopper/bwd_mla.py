@@ -181,7 +181,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
     n_diag = diagonal_steps(start_n, lo, n_m, seqlen_k - seqlen_q, IS_CAUSAL and SPLIT_DIAG)
     n_a = n_diag * kv_group
     for t in range(n_m * kv_group):
-        # The steps in the consumers' order (``step_order``).
+        # The steps in the consumers' order (``diagonal_steps``).
         if t < n_a:
             off_h = off_hk * kv_group + t // n_diag
             start_m = lo + (t % n_diag) * ROWS
