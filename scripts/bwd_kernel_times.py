@@ -37,22 +37,28 @@ def provider(name: str, case: Case):
     return call
 
 
-def kernel_times(fn, leaves, dout) -> list[tuple[float, str]]:
-    """(us per backward, kernel name) of each kernel that ran at least once a backward."""
-    out = fn(*leaves)
+def device_times(grads, calls: int = CALLS) -> list[tuple[float, str]]:
+    """(us per call, kernel name) of each kernel that ``grads()`` ran at least once a call, over
+    ``calls`` profiled calls after three unprofiled ones."""
     for _ in range(3):
-        torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        grads()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(CALLS):
-            torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        for _ in range(calls):
+            grads()
         torch.cuda.synchronize()
     rows = []
     for event in prof.key_averages():
         total = getattr(event, "device_time_total", 0)
-        if total > 0 and event.count >= CALLS:
-            rows.append((total / CALLS, event.key))
+        if total > 0 and event.count >= calls:
+            rows.append((total / calls, event.key))
     return sorted(rows, reverse=True)
+
+
+def kernel_times(fn, leaves, dout) -> list[tuple[float, str]]:
+    """(us per backward, kernel name) of each kernel that ran at least once a backward."""
+    out = fn(*leaves)
+    return device_times(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
 
 
 def main() -> int:

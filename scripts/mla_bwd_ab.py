@@ -44,8 +44,8 @@ import argparse
 
 import torch
 import triton
+from bwd_kernel_times import device_times
 from dq_rows_ab import rotated
-from torch.profiler import ProfilerActivity, profile
 
 import flashcore
 from flashcore.ops import bwd, bwd256
@@ -134,22 +134,11 @@ def rotated_point(
 
 def kernel_us(grads, calls: int = 20) -> float:
     """Device time (us) per backward of the kernels named ``attn_bwd*`` (the main ones), by
-    ``torch.profiler`` over ``calls`` backwards after three unprofiled ones."""
-    for _ in range(3):
-        grads()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            grads()
-        torch.cuda.synchronize()
-    total = sum(
-        e.device_time_total
-        for e in prof.events()
-        if e.device_type.name == "CUDA" and e.name.startswith("attn_bwd")
-    )
+    ``bwd_kernel_times.device_times`` over ``calls`` backwards."""
+    total = sum(t for t, name in device_times(grads, calls) if name.startswith("attn_bwd"))
     if total <= 0:
         raise SystemExit("no attn_bwd* kernel in the profile: were the kernels renamed?")
-    return total / calls
+    return total
 
 
 def main() -> None:
