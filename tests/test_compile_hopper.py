@@ -79,6 +79,9 @@ VARIANTS = [
     # ... and three CTAs an SM at D=64 (ONE_D64_THREE_CTAS): 64-key tiles, 80 registers at entry.
     ("d64-bf16-one3-causal-ragged-persistent", 64, "bf16", 1, 64, 2, 136, 80,
      {**PLAIN, "causal": True, "even_n": False, "persistent": True}),
+    # ... dealt dynamically, as launched (dense causal problems).
+    ("d64-bf16-one3-causal-dynamic-persistent", 64, "bf16", 1, 64, 2, 136, 80,
+     {**PLAIN, "causal": True, "persistent": True, "dynamic": True}),
     # Sinks (HAS_SINKS), with both consumer counts.
     ("d128-bf16-sinks", 128, "bf16", 2, 128, 2, 240, 168, {**PLAIN, "sinks": True}),
     ("d64-bf16-causal-sinks-three", 64, "bf16", 3, 128, 3, 160, 128,
@@ -91,6 +94,10 @@ VARIANTS = [
     ("d192-v128-bf16-causal-ragged-sinks-persistent", 192, "bf16", 2, 128, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128, "sinks": True,
       "persistent": True, "q_buffers": 1}),
+    # ... dealt dynamically, as launched from 4096 keys (ops/fwd_sm90.py: DYNAMIC_DEAL).
+    ("d192-v128-bf16-causal-ragged-dynamic-persistent", 192, "bf16", 2, 128, 2, 240, 168,
+     {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128, "persistent": True,
+      "q_buffers": 1, "dynamic": True}),
     # Head dim 256 (ops/fwd_sm90.py: CONFIGS[256]): 64-key tiles; causal, a ragged last tile.
     ("d256-fp16-causal-ragged", 256, "fp16", 2, 64, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False}),
@@ -169,6 +176,7 @@ def compile_variant(variant) -> dict:
         RAW_MAX=flags["raw_max"], EVEN_N=flags["even_n"],
         PERSISTENT=flags.get("persistent", False), VARLEN=flags.get("varlen", False),
         PAGED="paged" in flags, Q_BUFS=flags.get("q_buffers", 3),
+        DYNAMIC=flags.get("dynamic", False),
     )  # fmt: skip
     fn = fwd.attn_fwd_sm90_kernel
     for name in fn.arg_names:
@@ -209,6 +217,9 @@ def compile_variant(variant) -> dict:
         "varlen": flags.get("varlen", False),
         "fenced_arrives": fenced_arrives(ptx),
         "named_barriers": named_barriers(sass),
+        "dynamic": flags.get("dynamic", False),
+        "atomics": len(re.findall(r"\bATOMG\.", sass)),
+        "gpu_fences": len(re.findall(r"MEMBAR\.ALL\.GPU|CCTL\.IVALL", sass)),
     }
 
 
@@ -475,7 +486,7 @@ def test_one_consumer_fits_its_ctas_an_sm(compiled):
     ONE_D64_THREE_CTAS, ``ctas_per_sm``: as many as their registers at entry over 8 warps allow,
     two at 128 and three at 80): their shared memory must leave room for as many."""
     ones = [row for row in compiled if row["consumers"] == 1]
-    assert len(ones) == 5, [row["variant"] for row in compiled]
+    assert len(ones) == 6, [row["variant"] for row in compiled]
     for row in ones:
         ctas = 65536 // (256 * row["registers"])
         assert ctas == (3 if row["variant"].startswith("d64-bf16-one3") else 2), row["variant"]
@@ -491,7 +502,7 @@ def test_no_spills(compiled):
     # The packed (VARLEN) builds spilled 16-88 B until the values the partitions compute alike
     # were kept out of the entry block (kernels/hopper/common.py: opaque, programs).
     persistent = [row for row in compiled if row["variant"].endswith(PERSISTENT_SUFFIX)]
-    assert len(persistent) == 18, sorted(row["variant"] for row in compiled)
+    assert len(persistent) == 20, sorted(row["variant"] for row in compiled)
     for row in compiled:
         allowed = SPILL_ALLOWANCE.get(row["variant"], 0)
         assert row["spill_bytes"] <= allowed, f"{row['variant']}: {row['spill_bytes']} B of spills"
@@ -619,6 +630,19 @@ def test_one_q_buffer_frees_q_at_its_last_scores(compiled):
     for row in compiled:
         if row["q_buffers"] != 1:
             assert not any(n >= 2 for n in row["releases_after_scores"]), row["variant"]
+
+
+def test_dynamic_deal_draws_without_fences(compiled):
+    """A dynamically dealt build draws its tickets with relaxed atomics (the add, and the last
+    draw's reset): with acq_rel each draw came with a ``MEMBAR.ALL.GPU`` before it and an L1
+    invalidation (``CCTL.IVALL``) after it, in the producer's path between tiles. No other
+    build has an atomic."""
+    dealt = [row for row in compiled if row["dynamic"]]
+    assert dealt, "no dynamically dealt build"
+    for row in compiled:
+        name = row["variant"]
+        assert row["atomics"] == (2 if row["dynamic"] else 0), f"{name}: {row['atomics']}"
+        assert row["gpu_fences"] == 0, name
 
 
 def assert_register_split(rows: list[dict]) -> None:

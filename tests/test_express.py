@@ -519,20 +519,23 @@ def test_quick_decode_arguments(block_size, splits, lse_wanted, monkeypatch):
     assert _roles(quick_calls, names) == want
 
 
-@pytest.mark.parametrize("kind", ["pointers", "descriptors", "hopper"])
+@pytest.mark.parametrize("kind", ["pointers", "descriptors", "hopper", "hopper-dynamic"])
 def test_quick_forward_arguments(kind, monkeypatch):
     """``fwd.Quick`` passes the kernel, by address, what ``_learned_portable`` /
     ``fwd_sm90.launch`` pass it through ``Launcher`` for a dense problem (the same grid and
-    constexprs; descriptors of q, k, v and out with the plan's boxes); each descriptor is
-    expanded once per address, so a call with a new out encodes only out's. (On the CPU:
-    stand-ins for the launches.)"""
+    constexprs; descriptors of q, k, v and out with the plan's boxes; a dynamic deal's counter
+    where the work list goes); each descriptor is expanded once per address, so a call with a
+    new out encodes only out's. (On the CPU: stand-ins for the launches.)"""
     from flashcore.ops import fwd_sm90
 
     q, k, v = make_qkv(Case(2, 4, 2, 128, 96, 64), torch.float16, "cpu")
     calls = []
-    if kind == "hopper":
+    counter = torch.zeros(1, dtype=torch.int32)
+    if kind.startswith("hopper"):
         boxes = ([1, 1, 128, 64], [1, 1, 64, 64], [1, 1, 64, 64], [1, 1, 128, 64])
-        plan = fwd_sm90.Plan((8,), boxes, (1, 2, 3), {"BLOCK": 1})
+        meta = {"BLOCK": 1, "DYNAMIC": kind == "hopper-dynamic"}
+        plan = fwd_sm90.Plan((8,), boxes, (1, 2, 3), meta)
+        monkeypatch.setattr(fwd_sm90, "work_counter", lambda device: counter)
         monkeypatch.setattr(fwd_sm90, "launcher", lambda: _Recorder("fwd", 12, calls))
         fallback = functools.partial(fwd._learned_sm90, plan, 64)
     else:
@@ -543,15 +546,16 @@ def test_quick_forward_arguments(kind, monkeypatch):
     out, lse = fallback(q, k, v)
 
     def named(out, lse):
-        tensors = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))
+        tensors = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("counter", counter))
         return {t.data_ptr(): n for n, t in tensors}
 
     want = _roles(calls, named(out, lse))
+    assert ("counter" in want[0][2]) == (kind == "hopper-dynamic")
     quick_calls = []
     monkeypatch.setattr(fwd, "Bound", _fake_bound(quick_calls))
     monkeypatch.setattr(fwd, "current_stream", lambda device: 0)
     monkeypatch.setattr(fwd, "no_launch_hooks", lambda: True)
-    make = fwd.Quick.sm90 if kind == "hopper" else fwd.Quick.portable
+    make = fwd.Quick.sm90 if kind.startswith("hopper") else fwd.Quick.portable
     run = make(plan, 0, 64, fallback)
     out2, lse2 = run(q, k, v)
     assert _roles(quick_calls, named(out2, lse2)) == want

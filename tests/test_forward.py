@@ -156,6 +156,72 @@ def test_sm90_tier_is_taken_on_hopper(monkeypatch):
     check_forward(out, lse, q, k, v, causal=True, window=(200, 0))
 
 
+# The persistent causal grid's dynamic deal (ops/fwd_sm90.py: DYNAMIC_DEAL) on shapes that take
+# it: MLA's head dims from 4096 keys (several waves; fewer items than SMs, GQA, Sq < Sk, a ragged
+# last key tile) and D = 64's three CTAs an SM.
+DEALT = [
+    (2, 8, 8, 4096, 4096, 192, 128),
+    (1, 2, 1, 3000, 4200, 192, 128),
+    (4, 32, 32, 1000, 1000, 64, 64),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", DEALT, ids=lambda s: "b{}h{}kv{}-q{}k{}-d{}v{}".format(*s))
+def test_sm90_dynamic_deal(shape, monkeypatch):
+    """The dynamic deal computes each tile as the fixed snake does: out and the LSE bit for bit
+    equal to it, launch after launch on one stream (the counter back at zero after each), on two
+    streams at once (a counter each) and replayed from a CUDA graph (a counter of its own)."""
+    from flashcore.ops import fwd_sm90
+
+    require_sm90()
+    batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v = shape
+    q = torch.randn(batch, heads, seqlen_q, head_dim, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, kv_heads, seqlen_k, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, kv_heads, seqlen_k, head_dim_v, device="cuda", dtype=torch.bfloat16)
+    p = fwd_sm90.plan(
+        q, k, v, torch.empty(q.shape[:3], device="cuda"), causal=True,
+        qk_scale=head_dim**-0.5 * 1.4426950408889634, window_left=0, window_right=0,
+        has_window=False, softcap=0.0, alibi=False, sinks=False, stride_ab=0,
+    )  # fmt: skip
+    assert p.meta["PERSISTENT"] and p.meta["DYNAMIC"]
+    monkeypatch.setattr(fwd_sm90, "DYNAMIC_DEAL", False)
+    want = launch_sm90_forward(q, k, v, causal=True)
+    monkeypatch.setattr(fwd_sm90, "DYNAMIC_DEAL", True)
+    check_forward(*want, q, k, v, causal=True)
+
+    def same(got):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+    for _ in range(3):
+        same(launch_sm90_forward(q, k, v, causal=True))
+    device = torch.device("cuda")
+    assert fwd_sm90.work_counter(device).item() == 0
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    torch.cuda.synchronize()
+    results = []
+    for stream in streams:
+        with torch.cuda.stream(stream):
+            results.append([launch_sm90_forward(q, k, v, causal=True) for _ in range(3)])
+    torch.cuda.synchronize()
+    for got in results:
+        for r in got:
+            same(r)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        launch_sm90_forward(q, k, v, causal=True)  # compiled and warm before the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            graphed = launch_sm90_forward(q, k, v, causal=True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        same(graphed)
+    for stream in (None, *streams, side):
+        with torch.cuda.stream(stream or torch.cuda.current_stream()):
+            assert fwd_sm90.work_counter(device).item() == 0
+
+
 def test_use_tier_is_scoped_and_checked():
     from flashcore.ops import runtime
 

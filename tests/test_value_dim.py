@@ -240,6 +240,8 @@ def test_mla_forward_schedule(monkeypatch):
     causal = fwd_sm90.plan(q, q, v, lse, **options)
     assert causal.meta["PERSISTENT"] and causal.meta["Q_BUFS"] == 1
     assert causal.grid == (132,)
+    # Dealt dynamically over the flat grid's head groups (2.5 MB of K and V a head: 8 heads).
+    assert causal.meta["DYNAMIC"] and causal.scalars[14] == 8
     full = fwd_sm90.plan(q, q, v, lse, **{**options, "causal": False})
     assert not full.meta["PERSISTENT"] and full.grid == (32 * 2 * 16,)
     for extra in ({"softcap": 30.0}, {"alibi": True}):
@@ -256,7 +258,7 @@ def test_mla_forward_schedule(monkeypatch):
     # Head dim 256: the same, causal up to 2048 keys only (flat from 4096 measured faster).
     wide = torch.empty(2, 16, 2048, 256, dtype=torch.bfloat16)
     short = fwd_sm90.plan(wide, wide, wide, lse[..., :2048], **options)
-    assert short.meta["PERSISTENT"] and short.meta["Q_BUFS"] == 1
+    assert short.meta["PERSISTENT"] and short.meta["Q_BUFS"] == 1 and not short.meta["DYNAMIC"]
     wide = torch.empty(1, 16, 4096, 256, dtype=torch.bfloat16)
     assert not fwd_sm90.plan(wide, wide, wide, lse[:1], **options).meta["PERSISTENT"]
     # Eagerly from 2e10 FLOPs (4 B H Sq Sk D, halved causal), not the other head dims' 3e10.

@@ -220,7 +220,9 @@ class Quick:
     that path where a launch hook is registered. The caller (``ops.express.forward``) has checked
     q, k and v for 16-byte alignment; out and the LSE are fresh allocations."""
 
-    __slots__ = ("describe", "device", "fallback", "fronts", "head_dim_v", "hopper", "launch")
+    __slots__ = (
+        "counter", "describe", "device", "fallback", "fronts", "head_dim_v", "hopper", "launch",
+    )  # fmt: skip
 
     # Sets of addresses whose pointer lists are kept; past this many the map starts over.
     MAX_FRONTS = 64
@@ -241,6 +243,8 @@ class Quick:
         self.hopper = hopper  # the Hopper forward's pointer list (else the portable one's)
         self.fallback = fallback
         self.fronts: dict[tuple, list] = {}
+        # The Hopper forward's dynamic deal: device -> its counter for the current stream.
+        self.counter: Callable[[torch.device], torch.Tensor] | None = None
 
     @classmethod
     def portable(
@@ -277,7 +281,10 @@ class Quick:
         def describe(i: int, t: torch.Tensor) -> Descriptor:
             return fwd_sm90.descriptor(t, boxes[i])
 
-        return cls(launch, device, head_dim_v, describe, True, fallback)
+        quick = cls(launch, device, head_dim_v, describe, True, fallback)
+        if hopper.meta.get("DYNAMIC"):
+            quick.counter = fwd_sm90.work_counter
+        return quick
 
     def __call__(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         if not no_launch_hooks():
@@ -286,10 +293,11 @@ class Quick:
         a_q, a_k, a_v, a_out, a_lse = (
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
         )  # fmt: skip
+        a_work = a_lse if self.counter is None else self.counter(q.device).data_ptr()
         if self.describe is None:
-            front = (a_q, a_k, a_v, a_out, *self._tail(a_out, a_lse))
+            front = (a_q, a_k, a_v, a_out, *self._tail(a_out, a_lse, a_work))
         else:
-            addresses = (a_q, a_k, a_v, a_out, a_lse)
+            addresses = (a_q, a_k, a_v, a_out, a_lse, a_work)
             front = self.fronts.get(addresses)
             if front is None:
                 front = self._front(addresses, (q, k, v, out))
@@ -302,16 +310,16 @@ class Quick:
         front = []
         for i, t in enumerate(tensors):
             front += self.launch.part(i, addresses[i], functools.partial(self.describe, i, t))
-        front += self._tail(addresses[3], addresses[4])
+        front += self._tail(addresses[3], addresses[4], addresses[5])
         return remember(self.fronts, addresses, front, self.MAX_FRONTS)
 
-    def _tail(self, a_out: int, a_lse: int) -> tuple:
+    def _tail(self, a_out: int, a_lse: int, a_work: int) -> tuple:
         """The pointer arguments after q, k, v and out, as the Launcher paths pass them for a
-        dense problem."""
+        dense problem (``a_work``: the dynamic deal's counter, else the LSE)."""
         if self.hopper:
             # fwd_sm90.launch: the LSE, then the LSE for ALiBi and sinks, out for O, the LSE for
-            # both offsets, the work list and the block table.
-            return (a_lse, a_lse, a_lse, a_out, a_lse, a_lse, a_lse, a_lse)
+            # both offsets, the work list (or counter) and the block table.
+            return (a_lse, a_lse, a_lse, a_out, a_lse, a_lse, a_work, a_lse)
         # _learned_portable: the LSE, no offsets, the LSE for ALiBi, no sinks, the LSE for the
         # block table.
         return (a_lse, None, None, a_lse, None, a_lse)

@@ -127,7 +127,8 @@ class Sm90Config(NamedTuple):
     per tile (False), or the launcher's choice by shape (None, ``use_persistent``).
     ``q_buffers``: Q buffers a consumer on the persistent grid (3: the next tiles' Q land during
     this one and O leaves through the Q slot; 1: O through one O tile of the CTA, the Q slot freed
-    at the last ``Q K^T``, where three do not fit)."""
+    at the last ``Q K^T``, where three do not fit). ``dynamic_from``: the key length from which
+    the persistent causal grid deals its items dynamically (``dynamic_deal``; None: never)."""
 
     num_consumers: int
     block_n: int
@@ -138,6 +139,7 @@ class Sm90Config(NamedTuple):
     persistent: bool | None = None
     ctas_per_sm: int = 1
     q_buffers: int = 3
+    dynamic_from: int | None = None
 
 
 # D=128: 2 x 64 query rows, 128-key tiles, 2 slots (Q 32 KB + K/V 128 KB of shared memory);
@@ -151,8 +153,9 @@ CONFIGS = {
     # its own (224 KB; ``q_buffers``). H200, bf16, 8k tokens of 16 heads, three rotated rounds
     # (scripts/fwd_config_ab.py --mla), TFLOP/s flat / persistent: causal 2048 521 / 568, 4096
     # 594 / 620, 8192 644 / 647, 16384 661 / 679; non-causal 4096 689 / 673, 8192 704 / 681. So
-    # causal runs persistent and non-causal flat (``plan``).
-    192: Sm90Config(2, 128, 2, 240, 168, q_buffers=1),
+    # causal runs persistent and non-causal flat (``plan``), dealt dynamically from 4096 keys
+    # (``DYNAMIC_DEAL``).
+    192: Sm90Config(2, 128, 2, 240, 168, q_buffers=1, dynamic_from=4096),
     # D=256: 64-key tiles (Q 2 x 32 KB, K and V 2 x 32 KB each: 192 KB; the O accumulator alone
     # takes 128 registers a thread), persistent with one Q buffer a consumer and a 32 KB O tile
     # (224 KB) where that measured faster: causal up to 2048 keys (``use_persistent``). H200,
@@ -241,7 +244,9 @@ ONE = {64: ONE_D64, 128: ONE_D128}
 # TFLOP/s two CTAs / three): bf16 (32, 32, 512) 250 / 272 by do_bench and 249 / 267 fp16,
 # (8, 32, 512) 231 / 240, (16, 32, 1024) 313 / 324, (20, 32, 768) 279 / 288; but fewer tiles
 # lose: (4, 32, 512) 229 / 214, (2, 16, 1024) 278 / 243, (1, 8, 512) 41 / 38.
-ONE_D64_THREE_CTAS = Sm90Config(1, 64, 2, 136, 80, pingpong=False, persistent=True, ctas_per_sm=3)
+ONE_D64_THREE_CTAS = Sm90Config(
+    1, 64, 2, 136, 80, pingpong=False, persistent=True, ctas_per_sm=3, dynamic_from=0
+)
 ONE_THREE_CTAS_MIN_ROUNDS = 6.0
 # Where one consumer is taken (``one_consumer``): causal up to these lengths, and otherwise
 # where the two-consumer grid of 128-row tiles fills at most ONE_MAX_ROUNDS rounds of the SMs
@@ -409,6 +414,50 @@ def causal_order(
             if best is None or span < best[0] * (1 - 1e-9):
                 best = (span, grid, group)
     return best[1], best[2]
+
+
+# The persistent causal grid's items past the first wave from a counter (DYNAMIC, dense problems,
+# ``kernels/hopper/fwd.py``, "Dynamic deal"): whichever program is free first takes the next
+# heaviest tile, in the flat grid's order, instead of the fixed snake, whose modelled makespan
+# (``causal_order``) is 3% over an even split at (1, 16, 8192) and (2, 16, 4096) against 0-0.2%
+# for the first-come deal. Measured (H200, bf16, scratch A/B of the two plans launched directly,
+# seven rotated rounds, two or three calls, dealt / snake time): MLA (192, 128) 1.010-1.028 at
+# (2, 16, 4096), 1.015-1.027 at (2, 16, 8192), 0.991-1.022 at (1, 16, 8192), 0.97-1.00 from
+# 2048 keys down; D = 64 three CTAs an SM (16, 32, 1024) 1.021-1.047; but D = 128 0.96-1.01 at
+# 1024-4096 keys (0.96 at (2, 16, 4096)), 0.98 at (32, 16, 512) one consumer, D = 64 two
+# consumers (8, 32, 2048) 0.99-1.00. So the configs that gained carry ``dynamic_from``; head dim
+# 256 never (its consumers spill 128 B with it, none without).
+DYNAMIC_DEAL = True
+
+# Each stream's counter of the dynamic deal (device, stream) -> int32 (1,): zero between launches
+# (the launch's last draw puts it back), so that launches on one stream, which run one after
+# the other, share it. Launches on other streams may run at the same time: each its own.
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def dynamic_deal(
+    cfg: Sm90Config, persistent: bool, causal: bool, varlen: Varlen | None, seqlen_k: int
+) -> bool:
+    """Whether a plan deals its persistent grid's items dynamically (``DYNAMIC_DEAL``, the
+    config's ``dynamic_from``)."""
+    return (
+        DYNAMIC_DEAL and persistent and causal and varlen is None
+        and cfg.dynamic_from is not None and seqlen_k >= cfg.dynamic_from
+    )  # fmt: skip
+
+
+def work_counter(device: torch.device) -> torch.Tensor:
+    """The dynamic deal's counter for a launch on ``device``'s current stream: the stream's own,
+    or, while a CUDA graph is being captured, a new zero of the graph's (its replays may run
+    beside launches on the capturing stream)."""
+    if torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    counter = _COUNTERS.get(key)
+    if counter is None:
+        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 # A packed batch whose lengths vary runs the flat grid: the persistent one deals work items to
@@ -743,6 +792,7 @@ def plan(
         persistent = False
     slots = num_sms(q.device.index) * cfg.ctas_per_sm
     grid, lpt_heads = (min(slots, n_work) if persistent else n_work), 1
+    dynamic = dynamic_deal(cfg, persistent, causal, varlen, seqlen_k)
     work = None
     if varlen is not None and not persistent and use_work_list:
         # A paged sequence's keys are counted by its offsets' differences alone (the list
@@ -756,6 +806,10 @@ def plan(
     if work is not None:
         # Each sequence's programs in the dense flat grid's order over its own heads.
         grid, lpt_heads = work.size, lpt_group(heads, kv_bytes) if causal else 1
+    elif dynamic:
+        # First come, first served: the flat grid's order (heaviest tiles first over the
+        # widest head groups L2 allows), one program an SM slot.
+        lpt_heads = lpt_group(batch * heads, kv_bytes)
     elif causal:
         costs = tile_costs(seqlen_q, seqlen_k, block_m, cfg.block_n, window_left, has_window)
         grid, lpt_heads = causal_order(costs, batch * heads, slots, persistent, kv_bytes)
@@ -788,6 +842,7 @@ def plan(
         "VARLEN": 0 if varlen is None else 2 if work is not None else 1,
         "PAGED": block_table is not None,
         "Q_BUFS": cfg.q_buffers,
+        "DYNAMIC": dynamic,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
     }
@@ -817,9 +872,13 @@ def launch(
             t if paged and i in (1, 2) else packed_view(t) for i, t in enumerate(tensors)
         )
     descs = tuple(descriptor(t, box) for t, box in zip(tensors, p.boxes, strict=True))
-    # The LSE stands in for an absent ALiBi, sinks, offsets, work list or block table pointer
-    # (never read: its flag is off), out for O (read only with VARLEN).
-    work = lse if p.work is None else work_list.build(p.work, *varlen[:2])
+    # The LSE stands in for an absent ALiBi, sinks, offsets, work list (or the dynamic deal's
+    # counter) or block table pointer (never read: its flag is off), out for O (read only with
+    # VARLEN).
+    if p.meta.get("DYNAMIC"):
+        work = work_counter(q.device)
+    else:
+        work = lse if p.work is None else work_list.build(p.work, *varlen[:2])
     extra = (
         lse, lse if alibi is None else alibi, lse if sinks is None else sinks, out,
         *((lse, lse) if varlen is None else varlen[:2]), work,

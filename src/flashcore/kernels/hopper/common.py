@@ -221,6 +221,38 @@ def programs(pid, OPAQUE: gl.constexpr):
 
 
 @gluon.jit
+def item_post(items, i, w, WARPS: gl.constexpr):
+    """Write work item ``w`` into cell ``i`` of ``items`` (int32 ``[cells, 1]`` in shared memory)
+    from a partition of WARPS warps (every thread writes the same value)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    items.index(i).store(gl.full([1], 0, gl.int32, layout) + w)
+
+
+@gluon.jit
+def item_read(items, i, WARPS: gl.constexpr):
+    """The work item in cell ``i`` of ``items`` (``item_post``), read by a partition of WARPS
+    warps."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    return gl.max(items.index(i).load(layout), axis=0)
+
+
+@gluon.jit
+def dealt_item(COUNTER, n_work, grid):
+    """The next work item of a dynamic persistent deal: ``grid + `` an atomic ticket from
+    ``COUNTER`` (each program's first item is its own index, the rest first come, first served).
+    A launch draws exactly ``n_work`` tickets (one per item past the first wave and one past the
+    end per program), so the draw that gets ticket ``n_work - 1`` is the launch's last: it puts
+    the counter back to zero for the next launch on the stream. Relaxed: the tickets order
+    nothing else (one address's atomics are ordered among themselves, and launches on a stream by
+    their boundaries); acq_rel put a ``MEMBAR.ALL.GPU`` before each draw and an L1 invalidation
+    after it, in the producer's path between tiles."""
+    ticket = gl.atomic_add(COUNTER, 1, sem="relaxed")
+    if ticket == n_work - 1:
+        gl.atomic_xchg(COUNTER, 0, sem="relaxed")
+    return grid + ticket
+
+
+@gluon.jit
 def snake(wave, pid, grid):
     """Work item of persistent program ``pid`` in ``wave``: ``wave * grid + pid`` on even waves,
     ``wave * grid + grid - 1 - pid`` on odd ones (see the module docstring). Written as a

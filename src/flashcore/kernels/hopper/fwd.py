@@ -135,6 +135,24 @@ the K/V ring, and per Q slot a
   ``qk_scale`` through side-effecting ``mov``s: otherwise the wave count, ``%nctaid.x`` and two
   constants of the lazy rescale were spilled at head dim 256.
 
+Dynamic deal (DYNAMIC, persistent causal dense problems of the configs that measured faster with
+it: ``ops/fwd_sm90.py: DYNAMIC_DEAL``). Program ``pid``'s first item is ``pid``; every later one
+is drawn by its producer from a counter in global memory (WORK, int32, zero at launch):
+``grid + atomic_add(WORK, 1)`` (``common.dealt_item``), drawn once the producer has issued the
+current tile's last K/V load, so the program that frees up first takes the next heaviest tile (the
+items are in the flat grid's order). A launch draws exactly ``n_work`` tickets (``n_work - grid``
+items and one past the end per program); the draw that gets ticket ``n_work - 1`` is the last, and
+puts the counter back to zero for the next launch on the stream. The consumers learn each item
+from the producer: one int32 cell per Q slot (``items``), written by the producer after the slot's
+``q_empty`` wait and before its ``q_ready`` arrive (the arrive's release, the consumer's wait's
+acquire), read by consumer c after it waits ``q_ready`` of its next tile; past the last item the
+producer writes an item ``>= n_work`` with a plain arrive, which ends the consumers' while loop.
+The cell is not rewritten before its consumer has read it: the producer's next write to it waits
+for that slot's ``q_empty``, which the consumer arrives on only after the tile that read it. The
+ring, turns and Q phases count tiles as on the fixed deal (``wave``, ``kv``, ``turns``), so the
+schedule above is unchanged; only the items differ, and each is computed as the fixed deal
+computes it (bit for bit the same outputs).
+
 Key tiles. ``kv_tile_range`` (the same split as ``kernels/common.py``) gives the tiles the CTA's
 rows can see, ``[lo, hi)``, and the ones every row sees entirely, ``[full_lo, full_hi)``; all
 consumers walk ``[lo, hi)`` (the producer loads each tile once), and a tile outside the full range
@@ -216,6 +234,7 @@ from flashcore.kernels.hopper.common import (
     LN2,
     LOG2E,
     ROWS,
+    item_read,
     kv_tile_range,
     opaque,
     programs,
@@ -490,14 +509,15 @@ def _consumer(
     VARLEN: gl.constexpr,
     PAGED: gl.constexpr = False,
     Q_BUFS: gl.constexpr = 3,
+    DYNAMIC: gl.constexpr = False,
 ):
     """Consumer ``CONSUMER``'s partition: its tiles one after another (persistent), or its
     program's one tile; ``run`` holds the kernel's runtime values (``attn_fwd_sm90_kernel``)."""
     (
         o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-        turn, o_free, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh, stride_ab,
-        stride_ot, stride_oh, num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors,
-        qk_scale, window_left, window_right, softcap, total_q, total_k,
+        turn, o_free, items, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh,
+        stride_ab, stride_ot, stride_oh, num_heads, batch, seqlen_q, seqlen_k, lpt_heads,
+        divisors, qk_scale, window_left, window_right, softcap, total_q, total_k,
     ) = run  # fmt: skip
     if (PINGPONG == 2) and (CONSUMER == 0):
         # Consumer 0 holds the first turn: its own half of the barrier's first phase.
@@ -517,10 +537,12 @@ def _consumer(
         n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(batch) * num_heads
         kv = 0
         turns = 0
-        if Q_BUFS == 1:
+        if (Q_BUFS == 1) or DYNAMIC:
             # A while loop over the program's work items (each wave's item is past the
             # previous one's, so the first past n_work ends it): the for loop's wave count,
-            # live beside n_work across the tiles, spilled at head dim 256.
+            # live beside n_work across the tiles, spilled at head dim 256. DYNAMIC: the
+            # producer posts each item past the first beside its Q (an item >= n_work past
+            # the last), read once q_ready completes.
             wave = 0
             w = pid
             while w < n_work:
@@ -537,7 +559,12 @@ def _consumer(
                 if n > 0:
                     turns += n + 1
                 wave += 1
-                w = snake(wave, pid, grid)
+                if DYNAMIC:
+                    qi = (wave % Q_BUFS) * NUM_CONSUMERS + CONSUMER
+                    mbarrier.wait(q_ready.index(qi), (wave // Q_BUFS) & 1)
+                    w = item_read(items, qi, 4)
+                else:
+                    w = snake(wave, pid, grid)
         else:
             for wave in range(gl.cdiv(n_work, grid)):
                 w = snake(wave, pid, grid)
@@ -624,6 +651,7 @@ def attn_fwd_sm90_kernel(
     VARLEN: gl.constexpr = False,
     PAGED: gl.constexpr = False,
     Q_BUFS: gl.constexpr = 3,
+    DYNAMIC: gl.constexpr = False,
 ):
     BLOCK_M: gl.constexpr = ROWS * NUM_CONSUMERS
     if VARLEN == 2:  # noqa: SIM102 (one condition would load WORK in every build)
@@ -697,19 +725,27 @@ def attn_fwd_sm90_kernel(
     else:
         turn = q_ready  # never touched
 
+    if DYNAMIC:
+        # The dynamic deal's work items, one cell per Q slot (written by the producer before
+        # the slot's q_ready, read by its consumer after it).
+        items = gl.allocate_shared_memory(
+            gl.int32, [Q_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
+    else:
+        items = q_ready  # never touched
     divisors = (div_group_m, div_group_s, div_lpt_m, div_lpt_s, div_heads_m, div_heads_s)
     # Each partition kind's runtime values in one tuple, built once; the constexprs are spelled
     # out inline in each partition's argument tuple, because a tuple that holds constexprs in a
     # variable inside the kernel turns them into tensors (Triton 3.6).
     run = (
         o_desc, q_smem, k_smem, v_smem, o_smem, q_ready, q_empty, k_ready, v_ready, kv_empty,
-        turn, o_free, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh, stride_ab,
-        stride_ot, stride_oh, num_heads, batch, seqlen_q, seqlen_k, lpt_heads, divisors,
-        qk_scale, window_left, window_right, softcap, total_q, total_k,
+        turn, o_free, items, LSE, ALIBI, SINKS, O, CU_Q, CU_K, WORK, stride_lb, stride_lh,
+        stride_ab, stride_ot, stride_oh, num_heads, batch, seqlen_q, seqlen_k, lpt_heads,
+        divisors, qk_scale, window_left, window_right, softcap, total_q, total_k,
     )  # fmt: skip
     loads = (
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-        kv_empty, fix_bar.index(0), CU_Q, CU_K, WORK, num_heads, kv_group, batch, seqlen_q,
+        kv_empty, fix_bar.index(0), items, CU_Q, CU_K, WORK, num_heads, kv_group, batch, seqlen_q,
         seqlen_k,
         lpt_heads, divisors, window_left, window_right, total_q, total_k, BLOCK_TABLE,
         stride_btb, block_size,
@@ -720,9 +756,9 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, DYNAMIC)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
+                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS, DYNAMIC)),
             ],
             [1],
             [24],
@@ -732,12 +768,12 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, DYNAMIC)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, DYNAMIC)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
+                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS, DYNAMIC)),
             ],
             [4, 1],
             [CONSUMER_REGS, 24],
@@ -747,15 +783,15 @@ def attn_fwd_sm90_kernel(
             [
                 (_consumer, (run, 0, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, DYNAMIC)),
                 (_consumer, (run, 1, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, DYNAMIC)),
                 (_consumer, (run, 2, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_M, BLOCK_N,
                              NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, HAS_SINKS,
-                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
+                             RAW_MAX, EVEN_N, PERSISTENT, VARLEN, PAGED, Q_BUFS, DYNAMIC)),
                 (producer, (loads, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
-                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS)),
+                            HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS, DYNAMIC)),
             ],
             [4, 4, 1],
             [CONSUMER_REGS, CONSUMER_REGS, 24],

@@ -11,6 +11,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from flashcore.kernels.hopper.common import (
     ROWS,
+    dealt_item,
+    item_post,
     kv_tile_range,
     opaque,
     programs,
@@ -95,6 +97,7 @@ def _producer_tile(
     v_ready,
     kv_empty,
     fix_bar,
+    items,
     CU_Q,
     CU_K,
     WORK,
@@ -125,6 +128,7 @@ def _producer_tile(
     VARLEN: gl.constexpr,
     PAGED: gl.constexpr,
     Q_BUFS: gl.constexpr,
+    DYNAMIC: gl.constexpr = False,
 ):
     """Loads of work item ``w``, this program's tile number ``it``, whose K/V tiles take ring
     entries ``kv0, kv0 + 1, ...``, after ``n_fix`` bounded V loads (``_fix_v``); returns how
@@ -159,6 +163,9 @@ def _producer_tile(
         for c in gl.static_range(NUM_CONSUMERS):
             qi = (it % Q_BUFS) * NUM_CONSUMERS + c
             mbarrier.wait(q_empty.index(qi), ((it // Q_BUFS) & 1) ^ 1)
+            if DYNAMIC:
+                # The item, for consumer c to read once q_ready completes (its release).
+                item_post(items, qi, w, 1)
             bar = q_ready.index(qi)
             if hi > lo:
                 _load(
@@ -236,12 +243,13 @@ def producer(
     VARLEN: gl.constexpr,
     PAGED: gl.constexpr = False,
     Q_BUFS: gl.constexpr = 3,
+    DYNAMIC: gl.constexpr = False,
 ):
     """The producer warp's partition; ``run`` holds the kernel's runtime values it needs
     (``kernels/hopper/fwd.py: attn_fwd_sm90_kernel``)."""
     (
         q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-        kv_empty, fix_bar, CU_Q, CU_K, WORK, num_heads, kv_group, batch, seqlen_q, seqlen_k,
+        kv_empty, fix_bar, items, CU_Q, CU_K, WORK, num_heads, kv_group, batch, seqlen_q, seqlen_k,
         lpt_heads,
         divisors, window_left, window_right, total_q, total_k, BLOCK_TABLE, stride_btb,
         block_size,
@@ -256,24 +264,48 @@ def producer(
         n_work = gl.cdiv(seqlen_q, BLOCK_M) * opaque(batch) * num_heads
         kv = 0
         n_fix = 0
-        for wave in range(gl.cdiv(n_work, grid)):
-            # Every wave but the last gives each program a tile, so the wave is the tile count.
-            w = snake(wave, pid, grid)
-            if w < n_work:
+        if DYNAMIC:
+            # The first wave as dealt, the rest from the counter (WORK), each item posted to the
+            # consumers beside its Q (``_producer_tile``); past the last, an item >= n_work
+            # with a plain arrive ends their loops.
+            wave = 0
+            w = pid
+            while w < n_work:
                 n, n_fix = _producer_tile(
                     q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                    v_ready, kv_empty, fix_bar, CU_Q, CU_K, WORK, w, wave, kv, n_fix, num_heads,
-                    kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right,
-                    total_q, total_k, BLOCK_TABLE, stride_btb, block_size, BLOCK_M, BLOCK_N,
-                    NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT, VARLEN, PAGED,
-                    Q_BUFS,
+                    v_ready, kv_empty, fix_bar, items, CU_Q, CU_K, WORK, w, wave, kv, n_fix,
+                    num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left,
+                    window_right, total_q, total_k, BLOCK_TABLE, stride_btb, block_size, BLOCK_M,
+                    BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT, VARLEN,
+                    PAGED, Q_BUFS, DYNAMIC,
                 )  # fmt: skip
                 kv += n
+                wave += 1
+                w = dealt_item(WORK, n_work, grid)
+            for c in gl.static_range(NUM_CONSUMERS):
+                qi = (wave % Q_BUFS) * NUM_CONSUMERS + c
+                mbarrier.wait(q_empty.index(qi), ((wave // Q_BUFS) & 1) ^ 1)
+                item_post(items, qi, w, 1)
+                mbarrier.arrive(q_ready.index(qi), count=1)
+        else:
+            for wave in range(gl.cdiv(n_work, grid)):
+                # Every wave but the last gives each program a tile: the wave is the tile count.
+                w = snake(wave, pid, grid)
+                if w < n_work:
+                    n, n_fix = _producer_tile(
+                        q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty,
+                        k_ready, v_ready, kv_empty, fix_bar, items, CU_Q, CU_K, WORK, w, wave,
+                        kv, n_fix, num_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, divisors,
+                        window_left, window_right, total_q, total_k, BLOCK_TABLE, stride_btb,
+                        block_size, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS, IS_CAUSAL,
+                        HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS,
+                    )  # fmt: skip
+                    kv += n
     else:
         _producer_tile(
             q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-            kv_empty, fix_bar, CU_Q, CU_K, WORK, gl.program_id(0), 0, 0, 0, num_heads, kv_group,
-            seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right, total_q, total_k,
-            BLOCK_TABLE, stride_btb, block_size, BLOCK_M, BLOCK_N, NUM_STAGES, NUM_CONSUMERS,
-            IS_CAUSAL, HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS,
+            kv_empty, fix_bar, items, CU_Q, CU_K, WORK, gl.program_id(0), 0, 0, 0, num_heads,
+            kv_group, seqlen_q, seqlen_k, lpt_heads, divisors, window_left, window_right, total_q,
+            total_k, BLOCK_TABLE, stride_btb, block_size, BLOCK_M, BLOCK_N, NUM_STAGES,
+            NUM_CONSUMERS, IS_CAUSAL, HAS_WINDOW, PERSISTENT, VARLEN, PAGED, Q_BUFS,
         )  # fmt: skip

@@ -1,0 +1,83 @@
+"""A/B of one boolean switch of the Hopper forward (``ops/fwd_sm90.py``), in one process on the
+GPU machine:
+
+    PYTHONPATH=src python scripts/fwd_switch_ab.py DYNAMIC_DEAL [--rounds 5] \
+        [--cases 192:4096:1:128:2,128:2048:1]
+
+Both sides run the same kernel module through ``flashcore.attention`` under ``use_tier("sm90")``;
+the switch (a module attribute read when a plan is built) is set off or on and the plans and kept
+launches are dropped (``ops.fwd.forget``). A case is ``D:S:causal[:Dv[:B[:H]]]``, bf16, by
+default 16k tokens of 2048 / D heads (16 heads past 128), as ``fwd_module_ab.py``'s. Prints
+TFLOP/s of each side (``do_bench`` medians of rotated rounds), the ratio (off / on time: > 1,
+the switch on is faster) with the range of the per-round ratios, and whether the outputs are bit
+for bit equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from dq_rows_ab import rates_and_ratio, rotated
+
+import flashcore
+from flashcore.ops import fwd, fwd_sm90
+
+SIDES = ("off", "on")
+CASES = "192:4096:1:128:2,192:8192:1:128:1,192:2048:1:128:4,128:1024:1,128:2048:1,128:4096:1"
+
+
+def compare(switch: str, case: str, rounds: int) -> str:
+    head_dim, seqlen, causal, *rest = (int(x) for x in case.split(":"))
+    head_dim_v = rest[0] if rest else head_dim
+    batch = rest[1] if len(rest) > 1 else max(1, 16384 // seqlen)
+    heads = rest[2] if len(rest) > 2 else 2048 // head_dim if head_dim <= 128 else 16
+    q, k = (
+        torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    v = torch.randn(batch, heads, seqlen, head_dim_v, device="cuda", dtype=torch.bfloat16)
+
+    def call():
+        with flashcore.use_tier("sm90"):
+            return flashcore.attention(q, k, v, causal=bool(causal))
+
+    def select(side: str) -> None:
+        setattr(fwd_sm90, switch, side == "on")
+        fwd.forget()
+
+    outs = {}
+    for side in SIDES:
+        select(side)
+        outs[side] = call()
+    times, med = rotated(dict.fromkeys(SIDES, call), rounds, select)
+    select("on")
+    flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
+    rates, ratio = rates_and_ratio(times, med, flops, "on", "off")
+    return (
+        f"D{head_dim}:{head_dim_v} S{seqlen} {'causal' if causal else 'full'} B{batch} H{heads}:"
+        f" {rates} off/on {ratio} equal {torch.equal(outs['off'], outs['on'])}"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("switch", help="a boolean attribute of ops/fwd_sm90.py")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--cases", default=CASES, help="comma-separated D:S:causal[:Dv[:B[:H]]]")
+    args = parser.parse_args()
+    if not isinstance(getattr(fwd_sm90, args.switch, None), bool):
+        parser.error(f"switch: ops/fwd_sm90.py has no boolean {args.switch!r}")
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), flush=True)
+    default = getattr(fwd_sm90, args.switch)
+    for case in args.cases.split(","):
+        print(compare(args.switch, case, args.rounds), flush=True)
+        torch.cuda.empty_cache()
+    setattr(fwd_sm90, args.switch, default)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
