@@ -99,35 +99,35 @@ def _stamp(LSE, t, e: gl.constexpr, CONSUMER: gl.constexpr, x):
 def _sit_out(""",
         ),
         (
-            "        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)\n"
-            "        turn_take(turn, turn0 + t, CONSUMER, PINGPONG)\n",
-            "        _stamp(LSE, t, 0, CONSUMER, g)\n"
-            "        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)\n"
-            "        _stamp(LSE, t, 1, CONSUMER, g)\n"
-            "        turn_take(turn, turn0 + t, CONSUMER, PINGPONG)\n"
-            "        _stamp(LSE, t, 2, CONSUMER, g)\n",
+            "            mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)\n"
+            "            turn_take(turn, turn0 + t, CONSUMER, PINGPONG)\n",
+            "            _stamp(LSE, t, 0, CONSUMER, g)\n"
+            "            mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)\n"
+            "            _stamp(LSE, t, 1, CONSUMER, g)\n"
+            "            turn_take(turn, turn0 + t, CONSUMER, PINGPONG)\n"
+            "            _stamp(LSE, t, 2, CONSUMER, g)\n",
         ),
         (
-            "        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])\n"
-            "        mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)",
-            "        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])\n"
-            "        _stamp(LSE, t, 6, CONSUMER, g)\n"
-            "        mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)",
+            "            acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])\n"
+            "            mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)",
+            "            acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])\n"
+            "            _stamp(LSE, t, 6, CONSUMER, g)\n"
+            "            mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)",
         ),
     ]
     if qk_stamp:
         edits.append((
-            "        s = warpgroup_mma_wait(1, deps=[s_tok])\n",
-            "        s = warpgroup_mma_wait(1, deps=[s_tok])\n"
-            "        _stamp(LSE, t, 3, CONSUMER, g)\n",
+            "            s = warpgroup_mma_wait(1, deps=[s_tok])\n",
+            "            s = warpgroup_mma_wait(1, deps=[s_tok])\n"
+            "            _stamp(LSE, t, 3, CONSUMER, g)\n",
         ))  # fmt: skip
     if softmax_stamp:
         edits.append((
-            "        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)\n"
-            "        if OWN_PV:",
-            "        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)\n"
-            "        _stamp(LSE, t, 4, CONSUMER, g)\n"
-            "        if OWN_PV:",
+            "            p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)\n"
+            "            if OWN_PV:",
+            "            p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)\n"
+            "            _stamp(LSE, t, 4, CONSUMER, g)\n"
+            "            if OWN_PV:",
         ))  # fmt: skip
     return _build(steps_src, edits, [])
 

@@ -14,7 +14,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashcore.kernels.hopper.common import ROWS, lazy_rescale, rescale, softmax, tile_scores
+from flashcore.kernels.hopper.common import (
+    ROWS,
+    lazy_rescale,
+    rescale,
+    scores,
+    softmax,
+    tile_scores,
+)
 
 
 @gluon.jit
@@ -144,6 +151,7 @@ def attend(
     OWN_PV: gl.constexpr = False,
     q_free=None,
     FREE_Q: gl.constexpr = False,
+    SPLIT: gl.constexpr = False,
 ):
     """The key loop of one work tile (``n_tiles >= 1``): ring entries ``kv0 .. kv0 + n_tiles -
     1``, turns ``turn0 .. turn0 + n_tiles``, from the running max and sum ``(m_i, l_i)`` (a
@@ -152,7 +160,8 @@ def attend(
     turn ``t`` for tile ``t < t0``, ``t + 1`` for tile ``t >= t1``, one more when it computes
     none. FREE_Q (one Q buffer a consumer, ``kernels/hopper/fwd.py``): this consumer arrives on
     ``q_free`` as soon as its last ``Q K^T`` has completed, where it computes a tile at all (the
-    caller frees the slot otherwise)."""
+    caller frees the slot otherwise). SPLIT: the causal tiles below ``full_hi`` in a loop of
+    their own, without the masks' code (``_steps``)."""
     HEAD_DIM_V: gl.constexpr = v_smem.shape[4]  # V's (and O's) head dim; HEAD_DIM is Q's and K's
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
@@ -177,7 +186,7 @@ def attend(
                 t1 - t0, lo + t0 * BLOCK_N, full_lo, full_hi, rows, seqlen_q, seqlen_k,
                 qk_scale, window_left, window_right, softcap, slope, m_i, l_i, acc, CONSUMER,
                 NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, OWN_PV, q_free, FREE_Q,
+                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, OWN_PV, q_free, FREE_Q, SPLIT,
             )  # fmt: skip
         else:
             _sit_out(k_ready, v_ready, kv_empty, turn, kv0, turn0 + t0, CONSUMER, NUM_CONSUMERS,
@@ -191,7 +200,7 @@ def attend(
             full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope, m_i, l_i, acc, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N,
             NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, OWN_PV,
-            q_free, FREE_Q,
+            q_free, FREE_Q, SPLIT,
         )  # fmt: skip
     return m_i, l_i, acc
 
@@ -238,6 +247,7 @@ def _steps(
     OWN_PV: gl.constexpr,
     q_free,
     FREE_Q: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
     """Tiles ``0 .. n_tiles - 1`` (``n_tiles >= 1``) from key ``lo``, ring entry ``kv0`` and
     turn ``turn0`` on, each computed: the schedule of the module docstring."""
@@ -283,44 +293,66 @@ def _steps(
     if P_EARLY:
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    for t in range(1, n_tiles):
-        g = kv0 + t
-        slot = g % NUM_STAGES
-        prev = (g - 1) % NUM_STAGES
-        mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
-        turn_take(turn, turn0 + t, CONSUMER, PINGPONG)
-        s_tok = _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N, PANELS)
-        # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
-        acc = rescale(acc, alpha, LAZY)
-        if not P_EARLY:
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
-        mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
-        v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V])
-        acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
-        turn_pass(turn, turn0 + t, NEXT, PINGPONG)
-        s = warpgroup_mma_wait(1, deps=[s_tok])
-        # K_t is read: the producer may load tile t + NUM_STAGES's K while V_{t-1} is in use.
-        mbarrier.arrive(kv_empty.index(slot), count=1)
-        if FREE_Q:  # noqa: SIM102
-            if t == n_tiles - 1:
-                mbarrier.arrive(q_free, count=1)  # the last Q K^T has completed
-        s = tile_scores(
-            s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
-            qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
-            SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
-        )  # fmt: skip
-        # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
-        p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)
-        if OWN_PV:
-            # K_t's phase completed above and cannot complete again before this consumer frees
-            # the slot: a wait that passes at once, but a loop, which ptxas does not move its
-            # DEPBAR across (docs/hopper_fwd.md, "Compile-time evidence"), so the exponentials
-            # stay before the wait for P_{t-1} V_{t-1}.
+    # SPLIT (the caller's choice, ``kernels/hopper/fwd.py``): tiles [1, t_mid) below full_hi in
+    # a loop without the masks' code, then [t_mid, n_tiles) masked; else one loop, the mask
+    # chosen per tile (``tile_scores``). The same tiles get the same code either way.
+    gl.static_assert(
+        not SPLIT or (IS_CAUSAL and EVEN_N and not (HAS_WINDOW or P_EARLY)),
+        "SPLIT: causal builds without a window, ragged keys or P_EARLY",
+    )
+    t_mid = n_tiles
+    if SPLIT:
+        t_mid = gl.minimum(gl.maximum((full_hi - lo) // BLOCK_N, 1), n_tiles)
+    for half in gl.static_range(2 if SPLIT else 1):
+        t_begin = 1 if half == 0 else t_mid
+        t_end = t_mid if SPLIT and half == 0 else n_tiles
+        for t in range(t_begin, t_end):
+            g = kv0 + t
+            slot = g % NUM_STAGES
+            prev = (g - 1) % NUM_STAGES
             mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
-        acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
-        mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
-        if P_EARLY:
-            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            turn_take(turn, turn0 + t, CONSUMER, PINGPONG)
+            s_tok = _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N, PANELS)
+            # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
+            acc = rescale(acc, alpha, LAZY)
+            if not P_EARLY:
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
+            v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V])
+            acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
+            turn_pass(turn, turn0 + t, NEXT, PINGPONG)
+            s = warpgroup_mma_wait(1, deps=[s_tok])
+            # K_t is read: the producer may load tile t + NUM_STAGES's K while V_{t-1} is in use.
+            mbarrier.arrive(kv_empty.index(slot), count=1)
+            if FREE_Q:  # noqa: SIM102
+                if t == n_tiles - 1:
+                    mbarrier.arrive(q_free, count=1)  # the last Q K^T has completed
+            if SPLIT:
+                # The first loop's tiles lie below full_hi (every row sees every key), the
+                # second's are the masked ones: the branch of ``tile_scores`` taken per loop.
+                s = scores(
+                    s, rows, gl.expand_dims(lo + t * BLOCK_N + offs_n, 0), seqlen_q, seqlen_k,
+                    qk_scale, window_left, window_right, softcap, slope, half == 1, IS_CAUSAL,
+                    HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
+                )  # fmt: skip
+            else:
+                s = tile_scores(
+                    s, lo + t * BLOCK_N, full_lo, full_hi, rows, offs_n, seqlen_q, seqlen_k,
+                    qk_scale, window_left, window_right, softcap, slope, IS_CAUSAL, HAS_WINDOW,
+                    SOFTCAP, HAS_ALIBI, RAW_MAX, CHECK_N,
+                )  # fmt: skip
+            # Tile t's softmax runs while P_{t-1} V_{t-1} is on the tensor cores.
+            p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)
+            if OWN_PV:
+                # K_t's phase completed above and cannot complete again before this consumer frees
+                # the slot: a wait that passes at once, but a loop, which ptxas does not move its
+                # DEPBAR across (docs/hopper_fwd.md, "Compile-time evidence"), so the exponentials
+                # stay before the wait for P_{t-1} V_{t-1}.
+                mbarrier.wait(k_ready.index(slot), (g // NUM_STAGES) & 1)
+            acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
+            mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
+            if P_EARLY:
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
 
     # The last tile's P V.
     g = kv0 + n_tiles - 1
