@@ -420,13 +420,14 @@ def causal_order(
 # ``kernels/hopper/fwd.py``, "Dynamic deal"): whichever program is free first takes the next
 # heaviest tile, in the flat grid's order, instead of the fixed snake, whose modelled makespan
 # (``causal_order``) is 3% over an even split at (1, 16, 8192) and (2, 16, 4096) against 0-0.2%
-# for the first-come deal. Measured (H200, bf16, scratch A/B of the two plans launched directly,
-# seven rotated rounds, two or three calls, dealt / snake time): MLA (192, 128) 1.010-1.028 at
-# (2, 16, 4096), 1.015-1.027 at (2, 16, 8192), 0.991-1.022 at (1, 16, 8192), 0.97-1.00 from
-# 2048 keys down; D = 64 three CTAs an SM (16, 32, 1024) 1.021-1.047; but D = 128 0.96-1.01 at
-# 1024-4096 keys (0.96 at (2, 16, 4096)), 0.98 at (32, 16, 512) one consumer, D = 64 two
-# consumers (8, 32, 2048) 0.99-1.00. So the configs that gained carry ``dynamic_from``; head dim
-# 256 never (its consumers spill 128 B with it, none without).
+# for the first-come deal. Measured (H200, bf16, the two plans launched directly and through
+# scripts/fwd_switch_ab.py, 3-9 rotated rounds, several device calls; snake time / dealt time):
+# MLA (192, 128) 1.005-1.028 at (2, 16, 4096), 1.015-1.027 at (2, 16, 8192), 0.978-1.022 at
+# (1, 16, 8192), 0.96-1.00 from 2048 keys down; D = 64 three CTAs an SM (16, 32, 1024)
+# 1.021-1.047; but D = 128 0.95-1.01 at 1024-4096 keys (0.96 at (2, 16, 4096)), 0.98 at (32,
+# 16, 512) one consumer, D = 64 two consumers (8, 32, 2048) 0.99-1.00. So the configs that
+# gained carry ``dynamic_from``; head dim 256 never (its consumers spill 128 B with it, none
+# without).
 DYNAMIC_DEAL = True
 
 # Each stream's counter of the dynamic deal (device, stream) -> int32 (1,): zero between launches
