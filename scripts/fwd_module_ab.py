@@ -9,7 +9,8 @@
 imports of ``flashcore.kernels.hopper`` pointed at it) and the tree's modules are the other side.
 Both run through ``flashcore.attention`` under ``use_tier("sm90")`` with the same plans, only
 ``ops.fwd_sm90.launcher`` switched per side, so only the kernels differ. A case is
-``D:S:causal[:Dv]`` (causal 0 or 1), bf16, 16k tokens of 2048 / D heads (16 heads past 128).
+``D:S:causal[:Dv[:B[:H]]]`` (causal 0 or 1), bf16, by default 16k tokens of 2048 / D heads (16
+heads past 128).
 Prints TFLOP/s of each side (``2 B H S^2 (D + Dv)``, halved causal), the ratio of the medians
 (tree / base, > 1: the tree is faster) with the range of the per-round ratios, and whether the
 outputs are bit for bit equal. Rotated rounds of ``do_bench``, medians (``dq_rows_ab.rotated``).
@@ -47,11 +48,15 @@ def base_launcher(directory: str) -> Launcher:
     return Launcher(importlib.import_module("ab_base.fwd").attn_fwd_sm90_kernel, 12)
 
 
-def compare(case: str, sides: dict[str, Launcher], rounds: int) -> str:
+def ab(case: str, old: str, new: str, select, rounds: int, label: str) -> str:
+    """Case ``D:S:causal[:Dv[:B[:H]]]`` (bf16; by default 16k tokens of 2048 / D heads, 16 past
+    128) through ``flashcore.attention`` under ``use_tier("sm90")``, timed on sides ``old`` and
+    ``new`` (``select(side)`` switches, and leaves ``new`` on); its line of results, the ratio
+    (old / new time) printed as ``label``."""
     head_dim, seqlen, causal, *rest = (int(x) for x in case.split(":"))
     head_dim_v = rest[0] if rest else head_dim
-    heads = 2048 // head_dim if head_dim <= 128 else 16
-    batch = max(1, 16384 // seqlen)
+    batch = rest[1] if len(rest) > 1 else max(1, 16384 // seqlen)
+    heads = rest[2] if len(rest) > 2 else 2048 // head_dim if head_dim <= 128 else 16
     q, k = (
         torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
         for _ in range(2)
@@ -62,31 +67,35 @@ def compare(case: str, sides: dict[str, Launcher], rounds: int) -> str:
         with flashcore.use_tier("sm90"):
             return flashcore.attention(q, k, v, causal=bool(causal))
 
+    outs = {}
+    for side in (old, new):
+        select(side)
+        outs[side] = call()
+    timed = rotated(dict.fromkeys((old, new), call), rounds, select)
+    select(new)
+    flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
+    rates, ratio = rates_and_ratio(*timed, flops, new, old)
+    return (
+        f"D{head_dim}:{head_dim_v} S{seqlen} {'causal' if causal else 'full'} B{batch} H{heads}:"
+        f" {rates} {label} {ratio} equal {torch.equal(outs[old], outs[new])}"
+    )
+
+
+def compare(case: str, sides: dict[str, Launcher], rounds: int) -> str:
     def select(side):
         fwd_sm90.launcher = functools.partial(lambda s: sides[s], side)
         # The plans and the express path's kept launches (``fwd.Quick`` binds the launcher it
         # was learned with): dropped, so that the next call launches this side's kernel.
         fwd.forget()
 
-    outs = {}
-    for side in sides:
-        select(side)
-        outs[side] = call()
-    timed = rotated(dict.fromkeys(sides, call), rounds, select)
-    select("tree")
-    flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
-    rates, ratio = rates_and_ratio(*timed, flops, "tree", "base")
-    return (
-        f"D{head_dim}:{head_dim_v} S{seqlen} {'causal' if causal else 'full'} B{batch}: {rates}"
-        f" tree/base {ratio} equal {torch.equal(outs['base'], outs['tree'])}"
-    )
+    return ab(case, "base", "tree", select, rounds, "tree/base")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("base", help="directory with the other fwd.py, fwd_steps.py, ...")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cases", default=CASES, help="comma-separated D:S:causal[:Dv]")
+    parser.add_argument("--cases", default=CASES, help="comma-separated D:S:causal[:Dv[:B[:H]]]")
     args = parser.parse_args()
     torch.manual_seed(0)
     sides = {"base": base_launcher(args.base), "tree": fwd_sm90.launcher()}

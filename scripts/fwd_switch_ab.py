@@ -7,7 +7,7 @@ GPU machine:
 Both sides run the same kernel module through ``flashcore.attention`` under ``use_tier("sm90")``;
 the switch (a module attribute read when a plan is built) is set off or on and the plans and kept
 launches are dropped (``ops.fwd.forget``). A case is ``D:S:causal[:Dv[:B[:H]]]``, bf16, by
-default 16k tokens of 2048 / D heads (16 heads past 128), as ``fwd_module_ab.py``'s. Prints
+default 16k tokens of 2048 / D heads (16 heads past 128), as ``fwd_module_ab.py``'s (``ab``). Prints
 TFLOP/s of each side (``do_bench`` medians of rotated rounds), the ratio (off / on time: > 1,
 the switch on is faster) with the range of the per-round ratios, and whether the outputs are bit
 for bit equal.
@@ -19,46 +19,19 @@ import argparse
 import sys
 
 import torch
-from dq_rows_ab import rates_and_ratio, rotated
+from fwd_module_ab import ab
 
-import flashcore
 from flashcore.ops import fwd, fwd_sm90
 
-SIDES = ("off", "on")
 CASES = "192:4096:1:128:2,192:8192:1:128:1,192:2048:1:128:4,128:1024:1,128:2048:1,128:4096:1"
 
 
 def compare(switch: str, case: str, rounds: int) -> str:
-    head_dim, seqlen, causal, *rest = (int(x) for x in case.split(":"))
-    head_dim_v = rest[0] if rest else head_dim
-    batch = rest[1] if len(rest) > 1 else max(1, 16384 // seqlen)
-    heads = rest[2] if len(rest) > 2 else 2048 // head_dim if head_dim <= 128 else 16
-    q, k = (
-        torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
-        for _ in range(2)
-    )
-    v = torch.randn(batch, heads, seqlen, head_dim_v, device="cuda", dtype=torch.bfloat16)
-
-    def call():
-        with flashcore.use_tier("sm90"):
-            return flashcore.attention(q, k, v, causal=bool(causal))
-
     def select(side: str) -> None:
         setattr(fwd_sm90, switch, side == "on")
         fwd.forget()
 
-    outs = {}
-    for side in SIDES:
-        select(side)
-        outs[side] = call()
-    times, med = rotated(dict.fromkeys(SIDES, call), rounds, select)
-    select("on")
-    flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
-    rates, ratio = rates_and_ratio(times, med, flops, "on", "off")
-    return (
-        f"D{head_dim}:{head_dim_v} S{seqlen} {'causal' if causal else 'full'} B{batch} H{heads}:"
-        f" {rates} off/on {ratio} equal {torch.equal(outs['off'], outs['on'])}"
-    )
+    return ab(case, "off", "on", select, rounds, "off/on")
 
 
 def main() -> int:
