@@ -166,6 +166,35 @@ DEALT = [
 ]
 
 
+def test_sm90_dynamic_deal_plan(monkeypatch):
+    """Which plans deal their persistent grid dynamically (ops/fwd_sm90.py: DYNAMIC_DEAL, the
+    configs' ``dynamic_from``), decided on the host: causal MLA from 4096 keys and D = 64's three
+    CTAs an SM, over one program an SM slot and the flat grid's head groups; not D = 128, not
+    MLA below 4096 keys, not non-causal, not with the switch off."""
+    from flashcore.ops import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "num_sms", lambda index: 132)
+
+    def plan(batch, heads, seqlen, head_dim, head_dim_v, causal=True):
+        q = torch.empty(batch, heads, seqlen, head_dim, dtype=torch.bfloat16)
+        v = torch.empty(batch, heads, seqlen, head_dim_v, dtype=torch.bfloat16)
+        return fwd_sm90.plan(
+            q, q, v, torch.empty(batch, heads, seqlen), causal=causal, qk_scale=0.1,
+            window_left=0, window_right=0, has_window=False, softcap=0.0, alibi=False,
+            sinks=False, stride_ab=0,
+        )  # fmt: skip
+
+    mla = plan(1, 16, 8192, 192, 128)
+    assert mla.meta["DYNAMIC"] and mla.grid == (132,) and mla.scalars[14] == 4
+    three = plan(16, 32, 1024, 64, 64)
+    assert three.meta["DYNAMIC"] and three.grid == (396,) and three.scalars[14] == 16
+    for p in (plan(4, 16, 2048, 192, 128), plan(8, 16, 2048, 128, 128)):
+        assert p.meta["PERSISTENT"] and not p.meta["DYNAMIC"]
+    assert not plan(1, 16, 8192, 192, 128, causal=False).meta["DYNAMIC"]
+    monkeypatch.setattr(fwd_sm90, "DYNAMIC_DEAL", False)
+    assert not plan(1, 16, 8192, 192, 128).meta["DYNAMIC"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", DEALT, ids=lambda s: "b{}h{}kv{}-q{}k{}-d{}v{}".format(*s))
 def test_sm90_dynamic_deal(shape, monkeypatch):
