@@ -127,7 +127,10 @@ the K/V ring, and per Q slot a
   consumer that computes no key tile frees it after its epilogue). The consumers take the O tile
   in turn: use ``u = wave * NUM_CONSUMERS + c`` waits ``o_free`` with parity ``u & 1`` (one
   arrive at the start completes phase 0), writes O, stores it, waits for the copy engine's read
-  (``wait_group.read 0``) and arrives; uses alternate between the consumers, each tile's in
+  (``wait_group.read 0``) and arrives; the last consumer (O_LATE) waits and arrives at its next
+  tile instead, right after its first ``Q K^T`` issue (before anything else where it computes
+  no key tile there), since the next use, the first consumer's, needs that tile's turns from it;
+  uses alternate between the consumers, each tile's in
   consumer order, so no use can pass a phase its predecessor has not completed. The producer's
   ``q_empty`` waits are the three-buffer ones with ``Q_BUFS`` for 3. The consumers walk their
   items in a while loop that stops at the first past the work count (a program's items rise wave
@@ -415,6 +418,14 @@ def _consumer_tile(
         IS_CAUSAL and EVEN_N and (HEAD_DIM == 128) and (NUM_CONSUMERS == 2)
         and not (PERSISTENT or HAS_WINDOW or SOFTCAP or HAS_ALIBI or PANELS > 1)
     )  # fmt: skip
+    # The last consumer of the CTA's O tile (SHARED_O) frees it late: its previous tile's store
+    # is waited for under its next first Q K^T (attend), not before that tile begins, since the
+    # O tile's next use (the first consumer's, a tile later) is far off.
+    O_LATE: gl.constexpr = SHARED_O and (CONSUMER == NUM_CONSUMERS - 1)
+    if O_LATE:  # noqa: SIM102
+        if (it > 0) and (t1 <= t0):
+            tma.store_wait(0)
+            mbarrier.arrive(o_free.index(0), count=1)
     if hi > lo:
         if not PERSISTENT:
             mbarrier.wait(q_ready.index(qi), 0)
@@ -423,7 +434,7 @@ def _consumer_tile(
             t0, t1, lo, full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left,
             window_right, softcap, slope, m_i, l_i, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM,
             BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N,
-            OWN_PV, q_empty.index(qi), SHARED_O, SPLIT,
+            OWN_PV, q_empty.index(qi), SHARED_O, SPLIT, o_free.index(0), O_LATE, it > 0,
         )  # fmt: skip
 
     l_i = row_total(l_i, m_i)
@@ -470,10 +481,12 @@ def _consumer_tile(
     )
     gl.store(lse_ptrs, lse, mask=offs_m < seqlen_q)
     if SHARED_O:
-        # The copy engine has read this tile's O: the next use of the O tile may write it. A
-        # consumer that computed no key tile frees its Q slot here (attend did otherwise).
-        tma.store_wait(0)
-        mbarrier.arrive(o_free.index(0), count=1)
+        # The copy engine has read this tile's O: the next use of the O tile may write it
+        # (O_LATE: at this consumer's next tile). A consumer that computed no key tile frees its
+        # Q slot here (attend did otherwise).
+        if not O_LATE:
+            tma.store_wait(0)
+            mbarrier.arrive(o_free.index(0), count=1)
         if t1 <= t0:
             mbarrier.arrive(q_empty.index(qi), count=1)
     elif PERSISTENT:

@@ -10,6 +10,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
@@ -152,6 +153,9 @@ def attend(
     q_free=None,
     FREE_Q: gl.constexpr = False,
     SPLIT: gl.constexpr = False,
+    o_free=None,
+    O_LATE: gl.constexpr = False,
+    o_pending=False,
 ):
     """The key loop of one work tile (``n_tiles >= 1``): ring entries ``kv0 .. kv0 + n_tiles -
     1``, turns ``turn0 .. turn0 + n_tiles``, from the running max and sum ``(m_i, l_i)`` (a
@@ -161,7 +165,10 @@ def attend(
     none. FREE_Q (one Q buffer a consumer, ``kernels/hopper/fwd.py``): this consumer arrives on
     ``q_free`` as soon as its last ``Q K^T`` has completed, where it computes a tile at all (the
     caller frees the slot otherwise). SPLIT: the causal tiles below ``full_hi`` in a loop of
-    their own, without the masks' code (``_steps``)."""
+    their own, without the masks' code (``_steps``). O_LATE with ``o_pending`` (the CTA's one O
+    tile, ``kernels/hopper/fwd.py``): the copy engine's read of this consumer's previous O is
+    waited for, and the O tile freed on ``o_free``, right after the first ``Q K^T`` issue (the
+    caller does it where this consumer computes no tile)."""
     HEAD_DIM_V: gl.constexpr = v_smem.shape[4]  # V's (and O's) head dim; HEAD_DIM is Q's and K's
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM_V, 16]
@@ -186,7 +193,8 @@ def attend(
                 t1 - t0, lo + t0 * BLOCK_N, full_lo, full_hi, rows, seqlen_q, seqlen_k,
                 qk_scale, window_left, window_right, softcap, slope, m_i, l_i, acc, CONSUMER,
                 NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES, IS_CAUSAL, HAS_WINDOW,
-                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, OWN_PV, q_free, FREE_Q, SPLIT,
+                SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, OWN_PV, q_free, FREE_Q, SPLIT, o_free,
+                O_LATE, o_pending,
             )  # fmt: skip
         else:
             _sit_out(k_ready, v_ready, kv_empty, turn, kv0, turn0 + t0, CONSUMER, NUM_CONSUMERS,
@@ -200,7 +208,7 @@ def attend(
             full_lo, full_hi, rows, seqlen_q, seqlen_k, qk_scale, window_left, window_right,
             softcap, slope, m_i, l_i, acc, CONSUMER, NUM_CONSUMERS, PINGPONG, HEAD_DIM, BLOCK_N,
             NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI, RAW_MAX, EVEN_N, OWN_PV,
-            q_free, FREE_Q, SPLIT,
+            q_free, FREE_Q, SPLIT, o_free, O_LATE, o_pending,
         )  # fmt: skip
     return m_i, l_i, acc
 
@@ -248,6 +256,9 @@ def _steps(
     q_free,
     FREE_Q: gl.constexpr,
     SPLIT: gl.constexpr,
+    o_free,
+    O_LATE: gl.constexpr,
+    o_pending,
 ):
     """Tiles ``0 .. n_tiles - 1`` (``n_tiles >= 1``) from key ``lo``, ring entry ``kv0`` and
     turn ``turn0`` on, each computed: the schedule of the module docstring."""
@@ -279,6 +290,11 @@ def _steps(
     turn_take(turn, turn0, CONSUMER, PINGPONG)
     s_tok = _scores(q_smem, qi, k_smem, kv0 % NUM_STAGES, zero_s, BLOCK_N, PANELS)
     turn_pass(turn, turn0, NEXT, PINGPONG)
+    if O_LATE:  # noqa: SIM102
+        if o_pending:
+            # The previous tile's O has been read out of the O tile while this Q K^T runs.
+            tma.store_wait(0)
+            mbarrier.arrive(o_free, count=1)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     mbarrier.arrive(kv_empty.index(kv0 % NUM_STAGES), count=1)  # K_0 read
     if FREE_Q:  # noqa: SIM102 (a constexpr branch around a runtime one)
