@@ -212,6 +212,7 @@ def compile_variant(variant) -> dict:
         "q_buffers": flags.get("q_buffers", 3) if flags.get("persistent") else None,
         "releases_after_scores": releases_after(ptx, r"wgmma\.wait_group\.sync\.aligned\s+1;"),
         "releases_after_store_read": releases_after(ptx, r"cp\.async\.bulk\.wait_group\.read\s+0;"),
+        "store_reads_under_products": store_reads_under_products(ptx),
         "lazy_rescale": lazy_rescale_branches(sass),
         "head_dim_v": head_dim_v,
         "varlen": flags.get("varlen", False),
@@ -357,6 +358,22 @@ def releases_after(ptx: str, wait: str) -> list[int]:
             count, synced = count + 1, False
     if count is not None:
         found.append(count)
+    return found
+
+
+def store_reads_under_products(ptx: str) -> int:
+    """How many waits for the copy engine's read of every bulk store (``wait_group.read 0``)
+    come while a product is in flight: after a ``wgmma.commit_group`` and before the next
+    ``wgmma.wait_group``."""
+    found, in_flight = 0, False
+    for raw in ptx.splitlines():
+        line = raw.split("//")[0].strip()
+        if "wgmma.commit_group" in line:
+            in_flight = True
+        elif "wgmma.wait_group" in line:
+            in_flight = False
+        elif in_flight and re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", line):
+            found += 1
     return found
 
 
@@ -618,8 +635,9 @@ def test_one_q_buffer_frees_q_at_its_last_scores(compiled):
     """With one Q buffer a consumer (``q_buffers``), each consumer's step frees two things
     after the wait for its ``Q K^T`` (``wait_group 1``): K's slot, and, at the tile's last step,
     the Q slot (the producer loads the next tile's Q while the last ``P V`` and the epilogue
-    run); and its epilogue frees the CTA's O tile once the copy engine has read it
-    (``wait_group.read 0``, then the arrive)."""
+    run); and the CTA's O tile is freed once the copy engine has read it (``wait_group.read
+    0``, then the arrive): by the first consumer in its epilogue, by the last one under its next
+    tile's first ``Q K^T`` (``fwd.py``, O_LATE), the one such wait with a product in flight."""
     ones = [row for row in compiled if row["q_buffers"] == 1]
     assert ones, "no persistent build with one Q buffer"
     for row in ones:
@@ -631,9 +649,11 @@ def test_one_q_buffer_frees_q_at_its_last_scores(compiled):
         assert sum(n >= 1 for n in row["releases_after_store_read"]) >= row["consumers"], (
             f"{name}: {row['releases_after_store_read']}"
         )
+        assert row["store_reads_under_products"] == 1, name
     for row in compiled:
         if row["q_buffers"] != 1:
             assert not any(n >= 2 for n in row["releases_after_scores"]), row["variant"]
+            assert row["store_reads_under_products"] == 0, row["variant"]
 
 
 def test_causal_flat_d128_splits_its_key_loop(compiled):
