@@ -129,9 +129,9 @@ the K/V ring, and per Q slot a
   arrive at the start completes phase 0), writes O, stores it, waits for the copy engine's read
   (``wait_group.read 0``) and arrives; the last consumer (O_LATE) waits and arrives at its next
   tile instead, right after its first ``Q K^T`` issue (before anything else where it computes
-  no key tile there), since the next use, the first consumer's, needs that tile's turns from it;
-  uses alternate between the consumers, each tile's in
-  consumer order, so no use can pass a phase its predecessor has not completed. The producer's
+  no key tile there), since the next use, the first consumer's, needs that tile's turns from
+  it. Uses alternate between the consumers, each tile's in consumer order, so no use can pass
+  a phase its predecessor has not completed. The producer's
   ``q_empty`` waits are the three-buffer ones with ``Q_BUFS`` for 3. The consumers walk their
   items in a while loop that stops at the first past the work count (a program's items rise wave
   by wave; the producer's for loop visits the same ones), and read the grid size and
