@@ -91,17 +91,28 @@ def compare(case: str, sides: dict[str, Launcher], rounds: int) -> str:
     return ab(case, "base", "tree", select, rounds, "tree/base")
 
 
+def case_options(parser: argparse.ArgumentParser, rounds: int, cases: str) -> None:
+    """The ``--rounds`` and ``--cases`` options of this script and ``fwd_switch_ab.py``."""
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--cases", default=cases, help="comma-separated D:S:causal[:Dv[:B[:H]]]")
+
+
+def run_cases(cases: str, line) -> None:
+    """The device's name, then ``line(case)`` for each of the comma-separated ``cases``."""
+    torch.manual_seed(0)
+    print(torch.cuda.get_device_name(), flush=True)
+    for case in cases.split(","):
+        print(line(case), flush=True)
+        torch.cuda.empty_cache()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("base", help="directory with the other fwd.py, fwd_steps.py, ...")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cases", default=CASES, help="comma-separated D:S:causal[:Dv[:B[:H]]]")
+    case_options(parser, 3, CASES)
     args = parser.parse_args()
-    torch.manual_seed(0)
     sides = {"base": base_launcher(args.base), "tree": fwd_sm90.launcher()}
-    print(torch.cuda.get_device_name(), flush=True)
-    for case in args.cases.split(","):
-        print(compare(case, sides, args.rounds), flush=True)
+    run_cases(args.cases, lambda case: compare(case, sides, args.rounds))
     return 0
 
 

@@ -18,8 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-from fwd_module_ab import ab
+from fwd_module_ab import ab, case_options, run_cases
 
 from flashcore.ops import fwd, fwd_sm90
 
@@ -37,17 +36,12 @@ def compare(switch: str, case: str, rounds: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("switch", help="a boolean attribute of ops/fwd_sm90.py")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--cases", default=CASES, help="comma-separated D:S:causal[:Dv[:B[:H]]]")
+    case_options(parser, 5, CASES)
     args = parser.parse_args()
     if not isinstance(getattr(fwd_sm90, args.switch, None), bool):
         parser.error(f"switch: ops/fwd_sm90.py has no boolean {args.switch!r}")
-    torch.manual_seed(0)
-    print(torch.cuda.get_device_name(), flush=True)
     default = getattr(fwd_sm90, args.switch)
-    for case in args.cases.split(","):
-        print(compare(args.switch, case, args.rounds), flush=True)
-        torch.cuda.empty_cache()
+    run_cases(args.cases, lambda case: compare(args.switch, case, args.rounds))
     setattr(fwd_sm90, args.switch, default)
     return 0
 
