@@ -198,6 +198,8 @@ def compile_variant(variant) -> dict:
         (fn.arg_names.index(name),): [["tt.divisibility", 16]]
         for name in ("LSE", "O", "CU_Q", "stride_ot", "stride_oh")
     }
+    from test_compile_hopper_bwd import step_loops
+
     src = GluonASTSource(fn, signature, consts, attrs)
     ptx, sass, report = assemble(src, maxnreg)
     return {
@@ -220,6 +222,7 @@ def compile_variant(variant) -> dict:
         "named_barriers": named_barriers(sass),
         "dynamic": flags.get("dynamic", False),
         "hgmma": len(re.findall(r"\bHGMMA\.", sass)),
+        "step_prmt": [sum(t.startswith("PRMT") for t in body) for body in step_loops(sass)],
         "atomics": len(re.findall(r"\bATOMG\.", sass)),
         "gpu_fences": len(re.findall(r"MEMBAR\.ALL\.GPU|CCTL\.IVALL", sass)),
     }
@@ -699,6 +702,17 @@ def test_products_on_tensor_cores_with_p_in_registers(compiled):
     for row in compiled:
         assert row["hgmma_shared_a"] > 0, f"{row['variant']}: no Q K^T HGMMA"
         assert row["hgmma_register_a"] > 0, f"{row['variant']}: P V does not take P from registers"
+
+
+def test_p_packed_without_half_swaps(compiled):
+    """With three consumers P reaches the ``P V`` product's registers one conversion a pair of
+    values (``fwd_steps._p_operand``): no step swaps a register's halves (``PRMT``). With P
+    rounded a value at a time ptxas paired the values the wrong way round in those builds and
+    swapped them back, 32 ``PRMT`` a step in most of their consumers."""
+    three = [row for row in compiled if row["consumers"] == 3]
+    assert len(three) == 7, [row["variant"] for row in three]
+    for row in three:
+        assert len(row["step_prmt"]) >= 3 and not any(row["step_prmt"]), row["variant"]
 
 
 def test_schedule_overlaps_softmax_with_second_product(compiled):

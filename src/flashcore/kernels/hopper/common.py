@@ -204,6 +204,24 @@ def opaque(x):
     )
 
 
+@gluon.constexpr_function
+def _pack_asm(dtype):
+    kind = "bf16x2" if dtype == gl.bfloat16 else "f16x2"
+    return f"cvt.rn.{kind}.f32 $0, $2, $1;"
+
+
+@gluon.jit
+def to_operand(p, dtype: gl.constexpr):
+    """``p`` (fp32) rounded to ``dtype`` (fp16 or bf16) two values an instruction, each pair
+    packed in the register the ``P V`` product reads (``cvt.rn.{bf16x2,f16x2}.f32``: the
+    first value in the low half). ``p.to(dtype)`` rounds alike, but one value at a time, leaving
+    the pairing to ptxas, which in the three-consumer builds packed the halves the wrong way
+    round and swapped them back with a ``PRMT`` a register (32 a step at D = 64)."""
+    return gl.inline_asm_elementwise(
+        _pack_asm(dtype), "=r,r,r", [p], dtype=dtype.value, is_pure=True, pack=2
+    )
+
+
 @gluon.jit
 def programs(pid, OPAQUE: gl.constexpr):
     """``gl.num_programs(0)`` for a persistent partition; with OPAQUE read by a side-effecting

@@ -22,6 +22,7 @@ from flashcore.kernels.hopper.common import (
     scores,
     softmax,
     tile_scores,
+    to_operand,
 )
 
 
@@ -36,6 +37,17 @@ def _scores(q_smem, qi, k_smem, slot, zero_s, BLOCK_N: gl.constexpr, PANELS: gl.
         k_t = k_smem.index(slot * PANELS + i).reshape([BLOCK_N, PANEL]).permute((1, 0))
         s = warpgroup_mma(q, k_t, s, use_acc=i > 0, is_async=True)
     return s
+
+
+@gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, PACKED: gl.constexpr):
+    """P in ``dtype`` as the register A operand of ``P V``; PACKED rounds two values an
+    instruction (``common.to_operand``)."""
+    if PACKED:
+        p_op = to_operand(p, dtype)
+    else:
+        p_op = p.to(dtype)
+    return gl.convert_layout(p_op, p_layout)
 
 
 # Named hardware barriers for the ping-pong turns (PINGPONG == 2): consumer c takes its turn
@@ -284,6 +296,11 @@ def _steps(
         (NUM_CONSUMERS > 2) or (PANELS > 1) or HAS_WINDOW or SOFTCAP or HAS_ALIBI
     )
     LAZY: gl.constexpr = lazy_rescale(HEAD_DIM_V, BLOCK_N)
+    # With three consumers ptxas paired P's values the wrong way round and swapped every
+    # register's halves back (32 PRMT a step in most of their consumers): packed by hand there,
+    # 2-3% faster causal at D = 64. In every build it spilled 8-12 B in two two-consumer builds
+    # (docs/hopper_fwd_configs.md, "P packed a pair an instruction").
+    PACKED_P: gl.constexpr = NUM_CONSUMERS > 2
 
     # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
     mbarrier.wait(k_ready.index(kv0 % NUM_STAGES), (kv0 // NUM_STAGES) & 1)
@@ -307,7 +324,7 @@ def _steps(
     )  # fmt: skip
     p, alpha, m_i, l_i = softmax(s, m_i, l_i, qk_scale, RAW_MAX, LAZY)
     if P_EARLY:
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = _p_operand(p, dtype, p_layout, PACKED_P)
 
     # SPLIT (the caller's choice, ``kernels/hopper/fwd.py``): tiles [1, t_mid) below full_hi in
     # a loop without the masks' code, then [t_mid, n_tiles) masked; else one loop, the mask
@@ -332,7 +349,7 @@ def _steps(
             # While Q K_t^T runs: rescale O by the previous step's alpha, P to the A operand.
             acc = rescale(acc, alpha, LAZY)
             if not P_EARLY:
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                p_op = _p_operand(p, dtype, p_layout, PACKED_P)
             mbarrier.wait(v_ready.index(prev), ((g - 1) // NUM_STAGES) & 1)
             v_t = v_smem.index(prev).reshape([BLOCK_N, HEAD_DIM_V])
             acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
@@ -368,7 +385,7 @@ def _steps(
             acc, p_op = warpgroup_mma_wait(0, deps=[acc_tok, p_op])
             mbarrier.arrive(kv_empty.index(NUM_STAGES + prev), count=1)  # V_{t-1} read
             if P_EARLY:
-                p_op = gl.convert_layout(p.to(dtype), p_layout)
+                p_op = _p_operand(p, dtype, p_layout, PACKED_P)
 
     # The last tile's P V.
     g = kv0 + n_tiles - 1
@@ -377,7 +394,7 @@ def _steps(
     turn_take(turn, turn0 + n_tiles, CONSUMER, PINGPONG)
     acc = rescale(acc, alpha, LAZY)
     if not P_EARLY:
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        p_op = _p_operand(p, dtype, p_layout, PACKED_P)
     v_t = v_smem.index(last).reshape([BLOCK_N, HEAD_DIM_V])
     acc_tok = warpgroup_mma(p_op, v_t, acc, is_async=True)
     turn_pass(turn, turn0 + n_tiles, NEXT, PINGPONG)
