@@ -206,6 +206,7 @@ def opaque(x):
 
 @gluon.constexpr_function
 def _pack_asm(dtype):
+    assert dtype in (gl.bfloat16, gl.float16), dtype
     kind = "bf16x2" if dtype == gl.bfloat16 else "f16x2"
     return f"cvt.rn.{kind}.f32 $0, $2, $1;"
 
