@@ -56,10 +56,11 @@ VARIANTS = [
     (FEATURES + "-persistent", 64, "fp16", 2, 128, 3, 240, 168,
      {**ALL_FLAGS, "persistent": True}),
     # Three consumers at D=64 (ops/fwd_sm90.py: D64_THREE), as "auto" runs them: persistent
-    # non-causal, flat causal (and persistent causal beside it).
+    # non-causal, flat causal (whole and ragged key tiles; persistent causal beside it).
     ("d64-bf16-three-persistent", 64, "bf16", 3, 128, 3, 160, 128, {**PLAIN, "persistent": True}),
     ("d64-fp16-causal-ragged-three", 64, "fp16", 3, 128, 3, 160, 128,
      {**PLAIN, "causal": True, "even_n": False}),
+    ("d64-bf16-causal-three", 64, "bf16", 3, 128, 3, 160, 128, {**PLAIN, "causal": True}),
     ("d64-fp16-causal-ragged-three-persistent", 64, "fp16", 3, 128, 3, 160, 128,
      {**PLAIN, "causal": True, "even_n": False, "persistent": True}),
     # Causal at most 512 long (ops/fwd_sm90.py: SHORT_CAUSAL): 64-key tiles, 4 slots, each
@@ -710,7 +711,7 @@ def test_p_packed_without_half_swaps(compiled):
     rounded a value at a time ptxas paired the values the wrong way round in those builds and
     swapped them back, 32 ``PRMT`` a step in most of their consumers."""
     three = [row for row in compiled if row["consumers"] == 3]
-    assert len(three) == 7, [row["variant"] for row in three]
+    assert len(three) == 8, [row["variant"] for row in three]
     for row in three:
         assert len(row["step_prmt"]) >= 3 and not any(row["step_prmt"]), row["variant"]
 
@@ -744,7 +745,7 @@ def test_assembled_code_keeps_the_overlap(compiled):
 
 # The builds whose softmax is pinned under its own P V (kernels/hopper/fwd.py: OWN_PV): three
 # consumers, causal, flat, without sinks, a window, softcap or ALiBi.
-OWN_PV_VARIANTS = {"d64-fp16-causal-ragged-three"}
+OWN_PV_VARIANTS = {"d64-fp16-causal-ragged-three", "d64-bf16-causal-three"}
 
 
 def test_own_pv_overlap_where_taken(compiled):
