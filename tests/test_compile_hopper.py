@@ -199,8 +199,6 @@ def compile_variant(variant) -> dict:
         (fn.arg_names.index(name),): [["tt.divisibility", 16]]
         for name in ("LSE", "O", "CU_Q", "stride_ot", "stride_oh")
     }
-    from test_compile_hopper_bwd import step_loops  # here: that module imports this one
-
     src = GluonASTSource(fn, signature, consts, attrs)
     ptx, sass, report = assemble(src, maxnreg)
     return {
@@ -227,6 +225,31 @@ def compile_variant(variant) -> dict:
         "atomics": len(re.findall(r"\bATOMG\.", sass)),
         "gpu_fences": len(re.findall(r"MEMBAR\.ALL\.GPU|CCTL\.IVALL", sass)),
     }
+
+
+def step_loops(sass: str) -> list[list[str]]:
+    """The instructions of each step loop of the SASS, in address order: a loop being a
+    conditional backward branch whose body holds tensor-core products (the mbarrier waits' retry
+    loops hold none; their unconditional jumps back are not loops), the innermost where loops
+    nest."""
+    code = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2).strip()))
+    loops = []
+    for addr, text in code:
+        m = re.match(r"@!?U?P\d+\s+BRA\S*\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
+        if sum("HGMMA" in t for t in body) >= 8:
+            loops.append((int(m.group(1), 16), addr, body))
+    return [
+        body
+        for lo, hi, body in loops
+        if not any(lo <= a <= b <= hi and (a, b) != (lo, hi) for a, b, _ in loops)
+    ]
 
 
 def named_barriers(sass: str) -> list[list]:

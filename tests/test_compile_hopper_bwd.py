@@ -30,7 +30,7 @@ import sys
 
 import pytest
 
-from test_compile_hopper import assemble, assert_register_split, compiled_rows
+from test_compile_hopper import assemble, assert_register_split, compiled_rows, step_loops
 
 SMEM_LIMIT = 227 * 1024
 
@@ -217,31 +217,6 @@ def _staging_probe():
         record(gl.bank_conflicts(gl.zeros([64, COLS], gl.float32, layout=acc).type, tile.type))
 
     return probe, found
-
-
-def step_loops(sass: str) -> list[list[str]]:
-    """The instructions of each step loop of the SASS, in address order: a loop being a
-    conditional backward branch whose body holds tensor-core products (the mbarrier waits' retry
-    loops hold none; their unconditional jumps back are not loops), the innermost where loops
-    nest."""
-    code = []
-    for line in sass.splitlines():
-        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            code.append((int(m.group(1), 16), m.group(2).strip()))
-    loops = []
-    for addr, text in code:
-        m = re.match(r"@!?U?P\d+\s+BRA\S*\s+(?:`\(\S+\)\s*)?0x([0-9a-f]+)", text)
-        if not m or int(m.group(1), 16) >= addr:
-            continue
-        body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
-        if sum("HGMMA" in t for t in body) >= 8:
-            loops.append((int(m.group(1), 16), addr, body))
-    return [
-        body
-        for lo, hi, body in loops
-        if not any(lo <= a <= b <= hi and (a, b) != (lo, hi) for a, b, _ in loops)
-    ]
 
 
 # Integer and move instructions on the vector pipes: a step's slot, phase and address arithmetic

@@ -19,8 +19,7 @@ import sys
 
 import pytest
 
-from test_compile_hopper import assemble, assert_register_split, compiled_rows
-from test_compile_hopper_bwd import step_loops
+from test_compile_hopper import assemble, assert_register_split, compiled_rows, step_loops
 
 SMEM_LIMIT = 227 * 1024
 

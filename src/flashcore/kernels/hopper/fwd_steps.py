@@ -296,10 +296,9 @@ def _steps(
         (NUM_CONSUMERS > 2) or (PANELS > 1) or HAS_WINDOW or SOFTCAP or HAS_ALIBI
     )
     LAZY: gl.constexpr = lazy_rescale(HEAD_DIM_V, BLOCK_N)
-    # With three consumers ptxas paired P's values the wrong way round and swapped every
-    # register's halves back (32 PRMT a step in most of their consumers): packed by hand there,
-    # 2-3% faster causal at D = 64. Taken in every build, it spilled 8-12 B in two two-consumer
-    # builds (docs/hopper_fwd_configs.md, "P packed a pair an instruction").
+    # P packed by hand (common.to_operand says why) with three consumers: 2-3% faster causal at
+    # D = 64. Taken in every build, it spilled 8-12 B in two two-consumer builds
+    # (docs/hopper_fwd_configs.md, "P packed a pair an instruction").
     PACKED_P: gl.constexpr = NUM_CONSUMERS > 2
 
     # Prologue: tile 0's scores and softmax (one turn on the tensor cores).
