@@ -528,6 +528,50 @@ def test_backward_gpu_sm90_group_split(mc, split, monkeypatch):
     assert (dk.stride(), dv.stride()) == (k.stride(), v.stride())
 
 
+# Consumer 1's causal steps that see none of its keys skipped (``bwd_sm90.SKIP_MASKED``): GQA
+# (the skip is the group's first head's step), queries longer and shorter than the keys, a
+# window, the dQ warpgroup (D = 64), a softcap at D = 64 (with it D = 128 keeps each dQ in its
+# step and takes no skip) and the launcher's default beside it.
+SM90_SKIP = [
+    (MaskCase(Case(2, 8, 2, 700, 1100, 128), causal=True), torch.bfloat16),
+    (MaskCase(Case(1, 4, 4, 1100, 700, 128), causal=True), torch.float16),
+    (MaskCase(Case(2, 4, 4, 1000, 1000, 64), causal=True), torch.bfloat16),
+    (MaskCase(Case(1, 4, 2, 777, 513, 64), causal=True, window=(300, 0), softcap=20.0),
+     torch.float16),
+    (MaskCase(Case(1, 8, 8, 4096, 4096, 128), causal=True), torch.bfloat16),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("mc", "dtype"), SM90_SKIP, ids=[f"{mc.id}-{str(d)[6:]}" for mc, d in SM90_SKIP]
+)
+def test_backward_gpu_sm90_skip_masked(mc, dtype, monkeypatch):
+    """The Hopper backward (D 64/128, forced) with and without ``bwd_sm90.SKIP_MASKED``: the
+    skipped steps' products are exactly zero, so dK and dV are bit for bit equal, dQ equal to
+    its reduce order, and each passes the FA rule."""
+    from flashcore.ops import bwd, bwd_sm90
+
+    require_sm90()
+    q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd")
+    grads = {}
+    for skip in (False, True):
+        monkeypatch.setattr(bwd_sm90, "SKIP_MASKED", skip)
+        bwd_sm90._PLANS.clear()
+        bwd.forget()
+        torch.manual_seed(1)
+        with flashcore.use_tier("sm90"):
+            grads[skip] = check_backward(q, k, v, **mask_options(mc, "cuda"))
+        assert all(p.main_meta["SKIP_MASKED"] == skip for p in bwd_sm90._PLANS.values())
+    bwd_sm90._PLANS.clear()
+    bwd.forget()
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = grads[False], grads[True]
+    assert torch.equal(dk0, dk1) and torch.equal(dv0, dv1)
+    # dQ's fp32 sums reduce-added in another order: at most a rounding of its dtype apart.
+    ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    assert (dq1.float() - dq0.float()).abs().max() <= ulp * dq0.float().abs().max()
+
+
 def test_sm90_backward_group_split_rule():
     """When GQA/MQA runs a program per query head: causal below two programs per SM, otherwise
     only when it takes fewer waves than the grouped grid's longest program."""

@@ -58,6 +58,11 @@ PDL = True
 # build without K and V in registers.
 FRESH_DESC = True
 FRESH_DESC_ALWAYS = False
+# Causal: consumer 1 skips the products of a step none of whose rows sees its keys (a program's
+# first step) and writes a zero dS^T tile (``kernels/hopper/bwd.py``, SKIP_MASKED). H200, bf16,
+# scripts/bwd_switch_ab.py SKIP_MASKED: D = 128 causal 1.04-1.06 at 512, 1.03-1.05 at 1024,
+# 0.99-1.03 at 2048, window 1.06; D = 64 1.01-1.02 at 512-2048; from 4096 and non-causal level.
+SKIP_MASKED = True
 
 
 def fresh_desc(beside: bool, kv_regs: bool) -> bool:
@@ -676,6 +681,7 @@ def _plan(
         "DQ_BESIDE_DK": beside,
         "PDL": PDL,
         "FRESH_DESC": fresh_desc(beside, kv_regs),
+        "SKIP_MASKED": SKIP_MASKED and sc.is_causal,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
         "launch_pdl": PDL,

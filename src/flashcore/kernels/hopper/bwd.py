@@ -209,7 +209,20 @@ V_c and dQ K-column views taken each step through a zero LLVM cannot see, so tha
 descriptors are formed in the step loop rather than every k-step's before it, held in vector
 registers and moved to uniform ones (``R2UR``) at each use (``kernels/hopper/bwd_mla.py``). ABLATE
 (measurement only, wrong dQ): 1 computes dQ but does not reduce it; 2 skips the dQ products
-(Triton 3.6's ptxas crashes on that variant; with DQ_WARPGROUP it is 1).
+(Triton 3.6's ptxas crashes on that variant; with DQ_WARPGROUP it is 1). SKIP_MASKED (the
+launcher's ``ops/bwd_sm90.SKIP_MASKED``, causal, with DQ_LAG): when a program's first step has no
+row that sees a key of consumer 1's (its rows start at or below the diagonal of the block's first
+key: every block of a square causal problem but ragged edges), consumer 1 skips that step's
+products: it waits the step's ``qd_ready`` and ``ds_free`` phases, writes a zero dS^T tile (its P
+and dS are 0) for both consumers' dQ products, and arrives ``qd_empty`` and ``ds_ready`` (and, with
+the dQ in the consumers, ``ds_free[1]`` for the loop's "step -1"), then runs the loop from step 1.
+The step is peeled off the loop because a run-time branch around the products made ptxas 12.8
+crash (SIGSEGV); with GQA only the group's first head's step is skipped. Every phase of
+``qd_ready`` is still waited in turn: without the peeled wait, the parity wait of step NUM_STAGES
+can pass on the slot's first phase before it completes (before that wait was in, one A/B on an
+H200 read dK and dV 0.16 apart at D=64 causal 1024 keys; with it, 60 repeated backwards on five
+shapes gave bit-identical dK and dV). H200, bf16: causal 1.01-1.05x at 512-2048 keys, window
+1.06x (docs/performance_backward.md).
 
 Invariants. Head dim 64 or 128 and unit stride on D; every descriptor stride is 16-byte aligned
 (launcher). Shared memory at D=128: K, V 32 KB each, Q/dO ring 2 x 2 x 16 KB, dS^T 2 x 2 x 8 KB,
@@ -732,6 +745,7 @@ def _consumer(
     VARLEN: gl.constexpr = False,
     DQ_BESIDE_DK: gl.constexpr = False,
     FRESH_DESC: gl.constexpr = False,
+    SKIP_MASKED: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
@@ -799,7 +813,29 @@ def _consumer(
     )
     prev_h = off_hk * kv_group
     prev_m = dq_base + q_start + lo
-    for t in range(n_steps):
+    t_first = 0
+    if SKIP_MASKED and IS_CAUSAL and DQ_LAG and CONSUMER == 1:  # noqa: SIM102 (constexpr)
+        # The first step's rows see none of this consumer's keys (the block's diagonal step,
+        # when its rows start at or below the diagonal of the block's first key: P = dS = 0).
+        # Its products are skipped: a zero dS^T tile for both consumers' dQ products and the
+        # step's barrier operations, in the loop's order, without the products (a run-time
+        # branch around wgmmas crashes ptxas 12.8, so the step is peeled off the loop). The
+        # loop's lagged dQ of "step -1" at t = 0 only arrives on ds_free[1] here. The dQ of
+        # step 0 (prev_h, prev_m: already its head and rows) runs in step 1 as usual.
+        if n_steps > 0 and lo + ROWS - 1 + diag < key0:
+            t_first = 1
+            # Step 0's waits as in the loop: its Q/dO slot loaded (every phase of qd_ready[s]
+            # waited in turn: skipped, the parity wait of step NUM_STAGES could pass on phase 0
+            # before that phase completed), dS^T tile 0 released (the initial phase).
+            mbarrier.wait(qd_ready.index(0), 0)
+            mbarrier.wait(ds_free.index(0), 1)
+            ds_smem.index(CONSUMER).store(gl.zeros([ROWS, ROWS], dtype, layout=s_layout))
+            fence_async_shared()
+            mbarrier.arrive(qd_empty.index(0), count=1)
+            mbarrier.arrive(ds_ready.index(0), count=1)
+            if not DQ_WARPGROUP:
+                mbarrier.arrive(ds_free.index(1), count=1)
+    for t in range(t_first, n_steps):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
         slot = t % NUM_STAGES
@@ -1096,6 +1132,7 @@ def attn_bwd_sm90_kernel(
     DQ_BESIDE_DK: gl.constexpr = False,
     PDL: gl.constexpr = False,
     FRESH_DESC: gl.constexpr = False,
+    SKIP_MASKED: gl.constexpr = False,
 ):
     if PDL:
         # The dQ conversion may launch now (it waits for this grid before reading DQ_ACC).
@@ -1169,6 +1206,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
+                    SKIP_MASKED,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1178,6 +1216,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
+                    SKIP_MASKED,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
@@ -1207,6 +1246,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
+                    SKIP_MASKED,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1216,6 +1256,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
+                    SKIP_MASKED,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
