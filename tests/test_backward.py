@@ -529,9 +529,9 @@ def test_backward_gpu_sm90_group_split(mc, split, monkeypatch):
 
 
 # Consumer 1's causal steps that see none of its keys skipped (``bwd_sm90.SKIP_MASKED``): GQA
-# (the skip is the group's first head's step), queries longer and shorter than the keys, a
-# window, the dQ warpgroup (D = 64), a softcap at D = 64 (with it D = 128 keeps each dQ in its
-# step and takes no skip) and the launcher's default beside it.
+# (the skip is the group's first head's step), queries longer and shorter than the keys, the dQ
+# warpgroup (D = 64), a window with a softcap at D = 64 (with a softcap D = 128 keeps each dQ in
+# its step and takes no skip), and 4096 rows, where the dQ products run beside dK.
 SM90_SKIP = [
     (MaskCase(Case(2, 8, 2, 700, 1100, 128), causal=True), torch.bfloat16),
     (MaskCase(Case(1, 4, 4, 1100, 700, 128), causal=True), torch.float16),

@@ -40,8 +40,9 @@ SMEM_LIMIT = 227 * 1024
 # that crosses Sk, when not causal). options: the score flags on (HAS_WINDOW, SOFTCAP, HAS_ALIBI),
 # VARLEN (packed batches: EVEN_N off, bounded loads and masked dK/dV stores at each sequence's
 # edges), LONG (16k query rows, where causal D=128 permutes the dQ staging rows:
-# ``rows_permuted``, and takes the dQ products beside dK; 2048 otherwise) and NOFRESH (FRESH_DESC
-# off where the launcher's ``fresh_desc`` takes it).
+# ``rows_permuted``, and takes the dQ products beside dK; 2048 otherwise), NOFRESH (FRESH_DESC
+# off where the launcher's ``fresh_desc`` takes it) and NOSKIP (causal without SKIP_MASKED: for
+# comparisons, no variant of the list).
 VARIANTS = [
     ("d128-bf16", 128, "bf16", False, True),
     ("d128-fp16-causal-ragged", 128, "fp16", True, False),
@@ -369,7 +370,7 @@ def test_shared_memory_within_limit(compiled):
 # 40-404 B of scalars, most stored in the prologue and reloaded around the loops' edges. The
 # consumers' step loops reload none non-causal; causal at D=128, 11 and 3 four-byte loads a step.
 # Consumer 1's peeled first step (SKIP_MASKED, causal) moved the causal builds' spills outside the
-# loops by -24 to +24 B (the plain causal D=128 build 12 -> 0, the window one 120 -> 128, the
+# loops by -20 to +24 B (the plain causal D=128 build 12 -> 0, the window one 120 -> 128, the
 # packed ones 424 -> 404 and 44 -> 68 at D=64); the step loops' local accesses did not change.
 # With the dQ products beside dV and dK (DQ_BESIDE_DK: non-causal, and causal from 4096 query
 # rows) the plain builds formed every k-step's wgmma descriptor of K, V and the dQ products' K

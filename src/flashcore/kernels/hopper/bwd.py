@@ -212,7 +212,7 @@ registers and moved to uniform ones (``R2UR``) at each use (``kernels/hopper/bwd
 (Triton 3.6's ptxas crashes on that variant; with DQ_WARPGROUP it is 1). SKIP_MASKED (the
 launcher's ``ops/bwd_sm90.SKIP_MASKED``, causal, with DQ_LAG): when a program's first step has no
 row that sees a key of consumer 1's (its rows start at or below the diagonal of the block's first
-key: every block of a square causal problem but ragged edges), consumer 1 skips that step's
+key: every program of a causal problem with Sq = Sk), consumer 1 skips that step's
 products: it waits the step's ``qd_ready`` and ``ds_free`` phases, writes a zero dS^T tile (its P
 and dS are 0) for both consumers' dQ products, and arrives ``qd_empty`` and ``ds_ready`` (and, with
 the dQ in the consumers, ``ds_free[1]`` for the loop's "step -1"), then runs the loop from step 1.
