@@ -528,41 +528,56 @@ def test_backward_gpu_sm90_group_split(mc, split, monkeypatch):
     assert (dk.stride(), dv.stride()) == (k.stride(), v.stride())
 
 
-# Consumer 1's causal steps that see none of its keys skipped (``bwd_sm90.SKIP_MASKED``): GQA
-# (the skip is the group's first head's step), queries longer and shorter than the keys, the dQ
-# warpgroup (D = 64), a window with a softcap at D = 64 (with a softcap D = 128 keeps each dQ in
-# its step and takes no skip), and 4096 rows, where the dQ products run beside dK.
+# Steps a consumer's keys are not seen in, skipped: consumer 1's first causal step
+# (``bwd_sm90.SKIP_MASKED``, on) with GQA (the skip is the group's first head's step), queries
+# longer and shorter than the keys, the dQ warpgroup (D = 64), a window with a softcap at D = 64
+# (with a softcap D = 128 keeps each dQ in its step and takes no skip), and 4096 rows, where the
+# dQ products run beside dK; consumer 0's last step at a window's left edge
+# (``bwd_sm90.SKIP_MASKED_LAST``, off until it has run on a GPU), causal and not, with GQA, the dQ
+# warpgroup and the dQ products beside dK (non-causal).
 SM90_SKIP = [
-    (MaskCase(Case(2, 8, 2, 700, 1100, 128), causal=True), torch.bfloat16),
-    (MaskCase(Case(1, 4, 4, 1100, 700, 128), causal=True), torch.float16),
-    (MaskCase(Case(2, 4, 4, 1000, 1000, 64), causal=True), torch.bfloat16),
-    (MaskCase(Case(1, 4, 2, 777, 513, 64), causal=True, window=(300, 0), softcap=20.0),
+    ("SKIP_MASKED", MaskCase(Case(2, 8, 2, 700, 1100, 128), causal=True), torch.bfloat16),
+    ("SKIP_MASKED", MaskCase(Case(1, 4, 4, 1100, 700, 128), causal=True), torch.float16),
+    ("SKIP_MASKED", MaskCase(Case(2, 4, 4, 1000, 1000, 64), causal=True), torch.bfloat16),
+    ("SKIP_MASKED", MaskCase(Case(1, 4, 2, 777, 513, 64), causal=True, window=(300, 0),
+                             softcap=20.0), torch.float16),
+    ("SKIP_MASKED", MaskCase(Case(1, 8, 8, 4096, 4096, 128), causal=True), torch.bfloat16),
+    ("SKIP_MASKED_LAST", MaskCase(Case(1, 4, 4, 1000, 1000, 128), causal=True, window=(128, 0)),
+     torch.bfloat16),
+    ("SKIP_MASKED_LAST", MaskCase(Case(2, 8, 2, 1100, 700, 128), causal=True, window=(256, 0)),
      torch.float16),
-    (MaskCase(Case(1, 8, 8, 4096, 4096, 128), causal=True), torch.bfloat16),
+    ("SKIP_MASKED_LAST", MaskCase(Case(1, 4, 4, 2048, 2048, 128), window=(300, 200)),
+     torch.bfloat16),
+    ("SKIP_MASKED_LAST", MaskCase(Case(2, 4, 4, 700, 900, 64), window=(200, 50)), torch.float16),
+    ("SKIP_MASKED_LAST", MaskCase(Case(1, 4, 2, 777, 513, 64), causal=True, window=(100, 0),
+                                  softcap=20.0), torch.bfloat16),
 ]  # fmt: skip
+SKIP_META = {"SKIP_MASKED": "SKIP_MASKED", "SKIP_MASKED_LAST": "SKIP_LAST"}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("mc", "dtype"), SM90_SKIP, ids=[f"{mc.id}-{str(d)[6:]}" for mc, d in SM90_SKIP]
+    ("switch", "mc", "dtype"),
+    SM90_SKIP,
+    ids=[f"{sw.lower()}-{mc.id}-{str(d)[6:]}" for sw, mc, d in SM90_SKIP],
 )
-def test_backward_gpu_sm90_skip_masked(mc, dtype, monkeypatch):
-    """The Hopper backward (D 64/128, forced) with and without ``bwd_sm90.SKIP_MASKED``: the
-    skipped steps' products are exactly zero, so dK and dV are bit for bit equal, dQ equal to
-    its reduce order, and each passes the FA rule."""
+def test_backward_gpu_sm90_skip_masked(switch, mc, dtype, monkeypatch):
+    """The Hopper backward (D 64/128, forced) with a skip switch off and on: the skipped steps'
+    products are exactly zero, so dK and dV are bit for bit equal, dQ equal to its reduce
+    order, and each passes the FA rule."""
     from flashcore.ops import bwd, bwd_sm90
 
     require_sm90()
     q, k, v = make_qkv(mc.case, dtype, "cuda", layout="bshd")
     grads = {}
-    for skip in (False, True):
-        monkeypatch.setattr(bwd_sm90, "SKIP_MASKED", skip)
+    for on in (False, True):
+        monkeypatch.setattr(bwd_sm90, switch, on)
         bwd_sm90._PLANS.clear()
         bwd.forget()
         torch.manual_seed(1)
         with flashcore.use_tier("sm90"):
-            grads[skip] = check_backward(q, k, v, **mask_options(mc, "cuda"))
-        assert all(p.main_meta["SKIP_MASKED"] == skip for p in bwd_sm90._PLANS.values())
+            grads[on] = check_backward(q, k, v, **mask_options(mc, "cuda"))
+        assert all(p.main_meta[SKIP_META[switch]] == on for p in bwd_sm90._PLANS.values())
     bwd_sm90._PLANS.clear()
     bwd.forget()
     (dq0, dk0, dv0), (dq1, dk1, dv1) = grads[False], grads[True]

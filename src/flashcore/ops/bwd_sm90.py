@@ -63,6 +63,10 @@ FRESH_DESC_ALWAYS = False
 # scripts/bwd_switch_ab.py SKIP_MASKED: D = 128 causal 1.04-1.06 at 512, 1.03-1.05 at 1024,
 # 0.99-1.03 at 2048, window 1.06; D = 64 1.01-1.02 at 512-2048; from 4096 and non-causal level.
 SKIP_MASKED = True
+# With a window: consumer 0 skips the products of the last step when its rows see none of its
+# keys (the window's left edge; ``kernels/hopper/bwd.py``, SKIP_LAST). Compiled and tested on the
+# CPU only: off until it has run on a GPU.
+SKIP_MASKED_LAST = False
 
 
 def fresh_desc(beside: bool, kv_regs: bool) -> bool:
@@ -682,6 +686,7 @@ def _plan(
         "PDL": PDL,
         "FRESH_DESC": fresh_desc(beside, kv_regs),
         "SKIP_MASKED": SKIP_MASKED and sc.is_causal,
+        "SKIP_LAST": SKIP_MASKED_LAST and sc.has_window,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
         "launch_pdl": PDL,

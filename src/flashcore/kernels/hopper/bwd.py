@@ -746,6 +746,7 @@ def _consumer(
     DQ_BESIDE_DK: gl.constexpr = False,
     FRESH_DESC: gl.constexpr = False,
     SKIP_MASKED: gl.constexpr = False,
+    SKIP_LAST: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
@@ -835,7 +836,14 @@ def _consumer(
             mbarrier.arrive(ds_ready.index(0), count=1)
             if not DQ_WARPGROUP:
                 mbarrier.arrive(ds_free.index(1), count=1)
-    for t in range(t_first, n_steps):
+    t_last = n_steps
+    if SKIP_LAST and HAS_WINDOW and DQ_LAG and CONSUMER == 0:  # noqa: SIM102 (constexpr)
+        # A window's left edge: the last step's rows (its last head's last query block) see
+        # none of this consumer's keys when the block's last key lies before the first row's
+        # window (P = dS = 0). That step runs after the loop without its products (below).
+        if n_steps > 0 and key0 + ROWS - 1 < lo + (n_m - 1) * ROWS + diag - window_left:
+            t_last = n_steps - 1
+    for t in range(t_first, t_last):
         off_h = off_hk * kv_group + t // n_m
         start_m = lo + (t % n_m) * ROWS
         slot = t % NUM_STAGES
@@ -969,6 +977,47 @@ def _consumer(
             # This step's dQ runs in the next one (or after the loop): its head and rows.
             prev_h = off_h
             prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
+    # SKIP_LAST: the last step when its rows see none of this consumer's keys (none otherwise):
+    # its waits, a zero dS^T tile and its arrives in the loop's order, and the previous step's
+    # dQ, without the step's own products. (A loop of at most one step, not a run-time branch:
+    # such a branch around products crashed ptxas 12.8 in this kernel.)
+    if SKIP_LAST and HAS_WINDOW and DQ_LAG and CONSUMER == 0:
+        for t in range(t_last, n_steps):
+            off_h = off_hk * kv_group + t // n_m
+            start_m = lo + (t % n_m) * ROWS
+            slot = t % NUM_STAGES
+            buf = t % 2
+            mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
+            if DQ_WARPGROUP:
+                mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+            else:
+                mbarrier.wait(ds_free.index(buf), ((t // 2) + 1 + buf) & 1)
+            ds_smem.index(2 * buf + CONSUMER).store(gl.zeros([ROWS, ROWS], dtype, layout=s_layout))
+            fence_async_shared()
+            if DQ_BESIDE_DK and not DQ_WARPGROUP:
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+                dq_tok = dq_issue(ds_smem, ds_ready, k0_cols, k1_cols, zero_dq, t - 1, ABLATE)
+                if ABLATE < 2:
+                    dq_tok = warpgroup_mma_wait(0, deps=[dq_tok])
+                dq_finish(
+                    ds_free, dq_tile, dq_desc, dq_tok, t - 1, t > 0, desc_b, prev_h, prev_m,
+                    CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
+                )  # fmt: skip
+                mbarrier.arrive(qd_empty.index(slot), count=1)
+            else:
+                mbarrier.arrive(qd_empty.index(slot), count=1)
+                mbarrier.arrive(ds_ready.index(buf), count=1)
+                if DQ_WARPGROUP:
+                    tma.store_wait(0)
+                else:
+                    dq_step(
+                        ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq,
+                        t - 1, t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q,
+                        VARLEN,
+                    )  # fmt: skip
+            if not DQ_WARPGROUP:
+                prev_h = off_h
+                prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
 
     # Until the other consumer's last dQ products, which read this consumer's K tile, have
     # completed: the epilogue overwrites it. With DQ_LAG the last step's dQ (none without steps)
@@ -1133,6 +1182,7 @@ def attn_bwd_sm90_kernel(
     PDL: gl.constexpr = False,
     FRESH_DESC: gl.constexpr = False,
     SKIP_MASKED: gl.constexpr = False,
+    SKIP_LAST: gl.constexpr = False,
 ):
     if PDL:
         # The dQ conversion may launch now (it waits for this grid before reading DQ_ACC).
@@ -1206,7 +1256,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED,
+                    SKIP_MASKED, SKIP_LAST,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1216,7 +1266,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED,
+                    SKIP_MASKED, SKIP_LAST,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
@@ -1246,7 +1296,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED,
+                    SKIP_MASKED, SKIP_LAST,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1256,7 +1306,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED,
+                    SKIP_MASKED, SKIP_LAST,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
