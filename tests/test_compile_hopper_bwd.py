@@ -160,7 +160,8 @@ def compile_variant(variant) -> dict:
         "gdc_wait": ptx.count("griddepcontrol.wait"),
         "dq_in_step": dq_in_step,
         # The kernel peels consumer 1's first step off where it runs each dQ a step late.
-        "skip_masked": consts["SKIP_MASKED"] and not dq_in_step,
+        # (SKIP_LAST peels it at a window's right edge when not causal, too.)
+        "skip_masked": (consts["SKIP_MASKED"] or consts["SKIP_LAST"]) and not dq_in_step,
         # And consumer 0's last step after its loop (a loop of its own with dQ's products).
         "skip_last": consts["SKIP_LAST"] and not dq_in_step,
         "dq_warpgroup": cfg.dq_warpgroup,

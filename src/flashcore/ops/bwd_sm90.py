@@ -64,8 +64,9 @@ FRESH_DESC_ALWAYS = False
 # 0.99-1.03 at 2048, window 1.06; D = 64 1.01-1.02 at 512-2048; from 4096 and non-causal level.
 SKIP_MASKED = True
 # With a window: consumer 0 skips the products of the last step when its rows see none of its
-# keys (the window's left edge; ``kernels/hopper/bwd.py``, SKIP_LAST). Compiled and tested on the
-# CPU only: off until it has run on a GPU.
+# keys (the window's left edge), and without causal consumer 1 those of the first step at the
+# right edge (``kernels/hopper/bwd.py``, SKIP_LAST). Compiled and tested on the CPU only: off
+# until it has run on a GPU.
 SKIP_MASKED_LAST = False
 
 

@@ -222,7 +222,11 @@ crash (SIGSEGV); with GQA only the group's first head's step is skipped. Every p
 can pass on the slot's first phase before it completes (before that wait was in, one A/B on an
 H200 read dK and dV 0.16 apart at D=64 causal 1024 keys; with it, 60 repeated backwards on five
 shapes gave bit-identical dK and dV). H200, bf16: causal 1.01-1.05x at 512-2048 keys, window
-1.06x (docs/performance_backward.md).
+1.06x (docs/performance_backward.md). SKIP_LAST (``ops/bwd_sm90.SKIP_MASKED_LAST``, off: compiled
+and CPU-tested only) does the same at a window's edges: consumer 1's first step at the right edge
+when not causal (the same peeled step), and consumer 0's last step at the left edge, run after its
+loop in a loop of at most one step (its waits, a zero dS^T tile, its arrives and the previous
+step's dQ).
 
 Invariants. Head dim 64 or 128 and unit stride on D; every descriptor stride is 16-byte aligned
 (launcher). Shared memory at D=128: K, V 32 KB each, Q/dO ring 2 x 2 x 16 KB, dS^T 2 x 2 x 8 KB,
@@ -815,7 +819,10 @@ def _consumer(
     prev_h = off_hk * kv_group
     prev_m = dq_base + q_start + lo
     t_first = 0
-    if SKIP_MASKED and IS_CAUSAL and DQ_LAG and CONSUMER == 1:  # noqa: SIM102 (constexpr)
+    # Causal (SKIP_MASKED), or a window's right edge when not causal (SKIP_LAST, off): row i
+    # sees keys up to i + diag + right (right 0 when causal).
+    SKIP_FIRST: gl.constexpr = (SKIP_MASKED and IS_CAUSAL) or (SKIP_LAST and HAS_WINDOW)
+    if SKIP_FIRST and DQ_LAG and CONSUMER == 1:
         # The first step's rows see none of this consumer's keys (the block's diagonal step,
         # when its rows start at or below the diagonal of the block's first key: P = dS = 0).
         # Its products are skipped: a zero dS^T tile for both consumers' dQ products and the
@@ -823,7 +830,10 @@ def _consumer(
         # branch around wgmmas crashes ptxas 12.8, so the step is peeled off the loop). The
         # loop's lagged dQ of "step -1" at t = 0 only arrives on ds_free[1] here. The dQ of
         # step 0 (prev_h, prev_m: already its head and rows) runs in step 1 as usual.
-        if n_steps > 0 and lo + ROWS - 1 + diag < key0:
+        right = 0
+        if not IS_CAUSAL:
+            right = window_right
+        if n_steps > 0 and lo + ROWS - 1 + diag + right < key0:
             t_first = 1
             # Step 0's waits as in the loop: its Q/dO slot loaded (every phase of qd_ready[s]
             # waited in turn: skipped, the parity wait of step NUM_STAGES could pass on phase 0
