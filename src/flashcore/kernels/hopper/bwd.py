@@ -1004,27 +1004,22 @@ def _consumer(
                 mbarrier.wait(ds_free.index(buf), ((t // 2) + 1 + buf) & 1)
             ds_smem.index(2 * buf + CONSUMER).store(gl.zeros([ROWS, ROWS], dtype, layout=s_layout))
             fence_async_shared()
-            if DQ_BESIDE_DK and not DQ_WARPGROUP:
-                mbarrier.arrive(ds_ready.index(buf), count=1)
-                dq_tok = dq_issue(ds_smem, ds_ready, k0_cols, k1_cols, zero_dq, t - 1, ABLATE)
-                if ABLATE < 2:
-                    dq_tok = warpgroup_mma_wait(0, deps=[dq_tok])
-                dq_finish(
-                    ds_free, dq_tile, dq_desc, dq_tok, t - 1, t > 0, desc_b, prev_h, prev_m,
-                    CONSUMER, ABLATE, q_start + seqlen_q, VARLEN,
-                )  # fmt: skip
+            # The arrives in the order of the step's path: with the dQ products beside dK the
+            # slot is freed after the previous step's dQ, otherwise before it.
+            beside: gl.constexpr = DQ_BESIDE_DK and not DQ_WARPGROUP
+            if not beside:
                 mbarrier.arrive(qd_empty.index(slot), count=1)
+            mbarrier.arrive(ds_ready.index(buf), count=1)
+            if DQ_WARPGROUP:
+                tma.store_wait(0)
             else:
+                dq_step(
+                    ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq,
+                    t - 1, t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q,
+                    VARLEN,
+                )  # fmt: skip
+            if beside:
                 mbarrier.arrive(qd_empty.index(slot), count=1)
-                mbarrier.arrive(ds_ready.index(buf), count=1)
-                if DQ_WARPGROUP:
-                    tma.store_wait(0)
-                else:
-                    dq_step(
-                        ds_smem, ds_ready, ds_free, k0_cols, k1_cols, dq_tile, dq_desc, zero_dq,
-                        t - 1, t > 0, desc_b, prev_h, prev_m, CONSUMER, ABLATE, q_start + seqlen_q,
-                        VARLEN,
-                    )  # fmt: skip
             if not DQ_WARPGROUP:
                 prev_h = off_h
                 prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
