@@ -533,7 +533,7 @@ def test_backward_gpu_sm90_group_split(mc, split, monkeypatch):
 # longer and shorter than the keys, the dQ warpgroup (D = 64), a window with a softcap at D = 64
 # (with a softcap D = 128 keeps each dQ in its step and takes no skip), and 4096 rows, where the
 # dQ products run beside dK; consumer 0's last step at a window's left edge
-# (``bwd_sm90.SKIP_MASKED_LAST``, off until it has run on a GPU), causal and not, with GQA, the dQ
+# (``bwd_sm90.SKIP_MASKED_WINDOW``, off until it has run on a GPU), causal and not, with GQA, the dQ
 # warpgroup and the dQ products beside dK (non-causal).
 SM90_SKIP = [
     ("SKIP_MASKED", MaskCase(Case(2, 8, 2, 700, 1100, 128), causal=True), torch.bfloat16),
@@ -542,17 +542,17 @@ SM90_SKIP = [
     ("SKIP_MASKED", MaskCase(Case(1, 4, 2, 777, 513, 64), causal=True, window=(300, 0),
                              softcap=20.0), torch.float16),
     ("SKIP_MASKED", MaskCase(Case(1, 8, 8, 4096, 4096, 128), causal=True), torch.bfloat16),
-    ("SKIP_MASKED_LAST", MaskCase(Case(1, 4, 4, 1000, 1000, 128), causal=True, window=(128, 0)),
+    ("SKIP_MASKED_WINDOW", MaskCase(Case(1, 4, 4, 1000, 1000, 128), causal=True, window=(128, 0)),
      torch.bfloat16),
-    ("SKIP_MASKED_LAST", MaskCase(Case(2, 8, 2, 1100, 700, 128), causal=True, window=(256, 0)),
+    ("SKIP_MASKED_WINDOW", MaskCase(Case(2, 8, 2, 1100, 700, 128), causal=True, window=(256, 0)),
      torch.float16),
-    ("SKIP_MASKED_LAST", MaskCase(Case(1, 4, 4, 2048, 2048, 128), window=(300, 200)),
+    ("SKIP_MASKED_WINDOW", MaskCase(Case(1, 4, 4, 2048, 2048, 128), window=(300, 200)),
      torch.bfloat16),
-    ("SKIP_MASKED_LAST", MaskCase(Case(2, 4, 4, 700, 900, 64), window=(200, 50)), torch.float16),
-    ("SKIP_MASKED_LAST", MaskCase(Case(1, 4, 2, 777, 513, 64), causal=True, window=(100, 0),
+    ("SKIP_MASKED_WINDOW", MaskCase(Case(2, 4, 4, 700, 900, 64), window=(200, 50)), torch.float16),
+    ("SKIP_MASKED_WINDOW", MaskCase(Case(1, 4, 2, 777, 513, 64), causal=True, window=(100, 0),
                                   softcap=20.0), torch.bfloat16),
 ]  # fmt: skip
-SKIP_META = {"SKIP_MASKED": "SKIP_MASKED", "SKIP_MASKED_LAST": "SKIP_LAST"}
+SKIP_META = {"SKIP_MASKED": "SKIP_MASKED", "SKIP_MASKED_WINDOW": "SKIP_WINDOW"}
 
 
 @pytest.mark.gpu

@@ -42,8 +42,8 @@ SMEM_LIMIT = 227 * 1024
 # edges), LONG (16k query rows, where causal D=128 permutes the dQ staging rows:
 # ``rows_permuted``, and takes the dQ products beside dK; 2048 otherwise), NOFRESH (FRESH_DESC
 # off where the launcher's ``fresh_desc`` takes it), NOSKIP (causal without SKIP_MASKED: for
-# comparisons, no variant of the list) and SKIPLAST (a window's last step skipped by consumer 0,
-# SKIP_LAST, as ``bwd_sm90.SKIP_MASKED_LAST`` would launch it: off there, compiled here).
+# comparisons, no variant of the list) and SKIPWINDOW (a window's last step skipped by consumer 0,
+# SKIP_WINDOW, as ``bwd_sm90.SKIP_MASKED_WINDOW`` would launch it: off there, compiled here).
 VARIANTS = [
     ("d128-bf16", 128, "bf16", False, True),
     ("d128-fp16-causal-ragged", 128, "fp16", True, False),
@@ -58,9 +58,16 @@ VARIANTS = [
     ("d128-fp16-causal-alibi", 128, "fp16", True, False, ("HAS_ALIBI",)),
     ("d64-bf16-all", 64, "bf16", False, False, ("HAS_WINDOW", "SOFTCAP", "HAS_ALIBI")),
     ("d64-fp16-causal-window-ragged", 64, "fp16", True, False, ("HAS_WINDOW",)),
-    ("d128-bf16-causal-window-skiplast", 128, "bf16", True, True, ("HAS_WINDOW", "SKIPLAST")),
-    ("d128-bf16-window-skiplast", 128, "bf16", False, True, ("HAS_WINDOW", "SKIPLAST")),
-    ("d64-fp16-causal-window-ragged-skiplast", 64, "fp16", True, False, ("HAS_WINDOW", "SKIPLAST")),
+    ("d128-bf16-causal-window-skipwindow", 128, "bf16", True, True, ("HAS_WINDOW", "SKIPWINDOW")),
+    ("d128-bf16-window-skipwindow", 128, "bf16", False, True, ("HAS_WINDOW", "SKIPWINDOW")),
+    (
+        "d64-fp16-causal-window-ragged-skipwindow",
+        64,
+        "fp16",
+        True,
+        False,
+        ("HAS_WINDOW", "SKIPWINDOW"),
+    ),
     ("d128-bf16-causal-varlen", 128, "bf16", True, False, ("VARLEN",)),
     ("d128-fp16-varlen", 128, "fp16", False, False, ("VARLEN",)),
     ("d64-bf16-causal-varlen", 64, "bf16", True, False, ("VARLEN",)),
@@ -113,7 +120,8 @@ def compile_variant(variant) -> dict:
         PDL=bwd_sm90.PDL,
         FRESH_DESC=bwd_sm90.fresh_desc(beside, kv_regs) and "NOFRESH" not in options,
         SKIP_MASKED=bwd_sm90.SKIP_MASKED and causal and "NOSKIP" not in options,
-        SKIP_LAST=(bwd_sm90.SKIP_MASKED_LAST or "SKIPLAST" in options) and "HAS_WINDOW" in options,
+        SKIP_WINDOW=(bwd_sm90.SKIP_MASKED_WINDOW or "SKIPWINDOW" in options)
+        and "HAS_WINDOW" in options,
         **{flag: flag in options for flag in SCORE_FLAGS},
     )  # fmt: skip
     fn = bwd.attn_bwd_sm90_kernel
@@ -160,10 +168,10 @@ def compile_variant(variant) -> dict:
         "gdc_wait": ptx.count("griddepcontrol.wait"),
         "dq_in_step": dq_in_step,
         # The kernel peels consumer 1's first step off where it runs each dQ a step late.
-        # (SKIP_LAST peels it at a window's right edge when not causal, too.)
-        "skip_masked": (consts["SKIP_MASKED"] or consts["SKIP_LAST"]) and not dq_in_step,
+        # (SKIP_WINDOW peels it at a window's right edge when not causal, too.)
+        "skip_masked": (consts["SKIP_MASKED"] or consts["SKIP_WINDOW"]) and not dq_in_step,
         # And consumer 0's last step after its loop (a loop of its own with dQ's products).
-        "skip_last": consts["SKIP_LAST"] and not dq_in_step,
+        "skip_last": consts["SKIP_WINDOW"] and not dq_in_step,
         "dq_warpgroup": cfg.dq_warpgroup,
         # The kernel takes DQ_BESIDE_DK where it runs each dQ a step late (not dq_in_step).
         "dq_beside_dk": consts["DQ_BESIDE_DK"] and not dq_in_step,
@@ -396,7 +404,7 @@ SPILL_ALLOWANCE = {
     "d128-fp16-causal-ragged": 0,
     "d128-bf16-causal-long": 8,
     "d128-bf16-causal-window": 128,
-    "d128-bf16-causal-window-skiplast": 96,
+    "d128-bf16-causal-window-skipwindow": 96,
     "d128-bf16-softcap-window": 136,
     "d128-bf16-softcap": 16,
     "d128-bf16-causal-softcap-long": 96,
@@ -414,7 +422,7 @@ SPILL_ALLOWANCE = {
 STEP_LOOP_ALLOWANCE = {
     "d128-bf16-causal-long-nofresh": 4,
     "d128-bf16-causal-window": 6,
-    "d128-bf16-causal-window-skiplast": 6,
+    "d128-bf16-causal-window-skipwindow": 6,
     "d128-bf16-softcap-window": 4,
     "d128-bf16-causal-softcap-long": 2,
     "d128-fp16-causal-alibi": 10,
@@ -425,7 +433,7 @@ STEP_LOOP_ALLOWANCE = {
 def test_step_loops_spill_only_where_allowed(compiled):
     for row in compiled:
         loops = row["step_loop_local"]
-        # SKIP_LAST: consumer 0's skipped last step holds the previous step's dQ products in a
+        # SKIP_WINDOW: consumer 0's skipped last step holds the previous step's dQ products in a
         # loop of its own (D = 128; at D = 64 the dQ warpgroup computes them).
         want = 3 if row["dq_warpgroup"] or row["skip_last"] else 2
         assert len(loops) == want, f"{row['variant']}: {loops}"
@@ -440,8 +448,8 @@ def test_dq_staging_rows_permuted_where_taken(compiled):
     # one would do), and D=64's 32-byte swizzle none (at four times the reduce's requests).
     in_order = (
         "d128-fp16-causal-ragged", "d128-bf16-causal-window", "d128-bf16-softcap-window",
-        "d128-bf16-causal-softcap-long", "d128-bf16-causal-window-skiplast",
-        "d128-bf16-window-skiplast",
+        "d128-bf16-causal-softcap-long", "d128-bf16-causal-window-skipwindow",
+        "d128-bf16-window-skipwindow",
     )  # fmt: skip
     for row in compiled:
         dense = not row["varlen"]

@@ -65,9 +65,9 @@ FRESH_DESC_ALWAYS = False
 SKIP_MASKED = True
 # With a window: consumer 0 skips the products of the last step when its rows see none of its
 # keys (the window's left edge), and without causal consumer 1 those of the first step at the
-# right edge (``kernels/hopper/bwd.py``, SKIP_LAST). Compiled and tested on the CPU only: off
+# right edge (``kernels/hopper/bwd.py``, SKIP_WINDOW). Compiled and tested on the CPU only: off
 # until it has run on a GPU.
-SKIP_MASKED_LAST = False
+SKIP_MASKED_WINDOW = False
 
 
 def fresh_desc(beside: bool, kv_regs: bool) -> bool:
@@ -687,7 +687,7 @@ def _plan(
         "PDL": PDL,
         "FRESH_DESC": fresh_desc(beside, kv_regs),
         "SKIP_MASKED": SKIP_MASKED and sc.is_causal,
-        "SKIP_LAST": SKIP_MASKED_LAST and sc.has_window,
+        "SKIP_WINDOW": SKIP_MASKED_WINDOW and sc.has_window,
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
         "launch_pdl": PDL,

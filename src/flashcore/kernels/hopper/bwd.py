@@ -222,11 +222,11 @@ crash (SIGSEGV); with GQA only the group's first head's step is skipped. Every p
 can pass on the slot's first phase before it completes (before that wait was in, one A/B on an
 H200 read dK and dV 0.16 apart at D=64 causal 1024 keys; with it, 60 repeated backwards on five
 shapes gave bit-identical dK and dV). H200, bf16: causal 1.01-1.05x at 512-2048 keys, window
-1.06x (docs/performance_backward.md). SKIP_LAST (``ops/bwd_sm90.SKIP_MASKED_LAST``, off: compiled
-and CPU-tested only) does the same at a window's edges: consumer 1's first step at the right edge
-when not causal (the same peeled step), and consumer 0's last step at the left edge, run after its
-loop in a loop of at most one step (its waits, a zero dS^T tile, its arrives and the previous
-step's dQ).
+1.06x (docs/performance_backward.md). SKIP_WINDOW (``ops/bwd_sm90.SKIP_MASKED_WINDOW``, off:
+compiled and CPU-tested only) does the same at a window's edges: consumer 1's first step at the
+right edge when not causal (the same peeled step), and consumer 0's last step at the left edge, run
+after its loop in a loop of at most one step (its waits, a zero dS^T tile, its arrives and the
+previous step's dQ).
 
 Invariants. Head dim 64 or 128 and unit stride on D; every descriptor stride is 16-byte aligned
 (launcher). Shared memory at D=128: K, V 32 KB each, Q/dO ring 2 x 2 x 16 KB, dS^T 2 x 2 x 8 KB,
@@ -694,6 +694,26 @@ def _dq_k_cols(k_smem, i, CONSUMER: gl.constexpr):
 
 
 @gluon.jit
+def _empty_step(qd_ready, ds_free, ds_smem, t, CONSUMER: gl.constexpr, NUM_STAGES: gl.constexpr,
+                DQ_WARPGROUP: gl.constexpr, s_layout: gl.constexpr):  # fmt: skip
+    """The front of a consumer's step ``t`` whose rows see none of its keys (SKIP_MASKED,
+    SKIP_WINDOW; P = dS = 0), without its products: the waits the step's loop makes, in order
+    (its Q/dO slot loaded, so that every phase of ``qd_ready`` is waited in turn; its dS^T tile
+    released, with the loop's parity for runs with each dQ a step late), then a zero dS^T tile,
+    fenced. Returns the step's ``(slot, buf)``; the caller makes the step's arrives."""
+    slot = t % NUM_STAGES
+    buf = t % 2
+    mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
+    if DQ_WARPGROUP:
+        mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+    else:
+        mbarrier.wait(ds_free.index(buf), ((t // 2) + 1 + buf) & 1)
+    ds_smem.index(2 * buf + CONSUMER).store(gl.zeros([ROWS, ROWS], ds_smem.dtype, layout=s_layout))
+    fence_async_shared()
+    return slot, buf
+
+
+@gluon.jit
 def _consumer(
     q_smem,
     k_smem,
@@ -750,7 +770,7 @@ def _consumer(
     DQ_BESIDE_DK: gl.constexpr = False,
     FRESH_DESC: gl.constexpr = False,
     SKIP_MASKED: gl.constexpr = False,
-    SKIP_LAST: gl.constexpr = False,
+    SKIP_WINDOW: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
@@ -819,9 +839,9 @@ def _consumer(
     prev_h = off_hk * kv_group
     prev_m = dq_base + q_start + lo
     t_first = 0
-    # Causal (SKIP_MASKED), or a window's right edge when not causal (SKIP_LAST, off): row i
+    # Causal (SKIP_MASKED), or a window's right edge when not causal (SKIP_WINDOW, off): row i
     # sees keys up to i + diag + right (right 0 when causal).
-    SKIP_FIRST: gl.constexpr = (SKIP_MASKED and IS_CAUSAL) or (SKIP_LAST and HAS_WINDOW)
+    SKIP_FIRST: gl.constexpr = (SKIP_MASKED and IS_CAUSAL) or (SKIP_WINDOW and HAS_WINDOW)
     if SKIP_FIRST and DQ_LAG and CONSUMER == 1:
         # The first step's rows see none of this consumer's keys (the block's diagonal step,
         # when its rows start at or below the diagonal of the block's first key: P = dS = 0).
@@ -835,19 +855,15 @@ def _consumer(
             right = window_right
         if n_steps > 0 and lo + ROWS - 1 + diag + right < key0:
             t_first = 1
-            # Step 0's waits as in the loop: its Q/dO slot loaded (every phase of qd_ready[s]
-            # waited in turn: skipped, the parity wait of step NUM_STAGES could pass on phase 0
-            # before that phase completed), dS^T tile 0 released (the initial phase).
-            mbarrier.wait(qd_ready.index(0), 0)
-            mbarrier.wait(ds_free.index(0), 1)
-            ds_smem.index(CONSUMER).store(gl.zeros([ROWS, ROWS], dtype, layout=s_layout))
-            fence_async_shared()
+            # Step 0's qd_ready wait too: skipped, the parity wait of step NUM_STAGES could pass
+            # on the slot's first phase before that phase completed.
+            _empty_step(qd_ready, ds_free, ds_smem, 0, CONSUMER, NUM_STAGES, DQ_WARPGROUP, s_layout)
             mbarrier.arrive(qd_empty.index(0), count=1)
             mbarrier.arrive(ds_ready.index(0), count=1)
             if not DQ_WARPGROUP:
                 mbarrier.arrive(ds_free.index(1), count=1)
     t_last = n_steps
-    if SKIP_LAST and HAS_WINDOW and DQ_LAG and CONSUMER == 0:  # noqa: SIM102 (constexpr)
+    if SKIP_WINDOW and HAS_WINDOW and DQ_LAG and CONSUMER == 0:  # noqa: SIM102 (constexpr)
         # A window's left edge: the last step's rows (its last head's last query block) see
         # none of this consumer's keys when the block's last key lies before the first row's
         # window (P = dS = 0). That step runs after the loop without its products (below).
@@ -987,23 +1003,17 @@ def _consumer(
             # This step's dQ runs in the next one (or after the loop): its head and rows.
             prev_h = off_h
             prev_m = dq_row(dq_base, dq_per_head, t // n_m, q_start + start_m)
-    # SKIP_LAST: the last step when its rows see none of this consumer's keys (none otherwise):
+    # SKIP_WINDOW: the last step when its rows see none of this consumer's keys (none otherwise):
     # its waits, a zero dS^T tile and its arrives in the loop's order, and the previous step's
     # dQ, without the step's own products. (A loop of at most one step, not a run-time branch:
     # such a branch around products crashed ptxas 12.8 in this kernel.)
-    if SKIP_LAST and HAS_WINDOW and DQ_LAG and CONSUMER == 0:
+    if SKIP_WINDOW and HAS_WINDOW and DQ_LAG and CONSUMER == 0:
         for t in range(t_last, n_steps):
             off_h = off_hk * kv_group + t // n_m
             start_m = lo + (t % n_m) * ROWS
-            slot = t % NUM_STAGES
-            buf = t % 2
-            mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)
-            if DQ_WARPGROUP:
-                mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
-            else:
-                mbarrier.wait(ds_free.index(buf), ((t // 2) + 1 + buf) & 1)
-            ds_smem.index(2 * buf + CONSUMER).store(gl.zeros([ROWS, ROWS], dtype, layout=s_layout))
-            fence_async_shared()
+            slot, buf = _empty_step(
+                qd_ready, ds_free, ds_smem, t, CONSUMER, NUM_STAGES, DQ_WARPGROUP, s_layout
+            )
             # The arrives in the order of the step's path: with the dQ products beside dK the
             # slot is freed after the previous step's dQ, otherwise before it.
             beside: gl.constexpr = DQ_BESIDE_DK and not DQ_WARPGROUP
@@ -1187,7 +1197,7 @@ def attn_bwd_sm90_kernel(
     PDL: gl.constexpr = False,
     FRESH_DESC: gl.constexpr = False,
     SKIP_MASKED: gl.constexpr = False,
-    SKIP_LAST: gl.constexpr = False,
+    SKIP_WINDOW: gl.constexpr = False,
 ):
     if PDL:
         # The dQ conversion may launch now (it waits for this grid before reading DQ_ACC).
@@ -1261,7 +1271,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_LAST,
+                    SKIP_MASKED, SKIP_WINDOW,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1271,7 +1281,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_LAST,
+                    SKIP_MASKED, SKIP_WINDOW,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
@@ -1301,7 +1311,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_LAST,
+                    SKIP_MASKED, SKIP_WINDOW,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1311,7 +1321,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_LAST,
+                    SKIP_MASKED, SKIP_WINDOW,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
