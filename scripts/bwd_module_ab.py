@@ -11,7 +11,8 @@ tokens, 16 heads at D = 128 and 32 at D = 64. Case groups (``--cases``):
 - ``causal``, ``full``: dense causal and non-causal D = 128 at S 1024 ... 16384, one ragged
   length (3000);
 - ``window``, ``softcap``, ``alibi``: causal with a (256, 0) window, softcap 30 or ALiBi slopes
-  (2048, 8192);
+  (2048, 8192); ``window`` also causal (128, 0) at D = 64 and non-causal (256, 256) at D = 128
+  (FLOPs of the pairs a window leaves visible);
 - ``packed``: packed causal and non-causal batches at D = 128 (lengths drawn in 500..4000);
 - ``controls``: non-causal D = 128 and causal D = 64 at 8192;
 - ``short``: dense D = 128 and D = 64, causal and not, at 512, 1024 and 2048.
@@ -58,7 +59,15 @@ def dense(seqlen, head_dim, causal, option):
     heads = 2048 // head_dim
     batch = max(1, TOKENS // seqlen)
     args, opts = problem(batch, heads, seqlen, head_dim, causal, option)
-    flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
+    window = opts.get("window")
+    if window is None:
+        pairs = seqlen * seqlen / (2 if causal else 1)
+    else:  # the (row, key) pairs the window leaves visible
+        rows = torch.arange(seqlen)
+        left = (rows - window[0]).clamp(min=0)
+        right = rows if causal else (rows + window[1]).clamp(max=seqlen - 1)
+        pairs = float((right - left + 1).sum())
+    flops = 2.5 * 4 * batch * heads * pairs * head_dim
     name = f"D{head_dim} {'causal' if causal else 'full'} {option or 'plain'} S{seqlen} B{batch}"
     return name, flops, functools.partial(sm90.attn_bwd_sm90, *args, **opts)
 
@@ -92,8 +101,13 @@ CASES = {
     "full": lambda: [dense(s, 128, False, "") for s in (1024, 2048, 3000, 4096, 8192, 16384)],
     **{
         option: functools.partial(lambda o: [dense(s, 128, True, o) for s in (2048, 8192)], option)
-        for option in ("window", "softcap", "alibi")
+        for option in ("softcap", "alibi")
     },
+    "window": lambda: [
+        dense(s, d, c, o)
+        for d, c, o in ((128, True, "window"), (64, True, "window128"), (128, False, "window2"))
+        for s in (2048, 8192)
+    ],
     "packed": lambda: [packed(True, 0), packed(True, 1), packed(False, 0)],
     "controls": lambda: [dense(8192, 128, False, ""), dense(8192, 64, True, "")],
     "short": lambda: [

@@ -39,13 +39,16 @@ def forced(cfg, head_dim, varlen, causal, window, softcap, alibi, seqlen_q) -> b
 def problem(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, option: str = ""):
     """A dense bf16 backward problem: ``(dout, q, k, v, out, lse, causal, scale)`` as
     ``attn_bwd_sm90`` takes them (the forward run for out and lse) and the score option's keyword
-    arguments (``option``: "", "window" (256, 0), "softcap" 30 or "alibi" slopes in [0, 0.1))."""
+    arguments (``option``: "", "window" (256, 0), "window128" (128, 0), "window2" (256, 256),
+    "softcap" 30 or "alibi" slopes in [0, 0.1))."""
     shape = (batch, heads, seqlen, head_dim)
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(head_dim)
     opts = {
         "": {},
         "window": {"window": (256, 0)},
+        "window128": {"window": (128, 0)},
+        "window2": {"window": (256, 256)},
         "softcap": {"softcap": 30.0},
         "alibi": {"alibi": torch.rand(heads, device="cuda") * 0.1},
     }[option]

@@ -533,8 +533,8 @@ def test_backward_gpu_sm90_group_split(mc, split, monkeypatch):
 # longer and shorter than the keys, the dQ warpgroup (D = 64), a window with a softcap at D = 64
 # (with a softcap D = 128 keeps each dQ in its step and takes no skip), and 4096 rows, where the
 # dQ products run beside dK; consumer 0's last step at a window's left edge
-# (``bwd_sm90.SKIP_MASKED_WINDOW``, off until it has run on a GPU), causal and not, with GQA, the dQ
-# warpgroup and the dQ products beside dK (non-causal).
+# and, not causal, consumer 1's first at its right edge (``bwd_sm90.SKIP_MASKED_WINDOW``, on),
+# causal and not, with GQA, the dQ warpgroup and the dQ products beside dK (non-causal).
 SM90_SKIP = [
     ("SKIP_MASKED", MaskCase(Case(2, 8, 2, 700, 1100, 128), causal=True), torch.bfloat16),
     ("SKIP_MASKED", MaskCase(Case(1, 4, 4, 1100, 700, 128), causal=True), torch.float16),
