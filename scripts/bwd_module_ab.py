@@ -15,7 +15,9 @@ tokens, 16 heads at D = 128 and 32 at D = 64. Case groups (``--cases``):
   (FLOPs of the pairs a window leaves visible);
 - ``packed``: packed causal and non-causal batches at D = 128 (lengths drawn in 500..4000);
 - ``controls``: non-causal D = 128 and causal D = 64 at 8192;
-- ``short``: dense D = 128 and D = 64, causal and not, at 512, 1024 and 2048.
+- ``short``: dense D = 128 and D = 64, causal and not, at 512, 1024 and 2048;
+- ``gqa``: GQA (four query heads a kv head; eight with gpt-oss's 128-key window at D = 64) on
+  grouped programs: causal D = 128 and 64 at 512 ... 4096, windows, non-causal 4096.
 
 Prints TFLOP/s of each side (2.5x the forward's FLOPs, halved causal; packed from the sequences'
 own lengths), the ratio of the medians (tree / base, > 1: the tree is faster) with the range of the
@@ -72,6 +74,34 @@ def dense(seqlen, head_dim, causal, option):
     return name, flops, functools.partial(sm90.attn_bwd_sm90, *args, **opts)
 
 
+def gqa(seqlen, head_dim, causal, window, group=4):
+    """A dense GQA problem (``group`` query heads a kv head) run on grouped programs."""
+    heads = 2048 // head_dim
+    batch = max(1, TOKENS // seqlen)
+    q, dout = (
+        torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    k, v = (
+        torch.randn(batch, heads // group, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
+        for _ in range(2)
+    )
+    scale = head_dim**-0.5
+    opts = {} if window is None else {"window": window}
+    out, lse = fwd.launch(q, k, v, causal, scale, **opts)[:2]
+    pairs = seqlen * seqlen / (2 if causal else 1)
+    if window is not None:
+        rows = torch.arange(seqlen)
+        left = (rows - window[0]).clamp(min=0)
+        right = rows if causal else (rows + window[1]).clamp(max=seqlen - 1)
+        pairs = float((right - left + 1).sum())
+    flops = 2.5 * 4 * batch * heads * pairs * head_dim
+    kind = ("causal" if causal else "full") + ("" if window is None else f" window{window}")
+    name = f"GQA{group} D{head_dim} {kind} S{seqlen} B{batch}"
+    call = functools.partial(sm90.attn_bwd_sm90, dout, q, k, v, out, lse, causal, scale, **opts)
+    return name, flops, call
+
+
 def packed(causal, seed):
     gen = torch.Generator().manual_seed(seed)
     lengths = []
@@ -109,6 +139,13 @@ CASES = {
         for s in (2048, 8192)
     ],
     "packed": lambda: [packed(True, 0), packed(True, 1), packed(False, 0)],
+    "gqa": lambda: [
+        *(gqa(s, d, True, None) for d in (128, 64) for s in (512, 1024, 2048, 4096)),
+        gqa(2048, 128, True, (256, 0)),
+        gqa(2048, 64, True, (128, 0), 8),
+        gqa(2048, 128, False, (256, 256)),
+        gqa(4096, 128, False, None),
+    ],
     "controls": lambda: [dense(8192, 128, False, ""), dense(8192, 64, True, "")],
     "short": lambda: [
         dense(s, d, c, "") for d in (128, 64) for c in (True, False) for s in (512, 1024, 2048)

@@ -3,7 +3,7 @@
     PYTHONPATH=src ncu --launch-skip 1 -c 1 -k regex:attn_bwd_sm90_kernel --section SpeedOfLight \\
         python scripts/hopper_bwd_profile.py --seqlen 4096 --head-dim 128
     PYTHONPATH=src compute-sanitizer --tool racecheck python scripts/hopper_bwd_profile.py \\
-        --seqlen 300 --tokens 600 --causal
+        --seqlen 300 --tokens 600 --causal [--window 100,0]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", default=None, help="a local window 'LEFT,RIGHT' (-1: none)")
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--ablate", type=int, default=0)
     parser.add_argument(
@@ -39,7 +40,10 @@ def main() -> None:
     shape = (max(1, args.tokens // args.seqlen), heads, args.seqlen, args.head_dim)
     q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1.0 / math.sqrt(args.head_dim)
-    out, lse = fwd.launch(q, k, v, args.causal, scale)[:2]
+    opts = {}
+    if args.window:
+        opts["window"] = tuple(int(x) for x in args.window.split(","))
+    out, lse = fwd.launch(q, k, v, args.causal, scale, **opts)[:2]
     cfg = bwd_sm90.CONFIGS[args.head_dim]._replace(ablate=args.ablate)
     if args.stages:
         cfg = cfg._replace(num_stages=args.stages)
@@ -48,7 +52,7 @@ def main() -> None:
     if args.rows_in_order:
         cfg = cfg._replace(permuted_rows=False)
     for _ in range(2):  # the first launch compiles; a profiler's -c 1 after --launch-skip 1
-        bwd_sm90.attn_bwd_sm90(dout, q, k, v, out, lse, args.causal, scale, config=cfg)
+        bwd_sm90.attn_bwd_sm90(dout, q, k, v, out, lse, args.causal, scale, config=cfg, **opts)
     torch.cuda.synchronize()
 
 
