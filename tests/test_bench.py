@@ -361,6 +361,10 @@ def test_bad_shape(shape, message, capsys):
         (["--causal", "maybe"], "invalid choice"),
         (["--preset", "smoke", "--causal", "on", "--shape", "1,1,8,16", "--warmup", "0"], "warmup"),
         (["--cuda-graph", "--graph-calls", "0"], "argument --graph-calls"),
+        (["--window", "128"], "expected LEFT,RIGHT (two integers)"),
+        (["--window", "128,x"], "expected LEFT,RIGHT (two integers)"),
+        (["--window=-2,0"], "window sides must be >= 0, or -1"),
+        (["--window=-1,-1"], "bounds neither side"),
     ],
 )
 def test_bad_arguments(argv, message, capsys):
@@ -695,3 +699,50 @@ def test_noisy_timings_marked():
     assert not report.noisy({**row, "timer": metrics.TIMER_INTERPRETER})
     assert not report.noisy({**row, "ms_p20": None, "ms_p50": None, "ms_p80": None})
     assert "noisy: a p20-p80 spread over 10%" in report.table_footer(False, None)
+
+
+def test_window_flops():
+    # The pairs a window leaves visible, counted row by row, against the reference's mask:
+    # bottom-right with Sq < Sk and Sq > Sk, causal (its right side 0) or not, one side unbounded.
+    for sq, sk in ((40, 40), (17, 53), (53, 17)):
+        for causal in (False, True):
+            for window in ((5, 3), (0, 0), (-1, 4), (9, -1), (100, 100)):
+                mask = reference.visible_mask(sq, sk, causal=causal, window=window)
+                got = metrics.visible_pairs(sq, sk, causal, window)
+                assert got == mask.sum().item(), (sq, sk, causal, window)
+    case = cases.Case(cases.shape(2, 4, 64, 32), True, window=(15, 0))
+    pairs = 2 * sum(min(i + 1, 16) for i in range(64))
+    assert metrics.attention_flops(case, "fwd") == 4 * 4 * pairs * 32
+    assert case.label == "2,4,64,32 causal window 15,0"
+
+
+def test_window_option(tmp_path, monkeypatch):
+    # --window on every case: flashcore and SDPA (a boolean mask) checked against the reference
+    # with the window, forward and backward, GQA with Sq != Sk; a provider that drops the window
+    # is caught by the check.
+    sdpa = providers.PROVIDERS["sdpa"].prepare
+
+    def window_dropped(case, device):
+        return sdpa(case._replace(window=None), device)
+
+    monkeypatch.setitem(
+        providers.PROVIDERS,
+        "window-dropped",
+        providers.Provider("window-dropped", "test", window_dropped),
+    )
+    out = tmp_path / "window.jsonl"
+    argv = ["--shape", "1,4,40,32,2,56", "--window", "7,3", "--mode", "fwd,bwd", "--dtype", "fp16"]
+    assert main([*argv, "--providers", "flashcore,sdpa,window-dropped", "--out", str(out)]) == 0
+    rows = measurements(out)
+    assert len(rows) == 2 * 2 * 3  # causal x mode x provider
+    for row in rows:
+        assert row["window"] == [7, 3], row
+        if row["provider"] == "window-dropped":
+            assert row["status"] == "wrong" and "out: err" in row["reason"], row
+        else:
+            assert row["status"] == "ok", row
+    line = report.table_row(rows[0])
+    assert ("causal w7,3" if rows[0]["causal"] else "full w7,3") in line
+    varlen = cases.Case(cases.shape(2, 2, 16, 16), True, (16, 9), window=(4, 0))
+    with pytest.raises(providers.Refused, match="cannot take a window"):
+        providers.PROVIDERS["sdpa-padded"].prepare(varlen, torch.device("cpu"))

@@ -5,6 +5,10 @@ A case is one attention problem: q and k ``(B, H, Sq, D)``, ``(B, Hkv, Sk, D)``,
 ``192:128``), causal or not. Presets list shapes and the causal settings each is run with;
 ``--causal on|off`` narrows them.
 
+A case may carry a local window ``(left, right)`` (``--window``): query i sees keys ``i + d - left``
+to ``i + d + right`` (``d = Sk - Sq``, bottom-right as the causal mask; -1 unbounded on that side;
+with causal the right side is 0), flashcore's ``window=``.
+
 A varlen case also has per-sequence lengths (``seqlens``, the same for queries and keys): sequence
 b holds ``seqlens[b]`` real tokens and its shape's ``S`` is the padded length (the longest), so
 ``(B, H, S, D)`` is the zero-padded batch and the packed one holds ``sum(seqlens)`` tokens.
@@ -52,6 +56,8 @@ class Case(NamedTuple):
     causal: bool
     seqlens: tuple[int, ...] | None = None
     """Varlen: the real length of each sequence (queries and keys); None for a dense case."""
+    window: tuple[int, int] | None = None
+    """A local window ``(left, right)`` (module docstring), or None."""
 
     @property
     def padding(self) -> float:
@@ -63,6 +69,8 @@ class Case(NamedTuple):
     @property
     def label(self) -> str:
         text = f"{self.shape.spec} {'causal' if self.causal else 'full'}"
+        if self.window is not None:
+            text += f" window {self.window[0]},{self.window[1]}"
         return text if self.seqlens is None else f"{text} varlen pad {self.padding:.0%}"
 
 
@@ -120,6 +128,24 @@ def parse_shape(text: str) -> Shape:
                 f"{name} must be at most {MAX_HEAD_DIM} (flashcore's limit), got {dim} in {text!r}"
             )
     return result
+
+
+WINDOW_SYNTAX = "LEFT,RIGHT"
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """Parse ``LEFT,RIGHT`` (integers, -1 for a side without a bound, not both -1); raises
+    ValueError with a message for the command line."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        left, right = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"expected {WINDOW_SYNTAX} (two integers), got {text!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window sides must be >= 0, or -1 for no bound; got {text!r}")
+    if left == right == -1:
+        raise ValueError(f"window -1,-1 bounds neither side (leave --window out); got {text!r}")
+    return left, right
 
 
 BOTH = (False, True)

@@ -95,10 +95,12 @@ def compute_reference(
     ref_dtype: torch.dtype,
     budget_bytes: int = 1 << 30,
     sinks: torch.Tensor | None = None,
+    window: tuple[int, int] | None = None,
 ) -> Reference:
     """Reference output (and gradients for the upstream gradient ``do``, when given) of q
     ``(B, H, Sq, D)``, k ``(B, Hkv, Sk, D)``, v ``(B, Hkv, Sk, Dv)``; ``sinks`` ``(H,)`` adds
-    attention sinks (and ``dsinks`` to the gradients)."""
+    attention sinks (and ``dsinks`` to the gradients); ``window`` a local window, as
+    ``flashcore.attention`` takes it."""
     batch, heads, seqlen_q, _ = q.shape
     kv_heads, seqlen_k = k.shape[1], k.shape[2]
     out_shape = (*q.shape[:3], v.shape[-1])
@@ -121,10 +123,10 @@ def compute_reference(
                 chunk.append(sinks[hq])
             if do is None:
                 with torch.no_grad():
-                    out[b : b + 1, hq] = _attention(chunk, causal, dtype)
+                    out[b : b + 1, hq] = _attention(chunk, causal, dtype, window)
                 continue
             leaves = [t.detach().to(dtype).requires_grad_() for t in chunk]
-            oc = _attention(leaves, causal, dtype)
+            oc = _attention(leaves, causal, dtype, window)
             oc.backward(do[b : b + 1, hq].to(dtype))
             out[b : b + 1, hq] = oc.detach()
             grads[0][b : b + 1, hq] = leaves[0].grad
@@ -138,11 +140,13 @@ def compute_reference(
     return Reference(out, pt_out, grads, pt_grads)
 
 
-def _attention(tensors: list[torch.Tensor], causal: bool, dtype: torch.dtype) -> torch.Tensor:
+def _attention(
+    tensors: list[torch.Tensor], causal: bool, dtype: torch.dtype, window: tuple[int, int] | None
+) -> torch.Tensor:
     """``reference.attention`` of ``[q, k, v]`` or ``[q, k, v, sinks]``."""
     q, k, v, *sinks = tensors
     return reference.attention(
-        q, k, v, causal=causal, dtype=dtype, sinks=sinks[0] if sinks else None
+        q, k, v, causal=causal, dtype=dtype, sinks=sinks[0] if sinks else None, window=window
     ).out
 
 
@@ -156,6 +160,7 @@ def compute_reference_varlen(
     causal: bool,
     ref_dtype: torch.dtype,
     budget_bytes: int = 1 << 30,
+    window: tuple[int, int] | None = None,
 ) -> Reference:
     """:func:`compute_reference` of packed q ``(total, H, D)``, k/v ``(total, Hkv, D)`` whose
     sequence b has ``seqlens[b]`` tokens (queries and keys); results packed the same way."""
@@ -167,7 +172,14 @@ def compute_reference_varlen(
         )
         parts.append(
             compute_reference(
-                q_b, k_b, v_b, do_b, causal=causal, ref_dtype=ref_dtype, budget_bytes=budget_bytes
+                q_b,
+                k_b,
+                v_b,
+                do_b,
+                causal=causal,
+                ref_dtype=ref_dtype,
+                budget_bytes=budget_bytes,
+                window=window,
             )
         )
         start += n

@@ -26,6 +26,12 @@ of ``--shape``: ``192:128`` is D=192 for q and k, Dv=128 for v (MLA). A provider
 variant of another (flashcore-sinks of flashcore, the paged ones of their dense one) gets its
 time over its base's, printed after the table on a GPU.
 
+``--window LEFT,RIGHT`` gives every case a local window (``window=`` of ``flashcore.attention``:
+query i sees keys i + Sk - Sq - LEFT to i + Sk - Sq + RIGHT, -1 for a side without a bound, RIGHT
+0 when causal), as sliding-window models run it (gpt-oss: ``--window 127,0 --causal on``); TFLOP/s
+count the pairs it leaves visible, SDPA gets the window as a boolean mask, FlexAttention as a
+block mask, FlashAttention-4 as ``window_size``.
+
 ``--cuda-graph`` also times every measurement as back-to-back eager calls and as the same calls
 replayed from one CUDA graph, and reports the host's cost per call (eager minus graph) beside the
 graph's time, the GPU's.
@@ -73,6 +79,7 @@ examples (GPU):
   flashcore-bench --preset paged-prefill --out paged-prefill.jsonl
   flashcore-bench --shape 4,16,4096,128 --mode fwd,bwd --providers flashcore,flashcore-sinks
   flashcore-bench --shape 1,128,4096,192:128 --mode fwd,bwd --providers flashcore,sdpa,sdpa-cudnn
+  flashcore-bench --preset sweep --causal on --window 127,0 --mode bwd --providers flashcore,flex
   flashcore-bench --preset seed --providers flashcore,sdpa --mode fwd,fwdbwd --cuda-graph
   flashcore-bench --preset decode --providers flashcore-kvcache,flashcore-paged256,sdpa --cuda-graph
 without a GPU (Triton interpreter, correctness only):
@@ -103,6 +110,13 @@ def _csv(choices: list[str] | tuple[str, ...], *, extra: tuple[str, ...] = ()) -
 def _shape(text: str) -> cases_mod.Shape:
     try:
         return cases_mod.parse_shape(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _window(text: str) -> tuple[int, int]:
+    try:
+        return cases_mod.parse_window(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -171,6 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated from fp16, bf16 (default: bf16)",
     )
     what.add_argument("--causal", choices=["both", "on", "off"], default="both")
+    what.add_argument(
+        "--window",
+        type=_window,
+        metavar=cases_mod.WINDOW_SYNTAX,
+        help="a local window on every case: LEFT and RIGHT keys either side of the diagonal "
+        "(-1: no bound on that side, as --window=-1,64; RIGHT is 0 when causal)",
+    )
     what.add_argument(
         "--cpu",
         action="store_true",
@@ -256,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         [args.preset] if args.preset else [] if args.shape else ["seed" if on_gpu else "smoke"]
     )
     cases = cases_mod.select_cases(presets, args.shape, args.causal)
+    if args.window is not None:
+        cases = [c._replace(window=args.window) for c in cases]
     if not cases:
         parser.error("no case left to run (check --causal against the preset)")
     if args.preset in cases_mod.DECODE_PRESETS:

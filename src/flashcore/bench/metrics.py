@@ -6,6 +6,7 @@ matmuls instead of two), forward+backward 3.5x. Softmax work is not counted. For
 Sq != Sk, where "halved" has no meaning (Sq = 1 sees every key), the exact number of visible
 (query, key) pairs replaces ``Sq * Sk / 2``. A varlen case counts its real tokens only: the sum
 over sequences of the same count (``4 * H * S_b * S_b * D``, halved for causal), never the padding.
+A local window (``--window``) counts the pairs it leaves visible, row by row, in place of either.
 With a value head dim Dv != D each matmul counts its own inner or outer dim, ``2 * pairs * D`` for
 the products with q or k (QK^T; backward: QK^T again, dS K, dS^T Q) and ``2 * pairs * Dv`` for
 those with v or dout (PV; backward: dout V^T, P^T dout): forward ``2 * pairs * (D + Dv)``,
@@ -58,8 +59,21 @@ PEAK_N = 8192
 COPY_BYTES = 1 << 30
 
 
-def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> float:
-    """(query, key) pairs the FLOP rule counts; see the module docstring."""
+def visible_pairs(
+    seqlen_q: int, seqlen_k: int, causal: bool, window: tuple[int, int] | None = None
+) -> float:
+    """(query, key) pairs the FLOP rule counts; see the module docstring. With a window, those
+    it leaves visible (``cases`` module docstring), counted row by row."""
+    if window is not None:
+        diag = seqlen_k - seqlen_q
+        left, right = window
+        right = 0 if causal else right
+        total = 0
+        for i in range(seqlen_q):
+            lo = 0 if left < 0 else max(0, i + diag - left)
+            hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + diag + right)
+            total += max(0, hi - lo + 1)
+        return float(total)
     if not causal:
         return float(seqlen_q * seqlen_k)
     if seqlen_q == seqlen_k:
@@ -72,9 +86,9 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> float:
 def attention_flops(case: Case, mode: str) -> float:
     s = case.shape
     if case.seqlens is None:
-        pairs = s.batch * visible_pairs(s.seqlen_q, s.seqlen_k, case.causal)
+        pairs = s.batch * visible_pairs(s.seqlen_q, s.seqlen_k, case.causal, case.window)
     else:
-        pairs = sum(visible_pairs(n, n, case.causal) for n in case.seqlens)
+        pairs = sum(visible_pairs(n, n, case.causal, case.window) for n in case.seqlens)
     over_d, over_dv = MATMULS[mode]
     return 2 * s.heads * pairs * (over_d * s.head_dim + over_dv * s.value_dim)
 

@@ -16,6 +16,10 @@ Mapping to PyTorch:
 - Causal: SDPA's ``is_causal`` is top-left aligned, flashcore's bottom-right; they agree only when
   Sq == Sk. For causal Sq != Sk SDPA gets an explicit bottom-right boolean ``attn_mask``
   (``flashcore.reference.causal_mask``); backends that take no mask (flash) refuse.
+- A local window (``Case.window``, ``--window``): flashcore's providers pass it as ``window=``,
+  ``fa4`` as ``window_size`` (-1 as None), ``flex`` as a mask function with its block mask, SDPA
+  as a boolean ``attn_mask`` (``flashcore.reference.visible_mask``, built outside the timed call;
+  backends that take no mask refuse); ``sdpa-padded``, which takes no mask, refuses it.
 - ``flashcore-kvcache``: ``flashcore.attention_with_kvcache`` reading k/v as a dense cache
   ``(B, Hkv, S_max, D)`` with every ``cache_seqlens`` equal to Sk (the queries are the last Sq
   positions: the same bottom-right semantics as ``flashcore.attention``). ``flashcore-paged16`` /
@@ -115,20 +119,20 @@ def _flashcore(case: Case, device: torch.device) -> AttnFn:
     import flashcore
 
     _refuse_unmasked_padding(case, "flashcore.attention")
-    causal = case.causal
-    return lambda q, k, v: flashcore.attention(q, k, v, causal=causal)
+    causal, window = case.causal, case.window
+    return lambda q, k, v: flashcore.attention(q, k, v, causal=causal, window=window)
 
 
 def _flashcore_tier(case: Case, device: torch.device, *, tier: str) -> AttnFn:
     import flashcore
 
     _refuse_unmasked_padding(case, "flashcore.attention")
-    causal = case.causal
+    causal, window = case.causal, case.window
 
     def fn(q, k, v):
         # The backward runs on the tier that was in effect at the forward.
         with flashcore.use_tier(tier):
-            return flashcore.attention(q, k, v, causal=causal)
+            return flashcore.attention(q, k, v, causal=causal, window=window)
 
     return fn
 
@@ -145,13 +149,15 @@ def _fa4(case: Case, device: torch.device) -> AttnFn:
     _refuse_unmasked_padding(case, "FlashAttention-4's flash_attn_func")
     causal = case.causal
     scale = 1.0 / case.shape.head_dim**0.5
+    # FA4 takes None for a side without a bound (and, like flashcore, right 0 when causal).
+    window = tuple(None if w < 0 else w for w in case.window or (-1, -1))
 
     def fn(q, k, v):
         # (B, S, H, D) views of the (B, H, S, D) tensors; FA4's causal mask is bottom-right
         # aligned like flashcore's. It returns (out, lse).
         out = flash_attn_func(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softmax_scale=scale,
-            causal=causal,
+            causal=causal, window_size=window,
         )  # fmt: skip
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(1, 2)
@@ -164,8 +170,10 @@ def _flashcore_sinks(case: Case, device: torch.device) -> AttnFn:
 
     if case.seqlens is not None:
         raise Refused("flashcore-sinks runs dense cases only (flashcore.attention with sinks)")
-    causal = case.causal
-    return lambda q, k, v, sinks: flashcore.attention(q, k, v, causal=causal, sinks=sinks)
+    causal, window = case.causal, case.window
+    return lambda q, k, v, sinks: flashcore.attention(
+        q, k, v, causal=causal, sinks=sinks, window=window
+    )
 
 
 def _flashcore_varlen(case: Case, device: torch.device, *, block_size: int = 0) -> AttnFn:
@@ -179,7 +187,7 @@ def _flashcore_varlen(case: Case, device: torch.device, *, block_size: int = 0) 
     seqlens = case.seqlens
     cu = cu_seqlens(seqlens, device)
     longest = max(seqlens)
-    causal = case.causal
+    causal, window = case.causal, case.window
     paged: dict = {}
 
     def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -192,7 +200,7 @@ def _flashcore_varlen(case: Case, device: torch.device, *, block_size: int = 0) 
                 paged[key] = to_paged(*padded, block_size, seqlens=seqlens)
             k, v, table = paged[key]
         return flashcore.attention_varlen(
-            q, k, v, cu, cu, longest, longest, causal=causal, block_table=table
+            q, k, v, cu, cu, longest, longest, causal=causal, block_table=table, window=window
         )
 
     return fn
@@ -203,7 +211,7 @@ def _flashcore_kvcache(case: Case, device: torch.device, *, block_size: int = 0)
 
     _refuse_unmasked_padding(case, "flashcore.attention_with_kvcache")
     s = case.shape
-    causal = case.causal
+    causal, window = case.causal, case.window
     lens = torch.full((s.batch,), s.seqlen_k, dtype=torch.int32, device=device)
     paged: dict = {}
 
@@ -216,7 +224,7 @@ def _flashcore_kvcache(case: Case, device: torch.device, *, block_size: int = 0)
                 paged[key] = to_paged(k, v, block_size)
             k, v, table = paged[key]
         return flashcore.attention_with_kvcache(
-            q, k, v, cache_seqlens=lens, block_table=table, causal=causal
+            q, k, v, cache_seqlens=lens, block_table=table, causal=causal, window=window
         )
 
     return fn
@@ -291,8 +299,10 @@ def _sdpa_padded_mask(case: Case, device: torch.device) -> AttnFn:
         return _sdpa(case, device)
     # (B, 1, 1 or S, S): real keys only; causal as well (Sq = Sk, so top-left is bottom-right).
     mask = real_tokens(case.seqlens, s.seqlen_k, device)[:, None, None, :]
-    if case.causal:
-        mask = mask & reference.causal_mask(s.seqlen_q, s.seqlen_k, device=device)
+    if case.causal or case.window is not None:
+        mask = mask & reference.visible_mask(
+            s.seqlen_q, s.seqlen_k, device, causal=case.causal, window=case.window
+        )
     kwargs = {"enable_gqa": True} if s.kv_heads != s.heads else {}
     return lambda q, k, v: sdpa(q, k, v, attn_mask=mask, **kwargs)
 
@@ -314,6 +324,13 @@ def _sdpa(case: Case, device: torch.device) -> AttnFn:
 
     s = case.shape
     kwargs = {"enable_gqa": True} if s.kv_heads != s.heads else {}
+    if case.window is not None:
+        if case.seqlens is not None:
+            raise Refused("SDPA on the padded batch without a mask cannot take a window")
+        mask = reference.visible_mask(
+            s.seqlen_q, s.seqlen_k, device, causal=case.causal, window=case.window
+        )
+        return lambda q, k, v: sdpa(q, k, v, attn_mask=mask, **kwargs)
     if case.causal and s.seqlen_q != s.seqlen_k:
         mask = reference.causal_mask(s.seqlen_q, s.seqlen_k, device=device)
         return lambda q, k, v: sdpa(q, k, v, attn_mask=mask, **kwargs)
@@ -342,8 +359,21 @@ def _flex(case: Case, device: torch.device) -> AttnFn:
 
     s = case.shape
     block_mask = None
-    if case.causal:
-        diag = s.seqlen_k - s.seqlen_q
+    diag = s.seqlen_k - s.seqlen_q
+    if case.window is not None:
+        left, right = case.window
+        right = 0 if case.causal else right
+
+        def local(b, h, q_idx, kv_idx):
+            seen = kv_idx >= 0
+            if left >= 0:
+                seen = seen & (kv_idx >= q_idx + diag - left)
+            if right >= 0:
+                seen = seen & (kv_idx <= q_idx + diag + right)
+            return seen
+
+        block_mask = create_block_mask(local, None, None, s.seqlen_q, s.seqlen_k, device=device)
+    elif case.causal:
 
         def bottom_right(b, h, q_idx, kv_idx):
             return kv_idx <= q_idx + diag

@@ -96,6 +96,7 @@ def measurement_row(
         "head_dim": s.head_dim,
         "value_dim": s.value_dim,
         "causal": m.case.causal,
+        "window": list(m.case.window) if m.case.window is not None else None,
         "seqlens": list(m.case.seqlens) if m.case.seqlens is not None else None,
         "padding": m.case.padding,
         "status": m.status,
@@ -205,7 +206,7 @@ def table_row(row: dict, graph: bool = False) -> str:
         row["provider"],
         row["shape"],
         f"{row['padding']:.0%}" if row.get("seqlens") else "-",
-        "causal" if row["causal"] else "full",
+        _masking(row),
         row["mode"],
         row["dtype"],
         _fmt(p50, ".4g"),
@@ -310,7 +311,7 @@ def variant_summary(rows: list[dict]) -> str | None:
         base = index.get(_key(r, r.get("base_provider")))
         if r.get("time_vs_base") is None or base is None:
             continue
-        causal = "causal" if r["causal"] else "full"
+        causal = _masking(r)
         lines.append(
             f"  {r['provider']} over {r['base_provider']}, {r['shape']} {causal} {r['mode']} "
             f"{r['dtype']}: {100 * (r['time_vs_base'] - 1):+.1f}% (p20-p80 spread "
@@ -325,10 +326,18 @@ def variant_summary(rows: list[dict]) -> str | None:
     return "\n".join([head, *lines])
 
 
+def _masking(row: dict) -> str:
+    """The causal column: causal or full, and a window's sides (``w128,0``)."""
+    text = "causal" if row["causal"] else "full"
+    window = row.get("window")
+    return text if not window else f"{text} w{window[0]},{window[1]}"
+
+
 def _key(row: dict, provider: str | None) -> tuple:
     """``provider``'s row in ``row``'s group (case, mode, dtype)."""
     seqlens = tuple(row["seqlens"]) if row.get("seqlens") else None
-    return (row["shape"], seqlens, row["causal"], row["mode"], row["dtype"], provider)
+    window = tuple(row["window"]) if row.get("window") else None
+    return (row["shape"], seqlens, row["causal"], window, row["mode"], row["dtype"], provider)
 
 
 def _spread(row: dict) -> float:

@@ -104,6 +104,7 @@ class Inputs:
         backward = any(m != "fwd" for m in modes)
         self._ref_options = {
             "causal": case.causal,
+            "window": case.window,
             "ref_dtype": settings.ref_dtype,
             "budget_bytes": settings.ref_budget_bytes,
         }
