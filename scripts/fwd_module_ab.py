@@ -10,7 +10,8 @@ imports of ``flashcore.kernels.hopper`` pointed at it) and the tree's modules ar
 Both run through ``flashcore.attention`` under ``use_tier("sm90")`` with the same plans, only
 ``ops.fwd_sm90.launcher`` switched per side, so only the kernels differ. A case is
 ``D:S:causal[:Dv[:B[:H]]]`` (causal 0 or 1), bf16, by default 16k tokens of 2048 / D heads (16
-heads past 128).
+heads past 128); ``--window L,R`` gives every case that local window (FLOPs of the pairs it leaves
+visible).
 Prints TFLOP/s of each side (``2 B H S^2 (D + Dv)``, halved causal), the ratio of the medians
 (tree / base, > 1: the tree is faster) with the range of the per-round ratios, and whether the
 outputs are bit for bit equal. Rotated rounds of ``do_bench``, medians (``dq_rows_ab.rotated``).
@@ -29,6 +30,8 @@ import torch
 from dq_rows_ab import rates_and_ratio, rotated
 
 import flashcore
+from flashcore.bench import cases as bench_cases
+from flashcore.bench.metrics import visible_pairs
 from flashcore.ops import fwd, fwd_sm90
 from flashcore.ops.launch import Launcher
 
@@ -48,11 +51,11 @@ def base_launcher(directory: str) -> Launcher:
     return Launcher(importlib.import_module("ab_base.fwd").attn_fwd_sm90_kernel, 12)
 
 
-def ab(case: str, old: str, new: str, select, rounds: int, label: str) -> str:
+def ab(case: str, old: str, new: str, select, rounds: int, label: str, window=None) -> str:
     """Case ``D:S:causal[:Dv[:B[:H]]]`` (bf16; by default 16k tokens of 2048 / D heads, 16 past
-    128) through ``flashcore.attention`` under ``use_tier("sm90")``, timed on sides ``old`` and
-    ``new`` (``select(side)`` switches, and leaves ``new`` on); its line of results, the ratio
-    (old / new time) printed as ``label``."""
+    128) through ``flashcore.attention`` under ``use_tier("sm90")`` (with ``window``, a local
+    window), timed on sides ``old`` and ``new`` (``select(side)`` switches, and leaves ``new``
+    on); its line of results, the ratio (old / new time) printed as ``label``."""
     head_dim, seqlen, causal, *rest = (int(x) for x in case.split(":"))
     head_dim_v = rest[0] if rest else head_dim
     batch = rest[1] if len(rest) > 1 else max(1, 16384 // seqlen)
@@ -65,7 +68,7 @@ def ab(case: str, old: str, new: str, select, rounds: int, label: str) -> str:
 
     def call():
         with flashcore.use_tier("sm90"):
-            return flashcore.attention(q, k, v, causal=bool(causal))
+            return flashcore.attention(q, k, v, causal=bool(causal), window=window)
 
     outs = {}
     for side in (old, new):
@@ -73,28 +76,36 @@ def ab(case: str, old: str, new: str, select, rounds: int, label: str) -> str:
         outs[side] = call()
     timed = rotated(dict.fromkeys((old, new), call), rounds, select)
     select(new)
-    flops = 2 * batch * heads * seqlen * seqlen * (head_dim + head_dim_v) / (2 if causal else 1)
+    pairs = visible_pairs(seqlen, seqlen, bool(causal), window)
+    flops = 2 * batch * heads * pairs * (head_dim + head_dim_v)
     rates, ratio = rates_and_ratio(*timed, flops, new, old)
+    kind = ("causal" if causal else "full") + (f" window {window}" if window else "")
     return (
-        f"D{head_dim}:{head_dim_v} S{seqlen} {'causal' if causal else 'full'} B{batch} H{heads}:"
+        f"D{head_dim}:{head_dim_v} S{seqlen} {kind} B{batch} H{heads}:"
         f" {rates} {label} {ratio} equal {torch.equal(outs[old], outs[new])}"
     )
 
 
-def compare(case: str, sides: dict[str, Launcher], rounds: int) -> str:
+def compare(case: str, sides: dict[str, Launcher], rounds: int, window=None) -> str:
     def select(side):
         fwd_sm90.launcher = functools.partial(lambda s: sides[s], side)
         # The plans and the express path's kept launches (``fwd.Quick`` binds the launcher it
         # was learned with): dropped, so that the next call launches this side's kernel.
         fwd.forget()
 
-    return ab(case, "base", "tree", select, rounds, "tree/base")
+    return ab(case, "base", "tree", select, rounds, "tree/base", window)
 
 
 def case_options(parser: argparse.ArgumentParser, rounds: int, cases: str) -> None:
     """The ``--rounds`` and ``--cases`` options of this script and ``fwd_switch_ab.py``."""
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--cases", default=cases, help="comma-separated D:S:causal[:Dv[:B[:H]]]")
+    parser.add_argument(
+        "--window",
+        type=bench_cases.parse_window,
+        default=None,
+        help="a local window LEFT,RIGHT on every case (--window=-1,64 for a side without bound)",
+    )
 
 
 def run_cases(cases: str, line) -> None:
@@ -112,7 +123,7 @@ def main() -> int:
     case_options(parser, 3, CASES)
     args = parser.parse_args()
     sides = {"base": base_launcher(args.base), "tree": fwd_sm90.launcher()}
-    run_cases(args.cases, lambda case: compare(case, sides, args.rounds))
+    run_cases(args.cases, lambda case: compare(case, sides, args.rounds, args.window))
     return 0
 
 

@@ -25,12 +25,12 @@ from flashcore.ops import fwd, fwd_sm90
 CASES = "192:4096:1:128:2,192:8192:1:128:1,192:2048:1:128:4,128:1024:1,128:2048:1,128:4096:1"
 
 
-def compare(switch: str, case: str, rounds: int) -> str:
+def compare(switch: str, case: str, rounds: int, window=None) -> str:
     def select(side: str) -> None:
         setattr(fwd_sm90, switch, side == "on")
         fwd.forget()
 
-    return ab(case, "off", "on", select, rounds, "off/on")
+    return ab(case, "off", "on", select, rounds, "off/on", window)
 
 
 def main() -> int:
@@ -41,7 +41,7 @@ def main() -> int:
     if not isinstance(getattr(fwd_sm90, args.switch, None), bool):
         parser.error(f"switch: ops/fwd_sm90.py has no boolean {args.switch!r}")
     default = getattr(fwd_sm90, args.switch)
-    run_cases(args.cases, lambda case: compare(args.switch, case, args.rounds))
+    run_cases(args.cases, lambda case: compare(args.switch, case, args.rounds, args.window))
     setattr(fwd_sm90, args.switch, default)
     return 0
 

@@ -289,6 +289,23 @@ def test_small_problems_skip_descriptors():
     assert tuning.fwd_config(64, 2, interpreted=True, flops=1).use_tma
 
 
+def test_sm90_forward_window_loop_keys(monkeypatch):
+    """The keys the persistent rule counts: ``seqlen_k``, or with PERSISTENT_WINDOW_KEYS and a
+    window the keys one query tile can see (an unbounded side arrives as Sq + Sk)."""
+    from flashcore.ops import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "PERSISTENT_WINDOW_KEYS", False)
+    assert fwd_sm90.loop_keys(16384, 128, True, True, 127, 0) == 16384
+    monkeypatch.setattr(fwd_sm90, "PERSISTENT_WINDOW_KEYS", True)
+    assert fwd_sm90.loop_keys(16384, 128, True, True, 127, 32768) == 255  # causal: right is 0
+    assert fwd_sm90.loop_keys(16384, 192, False, True, 100, 50) == 342
+    assert fwd_sm90.loop_keys(16384, 128, False, True, 32768, 50) == 16384  # left unbounded
+    assert fwd_sm90.loop_keys(16384, 128, True, False, 0, 0) == 16384  # no window
+    assert fwd_sm90.loop_keys(200, 128, True, True, 127, 0) == 200
+    keys = fwd_sm90.loop_keys(16384, 128, True, True, 127, 0)
+    assert fwd_sm90.use_persistent(keys, 64, True, 128)
+
+
 @pytest.mark.parametrize(
     "head_dim, seqlen, causal, options, consumers, persistent",
     [

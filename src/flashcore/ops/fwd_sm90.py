@@ -329,6 +329,24 @@ PERSISTENT_MAX_KEY_TILES = 32
 PERSISTENT_MAX_KEY_TILES_D128_FULL = 16
 
 
+# With a window, count the keys it leaves a query tile (``loop_keys``) instead of ``seqlen_k``
+# (off: not measured yet). H200, bf16, under CUDA graphs, a causal (127, 0) window at D = 64:
+# (4, 32, 4096), persistent, 0.159 ms; (1, 32, 16384), flat, 0.212 ms, for the same work and the
+# same 4096 query tiles (docs/performance_features.md, "Sliding windows beside FlashAttention-4").
+PERSISTENT_WINDOW_KEYS = False
+
+
+def loop_keys(
+    seqlen_k: int, block_m: int, causal: bool, has_window: bool, left: int, right: int
+) -> int:
+    """The keys one query tile of ``block_m`` rows can see: ``seqlen_k``, or with a window
+    (``PERSISTENT_WINDOW_KEYS``) at most ``left + block_m + right`` (right 0 when causal; an
+    unbounded side arrives as ``Sq + Sk``, ``ops.fwd.window_bounds``)."""
+    if not (PERSISTENT_WINDOW_KEYS and has_window):
+        return seqlen_k
+    return min(seqlen_k, left + block_m + (0 if causal else right))
+
+
 def use_persistent(seqlen_k: int, head_dim: int, causal: bool, block_n: int) -> bool:
     """The default schedule: persistent for short key loops (see the measurements above)."""
     key_tiles = -(-seqlen_k // block_n)
@@ -777,6 +795,7 @@ def plan(
     )  # fmt: skip
     raw_max = softcap <= 0 and not alibi and qk_scale > 0
     n_work = -(-seqlen_q // block_m) * batch * heads
+    keys = loop_keys(seqlen_k, block_m, causal, has_window, window_left, window_right)
     persistent = cfg.persistent
     if persistent is None and cfg.q_buffers == 1:
         # One Q buffer a consumer (head dims 192 and 256): causal only, without softcap or
@@ -785,10 +804,10 @@ def plan(
         # lengths ran on the GPU only before the consumers' while loop); see CONFIGS.
         persistent = (
             causal and softcap <= 0 and not alibi and varlen is None
-            and (head_dim == 192 or use_persistent(seqlen_k, head_dim, causal, cfg.block_n))
+            and (head_dim == 192 or use_persistent(keys, head_dim, causal, cfg.block_n))
         )  # fmt: skip
     elif persistent is None:
-        persistent = use_persistent(seqlen_k, head_dim, causal, cfg.block_n)
+        persistent = use_persistent(keys, head_dim, causal, cfg.block_n)
     if config is None and spread and cfg.num_consumers > 1:
         persistent = False
     slots = num_sms(q.device.index) * cfg.ctas_per_sm
