@@ -578,6 +578,38 @@ def test_forward_gpu_sm90_three_causal_flat(shape, dtype):
         check_forward(auto_out, auto_lse, q, k, v, causal=True)
 
 
+# Windows past the persistent rule's key count (``fwd_sm90.PERSISTENT_WINDOW_KEYS``): causal at
+# D = 64 (gpt-oss's layers), GQA; non-causal at D = 128 with Sq < Sk; MQA with a ragged length.
+WINDOW_PERSISTENT = [
+    (Case(1, 4, 2, 8192, 8192, 64), True, (127, 0)),
+    (Case(1, 4, 4, 6000, 6100, 128), False, (200, 100)),
+    (Case(2, 2, 1, 5000, 5000, 64), True, (300, 0)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("case", "causal", "window"), WINDOW_PERSISTENT, ids=str)
+def test_forward_gpu_sm90_window_persistent(case, causal, window, monkeypatch):
+    """Long windowed problems with the persistent rule counting the window's keys (persistent
+    grid) and ``seqlen_k`` (flat grid): the same out and LSE bit for bit, against the reference."""
+    from flashcore.ops import fwd_sm90
+
+    require_sm90()
+    q, k, v = make_qkv(case, torch.bfloat16, "cuda")
+    real, picked, results = fwd_sm90.use_persistent, [], {}
+    monkeypatch.setattr(
+        fwd_sm90, "use_persistent", lambda *a: picked.append(real(*a)) or picked[-1]
+    )
+    for on in (False, True):
+        monkeypatch.setattr(fwd_sm90, "PERSISTENT_WINDOW_KEYS", on)
+        results[on] = launch_sm90_forward(q, k, v, causal=causal, window=window)
+        assert picked[-1] == on
+    (out0, lse0), (out1, lse1) = results[False], results[True]
+    assert not out1.isnan().any() and not lse1.isnan().any()
+    check_forward(out1, lse1, q, k, v, causal=causal, window=window)
+    assert torch.equal(out0, out1) and torch.equal(lse0, lse1)
+
+
 # One consumer a CTA beyond short causal problems: non-causal and causal, ragged, GQA/MQA,
 # Sq > Sk and Sq < Sk, several tiles a program (the persistent grid is two programs an SM).
 ONE_CASES = [
