@@ -33,6 +33,7 @@ import sys
 import torch
 from dq_rows_ab import problem, rates_and_ratio, rotated
 
+from flashcore.bench.metrics import visible_pairs
 from flashcore.ops import bwd_sm90 as sm90
 from flashcore.ops import fwd
 from flashcore.ops import problem as pb
@@ -61,14 +62,7 @@ def dense(seqlen, head_dim, causal, option):
     heads = 2048 // head_dim
     batch = max(1, TOKENS // seqlen)
     args, opts = problem(batch, heads, seqlen, head_dim, causal, option)
-    window = opts.get("window")
-    if window is None:
-        pairs = seqlen * seqlen / (2 if causal else 1)
-    else:  # the (row, key) pairs the window leaves visible
-        rows = torch.arange(seqlen)
-        left = (rows - window[0]).clamp(min=0)
-        right = rows if causal else (rows + window[1]).clamp(max=seqlen - 1)
-        pairs = float((right - left + 1).sum())
+    pairs = visible_pairs(seqlen, seqlen, causal, opts.get("window"))
     flops = 2.5 * 4 * batch * heads * pairs * head_dim
     name = f"D{head_dim} {'causal' if causal else 'full'} {option or 'plain'} S{seqlen} B{batch}"
     return name, flops, functools.partial(sm90.attn_bwd_sm90, *args, **opts)
@@ -89,12 +83,7 @@ def gqa(seqlen, head_dim, causal, window, group=4):
     scale = head_dim**-0.5
     opts = {} if window is None else {"window": window}
     out, lse = fwd.launch(q, k, v, causal, scale, **opts)[:2]
-    pairs = seqlen * seqlen / (2 if causal else 1)
-    if window is not None:
-        rows = torch.arange(seqlen)
-        left = (rows - window[0]).clamp(min=0)
-        right = rows if causal else (rows + window[1]).clamp(max=seqlen - 1)
-        pairs = float((right - left + 1).sum())
+    pairs = visible_pairs(seqlen, seqlen, causal, window)
     flops = 2.5 * 4 * batch * heads * pairs * head_dim
     kind = ("causal" if causal else "full") + ("" if window is None else f" window{window}")
     name = f"GQA{group} D{head_dim} {kind} S{seqlen} B{batch}"
