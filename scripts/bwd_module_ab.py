@@ -58,37 +58,15 @@ def launchers(module):
     return Launcher(module.bwd_prep_kernel, 7), launch
 
 
-def dense(seqlen, head_dim, causal, option):
+def dense(seqlen, head_dim, causal, option, group=1):
     heads = 2048 // head_dim
     batch = max(1, TOKENS // seqlen)
-    args, opts = problem(batch, heads, seqlen, head_dim, causal, option)
+    args, opts = problem(batch, heads, seqlen, head_dim, causal, option, group)
     pairs = visible_pairs(seqlen, seqlen, causal, opts.get("window"))
     flops = 2.5 * 4 * batch * heads * pairs * head_dim
     name = f"D{head_dim} {'causal' if causal else 'full'} {option or 'plain'} S{seqlen} B{batch}"
+    name = name if group == 1 else f"GQA{group} {name}"
     return name, flops, functools.partial(sm90.attn_bwd_sm90, *args, **opts)
-
-
-def gqa(seqlen, head_dim, causal, window, group=4):
-    """A dense GQA problem (``group`` query heads a kv head) run on grouped programs."""
-    heads = 2048 // head_dim
-    batch = max(1, TOKENS // seqlen)
-    q, dout = (
-        torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
-        for _ in range(2)
-    )
-    k, v = (
-        torch.randn(batch, heads // group, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
-        for _ in range(2)
-    )
-    scale = head_dim**-0.5
-    opts = {} if window is None else {"window": window}
-    out, lse = fwd.launch(q, k, v, causal, scale, **opts)[:2]
-    pairs = visible_pairs(seqlen, seqlen, causal, window)
-    flops = 2.5 * 4 * batch * heads * pairs * head_dim
-    kind = ("causal" if causal else "full") + ("" if window is None else f" window{window}")
-    name = f"GQA{group} D{head_dim} {kind} S{seqlen} B{batch}"
-    call = functools.partial(sm90.attn_bwd_sm90, dout, q, k, v, out, lse, causal, scale, **opts)
-    return name, flops, call
 
 
 def packed(causal, seed):
@@ -129,11 +107,11 @@ CASES = {
     ],
     "packed": lambda: [packed(True, 0), packed(True, 1), packed(False, 0)],
     "gqa": lambda: [
-        *(gqa(s, d, True, None) for d in (128, 64) for s in (512, 1024, 2048, 4096)),
-        gqa(2048, 128, True, (256, 0)),
-        gqa(2048, 64, True, (128, 0), 8),
-        gqa(2048, 128, False, (256, 256)),
-        gqa(4096, 128, False, None),
+        *(dense(s, d, True, "", 4) for d in (128, 64) for s in (512, 1024, 2048, 4096)),
+        dense(2048, 128, True, "window", 4),
+        dense(2048, 64, True, "window128", 8),
+        dense(2048, 128, False, "window2", 4),
+        dense(4096, 128, False, "", 4),
     ],
     "controls": lambda: [dense(8192, 128, False, ""), dense(8192, 64, True, "")],
     "short": lambda: [

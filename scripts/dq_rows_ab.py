@@ -36,13 +36,23 @@ def forced(cfg, head_dim, varlen, causal, window, softcap, alibi, seqlen_q) -> b
     return cfg.permuted_rows and not varlen
 
 
-def problem(batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, option: str = ""):
+def problem(
+    batch: int,
+    heads: int,
+    seqlen: int,
+    head_dim: int,
+    causal: bool,
+    option: str = "",
+    group: int = 1,
+):
     """A dense bf16 backward problem: ``(dout, q, k, v, out, lse, causal, scale)`` as
     ``attn_bwd_sm90`` takes them (the forward run for out and lse) and the score option's keyword
     arguments (``option``: "", "window" (256, 0), "window128" (128, 0), "window2" (256, 256),
-    "softcap" 30 or "alibi" slopes in [0, 0.1))."""
+    "softcap" 30 or "alibi" slopes in [0, 0.1)); ``group`` query heads a kv head (GQA)."""
     shape = (batch, heads, seqlen, head_dim)
-    q, k, v, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    q, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kv_shape = (batch, heads // group, seqlen, head_dim)
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     scale = 1 / math.sqrt(head_dim)
     opts = {
         "": {},

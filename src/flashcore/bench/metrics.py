@@ -64,23 +64,21 @@ def visible_pairs(
 ) -> float:
     """(query, key) pairs the FLOP rule counts; see the module docstring. With a window, those
     it leaves visible (``cases`` module docstring), counted row by row."""
-    if window is not None:
-        diag = seqlen_k - seqlen_q
-        left, right = window
-        right = 0 if causal else right
-        total = 0
-        for i in range(seqlen_q):
-            lo = 0 if left < 0 else max(0, i + diag - left)
-            hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + diag + right)
-            total += max(0, hi - lo + 1)
-        return float(total)
-    if not causal:
+    if window is None and not causal:
         return float(seqlen_q * seqlen_k)
-    if seqlen_q == seqlen_k:
+    if window is None and seqlen_q == seqlen_k:
         return seqlen_q * seqlen_k / 2
-    # Bottom-right: query i sees min(Sk, max(0, i + Sk - Sq + 1)) keys.
+    # Bottom-right: query i sees keys i + d - left to i + d + right (d = Sk - Sq; -1 unbounded;
+    # right 0 when causal), clipped to [0, Sk).
     diag = seqlen_k - seqlen_q
-    return float(sum(min(seqlen_k, max(0, i + diag + 1)) for i in range(seqlen_q)))
+    left, right = window or (-1, -1)
+    right = 0 if causal else right
+    total = 0
+    for i in range(seqlen_q):
+        lo = 0 if left < 0 else max(0, i + diag - left)
+        hi = seqlen_k - 1 if right < 0 else min(seqlen_k - 1, i + diag + right)
+        total += max(0, hi - lo + 1)
+    return float(total)
 
 
 def attention_flops(case: Case, mode: str) -> float:
