@@ -263,6 +263,28 @@ ONE_MAX_ROUNDS = {64: 2.0, 128: 0.5}
 # above). From 4096 on the causal three-consumer rule decides (``three_consumers_fill``).
 ONE_MAX_ROUNDS_CAUSAL = {**ONE_MAX_ROUNDS, 64: 4.0}
 
+# Windows of few keys a row (``window_keys``: left + 1 + right, right 0 when causal): one
+# consumer a CTA on 64-row tiles and 64-key tiles, three CTAs an SM at D = 64 and two at
+# D = 128. A 128-row tile with 128-key tiles computes twice the pairs a 128-key window leaves
+# it; 64 x 64 tiles compute 1.5 times, and the CTAs' tiles (two key steps each) overlap one
+# another's fill and epilogue, where two consumers of one tile cannot. H200, bf16, 16k tokens
+# (2048 / D heads), three rotated rounds of do_bench through ``flashcore.attention`` with
+# ``pick_config`` replaced (scratch A/B beside scripts/fwd_switch_ab.py), default / one time:
+# D = 128 causal window (127, 0) at 4096 and 16384 keys 1.57-1.65 (1.27 on 8 heads of 4096),
+# (255, 0) 1.21, (383, 0) 1.07, (511, 0) 0.98, (1023, 0) 0.93; non-causal (64, 63) 1.84,
+# (128, 127) 1.33, (256, 256) 0.99. D = 64 (three CTAs) causal (127, 0) 1.69-1.72 (1.07 on 8
+# heads of 4096), (511, 0) 1.16, (767, 0) 1.06, (1023, 0) 1.01; non-causal (256, 256) 1.15,
+# (384, 384) 1.10; 4 heads of 2048 with (255, 0) 1.00. Two CTAs of 128-row tiles at D = 64 gained
+# less (1.24), and two consumers on 64-key tiles less still (1.22-1.42, and 0.89-0.95 past 512).
+WINDOW_ONE = {64: ONE_D64_THREE_CTAS, 128: ONE_D128}
+WINDOW_ONE_MAX_KEYS = {64: 768, 128: 384}
+
+
+def window_keys(causal: bool, has_window: bool, left: int, right: int) -> int | None:
+    """The keys a window leaves a query row (``left + 1 + right``; right 0 when causal, an
+    unbounded side as ``ops.fwd.window_bounds`` gives it), or None without a window."""
+    return left + 1 + (0 if causal else right) if has_window else None
+
 
 def one_consumer(
     head_dim: int,
@@ -297,14 +319,18 @@ def pick_config(
     options: bool,
     grid: tuple[int, int] | None = None,
     packed: bool = False,
+    keys: int | None = None,
 ) -> Sm90Config:
     """The launch config of a problem: ``CONFIGS``, three consumers at D=64 where they measured
     faster, or one consumer a CTA for short causal problems, long causal ones on few heads and
-    small grids (``options``: a window, softcap or ALiBi is on, which keeps ``CONFIGS``' two
-    consumers short of three; ``grid``: ``(batch * heads, SMs)``, which assumes a full grid
-    without it; ``packed``: a packed batch whose lengths vary (``varlen_spread``), for which the
-    causal grid rules, measured on dense problems, are not taken: long causal D=64 keeps three
-    consumers on the flat grid and its work list)."""
+    small grids, and windows of at most ``WINDOW_ONE_MAX_KEYS`` keys a row (``keys``, as
+    ``window_keys`` counts them; None without a window). ``options``: a window, softcap or ALiBi
+    is on, which keeps ``CONFIGS``' two consumers short of three; ``grid``: ``(batch * heads,
+    SMs)``, which assumes a full grid without it; ``packed``: a packed batch whose lengths vary
+    (``varlen_spread``), for which the grid and window rules, measured on dense problems, are not
+    taken: long causal D=64 keeps three consumers on the flat grid and its work list."""
+    if keys is not None and not packed and keys <= WINDOW_ONE_MAX_KEYS.get(head_dim, 0):
+        return WINDOW_ONE[head_dim]
     floor = D64_THREE_MIN_SEQLEN_CAUSAL if causal else D64_THREE_MIN_SEQLEN
     long = head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor
     if long and causal:
@@ -329,11 +355,14 @@ PERSISTENT_MAX_KEY_TILES = 32
 PERSISTENT_MAX_KEY_TILES_D128_FULL = 16
 
 
-# With a window, count the keys it leaves a query tile (``loop_keys``) instead of ``seqlen_k``
-# (off: not measured yet). H200, bf16, under CUDA graphs, a causal (127, 0) window at D = 64:
-# (4, 32, 4096), persistent, 0.159 ms; (1, 32, 16384), flat, 0.212 ms, for the same work and the
-# same 4096 query tiles (docs/performance_features.md, "Sliding windows beside FlashAttention-4").
-PERSISTENT_WINDOW_KEYS = False
+# With a window, count the keys it leaves a query tile (``loop_keys``) instead of ``seqlen_k``:
+# a long windowed problem's tiles are as short as a short problem's and take the persistent grid
+# the same. H200, bf16, scripts/fwd_switch_ab.py PERSISTENT_WINDOW_KEYS, 16k tokens, two runs,
+# off / on time (outputs bit for bit equal): causal (127, 0) at 8192-16384 keys D = 64
+# 1.29-1.30, D = 128 1.04 at 16384 and 0.995-0.998 at 8192, 4096 (persistent either way)
+# 0.996-1.000; (256, 256) at 8192-16384 D = 64 1.24-1.28, D = 128 1.12-1.15, 2048 0.999-1.004.
+# (Measured before ``WINDOW_ONE``, which now takes the shorter of these windows.)
+PERSISTENT_WINDOW_KEYS = True
 
 
 def loop_keys(
@@ -782,6 +811,7 @@ def plan(
     cfg = config or pick_config(
         head_dim, seqlen_q, seqlen_k, causal, has_window or softcap > 0 or alibi,
         grid=(batch * heads, num_sms(q.device.index)), packed=spread,
+        keys=window_keys(causal, has_window, window_left, window_right),
     )  # fmt: skip
     rows = 64
     block_m = rows * cfg.num_consumers
