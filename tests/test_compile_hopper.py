@@ -83,6 +83,14 @@ VARIANTS = [
     # ... dealt dynamically, as launched (dense causal problems).
     ("d64-bf16-one3-causal-dynamic-persistent", 64, "bf16", 1, 64, 2, 136, 80,
      {**PLAIN, "causal": True, "persistent": True, "dynamic": True}),
+    # Windows of few keys a row (ops/fwd_sm90.py: WINDOW_ONE): gpt-oss's layers at D=64 (causal,
+    # sinks, dealt dynamically), and D=128 non-causal with softcap, ALiBi and a ragged tile.
+    ("d64-bf16-one3-causal-window-sinks-dynamic-persistent", 64, "bf16", 1, 64, 2, 136, 80,
+     {**PLAIN, "causal": True, "window": True, "sinks": True, "persistent": True,
+      "dynamic": True}),
+    ("d128-fp16-one-window-softcap-alibi-ragged-persistent", 128, "fp16", 1, 64, 2, 232, 128,
+     {**PLAIN, "window": True, "softcap": True, "alibi": True, "raw_max": False,
+      "even_n": False, "persistent": True}),
     # Sinks (HAS_SINKS), with both consumer counts.
     ("d128-bf16-sinks", 128, "bf16", 2, 128, 2, 240, 168, {**PLAIN, "sinks": True}),
     ("d64-bf16-causal-sinks-three", 64, "bf16", 3, 128, 3, 160, 128,
@@ -531,7 +539,7 @@ def test_one_consumer_fits_its_ctas_an_sm(compiled):
     ONE_D64_THREE_CTAS, ``ctas_per_sm``: as many as their registers at entry over 8 warps allow,
     two at 128 and three at 80): their shared memory must leave room for as many."""
     ones = [row for row in compiled if row["consumers"] == 1]
-    assert len(ones) == 6, [row["variant"] for row in compiled]
+    assert len(ones) == 8, [row["variant"] for row in compiled]
     for row in ones:
         ctas = 65536 // (256 * row["registers"])
         assert ctas == (3 if row["variant"].startswith("d64-bf16-one3") else 2), row["variant"]
@@ -547,7 +555,7 @@ def test_no_spills(compiled):
     # The packed (VARLEN) builds spilled 16-88 B until the values the partitions compute alike
     # were kept out of the entry block (kernels/hopper/common.py: opaque, programs).
     persistent = [row for row in compiled if row["variant"].endswith(PERSISTENT_SUFFIX)]
-    assert len(persistent) == 20, sorted(row["variant"] for row in compiled)
+    assert len(persistent) == 22, sorted(row["variant"] for row in compiled)
     for row in compiled:
         allowed = SPILL_ALLOWANCE.get(row["variant"], 0)
         assert row["spill_bytes"] <= allowed, f"{row['variant']}: {row['spill_bytes']} B of spills"
@@ -769,6 +777,10 @@ def test_assembled_code_keeps_the_overlap(compiled):
 # The builds whose softmax is pinned under its own P V (kernels/hopper/fwd.py: OWN_PV): three
 # consumers, causal, flat, without sinks, a window, softcap or ALiBi.
 OWN_PV_VARIANTS = {"d64-fp16-causal-ragged-three", "d64-bf16-causal-three"}
+# ... and one build where ptxas leaves the wait below the exponentials by itself: the one-consumer
+# D=128 window with softcap and ALiBi (its scores' extra work, ``RAW_MAX`` off, between the two
+# waits; seen in the sm_90a build, not measured apart).
+PTXAS_OVERLAP_VARIANTS = {"d128-fp16-one-window-softcap-alibi-ragged-persistent"}
 
 
 def test_own_pv_overlap_where_taken(compiled):
@@ -776,7 +788,7 @@ def test_own_pv_overlap_where_taken(compiled):
     # leaves P V running and the wait for it; the builds without it keep the hoisted wait.
     for row in compiled:
         tile = row["block_n"] * 64 // 128
-        if row["variant"] in OWN_PV_VARIANTS:
+        if row["variant"] in OWN_PV_VARIANTS | PTXAS_OVERLAP_VARIANTS:
             assert row["exp2_under_pv_sass"] >= tile, row
         elif row["variant"].startswith(("d128", "d64-bf16-three")):
             assert row["exp2_under_pv_sass"] == 0, row

@@ -604,7 +604,7 @@ def test_sm90_forward_window_config():
 
 # Windows that take ``fwd_sm90.WINDOW_ONE`` as launched: gpt-oss's layers (D = 64, causal
 # (127, 0), GQA, sinks), ragged lengths with Sq != Sk both ways, non-causal with softcap and
-# ALiBi, fp16, and windows at the rule's limits.
+# ALiBi, fp16, windows at the rule's limits, and a head dim padded to 128.
 WINDOW_ONE_CASES = [
     (MaskCase(Case(2, 8, 2, 2048, 2048, 64), causal=True, window=(127, 0)), True),
     (MaskCase(Case(1, 4, 1, 1000, 1333, 64), window=(300, 467)), False),
@@ -612,6 +612,7 @@ WINDOW_ONE_CASES = [
     (MaskCase(Case(1, 4, 2, 3000, 3000, 128), causal=True, window=(255, 0)), True),
     (MaskCase(Case(1, 4, 4, 1000, 1777, 128), window=(64, 63), softcap=20.0, alibi="h"), False),
     (MaskCase(Case(2, 2, 1, 777, 555, 128), window=(200, 183)), False),
+    (MaskCase(Case(1, 4, 2, 1500, 1500, 96), causal=True, window=(200, 0)), True),
 ]
 
 
@@ -635,7 +636,7 @@ def test_forward_gpu_sm90_window_one(mc, with_sinks, dtype, monkeypatch):
     if with_sinks:
         kw["sinks"] = torch.randn(mc.case.heads, device="cuda")
     out, lse = launch_sm90_forward(q, k, v, **kw)
-    assert picked == [fwd_sm90.WINDOW_ONE[mc.case.head_dim]]
+    assert picked == [fwd_sm90.WINDOW_ONE[fwd_sm90.kernel_head_dim(mc.case.head_dim)]]
     assert not out.isnan().any() and not lse.isnan().any()
     check_forward(out, lse, q, k, v, **kw)
 

@@ -269,7 +269,7 @@ ONE_MAX_ROUNDS_CAUSAL = {**ONE_MAX_ROUNDS, 64: 4.0}
 # it; 64 x 64 tiles compute 1.5 times, and the CTAs' tiles (two key steps each) overlap one
 # another's fill and epilogue, where two consumers of one tile cannot. H200, bf16, 16k tokens
 # (2048 / D heads), three rotated rounds of do_bench through ``flashcore.attention`` with
-# ``pick_config`` replaced (scratch A/B beside scripts/fwd_switch_ab.py), default / one time:
+# ``pick_config`` replaced (scripts/fwd_window_config_ab.py), default / one time:
 # D = 128 causal window (127, 0) at 4096 and 16384 keys 1.57-1.65 (1.27 on 8 heads of 4096),
 # (255, 0) 1.21, (383, 0) 1.07, (511, 0) 0.98, (1023, 0) 0.93; non-causal (64, 63) 1.84,
 # (128, 127) 1.33, (256, 256) 0.99. D = 64 (three CTAs) causal (127, 0) 1.69-1.72 (1.07 on 8
