@@ -156,6 +156,20 @@ def test_sm90_tier_is_taken_on_hopper(monkeypatch):
     check_forward(out, lse, q, k, v, causal=True, window=(200, 0))
 
 
+@pytest.mark.gpu
+def test_auto_takes_sm90_for_short_windows(monkeypatch):
+    """ "auto" launches the Hopper forward for a short window below the window floor (tuning:
+    ``short_window``) and the portable one for a longer window at the same length."""
+    require_sm90()
+    calls = record_sm90_forwards(monkeypatch)
+    q, k, v = make_qkv(Case(32, 32, 8, 512, 512, 64), torch.bfloat16, "cuda")  # 3.4e10 FLOPs
+    out, lse = flashcore.attention(q, k, v, causal=True, window=(127, 0), return_lse=True)
+    assert calls == [1]
+    check_forward(out, lse, q, k, v, causal=True, window=(127, 0))
+    flashcore.attention(q, k, v, window=(400, 400))  # 801 keys a row: past WINDOW_ONE's
+    assert calls == [1]
+
+
 # The persistent causal grid's dynamic deal (ops/fwd_sm90.py: DYNAMIC_DEAL) on shapes that take
 # it: MLA's head dims from 4096 keys (several waves; fewer items than SMs, GQA, Sq < Sk, a ragged
 # last key tile) and D = 64's three CTAs an SM.
@@ -600,6 +614,38 @@ def test_sm90_forward_window_config():
     assert pick(64, 128, packed=True) == fwd_sm90.CONFIGS[64]
     assert pick(192, 128) == fwd_sm90.CONFIGS[192]
     assert pick(256, 128) == fwd_sm90.CONFIGS[256]
+
+
+def test_sm90_forward_short_window_floor():
+    """ "auto" takes the Hopper forward for a window below ``SM90_FWD_MIN_SEQLEN_WINDOW`` only where
+    the one-consumer configs take the window (dense, from the general floors; captured, from
+    ``SM90_FWD_MIN_FLOPS_GRAPH`` at D = 64 too); other windows keep the floor."""
+    from flashcore.ops import fwd_sm90
+
+    assert fwd_sm90.takes_window_one(64, True, (127, 0))
+    assert fwd_sm90.takes_window_one(64, True, (767, -1))  # causal: the right side is 0
+    assert fwd_sm90.takes_window_one(64, False, (255, 255))
+    assert not fwd_sm90.takes_window_one(64, False, (127, -1))
+    assert not fwd_sm90.takes_window_one(64, True, (-1, 0))
+    assert not fwd_sm90.takes_window_one(64, False, (384, 384))
+    assert fwd_sm90.takes_window_one(128, False, (192, 191))
+    assert not fwd_sm90.takes_window_one(128, False, (255, 255))
+    assert not fwd_sm90.takes_window_one(192, True, (127, 0))
+    flops = 4.0 * 32 * 32 * 512 * 512 * 64 / 2  # (32, 32, 512, 64) causal: 3.4e10
+    assert tuning.sm90_forward(512, 512, 64, flops, True, window=True, short_window=True)
+    assert not tuning.sm90_forward(512, 512, 64, flops, True, window=True)
+    assert not tuning.sm90_forward(256, 256, 64, flops, True, window=True, short_window=True)
+    assert not tuning.sm90_forward(
+        512, 512, 64, flops, True, window=True, short_window=True, varlen=True
+    )
+    assert tuning.sm90_forward(2048, 2048, 64, flops, True, window=True)
+    small = 4.0 * 2 * 8 * 1024 * 1024 * 64 / 2  # (2, 8, 1024, 64) causal: 2.7e8
+    assert tuning.sm90_forward(2048, 2048, 64, small, True, graph=True, window=True)
+    assert not tuning.sm90_forward(
+        1024, 1024, 64, small, True, graph=True, window=True, short_window=True
+    )
+    assert tuning.sm90_forward(1024, 1024, 64, small * 16, True, graph=True, window=True,
+                               short_window=True)  # fmt: skip
 
 
 # Windows that take ``fwd_sm90.WINDOW_ONE`` as launched: gpt-oss's layers (D = 64, causal

@@ -415,6 +415,15 @@ SM90_FWD_MIN_FLOPS = 3e10
 # 1024, 128), but 0.96x causal at (4, 32, 4096, 64) and 1.00x at (2, 32, 8192, 64): head dim 128
 # from 4096 on.
 SM90_FWD_MIN_SEQLEN_WINDOW = 2048
+# ... except windows of few keys a row, which the Hopper forward gives one consumer a CTA on
+# 64 x 64 tiles (ops/fwd_sm90.py: WINDOW_ONE, ``takes_window_one``; ``short_window``): from the
+# general floors on, but captured only from SM90_FWD_MIN_FLOPS_GRAPH (at D = 64 too). H200, bf16,
+# flashcore-bench --cuda-graph, flashcore-portable / flashcore-sm90 in one process, graph time
+# (eager do_bench in brackets): causal (127, 0), two runs, (32, 32, 512, 64) 1.56 (1.52-1.53),
+# (16, 32, 1024, 64) 1.38-1.49 (1.50-1.51), (32, 16, 512, 128) 1.57 (1.46), (16, 16, 1024, 128)
+# 1.57 (1.50), but captured (2, 8, 1024, 64) (2.7e8 FLOPs) 0.90-0.91; non-causal (255, 255), one
+# run, (32, 32, 512, 64) 1.13 (1.17), (16, 32, 1024, 64) 1.22 (1.24). (A window of 511 keys at
+# D = 128 keeps the floor: (32, 16, 512, 128) 0.97, (16, 16, 1024, 128) 1.29.)
 SM90_FWD_MIN_SEQLEN_SOFTCAP = 4096
 SM90_FWD_MIN_SEQLEN_ALIBI = 4096
 # A call captured into a CUDA graph costs no host time at replay, so there the floor is where
@@ -456,12 +465,14 @@ def sm90_forward(
     softcap: bool = False,
     alibi: bool = False,
     varlen: bool = False,
+    short_window: bool = False,
 ) -> bool:
     """Whether "auto" takes the Hopper forward for this problem (where it measured faster);
     ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``window``, ``softcap``,
-    ``alibi``: those options are on; ``varlen``: a packed batch, whose lengths are its mean
-    ones; ``graph``: the call is being captured into a CUDA graph (the kernels' time alone
-    counts)."""
+    ``alibi``: those options are on (``short_window``: a window of few enough keys a row for the
+    one-consumer configs, ``fwd_sm90.takes_window_one``); ``varlen``: a packed batch, whose
+    lengths are its mean ones; ``graph``: the call is being captured into a CUDA graph (the
+    kernels' time alone counts)."""
     if graph:
         min_flops = SM90_FWD_MIN_FLOPS_GRAPH_D64 if head_dim == 64 else SM90_FWD_MIN_FLOPS_GRAPH
     else:
@@ -469,9 +480,11 @@ def sm90_forward(
     if flops < min_flops:
         return False
     shortest = min(seqlen_q, seqlen_k)
-    if (window and shortest < SM90_FWD_MIN_SEQLEN_WINDOW) or (
-        softcap and shortest < SM90_FWD_MIN_SEQLEN_SOFTCAP
-    ):
+    if window and shortest < SM90_FWD_MIN_SEQLEN_WINDOW:
+        short = short_window and not varlen
+        if not short or (graph and flops < SM90_FWD_MIN_FLOPS_GRAPH):
+            return False
+    if softcap and shortest < SM90_FWD_MIN_SEQLEN_SOFTCAP:
         return False
     if alibi and (head_dim != 128 or shortest < SM90_FWD_MIN_SEQLEN_ALIBI):
         return False

@@ -379,6 +379,7 @@ def _sm90_plan(
         softcap=softcap > 0,
         alibi=alibi_slopes is not None,
         varlen=varlen is not None,
+        short_window=fwd_sm90.takes_window_one(head_dim, causal, window),
     )
     if not wanted or not fwd_sm90.supports(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes,

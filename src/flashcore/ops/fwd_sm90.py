@@ -286,6 +286,16 @@ def window_keys(causal: bool, has_window: bool, left: int, right: int) -> int | 
     return left + 1 + (0 if causal else right) if has_window else None
 
 
+def takes_window_one(head_dim: int, causal: bool, window: tuple[int, int]) -> bool:
+    """Whether ``pick_config`` gives a dense problem with ``window`` (as ``flashcore.attention``
+    takes it, -1 for a side without bound) a ``WINDOW_ONE`` config at kernel head dim
+    ``head_dim``: a window of at most ``WINDOW_ONE_MAX_KEYS`` keys a row."""
+    left, right = window
+    if left < 0 or (right < 0 and not causal):
+        return False
+    return window_keys(causal, True, left, right) <= WINDOW_ONE_MAX_KEYS.get(head_dim, 0)
+
+
 def one_consumer(
     head_dim: int,
     seqlen_q: int,
