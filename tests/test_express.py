@@ -145,6 +145,68 @@ def test_replaced_plans_are_planned_again(device, monkeypatch):
     assert len(checks) == 3
 
 
+@pytest.mark.parametrize(("causal", "window"), [(False, (5, 3)), (True, (7, 0))], ids=str)
+def test_windowed_repeat_takes_the_kept_launch(causal, window, device, monkeypatch):
+    """A window is part of the key: the second call of a windowed signature skips the checks and
+    gives the first's numbers bit for bit; another window, no window, and a window given as a
+    list (which the key does not take) are checked and planned on their own, and right."""
+    checks = count_checks(monkeypatch)
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    out, lse = flashcore.attention(q, k, v, causal=causal, window=window, return_lse=True)
+    assert len(checks) == 1 and len(fwd._LEARNED) == 1
+    check_forward(out, lse, q, k, v, causal=causal, window=window)
+    again = flashcore.attention(q, k, v, causal=causal, window=window)
+    assert len(checks) == 1 and torch.equal(again, out)
+    other = (window[0] + 4, window[1])
+    out2, lse2 = flashcore.attention(q, k, v, causal=causal, window=other, return_lse=True)
+    check_forward(out2, lse2, q, k, v, causal=causal, window=other)
+    plain, plain_lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+    check_forward(plain, plain_lse, q, k, v, causal=causal)
+    assert len(checks) == 3 and len(fwd._LEARNED) == 3
+    for _ in range(2):
+        listed = flashcore.attention(q, k, v, causal=causal, window=list(window))
+        assert torch.equal(listed, out)
+    assert len(checks) == 5 and len(fwd._LEARNED) == 3
+
+
+def test_bad_windows_still_raise_after_a_kept_launch(device):
+    """A kept windowed launch lets through no window the checks refuse, nor one of another type:
+    a side below -1, a float, a bool, a tuple of three; an integer of another type (numpy's) is
+    taken, through the full path."""
+    np = pytest.importorskip("numpy")
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    want = flashcore.attention(q, k, v, window=(5, 3))
+    flashcore.attention(q, k, v, window=(5, 3))
+    with pytest.raises(ValueError, match="window left must be >= -1"):
+        flashcore.attention(q, k, v, window=(-2, 3))
+    with pytest.raises(TypeError, match="window right must be an int"):
+        flashcore.attention(q, k, v, window=(5, 3.0))
+    with pytest.raises(TypeError, match="window left must be an int"):
+        flashcore.attention(q, k, v, window=(True, 3))
+    with pytest.raises(TypeError, match="window must be a"):
+        flashcore.attention(q, k, v, window=(5, 3, 1))
+    assert torch.equal(flashcore.attention(q, k, v, window=(np.int64(5), np.int64(3))), want)
+
+
+def test_windowed_autograd_calls_share_the_kept_launch(device, monkeypatch):
+    """A windowed call that records autograd runs its kept launch inside the autograd Function
+    with the window: the gradients right (the backward sees the window), the outputs bit for
+    bit those of a call without autograd."""
+    checks = count_checks(monkeypatch)
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    dout = torch.randn_like(q)
+    window = (6, 2)
+    first = flashcore.attention(q, k, v, causal=True, window=window)
+    for _ in range(2):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = flashcore.attention(*leaves, causal=True, window=window)
+        assert torch.equal(out.detach(), first)
+        out.backward(dout)
+        grads = dict(zip("qkv", (t.grad for t in leaves), strict=True))
+        check_grads(grads, q, k, v, dout, causal=True, window=window)
+    assert len(checks) == 1 and len(fwd._LEARNED) == 1
+
+
 DECODE_CASE = DecodeCase(2, 4, 2, 1, 100, 32, (100, 37), 0)
 
 
@@ -170,6 +232,21 @@ def test_decode_repeat_takes_the_kept_launch(block_size, device, monkeypatch):
     too_long = torch.full_like(lens, 10**6)
     with flashcore.checked(), pytest.raises(ValueError, match="cache_seqlens"):
         flashcore.attention_with_kvcache(q, k, v, cache_seqlens=too_long, block_table=table)
+
+
+def test_windowed_decode_repeat_takes_the_kept_launch(device, monkeypatch):
+    """A windowed decode call's window is part of its key: a repeat (other lengths) skips the
+    checks and is right; another window is checked and planned on its own; a bad one raises."""
+    checks = count_checks(monkeypatch)
+    q, k, v, lens, table = make_kvcache(DECODE_CASE, torch.float16, device)
+    check_decode(q, k, v, lens, table, causal=True, window=(20, 0))
+    assert len(checks) == 1 and len(decode._LEARNED) == 1
+    check_decode(q, k, v, lens - 11, table, causal=True, window=(20, 0))
+    assert len(checks) == 1
+    check_decode(q, k, v, lens, table, causal=True, window=(9, 0))
+    assert len(checks) == 2 and len(decode._LEARNED) == 2
+    with pytest.raises(ValueError, match="window left must be >= -1"):
+        flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens, window=(-3, 0))
 
 
 @pytest.mark.gpu

@@ -194,21 +194,26 @@ def attention(
     """
     q, k, v = entry_inputs("flashcore.attention", q, k, v, sinks)
     key = None
-    if _scores_plain(window, softcap, alibi_slopes, sinks) and deterministic is False:
+    window_key = _express.window_key(window)
+    if (
+        window_key is not _express.NOT_KEYED
+        and _scores_plain(softcap, alibi_slopes, sinks)
+        and deterministic is False
+    ):
         # A call of a signature checked and planned before (ops.express).
-        key, result = _express.forward(q, k, v, causal, scale, return_lse)
+        key, result = _express.forward(q, k, v, causal, scale, return_lse, window_key)
         if result is not None:
             return result if return_lse else result[0]
     check_inputs(q, k, v)
     causal = check_flag("causal", causal)
     return_lse = check_flag("return_lse", return_lse)
     scale = check_scale(scale, q.shape[-1])
-    if key is not None:
-        out, lse = _express.forward_first(key, q, k, v, causal, scale)
-        return (out, lse) if return_lse else out
     # Options left at None skip their checks, which would return the defaults: ~1 us of the
     # ~12 us this function spends before the kernel on the 2-core CPU machine.
     window_left, window_right = (-1, -1) if window is None else check_window(window)
+    if key is not None:
+        out, lse = _express.forward_first(key, q, k, v, causal, scale, (window_left, window_right))
+        return (out, lse) if return_lse else out
     softcap = 0.0 if softcap is None else check_softcap(softcap)
     if alibi_slopes is not None:
         alibi_slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
@@ -222,9 +227,10 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _scores_plain(window: object, softcap: object, alibi_slopes: object, sinks: object) -> bool:
-    """No score option but the mask and the scale: a call ``ops.express`` may key."""
-    return window is None and softcap is None and alibi_slopes is None and sinks is None
+def _scores_plain(softcap: object, alibi_slopes: object, sinks: object) -> bool:
+    """No score option but the mask, the window and the scale: a call ``ops.express`` may key
+    (its window too, where ``ops.express.window_key`` takes it)."""
+    return softcap is None and alibi_slopes is None and sinks is None
 
 
 def _sinks_arg(sinks: torch.Tensor | None) -> torch.Tensor | None:
@@ -639,11 +645,17 @@ def attention_with_kvcache(
         "flashcore.attention_with_kvcache", q, k_cache, v_cache, sinks
     )
     key = None
-    if _scores_plain(window, softcap, alibi_slopes, sinks) and not _offsets.active():
+    window_key = _express.window_key(window)
+    if (
+        window_key is not _express.NOT_KEYED
+        and _scores_plain(softcap, alibi_slopes, sinks)
+        and not _offsets.active()
+    ):
         # A call of a signature checked and planned before (ops.express).
         key, result = _express.decode(
-            q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits, return_lse
-        )
+            q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits,
+            return_lse, window_key,
+        )  # fmt: skip
         if result is not None:
             return result if return_lse else result[0]
     check_kvcache_inputs(q, k_cache, v_cache, cache_seqlens, block_table)

@@ -78,7 +78,7 @@ def launch(
     built once per problem signature (``_plan``): tens of microseconds of Python a call
     otherwise, more than the kernels at short caches (docs/performance_host.md).
 
-    ``learn``: a key of ``ops.express`` for this call (no ALiBi, window, softcap or sinks),
+    ``learn``: a key of ``ops.express`` for this call (no ALiBi, softcap or sinks),
     under which its launches are kept for later calls of the same signature (``learned``).
     """
     given = (q, k_cache, v_cache, cache_seqlens, block_table)

@@ -14,9 +14,10 @@ a key seen before is a key that passed them: a call whose key is new, or that di
 anything the key leaves out, takes the full path (``forward`` and ``decode`` give no result).
 What a key leaves out and is therefore checked per call, each under a microsecond:
 
-- the options other than ``causal``, ``scale`` (None or a float) and, for decoding,
-  ``num_splits`` (None or an int): any other option given takes the full path, as does a flag
-  that is not a ``bool`` or a scale of another type (the full path raises or converts);
+- the options other than ``causal``, ``scale`` (None or a float), ``window`` (None or a
+  ``tuple`` of two ``int``s, held exactly) and, for decoding, ``num_splits`` (None or an int):
+  any other option given takes the full path, as does a flag that is not a ``bool``, a scale of
+  another type or a window of other types (the full path raises or converts);
 - autograd: a forward call that records a graph (grad mode on and a tensor that requires grad)
   runs its kept launch inside the registry's autograd Function (``ops.registry.attention_kept``),
   whose backward is the same as the full path's; a decoding call that records one takes the
@@ -94,17 +95,47 @@ def _signature(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
 
+NOT_KEYED = object()
+
+
+def window_key(window: object) -> object:
+    """``window`` as a key holds it: None, or a ``tuple`` of two ``int``s (the first call's
+    checks pass or refuse exactly these values); ``NOT_KEYED`` for anything else (a list, an
+    integer of another type), which takes the full path."""
+    if window is None:
+        return None
+    if type(window) is tuple and len(window) == 2:
+        left, right = window
+        if type(left) is int and type(right) is int:
+            return window
+    return NOT_KEYED
+
+
+def _window(key_window: tuple[int, int] | None) -> tuple[int, int]:
+    """A keyed window as the launchers take it (None: ``(-1, -1)``, no window)."""
+    return (-1, -1) if key_window is None else key_window
+
+
 def forward(
-    q: object, k: object, v: object, causal: object, scale: object, return_lse: object
+    q: object,
+    k: object,
+    v: object,
+    causal: object,
+    scale: object,
+    return_lse: object,
+    window: tuple[int, int] | None = None,
 ) -> tuple[tuple | None, tuple | None]:
     """``(key, (out, lse))`` where a call of this signature was learned (and its tensors are
     aligned), ``(key, None)`` otherwise: the caller checks the inputs and calls ``forward_first``
     with the key (None where the call cannot take a kept launch). ``return_lse`` changes no
-    launch: it is not in the key."""
+    launch: it is not in the key. ``window``: as ``window_key`` gives it (not ``NOT_KEYED``)."""
     if not _keyable(causal, scale, return_lse, q, k, v, recording=True):
         return None, None
     try:
-        key = (_signature(q), _signature(k), _signature(v), causal, scale, runtime.current_tier())
+        key = (
+            _signature(q), _signature(k), _signature(v), causal, scale, window,
+            runtime.current_tier(),
+        )  # fmt: skip
         run = _fwd.learned(key)
         if run is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             return key, None
@@ -113,20 +144,26 @@ def forward(
     if _records(q, k, v):
         # The backward takes the scale resolved, as the full path resolves it.
         scale = check_scale(scale, q.shape[-1])
-        return key, _registry.attention_kept(run, q, k, v, causal, scale)
+        return key, _registry.attention_kept(run, q, k, v, causal, scale, _window(window))
     return key, run(q, k, v)
 
 
 def forward_first(
-    key: tuple, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    key: tuple,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A checked call of ``forward``'s key (``scale`` resolved): the launch the registry's
-    direct path makes for it (``ops.registry.attention``; through its autograd Function where
-    the call records autograd), kept under the key."""
+    """A checked call of ``forward``'s key (``scale`` resolved, ``window`` checked): the launch
+    the registry's direct path makes for it (``ops.registry.attention``; through its autograd
+    Function where the call records autograd), kept under the key."""
     if _records(q, k, v):
-        learn = functools.partial(_fwd.launch, causal=causal, scale=scale, learn=key)
-        return _registry.attention_kept(learn, q, k, v, causal, scale)
-    return _fwd.launch(q, k, v, causal, scale, learn=key)
+        learn = functools.partial(_fwd.launch, causal=causal, scale=scale, window=window, learn=key)
+        return _registry.attention_kept(learn, q, k, v, causal, scale, window)
+    return _fwd.launch(q, k, v, causal, scale, window=window, learn=key)
 
 
 def decode(
@@ -139,11 +176,12 @@ def decode(
     scale: object,
     num_splits: object,
     return_lse: object,
+    window: tuple[int, int] | None = None,
 ) -> tuple[tuple | None, tuple | None]:
     """``attention_with_kvcache``'s ``forward``: ``(key, (out, lse))`` where a call of this
     signature was learned, ``(key, None)`` otherwise (the caller checks the inputs and calls
     ``decode_first``). Not under ``flashcore.checked()``, which reads the lengths and the block
-    table each call: the caller does not ask then."""
+    table each call: the caller does not ask then. ``window`` as ``window_key`` gives it."""
     if num_splits is not None and type(num_splits) is not int:
         return None, None
     tensors = (q, k_cache, v_cache, cache_seqlens)
@@ -153,7 +191,7 @@ def decode(
         return None, None
     # With a block table the key holds five signatures, else four: the two never meet.
     try:
-        key = (*map(_signature, tensors), causal, scale, num_splits, runtime.current_tier())
+        key = (*map(_signature, tensors), causal, scale, num_splits, window, runtime.current_tier())
     except RuntimeError:
         return None, None  # not a dense tensor (nested, sparse): the caller's checks name it
     run = _decode.learned(key)

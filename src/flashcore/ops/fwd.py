@@ -57,9 +57,9 @@ def launch(
     ``(num_blocks, Hkv, block_size, D)`` read through it, cu_seqlens_k giving each sequence's
     number of keys.
 
-    ``learn``: a key of ``ops.express`` for this call (dense inputs, no option but ``causal``
-    and ``scale``), under which the launch this call makes is kept for later calls of the same
-    signature (``learned``), where it is one that depends on nothing but that signature.
+    ``learn``: a key of ``ops.express`` for this call (dense inputs, no option but ``causal``,
+    ``scale`` and ``window``), under which the launch this call makes is kept for later calls of
+    the same signature (``learned``), where it is one that depends on nothing but that signature.
     """
     given = (q, k, v)
     q = pb.unit_stride_last_dim(q)

@@ -230,7 +230,7 @@ class _Attention(torch.autograd.Function):
             options
         )
         if run is not None:
-            # A dense call without options whose launch ops.express kept (attention_kept).
+            # A dense call (no option but a window) whose launch ops.express kept.
             output = run(q, k, v)
         else:
             output = _attn_fwd(
@@ -376,14 +376,20 @@ def attention(*args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def attention_kept(
-    run: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    run: Callable,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window: tuple[int, int] = (-1, -1),
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention`` of a dense call without options (no offsets, window, softcap, ALiBi, sinks
-    or ``deterministic``) that records autograd, its forward launch being ``run(q, k, v)``
+    """``attention`` of a dense call without options but ``window`` (no offsets, softcap, ALiBi,
+    sinks or ``deterministic``) that records autograd, its forward launch being ``run(q, k, v)``
     (``ops.express``: a kept launch, or the first call's that keeps it): the same autograd
     Function, saved tensors and backward as ``attention``'s. The caller has checked what
-    ``direct`` checks."""
-    options = (None, None, 0, 0, causal, scale, -1, -1, 0.0, None, None, False, run)
+    ``direct`` checks, and the window."""
+    options = (None, None, 0, 0, causal, scale, *window, 0.0, None, None, False, run)
     return _apply(_unwrap(q), _unwrap(k), _unwrap(v), None, options)
 
 
