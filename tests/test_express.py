@@ -13,6 +13,7 @@ from flashcore.ops import bwd, decode, fwd
 from helpers import check_backward, check_forward, check_grads, make_qkv, require_sm90
 from shapes import Case, DecodeCase
 from test_decode import check_decode, make_kvcache
+from test_sinks import check_sinks_case
 
 CASE = Case(1, 2, 1, 37, 45, 32)
 
@@ -204,6 +205,51 @@ def test_windowed_autograd_calls_share_the_kept_launch(device, monkeypatch):
         out.backward(dout)
         grads = dict(zip("qkv", (t.grad for t in leaves), strict=True))
         check_grads(grads, q, k, v, dout, causal=True, window=window)
+    assert len(checks) == 1 and len(fwd._LEARNED) == 1
+
+
+def test_sinks_repeat_takes_the_kept_launch(device, monkeypatch):
+    """Sinks (gpt-oss's layers, with a window) are keyed by their signature: a repeat skips the
+    checks and reads this call's sinks (other values, the same signature, right against the
+    reference); sinks of another stride take the full path each call, and right."""
+    checks = count_checks(monkeypatch)
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    opts = {"causal": True, "window": (9, 0)}
+    for i in range(3):
+        sinks = torch.randn(CASE.heads, device=device) + i
+        out, lse = flashcore.attention(q, k, v, sinks=sinks, return_lse=True, **opts)
+        check_forward(out, lse, q, k, v, sinks=sinks, **opts)
+    assert len(checks) == 1 and len(fwd._LEARNED) == 1
+    wide = torch.randn(2 * CASE.heads, device=device)[::2]
+    for _ in range(2):
+        out, lse = flashcore.attention(q, k, v, sinks=wide, return_lse=True, **opts)
+        check_forward(out, lse, q, k, v, sinks=wide, **opts)
+    assert len(checks) == 3 and len(fwd._LEARNED) == 1
+
+
+def test_bad_sinks_still_raise_after_a_kept_launch(device):
+    """A kept launch with sinks lets through no sinks the checks refuse: another dtype, another
+    number of heads, another rank."""
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    sinks = torch.randn(CASE.heads, device=device)
+    for _ in range(2):
+        flashcore.attention(q, k, v, sinks=sinks)
+    with pytest.raises(TypeError, match="sinks"):
+        flashcore.attention(q, k, v, sinks=sinks.half())
+    with pytest.raises(ValueError, match="sinks"):
+        flashcore.attention(q, k, v, sinks=torch.randn(CASE.heads + 1, device=device))
+    with pytest.raises(ValueError, match="sinks"):
+        flashcore.attention(q, k, v, sinks=sinks[:, None])
+
+
+def test_sinks_autograd_calls_share_the_kept_launch(device, monkeypatch):
+    """Calls with sinks that require grad run the kept launch inside the autograd Function with
+    those sinks: out, the LSE and dq, dk, dv and dsinks right, call after call."""
+    checks = count_checks(monkeypatch)
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    for i in range(3):
+        sinks = torch.randn(CASE.heads, device=device) - i
+        check_sinks_case(q, k, v, sinks, causal=True, window=(9, 0))
     assert len(checks) == 1 and len(fwd._LEARNED) == 1
 
 
@@ -596,13 +642,15 @@ def test_quick_decode_arguments(block_size, splits, lse_wanted, monkeypatch):
     assert _roles(quick_calls, names) == want
 
 
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("kind", ["pointers", "descriptors", "hopper", "hopper-dynamic"])
-def test_quick_forward_arguments(kind, monkeypatch):
+def test_quick_forward_arguments(kind, with_sinks, monkeypatch):
     """``fwd.Quick`` passes the kernel, by address, what ``_learned_portable`` /
     ``fwd_sm90.launch`` pass it through ``Launcher`` for a dense problem (the same grid and
     constexprs; descriptors of q, k, v and out with the plan's boxes; a dynamic deal's counter
-    where the work list goes); each descriptor is expanded once per address, so a call with a
-    new out encodes only out's. (On the CPU: stand-ins for the launches.)"""
+    where the work list goes; the sinks where given); each descriptor is expanded once per
+    address, so a call with a new out encodes only out's. (On the CPU: stand-ins for the
+    launches.)"""
     from flashcore.ops import fwd_sm90
 
     q, k, v = make_qkv(Case(2, 4, 2, 128, 96, 64), torch.float16, "cpu")
@@ -620,11 +668,13 @@ def test_quick_forward_arguments(kind, monkeypatch):
         plan = ((8,), (1, 2, 3), {"BLOCK": 1}, tiles)
         monkeypatch.setattr(fwd, "kernel", lambda: _Recorder("fwd", 10, calls))
         fallback = functools.partial(fwd._learned_portable, plan, 64)
-    out, lse = fallback(q, k, v)
+    sinks = torch.randn(4) if with_sinks else None
+    out, lse = fallback(q, k, v, sinks)
 
     def named(out, lse):
         tensors = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("counter", counter))
-        return {t.data_ptr(): n for n, t in tensors}
+        names = {t.data_ptr(): n for n, t in tensors}
+        return names if sinks is None else {**names, sinks.data_ptr(): "sinks"}
 
     want = _roles(calls, named(out, lse))
     assert ("counter" in want[0][2]) == (kind == "hopper-dynamic")
@@ -634,10 +684,11 @@ def test_quick_forward_arguments(kind, monkeypatch):
     monkeypatch.setattr(fwd, "no_launch_hooks", lambda: True)
     make = fwd.Quick.sm90 if kind.startswith("hopper") else fwd.Quick.portable
     run = make(plan, 0, 64, fallback)
-    out2, lse2 = run(q, k, v)
+    out2, lse2 = run(q, k, v, sinks)
     assert _roles(quick_calls, named(out2, lse2)) == want
+    assert any("sinks" in str(role) for role in want) == with_sinks
     assert len(run.launch.parts) == (0 if kind == "pointers" else 4)
     # Again while out2 lives (a new address for out): only out's descriptor is expanded.
-    out3, lse3 = run(q, k, v)
+    out3, lse3 = run(q, k, v, sinks)
     assert _roles(quick_calls[-1:], named(out3, lse3)) == want
     assert len(run.launch.parts) == (0 if kind == "pointers" else 5)

@@ -197,11 +197,11 @@ def attention(
     window_key = _express.window_key(window)
     if (
         window_key is not _express.NOT_KEYED
-        and _scores_plain(softcap, alibi_slopes, sinks)
+        and _scores_plain(softcap, alibi_slopes)
         and deterministic is False
     ):
         # A call of a signature checked and planned before (ops.express).
-        key, result = _express.forward(q, k, v, causal, scale, return_lse, window_key)
+        key, result = _express.forward(q, k, v, causal, scale, return_lse, window_key, sinks)
         if result is not None:
             return result if return_lse else result[0]
     check_inputs(q, k, v)
@@ -211,14 +211,16 @@ def attention(
     # Options left at None skip their checks, which would return the defaults: ~1 us of the
     # ~12 us this function spends before the kernel on the 2-core CPU machine.
     window_left, window_right = (-1, -1) if window is None else check_window(window)
+    if sinks is not None:
+        sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device))
     if key is not None:
-        out, lse = _express.forward_first(key, q, k, v, causal, scale, (window_left, window_right))
+        out, lse = _express.forward_first(
+            key, q, k, v, causal, scale, (window_left, window_right), sinks
+        )
         return (out, lse) if return_lse else out
     softcap = 0.0 if softcap is None else check_softcap(softcap)
     if alibi_slopes is not None:
         alibi_slopes = check_alibi(alibi_slopes, q.shape[0], q.shape[1], q.device)
-    if sinks is not None:
-        sinks = _sinks_arg(check_sinks(sinks, q.shape[1], q.device))
     deterministic = check_flag("deterministic", deterministic)
     out, lse = _ops.attention(
         q, k, v, None, None, 0, 0, causal, scale, window_left, window_right, softcap,
@@ -227,10 +229,10 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _scores_plain(softcap: object, alibi_slopes: object, sinks: object) -> bool:
-    """No score option but the mask, the window and the scale: a call ``ops.express`` may key
-    (its window too, where ``ops.express.window_key`` takes it)."""
-    return softcap is None and alibi_slopes is None and sinks is None
+def _scores_plain(softcap: object, alibi_slopes: object) -> bool:
+    """No softcap or ALiBi: a call ``ops.express`` may key (its window where
+    ``ops.express.window_key`` takes it, and for the forward its sinks)."""
+    return softcap is None and alibi_slopes is None
 
 
 def _sinks_arg(sinks: torch.Tensor | None) -> torch.Tensor | None:
@@ -648,7 +650,8 @@ def attention_with_kvcache(
     window_key = _express.window_key(window)
     if (
         window_key is not _express.NOT_KEYED
-        and _scores_plain(softcap, alibi_slopes, sinks)
+        and _scores_plain(softcap, alibi_slopes)
+        and sinks is None
         and not _offsets.active()
     ):
         # A call of a signature checked and planned before (ops.express).

@@ -15,7 +15,8 @@ anything the key leaves out, takes the full path (``forward`` and ``decode`` giv
 What a key leaves out and is therefore checked per call, each under a microsecond:
 
 - the options other than ``causal``, ``scale`` (None or a float), ``window`` (None or a
-  ``tuple`` of two ``int``s, held exactly) and, for decoding, ``num_splits`` (None or an int):
+  ``tuple`` of two ``int``s, held exactly), the forward's ``sinks`` (None or a tensor of unit
+  stride, its signature held) and, for decoding, ``num_splits`` (None or an int):
   any other option given takes the full path, as does a flag that is not a ``bool``, a scale of
   another type or a window of other types (the full path raises or converts);
 - autograd: a forward call that records a graph (grad mode on and a tensor that requires grad)
@@ -36,8 +37,6 @@ that launches (not an empty one). Measured on the H200 machine's host: docs/perf
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 
@@ -86,9 +85,16 @@ def _keyable(
     return _plain_call(tensors[0])
 
 
-def _records(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def _records(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+) -> bool:
     """Whether a forward call records autograd (its output then needs the autograd Function)."""
-    return _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return _grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (sinks is not None and sinks.requires_grad)
+    )
 
 
 def _signature(t: torch.Tensor) -> tuple:
@@ -124,28 +130,34 @@ def forward(
     scale: object,
     return_lse: object,
     window: tuple[int, int] | None = None,
+    sinks: object = None,
 ) -> tuple[tuple | None, tuple | None]:
     """``(key, (out, lse))`` where a call of this signature was learned (and its tensors are
     aligned), ``(key, None)`` otherwise: the caller checks the inputs and calls ``forward_first``
     with the key (None where the call cannot take a kept launch). ``return_lse`` changes no
-    launch: it is not in the key. ``window``: as ``window_key`` gives it (not ``NOT_KEYED``)."""
-    if not _keyable(causal, scale, return_lse, q, k, v, recording=True):
+    launch: it is not in the key. ``window``: as ``window_key`` gives it (not ``NOT_KEYED``);
+    ``sinks``: None, or a tensor the key holds the signature of (unit stride only: the full path
+    would read others through a copy, which no kept launch makes)."""
+    tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if not _keyable(causal, scale, return_lse, *tensors, recording=True):
         return None, None
     try:
+        if sinks is not None and sinks.stride() != (1,):
+            return None, None
         key = (
             _signature(q), _signature(k), _signature(v), causal, scale, window,
-            runtime.current_tier(),
+            None if sinks is None else _signature(sinks), runtime.current_tier(),
         )  # fmt: skip
         run = _fwd.learned(key)
         if run is None or (q.data_ptr() | k.data_ptr() | v.data_ptr()) % 16:
             return key, None
     except RuntimeError:
         return None, None  # not a dense tensor (nested, sparse): the caller's checks name it
-    if _records(q, k, v):
+    if _records(q, k, v, sinks):
         # The backward takes the scale resolved, as the full path resolves it.
         scale = check_scale(scale, q.shape[-1])
-        return key, _registry.attention_kept(run, q, k, v, causal, scale, _window(window))
-    return key, run(q, k, v)
+        return key, _registry.attention_kept(run, q, k, v, causal, scale, _window(window), sinks)
+    return key, run(q, k, v, sinks)
 
 
 def forward_first(
@@ -156,14 +168,18 @@ def forward_first(
     causal: bool,
     scale: float,
     window: tuple[int, int] = (-1, -1),
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A checked call of ``forward``'s key (``scale`` resolved, ``window`` checked): the launch
-    the registry's direct path makes for it (``ops.registry.attention``; through its autograd
-    Function where the call records autograd), kept under the key."""
-    if _records(q, k, v):
-        learn = functools.partial(_fwd.launch, causal=causal, scale=scale, window=window, learn=key)
-        return _registry.attention_kept(learn, q, k, v, causal, scale, window)
-    return _fwd.launch(q, k, v, causal, scale, window=window, learn=key)
+    """A checked call of ``forward``'s key (``scale`` resolved, ``window`` and ``sinks``
+    checked): the launch the registry's direct path makes for it (``ops.registry.attention``;
+    through its autograd Function where the call records autograd), kept under the key."""
+    if _records(q, k, v, sinks):
+
+        def learn(q, k, v, sinks):
+            return _fwd.launch(q, k, v, causal, scale, window=window, sinks=sinks, learn=key)
+
+        return _registry.attention_kept(learn, q, k, v, causal, scale, window, sinks)
+    return _fwd.launch(q, k, v, causal, scale, window=window, sinks=sinks, learn=key)
 
 
 def decode(

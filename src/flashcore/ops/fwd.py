@@ -194,18 +194,22 @@ def _outputs(q: torch.Tensor, head_dim_v: int) -> tuple[torch.Tensor, torch.Tens
     return pb.empty_rows_like(q, head_dim_v), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _learned_portable(plan: tuple, head_dim_v: int, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def _learned_portable(
+    plan: tuple, head_dim_v: int, q, k, v, sinks=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     out, lse = _outputs(q, head_dim_v)
-    # The LSE stands in for the ALiBi and block table pointers (``launch``); no sinks.
-    _launch(plan, q, k, v, out, lse, (None, None), lse, None, lse)
+    # The LSE stands in for the ALiBi and block table pointers (``launch``).
+    _launch(plan, q, k, v, out, lse, (None, None), lse, sinks, lse)
     return out, lse
 
 
-def _learned_sm90(hopper, head_dim_v: int, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def _learned_sm90(
+    hopper, head_dim_v: int, q, k, v, sinks=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     from flashcore.ops import fwd_sm90
 
     out, lse = _outputs(q, head_dim_v)
-    fwd_sm90.launch(hopper, q, k, v, out, lse, None, None)
+    fwd_sm90.launch(hopper, q, k, v, out, lse, None, sinks)
     return out, lse
 
 
@@ -215,7 +219,7 @@ class Quick:
     and constexprs), called with this call's addresses. Descriptor arguments (the Hopper
     forward's four, the portable one's where its plan takes tiles) are expanded once per address
     and kept (``Bound.part``), and the whole pointer list once per set of addresses (``fronts``): an
-    eager loop gets its addresses back from the caching allocator. ``run(q, k, v)`` returns
+    eager loop gets its addresses back from the caching allocator. ``run(q, k, v, sinks)`` returns
     ``(out, lse)`` as ``_learned_portable`` / ``_learned_sm90`` (``fallback``) do, and takes
     that path where a launch hook is registered. The caller (``ops.express.forward``) has checked
     q, k and v for 16-byte alignment; out and the LSE are fresh allocations."""
@@ -286,18 +290,19 @@ class Quick:
             quick.counter = fwd_sm90.work_counter
         return quick
 
-    def __call__(self, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q, k, v, sinks=None) -> tuple[torch.Tensor, torch.Tensor]:
         if not no_launch_hooks():
-            return self.fallback(q, k, v)
+            return self.fallback(q, k, v, sinks)
         out, lse = _outputs(q, self.head_dim_v)
         a_q, a_k, a_v, a_out, a_lse = (
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()
         )  # fmt: skip
         a_work = a_lse if self.counter is None else self.counter(q.device).data_ptr()
+        a_sinks = None if sinks is None else sinks.data_ptr()
         if self.describe is None:
-            front = (a_q, a_k, a_v, a_out, *self._tail(a_out, a_lse, a_work))
+            front = (a_q, a_k, a_v, a_out, *self._tail(a_out, a_lse, a_work, a_sinks))
         else:
-            addresses = (a_q, a_k, a_v, a_out, a_lse, a_work)
+            addresses = (a_q, a_k, a_v, a_out, a_lse, a_work, a_sinks)
             front = self.fronts.get(addresses)
             if front is None:
                 front = self._front(addresses, (q, k, v, out))
@@ -310,19 +315,21 @@ class Quick:
         front = []
         for i, t in enumerate(tensors):
             front += self.launch.part(i, addresses[i], functools.partial(self.describe, i, t))
-        front += self._tail(addresses[3], addresses[4], addresses[5])
+        front += self._tail(*addresses[3:])
         return remember(self.fronts, addresses, front, self.MAX_FRONTS)
 
-    def _tail(self, a_out: int, a_lse: int, a_work: int) -> tuple:
+    def _tail(self, a_out: int, a_lse: int, a_work: int, a_sinks: int | None) -> tuple:
         """The pointer arguments after q, k, v and out, as the Launcher paths pass them for a
-        dense problem (``a_work``: the dynamic deal's counter, else the LSE)."""
+        dense problem (``a_work``: the dynamic deal's counter, else the LSE; ``a_sinks``: the
+        sinks, or None)."""
         if self.hopper:
-            # fwd_sm90.launch: the LSE, then the LSE for ALiBi and sinks, out for O, the LSE for
-            # both offsets, the work list (or counter) and the block table.
-            return (a_lse, a_lse, a_lse, a_out, a_lse, a_lse, a_work, a_lse)
-        # _learned_portable: the LSE, no offsets, the LSE for ALiBi, no sinks, the LSE for the
-        # block table.
-        return (a_lse, None, None, a_lse, None, a_lse)
+            # fwd_sm90.launch: the LSE, then the LSE for ALiBi, the sinks (or the LSE), out for
+            # O, the LSE for both offsets, the work list (or counter) and the block table.
+            sinks = a_lse if a_sinks is None else a_sinks
+            return (a_lse, a_lse, sinks, a_out, a_lse, a_lse, a_work, a_lse)
+        # _learned_portable: the LSE, no offsets, the LSE for ALiBi, the sinks (or None), the
+        # LSE for the block table.
+        return (a_lse, None, None, a_lse, a_sinks, a_lse)
 
 
 # Launch plans by problem signature (see launch; bounded by ops.launch.cached); the Hopper

@@ -230,8 +230,8 @@ class _Attention(torch.autograd.Function):
             options
         )
         if run is not None:
-            # A dense call (no option but a window) whose launch ops.express kept.
-            output = run(q, k, v)
+            # A dense call (no option but a window and sinks) whose launch ops.express kept.
+            output = run(q, k, v, sinks)
         else:
             output = _attn_fwd(
                 q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, softcap, alibi,
@@ -383,14 +383,17 @@ def attention_kept(
     causal: bool,
     scale: float,
     window: tuple[int, int] = (-1, -1),
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention`` of a dense call without options but ``window`` (no offsets, softcap, ALiBi,
-    sinks or ``deterministic``) that records autograd, its forward launch being ``run(q, k, v)``
-    (``ops.express``: a kept launch, or the first call's that keeps it): the same autograd
-    Function, saved tensors and backward as ``attention``'s. The caller has checked what
-    ``direct`` checks, and the window."""
+    """``attention`` of a dense call without options but ``window`` and ``sinks`` (no offsets,
+    softcap, ALiBi or ``deterministic``) that records autograd, its forward launch being
+    ``run(q, k, v, sinks)`` (``ops.express``: a kept launch, or the first call's that keeps it):
+    the same autograd Function, saved tensors and backward as ``attention``'s. The caller has
+    checked what ``direct`` checks, the window and the sinks."""
     options = (None, None, 0, 0, causal, scale, *window, 0.0, None, None, False, run)
-    return _apply(_unwrap(q), _unwrap(k), _unwrap(v), None, options)
+    return _apply(
+        _unwrap(q), _unwrap(k), _unwrap(v), None if sinks is None else _unwrap(sinks), options
+    )
 
 
 def _attn_kvcache(
