@@ -295,6 +295,26 @@ def test_windowed_decode_repeat_takes_the_kept_launch(device, monkeypatch):
         flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens, window=(-3, 0))
 
 
+@pytest.mark.parametrize("block_size", [0, 32], ids=["dense", "paged"])
+def test_sinks_decode_repeat_takes_the_kept_launch(block_size, device, monkeypatch):
+    """gpt-oss's decode (a window and sinks): a repeat with other sinks values skips the checks
+    and reads this call's sinks, right against the reference; sinks that require grad or of
+    another dtype still raise."""
+    checks = count_checks(monkeypatch)
+    q, k, v, lens, table = make_kvcache(DECODE_CASE._replace(block_size=block_size),
+                                        torch.float16, device)  # fmt: skip
+    for i in range(3):
+        sinks = torch.randn(DECODE_CASE.heads, device=device) + i
+        check_decode(q, k, v, lens - i, table, causal=True, window=(20, 0), sinks=sinks)
+    assert len(checks) == 1 and len(decode._LEARNED) == 1
+    with pytest.raises(ValueError, match="sinks"):
+        flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                         sinks=sinks.requires_grad_())  # fmt: skip
+    with pytest.raises(TypeError, match="sinks"):
+        flashcore.attention_with_kvcache(q, k, v, cache_seqlens=lens, block_table=table,
+                                         sinks=sinks.detach().half())  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("block_size", [0, 16, 256], ids=["dense", "paged16", "paged256"])
@@ -593,25 +613,31 @@ def _roles(calls: list, names: dict) -> list:
     return [(n, grid, [name(a) for a in args], meta) for n, grid, args, meta in calls]
 
 
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("lse_wanted", [True, False], ids=["lse", "no_lse"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("block_size", [0, 16, 128], ids=["dense", "paged16", "paged128"])
-def test_quick_decode_arguments(block_size, splits, lse_wanted, monkeypatch):
+def test_quick_decode_arguments(block_size, splits, lse_wanted, with_sinks, monkeypatch):
     """``decode._run_quick`` passes both kernels, by address, what ``decode._run`` passes them
-    through ``Launcher`` (the same grids and constexprs), the splits' partial outputs and LSEs
-    (and an LSE not asked for) at disjoint 16-byte aligned parts of one workspace that holds
-    them. (On the CPU: stand-ins for the launches.)"""
+    through ``Launcher`` (the same grids and constexprs; the sinks where given), the splits'
+    partial outputs and LSEs (and an LSE not asked for) at disjoint 16-byte aligned parts of one
+    workspace that holds them. (On the CPU: stand-ins for the launches.)"""
     case = DecodeCase(3, 8, 2, 1, 256, 72, (256, 37, 1), block_size)
     q, k, v, lens, table = make_kvcache(case, torch.float32, "cpu")
-    p = decode._plan(q, k, v, table, None, (True, 0.125, -1, -1, 0.0, splits, False))
+    sinks = torch.randn(8) if with_sinks else None
+    options = (True, 0.125, -1, -1, 0.0, splits, with_sinks)
+    p = decode._plan(q, k, v, table, None, options)
     assert p.num_splits == splits
     calls = []
     monkeypatch.setattr(decode, "kernels", lambda: (
         _Recorder("split", 9, calls), _Recorder("combine", 4, calls)
     ))  # fmt: skip
-    out, lse = decode._run(p, q, k, v, lens, table)
+    out, lse = decode._run(p, q, k, v, lens, table, sinks=sinks)
     # Dense: the lengths stand in for the table; paged: the (clamped) table's rows.
-    names = {t.data_ptr(): n for n, t in (("q", q), ("k", k), ("v", v), ("lens", lens))}
+    tensors = (("q", q), ("k", k), ("v", v), ("lens", lens))
+    if with_sinks:
+        tensors += (("sinks", sinks),)
+    names = {t.data_ptr(): n for n, t in tensors}
     names.update({out.data_ptr(): "out", lse.data_ptr(): "lse"})
     if splits > 1:
         names.update({calls[0][2][3].data_ptr(): "o_part", calls[0][2][4].data_ptr(): "lse_part"})
@@ -624,9 +650,10 @@ def test_quick_decode_arguments(block_size, splits, lse_wanted, monkeypatch):
     monkeypatch.setattr(decode, "no_launch_hooks", lambda: True)
     run = decode._quick(p, 0)
     assert run.func is decode._run_quick
-    out2, lse2 = run(q, k, v, lens, table, lse_wanted=lse_wanted)
+    out2, lse2 = run(q, k, v, lens, table, lse_wanted=lse_wanted, sinks=sinks)
     assert (lse2 is not None) == lse_wanted and out2.shape == out.shape
-    names = {t.data_ptr(): n for n, t in (("q", q), ("k", k), ("v", v), ("lens", lens))}
+    assert ("sinks" in str(want)) == with_sinks
+    names = {t.data_ptr(): n for n, t in tensors}
     names[out2.data_ptr()] = "out"
     split = quick_calls[0][2]
     a_lse = lse2.data_ptr() if lse_wanted else (quick_calls[-1][2][-1] if splits > 1 else split[4])

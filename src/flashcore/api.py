@@ -651,13 +651,12 @@ def attention_with_kvcache(
     if (
         window_key is not _express.NOT_KEYED
         and _scores_plain(softcap, alibi_slopes)
-        and sinks is None
         and not _offsets.active()
     ):
         # A call of a signature checked and planned before (ops.express).
         key, result = _express.decode(
             q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits,
-            return_lse, window_key,
+            return_lse, window_key, sinks,
         )  # fmt: skip
         if result is not None:
             return result if return_lse else result[0]

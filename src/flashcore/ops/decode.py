@@ -78,7 +78,7 @@ def launch(
     built once per problem signature (``_plan``): tens of microseconds of Python a call
     otherwise, more than the kernels at short caches (docs/performance_host.md).
 
-    ``learn``: a key of ``ops.express`` for this call (no ALiBi, softcap or sinks),
+    ``learn``: a key of ``ops.express`` for this call (no ALiBi or softcap),
     under which its launches are kept for later calls of the same signature (``learned``).
     """
     given = (q, k_cache, v_cache, cache_seqlens, block_table)
@@ -204,12 +204,14 @@ def _run_quick(
     cache_seqlens: torch.Tensor,
     block_table: torch.Tensor | None,
     lse_wanted: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``_run(p, ...)`` without ``Launcher``: both kernels' native launchers called with this
-    call's addresses (the launches ``_quick`` bound), the splits' partials (and the LSE, unless
-    ``lse_wanted``) in one workspace. Returns ``(out, lse)``, lse None where not wanted. Takes
-    ``_run`` where a launch hook is registered or an address is not 16-byte aligned (the bound
-    kernels were compiled for aligned ones). Measured on the H200 machine's host:
+    call's addresses (the launches ``_quick`` bound; ``sinks``' too where given), the splits'
+    partials (and the LSE, unless ``lse_wanted``) in one workspace. Returns ``(out, lse)``, lse
+    None where not wanted. Takes ``_run`` where a launch hook is registered or an address is
+    not 16-byte aligned (the bound kernels were compiled for aligned ones). Measured on the
+    H200 machine's host:
     docs/performance_host.md, "Quick decode launches"."""
     a_q, a_k, a_v, a_len = (
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), cache_seqlens.data_ptr()
@@ -217,7 +219,7 @@ def _run_quick(
     # As ``_run`` passes it: the lengths stand in for an absent table (PAGED is off).
     a_table = a_len if block_table is None else block_table.data_ptr()
     if (a_q | a_k | a_v | a_len | a_table) % 16 or not no_launch_hooks():
-        return _run(p, q, k_cache, v_cache, cache_seqlens, block_table)
+        return _run(p, q, k_cache, v_cache, cache_seqlens, block_table, sinks=sinks)
     out = torch.empty_like(q) if p.out_like_q else q.new_empty(p.out_shape)
     o_numel, lse_part_numel, lse_numel = parts
     lse = None
@@ -231,20 +233,21 @@ def _run_quick(
     a_lse = lse.data_ptr() if lse_wanted else a_work + 4 * (o_numel + lse_part_numel)
     a_out = out.data_ptr()
     stream = current_stream(device)
-    # As ``_run`` passes them: the LSE stands in for the ALiBi slopes; no sinks.
+    # As ``_run`` passes them: the LSE stands in for the ALiBi slopes; the sinks or None.
+    a_sinks = None if sinks is None else sinks.data_ptr()
     if combine is None:
-        split(stream, (a_q, a_k, a_v, a_out, a_lse, a_len, a_table, a_lse, None))
+        split(stream, (a_q, a_k, a_v, a_out, a_lse, a_len, a_table, a_lse, a_sinks))
     else:
         a_lse_part = a_work + 4 * o_numel
-        split(stream, (a_q, a_k, a_v, a_work, a_lse_part, a_len, a_table, a_lse, None))
+        split(stream, (a_q, a_k, a_v, a_work, a_lse_part, a_len, a_table, a_lse, a_sinks))
         combine(stream, (a_work, a_lse_part, a_out, a_lse))
     return out, lse
 
 
 # Launches learned by ``ops.express``'s keys (``ops.launch.keep``: the run and the plan map it
 # was planned under).
-# A run takes (q, k_cache, v_cache, cache_seqlens, block_table, lse_wanted) of the key's
-# signature.
+# A run takes (q, k_cache, v_cache, cache_seqlens, block_table, lse_wanted, sinks) of the key's
+# signature (the last two by keyword).
 _LEARNED: dict[tuple, tuple] = {}
 
 

@@ -117,6 +117,13 @@ def window_key(window: object) -> object:
     return NOT_KEYED
 
 
+def _keyable_sinks(sinks: object) -> bool:
+    """Sinks a key may hold: None, or a tensor of unit stride (the full path reads others
+    through a copy, which no kept launch makes; other ranks it refuses). Their type and grad the
+    caller's ``_keyable`` has seen to."""
+    return sinks is None or sinks.stride() == (1,)
+
+
 def _window(key_window: tuple[int, int] | None) -> tuple[int, int]:
     """A keyed window as the launchers take it (None: ``(-1, -1)``, no window)."""
     return (-1, -1) if key_window is None else key_window
@@ -141,9 +148,9 @@ def forward(
     tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
     if not _keyable(causal, scale, return_lse, *tensors, recording=True):
         return None, None
+    if not _keyable_sinks(sinks):
+        return None, None
     try:
-        if sinks is not None and sinks.stride() != (1,):
-            return None, None
         key = (
             _signature(q), _signature(k), _signature(v), causal, scale, window,
             None if sinks is None else _signature(sinks), runtime.current_tier(),
@@ -193,28 +200,38 @@ def decode(
     num_splits: object,
     return_lse: object,
     window: tuple[int, int] | None = None,
+    sinks: object = None,
 ) -> tuple[tuple | None, tuple | None]:
     """``attention_with_kvcache``'s ``forward``: ``(key, (out, lse))`` where a call of this
     signature was learned, ``(key, None)`` otherwise (the caller checks the inputs and calls
     ``decode_first``). Not under ``flashcore.checked()``, which reads the lengths and the block
-    table each call: the caller does not ask then. ``window`` as ``window_key`` gives it."""
+    table each call: the caller does not ask then. ``window`` as ``window_key`` gives it;
+    ``sinks`` as ``forward`` takes them (none that require grad: the full path refuses those)."""
     if num_splits is not None and type(num_splits) is not int:
         return None, None
     tensors = (q, k_cache, v_cache, cache_seqlens)
     if block_table is not None:
         tensors += (block_table,)
-    if not _keyable(causal, scale, return_lse, *tensors):
+    if sinks is not None:
+        tensors += (sinks,)
+    if not _keyable(causal, scale, return_lse, *tensors) or not _keyable_sinks(sinks):
         return None, None
-    # With a block table the key holds five signatures, else four: the two never meet.
+    # With a block table the key holds five signatures, else four (and the sinks' after them,
+    # marked): the kinds never meet.
     try:
-        key = (*map(_signature, tensors), causal, scale, num_splits, window, runtime.current_tier())
+        key = (
+            *map(_signature, tensors), causal, scale, num_splits, window, sinks is None,
+            runtime.current_tier(),
+        )  # fmt: skip
     except RuntimeError:
         return None, None  # not a dense tensor (nested, sparse): the caller's checks name it
     run = _decode.learned(key)
     # Its plan holds for any addresses (the launcher takes its full key for misaligned ones).
     if run is None:
         return key, None
-    return key, run(q, k_cache, v_cache, cache_seqlens, block_table, lse_wanted=return_lse)
+    return key, run(
+        q, k_cache, v_cache, cache_seqlens, block_table, lse_wanted=return_lse, sinks=sinks
+    )
 
 
 def decode_first(key: tuple, *args) -> tuple[torch.Tensor, torch.Tensor]:
