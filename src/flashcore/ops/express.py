@@ -15,10 +15,10 @@ anything the key leaves out, takes the full path (``forward`` and ``decode`` giv
 What a key leaves out and is therefore checked per call, each under a microsecond:
 
 - the options other than ``causal``, ``scale`` (None or a float), ``window`` (None or a
-  ``tuple`` of two ``int``s, held exactly), the forward's ``sinks`` (None or a tensor of unit
-  stride, its signature held) and, for decoding, ``num_splits`` (None or an int):
-  any other option given takes the full path, as does a flag that is not a ``bool``, a scale of
-  another type or a window of other types (the full path raises or converts);
+  ``tuple`` of two ``int``s, held exactly), ``sinks`` (None or a tensor of unit stride, its
+  signature held) and, for decoding, ``num_splits`` (None or an int): any other option given
+  takes the full path, as does a flag that is not a ``bool``, a scale of another type, a window
+  of other types or sinks of another stride (the full path raises or converts);
 - autograd: a forward call that records a graph (grad mode on and a tensor that requires grad)
   runs its kept launch inside the registry's autograd Function (``ops.registry.attention_kept``),
   whose backward is the same as the full path's; a decoding call that records one takes the
