@@ -253,6 +253,32 @@ def test_sinks_autograd_calls_share_the_kept_launch(device, monkeypatch):
     assert len(checks) == 1 and len(fwd._LEARNED) == 1
 
 
+def test_sinks_parameter_takes_the_kept_launch(device, monkeypatch):
+    """Sinks held as a module's ``nn.Parameter`` (gpt-oss's) are keyed as a tensor: a repeat skips
+    the checks, with autograd (dsinks reaches the parameter, as the full path gives it) and
+    without (out right)."""
+    checks = count_checks(monkeypatch)
+    q, k, v = make_qkv(CASE, torch.float16, device)
+    sinks = torch.nn.Parameter(torch.randn(CASE.heads, device=device))
+    dout = torch.randn_like(q)
+    grads = []
+    for _ in range(2):
+        sinks.grad = None
+        out = flashcore.attention(q, k, v, causal=True, window=(9, 0), sinks=sinks)
+        out.backward(dout)
+        grads.append(sinks.grad.clone())
+    with torch.no_grad():
+        kept, lse = flashcore.attention(q, k, v, causal=True, window=(9, 0), sinks=sinks,
+                                        return_lse=True)  # fmt: skip
+    assert len(checks) == 1 and len(fwd._LEARNED) == 1
+    assert torch.equal(kept, out.detach()) and torch.equal(grads[0], grads[1])
+    check_forward(kept, lse, q, k, v, causal=True, window=(9, 0), sinks=sinks.detach())
+    # The full path (a window as a list is not keyed) gives the same dsinks bit for bit.
+    sinks.grad = None
+    flashcore.attention(q, k, v, causal=True, window=[9, 0], sinks=sinks).backward(dout)
+    assert len(checks) == 2 and torch.equal(sinks.grad, grads[0])
+
+
 DECODE_CASE = DecodeCase(2, 4, 2, 1, 100, 32, (100, 37), 0)
 
 

@@ -15,10 +15,10 @@ anything the key leaves out, takes the full path (``forward`` and ``decode`` giv
 What a key leaves out and is therefore checked per call, each under a microsecond:
 
 - the options other than ``causal``, ``scale`` (None or a float), ``window`` (None or a
-  ``tuple`` of two ``int``s, held exactly), ``sinks`` (None or a tensor of unit stride, its
-  signature held) and, for decoding, ``num_splits`` (None or an int): any other option given
-  takes the full path, as does a flag that is not a ``bool``, a scale of another type, a window
-  of other types or sinks of another stride (the full path raises or converts);
+  ``tuple`` of two ``int``s, held exactly), ``sinks`` (None or a tensor or parameter of unit
+  stride, its signature held) and, for decoding, ``num_splits`` (None or an int): any other
+  option given takes the full path, as does a flag that is not a ``bool``, a scale of another
+  type, a window of other types or sinks of another stride (the full path raises or converts);
 - autograd: a forward call that records a graph (grad mode on and a tensor that requires grad)
   runs its kept launch inside the registry's autograd Function (``ops.registry.attention_kept``),
   whose backward is the same as the full path's; a decoding call that records one takes the
@@ -117,11 +117,19 @@ def window_key(window: object) -> object:
     return NOT_KEYED
 
 
-def _keyable_sinks(sinks: object) -> bool:
-    """Sinks a key may hold: None, or a tensor of unit stride (the full path reads others
-    through a copy, which no kept launch makes; other ranks it refuses). Their type and grad the
-    caller's ``_keyable`` has seen to."""
-    return sinks is None or sinks.stride() == (1,)
+# Sinks are often a module's parameter (gpt-oss's ``sinks``): a Parameter is taken as it is.
+_SINKS_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _keyable_sinks(sinks: object, recording: bool) -> bool:
+    """Sinks a key may hold: None, or a tensor or parameter (no other subclass) of unit stride
+    (the full path reads others through a copy, which no kept launch makes; other ranks it
+    refuses), not requiring grad where the call may not record autograd (``recording``)."""
+    if sinks is None:
+        return True
+    if type(sinks) not in _SINKS_TYPES or sinks.stride() != (1,):
+        return False
+    return recording or not (sinks.requires_grad and _grad_enabled())
 
 
 def _window(key_window: tuple[int, int] | None) -> tuple[int, int]:
@@ -145,10 +153,9 @@ def forward(
     launch: it is not in the key. ``window``: as ``window_key`` gives it (not ``NOT_KEYED``);
     ``sinks``: None, or a tensor the key holds the signature of (unit stride only: the full path
     would read others through a copy, which no kept launch makes)."""
-    tensors = (q, k, v) if sinks is None else (q, k, v, sinks)
-    if not _keyable(causal, scale, return_lse, *tensors, recording=True):
+    if not _keyable(causal, scale, return_lse, q, k, v, recording=True):
         return None, None
-    if not _keyable_sinks(sinks):
+    if not _keyable_sinks(sinks, recording=True):
         return None, None
     try:
         key = (
@@ -212,16 +219,15 @@ def decode(
     tensors = (q, k_cache, v_cache, cache_seqlens)
     if block_table is not None:
         tensors += (block_table,)
-    if sinks is not None:
-        tensors += (sinks,)
-    if not _keyable(causal, scale, return_lse, *tensors) or not _keyable_sinks(sinks):
+    if not _keyable(causal, scale, return_lse, *tensors):
         return None, None
-    # With a block table the key holds five signatures, else four (and the sinks' after them,
-    # marked): the kinds never meet.
+    if not _keyable_sinks(sinks, recording=False):
+        return None, None
+    # With a block table the key holds five signatures, else four: the two never meet.
     try:
         key = (
-            *map(_signature, tensors), causal, scale, num_splits, window, sinks is None,
-            runtime.current_tier(),
+            *map(_signature, tensors), causal, scale, num_splits, window,
+            None if sinks is None else _signature(sinks), runtime.current_tier(),
         )  # fmt: skip
     except RuntimeError:
         return None, None  # not a dense tensor (nested, sparse): the caller's checks name it
