@@ -703,7 +703,7 @@ def test_forward_gpu_sm90_window_persistent(case, causal, window, monkeypatch):
     """Long windowed problems with the persistent rule counting the window's keys (persistent
     grid) and ``seqlen_k`` (flat grid): both against the reference; out bit for bit equal, and
     the LSE within the rounding by which the two builds' epilogues differ (H200: at most 1.44
-    units in the last place, and the same with no window, scripts' A/B in the closing notes)."""
+    units in the last place, and the same with no window; docs/performance_features.md)."""
     from flashcore.ops import fwd_sm90
 
     require_sm90()
