@@ -286,14 +286,19 @@ def window_keys(causal: bool, has_window: bool, left: int, right: int) -> int | 
     return left + 1 + (0 if causal else right) if has_window else None
 
 
+def short_window(head_dim: int, keys: int | None) -> bool:
+    """Whether a window of ``keys`` keys a row (``window_keys``; None: no window) is one
+    ``WINDOW_ONE`` has a config for at kernel head dim ``head_dim``."""
+    return keys is not None and keys <= WINDOW_ONE_MAX_KEYS.get(head_dim, 0)
+
+
 def takes_window_one(head_dim: int, causal: bool, window: tuple[int, int]) -> bool:
     """Whether ``pick_config`` gives a dense problem with ``window`` (as ``flashcore.attention``
-    takes it, -1 for a side without bound) a ``WINDOW_ONE`` config at kernel head dim
-    ``head_dim``: a window of at most ``WINDOW_ONE_MAX_KEYS`` keys a row."""
+    takes it, -1 for a side without bound) a ``WINDOW_ONE`` config (``short_window``)."""
     left, right = window
     if left < 0 or (right < 0 and not causal):
         return False
-    return window_keys(causal, True, left, right) <= WINDOW_ONE_MAX_KEYS.get(head_dim, 0)
+    return short_window(head_dim, window_keys(causal, True, left, right))
 
 
 def one_consumer(
@@ -339,7 +344,7 @@ def pick_config(
     SMs)``, which assumes a full grid without it; ``packed``: a packed batch whose lengths vary
     (``varlen_spread``), for which the grid and window rules, measured on dense problems, are not
     taken: long causal D=64 keeps three consumers on the flat grid and its work list."""
-    if keys is not None and not packed and keys <= WINDOW_ONE_MAX_KEYS.get(head_dim, 0):
+    if not packed and short_window(head_dim, keys):
         return WINDOW_ONE[head_dim]
     floor = D64_THREE_MIN_SEQLEN_CAUSAL if causal else D64_THREE_MIN_SEQLEN
     long = head_dim == 64 and not options and min(seqlen_q, seqlen_k) >= floor
@@ -383,7 +388,7 @@ def loop_keys(
     unbounded side arrives as ``Sq + Sk``, ``ops.fwd.window_bounds``)."""
     if not (PERSISTENT_WINDOW_KEYS and has_window):
         return seqlen_k
-    return min(seqlen_k, left + block_m + (0 if causal else right))
+    return min(seqlen_k, window_keys(causal, True, left, right) - 1 + block_m)
 
 
 def use_persistent(seqlen_k: int, head_dim: int, causal: bool, block_n: int) -> bool:
