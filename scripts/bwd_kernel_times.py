@@ -1,15 +1,18 @@
 """Device time of each kernel of one backward, per provider, on a GPU:
 
     PYTHONPATH=src python scripts/bwd_kernel_times.py [--providers flashcore,fa4,sdpa-cudnn]
-        [--shape D,CAUSAL,S ...]
+        [--shape D,CAUSAL,S ...] [--window LEFT,RIGHT]
 
 For each shape (bf16, the FA sweep's: B x S = 16384 tokens, H x D = 2048; default the five of
 docs/performance_backward.md, "The dQ conversion and the short floors"), ``torch.profiler`` over
 10 calls of ``autograd.grad`` on one kept forward (after 3 warm-ups): each kernel's device time
 per backward, the largest first, and their sum as TFLOP/s (2.5x the forward's FLOPs, halved
-causal). Device time only: launch gaps and host time are not in it (``flashcore-bench`` times
-the whole call). Providers by ``flashcore-bench``'s names (``fa4`` needs FlashAttention-4
-importable, ``flash_attn.cute``).
+causal; with ``--window`` of the visible pairs, as ``flashcore-bench`` counts them). Device time
+only: launch gaps and host time are not in it (``flashcore-bench`` times the whole call), and
+kernels launched by programmatic dependent launch (the Hopper backward's, ``ops/bwd_sm90.PDL``)
+count the time they wait for the kernel before them, so their sum exceeds the call's time; set
+``PDL`` off for a clean split. Providers by ``flashcore-bench``'s names (``fa4`` needs
+FlashAttention-4 importable, ``flash_attn.cute``).
 """
 
 import argparse
@@ -19,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from flashcore.bench.cases import Case, Shape
+from flashcore.bench.metrics import attention_flops
 from flashcore.bench.providers import PROVIDERS
 
 SHAPES = ["128,0,1024", "128,1,1024", "64,0,512", "64,1,512", "128,0,8192"]
@@ -65,7 +69,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--providers", default="flashcore,fa4,sdpa-cudnn", help="bench names")
     parser.add_argument("--shape", action="append", help="D,CAUSAL,S (CAUSAL 0 or 1)")
+    parser.add_argument("--window", help="LEFT,RIGHT: every shape with this local window")
     args = parser.parse_args()
+    window = tuple(int(x) for x in args.window.split(",")) if args.window else None
     for spec in args.shape or SHAPES:
         head_dim, causal, seqlen = (int(x) for x in spec.split(","))
         batch, heads = 16384 // seqlen, 2048 // head_dim
@@ -76,17 +82,16 @@ def main() -> int:
             for _ in range(3)
         ]
         dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
         for name in args.providers.split(","):
             case = Case(
-                Shape(batch, heads, seqlen, head_dim, heads, seqlen, head_dim), bool(causal)
+                Shape(batch, heads, seqlen, head_dim, heads, seqlen, head_dim),
+                bool(causal),
+                window=window,
             )
+            flops = attention_flops(case, "bwd")
             rows = kernel_times(provider(name, case), leaves, dout)
             total = sum(t for t, _ in rows)
-            print(
-                f"D{head_dim} {'causal' if causal else 'full'} S{seqlen} B{batch} H{heads} {name}:"
-                f" {total:.1f} us ({flops / total / 1e6:.0f} TFLOP/s)"
-            )
+            print(f"{case.label} {name}: {total:.1f} us ({flops / total / 1e6:.0f} TFLOP/s)")
             for t, key in rows[:8]:
                 print(f"    {t:9.1f} us  {key[:90]}")
             sys.stdout.flush()

@@ -12,7 +12,8 @@ tokens, 16 heads at D = 128 and 32 at D = 64. Case groups (``--cases``):
   length (3000);
 - ``window``, ``softcap``, ``alibi``: causal with a (256, 0) window, softcap 30 or ALiBi slopes
   (2048, 8192); ``window`` also causal (128, 0) at D = 64 and non-causal (256, 256) at D = 128
-  (FLOPs of the pairs a window leaves visible);
+  (FLOPs of the pairs a window leaves visible); ``widewindow``: causal (4095, 0) at 16384 (D = 128
+  and 64) and non-causal (1024, 1024) at 8192 (D = 128);
 - ``packed``: packed causal and non-causal batches at D = 128 (lengths drawn in 500..4000);
 - ``controls``: non-causal D = 128 and causal D = 64 at 8192;
 - ``short``: dense D = 128 and D = 64, causal and not, at 512, 1024 and 2048;
@@ -104,6 +105,11 @@ CASES = {
         dense(s, d, c, o)
         for d, c, o in ((128, True, "window"), (64, True, "window128"), (128, False, "window2"))
         for s in (2048, 8192)
+    ],
+    "widewindow": lambda: [
+        dense(16384, 128, True, "window4k"),
+        dense(16384, 64, True, "window4k"),
+        dense(8192, 128, False, "window1k2"),
     ],
     "packed": lambda: [packed(True, 0), packed(True, 1), packed(False, 0)],
     "gqa": lambda: [

@@ -48,7 +48,8 @@ def problem(
     """A dense bf16 backward problem: ``(dout, q, k, v, out, lse, causal, scale)`` as
     ``attn_bwd_sm90`` takes them (the forward run for out and lse) and the score option's keyword
     arguments (``option``: "", "window" (256, 0), "window128" (128, 0), "window2" (256, 256),
-    "softcap" 30 or "alibi" slopes in [0, 0.1)); ``group`` query heads a kv head (GQA)."""
+    "window4k" (4095, 0), "window1k2" (1024, 1024), "softcap" 30 or "alibi" slopes in [0, 0.1));
+    ``group`` query heads a kv head (GQA)."""
     shape = (batch, heads, seqlen, head_dim)
     q, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     kv_shape = (batch, heads // group, seqlen, head_dim)
@@ -59,6 +60,8 @@ def problem(
         "window": {"window": (256, 0)},
         "window128": {"window": (128, 0)},
         "window2": {"window": (256, 256)},
+        "window4k": {"window": (4095, 0)},
+        "window1k2": {"window": (1024, 1024)},
         "softcap": {"softcap": 30.0},
         "alibi": {"alibi": torch.rand(heads, device="cuda") * 0.1},
     }[option]
