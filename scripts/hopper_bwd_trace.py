@@ -3,7 +3,8 @@
     PYTHONPATH=src python scripts/hopper_bwd_trace.py --seqlen 8192 --head-dim 128
 
 The script builds a copy of ``kernels/hopper/bwd.py`` with stamps added to the consumers' loop
-(``%clock64`` of the SM, stored by CTA 0 for steps 0..63 of each consumer):
+(``%clock64`` of the SM, stored by CTA 0 for steps 0..63 of each consumer; ``--window LEFT,RIGHT``
+with ``--all-programs``):
 
     e0  top of step t                     e1  Q, dO, lse2, delta landed (``qd_ready``)
     e3  S^T, the softmax and dP^T done (after ``wait_group 0`` of dP^T)
@@ -174,8 +175,10 @@ def program_times(t_all: torch.Tensor, args) -> None:
         marks = [c[6, 2], c[4, 2], c[5, 2], c[0, 0], last, c[1, 2], c[3, 2], c[0, 2]]
         groups.setdefault(steps, []).append([float(b - a) for a, b in itertools.pairwise(marks)])
         by_sm.setdefault(int(c[7, 2]), []).append((float(c[6, 2]), float(c[0, 2])))
+    window = f" window={args.window}" if args.window else ""
     print(
-        f"S={args.seqlen} D={args.head_dim} causal={args.causal}: per program, consumer 0, clocks"
+        f"S={args.seqlen} D={args.head_dim} causal={args.causal}{window}: per program, consumer 0,"
+        " clocks"
     )
     print("  steps programs total | " + " | ".join(phases))
     for steps in sorted(groups):
@@ -198,6 +201,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--window", help="LEFT,RIGHT: a local window (with --all-programs)")
     parser.add_argument("--s-stamp", action="store_true", help="e2: S^T done")
     parser.add_argument(
         "--all-programs",
@@ -216,7 +220,12 @@ def main() -> None:
     b, h = max(1, args.tokens // s), 16 if d == 128 else 32
     q, k, v, dout = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(d)
-    out, lse = fwd.launch(q, k, v, args.causal, scale)[:2]
+    opts = {}
+    if args.window:
+        opts["window"] = tuple(int(x) for x in args.window.split(","))
+        if not args.all_programs:
+            raise SystemExit("--window: with --all-programs (program 0's steps are not the rule)")
+    out, lse = fwd.launch(q, k, v, args.causal, scale, **opts)[:2]
     if args.dq_order != "rule":
         forced = args.dq_order == "beside"
         bwd_sm90.dq_beside_dk = lambda *_: forced  # this process only
@@ -228,14 +237,14 @@ def main() -> None:
         spec = importlib.util.spec_from_file_location("flashcore_bwd_trace", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        prep = bwd_sm90.kernels()[0]
-        main_kernel = Launcher(module.attn_bwd_sm90_kernel, 10)
+        prep, tier_main = bwd_sm90.kernels()
+        main_kernel = Launcher(module.attn_bwd_sm90_kernel, tier_main.num_pointers)
         bwd_sm90.kernels = lambda: (prep, main_kernel)  # the tier's launcher, on the trace build
         real_alibi_arg = pb.alibi_arg
         pb.alibi_arg = lambda alibi, like: (stamps, 0)  # the stamps in ALIBI's place
         try:
             for _ in range(3):  # the first call compiles
-                bwd_sm90.attn_bwd_sm90(dout, q, k, v, out, lse, args.causal, scale)
+                bwd_sm90.attn_bwd_sm90(dout, q, k, v, out, lse, args.causal, scale, **opts)
             torch.cuda.synchronize()
         finally:
             pb.alibi_arg = real_alibi_arg
