@@ -41,6 +41,15 @@ def provider(name: str, case: Case):
     return call
 
 
+def inputs(shape: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """q, k, v (bf16, requiring grad) and an output gradient of ``shape``, on the GPU."""
+    leaves = [
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    ]
+    return leaves, torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+
+
 def device_times(grads, calls: int = CALLS) -> list[tuple[float, str]]:
     """(us per call, kernel name) of each kernel that ``grads()`` ran at least once a call, over
     ``calls`` profiled calls after three unprofiled ones."""
@@ -76,12 +85,7 @@ def main() -> int:
         head_dim, causal, seqlen = (int(x) for x in spec.split(","))
         batch, heads = 16384 // seqlen, 2048 // head_dim
         torch.manual_seed(0)
-        shape = (batch, heads, seqlen, head_dim)
-        leaves = [
-            torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(3)
-        ]
-        dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+        leaves, dout = inputs((batch, heads, seqlen, head_dim))
         for name in args.providers.split(","):
             case = Case(
                 Shape(batch, heads, seqlen, head_dim, heads, seqlen, head_dim),

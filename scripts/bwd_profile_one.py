@@ -12,9 +12,9 @@
 import sys
 
 import torch
+from bwd_kernel_times import inputs, provider
 
 from flashcore.bench.cases import Case, Shape
-from flashcore.bench.providers import PROVIDERS
 
 
 def main() -> int:
@@ -22,17 +22,9 @@ def main() -> int:
     b, h, s, d = (int(x) for x in spec.split(","))
     win = None if window == "none" else tuple(int(x) for x in window.split(","))
     case = Case(Shape(b, h, s, d, h, s, d), causal == "1", window=win)
-    prov = PROVIDERS[name]
-    fn = prov.prepare(case, torch.device("cuda"))
     torch.manual_seed(0)
-    shape = (b, h, s, d)
-    leaves = [
-        torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        for _ in range(3)
-    ]
-    dout = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-    with prov.context():
-        out = fn(*leaves)
+    leaves, dout = inputs((b, h, s, d))
+    out = provider(name, case)(*leaves)
     for _ in range(2):
         torch.autograd.grad(out, leaves, dout, retain_graph=True)
     torch.cuda.synchronize()
