@@ -162,10 +162,12 @@ def program_times(t_all: torch.Tensor, args) -> None:
     that wait, to the first step, the steps, the last lagged dQ, the wait for the other
     consumer's and the epilogue's stores issued, the wait for their reads; medians over the
     programs of each step count. Then the gap on each SM between a program's end and the next
-    program's entry (the CTA's exit, launch and setup)."""
+    program's entry (the CTA's exit, launch and setup), and how much later consumer 1 ends than
+    consumer 0 (at a window's edges their steps are offset by one)."""
     phases = ("setup", "K/V wait", "to step 0", "steps", "last dQ", "ds wait+stores", "store read")
     groups: dict[int, list[list[float]]] = {}
     by_sm: dict[int, list[tuple[float, float]]] = {}
+    lags: dict[int, list[float]] = {}
     for t in t_all:
         steps = int((t[0, :, 1] > 0).sum())
         if steps == 0 or steps >= STEPS:
@@ -174,19 +176,21 @@ def program_times(t_all: torch.Tensor, args) -> None:
         last = c[steps - 1, [1, 3, 4, 5, 6, 7]].max()
         marks = [c[6, 2], c[4, 2], c[5, 2], c[0, 0], last, c[1, 2], c[3, 2], c[0, 2]]
         groups.setdefault(steps, []).append([float(b - a) for a, b in itertools.pairwise(marks)])
+        lags.setdefault(steps, []).append(float(t[1, 0, 2] - c[0, 2]))
         by_sm.setdefault(int(c[7, 2]), []).append((float(c[6, 2]), float(c[0, 2])))
     window = f" window={args.window}" if args.window else ""
     print(
         f"S={args.seqlen} D={args.head_dim} causal={args.causal}{window}: per program, consumer 0,"
         " clocks"
     )
-    print("  steps programs total | " + " | ".join(phases))
+    print("  steps programs total | " + " | ".join(phases) + " | consumer 1 ends later by")
     for steps in sorted(groups):
         rows = groups[steps]
         med = [statistics.median(r[i] for r in rows) for i in range(len(phases))]
         total = statistics.median(sum(r) for r in rows)
         cells = " | ".join(f"{m:6.0f}" for m in med)
-        print(f"  {steps:5d} {len(rows):8d} {total:6.0f} | {cells}")
+        lag = statistics.median(lags[steps])
+        print(f"  {steps:5d} {len(rows):8d} {total:6.0f} | {cells} | {lag:6.0f}")
     gaps = []
     for runs in by_sm.values():
         runs.sort()
