@@ -374,7 +374,8 @@ def test_shared_memory_within_limit(compiled):
 # masks every step (a run-time branch around the diagonal's mask spilled 700 B there, 62-64 local
 # accesses a step): 192 B and 4-7 with its rows in order (316 B and 7-20 permuted). At D=64 the
 # consumers have 200 registers beside the dQ warpgroup: all three score options at once spill 16 B
-# there (none with any one of them). With K and V in registers (KV_REGS) a consumer spills two
+# there (none with any one of them), causal with a window and softcap 56 B (none inside the step
+# loops). With K and V in registers (KV_REGS) a consumer spills two
 # scalars (16 B, stored and loaded once in its epilogue, outside the loop). VARLEN carries each
 # program's sequence (its first query and key rows, lengths and batch coordinate) and its edge paths
 # (the producer's bounded loads, the masked dK/dV stores, the dQ rows past the sequence zeroed):
