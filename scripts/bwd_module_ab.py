@@ -15,6 +15,7 @@ tokens, 16 heads at D = 128 and 32 at D = 64. Case groups (``--cases``):
   (FLOPs of the pairs a window leaves visible); ``widewindow``: causal (4095, 0) at 16384 (D = 128
   and 64) and non-causal (1024, 1024) at 8192 (D = 128);
 - ``packed``: packed causal and non-causal batches at D = 128 (lengths drawn in 500..4000);
+  ``packedwindow``: one causal with gpt-oss's (127, 0) window, one non-causal with (256, 256);
 - ``controls``: non-causal D = 128 and causal D = 64 at 8192;
 - ``short``: dense D = 128 and D = 64, causal and not, at 512, 1024 and 2048;
 - ``gqa``: GQA (four query heads a kv head; eight with gpt-oss's 128-key window at D = 64) on
@@ -70,7 +71,7 @@ def dense(seqlen, head_dim, causal, option, group=1):
     return name, flops, functools.partial(sm90.attn_bwd_sm90, *args, **opts)
 
 
-def packed(causal, seed):
+def packed(causal, seed, window=None):
     gen = torch.Generator().manual_seed(seed)
     lengths = []
     while sum(lengths) < TOKENS - 4000:
@@ -82,14 +83,16 @@ def packed(causal, seed):
     )
     varlen = pb.Varlen(cu, cu, max(lengths), max(lengths))
     scale = head_dim**-0.5
-    out, lse = fwd.launch(q, k, v, causal, scale, varlen=varlen)[:2]
-    flops = sum(2.5 * 4 * heads * n * n * head_dim / (2 if causal else 1) for n in lengths)
+    opts = {} if window is None else {"window": window}
+    out, lse = fwd.launch(q, k, v, causal, scale, varlen=varlen, **opts)[:2]
+    flops = sum(2.5 * 4 * heads * visible_pairs(n, n, causal, window) * head_dim for n in lengths)
     name = f"D128 {'causal' if causal else 'full'} packed {len(lengths)} seqs {total} tokens"
+    name = name if window is None else f"{name} window {window}"
     return (
         name,
         flops,
         functools.partial(
-            sm90.attn_bwd_sm90, dout, q, k, v, out, lse, causal, scale, varlen=varlen
+            sm90.attn_bwd_sm90, dout, q, k, v, out, lse, causal, scale, varlen=varlen, **opts
         ),
     )
 
@@ -112,6 +115,7 @@ CASES = {
         dense(8192, 128, False, "window1k2"),
     ],
     "packed": lambda: [packed(True, 0), packed(True, 1), packed(False, 0)],
+    "packedwindow": lambda: [packed(True, 0, (127, 0)), packed(False, 1, (256, 256))],
     "gqa": lambda: [
         *(dense(s, d, True, "", 4) for d in (128, 64) for s in (512, 1024, 2048, 4096)),
         dense(2048, 128, True, "window", 4),
