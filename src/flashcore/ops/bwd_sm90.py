@@ -58,11 +58,14 @@ PDL = True
 # build without K and V in registers.
 FRESH_DESC = True
 FRESH_DESC_ALWAYS = False
-# FRESH_DESC_CAUSAL_WINDOW: also in the causal builds with a window (sm_90a, D = 128: spills 96 ->
-# 0 B dense, 528 -> 96 B packed). H200, bf16, scripts/bwd_switch_ab.py FRESH_DESC_ALWAYS and
-# FRESH_DESC_CAUSAL_WINDOW --cases packedwindow,window,widewindow: packed (127, 0) 1.09x both runs,
-# dense (127, 0) 1.01-1.03x, (4095, 0) at 16k 0.99-1.00x; dK and dV bit for bit.
-FRESH_DESC_CAUSAL_WINDOW = True
+# FRESH_DESC_CAUSAL_OPTIONS: also in the causal builds with a window, softcap, ALiBi or packed rows
+# (sm_90a, D = 128: spills window 96 -> 0 B dense, 528 -> 96 B packed; packed 404 -> 40 B, ALiBi
+# 196 -> 8, softcap 192 -> 96; the plain causal build, which measured 0.95-0.97x with it, spills
+# none without it). H200, bf16, two runs each, scripts/bwd_switch_ab.py (FRESH_DESC_ALWAYS, then
+# this switch, then this switch over the other options): packed causal (127, 0) 1.09x, dense
+# (127, 0) 1.01-1.03x, (4095, 0) at 16k 0.99-1.00x; packed causal 1.05-1.07x; softcap and ALiBi
+# causal at 2048 1.03-1.04x; dK and dV bit for bit (docs/performance_backward.md).
+FRESH_DESC_CAUSAL_OPTIONS = True
 # Causal: consumer 1 skips the products of a step none of whose rows sees its keys (a program's
 # first step) and writes a zero dS^T tile (``kernels/hopper/bwd.py``, SKIP_MASKED). H200, bf16,
 # scripts/bwd_switch_ab.py SKIP_MASKED: D = 128 causal 1.04-1.06 at 512, 1.03-1.05 at 1024,
@@ -76,10 +79,11 @@ SKIP_MASKED = True
 SKIP_MASKED_WINDOW = True
 
 
-def fresh_desc(beside: bool, kv_regs: bool, causal_window: bool = False) -> bool:
+def fresh_desc(beside: bool, kv_regs: bool, causal_options: bool = False) -> bool:
     """Whether a build forms its fixed tiles' descriptors in the step loop (``FRESH_DESC``), given
-    its ``DQ_BESIDE_DK``, ``KV_REGS`` and whether it is causal with a window."""
-    wanted = beside or FRESH_DESC_ALWAYS or (FRESH_DESC_CAUSAL_WINDOW and causal_window)
+    its ``DQ_BESIDE_DK``, ``KV_REGS`` and whether it is causal with a window, softcap, ALiBi or
+    packed rows."""
+    wanted = beside or FRESH_DESC_ALWAYS or (FRESH_DESC_CAUSAL_OPTIONS and causal_options)
     return FRESH_DESC and wanted and not kv_regs
 
 
@@ -675,6 +679,8 @@ def _plan(
     )  # fmt: skip
     beside = dq_beside_dk(cfg, sc.is_causal, varlen is not None, seqlen_q)
     kv_regs = kv_in_registers(cfg, sc.has_window, sc.has_softcap, sc.has_alibi)
+    options = sc.has_window or sc.has_softcap or sc.has_alibi or varlen is not None
+    causal_options = sc.is_causal and options
     main_meta = {
         "HEAD_DIM": head_dim,
         "NUM_STAGES": cfg.num_stages,
@@ -692,7 +698,7 @@ def _plan(
         "PERMUTED_ROWS": permuted_rows,
         "DQ_BESIDE_DK": beside,
         "PDL": PDL,
-        "FRESH_DESC": fresh_desc(beside, kv_regs, sc.is_causal and sc.has_window),
+        "FRESH_DESC": fresh_desc(beside, kv_regs, causal_options),
         "SKIP_MASKED": SKIP_MASKED and sc.is_causal,
         "SKIP_WINDOW": SKIP_MASKED_WINDOW and sc.has_window,
         "num_warps": 4,
