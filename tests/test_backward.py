@@ -551,8 +551,21 @@ SM90_SKIP = [
     ("SKIP_MASKED_WINDOW", MaskCase(Case(2, 4, 4, 700, 900, 64), window=(200, 50)), torch.float16),
     ("SKIP_MASKED_WINDOW", MaskCase(Case(1, 4, 2, 777, 513, 64), causal=True, window=(100, 0),
                                   softcap=20.0), torch.bfloat16),
+    # BAND_MASK (on as shipped): causal windows' two masks as one comparison; the same P, so
+    # the same bits in dK and dV as with the two masks apart.
+    ("BAND_MASK", MaskCase(Case(1, 4, 4, 1000, 1000, 128), causal=True, window=(128, 0)),
+     torch.bfloat16),
+    ("BAND_MASK", MaskCase(Case(2, 8, 2, 1100, 700, 128), causal=True, window=(256, 0),
+                           softcap=30.0), torch.float16),
+    ("BAND_MASK", MaskCase(Case(1, 4, 2, 777, 513, 64), causal=True, window=(100, 0),
+                           softcap=20.0), torch.bfloat16),
+    ("BAND_MASK", MaskCase(Case(2, 4, 4, 700, 900, 64), causal=True, window=(200, 0), alibi="bh"),
+     torch.float16),
+    ("BAND_MASK", MaskCase(Case(1, 8, 8, 4096, 4096, 128), causal=True, window=(4095 - 64, 0)),
+     torch.bfloat16),
 ]  # fmt: skip
-SKIP_META = {"SKIP_MASKED": "SKIP_MASKED", "SKIP_MASKED_WINDOW": "SKIP_WINDOW"}
+SKIP_META = {"SKIP_MASKED": "SKIP_MASKED", "SKIP_MASKED_WINDOW": "SKIP_WINDOW",
+             "BAND_MASK": "BAND_MASK"}  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -564,7 +577,8 @@ SKIP_META = {"SKIP_MASKED": "SKIP_MASKED", "SKIP_MASKED_WINDOW": "SKIP_WINDOW"}
 def test_backward_gpu_sm90_skip_masked(switch, mc, dtype, monkeypatch):
     """The Hopper backward (D 64/128, forced) with a skip switch off and on: the skipped steps'
     products are exactly zero, so dK and dV are bit for bit equal, dQ equal to its reduce
-    order, and each passes the FA rule."""
+    order, and each passes the FA rule. The same for BAND_MASK (the masks of a causal window
+    formed another way)."""
     from flashcore.ops import bwd, bwd_sm90
 
     require_sm90()

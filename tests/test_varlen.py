@@ -311,6 +311,28 @@ def test_varlen_gpu_sm90_backward_fresh_desc(monkeypatch, case, opts):
         assert plans and all(p.main_meta["FRESH_DESC"] for p in plans.values())
 
 
+VARLEN_SM90_BAND = [
+    (VarlenCase(8, 2, (700, 1, 1300, 64), (700, 90, 1000, 64), 128), {"window": (127, 0)}),
+    (VarlenCase(4, 4, (513, 1000, 300), (513, 1100, 300), 64), {"window": (100, 0),
+                                                                "softcap": 20.0}),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("case", "opts"), VARLEN_SM90_BAND, ids=[_sm90_case_id((c, c.head_dim, o)) for c, o in
+                                             VARLEN_SM90_BAND]
+)  # fmt: skip
+def test_varlen_gpu_sm90_backward_band_mask(monkeypatch, case, opts):
+    """The Hopper backward on packed batches, causal with a window, with ``bwd_sm90.BAND_MASK``
+    (the diagonal's and the window's masks as one comparison; on as shipped, and set here so
+    that the test keeps it covered if the default changes), bf16, as
+    ``test_varlen_gpu_sm90_backward``."""
+    with sm90_backward_switch(monkeypatch, "BAND_MASK") as plans:
+        check_sm90_backward(case, {"causal": True, **opts}, torch.bfloat16)
+        assert plans and all(p.main_meta["BAND_MASK"] for p in plans.values())
+
+
 @pytest.mark.gpu
 def test_varlen_gpu_deterministic_keeps_portable_backward(monkeypatch):
     """``deterministic=True`` keeps a packed batch's backward on the portable tier (no

@@ -226,7 +226,10 @@ shapes gave bit-identical dK and dV). H200, bf16: causal 1.01-1.05x at 512-2048 
 same at a window's edges: consumer 1's first step at the right edge when not causal (the same
 peeled step), and consumer 0's last step at the left edge, run after its loop in a loop of at most
 one step (its waits, a zero dS^T tile, its arrives and the previous step's dQ). H200, bf16: causal
-windows 1.01-1.02x, a non-causal (256, 256) window 1.09-1.10x.
+windows 1.01-1.02x, a non-causal (256, 256) window 1.09-1.10x. BAND_MASK
+(``ops/bwd_sm90.BAND_MASK``, causal with a window): the diagonal's mask and the window's as one
+unsigned comparison, ``0 <= i + diag - j <= left``, on every step (the diagonal's alone is on the
+steps it crosses): fewer instructions and spills; H200, bf16: D=64 1.03x, D=128 1.00-1.02x.
 
 Invariants. Head dim 64 or 128 and unit stride on D; every descriptor stride is 16-byte aligned
 (launcher). Shared memory at D=128: K, V 32 KB each, Q/dO ring 2 x 2 x 16 KB, dS^T 2 x 2 x 8 KB,
@@ -771,6 +774,7 @@ def _consumer(
     FRESH_DESC: gl.constexpr = False,
     SKIP_MASKED: gl.constexpr = False,
     SKIP_WINDOW: gl.constexpr = False,
+    BAND_MASK: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
@@ -906,7 +910,13 @@ def _consumer(
             slope = gl.load(ALIBI + off_b.to(gl.int64) * stride_ab + off_h) * LOG2E
             rows = gl.expand_dims(start_m + offs_m, 0)
             s = s - slope * gl.abs(rows + diag - keys).to(gl.float32)
-        if IS_CAUSAL:
+        if IS_CAUSAL and HAS_WINDOW and BAND_MASK:
+            # Causal with a window: key j is seen from row i when 0 <= i + diag - j <= left, one
+            # unsigned comparison (a key past the diagonal wraps to a large lag), on every step.
+            rows = gl.expand_dims(start_m + offs_m, 0)
+            lag = (rows + diag - keys).to(gl.uint32, bitcast=True)
+            s = gl.where(lag <= window_left.to(gl.uint32, bitcast=True), s, float("-inf"))
+        elif IS_CAUSAL:
             # Only the steps the diagonal crosses, except with softcap at D=128: on every step
             # there (behind the run-time branch ptxas 12.8 kept tanh's values and the scores
             # apart on both paths and spilled 700 B, 62-64 local accesses a step; 192 B and 4-7
@@ -919,7 +929,7 @@ def _consumer(
             # whose LSE is below about -11, and then dQ = inf * 0 = NaN. Causal masks them above.
             if key0 + ROWS > seqlen_k:
                 s = gl.where(keys < seqlen_k, s, float("-inf"))
-        if HAS_WINDOW:
+        if HAS_WINDOW and not (IS_CAUSAL and BAND_MASK):
             # Every step (the band's edges cross query blocks at any offset; masking only the
             # steps that cross an edge, a run-time branch, made ptxas spill more).
             rows = gl.expand_dims(start_m + offs_m, 0)
@@ -1198,6 +1208,7 @@ def attn_bwd_sm90_kernel(
     FRESH_DESC: gl.constexpr = False,
     SKIP_MASKED: gl.constexpr = False,
     SKIP_WINDOW: gl.constexpr = False,
+    BAND_MASK: gl.constexpr = False,
 ):
     if PDL:
         # The dQ conversion may launch now (it waits for this grid before reading DQ_ACC).
@@ -1271,7 +1282,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_WINDOW,
+                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1281,7 +1292,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_WINDOW,
+                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
@@ -1311,7 +1322,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_WINDOW,
+                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1321,7 +1332,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_WINDOW,
+                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
