@@ -16,6 +16,8 @@ tokens, 16 heads at D = 128 and 32 at D = 64. Case groups (``--cases``):
   and 64) and non-causal (1024, 1024) at 8192 (D = 128);
 - ``packed``: packed causal and non-causal batches at D = 128 (lengths drawn in 500..4000);
   ``packedwindow``: one causal with gpt-oss's (127, 0) window, one non-causal with (256, 256);
+- ``windowoptions``: causal windows with a score option: (4095, 0) with softcap 50 at 8192 (D =
+  128), (256, 0) with ALiBi at 2048 (D = 128), (127, 0) with softcap 30 at 8192 (D = 64);
 - ``controls``: non-causal D = 128 and causal D = 64 at 8192;
 - ``short``: dense D = 128 and D = 64, causal and not, at 512, 1024 and 2048;
 - ``gqa``: GQA (four query heads a kv head; eight with gpt-oss's 128-key window at D = 64) on
@@ -116,6 +118,11 @@ CASES = {
     ],
     "packed": lambda: [packed(True, 0), packed(True, 1), packed(False, 0)],
     "packedwindow": lambda: [packed(True, 0, (127, 0)), packed(False, 1, (256, 256))],
+    "windowoptions": lambda: [
+        dense(8192, 128, True, "window4k-softcap"),
+        dense(2048, 128, True, "window-alibi"),
+        dense(8192, 64, True, "window128-softcap"),
+    ],
     "gqa": lambda: [
         *(dense(s, d, True, "", 4) for d in (128, 64) for s in (512, 1024, 2048, 4096)),
         dense(2048, 128, True, "window", 4),

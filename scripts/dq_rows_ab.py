@@ -48,7 +48,8 @@ def problem(
     """A dense bf16 backward problem: ``(dout, q, k, v, out, lse, causal, scale)`` as
     ``attn_bwd_sm90`` takes them (the forward run for out and lse) and the score option's keyword
     arguments (``option``: "", "window" (256, 0), "window128" (128, 0), "window2" (256, 256),
-    "window4k" (4095, 0), "window1k2" (1024, 1024), "softcap" 30 or "alibi" slopes in [0, 0.1));
+    "window4k" (4095, 0), "window1k2" (1024, 1024), "softcap" 30, "alibi" slopes in [0, 0.1),
+    or a window with one: "window4k-softcap" 50, "window128-softcap" (127, 0) 30, "window-alibi");
     ``group`` query heads a kv head (GQA)."""
     shape = (batch, heads, seqlen, head_dim)
     q, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -64,6 +65,11 @@ def problem(
         "window1k2": {"window": (1024, 1024)},
         "softcap": {"softcap": 30.0},
         "alibi": {"alibi": torch.rand(heads, device="cuda") * 0.1},
+        # Windows with a score option: Gemma 2's (4095, 0) with softcap 50, gpt-oss's (127, 0)
+        # with softcap at D = 64, and a (256, 0) window with ALiBi.
+        "window4k-softcap": {"window": (4095, 0), "softcap": 50.0},
+        "window128-softcap": {"window": (127, 0), "softcap": 30.0},
+        "window-alibi": {"window": (256, 0), "alibi": torch.rand(heads, device="cuda") * 0.1},
     }[option]
     fwd_opts = {("alibi_slopes" if n == "alibi" else n): x for n, x in opts.items()}
     out, lse = fwd.launch(q, k, v, causal, scale, **fwd_opts)[:2]
