@@ -204,7 +204,8 @@ folds the units: ``qk_scale`` is ``scale / c`` with a softcap, ``softcap`` is ``
 softcap, then ALiBi, then the masks); the window's query-block range in ``q_blocks`` and its
 masks on every step; with SOFTCAP dS is multiplied by ``1 - tanh^2`` (the gradient with respect
 to ``scale q.k``); the ALiBi slope is read once a step (its query head). FRESH_DESC (the
-launcher's ``ops/bwd_sm90.FRESH_DESC``: on where DQ_BESIDE_DK is): the consumer's K_c,
+launcher's ``ops/bwd_sm90.fresh_desc``: on where DQ_BESIDE_DK is and in the causal builds with a
+window, softcap, ALiBi or packed rows): the consumer's K_c,
 V_c and dQ K-column views taken each step through a zero LLVM cannot see, so that their wgmma
 descriptors are formed in the step loop rather than every k-step's before it, held in vector
 registers and moved to uniform ones (``R2UR``) at each use (``kernels/hopper/bwd_mla.py``). ABLATE
