@@ -21,7 +21,7 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flashcore.bench.cases import Case, Shape
+from flashcore.bench.cases import Case, Shape, parse_window
 from flashcore.bench.metrics import attention_flops
 from flashcore.bench.providers import PROVIDERS
 
@@ -78,9 +78,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--providers", default="flashcore,fa4,sdpa-cudnn", help="bench names")
     parser.add_argument("--shape", action="append", help="D,CAUSAL,S (CAUSAL 0 or 1)")
-    parser.add_argument("--window", help="LEFT,RIGHT: every shape with this local window")
+    parser.add_argument(
+        "--window", type=parse_window, help="LEFT,RIGHT: every shape with this local window"
+    )
     args = parser.parse_args()
-    window = tuple(int(x) for x in args.window.split(",")) if args.window else None
     for spec in args.shape or SHAPES:
         head_dim, causal, seqlen = (int(x) for x in spec.split(","))
         batch, heads = 16384 // seqlen, 2048 // head_dim
@@ -90,7 +91,7 @@ def main() -> int:
             case = Case(
                 Shape(batch, heads, seqlen, head_dim, heads, seqlen, head_dim),
                 bool(causal),
-                window=window,
+                window=args.window,
             )
             flops = attention_flops(case, "bwd")
             rows = kernel_times(provider(name, case), leaves, dout)

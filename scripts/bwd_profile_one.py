@@ -14,13 +14,13 @@ import sys
 import torch
 from bwd_kernel_times import inputs, provider
 
-from flashcore.bench.cases import Case, Shape
+from flashcore.bench.cases import Case, Shape, parse_window
 
 
 def main() -> int:
     name, spec, causal, window = sys.argv[1:5]
     b, h, s, d = (int(x) for x in spec.split(","))
-    win = None if window == "none" else tuple(int(x) for x in window.split(","))
+    win = None if window == "none" else parse_window(window)
     case = Case(Shape(b, h, s, d, h, s, d), causal == "1", window=win)
     torch.manual_seed(0)
     leaves, dout = inputs((b, h, s, d))

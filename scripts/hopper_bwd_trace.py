@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from flashcore.bench.cases import parse_window
 from flashcore.ops import bwd_sm90, fwd
 from flashcore.ops import problem as pb
 from flashcore.ops.launch import Launcher
@@ -205,7 +206,9 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=16384)
     parser.add_argument("--causal", action="store_true")
-    parser.add_argument("--window", help="LEFT,RIGHT: a local window (with --all-programs)")
+    parser.add_argument(
+        "--window", type=parse_window, help="LEFT,RIGHT: a local window (with --all-programs)"
+    )
     parser.add_argument("--s-stamp", action="store_true", help="e2: S^T done")
     parser.add_argument(
         "--all-programs",
@@ -226,7 +229,7 @@ def main() -> None:
     scale = 1 / math.sqrt(d)
     opts = {}
     if args.window:
-        opts["window"] = tuple(int(x) for x in args.window.split(","))
+        opts["window"] = args.window
         if not args.all_programs:
             raise SystemExit("--window: with --all-programs (program 0's steps are not the rule)")
     out, lse = fwd.launch(q, k, v, args.causal, scale, **opts)[:2]
