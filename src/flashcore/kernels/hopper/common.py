@@ -317,12 +317,16 @@ def scores(
     if MASKED:
         if CHECK_N:
             s = gl.where(cols < seqlen_k, s, float("-inf"))
-        if IS_CAUSAL:
+        if IS_CAUSAL and HAS_WINDOW:
+            # Key j is seen from row i when 0 <= i + diag - j <= left: one unsigned comparison
+            # (a key past the diagonal wraps to a large lag; the backward's BAND_MASK).
+            lag = (rows + (seqlen_k - seqlen_q) - cols).to(gl.uint32, bitcast=True)
+            s = gl.where(lag <= window_left.to(gl.uint32, bitcast=True), s, float("-inf"))
+        elif IS_CAUSAL:
             s = gl.where(cols <= rows + (seqlen_k - seqlen_q), s, float("-inf"))
-        if HAS_WINDOW:
+        elif HAS_WINDOW:
             s = gl.where(cols >= rows + (seqlen_k - seqlen_q - window_left), s, float("-inf"))
-            if not IS_CAUSAL:
-                s = gl.where(cols <= rows + (seqlen_k - seqlen_q + window_right), s, float("-inf"))
+            s = gl.where(cols <= rows + (seqlen_k - seqlen_q + window_right), s, float("-inf"))
     return s
 
 
