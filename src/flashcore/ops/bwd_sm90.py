@@ -84,6 +84,12 @@ SKIP_MASKED_WINDOW = True
 # 529 / 512. H200, bf16, scripts/bwd_switch_ab.py BAND_MASK --cases window (two runs): D = 64
 # causal (128, 0) 1.030-1.033x, D = 128 causal (256, 0) 1.00-1.02x; packed (127, 0) 1.004x (one).
 BAND_MASK = True
+# Softcap or ALiBi at D = 128: each step's dQ a step late as in the other builds (the kernel's
+# DQ_LAG; it was off there because ptxas spilled 20-80% more, before FRESH_DESC took those causal
+# builds), and with it SKIP_MASKED, SKIP_WINDOW and the dQ products beside dK. sm_90a: causal
+# softcap 96 -> 24 B of spills, causal window softcap 120 -> 36 B, softcap window 136 -> 68 B;
+# non-causal softcap 16 -> 88 B (none in the step loops). Not run on a GPU: off.
+DQ_LAG_OPTIONS = False
 
 
 def fresh_desc(beside: bool, kv_regs: bool, causal_options: bool = False) -> bool:
@@ -709,6 +715,7 @@ def _plan(
         "SKIP_MASKED": SKIP_MASKED and sc.is_causal,
         "SKIP_WINDOW": SKIP_MASKED_WINDOW and sc.has_window,
         "BAND_MASK": BAND_MASK and sc.is_causal and sc.has_window,
+        "LAG_OPTIONS": DQ_LAG_OPTIONS and (sc.has_softcap or sc.has_alibi),
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
         "launch_pdl": PDL,
