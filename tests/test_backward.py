@@ -563,8 +563,8 @@ SM90_SKIP = [
      torch.float16),
     ("BAND_MASK", MaskCase(Case(1, 8, 8, 4096, 4096, 128), causal=True, window=(4095 - 64, 0)),
      torch.bfloat16),
-    # DQ_LAG_OPTIONS (off as shipped): softcap and ALiBi at D=128 with each step's dQ a step
-    # late, and with it the skipped steps and the dQ products beside dK.
+    # DQ_LAG_OPTIONS: softcap, and causal ALiBi, at D=128 with each step's dQ a step late, and
+    # with it the skipped steps and the dQ products beside dK.
     ("DQ_LAG_OPTIONS", MaskCase(Case(2, 8, 2, 1100, 700, 128), causal=True, softcap=30.0),
      torch.bfloat16),
     ("DQ_LAG_OPTIONS", MaskCase(Case(1, 4, 4, 777, 513, 128), softcap=20.0), torch.float16),

@@ -78,8 +78,10 @@ other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, `
   lse2 and delta are read from shared memory where they are used (a row vector in the score
   layout takes 16 registers a thread).
 
-  DQ_LAG (every variant but softcap or ALiBi at D=128, where the two carried indices made ptxas
-  spill more and the kernel measured 2-15% slower): the dQ of step t runs in step t + 1, after
+  DQ_LAG (every variant but softcap or ALiBi at D=128 without LAG_OPTIONS, which the launcher
+  sets for softcap and causal ALiBi, ``ops/bwd_sm90.py: lag_options``; before FRESH_DESC took
+  the causal builds, the two carried indices made ptxas spill more there and the kernel measured
+  2-15% slower): the dQ of step t runs in step t + 1, after
   that step's dV and dK, and the last one after the loop. Waiting in step t for the other
   consumer's dS^T of the same step made the two consumers run in lockstep, their elementwise
   work and the dQ staging at the same time with the tensor cores idle; with a step of slack they
