@@ -18,6 +18,8 @@ tokens, 16 heads at D = 128 and 32 at D = 64. Case groups (``--cases``):
   ``packedwindow``: one causal with gpt-oss's (127, 0) window, one non-causal with (256, 256);
 - ``windowoptions``: causal windows with a score option: (4095, 0) with softcap 50 at 8192 (D =
   128), (256, 0) with ALiBi at 2048 (D = 128), (127, 0) with softcap 30 at 8192 (D = 64);
+- ``fulloptions``: non-causal softcap 30 and ALiBi at 2048 and 8192, and softcap 30 with a
+  (256, 256) window at 8192 (D = 128);
 - ``controls``: non-causal D = 128 and causal D = 64 at 8192;
 - ``short``: dense D = 128 and D = 64, causal and not, at 512, 1024 and 2048;
 - ``gqa``: GQA (four query heads a kv head; eight with gpt-oss's 128-key window at D = 64) on
@@ -122,6 +124,10 @@ CASES = {
         dense(8192, 128, True, "window4k-softcap"),
         dense(2048, 128, True, "window-alibi"),
         dense(8192, 64, True, "window128-softcap"),
+    ],
+    "fulloptions": lambda: [
+        *(dense(s, 128, False, o) for o in ("softcap", "alibi") for s in (2048, 8192)),
+        dense(8192, 128, False, "window2-softcap"),
     ],
     "gqa": lambda: [
         *(dense(s, d, True, "", 4) for d in (128, 64) for s in (512, 1024, 2048, 4096)),

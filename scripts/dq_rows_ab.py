@@ -49,7 +49,8 @@ def problem(
     ``attn_bwd_sm90`` takes them (the forward run for out and lse) and the score option's keyword
     arguments (``option``: "", "window" (256, 0), "window128" (128, 0), "window2" (256, 256),
     "window4k" (4095, 0), "window1k2" (1024, 1024), "softcap" 30, "alibi" slopes in [0, 0.1),
-    or a window with one: "window4k-softcap" 50, "window128-softcap" (127, 0) 30, "window-alibi");
+    or a window with one: "window4k-softcap" 50, "window128-softcap" (127, 0) 30, "window-alibi",
+    "window2-softcap" (256, 256) 30);
     ``group`` query heads a kv head (GQA)."""
     shape = (batch, heads, seqlen, head_dim)
     q, dout = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -70,6 +71,7 @@ def problem(
         "window4k-softcap": {"window": (4095, 0), "softcap": 50.0},
         "window128-softcap": {"window": (127, 0), "softcap": 30.0},
         "window-alibi": {"window": (256, 0), "alibi": torch.rand(heads, device="cuda") * 0.1},
+        "window2-softcap": {"window": (256, 256), "softcap": 30.0},
     }[option]
     fwd_opts = {("alibi_slopes" if n == "alibi" else n): x for n, x in opts.items()}
     out, lse = fwd.launch(q, k, v, causal, scale, **fwd_opts)[:2]

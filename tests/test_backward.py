@@ -563,9 +563,22 @@ SM90_SKIP = [
      torch.float16),
     ("BAND_MASK", MaskCase(Case(1, 8, 8, 4096, 4096, 128), causal=True, window=(4095 - 64, 0)),
      torch.bfloat16),
+    # DQ_LAG_OPTIONS: softcap, and causal ALiBi, at D=128 with each step's dQ a step late, and
+    # with it the skipped steps and the dQ products beside dK.
+    ("DQ_LAG_OPTIONS", MaskCase(Case(2, 8, 2, 1100, 700, 128), causal=True, softcap=30.0),
+     torch.bfloat16),
+    ("DQ_LAG_OPTIONS", MaskCase(Case(1, 4, 4, 777, 513, 128), softcap=20.0), torch.float16),
+    ("DQ_LAG_OPTIONS", MaskCase(Case(1, 4, 4, 1000, 1000, 128), causal=True, alibi="bh"),
+     torch.bfloat16),
+    ("DQ_LAG_OPTIONS", MaskCase(Case(1, 4, 2, 1100, 1100, 128), causal=True, window=(256, 0),
+                                softcap=50.0), torch.bfloat16),
+    ("DQ_LAG_OPTIONS", MaskCase(Case(2, 4, 4, 700, 900, 128), window=(200, 50), softcap=20.0,
+                                alibi="h"), torch.float16),
+    ("DQ_LAG_OPTIONS", MaskCase(Case(1, 8, 8, 4096, 4096, 128), causal=True, softcap=30.0),
+     torch.bfloat16),
 ]  # fmt: skip
 SKIP_META = {"SKIP_MASKED": "SKIP_MASKED", "SKIP_MASKED_WINDOW": "SKIP_WINDOW",
-             "BAND_MASK": "BAND_MASK"}  # fmt: skip
+             "BAND_MASK": "BAND_MASK", "DQ_LAG_OPTIONS": "LAG_OPTIONS"}  # fmt: skip
 
 
 @pytest.mark.gpu
@@ -578,7 +591,7 @@ def test_backward_gpu_sm90_skip_masked(switch, mc, dtype, monkeypatch):
     """The Hopper backward (D 64/128, forced) with a skip switch off and on: the skipped steps'
     products are exactly zero, so dK and dV are bit for bit equal, dQ equal to its reduce
     order, and each passes the FA rule. The same for BAND_MASK (the masks of a causal window
-    formed another way)."""
+    formed another way) and DQ_LAG_OPTIONS (softcap and ALiBi with the dQ a step late)."""
     from flashcore.ops import bwd, bwd_sm90
 
     require_sm90()

@@ -333,6 +333,29 @@ def test_varlen_gpu_sm90_backward_band_mask(monkeypatch, case, opts):
         assert plans and all(p.main_meta["BAND_MASK"] for p in plans.values())
 
 
+VARLEN_SM90_LAG = [
+    (VarlenCase(8, 2, (700, 1, 1300, 64), (700, 90, 1000, 64), 128), {"causal": True,
+                                                                      "softcap": 30.0}),
+    (VarlenCase(4, 4, (513, 1000, 300), (513, 1100, 300), 128), {"window": (100, 20),
+                                                                 "alibi": True, "softcap": 20.0}),
+    (VarlenCase(4, 2, (1, 900, 1300), (1, 900, 1300), 128), {"causal": True, "alibi": True}),
+]  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("case", "opts"), VARLEN_SM90_LAG, ids=[_sm90_case_id((c, c.head_dim, o)) for c, o in
+                                            VARLEN_SM90_LAG]
+)  # fmt: skip
+def test_varlen_gpu_sm90_backward_lag_options(monkeypatch, case, opts):
+    """The Hopper backward on packed batches with softcap or causal ALiBi at D=128 and
+    ``bwd_sm90.DQ_LAG_OPTIONS`` (each step's dQ a step late), bf16, as
+    ``test_varlen_gpu_sm90_backward``."""
+    with sm90_backward_switch(monkeypatch, "DQ_LAG_OPTIONS") as plans:
+        check_sm90_backward(case, opts, torch.bfloat16)
+        assert plans and all(p.main_meta["LAG_OPTIONS"] for p in plans.values())
+
+
 @pytest.mark.gpu
 def test_varlen_gpu_deterministic_keeps_portable_backward(monkeypatch):
     """``deterministic=True`` keeps a packed batch's backward on the portable tier (no

@@ -84,6 +84,15 @@ SKIP_MASKED_WINDOW = True
 # 529 / 512. H200, bf16, scripts/bwd_switch_ab.py BAND_MASK --cases window (two runs): D = 64
 # causal (128, 0) 1.030-1.033x, D = 128 causal (256, 0) 1.00-1.02x; packed (127, 0) 1.004x (one).
 BAND_MASK = True
+# Softcap or ALiBi at D = 128: each step's dQ a step late as in the other builds (the kernel's
+# DQ_LAG; it was off there because ptxas spilled 20-80% more, before FRESH_DESC took those causal
+# builds), and with it SKIP_MASKED, SKIP_WINDOW and the dQ products beside dK. sm_90a: causal
+# softcap 96 -> 24 B of spills, causal window softcap 120 -> 36 B, softcap window 136 -> 68 B;
+# non-causal softcap 16 -> 88 B (none in the step loops). H200, bf16, scripts/bwd_switch_ab.py
+# DQ_LAG_OPTIONS (two runs each): softcap causal 1.04-1.05x, non-causal 1.04-1.07x, (256, 256)
+# window 1.10-1.12x, causal (4095, 0) window 1.04-1.05x; ALiBi causal (256, 0) window 1.06x,
+# causal 0.99-1.05x, non-causal 0.97-0.99x, so non-causal ALiBi stays as it was (``lag_options``).
+DQ_LAG_OPTIONS = True
 
 
 def fresh_desc(beside: bool, kv_regs: bool, causal_options: bool = False) -> bool:
@@ -92,6 +101,12 @@ def fresh_desc(beside: bool, kv_regs: bool, causal_options: bool = False) -> boo
     packed rows."""
     wanted = beside or FRESH_DESC_ALWAYS or (FRESH_DESC_CAUSAL_OPTIONS and causal_options)
     return FRESH_DESC and wanted and not kv_regs
+
+
+def lag_options(causal: bool, softcap: bool, alibi: bool) -> bool:
+    """Whether a build with softcap or ALiBi takes each step's dQ a step late at D = 128 (the
+    kernel's ``LAG_OPTIONS``; ``DQ_LAG_OPTIONS``): with softcap, or with ALiBi when causal."""
+    return DQ_LAG_OPTIONS and (softcap or (alibi and causal))
 
 
 # dQ leaves in (64, D / 2) fp32 tiles: each consumer reduce-adds half the columns of a step's dQ.
@@ -709,6 +724,7 @@ def _plan(
         "SKIP_MASKED": SKIP_MASKED and sc.is_causal,
         "SKIP_WINDOW": SKIP_MASKED_WINDOW and sc.has_window,
         "BAND_MASK": BAND_MASK and sc.is_causal and sc.has_window,
+        "LAG_OPTIONS": lag_options(sc.is_causal, sc.has_softcap, sc.has_alibi),
         "num_warps": 4,
         "maxnreg": cfg.maxnreg,
         "launch_pdl": PDL,

@@ -78,8 +78,10 @@ other's dS^T and K for dQ, and stay within a step of each other (``ds_ready``, `
   lse2 and delta are read from shared memory where they are used (a row vector in the score
   layout takes 16 registers a thread).
 
-  DQ_LAG (every variant but softcap or ALiBi at D=128, where the two carried indices made ptxas
-  spill more and the kernel measured 2-15% slower): the dQ of step t runs in step t + 1, after
+  DQ_LAG (every variant but softcap or ALiBi at D=128 without LAG_OPTIONS, which the launcher
+  sets for softcap and causal ALiBi, ``ops/bwd_sm90.py: lag_options``; before FRESH_DESC took
+  the causal builds, the two carried indices made ptxas spill more there and the kernel measured
+  2-15% slower): the dQ of step t runs in step t + 1, after
   that step's dV and dK, and the last one after the loop. Waiting in step t for the other
   consumer's dS^T of the same step made the two consumers run in lockstep, their elementwise
   work and the dQ staging at the same time with the tensor cores idle; with a step of slack they
@@ -776,12 +778,17 @@ def _consumer(
     SKIP_MASKED: gl.constexpr = False,
     SKIP_WINDOW: gl.constexpr = False,
     BAND_MASK: gl.constexpr = False,
+    LAG_OPTIONS: gl.constexpr = False,
 ):
     dtype: gl.constexpr = k_smem.dtype
     # Each step's dQ a step late (docstring, "Schedule"), except at D=128 with softcap or ALiBi:
     # there the carried head and query block tipped ptxas into 20-80% more spills, and those
     # variants measured 2-15% slower with it.
-    DQ_LAG: gl.constexpr = HEAD_DIM == 64 or not (SOFTCAP or HAS_ALIBI)
+    # LAG_OPTIONS (``ops/bwd_sm90.DQ_LAG_OPTIONS``): lagged there too. With FRESH_DESC in those
+    # builds ptxas keeps the carried indices: sm_90a causal softcap 96 -> 24 B, causal window
+    # softcap 120 -> 36 B, non-causal softcap window 136 -> 68 B (non-causal softcap 16 -> 88 B,
+    # outside the loops).
+    DQ_LAG: gl.constexpr = HEAD_DIM == 64 or not (SOFTCAP or HAS_ALIBI) or LAG_OPTIONS
     # S^T, dP^T: (64 keys, 64 query rows); dK, dV: (64 keys, D); dQ: (64 query rows, D).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, ROWS, 16]
@@ -1210,6 +1217,7 @@ def attn_bwd_sm90_kernel(
     SKIP_MASKED: gl.constexpr = False,
     SKIP_WINDOW: gl.constexpr = False,
     BAND_MASK: gl.constexpr = False,
+    LAG_OPTIONS: gl.constexpr = False,
 ):
     if PDL:
         # The dQ conversion may launch now (it waits for this grid before reading DQ_ACC).
@@ -1283,7 +1291,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK,
+                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK, LAG_OPTIONS,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1293,7 +1301,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK,
+                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK, LAG_OPTIONS,
                 )),
                 (_dq_warpgroup, (
                     ds_smem, k_smem, dq_smem, kv_ready, ds_ready, ds_free, dq_done, dq_desc, CU_Q,
@@ -1323,7 +1331,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK,
+                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK, LAG_OPTIONS,
                 )),
                 (_consumer, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
@@ -1333,7 +1341,7 @@ def attn_bwd_sm90_kernel(
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
                     stride_dvh, 1, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
-                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK,
+                    SKIP_MASKED, SKIP_WINDOW, BAND_MASK, LAG_OPTIONS,
                 )),
                 (_producer, (
                     q_desc, k_desc, v_desc, do_desc, lse_desc, delta_desc, q_smem, k_smem, v_smem,
