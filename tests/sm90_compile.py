@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import os
 import re
 import subprocess
@@ -23,6 +22,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from compile_shards import Shard  # noqa: E402
 from flashcore.kernels import bwd, decode, fwd, probes  # noqa: E402
 from flashcore.ops.bwd import d_panels  # noqa: E402
 from flashcore.tuning import (  # noqa: E402
@@ -274,20 +274,27 @@ def report(
 
 
 def main() -> int:
+    shard = Shard()
     fwd_variants = [(v, False) for v in FWD_VARIANTS] + [(v, True) for v in FWD_SHORT_VARIANTS]
     for (variant, short), tma in itertools.product(fwd_variants, (True, False)):
+        if not shard.take():
+            continue
         seqlen_q = SHORT_SEQLEN if short else 1 << 30
         consts, options = fwd_consts(*variant, tma=tma, seqlen_q=seqlen_q)
         rows, cols = (consts["BLOCK_M"], consts["BLOCK_N"]), consts["BLOCK_D"]
         descs = {"Q": rows[0], "K": rows[1], "V": rows[1], "O": rows[0]} if tma else {}
         descs = {name: (1, 1, r, cols) for name, r in descs.items()}
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options, descs)
-        print(json.dumps(report("attn_fwd", variant, compiled, tma, short=short)), flush=True)
+        shard.emit(report("attn_fwd", variant, compiled, tma, short=short))
     for variant in FWD_VARLEN_VARIANTS:
+        if not shard.take():
+            continue
         consts, options = fwd_consts(*variant, varlen=True)
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options)
-        print(json.dumps(report("attn_fwd", variant, compiled, varlen=True)), flush=True)
+        shard.emit(report("attn_fwd", variant, compiled, varlen=True))
     for (variant, seqlen_q), paged in itertools.product(FWD_PAGED_VARIANTS, (0, 1, 2, 3)):
+        if not shard.take():
+            continue
         consts, options = fwd_consts(*variant, varlen=True, seqlen_q=seqlen_q)
         consts["PAGED"] = paged
         compiled = compile_kernel(fwd.attn_fwd_kernel, consts, variant[1], options)
@@ -296,7 +303,7 @@ def main() -> int:
         row["variant"] = row["case"] + f"-paged{paged}"
         row["paged"] = paged
         row.update(pipeline(compiled.asm["ttgir"], compiled.asm["ptx"]))
-        print(json.dumps(row), flush=True)
+        shard.emit(row)
     bwd_variants = (
         [(v, False, False) for v in BWD_VARIANTS]
         + [(v, True, False) for v in BWD_VARLEN_VARIANTS]
@@ -306,6 +313,8 @@ def main() -> int:
         (v, varlen, False, MLA_HEAD_DIM_V) for v, varlen in BWD_MLA_VARIANTS
     ]
     for variant, varlen, short, head_dim_v in bwd_variants:
+        if not shard.take():
+            continue
         head_dim, dtype, causal = variant[:3]
         seqlen_q = SHORT_SEQLEN if short else 1 << 30
         # The backward's column panels of Q/K (ops/bwd.py): 192 as 128 + 64 for 16-bit inputs.
@@ -333,15 +342,19 @@ def main() -> int:
             # Rows of the tile the kernel holds, the M of its products (wgmma takes 64 per
             # warpgroup; fewer go to mma.sync).
             row["tile_rows"] = bn if name == "attn_bwd_dkdv_kernel" else bm
-            print(json.dumps(row), flush=True)
+            shard.emit(row)
     for name in PROBES:
         for variant in PROBE_VARIANTS:
+            if not shard.take():
+                continue
             consts, options = fwd_consts(*variant)
             # The probe forms its scores in natural units (flashcore.debug).
             consts["EXP_E"] = True
             compiled = compile_kernel(getattr(probes, name), consts, variant[1], options)
-            print(json.dumps(report(name, variant, compiled)), flush=True)
+            shard.emit(report(name, variant, compiled))
     for variant in DECODE_VARIANTS:
+        if not shard.take():
+            continue
         head_dim, dtype, rows, paged, split, flags = variant
         block_m = decode_block_m(rows, 1)
         cfg = decode_config(
@@ -375,7 +388,7 @@ def main() -> int:
             "" if flags else "-plain"
         )
         fields = (head_dim, dtype, True, rows == block_m)
-        print(json.dumps(report("attn_decode", fields, compiled, label=label)), flush=True)
+        shard.emit(report("attn_decode", fields, compiled, label=label))
         if split:
             # The most splits (MAX_SPLITS) and 16, as decode's plans take them.
             for block_s in (64, 16):
@@ -388,7 +401,7 @@ def main() -> int:
                 row = report(
                     "attn_decode_combine", fields, compiled, label=f"{label}-splits{block_s}"
                 )
-                print(json.dumps(row), flush=True)
+                shard.emit(row)
     return 0
 
 

@@ -1,0 +1,91 @@
+"""The sm_90 compile scripts split over processes.
+
+Each compile script (``sm90_compile.py``, ``test_compile_hopper*.py`` run as scripts) compiles
+its kernel variants one after another and prints one JSON line a variant. With a cold Triton
+cache that is minutes a script on one core (``FLASHCORE_COMPILE_JOBS``), so ``run`` starts the
+script in several processes at once, each taking every n-th job (``Shard.take``), and merges
+their lines back into the jobs' order. Run by hand, a script is one shard of one and prints what
+it always printed, plus each row's ``job``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SHARD_ENV = "FLASHCORE_COMPILE_SHARD"
+JOBS_ENV = "FLASHCORE_COMPILE_JOBS"
+
+
+class Shard:
+    """This process's share of a script's jobs: ``FLASHCORE_COMPILE_SHARD=i/n`` (default
+    ``0/1``) takes jobs i, i + n, i + 2n, ... in the order the script meets them."""
+
+    def __init__(self) -> None:
+        spec = os.environ.get(SHARD_ENV, "0/1")
+        try:
+            index, count = (int(x) for x in spec.split("/"))
+        except ValueError:
+            raise ValueError(f"{SHARD_ENV} must be 'i/n', got {spec!r}") from None
+        if not 0 <= index < count:
+            raise ValueError(f"{SHARD_ENV} must be 'i/n' with 0 <= i < n, got {spec!r}")
+        self.index, self.count, self.job = index, count, -1
+
+    def take(self) -> bool:
+        """Move to the next job; whether it is this shard's."""
+        self.job += 1
+        return self.job % self.count == self.index
+
+    def emit(self, row: dict) -> None:
+        """Print one row of the current job."""
+        print(json.dumps({**row, "job": self.job}), flush=True)
+
+
+def workers() -> int:
+    """Processes a script is split over: ``FLASHCORE_COMPILE_JOBS``, else the CPUs this process
+    may run on (at most 8)."""
+    if os.environ.get(JOBS_ENV):
+        return max(1, int(os.environ[JOBS_ENV]))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    return max(1, min(cpus, 8))
+
+
+def run(script: str | Path, env: dict[str, str], timeout: float) -> list[dict]:
+    """Run ``script`` in ``workers()`` processes at once (each with its shard in the
+    environment) and return the rows of all, in the order of their jobs (a job's rows in the
+    order printed). Raises ``AssertionError`` with the stderr tail of a process that failed."""
+    count = workers()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for index in range(count):
+            out = open(Path(tmp) / f"{index}.out", "w+")  # noqa: SIM115 (closed below)
+            err = open(Path(tmp) / f"{index}.err", "w+")  # noqa: SIM115
+            shard_env = {**env, SHARD_ENV: f"{index}/{count}"}
+            proc = subprocess.Popen(
+                [sys.executable, str(script)], env=shard_env, stdout=out, stderr=err, text=True
+            )
+            procs.append((proc, out, err))
+        rows = []
+        try:
+            for proc, out, err in procs:
+                proc.wait(timeout=timeout)
+                out.seek(0)
+                err.seek(0)
+                assert proc.returncode == 0, err.read()[-4000:]
+                rows += [json.loads(line) for line in out if line.startswith("{")]
+        finally:
+            for proc, out, err in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close()
+                err.close()
+    # sorted() is stable: a job's rows come from one process, in the order it printed them.
+    return sorted(rows, key=lambda row: row["job"])
