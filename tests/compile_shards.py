@@ -2,10 +2,10 @@
 
 Each compile script (``sm90_compile.py``, ``test_compile_hopper*.py`` run as scripts) compiles
 its kernel variants one after another and prints one JSON line a variant. With a cold Triton
-cache that is minutes a script on one core (``FLASHCORE_COMPILE_JOBS``), so ``run`` starts the
-script in several processes at once, each taking every n-th job (``Shard.take``), and merges
-their lines back into the jobs' order. Run by hand, a script is one shard of one and prints what
-it always printed, plus each row's ``job``.
+cache that is minutes a script on one core, so ``run`` starts the script in several processes at
+once (``workers``: ``FLASHCORE_COMPILE_JOBS`` or the CPUs), each taking every n-th job
+(``Shard.take``), and merges their lines back into the jobs' order. Run by hand, a script is
+one shard of one and prints what it always printed, plus each row's ``job``.
 """
 
 from __future__ import annotations
