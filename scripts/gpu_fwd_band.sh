@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Device-side, one call (about 4-6 minutes on an H200), on the branch fwd-band-mask: the Hopper
-# forward's causal window masks as one comparison (kernels/hopper/common.py: scores). Logs under
-# $OUT. 1. the forward's GPU tests with windows (every tier, masks, sinks, varlen, decode);
-# 2. fwd_module_ab.py against main's kernel modules in BASE (default ab_base/, made before the
-# call where git has main: mkdir ab_base && for f in fwd fwd_steps fwd_load common; do git show
-# main:src/flashcore/kernels/hopper/$f.py > ab_base/$f.py; done; untracked, so it travels with the
-# tree): gpt-oss's (127, 0) window at D = 64 and 128, (255, 0), the wide (4095, 0), and a
-# non-causal (256, 256) window as the control (its code unchanged).
+# Device-side, one call (about 4-6 minutes on an H200): the Hopper forward's causal window masks
+# as one comparison (kernels/hopper/common.py: scores). Logs under $OUT. 1. the forward's GPU
+# tests with windows (every tier, masks, sinks, varlen); 2. fwd_module_ab.py against the kernel
+# modules of another version in BASE (default ab_base/, made before the call where git is, e.g.
+# c76003a, the last with the two masks apart: mkdir ab_base && for f in fwd fwd_steps
+# fwd_load common; do git show c76003a:src/flashcore/kernels/hopper/$f.py > ab_base/$f.py; done;
+# untracked, so it travels with the tree): gpt-oss's (127, 0) window at D = 64 and 128,
+# (255, 0), the wide (4095, 0), and a non-causal (256, 256) window as the control.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:scripts PYTHONUNBUFFERED=1

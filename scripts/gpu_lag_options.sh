@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device-side, one call (about 4-6 minutes on an H200), on the branch bwd-lag-options: softcap and
-# ALiBi at D = 128 with each step's dQ a step late (ops/bwd_sm90.DQ_LAG_OPTIONS, off). Logs under
+# Device-side, one call (about 4-6 minutes on an H200): softcap and causal ALiBi at D = 128 with
+# each step's dQ a step late (ops/bwd_sm90.DQ_LAG_OPTIONS, on; the A/B flips it). Logs under
 # $OUT. 1. its GPU tests (off against on: dK and dV bit for bit, the FA rule; packed batches);
 # 2. scripts/bwd_switch_ab.py DQ_LAG_OPTIONS twice (causal softcap and ALiBi at 2048 and 8192,
 # causal windows with softcap or ALiBi; the D = 64 case of windowoptions is a control).

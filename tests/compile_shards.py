@@ -45,6 +45,15 @@ class Shard:
         print(json.dumps({**row, "job": self.job}), flush=True)
 
 
+def emit_variants(variants, compile_variant) -> None:
+    """A compile script's main loop: ``compile_variant(v)``'s row for each of ``variants`` that
+    is this process's share."""
+    shard = Shard()
+    for variant in variants:
+        if shard.take():
+            shard.emit(compile_variant(variant))
+
+
 def workers() -> int:
     """Processes a script is split over: ``FLASHCORE_COMPILE_JOBS``, else the CPUs this process
     may run on (at most 8)."""

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 import compile_shards
-from compile_shards import Shard
+from compile_shards import emit_variants
 
 SMEM_LIMIT = 227 * 1024
 KERNEL = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" / "hopper" / "fwd.py"
@@ -814,10 +814,7 @@ def test_trace_build_still_applies():
 
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
-    shard = Shard()
-    for variant in VARIANTS:
-        if shard.take():
-            shard.emit(compile_variant(variant))
+    emit_variants(VARIANTS, compile_variant)
     return 0
 
 

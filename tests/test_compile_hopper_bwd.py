@@ -29,7 +29,7 @@ import sys
 
 import pytest
 
-from compile_shards import Shard
+from compile_shards import emit_variants
 from test_compile_hopper import assemble, assert_register_split, compiled_rows, step_loops
 
 SMEM_LIMIT = 227 * 1024
@@ -689,10 +689,7 @@ def test_trace_build_still_applies():
 
 def main() -> int:
     assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
-    shard = Shard()
-    for variant in VARIANTS:
-        if shard.take():
-            shard.emit(compile_variant(variant))
+    emit_variants(VARIANTS, compile_variant)
     return 0
 
 

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from compile_shards import Shard
+from compile_shards import emit_variants
 from test_compile_hopper import assemble, assert_register_split, compiled_rows, step_loops
 
 SMEM_LIMIT = 227 * 1024
@@ -312,8 +312,5 @@ def test_mla_trace_build_still_applies():
 
 
 if __name__ == "__main__":
-    shard = Shard()
-    for variant in VARIANTS:
-        if shard.take():
-            shard.emit(compile_variant(variant))
+    emit_variants(VARIANTS, compile_variant)
     sys.exit(0)
