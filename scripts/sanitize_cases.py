@@ -1,10 +1,13 @@
 """Driver for scripts/sanitize.sh: FlashCore's kernels on small shapes, for compute-sanitizer.
 
 Runs the forward and the backward (unless ``--no-backward``) on every case of
-``tests/shapes.py``'s SANITIZE tier, for each dtype and both masks, cycling through the memory
-layouts. Each result is checked against the float64 reference computed on the CPU, so the
-sanitized process runs FlashCore's kernels and a few PyTorch fills and copies, no cuBLAS. Every
-CUDA tensor is released before exit, so memcheck's leak check sees only what leaked for real.
+``tests/shapes.py``'s SANITIZE tier, for each dtype, both masks and each set of score options
+(``--options``: none by default; softcap, ALiBi, a window, a window with softcap, which the
+Hopper kernels build as their own variants), cycling through the memory layouts;
+``--head-dims`` keeps the cases of the head dims given. Each result is checked against the
+float64 reference computed on the CPU, so the sanitized process runs FlashCore's kernels and a few
+PyTorch fills and copies, no cuBLAS. Every CUDA tensor is released before exit, so memcheck's leak
+check sees only what leaked for real.
 
 Exits 1 when a result is wrong (the sanitizer's --error-exitcode reports memory errors).
 ``--device cpu`` with TRITON_INTERPRET=1 runs the same cases through the interpreter (a smoke test
@@ -15,26 +18,73 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import sys
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import flashcore
-from helpers import check_forward, check_grads, make_qkv
+from helpers import alibi_slopes, check_forward, check_grads, make_qkv
 from shapes import DTYPES, SANITIZE, Case
 
 LAYOUTS = ["bhsd", "bshd", "sliced"]
 
+# Score options by name. The window is causal (left, 0) under a causal mask and two-sided
+# otherwise; softcap 5 bends scores of unit-variance inputs (30 would leave them nearly linear).
+OPTIONS = ("none", "softcap", "alibi", "window", "window-softcap")
+
+
+def score_options(name: str, case: Case, causal: bool, device: str) -> dict:
+    opts: dict = {}
+    if "window" in name:
+        opts["window"] = (7, 0) if causal else (7, 5)
+    if "softcap" in name:
+        opts["softcap"] = 5.0
+    if name == "alibi":
+        opts["alibi_slopes"] = alibi_slopes(case.heads, None, device)
+    return opts
+
+
+def tiers_ran(monkeypatch) -> dict:
+    """Lists that gain an entry per launch, by tier: the Hopper forward (``ops.fwd_sm90.launch``)
+    and backward (``ops.bwd_sm90.attn_bwd_sm90``), the portable forward (``ops.fwd._launch``)
+    and backward (its kernels' getter); the quick paths, which a repeated signature would take
+    around these, are off. A kernel outside them (head dim 256's or MLA's backward, decode)
+    leaves its list empty."""
+    from flashcore.ops import bwd, bwd_sm90, fwd, fwd_sm90
+
+    ran: dict = {"fwd": [], "bwd": []}
+    monkeypatch.setattr(fwd.Quick, "sm90", classmethod(lambda cls, *args: None))
+    monkeypatch.setattr(bwd, "_quick", lambda key: None)
+
+    def wrap(module, name, kind, tier):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, **kw: ran[kind].append(tier) or real(*a, **kw))
+
+    wrap(fwd_sm90, "launch", "fwd", "sm90")
+    wrap(fwd, "_launch", "fwd", "portable")
+    wrap(bwd_sm90, "attn_bwd_sm90", "bwd", "sm90")
+    wrap(bwd, "kernels", "bwd", "portable")
+    return ran
+
 
 def run_case(
-    case: Case, dtype: torch.dtype, causal: bool, layout: str, backward: bool, device: str
+    case: Case,
+    dtype: torch.dtype,
+    causal: bool,
+    layout: str,
+    backward: bool,
+    device: str,
+    options: str = "none",
 ) -> None:
     q, k, v = (t.requires_grad_(backward) for t in make_qkv(case, dtype, device, layout=layout))
-    out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True)
+    masks = score_options(options, case, causal, device)
+    out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True, **masks)
     grads = None
     if backward:
         dout = torch.randn_like(out)
@@ -42,10 +92,11 @@ def run_case(
     if device != "cpu":
         torch.cuda.synchronize(device)  # a launch error shows here, attributed to this case
     cpu = [t.detach().cpu() for t in (q, k, v)]
-    check_forward(out.detach().cpu(), lse.cpu(), *cpu, causal=causal)
+    masks = {key: val.cpu() if torch.is_tensor(val) else val for key, val in masks.items()}
+    check_forward(out.detach().cpu(), lse.cpu(), *cpu, causal=causal, **masks)
     if grads is not None:
         named = {name: g.cpu() for name, g in zip("qkv", grads, strict=True)}
-        check_grads(named, *cpu, dout.cpu(), causal=causal)
+        check_grads(named, *cpu, dout.cpu(), causal=causal, **masks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,6 +112,14 @@ def main(argv: list[str] | None = None) -> int:
         help="flashcore.use_tier for every case (sm90: the Gluon kernels wherever they run, "
         "which 'auto' leaves to longer problems than these)",
     )
+    parser.add_argument(
+        "--options",
+        default="none",
+        help=f"comma-separated score options, each run on every case: {', '.join(OPTIONS)}",
+    )
+    parser.add_argument(
+        "--head-dims", default="", help="comma-separated: only the cases of these head dims"
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to smoke-test")
     parser.add_argument(
         "--no-tma",
@@ -69,6 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         "not see the bulk-copy engine's stores and reports every later read of them)",
     )
     args = parser.parse_args(argv)
+    options = args.options.split(",")
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        parser.error(f"--options: unknown {unknown}; known: {', '.join(OPTIONS)}")
+    head_dims = {int(d) for d in args.head_dims.split(",") if d}
     if args.no_tma:
         from flashcore.ops import runtime
 
@@ -90,20 +154,32 @@ def main(argv: list[str] | None = None) -> int:
           f"backward: {'yes' if backward else 'no (forward only)'}; tier: {args.tier}")  # fmt: skip
     failures = runs = 0
     for i, case in enumerate(SANITIZE):
+        if head_dims and case.head_dim not in head_dims:
+            continue
         layout = LAYOUTS[i % len(LAYOUTS)]
-        for dtype_name in args.dtypes.split(","):
-            for causal in (False, True):
-                runs += 1
-                label = f"{case.id} {dtype_name} {'causal' if causal else 'full'} {layout}"
-                try:
-                    with flashcore.use_tier(args.tier):
-                        run_case(case, DTYPES[dtype_name], causal, layout, backward, args.device)
-                except Exception:  # report every case, then fail
-                    failures += 1
-                    print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
-                else:
-                    print(f"ok   {label}", flush=True)
-                gc.collect()
+        for dtype_name, causal, opt in itertools.product(
+            args.dtypes.split(","), (False, True), options
+        ):
+            runs += 1
+            torch.manual_seed(runs)  # each case's inputs the same on every run
+            label = f"{case.id} {dtype_name} {'causal' if causal else 'full'} {layout}"
+            if opt != "none":
+                label += f" {opt}"
+            try:
+                with flashcore.use_tier(args.tier), pytest.MonkeyPatch.context() as patch:
+                    ran = tiers_ran(patch)
+                    run_case(case, DTYPES[dtype_name], causal, layout, backward, args.device, opt)
+            except Exception:  # report every case, then fail
+                failures += 1
+                print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
+            else:
+                tiers = ", ".join(
+                    f"{kind} {'+'.join(sorted(set(ran[kind]))) or 'other'}"
+                    for kind in ("fwd", "bwd")
+                    if kind == "fwd" or backward
+                )
+                print(f"ok   {label} [{tiers}]", flush=True)
+            gc.collect()
     gc.collect()
     if on_gpu:
         torch.cuda.synchronize()
