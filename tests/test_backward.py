@@ -11,6 +11,7 @@ from flashcore.ops import registry as ops
 from flashcore.tuning import sm90_backward
 from helpers import (
     PortableLaunched,
+    alibi_slopes,
     capture_modes,
     check_backward,
     check_forward,
@@ -768,6 +769,27 @@ def test_backward_gpu_fp32_gqa_long_group(seed, causal):
     torch.manual_seed(seed)
     q, k, v = make_qkv(Case(1, 16, 2, 1612, 1612, 32), torch.float32, "cuda")
     check_backward(q, k, v, causal=causal, scale=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(
+    strict=True,
+    reason="known: fp32 on the GPU, some rows' scores an ulp apart between the forward and the "
+    "backward at ALiBi's large scores (kernels/bwd.py, 'LSE base'); dV outside the rule",
+)
+@pytest.mark.parametrize("softcap", [None, 5.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_backward_gpu_fp32_lone_key_alibi(seed, softcap):
+    """fp32 with one key seen by 1803 query rows, far from it under ALiBi (scores near -1000):
+    every P is exactly 1, so dV is the sum of dO's rows. With the backward's scores in base 2
+    against the forward's natural ones, P was off 1 by the scores' rounding (scripts/gpu_fuzz.py
+    found it on a packed batch of these lengths: dV 1.95e-3 from float64 against a bound of
+    1.0e-4; in natural units, as now, 2.2e-4). Strict: every seed fails both ways on the H200, so
+    this passes until the cause is found and then fails, to be made a plain test."""
+    torch.manual_seed(seed)
+    q, k, v = make_qkv(Case(1, 8, 2, 1803, 1, 128), torch.float32, "cuda")
+    slopes = alibi_slopes(8, None, "cuda")
+    check_backward(q, k, v, causal=False, scale=0.3, alibi_slopes=slopes, softcap=softcap)
 
 
 @pytest.mark.gpu

@@ -68,13 +68,21 @@ Varlen changes only how base pointers and sequence lengths are found.
 LSE base. The forward stores the natural-log LSE (fp32, ``(B, H, Sq)``, unit stride along Sq).
 ``load_row_stats`` converts it to base 2 and the scores are scaled by ``scale * log2(e)``, so the
 probabilities are one ``exp2``. Recomputing the base-2 scores exactly as the forward did matters:
-the rounding of the row maximum then cancels against the LSE. Forming the exponent in natural units
-instead (``(S * scale - lse) * log2(e)``) was tried and doubled the fp32 dK error with scores near
--470 (interpreter, exactly rounded dots). ``dS`` is the gradient with respect to the natural-unit
-scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied once to the dQ and dK
-accumulators (``grad_scale``). The score scalars (``qk_scale``, ``softcap``) arrive folded into
-base-2 units by the host exactly as the forward's (``ops/problem.py``), so the two kernels form
-bit-identical scores.
+the rounding of the row maximum then cancels against the LSE. Forming the exponent in natural
+units instead (``(S * scale - lse) * log2(e)``) was tried and doubled the fp32 dK error with
+scores near -470 (interpreter, exactly rounded dots). EXP_E (fp32 on the GPU, as in the forward):
+scores, LSE and exponential all stay in natural units (libdevice's ``exp``), the forward's own, so
+the LSE needs no conversion. In base 2 against the forward's natural scores, a row with one
+visible key had ``P = exp2(s' - lse * log2(e))`` off 1 by the rounding of scores as large as ALiBi
+makes them: dV of one key seen by 1803 rows (most hundreds of positions away) 1.95e-3 from
+float64 against FlashAttention's bound of 1.0e-4; 2.2e-4 in natural units (H200). The rest is
+not explained: with the interpreter's exact dots and a natural ``exp`` the same problem passes,
+so on the GPU some rows' scores still come out an ulp apart between the two kernels
+(tests/test_backward.py, ``test_backward_gpu_fp32_lone_key_alibi``). ``dS`` is the gradient
+with respect to the natural-unit scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied
+once to the dQ and dK accumulators (``grad_scale``). The score scalars (``qk_scale``,
+``softcap``) arrive folded into the scores' units by the host exactly as the forward's
+(``ops/problem.py``), so that the two kernels form the same scores.
 
 Invariants. A row that sees no key (LSE -inf) and a padding row past Sq get ``lse2 = +inf``: their
 P is exactly 0, so they contribute nothing and their dQ is 0, never NaN. Masked scores are -inf
@@ -100,6 +108,7 @@ from flashcore.kernels.common import (
     mask_scores_t,
     program_tile,
     q_tile_range,
+    softmax_exp,
     store_tile,
     transform_scores,
 )
@@ -178,6 +187,7 @@ def _bwd_dkdv_q_loop(
     DOT_PRECISION: tl.constexpr,
     BLOCK_D2: tl.constexpr,
     EVEN_D2: tl.constexpr,
+    EXP_E: tl.constexpr,
 ):
     """Visit query tiles ``[start_m, end_m)`` of one head, bases already at row ``start_m``.
 
@@ -195,7 +205,7 @@ def _bwd_dkdv_q_loop(
         rows = tile_m + offs_tm
         q = load_tile(q_base + tile_q, rows, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
         do = load_tile(do_base + tile_do, rows, seqlen_q, offs_dv, HEAD_DIM_V, EVEN_M, EVEN_DV)
-        lse2, delta = load_row_stats(lse_ptrs, delta_ptrs, rows, seqlen_q, EVEN_M)
+        lse2, delta = load_row_stats(lse_ptrs, delta_ptrs, rows, seqlen_q, EVEN_M, EXP_E)
         if UPCAST:
             q = q.to(tl.float32)
             do = do.to(tl.float32)
@@ -217,7 +227,7 @@ def _bwd_dkdv_q_loop(
                 st, offs_n, rows, seqlen_q, seqlen_k, window_left, window_right,
                 IS_CAUSAL, HAS_WINDOW, False,
             )  # fmt: skip
-        pt = tl.math.exp2(st - lse2[None, :])
+        pt = softmax_exp(st - lse2[None, :], EXP_E)
         dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
         dpt = dot_nt(v, do, DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
@@ -296,6 +306,7 @@ def attn_bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
     IS_VARLEN: tl.constexpr,
     ALIGN: tl.constexpr = 1,
+    EXP_E: tl.constexpr = False,
 ):
     stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn, ALIGN)
@@ -378,7 +389,7 @@ def attn_bwd_dkdv_kernel(
         stats_off = off_b * stride_lb + off_h * stride_lh + row0
         lse_ptrs = LSE + stats_off + offs_tm
         delta_ptrs = DELTA + stats_off + offs_tm
-        slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, False)
+        slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, EXP_E)
         dk, dv, dk2, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
             dk, dv, k, v, dk2, k2, offs_d2, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm,
             offs_n, offs_d, offs_dv, lo, mid,
@@ -386,7 +397,7 @@ def attn_bwd_dkdv_kernel(
             softcap, slope,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
             HAS_ALIBI, True,
-            EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
+            EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2, EXP_E,
         )  # fmt: skip
         dk, dv, dk2, q_base, do_base, lse_ptrs, delta_ptrs = _bwd_dkdv_q_loop(
             dk, dv, k, v, dk2, k2, offs_d2, q_base, do_base, lse_ptrs, delta_ptrs, offs_tm,
@@ -394,7 +405,7 @@ def attn_bwd_dkdv_kernel(
             qk_scale, window_left, window_right, softcap, slope,
             HEAD_DIM, HEAD_DIM_V, BLOCK_M, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
             HAS_ALIBI, False,
-            EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
+            EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2, EXP_E,
         )  # fmt: skip
         if HAS_WINDOW:
             # Query rows past the window's left edge of the block's first key: masked again.
@@ -406,7 +417,7 @@ def attn_bwd_dkdv_kernel(
                 window_right, softcap, slope,
                 HEAD_DIM, HEAD_DIM_V, BLOCK_M, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
                 HAS_ALIBI, True,
-                EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
+                EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2, EXP_E,
             )  # fmt: skip
         if HEAD_SHARES:
             dk, dv = dk_all + dk, dv_all + dv
@@ -478,6 +489,7 @@ def _bwd_dq_kv_loop(
     DOT_PRECISION: tl.constexpr,
     BLOCK_D2: tl.constexpr,
     EVEN_D2: tl.constexpr,
+    EXP_E: tl.constexpr,
 ):
     """Visit key tiles ``[start_n, end_n)`` with k/v pointers already at ``start_n``.
 
@@ -515,7 +527,7 @@ def _bwd_dq_kv_loop(
                 s, offs_m, cols, seqlen_q, seqlen_k, window_left, window_right,
                 IS_CAUSAL, HAS_WINDOW, not EVEN_N,
             )  # fmt: skip
-        p = tl.math.exp2(s - lse2[:, None])
+        p = softmax_exp(s - lse2[:, None], EXP_E)
         dp = dot_nt(do, v, DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -595,6 +607,7 @@ def attn_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr,
     HAS_DLSE: tl.constexpr,
     ALIGN: tl.constexpr = 1,
+    EXP_E: tl.constexpr = False,
 ):
     stride_qb, stride_qh, stride_qm = aligned(stride_qb, stride_qh, stride_qm, ALIGN)
     stride_kb, stride_kh, stride_kn = aligned(stride_kb, stride_kh, stride_kn, ALIGN)
@@ -655,7 +668,7 @@ def attn_bwd_dq_kernel(
         + (offs_tm[:, None] * stride_om + offs_dv[None, :])
     )
     stats_off = off_b * stride_lb + off_h * stride_lh
-    lse2 = load_lse2(LSE + stats_off + offs_m, offs_m, seqlen_q, EVEN_M)
+    lse2 = load_lse2(LSE + stats_off + offs_m, offs_m, seqlen_q, EVEN_M, EXP_E)
     q = load_tile(q_ptrs, offs_m, seqlen_q, offs_d, HEAD_DIM, EVEN_M, EVEN_D)
     do = load_tile(do_ptrs, offs_m, seqlen_q, offs_dv, HEAD_DIM_V, EVEN_M, EVEN_DV)
     dlse_ptrs = DLSE + off_b * stride_dlb + off_h * stride_dlh + (row0 + offs_tm) * stride_dlm
@@ -675,7 +688,7 @@ def attn_bwd_dq_kernel(
     offs_d2, q2, dq2 = _second_panel(
         q_rows, offs_m, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_D2, EVEN_M, EVEN_D2, UPCAST
     )
-    slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, False)
+    slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, EXP_E)
     lo, full_lo, full_hi, hi = kv_tile_range(
         start_m, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M, BLOCK_N,
         IS_CAUSAL, HAS_WINDOW,
@@ -690,7 +703,7 @@ def attn_bwd_dq_kernel(
             softcap, slope,
             HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP,
             HAS_ALIBI, True, EVEN_N,
-            UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
+            UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2, EXP_E,
         )  # fmt: skip
     dq, dq2, k_base, v_base = _bwd_dq_kv_loop(
         dq, q, dq2, q2, offs_d2, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
@@ -699,7 +712,7 @@ def attn_bwd_dq_kernel(
         softcap, slope,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
         False, EVEN_N,
-        UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
+        UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2, EXP_E,
     )  # fmt: skip
     dq, dq2, k_base, v_base = _bwd_dq_kv_loop(
         dq, q, dq2, q2, offs_d2, do, lse2, delta, k_base, v_base, offs_m, offs_n, offs_d, offs_dv,
@@ -708,7 +721,7 @@ def attn_bwd_dq_kernel(
         softcap, slope,
         HEAD_DIM, HEAD_DIM_V, BLOCK_N, EVEN_D, EVEN_DV, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
         True, EVEN_N,
-        UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2,
+        UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2, EXP_E,
     )  # fmt: skip
 
     dq *= grad_scale

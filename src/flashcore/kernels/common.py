@@ -520,29 +520,35 @@ def online_softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr, EXP_E: tl.const
 
 
 @triton.jit
-def load_lse2(lse_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr):
-    """The forward's per-row LSE in base 2, for the backward.
+def load_lse2(lse_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr, EXP_E: tl.constexpr = False):
+    """The forward's per-row LSE in the scores' units, for the backward: base 2, or natural
+    (as stored) with EXP_E.
 
-    ``exp2(s - lse2)`` recomputes the normalised probabilities. Rows that see no key (LSE -inf)
-    and rows past seqlen_q get ``lse2 = +inf``, so their probabilities are exactly 0 (also where
-    s is -inf) and they contribute nothing to any gradient, instead of ``-inf - -inf = NaN``.
+    ``softmax_exp(s - lse2)`` recomputes the normalised probabilities. Rows that see no key (LSE
+    -inf) and rows past seqlen_q get ``lse2 = +inf``, so their probabilities are exactly 0 (also
+    where s is -inf) and they contribute nothing to any gradient, instead of ``-inf - -inf =
+    NaN``.
     """
     if EVEN_M:
         lse = tl.load(lse_ptrs)
     else:
         lse = tl.load(lse_ptrs, mask=offs_m < seqlen_q, other=float("-inf"))
-    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    if not EXP_E:
+        lse = lse * LOG2E
+    return tl.where(lse == float("-inf"), float("inf"), lse)
 
 
 @triton.jit
-def load_row_stats(lse_ptrs, delta_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr):
+def load_row_stats(
+    lse_ptrs, delta_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr, EXP_E: tl.constexpr = False
+):
     """Per-row ``(lse2, delta)`` for the backward (``load_lse2``); rows past seqlen_q get
     delta 0."""
     if EVEN_M:
         delta = tl.load(delta_ptrs)
     else:
         delta = tl.load(delta_ptrs, mask=offs_m < seqlen_q, other=0.0)
-    return load_lse2(lse_ptrs, offs_m, seqlen_q, EVEN_M), delta
+    return load_lse2(lse_ptrs, offs_m, seqlen_q, EVEN_M, EXP_E), delta
 
 
 @triton.jit

@@ -409,9 +409,15 @@ def _plan(
         head_dim_v=head_dim_v if head_dim_v != head_dim else None,
         panels=block_d2 > 0,
     )
-    # The backward recomputes the forward's scores in base 2 (kernels/bwd.py, "LSE base").
-    sc = pb.scores(causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k)
-    flags = dict(**pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v), **sc.flags())
+    # The backward recomputes the forward's scores in the forward's units (kernels/bwd.py, "LSE
+    # base"): base 2, natural for fp32 on the GPU.
+    exp_e = pb.uses_exp_e(q.dtype, interpreted)
+    sc = pb.scores(
+        causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k, exp_e=exp_e
+    )
+    flags = dict(
+        **pb.type_flags(q.dtype, head_dim, interpreted, head_dim_v), **sc.flags(), EXP_E=exp_e
+    )
     flags["BLOCK_D"], flags["BLOCK_D2"] = block_d, block_d2
 
     def even(seqlen: int, block: int) -> bool:

@@ -8,8 +8,9 @@ multiplies ``q . k``; with a softcap c it is ``scale / c`` in natural units (the
 capped score in base 2. fp32 inputs on the GPU keep natural units and libdevice's ``exp``
 (``EXP_E``, see ``kernels/common.softmax_exp``): the same formulas with a unit of 1. The ALiBi
 slopes are tensors, so the one kernel helper that loads them (``common.alibi_slope``) applies the
-same unit. The backward always works in base 2 and takes the raw ``scale`` once more, as
-``grad_scale``, for ``dQ = scale * dS K`` and ``dK = scale * dS^T Q``.
+same unit. The backward works in the forward's units (base 2, natural for fp32 on the GPU) and
+takes the raw ``scale`` once more, as ``grad_scale``, for ``dQ = scale * dS K`` and ``dK = scale *
+dS^T Q``.
 """
 
 from __future__ import annotations
