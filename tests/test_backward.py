@@ -771,6 +771,31 @@ def test_backward_gpu_fp32_gqa_long_group(seed, causal):
     check_backward(q, k, v, causal=causal, scale=0.05)
 
 
+def test_backward_fp32_lone_key_interpreter(device):
+    """The interpreter's fp32 backward in natural units, as its forward (EXP_E 2): one key seen
+    by 1803 rows of two heads under ALiBi (scores down to -900), where every P is exactly 1. In base 2 the
+    backward's ``lse * log2(e)`` put each row's exponent an ulp of its score off the forward's:
+    dV 15x outside FlashAttention's rule. (The GPU's case: test_backward_gpu_fp32_lone_key_alibi.)
+    """
+    if device != "cpu":
+        pytest.skip("the interpreter's case; on the GPU see test_backward_gpu_fp32_lone_key_alibi")
+    q, k, v = make_qkv(Case(1, 2, 1, 1803, 1, 32), torch.float32, device)
+    slopes = torch.tensor([0.5, 0.25], device=device)
+    check_backward(q, k, v, causal=False, scale=0.3, alibi_slopes=slopes)
+
+
+def test_backward_fp32_lone_key_softcap_interpreter(device):
+    """Softcap's scores sit near their cap (7.2 in base 2), where the base-2 exponent's ulp was
+    largest: one query against one key, dV = P dO with P exactly 1 in PyTorch's fp32 math, came
+    out 2 ulp off in 2 seeds of 40 (scripts/sanitize_cases.py's options, interpreter)."""
+    if device != "cpu":
+        pytest.skip("the interpreter's case")
+    for seed in range(40):
+        torch.manual_seed(seed)
+        q, k, v = make_qkv(Case(1, 1, 1, 1, 1, 16), torch.float32, device)
+        check_backward(q, k, v, causal=True, softcap=5.0, window=(7, 0))
+
+
 @pytest.mark.gpu
 @pytest.mark.xfail(
     strict=True,

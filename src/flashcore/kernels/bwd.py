@@ -68,21 +68,21 @@ Varlen changes only how base pointers and sequence lengths are found.
 LSE base. The forward stores the natural-log LSE (fp32, ``(B, H, Sq)``, unit stride along Sq).
 ``load_row_stats`` converts it to base 2 and the scores are scaled by ``scale * log2(e)``, so the
 probabilities are one ``exp2``. Recomputing the base-2 scores exactly as the forward did matters:
-the rounding of the row maximum then cancels against the LSE. Forming the exponent in natural
-units instead (``(S * scale - lse) * log2(e)``) was tried and doubled the fp32 dK error with
-scores near -470 (interpreter, exactly rounded dots). EXP_E (fp32 on the GPU, as in the forward):
-scores, LSE and exponential all stay in natural units (libdevice's ``exp``), the forward's own, so
-the LSE needs no conversion. In base 2 against the forward's natural scores, a row with one
-visible key had ``P = exp2(s' - lse * log2(e))`` off 1 by the rounding of scores as large as ALiBi
-makes them: dV of one key seen by 1803 rows (most hundreds of positions away) 1.95e-3 from
-float64 against FlashAttention's bound of 1.0e-4; 2.2e-4 in natural units (H200). The rest is
-not explained: with the interpreter's exact dots and a natural ``exp`` the same problem passes,
-so on the GPU some rows' scores still come out an ulp apart between the two kernels
-(tests/test_backward.py, ``test_backward_gpu_fp32_lone_key_alibi``). ``dS`` is the gradient
-with respect to the natural-unit scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied
-once to the dQ and dK accumulators (``grad_scale``). The score scalars (``qk_scale``,
-``softcap``) arrive folded into the scores' units by the host exactly as the forward's
-(``ops/problem.py``), so that the two kernels form the same scores.
+the rounding of the row maximum then cancels against the LSE. Forming the exponent in natural units
+instead (``(S * scale - lse) * log2(e)``) was tried and doubled the fp32 dK error with scores near
+-470 (interpreter, exactly rounded dots). EXP_E (fp32, as in the forward): scores, LSE and
+exponential all stay in natural units (``common.softmax_exp``), the forward's own, so the LSE needs
+no conversion. In base 2 against the forward's natural scores (the GPU) or with the LSE through
+``log2(e)`` (the interpreter), a row with one visible key had ``P`` off 1 by the rounding of scores
+as large as ALiBi makes them: dV of one key seen by 1803 rows (most hundreds of positions away)
+1.95e-3 from float64 against FlashAttention's bound of 1.0e-4 on the H200, 15x the bound in the
+interpreter; natural units: 2.2e-4 on the H200, inside the bound in the interpreter. The rest on the
+GPU is not explained: some rows' scores there still come out an ulp apart between the two kernels
+(tests/test_backward.py, ``test_backward_gpu_fp32_lone_key_alibi``). ``dS`` is the gradient with
+respect to the natural-unit scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied once to
+the dQ and dK accumulators (``grad_scale``). The score scalars (``qk_scale``, ``softcap``) arrive
+folded into the scores' units by the host exactly as the forward's (``ops/problem.py``), so that the
+two kernels form the same scores.
 
 Invariants. A row that sees no key (LSE -inf) and a padding row past Sq get ``lse2 = +inf``: their
 P is exactly 0, so they contribute nothing and their dQ is 0, never NaN. Masked scores are -inf

@@ -362,14 +362,21 @@ def transform_scores(
 
 @triton.jit
 def softmax_exp(x, EXP_E: tl.constexpr):
-    """``exp2(x)`` on base-2 scores; with EXP_E, libdevice's correctly rounded ``exp(x)``.
+    """``exp2(x)`` on base-2 scores; with EXP_E, a correctly rounded ``exp(x)`` on natural ones:
+    libdevice's on the GPU (EXP_E 1), numpy's in the interpreter (EXP_E 2: ``tl.exp``, which has
+    no libdevice there; compiled, ``tl.exp`` is ``ex2.approx`` of a scaled argument).
 
-    EXP_E is the fp32 path on the GPU: ``ex2.approx`` (about 2 ulp) plus the rounding of the folded
+    EXP_E is the fp32 path: on the GPU ``ex2.approx`` (about 2 ulp) plus the rounding of the folded
     ``scale * log2(e)`` put fp32 outputs ~5x further from float64 than PyTorch's fp32 math (seen
-    on the H100 at Sq=1, Sk=17, D=80), outside FlashAttention's error rule. Half-precision inputs
-    never see the difference. The interpreter has no libdevice; its numpy exp2 is exact anyway.
+    on the H100 at Sq=1, Sk=17, D=80), outside FlashAttention's error rule. In the interpreter
+    base 2 was exact enough for the forward, but the backward's ``lse * log2(e)`` (the stored LSE
+    is natural) put a row's exponent an ulp of its scores off the forward's: dV of one key seen
+    by 1803 rows under ALiBi 15x outside the rule, and softcap's scores near their cap, 2 seeds
+    in 40, just outside it. Half-precision inputs never see the difference.
     """
-    if EXP_E:
+    if EXP_E == 2:
+        return tl.exp(x)
+    elif EXP_E:
         return libdevice.exp(x)
     else:
         return tl.math.exp2(x)

@@ -56,8 +56,8 @@ Flags (``tl.constexpr``, compiled away when off):
 - HEAD_DIM < BLOCK_D, HEAD_DIM_V < BLOCK_DV: padded head dims (the value one may differ), as in
   the forward.
 - UPCAST, DOT_PRECISION, EXP_E: as in the forward kernel (interpreter bf16 upcast; IEEE fp32
-  dots, with the score product in fp64 as in ``common.dot_nt``; fp32 on the GPU in natural units
-  with libdevice's exp).
+  dots, with the score product in fp64 as in ``common.dot_nt``; fp32 in natural units with an
+  exact exp).
 
 LSE base. Partial and final LSE are natural-log, fp32. A row (or a split of it) that sees no key
 has ``l = 0``: its output is written as 0 and its LSE as -inf; the combine weights such splits by

@@ -43,8 +43,9 @@ Flags (``tl.constexpr``, compiled away when off):
   out-of-range rows and columns, so the masked loads disappear. The launcher takes it whenever
   the tensors meet the engine's alignment rules (16-byte base and strides); otherwise plain
   pointers with masked loads.
-- EXP_E: fp32 inputs on the GPU: scores in natural units and libdevice's exp instead of the
-  folded log2(e) and exp2 (see ``common.softmax_exp``); ``qk_scale`` is then just ``scale``.
+- EXP_E: fp32 inputs: scores in natural units and an exact exp (libdevice's on the GPU, 1;
+  numpy's in the interpreter, 2) instead of the folded log2(e) and exp2 (see
+  ``common.softmax_exp``); ``qk_scale`` is then just ``scale``.
 - HAS_SINKS: one learnable logit per query head (SINKS, fp32 ``(H,)``) joins every row's softmax
   as a key with no value (gpt-oss): the running max and sum start from it
   (``common.softmax_start``), so the normalisation and the LSE include it and nothing else

@@ -5,10 +5,10 @@ Score units (one convention for every kernel, forward, backward and decode): the
 ``exp2`` of base-2 scores, so the host folds ``log2(e)`` into the score scale. ``qk_scale``
 multiplies ``q . k``; with a softcap c it is ``scale / c`` in natural units (the kernels take
 ``tanh`` of that) and ``softcap`` is ``c`` in the scores' units, so ``tanh(.) * softcap`` is the
-capped score in base 2. fp32 inputs on the GPU keep natural units and libdevice's ``exp``
-(``EXP_E``, see ``kernels/common.softmax_exp``): the same formulas with a unit of 1. The ALiBi
+capped score in base 2. fp32 inputs keep natural units and an exact ``exp`` (``EXP_E``, see
+``kernels/common.softmax_exp``): the same formulas with a unit of 1. The ALiBi
 slopes are tensors, so the one kernel helper that loads them (``common.alibi_slope``) applies the
-same unit. The backward works in the forward's units (base 2, natural for fp32 on the GPU) and
+same unit. The backward works in the forward's units (base 2, natural for fp32) and
 takes the raw ``scale`` once more, as ``grad_scale``, for ``dQ = scale * dS K`` and ``dK = scale *
 dS^T Q``.
 """
@@ -232,9 +232,13 @@ def type_flags(
     )
 
 
-def uses_exp_e(dtype: torch.dtype, interpreted: bool) -> bool:
-    """fp32 on the GPU takes the exact-exp path in natural units (``common.softmax_exp``)."""
-    return dtype == torch.float32 and not interpreted
+def uses_exp_e(dtype: torch.dtype, interpreted: bool) -> int:
+    """The kernels' EXP_E: fp32 takes the exact-exp path in natural units (``common.softmax_exp``):
+    1 on the GPU (libdevice's ``exp``), 2 in the interpreter (numpy's: it has no libdevice); 0,
+    base 2, for 16-bit inputs."""
+    if dtype != torch.float32:
+        return 0
+    return 2 if interpreted else 1
 
 
 def alibi_arg(slopes: torch.Tensor | None, dummy: torch.Tensor) -> tuple[torch.Tensor, int]:
