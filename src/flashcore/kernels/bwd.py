@@ -75,14 +75,18 @@ exponential all stay in natural units (``common.softmax_exp``), the forward's ow
 no conversion. In base 2 against the forward's natural scores (the GPU) or with the LSE through
 ``log2(e)`` (the interpreter), a row with one visible key had ``P`` off 1 by the rounding of scores
 as large as ALiBi makes them: dV of one key seen by 1803 rows (most hundreds of positions away)
-1.95e-3 from float64 against FlashAttention's bound of 1.0e-4 on the H200, 15x the bound in the
+1.95e-3 from float64 against FlashAttention's bound of 1.0e-4 on the H200, 6.5x the bound in the
 interpreter; natural units: 2.2e-4 on the H200, inside the bound in the interpreter. The rest on the
-GPU is not explained: some rows' scores there still come out an ulp apart between the two kernels
-(tests/test_backward.py, ``test_backward_gpu_fp32_lone_key_alibi``). ``dS`` is the gradient with
-respect to the natural-unit scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied once to
-the dQ and dK accumulators (``grad_scale``). The score scalars (``qk_scale``, ``softcap``) arrive
-folded into the scores' units by the host exactly as the forward's (``ops/problem.py``), so that the
-two kernels form the same scores.
+GPU is not explained. Two candidates: some rows' scores an ulp apart between the two kernels, or
+dV's own sum, a chain of fp32 FMAs through 1803 rows of a head (a random-walk count of its rounding
+gives about 2e-4; PyTorch's blocked matmul 3.6e-5; the interpreter's numpy matmul is blocked too,
+and there the problem passes). Summing each tile's product apart changed nothing, as Triton folds
+``acc + dot`` back into the chain (tests/test_backward.py,
+``test_backward_gpu_fp32_lone_key_alibi``). ``dS`` is the gradient with respect to the natural-unit
+scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied once to the dQ and dK accumulators
+(``grad_scale``). The score scalars (``qk_scale``, ``softcap``) arrive folded into the scores' units
+by the host exactly as the forward's (``ops/problem.py``), so that the two kernels form the same
+scores.
 
 Invariants. A row that sees no key (LSE -inf) and a padding row past Sq get ``lse2 = +inf``: their
 P is exactly 0, so they contribute nothing and their dQ is 0, never NaN. Masked scores are -inf
