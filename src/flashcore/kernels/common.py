@@ -362,9 +362,9 @@ def transform_scores(
 
 @triton.jit
 def softmax_exp(x, EXP_E: tl.constexpr):
-    """``exp2(x)`` on base-2 scores; with EXP_E, a correctly rounded ``exp(x)`` on natural ones:
-    libdevice's on the GPU (EXP_E 1), numpy's in the interpreter (EXP_E 2: ``tl.exp``, which has
-    no libdevice there; compiled, ``tl.exp`` is ``ex2.approx`` of a scaled argument).
+    """``exp2(x)`` on base-2 scores; with EXP_E, an exact (to an ulp) ``exp(x)`` on natural ones:
+    libdevice's on the GPU (EXP_E 1), numpy's in the interpreter (EXP_E 2: ``tl.exp``, as the
+    interpreter has no libdevice; compiled, ``tl.exp`` is ``ex2.approx`` of a scaled argument).
 
     EXP_E is the fp32 path: on the GPU ``ex2.approx`` (about 2 ulp) plus the rounding of the folded
     ``scale * log2(e)`` put fp32 outputs ~5x further from float64 than PyTorch's fp32 math (seen

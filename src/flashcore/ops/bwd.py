@@ -410,7 +410,7 @@ def _plan(
         panels=block_d2 > 0,
     )
     # The backward recomputes the forward's scores in the forward's units (kernels/bwd.py, "LSE
-    # base"): base 2, natural for fp32 on the GPU.
+    # base"): base 2, natural for fp32.
     exp_e = pb.uses_exp_e(q.dtype, interpreted)
     sc = pb.scores(
         causal, window, softcap, scale, alibi_slopes is not None, seqlen_q, seqlen_k, exp_e=exp_e
