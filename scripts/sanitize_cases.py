@@ -132,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         parser.error(f"--options: unknown {unknown}; known: {', '.join(OPTIONS)}")
-    head_dims = {int(d) for d in args.head_dims.split(",") if d}
+    try:
+        head_dims = {int(d) for d in args.head_dims.split(",") if d}
+    except ValueError:
+        parser.error(f"--head-dims: integers separated by commas, not {args.head_dims!r}")
     if args.no_tma:
         from flashcore.ops import runtime
 
