@@ -29,7 +29,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import flashcore
-from helpers import alibi_slopes, check_forward, check_grads, make_qkv
+from helpers import (
+    alibi_slopes,
+    check_forward,
+    check_grads,
+    make_qkv,
+    record_backward_tiers,
+    record_sm90_forwards,
+)
 from shapes import DTYPES, SANITIZE, Case
 
 LAYOUTS = ["bhsd", "bshd", "sliced"]
@@ -51,26 +58,19 @@ def score_options(name: str, case: Case, causal: bool, device: str) -> dict:
 
 
 def tiers_ran(monkeypatch) -> dict:
-    """Lists that gain an entry per launch, by tier: the Hopper forward (``ops.fwd_sm90.launch``)
-    and backward (``ops.bwd_sm90.attn_bwd_sm90``), the portable forward (``ops.fwd._launch``)
-    and backward (its kernels' getter); the quick paths, which a repeated signature would take
-    around these, are off. A kernel outside them (head dim 256's or MLA's backward, decode)
-    leaves its list empty."""
-    from flashcore.ops import bwd, bwd_sm90, fwd, fwd_sm90
+    """Lists that gain an entry per launch, by tier, through the tests' recorders (the quick
+    paths, which a repeated signature would take around them, are off): the forward "sm90" or
+    else "portable" (``attention`` runs one of the two), the backward "sm90" or "portable" (its
+    kernels; head dim 256's or MLA's backward leaves it empty)."""
+    forwards = record_sm90_forwards(monkeypatch)
+    return {"sm90 forwards": forwards, "bwd": record_backward_tiers(monkeypatch)}
 
-    ran: dict = {"fwd": [], "bwd": []}
-    monkeypatch.setattr(fwd.Quick, "sm90", classmethod(lambda cls, *args: None))
-    monkeypatch.setattr(bwd, "_quick", lambda key: None)
 
-    def wrap(module, name, kind, tier):
-        real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, **kw: ran[kind].append(tier) or real(*a, **kw))
-
-    wrap(fwd_sm90, "launch", "fwd", "sm90")
-    wrap(fwd, "_launch", "fwd", "portable")
-    wrap(bwd_sm90, "attn_bwd_sm90", "bwd", "sm90")
-    wrap(bwd, "kernels", "bwd", "portable")
-    return ran
+def tiers_label(ran: dict, backward: bool) -> str:
+    label = "fwd " + ("sm90" if ran["sm90 forwards"] else "portable")
+    if backward:
+        label += ", bwd " + ("+".join(sorted(set(ran["bwd"]))) or "other")
+    return label
 
 
 def run_case(
@@ -176,12 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 failures += 1
                 print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
             else:
-                tiers = ", ".join(
-                    f"{kind} {'+'.join(sorted(set(ran[kind]))) or 'other'}"
-                    for kind in ("fwd", "bwd")
-                    if kind == "fwd" or backward
-                )
-                print(f"ok   {label} [{tiers}]", flush=True)
+                print(f"ok   {label} [{tiers_label(ran, backward)}]", flush=True)
             gc.collect()
     gc.collect()
     if on_gpu:
