@@ -104,6 +104,7 @@ from flashcore.kernels.common import (
     alibi_slope,
     aligned,
     dot_nt,
+    grad_dot,
     kv_tile_range,
     load_lse2,
     load_row_stats,
@@ -232,15 +233,15 @@ def _bwd_dkdv_q_loop(
                 IS_CAUSAL, HAS_WINDOW, False,
             )  # fmt: skip
         pt = softmax_exp(st - lse2[None, :], EXP_E)
-        dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        dv = grad_dot(pt.to(do.dtype), do, dv, qk_scale, DOT_PRECISION)
         dpt = dot_nt(v, do, DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         if SOFTCAP:
             # d(c * tanh(x / c)) / dx = 1 - tanh^2: dS with respect to the uncapped scores.
             dst = dst * (1.0 - tt * tt)
-        dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+        dk = grad_dot(dst.to(q.dtype), q, dk, qk_scale, DOT_PRECISION)
         if BLOCK_D2 > 0:
-            dk2 = tl.dot(dst.to(q2.dtype), q2, dk2, input_precision=DOT_PRECISION)
+            dk2 = grad_dot(dst.to(q2.dtype), q2, dk2, qk_scale, DOT_PRECISION)
         q_base += BLOCK_M * stride_qm
         do_base += BLOCK_M * stride_dom
         lse_ptrs += BLOCK_M
@@ -536,9 +537,9 @@ def _bwd_dq_kv_loop(
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        dq = grad_dot(ds.to(k.dtype), k, dq, qk_scale, DOT_PRECISION)
         if BLOCK_D2 > 0:
-            dq2 = tl.dot(ds.to(k2.dtype), k2, dq2, input_precision=DOT_PRECISION)
+            dq2 = grad_dot(ds.to(k2.dtype), k2, dq2, qk_scale, DOT_PRECISION)
         k_base += BLOCK_N * stride_kn
         v_base += BLOCK_N * stride_vn
     return dq, dq2, k_base, v_base

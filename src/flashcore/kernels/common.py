@@ -527,6 +527,23 @@ def online_softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr, EXP_E: tl.const
 
 
 @triton.jit
+def grad_dot(a, b, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` for the backward's gradient sums over tiles.
+
+    fp32 inputs (``"ieee"``: FMA chains on the GPU) form the tile's product apart and then add it,
+    so that a sum over many tiles is a sum of tile sums, not one chain of FMAs through every row.
+    The product starts from a zero Triton cannot see as a constant (``qk_scale * 0``, a finite
+    run-time scalar): from a constant zero, Triton folds ``acc + dot(a, b)`` back into
+    ``dot(a, b, acc)``, the one chain. 16-bit inputs run the tensor cores as before.
+    """
+    if DOT_PRECISION == "ieee":
+        zero = tl.full(acc.shape, 0.0, tl.float32) + qk_scale * 0.0
+        return acc + tl.dot(a, b, zero, input_precision=DOT_PRECISION)
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def load_lse2(lse_ptrs, offs_m, seqlen_q, EVEN_M: tl.constexpr, EXP_E: tl.constexpr = False):
     """The forward's per-row LSE in the scores' units, for the backward: base 2, or natural
     (as stored) with EXP_E.
