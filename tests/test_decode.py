@@ -311,6 +311,19 @@ def test_decode_gpu(case):
     check_decode(*make_kvcache(case, torch.bfloat16, "cuda"), causal=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [1, None], ids=["one-split", "auto"])
+def test_decode_gpu_fp32_long_sums(num_splits):
+    """fp32 decoding over 16384 near-uniform keys with values near 3, in one split too (one
+    split's P @ V sum over every key: fp64 since kernels/common.py's pv_start)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 1, 128, device="cuda") * 0.02
+    k_cache = torch.randn(2, 4, 16384, 128, device="cuda")
+    v_cache = torch.randn(2, 4, 16384, 128, device="cuda") + 3.0
+    lens = torch.tensor([16384, 12000], dtype=torch.int32, device="cuda")
+    check_decode(q, k_cache, v_cache, lens, None, causal=False, num_splits=num_splits)
+
+
 # ---- validation --------------------------------------------------------------------------------
 
 

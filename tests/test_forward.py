@@ -285,6 +285,21 @@ def test_forward_gpu_fp32(head_dim):
     check_forward(out, lse, q, k, v, causal=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seqlen_q", [1, 4, 16])
+def test_forward_gpu_fp32_long_sums(seqlen_q):
+    """fp32, a few queries against 16384 near-uniform keys whose values sit near 3: the output
+    is a long sum of like terms, where PyTorch's fp32 product is split (cuBLAS's split-K). An
+    fp32 P @ V sum, one FMA chain through every key, came out 6-35x PyTorch's error (H200), now
+    summed in fp64 (kernels/common.py, pv_start)."""
+    torch.manual_seed(seqlen_q)
+    q = torch.randn(1, 4, seqlen_q, 128, device="cuda") * 0.02
+    k = torch.randn(1, 4, 16384, 128, device="cuda")
+    v = torch.randn(1, 4, 16384, 128, device="cuda") + 3.0
+    out, lse = flashcore.attention(q, k, v, return_lse=True)
+    check_forward(out, lse, q, k, v, causal=False)
+
+
 def test_small_problems_skip_descriptors():
     # Decided on the host alone: no GPU needed.
     small = tuning.fwd_config(64, 2, interpreted=False, seqlen_q=4096, flops=2**30)

@@ -94,10 +94,12 @@ def fwd_config(
 def _fwd_tiles(block_d: int, elem_size: int, seqlen_q: int, causal: bool, small: bool) -> FwdConfig:
     if elem_size >= 4:
         # fp32 tiles are twice the bytes and the IEEE dot is FMAs, not wgmma: keep tiles small.
-        # At 64x32 with D=128 ptxas spilled 11.8 KB per thread (tests/sm90_compile.py).
+        # At 64x32 with D=128 ptxas spilled 11.8 KB per thread (tests/sm90_compile.py). No TMA:
+        # with the fp64 P @ V sum (common.pv_start) the TMA variants spilled 5.5-17 KB and ran
+        # up to 4.7x slower than pointer loads (H200, docs/performance.md "fp32 accuracy").
         if block_d <= 64:
-            return FwdConfig(64, 32, 4, 2)
-        return FwdConfig(32, 32, 4, 1)
+            return FwdConfig(64, 32, 4, 2, use_tma=False)
+        return FwdConfig(32, 32, 4, 1, use_tma=False)
     # Picked from scripts/fwd_sweep.py on the H100 (fp16, the tables are in docs/performance.md):
     # the fastest config of each head-dim class at S=4096, and for short problems the fastest
     # replayed from CUDA graphs (``--graph``) at S=512-2048: with 128-row tiles a 2048-long causal

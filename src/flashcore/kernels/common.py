@@ -527,6 +527,39 @@ def online_softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr, EXP_E: tl.const
 
 
 @triton.jit
+def pv_start(l_i, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The forward's output accumulator (zeros) and the running row sum ``l_i``, in the precision
+    of the P @ V sum over key tiles: fp32 for 16-bit inputs, fp64 for fp32 (``"ieee"``).
+
+    An fp32 sum is one FMA chain through every key of a row (Triton folds ``acc + dot`` into
+    ``dot(a, b, acc)``), where PyTorch's fp32 product for a few query rows is a tree (cuBLAS's
+    gemv, split-K): with 16384 near-uniform keys the chain came out 9-33x PyTorch's error (H200,
+    Sq = 1). In fp64, on the fp64 tensor cores as ``dot_nt``'s scores, the sum rounds once.
+    """
+    if DOT_PRECISION == "ieee":
+        return tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float64), l_i.to(tl.float64)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), l_i
+
+
+@triton.jit
+def pv_dot(p, v, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + p @ v`` in ``acc``'s precision (``pv_start``)."""
+    if DOT_PRECISION == "ieee":
+        return tl.dot(p.to(tl.float64), v.to(tl.float64), acc, out_dtype=tl.float64)
+    else:
+        return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def pv_finish(acc, m_i, l_i, EXP_E: tl.constexpr):
+    """``(out, lse)`` in fp32 from the accumulator and row statistics (``pv_start``'s precision):
+    rows normalised by their sum (an empty row, l = 0, stays 0) and their natural-log LSE."""
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    return out.to(tl.float32), row_lse(m_i, l_i, EXP_E).to(tl.float32)
+
+
+@triton.jit
 def grad_dot(a, b, acc, qk_scale, DOT_PRECISION: tl.constexpr):
     """``acc + a @ b`` for the backward's gradient sums over tiles.
 

@@ -79,7 +79,9 @@ from flashcore.kernels.common import (
     mask_by_index,
     online_softmax_step,
     paged_rows,
-    row_lse,
+    pv_dot,
+    pv_finish,
+    pv_start,
     softmax_start,
     store_tile,
     transform_scores,
@@ -164,8 +166,7 @@ def _decode_kv_loop(
                 IS_CAUSAL, HAS_WINDOW, True,
             )  # fmt: skip
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = pv_dot(p, v, acc * alpha[:, None], DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -294,7 +295,7 @@ def attn_decode_kernel(
         # The sink joins the first split only; the combine adds the splits' sums.
         m_i = tl.where(split == 0, m_i, float("-inf"))
         l_i = tl.where(split == 0, l_i, 0.0)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc, l_i = pv_start(l_i, BLOCK_M, BLOCK_DV, DOT_PRECISION)
     acc, m_i, l_i = _decode_kv_loop(
         acc, m_i, l_i, q, k_head, v_head, bt_row, qi, slope, offs_n, offs_d, offs_dv,
         start, mid_lo,
@@ -326,8 +327,7 @@ def attn_decode_kernel(
         DOT_PRECISION, EXP_E,
     )  # fmt: skip
 
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = row_lse(m_i, l_i, EXP_E)
+    acc, lse = pv_finish(acc, m_i, l_i, EXP_E)
 
     split_off = split.to(tl.int64)
     o_ptrs = (

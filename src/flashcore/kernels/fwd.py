@@ -97,7 +97,9 @@ from flashcore.kernels.common import (
     page_lookup,
     page_row,
     program_tile,
-    row_lse,
+    pv_dot,
+    pv_finish,
+    pv_start,
     softmax_start,
     store_tile,
     transform_scores,
@@ -218,8 +220,7 @@ def _fwd_kv_loop(
                 IS_CAUSAL, HAS_WINDOW, not EVEN_N,
             )  # fmt: skip
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        acc = pv_dot(p, v, acc * alpha[:, None], DOT_PRECISION)
         if not USE_TMA and not PAGED:
             k_base += BLOCK_N * stride_kn
             v_base += BLOCK_N * stride_vn
@@ -355,7 +356,7 @@ def attn_fwd_kernel(
         q = q.to(tl.float32)
 
     m_i, l_i = softmax_start(SINKS, off_h, BLOCK_M, HAS_SINKS, EXP_E)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc, l_i = pv_start(l_i, BLOCK_M, BLOCK_DV, DOT_PRECISION)
 
     slope = alibi_slope(ALIBI, off_b, off_h, stride_ab, HAS_ALIBI, EXP_E)
 
@@ -402,8 +403,7 @@ def attn_fwd_kernel(
         EVEN_N, UPCAST, DOT_PRECISION, EXP_E, USE_TMA, PAGED,
     )  # fmt: skip
 
-    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    lse = row_lse(m_i, l_i, EXP_E)
+    acc, lse = pv_finish(acc, m_i, l_i, EXP_E)
 
     if USE_TMA:
         # The copy engine drops rows past Sq and columns past D.
