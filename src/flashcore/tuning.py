@@ -185,9 +185,11 @@ def bwd_config(
         return INTERPRETER_BWD
     block_d = head_block(head_dim)
     if elem_size >= 4:
-        # IEEE fp32 dots run on the FMA units: small tiles, one stage.
+        # IEEE fp32 inputs: the score products and the gradient sums on the fp64 tensor cores
+        # (kernels/common.py: dot_nt, grad_dot), small tiles, one stage. 32x32 for dK/dV: with
+        # the fp64 sums, 16x64 ran 1.06-1.29x slower (H200, D 64/128; docs/performance.md).
         if block_d <= 128:
-            return BwdConfig(16, 64, 64, 16, 8, 1)
+            return BwdConfig(32, 32, 64, 16, 8, 1)
         return BwdConfig(16, 32, 16, 16, 8, 1)
     if capability < HOPPER and block_d <= 128:
         # Before Hopper (module docstring: untimed): the short-sequence sm_90 tiles, two stages.

@@ -11,22 +11,22 @@ where ``delta_i = rowsum(dO * O)_i - dlse_i``; ``dlse`` is the gradient reaching
 1. ``attn_bwd_dq_kernel`` keeps one (BLOCK_M, BLOCK_D) tile of Q, dO and LSE on chip, computes
    the tile's ``delta`` from dO and one tile of O (``kernels/bwd_delta.py``) and writes it (fp32,
    laid out like the LSE) for the next kernel, then streams the key tiles it can see, like the
-   forward, accumulating dQ in fp32.
+   forward, accumulating dQ in fp32 (fp64 for fp32 inputs).
    Grid: ``cdiv(Sq, BLOCK_M) * B * H`` programs, causal heaviest first.
-2. ``attn_bwd_dkdv_kernel`` keeps one (BLOCK_N, BLOCK_D) tile of K and V on chip, streams the
-   query tiles that can see it and accumulates dK and dV in fp32 registers. GQA/MQA: the program
-   of kv head hk loops over the ``H // Hkv`` query heads of its group and sums their contributions
-   in registers, so repeated K/V are never materialised and no two programs write the same
-   dK/dV rows. 16-bit inputs accumulate every head into one accumulator; fp32 inputs sum each
-   head's share in an accumulator of its own and add the shares after each head, as PyTorch's
-   autograd does over repeated K/V (one accumulator made the chain of fp32 additions ``H / Hkv``
-   times longer and put dK and dV at 1.5-5.6x PyTorch's fp32 error against float64, outside
-   FlashAttention's rule, at 16 query heads on 2 kv heads and 1612 queries on an H200). It
+2. ``attn_bwd_dkdv_kernel`` keeps one (BLOCK_N, BLOCK_D) tile of K and V on chip, streams the query
+   tiles that can see it and accumulates dK and dV in registers (fp32; fp64 for fp32 inputs).
+   GQA/MQA: the program of kv head hk loops over the ``H // Hkv`` query heads of its group and sums
+   their contributions in registers, so repeated K/V are never materialised and no two programs
+   write the same dK/dV rows. 16-bit inputs accumulate every head into one accumulator; fp32 inputs
+   sum each head's share in an accumulator of its own and add the shares after each head, as
+   PyTorch's autograd does over repeated K/V (one accumulator made the chain of fp32 additions
+   ``H / Hkv`` times longer and put dK and dV at 1.5-5.6x PyTorch's fp32 error against float64,
+   outside FlashAttention's rule, at 16 query heads on 2 kv heads and 1612 queries on an H200). It
    reads the delta the dQ kernel wrote (same stream, launched after it).
    Grid: ``cdiv(Sk, BLOCK_N) * B * Hkv`` programs.
 Every gradient element is written by exactly one program with a fixed summation order: the result
 is deterministic by construction (no atomics). ``P`` and ``dS`` are cast to the input dtype for
-their products, with fp32 accumulation, as in FlashAttention-2.
+their products, with fp32 accumulation, as in FlashAttention-2 (fp32 inputs: fp64, LSE base).
 
 Tile ranges. The dQ kernel visits key tiles with the forward's ``kv_tile_range`` (the masked band
 across a window's left edge, unmasked tiles, then the masked diagonal band and ragged end of Sk).
@@ -76,17 +76,17 @@ no conversion. In base 2 against the forward's natural scores (the GPU) or with 
 ``log2(e)`` (the interpreter), a row with one visible key had ``P`` off 1 by the rounding of scores
 as large as ALiBi makes them: dV of one key seen by 1803 rows (most hundreds of positions away)
 1.95e-3 from float64 against FlashAttention's bound of 1.0e-4 on the H200, 6.5x the bound in the
-interpreter; natural units: 2.2e-4 on the H200, inside the bound in the interpreter. The rest on the
-GPU is not explained. Two candidates: some rows' scores an ulp apart between the two kernels, or
-dV's own sum, a chain of fp32 FMAs through 1803 rows of a head (a random-walk count of its rounding
-gives about 2e-4; PyTorch's blocked matmul 3.6e-5; the interpreter's numpy matmul is blocked too,
-and there the problem passes). Summing each tile's product apart changed nothing, as Triton folds
-``acc + dot`` back into the chain (tests/test_backward.py,
-``test_backward_gpu_fp32_lone_key_alibi``). ``dS`` is the gradient with respect to the natural-unit
-scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied once to the dQ and dK accumulators
-(``grad_scale``). The score scalars (``qk_scale``, ``softcap``) arrive folded into the scores' units
-by the host exactly as the forward's (``ops/problem.py``), so that the two kernels form the same
-scores.
+interpreter; natural units: 2.2e-4 on the H200, inside the bound in the interpreter. The rest was
+dV's own sum, one chain of fp32 FMAs through every row of a head (Triton folds ``acc + dot`` into
+``dot(a, b, acc)``): a one-hot dO gave dV's row counts exactly (every P exactly 1), and summing each
+tile's product apart brought it inside the bound (5.5e-5), but at 16384 rows that still reached 0.9
+of it. fp32 inputs therefore sum dQ, dK and dV in fp64 (``common.grad_dot``, the fp64 tensor cores
+as the score product's ``dot_nt``), rounded once when stored: 2.8e-5 against the bound's 6.1e-4
+there (tests/test_backward.py, ``test_backward_gpu_fp32_lone_key_alibi``). ``dS`` is the gradient
+with respect to the natural-unit scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied
+once to the dQ and dK accumulators (``grad_scale``). The score scalars (``qk_scale``, ``softcap``)
+arrive folded into the scores' units by the host exactly as the forward's (``ops/problem.py``), so
+that the two kernels form the same scores.
 
 Invariants. A row that sees no key (LSE -inf) and a padding row past Sq get ``lse2 = +inf``: their
 P is exactly 0, so they contribute nothing and their dQ is 0, never NaN. Masked scores are -inf
@@ -105,6 +105,7 @@ from flashcore.kernels.common import (
     aligned,
     dot_nt,
     grad_dot,
+    grad_zeros,
     kv_tile_range,
     load_lse2,
     load_row_stats,
@@ -233,15 +234,15 @@ def _bwd_dkdv_q_loop(
                 IS_CAUSAL, HAS_WINDOW, False,
             )  # fmt: skip
         pt = softmax_exp(st - lse2[None, :], EXP_E)
-        dv = grad_dot(pt.to(do.dtype), do, dv, qk_scale, DOT_PRECISION)
+        dv = grad_dot(pt.to(do.dtype), do, dv, DOT_PRECISION)
         dpt = dot_nt(v, do, DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         if SOFTCAP:
             # d(c * tanh(x / c)) / dx = 1 - tanh^2: dS with respect to the uncapped scores.
             dst = dst * (1.0 - tt * tt)
-        dk = grad_dot(dst.to(q.dtype), q, dk, qk_scale, DOT_PRECISION)
+        dk = grad_dot(dst.to(q.dtype), q, dk, DOT_PRECISION)
         if BLOCK_D2 > 0:
-            dk2 = grad_dot(dst.to(q2.dtype), q2, dk2, qk_scale, DOT_PRECISION)
+            dk2 = grad_dot(dst.to(q2.dtype), q2, dk2, DOT_PRECISION)
         q_base += BLOCK_M * stride_qm
         do_base += BLOCK_M * stride_dom
         lse_ptrs += BLOCK_M
@@ -367,8 +368,8 @@ def attn_bwd_dkdv_kernel(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
+    dk = grad_zeros(BLOCK_N, BLOCK_D, DOT_PRECISION)
+    dv = grad_zeros(BLOCK_N, BLOCK_DV, DOT_PRECISION)
     offs_d2, k2, dk2 = _second_panel(
         k_rows, offs_n, seqlen_k, HEAD_DIM, BLOCK_D, BLOCK_D2, EVEN_N, EVEN_D2, UPCAST
     )
@@ -537,9 +538,9 @@ def _bwd_dq_kv_loop(
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq = grad_dot(ds.to(k.dtype), k, dq, qk_scale, DOT_PRECISION)
+        dq = grad_dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
         if BLOCK_D2 > 0:
-            dq2 = grad_dot(ds.to(k2.dtype), k2, dq2, qk_scale, DOT_PRECISION)
+            dq2 = grad_dot(ds.to(k2.dtype), k2, dq2, DOT_PRECISION)
         k_base += BLOCK_N * stride_kn
         v_base += BLOCK_N * stride_vn
     return dq, dq2, k_base, v_base
@@ -689,7 +690,7 @@ def attn_bwd_dq_kernel(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
 
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = grad_zeros(BLOCK_M, BLOCK_D, DOT_PRECISION)
     offs_d2, q2, dq2 = _second_panel(
         q_rows, offs_m, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_D2, EVEN_M, EVEN_D2, UPCAST
     )

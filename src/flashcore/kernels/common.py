@@ -560,18 +560,27 @@ def pv_finish(acc, m_i, l_i, EXP_E: tl.constexpr):
 
 
 @triton.jit
-def grad_dot(a, b, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """``acc + a @ b`` for the backward's gradient sums over tiles.
+def grad_zeros(ROWS: tl.constexpr, COLS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A zero gradient accumulator for ``grad_dot``: fp64 for fp32 inputs (``"ieee"``), else
+    fp32."""
+    if DOT_PRECISION == "ieee":
+        return tl.zeros([ROWS, COLS], dtype=tl.float64)
+    else:
+        return tl.zeros([ROWS, COLS], dtype=tl.float32)
 
-    fp32 inputs (``"ieee"``: FMA chains on the GPU) form the tile's product apart and then add it,
-    so that a sum over many tiles is a sum of tile sums, not one chain of FMAs through every row.
-    The product starts from a zero Triton cannot see as a constant (``qk_scale * 0``, a finite
-    run-time scalar): from a constant zero, Triton folds ``acc + dot(a, b)`` back into
-    ``dot(a, b, acc)``, the one chain. 16-bit inputs run the tensor cores as before.
+
+@triton.jit
+def grad_dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` for the backward's gradient sums over tiles, in ``acc``'s precision
+    (``grad_zeros``).
+
+    fp32 inputs (``"ieee"``) sum in fp64 on the fp64 tensor cores, rounded once when stored: an
+    fp32 sum is one FMA chain through every row (dK, dV) or key (dQ) of a head, where PyTorch's
+    fp32 product is split (cuBLAS's split-K for few keys against many rows). 16-bit inputs run
+    the tensor cores in fp32.
     """
     if DOT_PRECISION == "ieee":
-        zero = tl.full(acc.shape, 0.0, tl.float32) + qk_scale * 0.0
-        return acc + tl.dot(a, b, zero, input_precision=DOT_PRECISION)
+        return tl.dot(a.to(tl.float64), b.to(tl.float64), acc, out_dtype=tl.float64)
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
