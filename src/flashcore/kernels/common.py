@@ -533,7 +533,7 @@ def pv_start(l_i, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: 
 
     An fp32 sum is one FMA chain through every key of a row (Triton folds ``acc + dot`` into
     ``dot(a, b, acc)``), where PyTorch's fp32 product for a few query rows is a tree (cuBLAS's
-    gemv, split-K): with 16384 near-uniform keys the chain came out 9-33x PyTorch's error (H200,
+    gemv, split-K): with 16384 near-uniform keys the chain came out 9-35x PyTorch's error (H200,
     Sq = 1). In fp64, on the fp64 tensor cores as ``dot_nt``'s scores, the sum rounds once.
     """
     if DOT_PRECISION == "ieee":
