@@ -805,7 +805,7 @@ def test_backward_gpu_fp32_lone_key_alibi(seed, softcap):
     backward's scores in base 2, P was off 1 (scripts/gpu_fuzz.py found it on a packed batch of
     these lengths: dV 1.95e-3 from float64 against a bound of 1.0e-4); in natural units P is 1
     (a one-hot dO gives dV's counts exactly) and what was left, 2.3e-4 to 3.4e-4, was the one
-    fp32 FMA chain through every row: fp32 gradients now sum in fp64 (common.grad_dot)."""
+    fp32 FMA chain through every row: fp32 gradients now sum in fp64 (common.sum_dot)."""
     torch.manual_seed(seed)
     q, k, v = make_qkv(Case(1, 8, 2, 1803, 1, 128), torch.float32, "cuda")
     slopes = alibi_slopes(8, None, "cuda")

@@ -186,7 +186,7 @@ def bwd_config(
     block_d = head_block(head_dim)
     if elem_size >= 4:
         # IEEE fp32 inputs: the score products and the gradient sums on the fp64 tensor cores
-        # (kernels/common.py: dot_nt, grad_dot), small tiles, one stage. 32x32 for dK/dV: with
+        # (kernels/common.py: dot_nt, sum_dot), small tiles, one stage. 32x32 for dK/dV: with
         # the fp64 sums, 16x64 ran 1.06-1.29x slower (H200, D 64/128; docs/performance.md).
         if block_d <= 128:
             return BwdConfig(32, 32, 64, 16, 8, 1)

@@ -80,7 +80,7 @@ interpreter; natural units: 2.2e-4 on the H200, inside the bound in the interpre
 dV's own sum, one chain of fp32 FMAs through every row of a head (Triton folds ``acc + dot`` into
 ``dot(a, b, acc)``): a one-hot dO gave dV's row counts exactly (every P exactly 1), and summing each
 tile's product apart brought it inside the bound (5.5e-5), but at 16384 rows that still reached 0.9
-of it. fp32 inputs therefore sum dQ, dK and dV in fp64 (``common.grad_dot``, the fp64 tensor cores
+of it. fp32 inputs therefore sum dQ, dK and dV in fp64 (``common.sum_dot``, the fp64 tensor cores
 as the score product's ``dot_nt``), rounded once when stored: 2.8e-5 against the bound's 6.1e-4
 there (tests/test_backward.py, ``test_backward_gpu_fp32_lone_key_alibi``). ``dS`` is the gradient
 with respect to the natural-unit scores; the ``scale`` factor of ``S = scale * Q K^T`` is applied
@@ -104,8 +104,6 @@ from flashcore.kernels.common import (
     alibi_slope,
     aligned,
     dot_nt,
-    grad_dot,
-    grad_zeros,
     kv_tile_range,
     load_lse2,
     load_row_stats,
@@ -116,6 +114,8 @@ from flashcore.kernels.common import (
     q_tile_range,
     softmax_exp,
     store_tile,
+    sum_dot,
+    sum_zeros,
     transform_scores,
 )
 from flashcore.kernels.varlen import seq_bounds
@@ -234,15 +234,15 @@ def _bwd_dkdv_q_loop(
                 IS_CAUSAL, HAS_WINDOW, False,
             )  # fmt: skip
         pt = softmax_exp(st - lse2[None, :], EXP_E)
-        dv = grad_dot(pt.to(do.dtype), do, dv, DOT_PRECISION)
+        dv = sum_dot(pt.to(do.dtype), do, dv, DOT_PRECISION)
         dpt = dot_nt(v, do, DOT_PRECISION)
         dst = pt * (dpt - delta[None, :])
         if SOFTCAP:
             # d(c * tanh(x / c)) / dx = 1 - tanh^2: dS with respect to the uncapped scores.
             dst = dst * (1.0 - tt * tt)
-        dk = grad_dot(dst.to(q.dtype), q, dk, DOT_PRECISION)
+        dk = sum_dot(dst.to(q.dtype), q, dk, DOT_PRECISION)
         if BLOCK_D2 > 0:
-            dk2 = grad_dot(dst.to(q2.dtype), q2, dk2, DOT_PRECISION)
+            dk2 = sum_dot(dst.to(q2.dtype), q2, dk2, DOT_PRECISION)
         q_base += BLOCK_M * stride_qm
         do_base += BLOCK_M * stride_dom
         lse_ptrs += BLOCK_M
@@ -368,8 +368,8 @@ def attn_bwd_dkdv_kernel(
         k = k.to(tl.float32)
         v = v.to(tl.float32)
 
-    dk = grad_zeros(BLOCK_N, BLOCK_D, DOT_PRECISION)
-    dv = grad_zeros(BLOCK_N, BLOCK_DV, DOT_PRECISION)
+    dk = sum_zeros(BLOCK_N, BLOCK_D, DOT_PRECISION)
+    dv = sum_zeros(BLOCK_N, BLOCK_DV, DOT_PRECISION)
     offs_d2, k2, dk2 = _second_panel(
         k_rows, offs_n, seqlen_k, HEAD_DIM, BLOCK_D, BLOCK_D2, EVEN_N, EVEN_D2, UPCAST
     )
@@ -538,9 +538,9 @@ def _bwd_dq_kv_loop(
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
-        dq = grad_dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
+        dq = sum_dot(ds.to(k.dtype), k, dq, DOT_PRECISION)
         if BLOCK_D2 > 0:
-            dq2 = grad_dot(ds.to(k2.dtype), k2, dq2, DOT_PRECISION)
+            dq2 = sum_dot(ds.to(k2.dtype), k2, dq2, DOT_PRECISION)
         k_base += BLOCK_N * stride_kn
         v_base += BLOCK_N * stride_vn
     return dq, dq2, k_base, v_base
@@ -690,7 +690,7 @@ def attn_bwd_dq_kernel(
         q = q.to(tl.float32)
         do = do.to(tl.float32)
 
-    dq = grad_zeros(BLOCK_M, BLOCK_D, DOT_PRECISION)
+    dq = sum_zeros(BLOCK_M, BLOCK_D, DOT_PRECISION)
     offs_d2, q2, dq2 = _second_panel(
         q_rows, offs_m, seqlen_q, HEAD_DIM, BLOCK_D, BLOCK_D2, EVEN_M, EVEN_D2, UPCAST
     )

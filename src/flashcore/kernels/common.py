@@ -527,28 +527,41 @@ def online_softmax_step(s, m_i, l_i, MAY_BE_EMPTY: tl.constexpr, EXP_E: tl.const
 
 
 @triton.jit
-def pv_start(l_i, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The forward's output accumulator (zeros) and the running row sum ``l_i``, in the precision
-    of the P @ V sum over key tiles: fp32 for 16-bit inputs, fp64 for fp32 (``"ieee"``).
-
-    An fp32 sum is one FMA chain through every key of a row (Triton folds ``acc + dot`` into
-    ``dot(a, b, acc)``), where PyTorch's fp32 product for a few query rows is a tree (cuBLAS's
-    gemv, split-K): with 16384 near-uniform keys the chain came out 9-35x PyTorch's error (H200,
-    Sq = 1). In fp64, on the fp64 tensor cores as ``dot_nt``'s scores, the sum rounds once.
-    """
+def sum_zeros(ROWS: tl.constexpr, COLS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """A zero accumulator for ``sum_dot``: fp64 for fp32 inputs (``"ieee"``), else fp32."""
     if DOT_PRECISION == "ieee":
-        return tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float64), l_i.to(tl.float64)
+        return tl.zeros([ROWS, COLS], dtype=tl.float64)
     else:
-        return tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), l_i
+        return tl.zeros([ROWS, COLS], dtype=tl.float32)
 
 
 @triton.jit
-def pv_dot(p, v, acc, DOT_PRECISION: tl.constexpr):
-    """``acc + p @ v`` in ``acc``'s precision (``pv_start``)."""
+def sum_dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """``acc + a @ b`` in ``acc``'s precision (``sum_zeros``), for the sums over tiles: the
+    forward's P @ V over keys, the backward's dQ over keys and dK, dV over query rows.
+
+    fp32 inputs (``"ieee"``) sum in fp64 on the fp64 tensor cores (as ``dot_nt``'s scores) and
+    are rounded once when stored. An fp32 sum is one FMA chain through every key or row of a head
+    (Triton folds ``acc + dot`` into ``dot(a, b, acc)``), where PyTorch's fp32 product is split
+    for few rows against a long sum (cuBLAS's gemv, split-K): the forward's chain came out 9-35x
+    PyTorch's error with one query against 16384 near-uniform keys, the backward's dV 2-3x the
+    bound with one key seen by 1803 rows (H200; docs/performance.md, "The long sums"). 16-bit
+    inputs run the tensor cores in fp32.
+    """
     if DOT_PRECISION == "ieee":
-        return tl.dot(p.to(tl.float64), v.to(tl.float64), acc, out_dtype=tl.float64)
+        return tl.dot(a.to(tl.float64), b.to(tl.float64), acc, out_dtype=tl.float64)
     else:
-        return tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def pv_start(l_i, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The forward's output accumulator (zeros) and running row sum ``l_i`` in ``sum_dot``'s
+    precision: fp64 for fp32 inputs, fp32 otherwise."""
+    if DOT_PRECISION == "ieee":
+        return sum_zeros(BLOCK_M, BLOCK_DV, DOT_PRECISION), l_i.to(tl.float64)
+    else:
+        return sum_zeros(BLOCK_M, BLOCK_DV, DOT_PRECISION), l_i
 
 
 @triton.jit
@@ -557,32 +570,6 @@ def pv_finish(acc, m_i, l_i, EXP_E: tl.constexpr):
     rows normalised by their sum (an empty row, l = 0, stays 0) and their natural-log LSE."""
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     return out.to(tl.float32), row_lse(m_i, l_i, EXP_E).to(tl.float32)
-
-
-@triton.jit
-def grad_zeros(ROWS: tl.constexpr, COLS: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """A zero gradient accumulator for ``grad_dot``: fp64 for fp32 inputs (``"ieee"``), else
-    fp32."""
-    if DOT_PRECISION == "ieee":
-        return tl.zeros([ROWS, COLS], dtype=tl.float64)
-    else:
-        return tl.zeros([ROWS, COLS], dtype=tl.float32)
-
-
-@triton.jit
-def grad_dot(a, b, acc, DOT_PRECISION: tl.constexpr):
-    """``acc + a @ b`` for the backward's gradient sums over tiles, in ``acc``'s precision
-    (``grad_zeros``).
-
-    fp32 inputs (``"ieee"``) sum in fp64 on the fp64 tensor cores, rounded once when stored: an
-    fp32 sum is one FMA chain through every row (dK, dV) or key (dQ) of a head, where PyTorch's
-    fp32 product is split (cuBLAS's split-K for few keys against many rows). 16-bit inputs run
-    the tensor cores in fp32.
-    """
-    if DOT_PRECISION == "ieee":
-        return tl.dot(a.to(tl.float64), b.to(tl.float64), acc, out_dtype=tl.float64)
-    else:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit

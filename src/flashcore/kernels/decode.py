@@ -79,11 +79,11 @@ from flashcore.kernels.common import (
     mask_by_index,
     online_softmax_step,
     paged_rows,
-    pv_dot,
     pv_finish,
     pv_start,
     softmax_start,
     store_tile,
+    sum_dot,
     transform_scores,
 )
 
@@ -166,7 +166,7 @@ def _decode_kv_loop(
                 IS_CAUSAL, HAS_WINDOW, True,
             )  # fmt: skip
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
-        acc = pv_dot(p, v, acc * alpha[:, None], DOT_PRECISION)
+        acc = sum_dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
     return acc, m_i, l_i
 
 

@@ -97,11 +97,11 @@ from flashcore.kernels.common import (
     page_lookup,
     page_row,
     program_tile,
-    pv_dot,
     pv_finish,
     pv_start,
     softmax_start,
     store_tile,
+    sum_dot,
     transform_scores,
 )
 from flashcore.kernels.varlen import seq_bounds
@@ -220,7 +220,7 @@ def _fwd_kv_loop(
                 IS_CAUSAL, HAS_WINDOW, not EVEN_N,
             )  # fmt: skip
         p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i, MASKED, EXP_E)
-        acc = pv_dot(p, v, acc * alpha[:, None], DOT_PRECISION)
+        acc = sum_dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PRECISION)
         if not USE_TMA and not PAGED:
             k_base += BLOCK_N * stride_kn
             v_base += BLOCK_N * stride_vn
