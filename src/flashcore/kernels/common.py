@@ -558,10 +558,8 @@ def sum_dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 def pv_start(l_i, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The forward's output accumulator (zeros) and running row sum ``l_i`` in ``sum_dot``'s
     precision: fp64 for fp32 inputs, fp32 otherwise."""
-    if DOT_PRECISION == "ieee":
-        return sum_zeros(BLOCK_M, BLOCK_DV, DOT_PRECISION), l_i.to(tl.float64)
-    else:
-        return sum_zeros(BLOCK_M, BLOCK_DV, DOT_PRECISION), l_i
+    acc = sum_zeros(BLOCK_M, BLOCK_DV, DOT_PRECISION)
+    return acc, l_i.to(acc.dtype)
 
 
 @triton.jit
