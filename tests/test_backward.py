@@ -763,8 +763,8 @@ def test_backward_gpu_fp32(head_dim):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_backward_gpu_fp32_gqa_long_group(seed, causal):
-    """fp32 dK and dV over a group of 8 query heads and 1612 queries: each head's share summed
-    apart (kernels/bwd.py, GQA). Summed in one accumulator they were 1.5-5.6x PyTorch's fp32
+    """fp32 dK and dV over a group of 8 query heads and 1612 queries, summed in fp64
+    (kernels/bwd.py, GQA). Summed in one fp32 accumulator they were 1.5-5.6x PyTorch's fp32
     error against float64 here (scripts/gpu_fuzz.py found it), outside FlashAttention's rule."""
     torch.manual_seed(seed)
     q, k, v = make_qkv(Case(1, 16, 2, 1612, 1612, 32), torch.float32, "cuda")

@@ -17,12 +17,11 @@ where ``delta_i = rowsum(dO * O)_i - dlse_i``; ``dlse`` is the gradient reaching
    tiles that can see it and accumulates dK and dV in registers (fp32; fp64 for fp32 inputs).
    GQA/MQA: the program of kv head hk loops over the ``H // Hkv`` query heads of its group and sums
    their contributions in registers, so repeated K/V are never materialised and no two programs
-   write the same dK/dV rows. 16-bit inputs accumulate every head into one accumulator; fp32 inputs
-   sum each head's share in an accumulator of its own and add the shares after each head, as
-   PyTorch's autograd does over repeated K/V (one accumulator made the chain of fp32 additions
-   ``H / Hkv`` times longer and put dK and dV at 1.5-5.6x PyTorch's fp32 error against float64,
-   outside FlashAttention's rule, at 16 query heads on 2 kv heads and 1612 queries on an H200). It
-   reads the delta the dQ kernel wrote (same stream, launched after it).
+   write the same dK/dV rows. Every head of the group adds into one accumulator (fp32 inputs: an
+   fp64 one, whose chain through ``H / Hkv`` heads of rows stays far inside FlashAttention's rule;
+   an fp32 chain that long put dK and dV at 1.5-5.6x PyTorch's fp32 error against float64 at 16
+   query heads on 2 kv heads). It reads the delta the dQ kernel wrote (same stream, launched after
+   it).
    Grid: ``cdiv(Sk, BLOCK_N) * B * Hkv`` programs.
 Every gradient element is written by exactly one program with a fixed summation order: the result
 is deterministic by construction (no atomics). ``P`` and ``dS`` are cast to the input dtype for
@@ -380,15 +379,7 @@ def attn_bwd_dkdv_kernel(
     )  # fmt: skip
     row0 = tl.cast(lo, tl.int64)
     # GQA/MQA: the query heads sharing this kv head, summed in registers (no atomics, no repeat).
-    # fp32 inputs sum each head's share apart and then add the shares (module docstring, GQA).
-    HEAD_SHARES: tl.constexpr = DOT_PRECISION == "ieee"
     for g in range(kv_group):
-        if HEAD_SHARES:
-            dk_all, dv_all = dk, dv
-            dk, dv = tl.zeros_like(dk), tl.zeros_like(dv)
-            if BLOCK_D2 > 0:
-                dk2_all = dk2
-                dk2 = tl.zeros_like(dk2)
         off_h = off_hk * kv_group + g
         q_base = Q + off_b * stride_qb + off_h * stride_qh + row0 * stride_qm
         do_base = DO + off_b * stride_dob + off_h * stride_doh + row0 * stride_dom
@@ -425,10 +416,6 @@ def attn_bwd_dkdv_kernel(
                 HAS_ALIBI, True,
                 EVEN_M, UPCAST, DOT_PRECISION, BLOCK_D2, EVEN_D2, EXP_E,
             )  # fmt: skip
-        if HEAD_SHARES:
-            dk, dv = dk_all + dk, dv_all + dv
-            if BLOCK_D2 > 0:
-                dk2 = dk2_all + dk2
 
     dk *= grad_scale
     dk_ptrs = dk_rows + offs_d[None, :]
