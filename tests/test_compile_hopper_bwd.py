@@ -169,7 +169,9 @@ def compile_variant(variant) -> dict:
         "wgmma_ptx": len(re.findall(r"wgmma\.mma_async", ptx)),
         "tma_reduce_add": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.\S*add", ptx)),
         "tma_store": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*global\.shared", ptx)),
-        "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::cluster\.global", ptx)),
+        "tma_load": len(
+            re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::(?:cluster|cta)\.global", ptx)
+        ),
         "atomics": len(re.findall(r"\b(red|atom)\.global", ptx)),
         "pdl": consts["PDL"],
         "gdc_launch": ptx.count("griddepcontrol.launch_dependents"),

@@ -160,7 +160,9 @@ def compile_variant(variant) -> dict:
         "consumer_regs": bwd_mla.HEAVY_REGS.value if which == "wide" else bwd256.CONSUMER_REGS,
         **report,
         "wgmma_ptx": len(re.findall(r"wgmma\.mma_async", ptx)),
-        "tma_load": len(re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::cluster\.global", ptx)),
+        "tma_load": len(
+            re.findall(r"cp\.async\.bulk\.tensor\.\S*shared::(?:cluster|cta)\.global", ptx)
+        ),
         "atomics": len(re.findall(r"\b(red|atom)\.global", ptx)),
         "bulk_reduce": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
         # Each step loop's instructions (the 128-key kernel's: one a consumer, two causal).
