@@ -18,10 +18,10 @@ where ``delta_i = rowsum(dO * O)_i - dlse_i``; ``dlse`` is the gradient reaching
    GQA/MQA: the program of kv head hk loops over the ``H // Hkv`` query heads of its group and sums
    their contributions in registers, so repeated K/V are never materialised and no two programs
    write the same dK/dV rows. Every head of the group adds into one accumulator (fp32 inputs: an
-   fp64 one, whose chain through ``H / Hkv`` heads of rows stays far inside FlashAttention's rule;
-   an fp32 chain that long put dK and dV at 1.5-5.6x PyTorch's fp32 error against float64 at 16
-   query heads on 2 kv heads). It reads the delta the dQ kernel wrote (same stream, launched after
-   it).
+   fp64 one, inside FlashAttention's rule through ``H / Hkv`` heads of rows on the GPU, where an
+   fp32 chain that long put dK and dV at 1.5-5.6x PyTorch's fp32 error against float64 at 16
+   query heads on 2 kv heads: test_backward_gpu_fp32_gqa_long_group). It reads the delta the dQ
+   kernel wrote (same stream, launched after it).
    Grid: ``cdiv(Sk, BLOCK_N) * B * Hkv`` programs.
 Every gradient element is written by exactly one program with a fixed summation order: the result
 is deterministic by construction (no atomics). ``P`` and ``dS`` are cast to the input dtype for
