@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Device-side: the GPU tests under another Triton than the machine's own, brought by
+# scripts/triton_payload.sh (its parts stashed by earlier calls on the same warm machine, the last
+# one carried by this call). The Gluon tier is off on a Triton it was not verified on
+# (ops/runtime.py: SM90_TRITON), so this runs the portable kernels and the tests' own skips.
+#
+# Usage (the device's `run`, carry [".triton-3.8.0/part-ab"], after a call that stashed part-aa):
+#   bash scripts/gpu_other_triton.sh 3.8.0 [pytest arguments]
+# Default pytest arguments: -m gpu -n 8 tests/test_forward.py tests/test_decode.py
+# tests/test_varlen.py. Logs under $OUT (pytest.log), and a one-line timing of the portable forward
+# and backward (B 2, H 16, S 4096, D 128, bf16, causal and not) with this Triton.
+cd "$(dirname "$0")/.."
+version=${1:?usage: gpu_other_triton.sh VERSION [pytest arguments]}
+shift
+# shellcheck source=/dev/null
+source scripts/triton_payload.sh use "$version" || exit 3
+export PYTHONPATH="src:$PYTHONPATH" PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp}
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, triton.__file__)"
+[ $# -gt 0 ] || set -- -m gpu -n 8 tests/test_forward.py tests/test_decode.py tests/test_varlen.py
+timeout 420 python -m pytest -q -p no:cacheprovider "$@" > "$OUT/pytest.log" 2>&1
+status=$?
+tail -15 "$OUT/pytest.log"
+python - <<'EOF'
+import torch, triton
+import flashcore
+torch.manual_seed(0)
+for causal in (False, True):
+    q, k, v = (torch.randn(2, 16, 4096, 128, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    with flashcore.use_tier("portable"):
+        fwd = triton.testing.do_bench(lambda: flashcore.attention(q, k, v, causal=causal))
+        o = flashcore.attention(q, k, v, causal=causal)
+        do = torch.randn_like(o)
+        bwd = triton.testing.do_bench(
+            lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+    print(f"triton {triton.__version__} portable B2 H16 S4096 D128 bf16 causal={causal}: "
+          f"fwd {fwd:.3f} ms, bwd {bwd:.3f} ms")
+EOF
+exit "$status"
