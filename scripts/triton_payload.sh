@@ -45,7 +45,8 @@ case "$action" in
     [ "$found" = 1 ] || { echo "triton $version: no part came with this call"; exit 3; } ;;
   use)
     if [ ! -f "$target/triton/__init__.py" ]; then
-        for p in "$parts_here"/part-*; do [ -f "$p" ] && cp "$p" "$stash/" 2>/dev/null; done
+        mkdir -p "$stash"
+        for p in "$parts_here"/part-*; do [ -f "$p" ] && cp "$p" "$stash/"; done
         mkdir -p "$target"
         if ! cat "$stash"/part-* 2>/dev/null | xz -dc | tar -C "$target" -xf -; then
             echo "triton $version: parts missing or broken in $stash (machine went cold?)"
