@@ -1,27 +1,38 @@
 #!/usr/bin/env bash
 # Device-side: the GPU tests under another Triton than the machine's own, brought by
 # scripts/triton_payload.sh (its parts stashed by earlier calls on the same warm machine, the last
-# one carried by this call). The Gluon tier is off on a Triton it was not verified on
-# (ops/runtime.py: SM90_TRITON), so this runs the portable kernels and the tests' own skips.
+# one carried by this call).
 #
 # Usage (the device's `run`, carry [".triton-3.8.0/part-ab"], after a call that stashed part-aa):
-#   bash scripts/gpu_other_triton.sh 3.8.0 [pytest arguments]
+#   [SM90_GATE=1] [TIMING=0] bash scripts/gpu_other_triton.sh 3.8.0 [pytest arguments]
 # Default pytest arguments: -m gpu -n 8 tests/test_forward.py tests/test_decode.py
-# tests/test_varlen.py. Logs under $OUT (pytest.log), and a one-line timing of the portable forward
-# and backward (B 2, H 16, S 4096, D 128, bf16, causal and not) with this Triton.
+# tests/test_varlen.py. Logs under $OUT (pytest.log). Without SM90_GATE the Gluon tier is off on a
+# Triton it was not verified on (ops/runtime.py: SM90_TRITON), so the tests run the portable
+# kernels and the tests' own skips, and a one-line timing of the portable forward and backward
+# (B 2, H 16, S 4096, D 128, bf16, causal and not) follows. SM90_GATE=1 opens the gate for this
+# Triton (scripts/sm90_gate.py: the tests and the auto dispatch then run the Gluon tier too) and
+# the timing is scripts/triton_version_ab.py's (the tier beside cuDNN). TIMING=0: no timing.
 cd "$(dirname "$0")/.."
 version=${1:?usage: gpu_other_triton.sh VERSION [pytest arguments]}
 shift
 # shellcheck source=/dev/null
 source scripts/triton_payload.sh use "$version" || exit 3
-export PYTHONPATH="src:$PYTHONPATH" PYTHONUNBUFFERED=1
+export PYTHONPATH="src:scripts:$PYTHONPATH" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, triton.__file__)"
 [ $# -gt 0 ] || set -- -m gpu -n 8 tests/test_forward.py tests/test_decode.py tests/test_varlen.py
-timeout 420 python -m pytest -q -p no:cacheprovider "$@" > "$OUT/pytest.log" 2>&1
+gate=()
+[ "${SM90_GATE:-0}" = 1 ] && gate=(-p sm90_gate)
+timeout "${PYTEST_SECONDS:-420}" python -m pytest -q -p no:cacheprovider "${gate[@]}" "$@" \
+    > "$OUT/pytest.log" 2>&1
 status=$?
 tail -15 "$OUT/pytest.log"
-python - <<'EOF'
+[ "${TIMING:-1}" = 1 ] || exit "$status"
+if [ "${SM90_GATE:-0}" = 1 ]; then
+    python scripts/triton_version_ab.py
+    exit "$status"
+fi
+python - <<'PY'
 import torch, triton
 import flashcore
 torch.manual_seed(0)
@@ -36,5 +47,5 @@ for causal in (False, True):
             lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
     print(f"triton {triton.__version__} portable B2 H16 S4096 D128 bf16 causal={causal}: "
           f"fwd {fwd:.3f} ms, bwd {bwd:.3f} ms")
-EOF
+PY
 exit "$status"

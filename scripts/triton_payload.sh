@@ -54,6 +54,8 @@ case "$action" in
             return 3 2>/dev/null || exit 3
         fi
     fi
+    # The wheel's zip keeps no file modes: the tools must be executable (ptxas, cuobjdump, ...).
+    chmod +x "$target"/triton/backends/nvidia/bin/* 2>/dev/null
     export PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}"
     echo "triton $version: $(python3 -c 'import triton; print(triton.__version__, triton.__file__)')" ;;
   *)

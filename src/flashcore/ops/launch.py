@@ -425,8 +425,9 @@ def first_launch_in_capture(fn: Any) -> str:
 
 
 class Descriptor:
-    """A host-side tensor descriptor for launches through a compiled kernel: the four fields
-    Triton's launcher reads (base, shape, strides, padding) and nothing else.
+    """A host-side tensor descriptor for launches through a compiled kernel: the fields Triton's
+    launcher reads (base, shape, strides, padding; from triton 3.7 on ``round_f32_to_tf32``
+    too, whose absence failed every launch on an H200 with 3.8) and nothing else.
 
     ``triton.tools.tensor_descriptor.TensorDescriptor`` checks alignment, rank and block shape
     each time one is built (about 4.5 us on the H100 machine's host, four per forward call), and
@@ -438,6 +439,7 @@ class Descriptor:
 
     __slots__ = ("base", "block_shape", "layout", "shape", "strides")
     padding = "zero"
+    round_f32_to_tf32 = False
 
     def __init__(self, base: torch.Tensor, block_shape: list[int], layout: Any = None) -> None:
         self.base = base

@@ -217,8 +217,12 @@ TMA box is a power of two wide, so Q and K arrive in PANELS = 3 column panels of
 descriptors' box is 64 wide; slot s's panel i is buffer ``s * PANELS + i``) and ``Q K^T`` is
 one async wgmma per panel into the same accumulator (``fwd_steps._scores``; the wait that
 leaves ``P V`` running still leaves exactly that group). V, O and the accumulator take Dv from
-v_desc/o_desc; O goes out through the front of the Q slot in O's own layout. With one panel
-and Dv = D (every other config) the code is the same instructions as without these lines.
+v_desc/o_desc; O goes out through the Q slot in O's own layout: the whole Q buffer (Q_SLOTS *
+PANELS panels of 64 columns) is viewed as O tiles of Dv columns and slot s's O is the first of
+them inside the slot, tile ceil(s * PANELS * 64 / Dv) (slot 1's at its panels 4-5). A view of
+the whole buffer keeps the storage size, as triton 3.7 on requires of ``_reinterpret``. With
+one panel and Dv = D (every other config) the code is the same instructions as without these
+lines.
 
 Invariants. The head dim is contiguous and every descriptor stride is 16-byte aligned (launcher).
 Masked scores are -inf; a row whose keys are all hidden so far keeps ``m = -inf`` with ``p = 0``
@@ -456,11 +460,15 @@ def _consumer_tile(
         # Q's slot is free: its last reader, the final Q K^T, completed above.
         o_tile = q_smem.index(qi * PANELS)
     else:
-        # O (Dv <= D: the launcher's MLA shapes) over the front of the slot's panels, in O's own
-        # layout: it is written and read (by the copy engine) through that layout alone.
-        o_tile = q_smem.index(qi * PANELS)._reinterpret(
-            dtype, o_desc.block_type.shape, o_desc.layout
-        )
+        # O (Dv <= D: the launcher's MLA shapes) in the slot's panels, in O's own layout: it
+        # is written and read (by the copy engine) through that layout alone. The Q buffer
+        # viewed whole as O tiles (the kernel's note: the first tile inside slot qi).
+        O_PANELS: gl.constexpr = HEAD_DIM_V // q_smem.shape[4]
+        O_TILES: gl.constexpr = q_smem.shape[0] // O_PANELS
+        gl.static_assert(q_smem.shape[0] == O_TILES * O_PANELS, "O tiles must cover Q's panels")
+        o_shape: gl.constexpr = [O_TILES] + o_desc.block_type.shape  # noqa: RUF005
+        o_tiles = q_smem._reinterpret(dtype, o_shape, o_desc.layout)
+        o_tile = o_tiles.index((qi * PANELS + O_PANELS - 1) // O_PANELS)
     if VARLEN:
         # Rows past the sequence's end are the next sequence's: a tile that reaches them is
         # written from registers with a row mask (and, for the padded head dims, a column
