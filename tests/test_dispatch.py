@@ -494,3 +494,35 @@ def test_light_descriptor_becomes_the_real_one(dtype):
     assert rows.layout.swizzle_byte_width == 0
     plain = launch.Descriptor(t, [1, 1, 64, 64]).full()
     assert isinstance(plain, TensorDescriptor) and not isinstance(plain, GluonDescriptor)
+
+
+def test_light_descriptor_has_what_the_launcher_reads():
+    """Every field the installed Triton's NVIDIA launcher reads off a host descriptor argument
+    (``make_tensordesc_arg``, and ``decompose_descriptor`` where it exists; im2col's own fields
+    aside) is one ``ops.launch.Descriptor`` has, with the value Triton's own descriptor has by
+    default. Triton 3.7 added ``round_f32_to_tf32``: without it every launch with a descriptor
+    failed on a GPU (an H200 with 3.8), which no CPU run had shown."""
+    import inspect
+    import re
+
+    from flashcore.ops import launch
+
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    names = set()
+    for fn_name in ("make_tensordesc_arg", "decompose_descriptor"):
+        fn = getattr(driver, fn_name, None)
+        if fn is not None:
+            source = re.sub(r"if is_im2col:.*?else:", "", inspect.getsource(fn), flags=re.S)
+            names |= set(re.findall(r"\barg\.(\w+)", source))
+    assert {"base", "shape", "strides"} <= names  # the reading above still finds the fields
+    t = torch.zeros(2, 4, 64, 64, dtype=torch.float16)
+    light = launch.Descriptor(t, [1, 1, 64, 64])
+    real = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 64])
+    for name in sorted(names - {"base"}):
+        assert hasattr(light, name), name
+        mine, theirs = getattr(light, name), getattr(real, name)
+        if name in ("shape", "strides"):
+            mine, theirs = list(mine), list(theirs)
+        assert mine == theirs, name
