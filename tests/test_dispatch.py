@@ -193,7 +193,10 @@ def stand_in_launch(monkeypatch, run, arg_names, device=3):
     from triton.runtime.driver import driver
 
     kernel = object.__new__(CompiledKernel)
-    kernel.module, kernel.function, kernel.packed_metadata = "module", "function", "packed"
+    kernel.function, kernel.packed_metadata = "function", "packed"
+    # "Loaded" for the test, None again after it: 3.8's __del__ unloads a loaded module.
+    kernel.module = None
+    monkeypatch.setattr(kernel, "module", "module")
     kernel._run = run
     kernel.name, kernel.src = "attn_fwd_kernel", None
 
@@ -217,6 +220,42 @@ def stand_in_launch(monkeypatch, run, arg_names, device=3):
     monkeypatch.setattr(driver, "_active", Driver())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
     return kernel, Jit()
+
+
+def stand_in_cuda_launcher(nvidia, native, signature, metas, coop=False, pdl=False):
+    """Triton's own ``CudaLauncher`` (not constructed: its fields set) around ``native``, a
+    stand-in native launcher, with this Triton's descriptor unpacking for ``signature`` and
+    ``metas``; from 3.7 on with stand-in argument annotations and C signature."""
+    run = object.__new__(nvidia.CudaLauncher)
+    run.launch = nvidia.wrap_handle_tensordesc(native, signature, metas)
+    run.num_ctas = 1
+    run.global_scratch_size = run.profile_scratch_size = 0
+    run.global_scratch_align = run.profile_scratch_align = 1
+    run.launch_cooperative_grid, run.launch_pdl = coop, pdl
+    if not hasattr(nvidia, "_BASE_ARGS_FORMAT"):
+        run.arg_annotations, run.kernel_signature, run.gsan_enabled = "annotations", b"sig", False
+    return run
+
+
+def native_head(nvidia, coop, pdl) -> tuple[tuple, slice, bool]:
+    """What ``CudaLauncher.__call__`` passes the native launcher before the kernel's arguments
+    for a launch on grid (5, 1, 1) of device 0 without scratch, launch metadata or hooks; where
+    the launch metadata and the two hooks are in it (a launch through ``[grid]`` passes its
+    own); and whether the arguments follow one by one (3.6) rather than as one tuple (3.7 on)."""
+    grid = (5, 1, 1, "stream of 0", "function", coop, pdl)
+    if hasattr(nvidia, "_BASE_ARGS_FORMAT"):
+        return (*grid, None, None, "packed", None, None, None), slice(10, 13), True
+    head = (*grid, "packed", None, None, None, None, None, "annotations", b"sig")
+    return head, slice(8, 11), False
+
+
+def same_but_hooks(launched: tuple, head: tuple, hooks: slice) -> bool:
+    """Whether ``launched`` begins with ``head`` but for the launch metadata and hooks."""
+    n = len(head)
+    return (
+        launched[: hooks.start] + launched[hooks.stop : n]
+        == head[: hooks.start] + head[hooks.stop :]
+    )
 
 
 def test_launch_miss_asks_for_fp_contraction(monkeypatch):
@@ -311,12 +350,8 @@ def test_launch_hit_of_a_plain_kernel_calls_under_the_launcher_wrapper(monkeypat
         def __call__(self, *args):
             native.append(args)
 
-    run = object.__new__(nvidia.CudaLauncher)
-    run.launch = nvidia.wrap_handle_tensordesc(Native(), {"X": "*fp32", "n": "i32"}, None)
-    run.num_ctas = 1
-    run.global_scratch_size = run.profile_scratch_size = 0
-    run.global_scratch_align = run.profile_scratch_align = 1
-    run.launch_cooperative_grid, run.launch_pdl = False, True
+    signature = {"X": "*fp32", "n": "i32", "BLOCK": "constexpr"}
+    run = stand_in_cuda_launcher(nvidia, Native(), signature, None, pdl=True)
     kernel, jit = stand_in_launch(monkeypatch, run, ("X", "n", "BLOCK"), device=0)
     launcher = launch.Launcher(jit, num_pointers=1)
     x = torch.zeros(4)
@@ -326,10 +361,13 @@ def test_launch_hit_of_a_plain_kernel_calls_under_the_launcher_wrapper(monkeypat
     launcher((5,), (x, 7), {"BLOCK": 16})
     kernel[(5, 1, 1)](x, 7, 16)  # Triton's own path, through CudaLauncher.__call__
     hit, own = native
-    assert hit[:10] == own[:10] == (5, 1, 1, "stream of 0", "function", False, True, None, None,
-                                    "packed")  # fmt: skip
-    assert hit[10:13] == (None, None, None)
-    assert hit[13:] == (x.data_ptr(), 7, 16) and own[13:] == (x, 7, 16)
+    head, hooks, flat = native_head(nvidia, False, True)
+    n = len(head)
+    # Triton's own launch passes its hook chains (empty) where the hit passes None.
+    assert hit[:n] == head and same_but_hooks(own, head, hooks)
+    hit_args, own_args = (hit[n:], own[n:]) if flat else (tuple(hit[n]), tuple(own[n]))
+    assert hit_args == (x.data_ptr(), 7, 16) and own_args == (x, 7, 16)
+    assert flat or len(hit) == len(own) == n + 1
 
 
 def test_planned_launch_finds_its_kernel_by_the_plan(monkeypatch):
@@ -377,7 +415,7 @@ def test_launch_hit_keeps_the_tensor_maps(monkeypatch):
         pytest.skip("the direct launch is taken only on the Triton versions it was read from")
     encoded = []
 
-    def encode(desc, meta):
+    def encode(desc, meta, *base_args):  # 3.8 on pass the launch's other arguments too
         encoded.append((desc.base.data_ptr(), tuple(desc.shape), meta["swizzle"]))
         return [("map", desc.base.data_ptr(), meta["swizzle"]), *desc.shape, *desc.strides]
 
@@ -386,12 +424,7 @@ def test_launch_hit_keeps_the_tensor_maps(monkeypatch):
     signature = {"A": "tensordesc<fp16[1, 64]>", "X": "*fp32", "C": "tensordesc<fp16[1, 64]>",
                  "n": "i32", "BLOCK": "constexpr"}  # fmt: skip
     metas = [{"swizzle": 128}, {"swizzle": 64}]
-    run = object.__new__(nvidia.CudaLauncher)
-    run.launch = nvidia.wrap_handle_tensordesc(lambda *a: native.append(a), signature, metas)
-    run.num_ctas = 1
-    run.global_scratch_size = run.profile_scratch_size = 0
-    run.global_scratch_align = run.profile_scratch_align = 1
-    run.launch_cooperative_grid = run.launch_pdl = False
+    run = stand_in_cuda_launcher(nvidia, lambda *a: native.append(a), signature, metas)
     kernel, jit = stand_in_launch(monkeypatch, run, ("A", "X", "C", "n", "BLOCK"), device=0)
     launcher = launch.Launcher(jit, num_pointers=3)
     a, c, c2 = torch.zeros(4, 64), torch.zeros(8, 64), torch.zeros(8, 64)
@@ -412,17 +445,19 @@ def test_launch_hit_keeps_the_tensor_maps(monkeypatch):
     assert len(encoded) == 4
     first, again, own = native
     assert first == again
-    assert first[:10] == own[:10] == (5, 1, 1, "stream of 0", "function", False, False, None, None,
-                                      "packed")  # fmt: skip
-    assert first[10:13] == (None, None, None)
+    head, hooks, flat = native_head(nvidia, False, False)
+    n = len(head)
+    assert first[:n] == head and same_but_hooks(own, head, hooks)
     expanded = (("map", a.data_ptr(), 128), 4, 64, 64, 1, x, ("map", c.data_ptr(), 64), 8, 64,
                 64, 1, 7, 16)  # fmt: skip
-    assert own[13:] == expanded
+    first_args, own_args = (first[n:], own[n:]) if flat else (tuple(first[n]), tuple(own[n]))
+    assert own_args == expanded
     # The plain pointer argument as its address (test_launch_hit_calls_the_native_launcher).
-    assert first[13:] == (*expanded[:5], x.data_ptr(), *expanded[6:])
+    assert first_args == (*expanded[:5], x.data_ptr(), *expanded[6:])
     launcher((5,), args(c2), {"BLOCK": 16})  # another base: that descriptor encoded again
     assert encoded[4:] == [(c2.data_ptr(), (8, 64), 64)]
-    assert native[-1][19] == ("map", c2.data_ptr(), 64)
+    last_args = native[-1][n:] if flat else tuple(native[-1][n])
+    assert last_args[6] == ("map", c2.data_ptr(), 64)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])

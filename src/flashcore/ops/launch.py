@@ -64,6 +64,7 @@ contraction (a multiply and an add into one FMA), so they ask for it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -196,7 +197,9 @@ class Launcher:
 
 
 # The Triton versions whose CompiledKernel.__getitem__ the direct launch repeats (module
-# docstring); read from triton 3.6.0's source.
+# docstring) and that ran it on a GPU; read from triton 3.6.0's source. 3.7.1, 3.8.0 and 3.9.0
+# launch the same way but for the native launcher's arguments (``packed_abi``), which
+# ``TensorMaps`` and ``Bound`` pass in their form; CPU-tested, not yet run on a GPU.
 DIRECT_TRITON = ("3.6.",)
 # Set by _runs_directly, on the first compiled launch (importing flashcore imports no triton).
 _driver: Any = None
@@ -250,15 +253,27 @@ class TensorMaps:
     tensor map, all of them are among the pointer arguments, and the kernel needs no global or
     profile scratch (which ``CudaLauncher`` would allocate per launch)."""
 
-    __slots__ = ("coop", "encode", "maps", "metas", "native", "pdl", "plain")
+    __slots__ = ("coop", "encode", "maps", "metas", "native", "packed", "pdl", "plain")
 
-    def __init__(self, native: Any, metas: tuple, coop: bool, pdl: bool, encode: Any) -> None:
+    def __init__(
+        self,
+        native: Any,
+        metas: tuple,
+        coop: bool,
+        pdl: bool,
+        encode: Any,
+        packed: tuple | None = None,
+    ) -> None:
         self.native = native
         self.metas = metas  # per pointer argument: its descriptor's compiled metadata, or None
         self.plain = all(m is None for m in metas)
         self.coop = coop
         self.pdl = pdl
         self.encode = encode
+        # Triton 3.7 on (``packed_abi``): the kernel's argument annotations and C signature,
+        # which the native launcher takes before the arguments, passed as one tuple; None: 3.6's
+        # native launcher, the arguments one by one.
+        self.packed = packed
         self.maps: dict[tuple, list] = {}
 
     @classmethod
@@ -266,24 +281,46 @@ class TensorMaps:
         from triton.backends.nvidia import driver as nvidia
 
         run = kernel.run
-        if type(run) is not nvidia.CudaLauncher or nvidia._BASE_ARGS_FORMAT != "iiiKKppOOOOOO":
-            return None  # not the launcher whose arguments ``launch`` passes
+        if type(run) is not nvidia.CudaLauncher:
+            return None
+        packed = None
+        if getattr(nvidia, "_BASE_ARGS_FORMAT", None) == "iiiKKppOOOOOO":
+            pass  # 3.6: the arguments follow the scratch, metadata and hooks one by one
+        elif packed_abi(nvidia, run):
+            if getattr(run, "gsan_enabled", False):
+                return None  # the sanitizer's state pointer is appended per launch
+            packed = (run.arg_annotations, run.kernel_signature)
+        else:
+            return None  # not a launcher whose arguments ``launch`` knows how to pass
         if run.global_scratch_size or run.profile_scratch_size:
             return None
+        coop, pdl = bool(run.launch_cooperative_grid), bool(run.launch_pdl)
         wrapper = run.launch
         code = getattr(wrapper, "__code__", None)
         if code is None:
             # No descriptor argument: wrap_handle_tensordesc returned the native launcher.
             return cls(
-                wrapper, (None,) * num_pointers, bool(run.launch_cooperative_grid),
-                bool(run.launch_pdl), nvidia.make_tensordesc_arg,
-            )  # fmt: skip
+                wrapper, (None,) * num_pointers, coop, pdl, nvidia.make_tensordesc_arg, packed
+            )
         if wrapper.__closure__ is None:
             return None
         cells = dict(zip(code.co_freevars, wrapper.__closure__, strict=True))
-        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+        encode = nvidia.make_tensordesc_arg
+        if set(cells) == {"launcher", "tensordesc_indices", "tensordesc_meta"}:  # 3.6, 3.7
+            indices = sorted(cells["tensordesc_indices"].cell_contents)
+        elif packed is not None and set(cells) == {
+            "launcher", "make_tensordesc_arg", "relevant_paths", "signature", "tensordesc_meta"
+        }:  # fmt: skip
+            # 3.8 on: the unpacking in C over the signature's descriptor paths; every one of
+            # these kernels' descriptors is an argument of its own (a path of length one).
+            paths = cells["relevant_paths"].cell_contents
+            if any(paths.values()):
+                return None
+            indices = sorted(paths)
+            three = cells["make_tensordesc_arg"].cell_contents
+            encode = functools.partial(_encode_with_base_args, three)
+        else:
             return None
-        indices = sorted(cells["tensordesc_indices"].cell_contents)
         metas = cells["tensordesc_meta"].cell_contents
         if (
             not indices
@@ -296,10 +333,7 @@ class TensorMaps:
         by_position: list = [None] * num_pointers
         for i, meta in zip(indices, metas, strict=True):
             by_position[i] = meta
-        return cls(
-            cells["launcher"].cell_contents, tuple(by_position), bool(run.launch_cooperative_grid),
-            bool(run.launch_pdl), nvidia.make_tensordesc_arg,
-        )  # fmt: skip
+        return cls(cells["launcher"].cell_contents, tuple(by_position), coop, pdl, encode, packed)
 
     def launch(
         self,
@@ -312,7 +346,7 @@ class TensorMaps:
     ) -> None:
         """``pointers``: the pointer arguments, tensors already as their addresses."""
         if self.plain:
-            self.native(*grid, stream, *self.head(kernel), *pointers, *scalars, *constexprs)
+            self.call(grid, stream, self.head(kernel), (*pointers, *scalars, *constexprs))
             return
         maps = self.maps
         front = []
@@ -331,17 +365,50 @@ class TensorMaps:
                 if key is not None:
                     remember(maps, key, expanded, MAX_TENSOR_MAPS)
             front += expanded
-        self.native(*grid, stream, *self.head(kernel), *front, *scalars, *constexprs)
+        self.call(grid, stream, self.head(kernel), (*front, *scalars, *constexprs))
+
+    def call(self, grid: tuple, stream: int, head: tuple, args: tuple) -> None:
+        """The native launcher on ``head`` (``head``) and the kernel's arguments ``args``
+        (descriptors expanded, constexprs last): one by one on 3.6, as one tuple from 3.7 on."""
+        if self.packed is None:
+            self.native(*grid, stream, *head, *args)
+        else:
+            self.native(*grid, stream, *head, args)
 
     def head(self, kernel: Any) -> tuple:
         """The native launcher's arguments between the stream and the kernel's own, as
-        ``CudaLauncher.__call__`` passes them: the function, the cooperative and PDL flags, the
-        global and profile scratch (None: ``of`` takes only kernels without), the packed
-        metadata, then the launch metadata and both hooks (None: ``no_launch_hooks``)."""
+        ``CudaLauncher.__call__`` passes them. On 3.6: the function, the cooperative and PDL
+        flags, the global and profile scratch (None: ``of`` takes only kernels without), the
+        packed metadata, then the launch metadata and both hooks (None: ``no_launch_hooks``).
+        From 3.7 on: the function, the flags, the packed metadata, the launch metadata, both
+        hooks, both scratch buffers, then the argument annotations and the C signature."""
+        if self.packed is None:
+            return (
+                kernel.function, self.coop, self.pdl, None, None, kernel.packed_metadata, None,
+                None, None,
+            )  # fmt: skip
         return (
-            kernel.function, self.coop, self.pdl, None, None, kernel.packed_metadata, None, None,
-            None,
+            kernel.function, self.coop, self.pdl, kernel.packed_metadata, None, None, None, None,
+            None, *self.packed,
         )  # fmt: skip
+
+
+def _encode_with_base_args(encode: Any, descriptor: Any, meta: Any) -> list:
+    """Triton 3.8's ``make_tensordesc_arg(arg, metadata, base_args)``, which reads only its first
+    two (``TensorMaps.of``), as the two-argument encoder of 3.6 and 3.7."""
+    return encode(descriptor, meta, None)
+
+
+def packed_abi(nvidia: Any, run: Any) -> bool:
+    """Whether this Triton's native launcher is that of 3.7 on (read from 3.7.1, 3.8.0 and
+    3.9.0's ``backends/nvidia/driver.py`` and ``driver.c``): ``launch(gridX, gridY, gridZ,
+    stream, function, cooperative, pdl, packed metadata, launch metadata, enter hook, exit hook,
+    global scratch, profile scratch, argument annotations, C signature, arguments)``, the
+    arguments one tuple (constexprs included: the annotations skip them), a pointer given as a
+    tensor or as its address; its ``CudaLauncher`` keeps the annotations and signature."""
+    return not hasattr(nvidia, "_BASE_ARGS_FORMAT") and all(
+        hasattr(run, name) for name in ("arg_annotations", "kernel_signature")
+    )
 
 
 class Bound:
@@ -354,11 +421,12 @@ class Bound:
     launched below ``CudaLauncher``). ``part`` keeps each descriptor's expansion by position and
     address (``parts``)."""
 
-    __slots__ = ("grid", "head", "maps", "native", "parts", "tail")
+    __slots__ = ("grid", "head", "maps", "native", "packed", "parts", "tail")
 
     def __init__(self, maps: TensorMaps, kernel: Any, grid: tuple, scalars: tuple, constexprs):
         self.maps = maps
         self.native = maps.native
+        self.packed = maps.packed is not None
         self.grid = grid + (1,) * (3 - len(grid))
         self.head = maps.head(kernel)
         self.tail = (*scalars, *constexprs)
@@ -392,7 +460,10 @@ class Bound:
         return part
 
     def __call__(self, stream: int, front: tuple | list) -> None:
-        self.native(*self.grid, stream, *self.head, *front, *self.tail)
+        if self.packed:
+            self.native(*self.grid, stream, *self.head, (*front, *self.tail))
+        else:
+            self.native(*self.grid, stream, *self.head, *front, *self.tail)
 
 
 def current_stream(device: int) -> int:

@@ -203,8 +203,10 @@ def as_captured() -> Iterator[None]:
 # Kernel tiers: "portable" (the tl kernels, every device and the interpreter) and "sm90" (the
 # Gluon kernels of kernels/hopper, Hopper only). "auto" is the default choice.
 TIERS = ("auto", "portable", "sm90")
-# The Triton versions whose Gluon API the sm90 tier was verified on with a GPU (H100, 3.6.0).
-SM90_TRITON = ("3.6.",)
+# The Triton versions whose Gluon API the sm90 tier was verified on with a GPU: 3.6.0 (H100,
+# H200) and 3.8.0 (H200: the tier's GPU tests, scripts/gpu_other_triton.sh with SM90_GATE=1;
+# docs/maintainers.md, "Other Tritons"). 3.7 and 3.9 compile it but have not run it.
+SM90_TRITON = ("3.6.", "3.8.")
 _tier: contextvars.ContextVar[str] = contextvars.ContextVar("flashcore_tier", default="auto")
 
 
