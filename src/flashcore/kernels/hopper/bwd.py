@@ -325,6 +325,8 @@ from flashcore.kernels.hopper.common import (
     sequence,
     store_rows,
     tanh,
+    tma_load,
+    tma_store,
     zero_rows,
 )
 
@@ -512,12 +514,8 @@ def _load_kv(k_desc, v_desc, off_b, kv_head, key, bar, k_smem, v_smem):
     """K and V of the block's two 64-key halves from key ``key`` on, by TMA onto ``bar``."""
     mbarrier.expect(bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
     for c in gl.static_range(2):
-        tma.async_copy_global_to_shared(
-            k_desc, [off_b, kv_head, key + c * ROWS, 0], bar, k_smem.index(c)
-        )
-        tma.async_copy_global_to_shared(
-            v_desc, [off_b, kv_head, key + c * ROWS, 0], bar, v_smem.index(c)
-        )
+        tma_load(k_desc, [off_b, kv_head, key + c * ROWS, 0], bar, k_smem.index(c))
+        tma_load(v_desc, [off_b, kv_head, key + c * ROWS, 0], bar, v_smem.index(c))
 
 
 @gluon.jit
@@ -550,11 +548,11 @@ def _load_step(
         )
     else:
         mbarrier.expect(bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(q_desc, [off_b, off_h, q_row, 0], bar, q_smem.index(slot))
-    tma.async_copy_global_to_shared(do_desc, [off_b, off_h, q_row, 0], bar, do_smem.index(slot))
+    tma_load(q_desc, [off_b, off_h, q_row, 0], bar, q_smem.index(slot))
+    tma_load(do_desc, [off_b, off_h, q_row, 0], bar, do_smem.index(slot))
     if STATS:
-        tma.async_copy_global_to_shared(lse_desc, [row], bar, lse_smem.index(slot))
-        tma.async_copy_global_to_shared(delta_desc, [row], bar, delta_smem.index(slot))
+        tma_load(lse_desc, [row], bar, lse_smem.index(slot))
+        tma_load(delta_desc, [row], bar, delta_smem.index(slot))
 
 
 @gluon.jit
@@ -564,8 +562,8 @@ def _store_dk_dv(dk_desc, dv_desc, k_tile, v_tile, dk, dv, off_b, off_hk, key):
     k_tile.reshape([dk.shape[0], dk.shape[1]]).store(dk.to(dk_desc.dtype))
     v_tile.reshape([dv.shape[0], dv.shape[1]]).store(dv.to(dv_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, off_hk, key, 0], k_tile)
-    tma.async_copy_shared_to_global(dv_desc, [off_b, off_hk, key, 0], v_tile)
+    tma_store(dk_desc, [off_b, off_hk, key, 0], k_tile)
+    tma_store(dv_desc, [off_b, off_hk, key, 0], v_tile)
 
 
 @gluon.jit

@@ -151,6 +151,8 @@ from flashcore.kernels.hopper.common import (
     kv_tile_range,
     sequence,
     tanh,
+    tma_load,
+    tma_store,
     zero_rows,
 )
 
@@ -197,16 +199,16 @@ def _load_tiles(qk_desc, v_desc, off_b, off_h, row, bar, a_dest, b_dest, v_dest,
         bar, (A_PANELS + B_PANELS) * qk_desc.block_type.nbytes + v_desc.block_type.nbytes
     )
     if A_PANELS == 1:
-        tma.async_copy_global_to_shared(qk_desc, [off_b, off_h, row, 0], bar, a_dest)
+        tma_load(qk_desc, [off_b, off_h, row, 0], bar, a_dest)
     else:
         for i in gl.static_range(A_PANELS):
-            tma.async_copy_global_to_shared(
+            tma_load(
                 qk_desc, [off_b, off_h, row, i * PANEL], bar, a_dest.slice(i * PANEL, PANEL, dim=3)
             )
     if QK_B > 0:
         gl.static_assert(B_PANELS == 1)
-        tma.async_copy_global_to_shared(qk_desc, [off_b, off_h, row, QK_A], bar, b_dest)
-    tma.async_copy_global_to_shared(v_desc, [off_b, off_h, row, 0], bar, v_dest)
+        tma_load(qk_desc, [off_b, off_h, row, QK_A], bar, b_dest)
+    tma_load(v_desc, [off_b, off_h, row, 0], bar, v_dest)
 
 
 @gluon.jit
@@ -594,11 +596,11 @@ def _store_acc_tma(dka_desc, dkb_desc, dv_desc, ka_tile, kb_tile, v_tile, dv, dk
         v_tile.reshape([ROWS_T, v_tile.shape[3]]).store(dv.to(dv_desc.dtype))
     fence_async_shared()
     if HAS_DK:
-        tma.async_copy_shared_to_global(dka_desc, [desc_b, off_hk, key, 0], ka_tile)
+        tma_store(dka_desc, [desc_b, off_hk, key, 0], ka_tile)
         if QK_B > 0:
-            tma.async_copy_shared_to_global(dkb_desc, [desc_b, off_hk, key, QK_A], kb_tile)
+            tma_store(dkb_desc, [desc_b, off_hk, key, QK_A], kb_tile)
     if HAS_DV:
-        tma.async_copy_shared_to_global(dv_desc, [desc_b, off_hk, key, 0], v_tile)
+        tma_store(dv_desc, [desc_b, off_hk, key, 0], v_tile)
 
 
 @gluon.jit

@@ -7,6 +7,13 @@ and ``tanh``. See ``fwd.py``'s docstring for the schedule that calls them.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
+
+# The TMA copies by their name in this Triton: ``async_load`` and ``async_store`` from 3.8 on (the
+# old names aliases of them there; 3.9 removed the store's), ``async_copy_global_to_shared`` and
+# ``async_copy_shared_to_global`` in 3.6 and 3.7. The same instructions either way.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)

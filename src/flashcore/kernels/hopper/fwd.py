@@ -253,6 +253,7 @@ from flashcore.kernels.hopper.common import (
     snake,
     store_rows,
     sums_start,
+    tma_store,
     work_item,
 )
 from flashcore.kernels.hopper.fwd_load import producer
@@ -269,7 +270,7 @@ def _store_o(o_desc, o_tile, acc, off_b, off_h, row):
     """O out through its shared-memory tile (a Q slot) by one TMA store of rows ``row ..``."""
     o_tile.reshape([o_tile.shape[2], o_tile.shape[3]]).store(acc.to(o_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [off_b, off_h, row, 0], o_tile)
+    tma_store(o_desc, [off_b, off_h, row, 0], o_tile)
 
 
 @gluon.jit

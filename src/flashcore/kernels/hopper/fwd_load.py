@@ -7,7 +7,7 @@ across tiles.
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 from flashcore.kernels.hopper.common import (
     ROWS,
@@ -18,6 +18,7 @@ from flashcore.kernels.hopper.common import (
     programs,
     sequence,
     snake,
+    tma_load,
     work_item,
     zero_rows,
 )
@@ -30,9 +31,7 @@ def _load(desc, off_b, off_h, row, bar, smem, first, PANELS: gl.constexpr):
     PANEL: gl.constexpr = desc.block_type.shape[3]
     mbarrier.expect(bar, PANELS * desc.block_type.nbytes)
     for i in gl.static_range(PANELS):
-        tma.async_copy_global_to_shared(
-            desc, [off_b, off_h, row, i * PANEL], bar, smem.index(first + i)
-        )
+        tma_load(desc, [off_b, off_h, row, i * PANEL], bar, smem.index(first + i))
 
 
 @gluon.jit
@@ -58,15 +57,13 @@ def _load_pages(desc, bt_row, off_h, start_n, seqlen_k, block_size, bar, smem, f
         page = gl.load(bt_row + start_n // block_size)
         row = start_n % block_size
         for i in gl.static_range(PANELS):
-            tma.async_copy_global_to_shared(
-                desc, [page, off_h, row, i * PANEL], bar, smem.index(first + i)
-            )
+            tma_load(desc, [page, off_h, row, i * PANEL], bar, smem.index(first + i))
     else:
         for s in gl.static_range(SUBS):
             page = gl.load(bt_row + gl.minimum(start_n + s * PAGE_ROWS, seqlen_k - 1) // PAGE_ROWS)
             for i in gl.static_range(PANELS):
                 dest = smem.index(first + i).slice(s * PAGE_ROWS, PAGE_ROWS, dim=2)
-                tma.async_copy_global_to_shared(desc, [page, off_h, 0, i * PANEL], bar, dest)
+                tma_load(desc, [page, off_h, 0, i * PANEL], bar, dest)
 
 
 @gluon.jit
