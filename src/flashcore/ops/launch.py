@@ -49,6 +49,9 @@ A kernel with tensor-descriptor arguments goes one level further down on a hit (
 Triton's launcher would encode every descriptor into a ``CUtensorMap`` on every launch; the
 encoded maps are kept per base address, shape and strides and passed to the native launcher
 directly (about 4 us a descriptor on the H100 machine's host; nine for the Hopper backward).
+From Triton 3.7 on the native launcher takes its arguments in another order and the kernel's
+as one tuple (``packed_abi``); ``TensorMaps`` and ``Bound`` pass either form, and
+``DIRECT_TRITON`` names the versions whose direct launches ran on a GPU.
 
 CUDA graphs: a hit reads nothing from the device and launches on the current stream, so it is
 captured like any other kernel (the keys hold pointer alignment, never addresses). A miss may
@@ -368,8 +371,9 @@ class TensorMaps:
         self.call(grid, stream, self.head(kernel), (*front, *scalars, *constexprs))
 
     def call(self, grid: tuple, stream: int, head: tuple, args: tuple) -> None:
-        """The native launcher on ``head`` (``head``) and the kernel's arguments ``args``
-        (descriptors expanded, constexprs last): one by one on 3.6, as one tuple from 3.7 on."""
+        """The native launcher with ``head`` (what ``head`` gives) and the kernel's arguments
+        ``args`` (descriptors expanded, constexprs last): one by one on 3.6, as one tuple from
+        3.7 on."""
         if self.packed is None:
             self.native(*grid, stream, *head, *args)
         else:
