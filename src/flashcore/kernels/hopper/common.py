@@ -14,6 +14,10 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 # ``async_copy_shared_to_global`` in 3.6 and 3.7. The same instructions either way.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+# A shared buffer viewed in another dtype, shape or layout: ``_reinterpret`` up to 3.8,
+# ``reinterpret`` in 3.9 (the call sites branch on this).
+PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
 
 LOG2E = gl.constexpr(1.4426950408889634)
 LN2 = gl.constexpr(0.6931471805599453)

@@ -243,6 +243,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashcore.kernels.hopper.common import (
     LN2,
     LOG2E,
+    PUBLIC_REINTERPRET,
     ROWS,
     item_read,
     kv_tile_range,
@@ -474,7 +475,10 @@ def _consumer_tile(
         O_TILES: gl.constexpr = q_smem.shape[0] // O_PANELS
         gl.static_assert(q_smem.shape[0] == O_TILES * O_PANELS, "O tiles must cover Q's panels")
         o_shape: gl.constexpr = [O_TILES] + o_desc.block_type.shape  # noqa: RUF005
-        o_tiles = q_smem._reinterpret(dtype, o_shape, o_desc.layout)
+        if PUBLIC_REINTERPRET:
+            o_tiles = q_smem.reinterpret(dtype, o_shape, o_desc.layout)
+        else:
+            o_tiles = q_smem._reinterpret(dtype, o_shape, o_desc.layout)
         o_tile = o_tiles.index((qi * PANELS + O_PANELS - 1) // O_PANELS)
     if VARLEN:
         # Rows past the sequence's end are the next sequence's: a tile that reaches them is
