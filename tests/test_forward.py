@@ -277,6 +277,33 @@ def test_use_tier_is_scoped_and_checked():
     assert runtime._tier.get() == "auto"
 
 
+def test_forced_sm90_on_an_unverified_triton_warns(monkeypatch):
+    """On an sm_90 GPU with a Triton the sm90 tier was not verified on (torch 2.12, 2.13 and 2.15
+    pin 3.7 and 3.9), both tiers' choice is the portable one; ``use_tier("sm90")`` says so, once a
+    process, naming the Triton, and "auto" stays quiet. On the CPU: the capability and the
+    version check stood in for."""
+    import warnings
+
+    from flashcore.ops import runtime
+
+    monkeypatch.setattr(runtime, "capability", lambda device: (9, 0))
+    monkeypatch.setattr(runtime, "sm90_verified", lambda: False)
+    runtime._warn_unverified.cache_clear()
+    device = torch.device("cpu")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert runtime.forward_tier(device) == runtime.backward_tier(device) == "portable"
+        assert seen == []  # "auto"
+        with flashcore.use_tier("sm90"):
+            assert runtime.forward_tier(device) == "portable"
+            assert runtime.backward_tier(device) == "portable"
+    runtime._warn_unverified.cache_clear()
+    import triton
+
+    assert len(seen) == 1 and triton.__version__ in str(seen[0].message)
+    assert "portable kernels" in str(seen[0].message)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128, 192, 256])
 def test_forward_gpu_fp32(head_dim):

@@ -44,7 +44,8 @@ def use_tier(name: str):
     ``"sm90"``: the Gluon kernels of ``kernels/hopper`` (warp-specialised, TMA, async wgmma) on an
     sm_90 GPU (H100/H200) with a Triton version they were verified on (3.6, 3.8), for fp16/bf16
     dense inputs with head dim 64 or 128 and 16-byte aligned strides; anything else they do not
-    cover runs on the portable tier. The forward covers causal, window, softcap, ALiBi, sinks, GQA,
+    cover runs on the portable tier (with another Triton, everything: a warning says so once).
+    The forward covers causal, window, softcap, ALiBi, sinks, GQA,
     any lengths and packed (varlen) batches; the backward too (never with
     ``deterministic``).
     ``"auto"`` (the default): each tier where it measured faster on the H100: the sm90 forward

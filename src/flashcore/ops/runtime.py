@@ -244,7 +244,30 @@ def backward_tier(device: torch.device) -> str:
     ``deterministic=True``: its dQ is a sum of atomic reduce-adds), else "portable"."""
     if _tier.get() == "portable" or capability(device) != (9, 0):
         return "portable"
-    return "sm90" if sm90_verified() else "portable"
+    return "sm90" if sm90_verified() else _unverified()
+
+
+def _unverified() -> str:
+    """The tier of an sm_90 device whose Triton the sm90 tier was not verified on: the portable
+    one, under ``use_tier("sm90")`` with a warning (once a process), since the block asked for
+    the other."""
+    if _tier.get() == "sm90":
+        _warn_unverified()
+    return "portable"
+
+
+@functools.cache
+def _warn_unverified() -> None:
+    import warnings
+
+    import triton
+
+    warnings.warn(
+        f"flashcore: use_tier('sm90') on an sm_90 GPU runs the portable kernels with Triton "
+        f"{triton.__version__}: the sm90 tier is enabled only on the Triton versions it was "
+        f"verified on with a GPU, {', '.join(v + 'x' for v in SM90_TRITON)}",
+        stacklevel=2,
+    )
 
 
 def current_tier() -> str:
@@ -265,4 +288,4 @@ def forward_tier(device: torch.device) -> str:
     the portable tier for what the sm90 kernel does not cover."""
     if _tier.get() == "portable" or capability(device) != (9, 0):
         return "portable"
-    return "sm90" if sm90_verified() else "portable"
+    return "sm90" if sm90_verified() else _unverified()
