@@ -535,8 +535,9 @@ def test_light_descriptor_has_what_the_launcher_reads():
     """Every field the installed Triton's NVIDIA launcher reads off a host descriptor argument
     (``make_tensordesc_arg``, and ``decompose_descriptor`` where it exists; im2col's own fields
     aside) is one ``ops.launch.Descriptor`` has, with the value Triton's own descriptor has by
-    default. Triton 3.7 added ``round_f32_to_tf32``: without it every launch with a descriptor
-    failed on a GPU (an H200 with 3.8), which no CPU run had shown."""
+    default. Triton 3.7 added ``round_f32_to_tf32``: without it every launch with these
+    descriptors but a kernel's first (a miss, through Triton's own) failed on a GPU (an H200
+    with 3.8), which no CPU run had shown."""
     import inspect
     import re
 

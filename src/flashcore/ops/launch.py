@@ -502,7 +502,8 @@ def first_launch_in_capture(fn: Any) -> str:
 class Descriptor:
     """A host-side tensor descriptor for launches through a compiled kernel: the fields Triton's
     launcher reads (base, shape, strides, padding; from triton 3.7 on ``round_f32_to_tf32``
-    too, whose absence failed every launch on an H200 with 3.8) and nothing else.
+    too, whose absence failed the launches after each kernel's first on an H200 with 3.8) and
+    nothing else.
 
     ``triton.tools.tensor_descriptor.TensorDescriptor`` checks alignment, rank and block shape
     each time one is built (about 4.5 us on the H100 machine's host, four per forward call), and
