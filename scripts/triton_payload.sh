@@ -3,10 +3,12 @@
 #
 # Here (with network):   bash scripts/triton_payload.sh build VERSION
 #   downloads Triton VERSION's wheel for the GPU machine's Python (3.12, manylinux x86_64), keeps
-#   what running kernels on an NVIDIA GPU needs (the Python package, libtriton, ptxas, cuobjdump,
-#   nvdisasm, the headers and libdevice; not proton, CUPTI or the Blackwell ptxas), packs it with
-#   xz and cuts it into parts of at most 60 MB under .triton-VERSION/part-aa, -ab, ... (git
-#   ignores .triton-*; each part is carried by one call).
+#   what running kernels on an NVIDIA GPU needs (the Python package, libtriton, the ptxas that
+#   compiles for sm_90 (the wheel's ptxas up to 3.8, its ptxas-blackwell, CUDA 13, from 3.9 on:
+#   nvidia/compiler.py's get_ptxas), cuobjdump, nvdisasm, the headers and libdevice; not proton,
+#   CUPTI, the other ptxas or the AMD backend, whose entry point goes too), packs it with xz and
+#   cuts it into parts of at most 60 MB under .triton-VERSION/part-aa, -ab, ... (git ignores
+#   .triton-*; each part is carried by one call).
 # On the GPU machine, on one warm machine (the machine is released after ~30 s idle):
 #   call i (carry [".triton-VERSION/part-XX"]):  bash scripts/triton_payload.sh stash VERSION
 #     copies the part that came with the call to /tmp/triton-VERSION-parts;
@@ -30,8 +32,13 @@ case "$action" in
     python3 -m pip download -q "triton==$version" --no-deps --only-binary=:all: \
         --python-version 3.12 --platform manylinux_2_28_x86_64 -d "$work" || exit 1
     (cd "$work" && python3 -m zipfile -e triton-*.whl tree) || exit 1
-    rm -rf "$work"/tree/triton/backends/nvidia/lib/cupti* \
-        "$work"/tree/triton/backends/nvidia/bin/ptxas-blackwell "$work"/tree/triton/_C/libproton.so
+    nvidia="$work/tree/triton/backends/nvidia"
+    # Which ptxas sm_90 gets: "ptxas_blackwell if arch >= 100" (3.7, 3.8) or "if arch < 90:
+    # ... ptxas" (3.9); keep that one.
+    if grep -q "if arch < 90:" "$nvidia/compiler.py"; then other=ptxas; else other=ptxas-blackwell; fi
+    rm -rf "$nvidia"/lib/cupti* "$nvidia/bin/$other" "$work"/tree/triton/_C/libproton.so \
+        "$work"/tree/triton/backends/amd
+    sed -i '/triton\.backends\.amd/d' "$work"/tree/triton-*.dist-info/entry_points.txt
     rm -rf "$parts_here" && mkdir -p "$parts_here"
     tar -C "$work/tree" -cf - . | xz -9 -T0 | split -b 60000000 - "$parts_here/part-"
     rm -rf "$work"

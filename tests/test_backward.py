@@ -634,6 +634,28 @@ def test_sm90_backward_group_split_rule():
     assert not split_group(64, 256, 132, True, full, limit + 1)
 
 
+@pytest.mark.parametrize(
+    ("version", "want"),
+    [("3.6.0", 96), ("3.7.1", 96), ("3.8.0", 96), ("3.9.0", 80), ("3.10.0", 80)],
+)
+def test_dq_warpgroup_registers_follow_the_ptxas(monkeypatch, version, want):
+    """The D=64 backward's dQ warpgroup: 96 registers where Triton compiles sm_90 with CUDA 12's
+    ptxas (3.6-3.8), 80 from 3.9 on (CUDA 13's, which spilled consumer 0's loop at 96); D=128
+    has no dQ warpgroup. (Version strings stood in for.)"""
+    import triton
+
+    from flashcore.ops import bwd_sm90
+
+    monkeypatch.setattr(triton, "__version__", version)
+    dq_regs = bwd_sm90.dq_regs.__wrapped__
+    assert dq_regs(bwd_sm90.CONFIGS[64]) == want
+    assert dq_regs(bwd_sm90.CONFIGS[128]) == bwd_sm90.CONFIGS[128].dq_regs
+    # Registers after setmaxnreg within the SM's 65536: consumer 0 (the default partition) gets
+    # what consumer 1, the dQ warpgroup and the producer warp leave.
+    cfg = bwd_sm90.CONFIGS[64]
+    assert 128 * (2 * cfg.consumer_regs + want) + 32 * 24 <= 65536
+
+
 @pytest.mark.gpu
 def test_backward_gpu_sm90_lse_grad():
     case = Case(2, 8, 2, 1500, 1000, 128)

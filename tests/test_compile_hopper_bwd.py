@@ -111,8 +111,8 @@ def compile_variant(variant) -> dict:
     kv_regs = bwd_sm90.kv_in_registers(cfg, *(flag in options for flag in SCORE_FLAGS))
     consts = dict(
         HEAD_DIM=head_dim, NUM_STAGES=cfg.num_stages, CONSUMER_REGS=cfg.consumer_regs,
-        IS_CAUSAL=causal, EVEN_N=even_n, DQ_WARPGROUP=cfg.dq_warpgroup, DQ_REGS=cfg.dq_regs,
-        ABLATE=0,
+        IS_CAUSAL=causal, EVEN_N=even_n, DQ_WARPGROUP=cfg.dq_warpgroup,
+        DQ_REGS=bwd_sm90.dq_regs(cfg), ABLATE=0,
         KV_REGS=kv_regs,
         VARLEN="VARLEN" in options,
         PERMUTED_ROWS=permuted,
@@ -164,7 +164,7 @@ def compile_variant(variant) -> dict:
         ],
         "step_loop_mix": mixes,
         "consumer_regs": cfg.consumer_regs,
-        "dq_regs": cfg.dq_regs if cfg.dq_warpgroup else None,
+        "dq_regs": bwd_sm90.dq_regs(cfg) if cfg.dq_warpgroup else None,
         **report,
         "wgmma_ptx": len(re.findall(r"wgmma\.mma_async", ptx)),
         "tma_reduce_add": len(re.findall(r"cp\.reduce\.async\.bulk\.tensor\.\S*add", ptx)),

@@ -196,6 +196,27 @@ CONFIGS = {
     64: Sm90BwdConfig(consumer_regs=200, maxnreg=128, dq_warpgroup=True, dq_regs=96, kv_regs=True),
 }
 
+# Tritons whose ptxas for sm_90 is CUDA 12's (3.6: 12.8, 3.7: 12.8, 3.8: 12.9). From 3.9 on
+# Triton compiles sm_90 with its CUDA 13 ptxas (the wheel's ptxas-blackwell, 13.4 in 3.9.0),
+# which spilled consumer 0 of the D=64 builds at 192 registers: 280-308 B, about 50 local
+# accesses in each step of its loop (causal, causal varlen; 64 B ragged), where 12.8 and 12.9
+# spill none from the same PTX. With 16 registers fewer for the dQ warpgroup (80) consumer 0 gets
+# 208 and 13.4 keeps every loop free of local accesses (8-44 B left, outside them); 12.8 measured
+# no faster with that split (docs/performance_backward.md, "K and V as register operands at D =
+# 64"), so the CUDA 12 Tritons keep 96 (docs/maintainers.md, "Other Tritons").
+PTXAS12_TRITON = ("3.6.", "3.7.", "3.8.")
+DQ_REGS_PTXAS13 = 80
+
+
+@functools.cache
+def dq_regs(cfg: Sm90BwdConfig) -> int:
+    """The dQ warpgroup's registers a thread (``DQ_REGS``) for the installed Triton's ptxas."""
+    import triton
+
+    if cfg.dq_warpgroup and not triton.__version__.startswith(PTXAS12_TRITON):
+        return min(cfg.dq_regs, DQ_REGS_PTXAS13)
+    return cfg.dq_regs
+
 
 # Causal D=128 problems take the permuted dQ staging rows from this many query rows on (H100,
 # bf16, rows permuted / in order: 0.974 at 2048, 1.071 at 8192, 1.017 at 16384;
@@ -713,7 +734,7 @@ def _plan(
         "HAS_ALIBI": sc.has_alibi,
         "EVEN_N": varlen is None and seqlen_k % BLOCK_N == 0,
         "DQ_WARPGROUP": cfg.dq_warpgroup,
-        "DQ_REGS": cfg.dq_regs,
+        "DQ_REGS": dq_regs(cfg),
         "ABLATE": cfg.ablate,
         "KV_REGS": kv_regs,
         "VARLEN": varlen is not None,
