@@ -650,10 +650,6 @@ def test_dq_warpgroup_registers_follow_the_ptxas(monkeypatch, version, want):
     dq_regs = bwd_sm90.dq_regs.__wrapped__
     assert dq_regs(bwd_sm90.CONFIGS[64]) == want
     assert dq_regs(bwd_sm90.CONFIGS[128]) == bwd_sm90.CONFIGS[128].dq_regs
-    # Registers after setmaxnreg within the SM's 65536: consumer 0 (the default partition) gets
-    # what consumer 1, the dQ warpgroup and the producer warp leave.
-    cfg = bwd_sm90.CONFIGS[64]
-    assert 128 * (2 * cfg.consumer_regs + want) + 32 * 24 <= 65536
 
 
 @pytest.mark.gpu

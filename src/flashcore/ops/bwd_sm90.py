@@ -199,11 +199,11 @@ CONFIGS = {
 # Tritons whose ptxas for sm_90 is CUDA 12's (3.6: 12.8, 3.7: 12.8, 3.8: 12.9). From 3.9 on
 # Triton compiles sm_90 with its CUDA 13 ptxas (the wheel's ptxas-blackwell, 13.4 in 3.9.0),
 # which spilled consumer 0 of the D=64 builds at 192 registers: 280-308 B, about 50 local
-# accesses in each step of its loop (causal, causal varlen; 64 B ragged), where 12.8 and 12.9
-# spill none from the same PTX. With 16 registers fewer for the dQ warpgroup (80) consumer 0 gets
-# 208 and 13.4 keeps every loop free of local accesses (8-44 B left, outside them); 12.8 measured
-# no faster with that split (docs/performance_backward.md, "K and V as register operands at D =
-# 64"), so the CUDA 12 Tritons keep 96 (docs/maintainers.md, "Other Tritons").
+# accesses in each step of its loop (causal, causal varlen; 64 B ragged), where 12.9 spills none
+# from the same PTX (3.8's or 3.9's). With 16 registers fewer for the dQ warpgroup (80) consumer
+# 0 gets 208 and 13.4's step loops hold 0-2 local accesses (8-44 B in all, about 50 before); 12.8
+# measured no faster with that split (docs/performance_backward.md, "K and V as register
+# operands at D = 64"), so the CUDA 12 Tritons keep 96 (docs/maintainers.md, "Other Tritons").
 PTXAS12_TRITON = ("3.6.", "3.7.", "3.8.")
 DQ_REGS_PTXAS13 = 80
 

@@ -207,7 +207,7 @@ TIERS = ("auto", "portable", "sm90")
 # H200), 3.8.0 and 3.9.0 (H200: the tier's GPU tests, scripts/gpu_other_triton.sh with
 # SM90_GATE=1; docs/maintainers.md, "Other Tritons"). 3.7.1 passed its forward and backward GPU
 # tests too, but without direct launches (ops/launch.py: DIRECT_TRITON, not GPU-run with 3.7) its
-# short backwards ran at 0.57x of 3.6's, slower than the portable tier: off until they are.
+# short backwards ran at 0.57x of 3.6's (below cuDNN): off until they have run there.
 SM90_TRITON = ("3.6.", "3.8.", "3.9.")
 _tier: contextvars.ContextVar[str] = contextvars.ContextVar("flashcore_tier", default="auto")
 
