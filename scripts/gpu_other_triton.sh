@@ -12,6 +12,8 @@
 # (B 2, H 16, S 4096, D 128, bf16, causal and not) follows. SM90_GATE=1 opens the gate for this
 # Triton (scripts/sm90_gate.py: the tests and the auto dispatch then run the Gluon tier too) and
 # the timing is scripts/triton_version_ab.py's (the tier beside cuDNN). TIMING=0: no timing.
+# DIRECT_GATE=1 (with SM90_GATE=1) opens the direct launches' gate as well (ops/launch.py:
+# DIRECT_TRITON; scripts/sm90_gate.py).
 cd "$(dirname "$0")/.."
 version=${1:?usage: gpu_other_triton.sh VERSION [pytest arguments]}
 shift
