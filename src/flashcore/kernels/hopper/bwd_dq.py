@@ -13,7 +13,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashcore.kernels.hopper.common import PUBLIC_REINTERPRET
+from flashcore.kernels.hopper.common import reinterpret
 
 
 @builtin
@@ -68,11 +68,7 @@ def stage_dq(tile, dq):
     rows permuted (``permuted_rows_layout``, conflict-free)."""
     if permuted_box(tile.shape):
         flat = tile.reshape(dq.shape)
-        layout: gl.constexpr = permuted_rows_layout(dq.shape[1])
-        if PUBLIC_REINTERPRET:
-            flat.reinterpret(gl.float32, dq.shape, layout).store(dq)
-        else:
-            flat._reinterpret(gl.float32, dq.shape, layout).store(dq)
+        reinterpret(flat, gl.float32, dq.shape, permuted_rows_layout(dq.shape[1])).store(dq)
     else:
         tile.reshape(dq.shape).store(dq)
 

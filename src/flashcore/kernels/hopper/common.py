@@ -14,9 +14,13 @@ from triton.experimental.gluon.language.nvidia.hopper import tma
 # ``async_copy_shared_to_global`` in 3.6 and 3.7. The same instructions either way.
 tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-# A shared buffer viewed in another dtype, shape or layout: ``_reinterpret`` up to 3.8,
-# ``reinterpret`` in 3.9 (the call sites branch on this).
-PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+# A shared buffer viewed in another dtype, shape or layout, ``reinterpret(buffer, dtype, shape,
+# layout)``: the descriptor's ``_reinterpret`` up to 3.8, ``reinterpret`` from 3.9 on (both
+# builtins, called here with the buffer first).
+reinterpret = (
+    getattr(gl.shared_memory_descriptor, "reinterpret", None)
+    or gl.shared_memory_descriptor._reinterpret
+)
 
 
 LOG2E = gl.constexpr(1.4426950408889634)

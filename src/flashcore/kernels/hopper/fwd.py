@@ -243,12 +243,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashcore.kernels.hopper.common import (
     LN2,
     LOG2E,
-    PUBLIC_REINTERPRET,
     ROWS,
     item_read,
     kv_tile_range,
     opaque,
     programs,
+    reinterpret,
     row_total,
     sequence,
     snake,
@@ -475,10 +475,7 @@ def _consumer_tile(
         O_TILES: gl.constexpr = q_smem.shape[0] // O_PANELS
         gl.static_assert(q_smem.shape[0] == O_TILES * O_PANELS, "O tiles must cover Q's panels")
         o_shape: gl.constexpr = [O_TILES] + o_desc.block_type.shape  # noqa: RUF005
-        if PUBLIC_REINTERPRET:
-            o_tiles = q_smem.reinterpret(dtype, o_shape, o_desc.layout)
-        else:
-            o_tiles = q_smem._reinterpret(dtype, o_shape, o_desc.layout)
+        o_tiles = reinterpret(q_smem, dtype, o_shape, o_desc.layout)
         o_tile = o_tiles.index((qi * PANELS + O_PANELS - 1) // O_PANELS)
     if VARLEN:
         # Rows past the sequence's end are the next sequence's: a tile that reaches them is
