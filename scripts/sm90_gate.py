@@ -7,7 +7,7 @@ the first call. Never for users: a Triton the tier was not verified on may misco
 
 With ``DIRECT_GATE=1`` in the environment it opens the direct launches' gate too
 (``ops/launch.py: DIRECT_TRITON``, both tiers' launches): how a Triton whose native launcher
-was only read and CPU-tested (3.7) is run on a GPU before it is added there.
+was only read and CPU-tested is run on a GPU before it is added there (how 3.7 was).
 """
 
 from __future__ import annotations

@@ -278,8 +278,8 @@ def test_use_tier_is_scoped_and_checked():
 
 
 def test_forced_sm90_on_an_unverified_triton_warns(monkeypatch):
-    """On an sm_90 GPU with a Triton the sm90 tier was not verified on (torch 2.12 and 2.13 pin
-    3.7), both tiers' choice is the portable one; ``use_tier("sm90")`` says so, once a
+    """On an sm_90 GPU with a Triton the sm90 tier was not verified on (one newer than 3.9, or
+    older than 3.6), both tiers' choice is the portable one; ``use_tier("sm90")`` says so, once a
     process, naming the Triton, and "auto" stays quiet. On the CPU: the capability and the
     version check stood in for."""
     import warnings

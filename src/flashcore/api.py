@@ -42,7 +42,7 @@ def use_tier(name: str):
 
     ``"portable"``: the Triton (``tl``) kernels, on every device and the CPU interpreter.
     ``"sm90"``: the Gluon kernels of ``kernels/hopper`` (warp-specialised, TMA, async wgmma) on an
-    sm_90 GPU (H100/H200) with a Triton version they were verified on (3.6, 3.8, 3.9), for fp16/bf16
+    sm_90 GPU (H100/H200) with a Triton version they were verified on (3.6 to 3.9), for fp16/bf16
     dense inputs with head dim 64 or 128 and 16-byte aligned strides; anything else they do not
     cover runs on the portable tier (with another Triton, everything: a warning says so once).
     The forward covers causal, window, softcap, ALiBi, sinks, GQA,

@@ -200,10 +200,10 @@ class Launcher:
 
 
 # The Triton versions whose CompiledKernel.__getitem__ the direct launch repeats (module
-# docstring) and that ran it on a GPU: 3.6.0 (H100, H200), 3.8.0 and 3.9.0 (H200). 3.7.1
-# launches the same way as 3.8 (the native launcher's arguments as ``packed_abi`` says, which
-# ``TensorMaps`` and ``Bound`` pass in that form); CPU-tested, not run on a GPU.
-DIRECT_TRITON = ("3.6.", "3.8.", "3.9.")
+# docstring) and that ran it on a GPU: 3.6.0 (H100, H200), 3.7.0, 3.7.1, 3.8.0 and 3.9.0
+# (H200). 3.7 launches the same way as 3.8 (the native launcher's arguments as ``packed_abi``
+# says, which ``TensorMaps`` and ``Bound`` pass in that form).
+DIRECT_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
 # Set by _runs_directly, on the first compiled launch (importing flashcore imports no triton).
 _driver: Any = None
 _knobs: Any = None

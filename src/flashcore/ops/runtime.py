@@ -204,11 +204,10 @@ def as_captured() -> Iterator[None]:
 # Gluon kernels of kernels/hopper, Hopper only). "auto" is the default choice.
 TIERS = ("auto", "portable", "sm90")
 # The Triton versions whose Gluon API the sm90 tier was verified on with a GPU: 3.6.0 (H100,
-# H200), 3.8.0 and 3.9.0 (H200: the tier's GPU tests, scripts/gpu_other_triton.sh with
-# SM90_GATE=1; docs/maintainers.md, "Other Tritons"). 3.7.1 passed its forward and backward GPU
-# tests too, but without direct launches (ops/launch.py: DIRECT_TRITON, not GPU-run with 3.7) its
-# short backwards ran at 0.57x of 3.6's (below cuDNN): off until they have run there.
-SM90_TRITON = ("3.6.", "3.8.", "3.9.")
+# H200), 3.7.0, 3.7.1, 3.8.0 and 3.9.0 (H200: the tier's GPU tests, scripts/gpu_other_triton.sh
+# with SM90_GATE=1, and with 3.7 DIRECT_GATE=1 for its direct launches; docs/maintainers.md,
+# "Other Tritons").
+SM90_TRITON = ("3.6.", "3.7.", "3.8.", "3.9.")
 _tier: contextvars.ContextVar[str] = contextvars.ContextVar("flashcore_tier", default="auto")
 
 
