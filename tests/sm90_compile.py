@@ -10,19 +10,16 @@ import functools
 import itertools
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 assert not os.environ.get("TRITON_INTERPRET"), "run without TRITON_INTERPRET"
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from compile_shards import Shard  # noqa: E402
+from compile_shards import Shard, ptxas_sm90a  # noqa: E402
 from flashcore.kernels import bwd, decode, fwd, probes  # noqa: E402
 from flashcore.ops.bwd import d_panels  # noqa: E402
 from flashcore.tuning import (  # noqa: E402
@@ -226,13 +223,8 @@ def pipeline(ttgir: str, ptx: str) -> dict:
 def ptxas_resources(ptx: str) -> dict:
     """Registers per thread and spill bytes, as ptxas reports them for sm_90a (no driver needed).
     Cached by the PTX: the decode variants of one head dim and dtype share their combine kernels,
-    assembled once."""
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        cmd = [get_ptxas(90).path, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    assembled once (and kept: ``compile_shards.ptxas_sm90a``)."""
+    log, _ = ptxas_sm90a(ptx, sass=False)
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return {

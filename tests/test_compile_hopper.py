@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -281,22 +279,12 @@ def assemble(src, maxnreg: int) -> tuple[str, str, dict]:
     setmaxnreg split, products with their A operand in registers or shared memory)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
 
     compiled = triton.compile(
         src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": maxnreg}
     )
     ptx = compiled.asm["ptx"]
-    ptxas = get_ptxas(90).path
-    cuobjdump = str(Path(ptxas).with_name("cuobjdump"))
-    with tempfile.TemporaryDirectory() as tmp:
-        src_path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        Path(src_path).write_text(ptx)
-        cmd = [ptxas, "-arch=sm_90a", "-v", src_path, "-o", cubin]
-        log = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run(
-            [cuobjdump, "-sass", cubin], capture_output=True, text=True, check=True
-        ).stdout
+    log, sass = compile_shards.ptxas_sm90a(ptx)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     return (
         ptx,

@@ -31,6 +31,39 @@ def compiled() -> list[dict]:
     return rows
 
 
+def test_kept_assembly_is_what_the_tools_give(tmp_path, monkeypatch):
+    """``compile_shards.ptxas_sm90a`` keeps ptxas's report and the SASS per PTX: a repeat reads
+    the kept pair, which is what the tools give with the cache off, and other PTX is kept apart."""
+    pytest.importorskip("triton.backends.nvidia")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    kept = tmp_path / "flashcore-ptxas"
+
+    def ptx(name: str) -> str:
+        return (
+            ".version 8.0\n.target sm_90a\n.address_size 64\n"
+            f".visible .entry {name}(.param .u64 p)\n{{\n.reg .b64 %rd<2>;\n"
+            "ld.param.u64 %rd1, [p];\nst.global.u32 [%rd1], 7;\nret;\n}\n"
+        )
+
+    def untimed(log: str) -> list[str]:
+        return [line for line in log.splitlines() if "Compile time" not in line]
+
+    first = compile_shards.ptxas_sm90a(ptx("k_one"))
+    assert "Used" in first[0] and "k_one" in first[0] and "STG" in first[1]
+    assert len(list(kept.iterdir())) == 1
+    assert compile_shards.ptxas_sm90a(ptx("k_one")) == first
+    monkeypatch.setenv(compile_shards.TOOL_CACHE_ENV, "0")
+    log, sass = compile_shards.ptxas_sm90a(ptx("k_one"))
+    # All but ptxas's own timing, which differs run to run.
+    assert untimed(log) == untimed(first[0]) and sass == first[1]
+    monkeypatch.delenv(compile_shards.TOOL_CACHE_ENV)
+    other = compile_shards.ptxas_sm90a(ptx("k_two"))
+    assert "k_two" in other[0] and len(list(kept.iterdir())) == 2
+    log, sass = compile_shards.ptxas_sm90a(ptx("k_two"), sass=False)
+    assert untimed(log) == untimed(other[0])
+    assert sass is None and len(list(kept.iterdir())) == 3
+
+
 def test_all_variants_compile_within_shared_memory(compiled):
     for row in compiled:
         assert row["shared"] <= SMEM_LIMIT, f"{row['kernel']} {row['variant']}: {row['shared']} B"
