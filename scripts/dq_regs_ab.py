@@ -1,8 +1,8 @@
 """Device-side: the D = 64 Hopper backward with its dQ warpgroup at 80 and at 96 registers a
 thread under this process's Triton (``ops/bwd_sm90.py: dq_regs``, which takes 80 where Triton
-compiles sm_90 with CUDA 13's ptxas, 3.9 on, and 96 with 3.6-3.8), alternated over two rounds;
-bf16, ``do_bench`` medians of the backward (TFLOP/s at 2.5x the forward's FLOPs). Opens the
-tier's Triton gate (``sm90_gate``), as ``triton_version_ab.py`` does.
+compiles sm_90 with CUDA 13's ptxas, 3.9 on, and 96 with CUDA 12's, 3.6-3.8), alternated over
+two rounds; bf16, ``do_bench`` medians of the backward (TFLOP/s at 2.5x the forward's FLOPs).
+Opens the tier's Triton gate (``sm90_gate``), as ``triton_version_ab.py`` does.
 
 Usage: PYTHONPATH=src:scripts python scripts/dq_regs_ab.py
 """
@@ -26,10 +26,10 @@ def main() -> None:
     torch.manual_seed(0)
     for _ in range(2):
         for regs in (80, 96):
-            # dq_regs(cfg) is min(cfg.dq_regs, DQ_REGS_PTXAS13) off PTXAS12_TRITON: both set.
+            # dq_regs(cfg) is cfg.dq_regs, or min(cfg.dq_regs, DQ_REGS_PTXAS13) with a CUDA 13
+            # ptxas: both set.
             bwd_sm90.DQ_REGS_PTXAS13 = regs
             bwd_sm90.CONFIGS[64] = bwd_sm90.CONFIGS[64]._replace(dq_regs=regs)
-            bwd_sm90.PTXAS12_TRITON = ()
             bwd_sm90.dq_regs.cache_clear()
             bwd_sm90._PLANS.clear()
             bwd.forget()

@@ -196,24 +196,29 @@ CONFIGS = {
     64: Sm90BwdConfig(consumer_regs=200, maxnreg=128, dq_warpgroup=True, dq_regs=96, kv_regs=True),
 }
 
-# Tritons whose ptxas for sm_90 is CUDA 12's (3.6: 12.8, 3.7: 12.8, 3.8: 12.9). From 3.9 on
-# Triton compiles sm_90 with its CUDA 13 ptxas (the wheel's ptxas-blackwell, 13.4 in 3.9.0),
-# which spilled consumer 0 of the D=64 builds at 192 registers: 280-308 B, about 50 local
-# accesses in each step of its loop (causal, causal varlen; 64 B ragged), where 12.9 spills none
-# from the same PTX (3.8's or 3.9's). With 16 registers fewer for the dQ warpgroup (80) consumer
-# 0 gets 208 and 13.4's step loops hold 0-2 local accesses (8-44 B in all, about 50 before); 12.8
-# measured no faster with that split (docs/performance_backward.md, "K and V as register
-# operands at D = 64"), so the CUDA 12 Tritons keep 96 (docs/maintainers.md, "Other Tritons").
-PTXAS12_TRITON = ("3.6.", "3.7.", "3.8.")
+# The ptxas Triton compiles sm_90 with is CUDA 12's up to 3.8 (12.8 in 3.6 and 3.7, 12.9 in
+# 3.8) and CUDA 13's from 3.9 on (the wheel's ptxas-blackwell, 13.4 in 3.9.0), which spilled
+# consumer 0 of the D=64 builds at 192 registers: 280-308 B, about 50 local accesses in each step
+# of its loop (causal, causal varlen; 64 B ragged), where 12.9 spills none from the same PTX
+# (3.8's or 3.9's). With 16 registers fewer for the dQ warpgroup (80) consumer 0 gets 208 and
+# 13.4's step loops hold 0-2 local accesses (8-44 B in all, about 50 before), 6-16% faster on an
+# H200; 12.8 measured no faster with that split (docs/performance_backward.md, "K and V as
+# register operands at D = 64"), so CUDA 12's keeps 96 (docs/maintainers.md, "Other Tritons").
 DQ_REGS_PTXAS13 = 80
 
 
 @functools.cache
-def dq_regs(cfg: Sm90BwdConfig) -> int:
-    """The dQ warpgroup's registers a thread (``DQ_REGS``) for the installed Triton's ptxas."""
-    import triton
+def ptxas_major() -> int:
+    """The CUDA major version of the ptxas this Triton compiles sm_90 with."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
-    if cfg.dq_warpgroup and not triton.__version__.startswith(PTXAS12_TRITON):
+    return int(get_ptxas(90).version.split(".")[0])
+
+
+@functools.cache
+def dq_regs(cfg: Sm90BwdConfig) -> int:
+    """The dQ warpgroup's registers a thread (``DQ_REGS``) for the ptxas that compiles it."""
+    if cfg.dq_warpgroup and ptxas_major() >= 13:
         return min(cfg.dq_regs, DQ_REGS_PTXAS13)
     return cfg.dq_regs
 
