@@ -3,6 +3,10 @@ GPU machine:
 
     PYTHONPATH=src python scripts/fwd_switch_ab.py DYNAMIC_DEAL [--rounds 5] \
         [--cases 192:4096:1:128:2,128:2048:1]
+    PYTHONPATH=src python scripts/fwd_switch_ab.py PERSISTENT_MAX_KEY_TILES --values 16,32 \
+        --cases 128:4096:0:128:4:16
+
+An integer attribute takes ``--values OFF,ON``: the two values set as the sides "off" and "on".
 
 Both sides run the same kernel module through ``flashcore.attention`` under ``use_tier("sm90")``;
 the switch (a module attribute read when a plan is built) is set off or on and the plans and kept
@@ -25,9 +29,9 @@ from flashcore.ops import fwd, fwd_sm90
 CASES = "192:4096:1:128:2,192:8192:1:128:1,192:2048:1:128:4,128:1024:1,128:2048:1,128:4096:1"
 
 
-def compare(switch: str, case: str, rounds: int, window=None) -> str:
+def compare(switch: str, case: str, rounds: int, window=None, values=(False, True)) -> str:
     def select(side: str) -> None:
-        setattr(fwd_sm90, switch, side == "on")
+        setattr(fwd_sm90, switch, values[side == "on"])
         fwd.forget()
 
     return ab(case, "off", "on", select, rounds, "off/on", window)
@@ -35,13 +39,27 @@ def compare(switch: str, case: str, rounds: int, window=None) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("switch", help="a boolean attribute of ops/fwd_sm90.py")
+    parser.add_argument(
+        "switch", help="a boolean (or, with --values, integer) attribute of ops/fwd_sm90.py"
+    )
+    parser.add_argument("--values", metavar="OFF,ON", help="an integer switch's two values")
     case_options(parser, 5, CASES)
     args = parser.parse_args()
-    if not isinstance(getattr(fwd_sm90, args.switch, None), bool):
-        parser.error(f"switch: ops/fwd_sm90.py has no boolean {args.switch!r}")
-    default = getattr(fwd_sm90, args.switch)
-    run_cases(args.cases, lambda case: compare(args.switch, case, args.rounds, args.window))
+    default = getattr(fwd_sm90, args.switch, None)
+    if args.values is None:
+        if not isinstance(default, bool):
+            parser.error(f"switch: ops/fwd_sm90.py has no boolean {args.switch!r}")
+        values = (False, True)
+    else:
+        if isinstance(default, bool) or not isinstance(default, int):
+            parser.error(f"switch: ops/fwd_sm90.py has no integer {args.switch!r}")
+        try:
+            values = tuple(int(x) for x in args.values.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != 2:
+            parser.error(f"--values: two integers OFF,ON, not {args.values!r}")
+    run_cases(args.cases, lambda case: compare(args.switch, case, args.rounds, args.window, values))
     setattr(fwd_sm90, args.switch, default)
     return 0
 

@@ -362,6 +362,21 @@ def test_sm90_forward_window_loop_keys(monkeypatch):
     assert fwd_sm90.use_persistent(keys, 64, True, 128)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_persistent_up_to_32_key_tiles(head_dim, causal):
+    """The launcher's schedule by length: persistent up to 32 key tiles of 128 (4096 keys) for
+    every head dim, causal or not (D=128 non-causal included since it measured 2-3% faster
+    persistent at 4096 on the H100), flat past it."""
+    from flashcore.ops import fwd_sm90
+
+    assert fwd_sm90.use_persistent(4096, head_dim, causal, 128)
+    assert fwd_sm90.use_persistent(2049, head_dim, causal, 128)
+    assert not fwd_sm90.use_persistent(4097, head_dim, causal, 128)
+    assert fwd_sm90.use_persistent(2048, head_dim, causal, 64)
+    assert not fwd_sm90.use_persistent(2049, head_dim, causal, 64)
+
+
 @pytest.mark.parametrize(
     "head_dim, seqlen, causal, options, consumers, persistent",
     [

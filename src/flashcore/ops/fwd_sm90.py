@@ -358,16 +358,17 @@ def pick_config(
     return one or CONFIGS[head_dim]
 
 
-# Persistent up to this many key tiles per query tile (Sk <= 4096 at BLOCK_N = 128); D=128
-# non-causal only up to 16 (Sk <= 2048). Measured on the H100 (bf16, two runs, 32k tokens,
-# docs/hopper_fwd_configs.md "Persistent schedule"), persistent / flat TFLOP/s: D=128 non-causal
-# +15-19% at S=512, +7% at 1k, +2-3% at 2k, -1..-3% at 4k; D=128 causal +2-5% at 512, +9-15% at
-# 1k, +8-9% at 2k, +4-5% at 4k (despite 16 B of spills in its persistent build); D=64
-# non-causal +30-31% at 512 ... -0..+1% at 4k; D=64 causal +10-12% at 512, +21-22% at 1k, +5-7%
-# at 4k.
-# At 16k every case is flat or up to 4% slower with persistence.
+# Persistent up to this many key tiles per query tile (Sk <= 4096 at BLOCK_N = 128). Measured on
+# the H100 (bf16, two runs, 32k tokens, docs/hopper_fwd_configs.md "Persistent schedule"),
+# persistent / flat TFLOP/s: D=128 non-causal +15-19% at S=512, +7% at 1k, +2-3% at 2k; D=128
+# causal +2-5% at 512, +9-15% at 1k, +8-9% at 2k, +4-5% at 4k (despite 16 B of spills in its
+# persistent build); D=64 non-causal +30-31% at 512 ... -0..+1% at 4k; D=64 causal +10-12% at
+# 512, +21-22% at 1k, +5-7% at 4k. D=128 non-causal at 4k measured -1..-3% then and stayed flat
+# to 2k; with today's kernels it gains 2-3% there (H100, scripts/fwd_switch_ab.py's method,
+# nine rotated rounds, two runs, 16k tokens of 16 heads: 1.021-1.033x; 8k 1.000-1.007x, 16k
+# 0.993-1.001x; docs/hopper_fwd_configs.md "Persistent D = 128 non-causal at 4096 keys"), so it
+# takes the same limit. At 16k every case is flat or up to 4% slower with persistence.
 PERSISTENT_MAX_KEY_TILES = 32
-PERSISTENT_MAX_KEY_TILES_D128_FULL = 16
 
 
 # With a window, count the keys it leaves a query tile (``loop_keys``) instead of ``seqlen_k``:
@@ -393,10 +394,7 @@ def loop_keys(
 
 def use_persistent(seqlen_k: int, head_dim: int, causal: bool, block_n: int) -> bool:
     """The default schedule: persistent for short key loops (see the measurements above)."""
-    key_tiles = -(-seqlen_k // block_n)
-    if head_dim == 128 and not causal:
-        return key_tiles <= PERSISTENT_MAX_KEY_TILES_D128_FULL
-    return key_tiles <= PERSISTENT_MAX_KEY_TILES
+    return -(-seqlen_k // block_n) <= PERSISTENT_MAX_KEY_TILES
 
 
 # Causal work orders (``kernels/hopper/common.py: work``). A causal query tile's cost grows
