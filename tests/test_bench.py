@@ -629,6 +629,86 @@ def test_variant_summary():
     assert report.variant_summary([rows[0], row]) is None
 
 
+def _timed_row(provider, shape, causal, ms, *, mode="fwd", dtype="bf16", status="ok"):
+    return {
+        "record": "measurement", "provider": provider, "shape": shape, "causal": causal,
+        "mode": mode, "dtype": dtype, "status": status, "ms_p50": ms,
+        "timer": metrics.TIMER_GPU, "window": None, "seqlens": None,
+    }  # fmt: skip
+
+
+def test_provider_summary():
+    # FlashCore against each other provider: the geometric mean of their time over FlashCore's
+    # across the cases both timed, per mode and dtype, with the lowest and highest case.
+    rows = [
+        _timed_row("flashcore", "1,8,512,64", False, 1.0),
+        _timed_row("sdpa", "1,8,512,64", False, 2.0),
+        _timed_row("fa4", "1,8,512,64", False, 0.5),
+        _timed_row("flashcore", "1,8,512,64", True, 1.0),
+        _timed_row("sdpa", "1,8,512,64", True, 8.0),
+        # Not paired: fa4 did not time this case, and a wrong row does not count.
+        _timed_row("fa4", "1,8,512,64", True, 9.0, status="wrong"),
+        _timed_row("flashcore", "1,8,512,64", False, 3.0, mode="bwd"),
+        _timed_row("sdpa", "1,8,512,64", False, 3.0, mode="bwd"),
+        _timed_row("sdpa", "2,8,512,64", False, 1.0),  # no flashcore row
+    ]
+    text = report.provider_summary(rows)
+    lines = text.splitlines()
+    assert lines[0].startswith("Against the other providers")
+    assert lines[1:] == [
+        "  flashcore vs sdpa, fwd bf16: 4.000 over 2 cases (lowest 2.00 at 1,8,512,64 full, "
+        "highest 8.00 at 1,8,512,64 causal)",
+        "  flashcore vs fa4, fwd bf16: 0.500 over 1 case (lowest 0.50 at 1,8,512,64 full, "
+        "highest 0.50 at 1,8,512,64 full)",
+        "  flashcore vs sdpa, bwd bf16: 1.000 over 1 case (lowest 1.00 at 1,8,512,64 full, "
+        "highest 1.00 at 1,8,512,64 full)",
+    ]
+    # Interpreter wall times are not performance: no summary from them.
+    cpu = [{**r, "timer": metrics.TIMER_INTERPRETER} for r in rows]
+    assert report.provider_summary(cpu) is None
+    assert report.provider_summary(rows[:1]) is None  # nothing beside it
+
+
+def test_summarize_earlier_runs(tmp_path, capsys):
+    # --summarize reads --out's rows (environment records and all) and runs nothing.
+    path = tmp_path / "run.jsonl"
+    rows = [
+        {"record": "environment", "device": "test"},
+        _timed_row("flashcore", "1,8,512,64", False, 1.0),
+        _timed_row("sdpa-cudnn", "1,8,512,64", False, 1.5),
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--summarize", str(path), "--summarize", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"{path}: 2 rows") == 2
+    assert out.count("flashcore vs sdpa-cudnn, fwd bf16: 1.500 over 1 case") == 2
+    # Rows with nothing to compare say so.
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text(json.dumps(rows[1]) + "\n")
+    assert main(["--summarize", str(lone)]) == 0
+    assert "no FlashCore row timed on a GPU beside another provider's" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "content, extra, message",
+    [
+        (None, [], "--summarize: cannot read"),
+        ("{not json\n", [], "is not JSON lines as --out writes them"),
+        ("[1, 2]\n", [], "holds lines that are not JSON objects"),
+        ('{"provider": "flashcore"}\n', [], "holds rows without provider, shape, causal"),
+        ("", ["--preset", "smoke"], "--summarize reads earlier runs and runs nothing"),
+    ],
+)
+def test_summarize_bad_input(tmp_path, capsys, content, extra, message):
+    path = tmp_path / "rows.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exc:
+        main(["--summarize", str(path), *extra])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 def test_cuda_graph_run(tmp_path, capsys):
     out = tmp_path / "graph.jsonl"

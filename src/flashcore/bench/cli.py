@@ -82,6 +82,8 @@ examples (GPU):
   flashcore-bench --preset sweep --causal on --window 127,0 --mode bwd --providers flashcore,flex
   flashcore-bench --preset seed --providers flashcore,sdpa --mode fwd,fwdbwd --cuda-graph
   flashcore-bench --preset decode --providers flashcore-kvcache,flashcore-paged256,sdpa --cuda-graph
+earlier runs' rows (no GPU needed):
+  flashcore-bench --summarize sweep.jsonl --summarize sweep-2.jsonl
 without a GPU (Triton interpreter, correctness only):
   flashcore-bench --preset smoke --out smoke.jsonl
   flashcore-bench --preset decode-smoke
@@ -200,6 +202,15 @@ def build_parser() -> argparse.ArgumentParser:
     out = parser.add_argument_group("output")
     out.add_argument("--out", metavar="FILE.jsonl", help="write one JSON row per measurement")
     out.add_argument(
+        "--summarize",
+        action="append",
+        default=[],
+        metavar="FILE.jsonl",
+        help="read the rows an earlier run wrote with --out (repeatable, one run a file) and print "
+        "FlashCore's geometric-mean speed against each other provider in them, per mode and "
+        "dtype (the summary every GPU run prints at its end); runs nothing",
+    )
+    out.add_argument(
         "--plot",
         metavar="FILE.png",
         help="TFLOP/s vs sequence length per provider, one panel per (D, causal, mode); "
@@ -267,6 +278,8 @@ def _progress(total: int):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.summarize:
+        return _summarize(parser, args)
     on_gpu = torch.cuda.is_available() and not args.cpu
     if not on_gpu:
         # Read when flashcore defines its kernels, at its first call: early enough here.
@@ -295,6 +308,36 @@ def main(argv: list[str] | None = None) -> int:
     providers = [PROVIDERS[n] for n in names]
     argv_text = shlex.join(sys.argv[1:] if argv is None else argv)
     return _run(args, on_gpu, cases, providers, command=f"flashcore-bench {argv_text}".strip())
+
+
+def _summarize(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--summarize``: each file's provider summary; nothing runs."""
+    if args.preset or args.shape or args.out or args.plot or args.resources:
+        parser.error(
+            "--summarize reads earlier runs and runs nothing: drop --preset, --shape, --out, "
+            "--plot and --resources"
+        )
+    from flashcore.bench import report
+
+    for path in args.summarize:
+        try:
+            rows = report.read_jsonl(path)
+        except OSError as e:
+            parser.error(f"--summarize: cannot read {path!r} ({e.strerror or e})")
+        except ValueError as e:
+            parser.error(f"--summarize: {path!r} is not JSON lines as --out writes them ({e})")
+        needed = ("provider", "shape", "causal", "mode", "dtype")
+        if not all(isinstance(r, dict) for r in rows):
+            parser.error(f"--summarize: {path!r} holds lines that are not JSON objects")
+        measured = [r for r in rows if r.get("record", "measurement") == "measurement"]
+        if not all(all(k in r for k in needed) for r in measured):
+            parser.error(
+                f"--summarize: {path!r} holds rows without {', '.join(needed)}: not --out's rows"
+            )
+        text = report.provider_summary(measured)
+        print(f"{path}: {len(measured)} rows")
+        print(text or "  no FlashCore row timed on a GPU beside another provider's")
+    return 0
 
 
 def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
@@ -381,6 +424,10 @@ def _run(args, on_gpu: bool, cases, providers, *, command: str) -> int:
     if variants:
         print()
         print(variants)
+    against = report.provider_summary(rows)
+    if against:
+        print()
+        print(against)
 
     if args.resources:
         found = resources.collect() if on_gpu else None

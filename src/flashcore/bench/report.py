@@ -326,6 +326,55 @@ def variant_summary(rows: list[dict]) -> str | None:
     return "\n".join([head, *lines])
 
 
+def provider_summary(rows: list[dict]) -> str | None:
+    """Each FlashCore provider against each other provider timed beside it: per mode and dtype,
+    the geometric mean over the cases both timed on the GPU (``ok``, same case, mode and dtype)
+    of the other's median time over FlashCore's (> 1: FlashCore faster), with the lowest and
+    highest case. Rows marked noisy count (the table marks them); None without such pairs (a
+    CPU run, or no other provider)."""
+    timed = [
+        r for r in rows
+        if r.get("record", "measurement") == "measurement" and r.get("status") == "ok"
+        and r.get("timer") == metrics.TIMER_GPU and r.get("ms_p50")
+    ]  # fmt: skip
+    index = {_key(r, r["provider"]): r for r in timed}
+    providers = list(dict.fromkeys(r["provider"] for r in timed))
+    subjects = [p for p in providers if p.startswith("flashcore")]
+    others = [p for p in providers if not p.startswith("flashcore")]
+    lines = []
+    for subject in subjects:
+        groups: dict[tuple, dict[str, list]] = {}
+        for r in timed:
+            if r["provider"] != subject:
+                continue
+            for other in others:
+                base = index.get(_key(r, other))
+                if base is None:
+                    continue
+                ratio = base["ms_p50"] / r["ms_p50"]
+                group = groups.setdefault((r["mode"], r["dtype"]), {})
+                group.setdefault(other, []).append((ratio, r))
+        for (mode, dtype), by_other in groups.items():
+            for other, pairs in by_other.items():
+                ratios = [x for x, _ in pairs]
+                mean = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                low, low_row = min(pairs, key=lambda pair: pair[0])
+                high, high_row = max(pairs, key=lambda pair: pair[0])
+                lines.append(
+                    f"  {subject} vs {other}, {mode} {dtype}: {mean:.3f} over {len(pairs)} "
+                    f"case{'s' if len(pairs) > 1 else ''} (lowest {low:.2f} at "
+                    f"{low_row['shape']} {_masking(low_row)}, highest {high:.2f} at "
+                    f"{high_row['shape']} {_masking(high_row)})"
+                )
+    if not lines:
+        return None
+    head = (
+        "Against the other providers (their median time / FlashCore's, geometric mean over the "
+        "cases both timed; > 1: FlashCore faster):"
+    )
+    return "\n".join([head, *lines])
+
+
 def _masking(row: dict) -> str:
     """The causal column: causal or full, and a window's sides (``w128,0``)."""
     text = "causal" if row["causal"] else "full"
