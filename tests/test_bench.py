@@ -651,6 +651,11 @@ def test_provider_summary():
         _timed_row("flashcore", "1,8,512,64", False, 3.0, mode="bwd"),
         _timed_row("sdpa", "1,8,512,64", False, 3.0, mode="bwd"),
         _timed_row("sdpa", "2,8,512,64", False, 1.0),  # no flashcore row
+        # Hand-edited or failed timings are left out, not divided by.
+        _timed_row("flashcore", "4,8,512,64", False, "1.0"),
+        _timed_row("sdpa", "4,8,512,64", False, 2.0),
+        _timed_row("flashcore", "8,8,512,64", False, 1.0),
+        _timed_row("sdpa", "8,8,512,64", False, 0.0),
     ]
     text = report.provider_summary(rows)
     lines = text.splitlines()

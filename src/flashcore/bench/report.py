@@ -335,7 +335,8 @@ def provider_summary(rows: list[dict]) -> str | None:
     timed = [
         r for r in rows
         if r.get("record", "measurement") == "measurement" and r.get("status") == "ok"
-        and r.get("timer") == metrics.TIMER_GPU and r.get("ms_p50")
+        and r.get("timer") == metrics.TIMER_GPU
+        and isinstance(r.get("ms_p50"), (int, float)) and r["ms_p50"] > 0
     ]  # fmt: skip
     index = {_key(r, r["provider"]): r for r in timed}
     providers = list(dict.fromkeys(r["provider"] for r in timed))
