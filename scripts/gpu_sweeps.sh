@@ -25,8 +25,10 @@ if [ "$mode" != none ]; then
             rc=$?
             echo "sweep $mode $dtype run $run: rc $rc, $(tail -1 "${rows%.jsonl}.txt")"
             [ "$rc" -eq 0 ] || status=$rc
-            grep -h "matmul peak" "${rows%.jsonl}.txt"
-            python -m flashcore.bench --summarize "$rows" | tail -n +3
+            if [ "$rc" -eq 0 ] && [ -s "$rows" ]; then
+                grep -h "matmul peak" "${rows%.jsonl}.txt"
+                python -m flashcore.bench --summarize "$rows" | tail -n +3
+            fi
         done
     done
 fi
