@@ -103,6 +103,9 @@ VARIANTS = [
     ("d192-v128-bf16-causal-ragged-sinks-persistent", 192, "bf16", 2, 128, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128, "sinks": True,
       "persistent": True, "q_buffers": 1}),
+    # ... non-causal, as launched up to 2048 keys (ops/fwd_sm90.py: ONE_Q_FULL_MAX_KEY_TILES).
+    ("d192-v128-fp16-ragged-persistent", 192, "fp16", 2, 128, 2, 240, 168,
+     {**PLAIN, "even_n": False, "value_head_dim": 128, "persistent": True, "q_buffers": 1}),
     # ... dealt dynamically, as launched from 4096 keys (ops/fwd_sm90.py: DYNAMIC_DEAL).
     ("d192-v128-bf16-causal-ragged-dynamic-persistent", 192, "bf16", 2, 128, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128, "persistent": True,
@@ -112,6 +115,8 @@ VARIANTS = [
      {**PLAIN, "causal": True, "even_n": False}),
     ("d256-bf16-causal-window-persistent", 256, "bf16", 2, 64, 2, 240, 168,
      {**PLAIN, "causal": True, "window": True, "persistent": True, "q_buffers": 1}),
+    ("d256-bf16-ragged-sinks-persistent", 256, "bf16", 2, 64, 2, 240, 168,
+     {**PLAIN, "even_n": False, "sinks": True, "persistent": True, "q_buffers": 1}),
     # Packed batches (VARLEN): the producer's bounded V loads and the consumers' row-masked O
     # stores, in the schedules the launcher picks by the longest lengths.
     ("d128-bf16-causal-varlen-persistent", 128, "bf16", 2, 128, 2, 240, 168,

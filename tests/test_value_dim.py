@@ -222,9 +222,10 @@ def test_value_dim_gpu_mla_varlen(dtype):
 
 def test_mla_forward_schedule(monkeypatch):
     """The Hopper forward's schedule at MLA's head dims (measured on the H200): causal on the
-    persistent grid with one Q buffer a consumer, non-causal flat, causal with softcap or ALiBi
-    flat (their persistent builds spilled); and "auto" takes the tier from 512 queries and keys
-    and, eagerly, 2e10 FLOPs."""
+    persistent grid with one Q buffer a consumer, non-causal too up to 16 key tiles (2048 keys
+    at MLA's, 1024 at head dim 256) and flat past them or with a window, causal with softcap or
+    ALiBi flat (their persistent builds spilled); and "auto" takes the tier from 512 queries and
+    keys and, eagerly, 2e10 FLOPs."""
     from flashcore import tuning
     from flashcore.ops import fwd_sm90
     from flashcore.ops.problem import Varlen
@@ -244,6 +245,17 @@ def test_mla_forward_schedule(monkeypatch):
     assert causal.meta["DYNAMIC"] and causal.scalars[14] == 8
     full = fwd_sm90.plan(q, q, v, lse, **{**options, "causal": False})
     assert not full.meta["PERSISTENT"] and full.grid == (32 * 2 * 16,)
+    short_options = {**options, "causal": False}
+    short = fwd_sm90.plan(q[:, :, :2048], q[:, :, :2048], v[:, :, :2048], lse, **short_options)
+    assert short.meta["PERSISTENT"] and short.meta["Q_BUFS"] == 1 and short.grid == (132,)
+    assert not short.meta["DYNAMIC"]
+    windowed = {**short_options, "has_window": True, "window_left": 100, "window_right": 100}
+    assert not fwd_sm90.plan(q, q, v, lse, **windowed).meta["PERSISTENT"]
+    for extra in ({"softcap": 30.0}, {"alibi": True}):
+        plan = fwd_sm90.plan(
+            q[:, :, :512], q[:, :, :512], v[:, :, :512], lse, **{**short_options, **extra}
+        )
+        assert not plan.meta["PERSISTENT"]
     for extra in ({"softcap": 30.0}, {"alibi": True}):
         assert not fwd_sm90.plan(q, q, v, lse, **{**options, **extra}).meta["PERSISTENT"]
     assert fwd_sm90.plan(q[..., :128], q[..., :128], v, lse, **options).meta["Q_BUFS"] == 3
@@ -261,6 +273,11 @@ def test_mla_forward_schedule(monkeypatch):
     assert short.meta["PERSISTENT"] and short.meta["Q_BUFS"] == 1 and not short.meta["DYNAMIC"]
     wide = torch.empty(1, 16, 4096, 256, dtype=torch.bfloat16)
     assert not fwd_sm90.plan(wide, wide, wide, lse[:1], **options).meta["PERSISTENT"]
+    # ... and non-causal up to 1024 keys (16 key tiles of 64).
+    for seqlen, persistent in ((1024, True), (1025, False), (2048, False)):
+        wide = torch.empty(2, 16, seqlen, 256, dtype=torch.bfloat16)
+        plan = fwd_sm90.plan(wide, wide, wide, lse[..., :seqlen], **short_options)
+        assert plan.meta["PERSISTENT"] == persistent, seqlen
     # Eagerly from 2e10 FLOPs (4 B H Sq Sk D, halved causal), not the other head dims' 3e10.
     flops = 4 * 16 * 16 * 512 * 512 * 192 / 2
     assert tuning.sm90_forward(512, 512, 192, flops, causal=True)

@@ -153,12 +153,13 @@ CONFIGS = {
     # its own (224 KB; ``q_buffers``). H200, bf16, 8k tokens of 16 heads, three rotated rounds
     # (scripts/fwd_config_ab.py --mla), TFLOP/s flat / persistent: causal 2048 521 / 568, 4096
     # 594 / 620, 8192 644 / 647, 16384 661 / 679; non-causal 4096 689 / 673, 8192 704 / 681. So
-    # causal runs persistent and non-causal flat (``plan``), dealt dynamically from 4096 keys
-    # (``DYNAMIC_DEAL``).
+    # causal runs persistent, dealt dynamically from 4096 keys (``DYNAMIC_DEAL``), and
+    # non-causal persistent up to 2048 keys and flat past them (``ONE_Q_FULL_MAX_KEY_TILES``).
     192: Sm90Config(2, 128, 2, 240, 168, q_buffers=1, dynamic_from=4096),
     # D=256: 64-key tiles (Q 2 x 32 KB, K and V 2 x 32 KB each: 192 KB; the O accumulator alone
     # takes 128 registers a thread), persistent with one Q buffer a consumer and a 32 KB O tile
-    # (224 KB) where that measured faster: causal up to 2048 keys (``use_persistent``). H200,
+    # (224 KB) where that measured faster: causal up to 2048 keys (``use_persistent``) and
+    # non-causal up to 1024 (``ONE_Q_FULL_MAX_KEY_TILES``). H200,
     # bf16, 8k tokens of 16 heads, three rotated rounds (scripts/fwd_config_ab.py --d256), two
     # calls, TFLOP/s flat / persistent: causal 1024 471 / 488, 470 / 481; 2048 564 / 574, 565 /
     # 589; 4096 645 / 642; 8192 703 / 681; 16384 717 / 699; non-causal 4096 716 / 684.
@@ -395,6 +396,21 @@ def loop_keys(
 def use_persistent(seqlen_k: int, head_dim: int, causal: bool, block_n: int) -> bool:
     """The default schedule: persistent for short key loops (see the measurements above)."""
     return -(-seqlen_k // block_n) <= PERSISTENT_MAX_KEY_TILES
+
+
+# Non-causal with one Q buffer a consumer (head dims 192 and 256, ``CONFIGS``): persistent up to
+# this many key tiles (MLA up to 2048 keys, head dim 256 up to 1024), flat past it. H200, bf16,
+# 8k tokens of 16 heads, three rotated rounds (scripts/fwd_config_ab.py --mla / --d256), two
+# calls for MLA, TFLOP/s flat / persistent: MLA 512 keys 439 / 529 and 442 / 529, 1024 556 / 607
+# and 557 / 598, 2048 632 / 641 and 618 / 644, 4096 658 / 659 (670 for "auto", the same flat
+# config); head dim 256 512 487 / 521, 1024 593 / 606, 2048 663 / 647, 4096 695 / 680.
+ONE_Q_FULL_MAX_KEY_TILES = 16
+
+
+def one_q_full_persistent(seqlen_k: int, block_n: int) -> bool:
+    """Whether a non-causal problem of ``seqlen_k`` keys a query tile runs a one-Q-buffer config
+    (``q_buffers == 1``) on the persistent grid (``ONE_Q_FULL_MAX_KEY_TILES``)."""
+    return -(-seqlen_k // block_n) <= ONE_Q_FULL_MAX_KEY_TILES
 
 
 # Causal work orders (``kernels/hopper/common.py: work``). A causal query tile's cost grows
@@ -841,14 +857,16 @@ def plan(
     keys = loop_keys(seqlen_k, block_m, causal, has_window, window_left, window_right)
     persistent = cfg.persistent
     if persistent is None and cfg.q_buffers == 1:
-        # One Q buffer a consumer (head dims 192 and 256): causal only, without softcap or
-        # ALiBi (their builds spilled 40-140 B, against 8 B flat), and dense problems only (head
-        # dim 256 spilled 8 B with pages shorter than the key tile; packed batches of equal
-        # lengths ran on the GPU only before the consumers' while loop); see CONFIGS.
-        persistent = (
-            causal and softcap <= 0 and not alibi and varlen is None
-            and (head_dim == 192 or use_persistent(keys, head_dim, causal, cfg.block_n))
-        )  # fmt: skip
+        # One Q buffer a consumer (head dims 192 and 256): without softcap or ALiBi (their
+        # builds spilled 40-140 B, against 8 B flat), and dense problems only (head dim 256
+        # spilled 8 B with pages shorter than the key tile; packed batches of equal lengths ran
+        # on the GPU only before the consumers' while loop); causal as CONFIGS says, non-causal
+        # without a window up to ONE_Q_FULL_MAX_KEY_TILES key tiles.
+        if causal:
+            short = head_dim == 192 or use_persistent(keys, head_dim, causal, cfg.block_n)
+        else:
+            short = not has_window and one_q_full_persistent(keys, cfg.block_n)
+        persistent = short and softcap <= 0 and not alibi and varlen is None
     elif persistent is None:
         persistent = use_persistent(keys, head_dim, causal, cfg.block_n)
     if config is None and spread and cfg.num_consumers > 1:
