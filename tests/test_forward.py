@@ -362,6 +362,19 @@ def test_sm90_forward_window_loop_keys(monkeypatch):
     assert fwd_sm90.use_persistent(keys, 64, True, 128)
 
 
+def test_sm90_forward_head_dim_256_from_512():
+    """ "auto" takes the Hopper forward at head dim 256 (and the head dims run as 256) from 512
+    queries and keys, as at D = 128: 1.5x the portable forward there (H200), and below the FLOP
+    floor it stays portable."""
+    from flashcore import tuning
+
+    flops = 4 * 32 * 16 * 512 * 512 * 256
+    assert tuning.sm90_forward(512, 512, 256, flops)
+    assert tuning.sm90_forward(512, 512, 256, flops / 2, causal=True)
+    assert not tuning.sm90_forward(384, 384, 256, flops)
+    assert not tuning.sm90_forward(512, 512, 256, tuning.SM90_FWD_MIN_FLOPS / 2)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_persistent_up_to_32_key_tiles(head_dim, causal):
@@ -886,13 +899,16 @@ def _stand_in_forwards(monkeypatch, capability: tuple[int, int]) -> list[str]:
         ("auto", (9, 0), (4, 16, 4096, 96), {}, "sm90"),
         ("auto", (9, 0), (4, 16, 4096, 40), {}, "portable"),  # a head dim the tier lacks
         # V's head dim equal to Q's: 192 is timed as the D = 256 kernel it runs
-        # (fwd_sm90.WIDE_PADDED_HEAD_DIMS), from 1024 on; MLA's (192, 128) in test_value_dim.
+        # (fwd_sm90.WIDE_PADDED_HEAD_DIMS), from 512 on; MLA's (192, 128) in test_value_dim.
         ("auto", (9, 0), (1, 16, 4096, 192), {}, "sm90"),
         ("auto", (9, 0), (4, 16, 2048, 192), {"causal": True}, "sm90"),
-        ("auto", (9, 0), (16, 16, 512, 160), {}, "portable"),
-        ("auto", (9, 0), (1, 16, 8192, 256), {}, "sm90"),  # D=256 from 1024 on
+        ("auto", (9, 0), (16, 16, 512, 160), {}, "sm90"),
+        ("auto", (9, 0), (64, 16, 384, 160), {}, "portable"),
+        ("auto", (9, 0), (1, 16, 8192, 256), {}, "sm90"),  # D=256 from 512 on
         ("auto", (9, 0), (8, 16, 1024, 256), {"causal": True}, "sm90"),
-        ("auto", (9, 0), (16, 16, 512, 256), {}, "portable"),  # not timed there
+        ("auto", (9, 0), (16, 16, 512, 256), {}, "sm90"),
+        ("auto", (9, 0), (32, 16, 512, 256), {"causal": True}, "sm90"),
+        ("auto", (9, 0), (64, 16, 384, 256), {}, "portable"),  # below 512
         # A window from 2048 queries and keys on, softcap from 4096, ALiBi at head dim 128 from
         # 4096 (tuning).
         ("auto", (9, 0), (4, 16, 4096, 128), {"window": (256, 0)}, "sm90"),
