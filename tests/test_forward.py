@@ -362,16 +362,16 @@ def test_sm90_forward_window_loop_keys(monkeypatch):
     assert fwd_sm90.use_persistent(keys, 64, True, 128)
 
 
-def test_sm90_forward_head_dim_256_from_512():
-    """ "auto" takes the Hopper forward at head dim 256 (and the head dims run as 256) from 512
-    queries and keys, as at D = 128: 1.5x the portable forward there (H200), and below the FLOP
-    floor it stays portable."""
+def test_sm90_forward_head_dim_256_from_256():
+    """Auto takes the Hopper forward at head dim 256 (and the head dims run as 256) from 256
+    queries and keys: 1.3-1.5x the portable forward at 256 and 512 (H200); shorter ones and
+    problems below the FLOP floor stay portable."""
     from flashcore import tuning
 
-    flops = 4 * 32 * 16 * 512 * 512 * 256
+    flops = 4 * 64 * 16 * 256 * 256 * 256
     assert tuning.sm90_forward(512, 512, 256, flops)
-    assert tuning.sm90_forward(512, 512, 256, flops / 2, causal=True)
-    assert not tuning.sm90_forward(384, 384, 256, flops)
+    assert tuning.sm90_forward(256, 256, 256, flops / 2, causal=True)
+    assert not tuning.sm90_forward(255, 255, 256, flops)
     assert not tuning.sm90_forward(512, 512, 256, tuning.SM90_FWD_MIN_FLOPS / 2)
 
 
@@ -899,16 +899,17 @@ def _stand_in_forwards(monkeypatch, capability: tuple[int, int]) -> list[str]:
         ("auto", (9, 0), (4, 16, 4096, 96), {}, "sm90"),
         ("auto", (9, 0), (4, 16, 4096, 40), {}, "portable"),  # a head dim the tier lacks
         # V's head dim equal to Q's: 192 is timed as the D = 256 kernel it runs
-        # (fwd_sm90.WIDE_PADDED_HEAD_DIMS), from 512 on; MLA's (192, 128) in test_value_dim.
+        # (fwd_sm90.WIDE_PADDED_HEAD_DIMS), from 256 on; MLA's (192, 128) in test_value_dim.
         ("auto", (9, 0), (1, 16, 4096, 192), {}, "sm90"),
         ("auto", (9, 0), (4, 16, 2048, 192), {"causal": True}, "sm90"),
         ("auto", (9, 0), (16, 16, 512, 160), {}, "sm90"),
-        ("auto", (9, 0), (64, 16, 384, 160), {}, "portable"),
-        ("auto", (9, 0), (1, 16, 8192, 256), {}, "sm90"),  # D=256 from 512 on
+        ("auto", (9, 0), (128, 16, 255, 160), {}, "portable"),
+        ("auto", (9, 0), (1, 16, 8192, 256), {}, "sm90"),  # D=256 from 256 on
         ("auto", (9, 0), (8, 16, 1024, 256), {"causal": True}, "sm90"),
         ("auto", (9, 0), (16, 16, 512, 256), {}, "sm90"),
-        ("auto", (9, 0), (32, 16, 512, 256), {"causal": True}, "sm90"),
-        ("auto", (9, 0), (64, 16, 384, 256), {}, "portable"),  # below 512
+        ("auto", (9, 0), (64, 16, 256, 256), {"causal": True}, "sm90"),
+        ("auto", (9, 0), (128, 16, 255, 256), {}, "portable"),  # below 256
+        ("auto", (9, 0), (4, 16, 256, 256), {}, "portable"),  # below the FLOP floor
         # A window from 2048 queries and keys on, softcap from 4096, ALiBi at head dim 128 from
         # 4096 (tuning).
         ("auto", (9, 0), (4, 16, 4096, 128), {"window": (256, 0)}, "sm90"),

@@ -400,10 +400,12 @@ SM90_FWD_MIN_FLOPS_MLA = 2e10
 # Head dim 256 (ops/fwd_sm90.py: WIDE_HEAD_DIMS, 64-key tiles, flat): timed at 1024, 4096 and
 # 16384 (H100, bf16, two runs, 32k tokens, scripts/hopper_fwd.py bench --head-dims 256): 1.25-1.33x
 # the portable forward non-causal (0.98-1.13x cuDNN), 1.13-1.24x causal (0.92-0.99x cuDNN). At
-# 512 (H200, bf16, flashcore-bench --providers flashcore-portable,flashcore-sm90,sdpa, one run,
-# TFLOP/s portable / Hopper / SDPA): (32, 16, 512, 256) 362 / 558 / 534, causal 257 / 368 / 372;
-# head dim 160 (run as 256) 234 / 374 / 423, causal 165 / 255 / 289. So from 512 on, as D = 128.
-SM90_FWD_MIN_SEQLEN_D256 = 512
+# 512 and 256 (H200, bf16, flashcore-bench --providers flashcore-portable,flashcore-sm90,sdpa,
+# TFLOP/s portable / Hopper / SDPA): (32, 16, 512, 256) 362 / 558 / 534 and 362 / 542 / 534,
+# causal 257 / 368 / 372 and 257 / 367 / 369; (64, 16, 256, 256) 277 / 421 / 423, causal 168 /
+# 216 / 243; head dim 160 (run as 256) at 512 234 / 374 / 423, causal 165 / 255 / 289. So from
+# 256 on (shorter was not timed), the FLOP floor still keeping small problems portable.
+SM90_FWD_MIN_SEQLEN_D256 = 256
 SM90_FWD_MIN_FLOPS = 3e10
 # Re-measured on the H200 with both tiers' repeated calls on ops.express (two runs, eager us,
 # Hopper / portable; docs/performance_host.md, "Eager calls by signature"): at 1.7e10 mixed,
