@@ -393,9 +393,17 @@ def loop_keys(
     return min(seqlen_k, window_keys(causal, True, left, right) - 1 + block_m)
 
 
-def use_persistent(seqlen_k: int, head_dim: int, causal: bool, block_n: int) -> bool:
-    """The default schedule: persistent for short key loops (see the measurements above)."""
-    return -(-seqlen_k // block_n) <= PERSISTENT_MAX_KEY_TILES
+def use_persistent(
+    seqlen_k: int,
+    head_dim: int,
+    causal: bool,
+    block_n: int,
+    max_key_tiles: int = PERSISTENT_MAX_KEY_TILES,
+) -> bool:
+    """The default schedule: persistent for short key loops, up to ``max_key_tiles`` key tiles
+    (see the measurements above; ``ONE_Q_FULL_MAX_KEY_TILES`` for the one-Q-buffer configs
+    without causal masking)."""
+    return -(-seqlen_k // block_n) <= max_key_tiles
 
 
 # Non-causal with one Q buffer a consumer (head dims 192 and 256, ``CONFIGS``): persistent up to
@@ -405,12 +413,6 @@ def use_persistent(seqlen_k: int, head_dim: int, causal: bool, block_n: int) -> 
 # and 557 / 598, 2048 632 / 641 and 618 / 644, 4096 658 / 659 (670 for "auto", the same flat
 # config); head dim 256 512 487 / 521, 1024 593 / 606, 2048 663 / 647, 4096 695 / 680.
 ONE_Q_FULL_MAX_KEY_TILES = 16
-
-
-def one_q_full_persistent(seqlen_k: int, block_n: int) -> bool:
-    """Whether a non-causal problem of ``seqlen_k`` keys a query tile runs a one-Q-buffer config
-    (``q_buffers == 1``) on the persistent grid (``ONE_Q_FULL_MAX_KEY_TILES``)."""
-    return -(-seqlen_k // block_n) <= ONE_Q_FULL_MAX_KEY_TILES
 
 
 # Causal work orders (``kernels/hopper/common.py: work``). A causal query tile's cost grows
@@ -865,7 +867,9 @@ def plan(
         if causal:
             short = head_dim == 192 or use_persistent(keys, head_dim, causal, cfg.block_n)
         else:
-            short = not has_window and one_q_full_persistent(keys, cfg.block_n)
+            short = not has_window and use_persistent(
+                keys, head_dim, causal, cfg.block_n, ONE_Q_FULL_MAX_KEY_TILES
+            )
         persistent = short and softcap <= 0 and not alibi and varlen is None
     elif persistent is None:
         persistent = use_persistent(keys, head_dim, causal, cfg.block_n)
