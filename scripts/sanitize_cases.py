@@ -1,13 +1,13 @@
 """Driver for scripts/sanitize.sh: FlashCore's kernels on small shapes, for compute-sanitizer.
 
 Runs the forward and the backward (unless ``--no-backward``) on every case of
-``tests/shapes.py``'s SANITIZE tier, for each dtype, both masks and each set of score options
-(``--options``: none by default; softcap, ALiBi, a window, a window with softcap, which the
-Hopper kernels build as their own variants), cycling through the memory layouts;
-``--head-dims`` keeps the cases of the head dims given. Each result is checked against the
-float64 reference computed on the CPU, so the sanitized process runs FlashCore's kernels and a few
-PyTorch fills and copies, no cuBLAS. Every CUDA tensor is released before exit, so memcheck's leak
-check sees only what leaked for real.
+``tests/shapes.py``'s SANITIZE tier (``--mla``: SANITIZE_MLA, v at its own head dim), for each
+dtype, both masks and each set of score options (``--options``: none by default; softcap, ALiBi,
+a window, a window with softcap, which the Hopper kernels build as their own variants), cycling
+through the memory layouts; ``--head-dims`` keeps the cases of the head dims given. Each result
+is checked against the float64 reference computed on the CPU, so the sanitized process runs
+FlashCore's kernels and a few PyTorch fills and copies, no cuBLAS. Every CUDA tensor is released
+before exit, so memcheck's leak check sees only what leaked for real.
 
 Exits 1 when a result is wrong (the sanitizer's --error-exitcode reports memory errors).
 ``--device cpu`` with TRITON_INTERPRET=1 runs the same cases through the interpreter (a smoke test
@@ -37,7 +37,7 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
 )
-from shapes import DTYPES, SANITIZE, Case
+from shapes import DTYPES, SANITIZE, SANITIZE_MLA, SANITIZE_MLA_DV, Case
 
 LAYOUTS = ["bhsd", "bshd", "sliced"]
 
@@ -81,8 +81,10 @@ def run_case(
     backward: bool,
     device: str,
     options: str = "none",
+    head_dim_v: int | None = None,
 ) -> None:
-    q, k, v = (t.requires_grad_(backward) for t in make_qkv(case, dtype, device, layout=layout))
+    qkv = make_qkv(case, dtype, device, layout=layout, head_dim_v=head_dim_v)
+    q, k, v = (t.requires_grad_(backward) for t in qkv)
     masks = score_options(options, case, causal, device)
     out, lse = flashcore.attention(q, k, v, causal=causal, return_lse=True, **masks)
     grads = None
@@ -120,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--head-dims", default="", help="comma-separated: only the cases of these head dims"
     )
+    parser.add_argument(
+        "--mla",
+        action="store_true",
+        help=f"the MLA cases instead (q and k at 192, v at {SANITIZE_MLA_DV}; tests/shapes.py)",
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to smoke-test")
     parser.add_argument(
         "--no-tma",
@@ -156,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"flashcore {flashcore.__version__} on {where}; "
           f"backward: {'yes' if backward else 'no (forward only)'}; tier: {args.tier}")  # fmt: skip
     failures = runs = 0
-    for i, case in enumerate(SANITIZE):
+    head_dim_v = SANITIZE_MLA_DV if args.mla else None
+    for i, case in enumerate(SANITIZE_MLA if args.mla else SANITIZE):
         if head_dims and case.head_dim not in head_dims:
             continue
         layout = LAYOUTS[i % len(LAYOUTS)]
@@ -166,12 +174,23 @@ def main(argv: list[str] | None = None) -> int:
             runs += 1
             torch.manual_seed(runs)  # each case's inputs the same on every run
             label = f"{case.id} {dtype_name} {'causal' if causal else 'full'} {layout}"
+            if head_dim_v is not None:
+                label += f" dv{head_dim_v}"
             if opt != "none":
                 label += f" {opt}"
             try:
                 with flashcore.use_tier(args.tier), pytest.MonkeyPatch.context() as patch:
                     ran = tiers_ran(patch)
-                    run_case(case, DTYPES[dtype_name], causal, layout, backward, args.device, opt)
+                    run_case(
+                        case,
+                        DTYPES[dtype_name],
+                        causal,
+                        layout,
+                        backward,
+                        args.device,
+                        opt,
+                        head_dim_v,
+                    )
             except Exception:  # report every case, then fail
                 failures += 1
                 print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)

@@ -13,13 +13,21 @@ from numerics import assert_fa_rule
 from shapes import Case, MaskCase, VarlenCase
 
 
-def make_qkv(case: Case, dtype: torch.dtype, device: str, *, layout: str = "bhsd"):
+def make_qkv(
+    case: Case,
+    dtype: torch.dtype,
+    device: str,
+    *,
+    layout: str = "bhsd",
+    head_dim_v: int | None = None,
+):
     """Random q, k, v for a case. ``layout='bshd'`` returns (B, S, H, D) storage viewed as
     (B, H, S, D); ``'sliced'`` returns views into larger tensors (no unit stride on any dim but D).
+    ``head_dim_v``: v's own head dim (the case's by default).
     """
-    b, h, hkv, sq, sk, d = case
+    b, h, hkv, sq, sk, head_dim = case
 
-    def rand(heads: int, seqlen: int) -> torch.Tensor:
+    def rand(heads: int, seqlen: int, d: int = head_dim) -> torch.Tensor:
         if layout == "bshd":
             return torch.randn(b, seqlen, heads, d, dtype=dtype, device=device).transpose(1, 2)
         if layout == "sliced":
@@ -27,7 +35,7 @@ def make_qkv(case: Case, dtype: torch.dtype, device: str, *, layout: str = "bhsd
             return big[:, 1:, 2 : seqlen + 2, 4 : d + 4]
         return torch.randn(b, heads, seqlen, d, dtype=dtype, device=device)
 
-    return rand(h, sq), rand(hkv, sk), rand(hkv, sk)
+    return rand(h, sq), rand(hkv, sk), rand(hkv, sk, head_dim_v or head_dim)
 
 
 def alibi_slopes(heads: int, batch: int | None, device: str) -> torch.Tensor:

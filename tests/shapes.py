@@ -105,6 +105,19 @@ SANITIZE = [
     Case(1, 2, 1, 200, 333, 256),
 ]
 
+# MLA's head dims (q and k at 192, v at SANITIZE_MLA_DV) for ``sanitize_cases.py --mla``: the
+# Hopper forward's one-Q-buffer persistent grid (causal, and non-causal up to 16 key tiles) with
+# ragged tiles, GQA/MQA, Sq > Sk (causal rows that see no key), several tiles a program, and the
+# flat grid past 16 key tiles.
+SANITIZE_MLA_DV = 128
+SANITIZE_MLA = [
+    Case(2, 4, 1, 700, 300, 192),
+    Case(1, 8, 2, 777, 1500, 192),
+    Case(2, 16, 4, 1000, 1000, 192),
+    Case(1, 4, 4, 64, 64, 192),
+    Case(1, 4, 2, 300, 2100, 192),
+]
+
 # Backward, interpreter tier: every case runs in fp16, bf16 and fp32, full and causal. Lengths are
 # odd against both backward configs (16x32 for dK/dV, 32x16 for dQ) so every tile edge is ragged
 # somewhere, and the features the backward treats specially are all here.

@@ -1096,6 +1096,113 @@ def test_forward_gpu_sm90_wide_padded(monkeypatch, mc, layout, with_sinks, with_
             check_backward(q, k, v, **kw)
 
 
+# Head dims 72-96 with Q and K at their own width (ops/fwd_sm90.py: NARROW_QK): panels of 16
+# (72 -> 80, 80) or 32 (88 -> 96, 96) against V and O at 128, the persistent grid's
+# one-Q-buffer build; and 136-192 at 192 against 256 (NARROW_QK_WIDE). Ragged lengths both
+# ways, GQA and MQA, causal with Sq > Sk and rows that see no key, (B, S, H, D) views, a window,
+# sinks, programs with several tiles.
+NARROW_QK_CASES = [
+    (MaskCase(Case(2, 4, 2, 300, 517, 96), causal=True), "bshd", False),
+    (MaskCase(Case(1, 4, 1, 777, 1025, 80)), "bhsd", True),
+    (MaskCase(Case(2, 4, 4, 700, 300, 80), causal=True), "bhsd", False),
+    (MaskCase(Case(1, 4, 4, 1500, 1500, 96), window=(500, 200)), "bhsd", True),
+    (MaskCase(Case(1, 4, 2, 390, 600, 72)), "bshd", False),
+    (MaskCase(Case(1, 8, 2, 1000, 3000, 88), causal=True), "bhsd", True),
+    (MaskCase(Case(4, 16, 4, 1100, 1100, 96)), "bshd", False),
+    # Head dims 136-192 (NARROW_QK_WIDE): Q and K at 192 in three 64-column panels, V and O at
+    # 256, 64-key tiles.
+    (MaskCase(Case(2, 4, 2, 300, 517, 192), causal=True), "bshd", True),
+    (MaskCase(Case(1, 4, 1, 777, 1025, 160)), "bhsd", False),
+    (MaskCase(Case(1, 4, 4, 1500, 1500, 136), window=(500, 200)), "bhsd", True),
+    (MaskCase(Case(2, 8, 2, 1000, 700, 176), causal=True), "bshd", False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize(
+    ("mc", "layout", "with_sinks"),
+    NARROW_QK_CASES,
+    ids=[f"{m.id}-{lay}{'-sinks' * s}" for m, lay, s in NARROW_QK_CASES],
+)
+def test_forward_gpu_sm90_narrow_qk(monkeypatch, mc, layout, with_sinks, dtype):
+    """The narrow-Q/K build launched directly into NaN-filled out and LSE (every element
+    written), with the two-consumer config these small grids would not pick by themselves
+    (``one_consumer`` off), then through ``use_tier("sm90")`` with its gradients: against the
+    float64 reference, and the plan's Q/K width the narrow one."""
+    from flashcore.ops import fwd_sm90
+    from helpers import check_backward
+
+    require_sm90()
+    monkeypatch.setattr(fwd_sm90, "one_consumer", lambda *args, **kw: None)
+    widths = []
+    real = fwd_sm90.launch
+    monkeypatch.setattr(
+        fwd_sm90,
+        "launch",
+        lambda p, *a, **kw: widths.append(p.meta["HEAD_DIM"]) or real(p, *a, **kw),
+    )
+    q, k, v = make_qkv(mc.case, dtype, "cuda", layout=layout)
+    kw = mask_options(mc, "cuda")
+    if with_sinks:
+        kw["sinks"] = torch.randn(mc.case.heads, device="cuda")
+    narrow = fwd_sm90.narrow_qk_dim(mc.case.head_dim, mc.case.head_dim)
+    out, lse = launch_sm90_forward(q, k, v, **kw)
+    assert widths == [narrow]
+    assert not out.isnan().any() and not lse.isnan().any()
+    check_forward(out, lse, q, k, v, **kw)
+    with flashcore.use_tier("sm90"):
+        out, lse = flashcore.attention(q, k, v, return_lse=True, **kw)
+        assert widths == [narrow, narrow]
+        check_forward(out, lse, q, k, v, **kw)
+        check_backward(q, k, v, **kw)
+
+
+def test_sm90_narrow_qk_plan(monkeypatch):
+    """Where the narrow-Q/K build is planned: head dims 72-96 (rounded up to 16; panels of 16 or
+    32) on the two-consumer D = 128 config and 136-192 (at 192) on the D = 256 one, persistent
+    with one Q buffer a consumer at every length; not 104-128 or 200-256, not with softcap or
+    ALiBi, not on one consumer."""
+    from flashcore.ops import fwd_sm90
+
+    monkeypatch.setattr(fwd_sm90, "num_sms", lambda index: 132)
+    options = dict(
+        causal=False, qk_scale=0.1, window_left=-1, window_right=-1, has_window=False,
+        softcap=0.0, alibi=False, sinks=False, stride_ab=0,
+    )  # fmt: skip
+    widths = {72: (80, 16), 80: (80, 16), 88: (96, 32), 96: (96, 32)}
+    for d, (width, panel) in widths.items():
+        for seqlen, causal in ((4096, False), (16384, False), (4096, True)):
+            q = torch.empty(1, 16, seqlen, d, dtype=torch.bfloat16)
+            lse = torch.empty(1, 16, seqlen)
+            p = fwd_sm90.plan(q, q, q, lse, **{**options, "causal": causal})
+            assert (p.meta["HEAD_DIM"], p.boxes[0][3], p.boxes[2][3]) == (width, panel, 128), d
+            assert p.meta["PERSISTENT"] and p.meta["Q_BUFS"] == 1 and p.grid == (132,)
+    q = torch.empty(1, 16, 4096, 96, dtype=torch.bfloat16)
+    lse = torch.empty(1, 16, 4096)
+    for extra in ({"softcap": 30.0}, {"alibi": True}):
+        assert fwd_sm90.plan(q, q, q, lse, **{**options, **extra}).meta["HEAD_DIM"] == 128
+    monkeypatch.setattr(fwd_sm90, "NARROW_QK", False)
+    plan = fwd_sm90.plan(q, q, q, lse, **options)
+    assert plan.meta["HEAD_DIM"] == 128 and plan.meta["Q_BUFS"] == 3
+    monkeypatch.setattr(fwd_sm90, "NARROW_QK", True)
+    for d in (104, 112, 120, 128, 64, 200, 248, 256):
+        assert fwd_sm90.narrow_qk_dim(d, d) is None
+    assert fwd_sm90.narrow_qk_dim(96, 64) is None
+    assert fwd_sm90.narrow_qk_dim(192, 128) is None  # MLA's own build
+    # 136-192 (NARROW_QK_WIDE): 192 in 64-column panels against V at 256, 64-key tiles,
+    # persistent at every length (the flat build would pass O through Q's narrower slot).
+    for d in (136, 160, 192):
+        for seqlen, causal in ((512, False), (8192, False), (8192, True)):
+            q = torch.empty(2, 16, seqlen, d, dtype=torch.bfloat16)
+            p = fwd_sm90.plan(q, q, q, torch.empty(2, 16, seqlen), **{**options, "causal": causal})
+            assert (p.meta["HEAD_DIM"], p.boxes[0][3], p.boxes[2][3]) == (192, 64, 256), d
+            assert p.meta["PERSISTENT"] and p.meta["Q_BUFS"] == 1 and p.meta["BLOCK_N"] == 64
+    # One consumer a CTA (a small grid) keeps the padded build.
+    short = torch.empty(1, 4, 512, 96, dtype=torch.bfloat16)
+    assert fwd_sm90.plan(short, short, short, lse[:, :4, :512], **options).meta["HEAD_DIM"] == 128
+
+
 def test_sm90_kernel_head_dims():
     """The forward kernel's head dims: 128 for 72-120, 64 for 48 and 56, 256 for 136-248 with V's
     equal; MLA's (192, 128) and the kernels' own head dims as they are."""

@@ -96,6 +96,41 @@ def padded_head_dims() -> tuple[tuple[int, int], ...]:
     )
 
 
+# Head dims 72 to 96 (``PADDED_HEAD_DIMS``) with the two-consumer D = 128 config: Q and K at
+# their own width rounded up to 16 (``narrow_qk_dim``: 80 or 96), in column panels of 16 or 32
+# (``qk_panel``; a TMA box is a power of two wide), so that ``Q K^T`` does 80 or 96 / 128 of the
+# padded build's products; V and O stay 128 wide (an accumulator is a power of two wide), through
+# the persistent grid's one-Q-buffer build (an O tile of its own: O is wider than Q's slot).
+# Dense problems without softcap or ALiBi; the rest run the padded D = 128 build. H200, bf16,
+# scripts/fwd_switch_ab.py NARROW_QK, five rounds, off / on time (outputs bit for bit equal):
+# 96 non-causal 1.001 (4096 keys) and 1.012 (16384), causal 1.043 (4096); 80 1.031 (4096),
+# causal 1.044 (8192); 72 causal 1.005 (2048); 112 (seven panels of 16) 0.960 and 0.953, so 104
+# and 112 keep the padded build. The products shrink by a quarter or more and the time by 0-4%:
+# the step is paced by the softmax, not the tensor cores (docs/hopper_fwd_configs.md, "Q and K
+# at their own width"). Read per plan.
+NARROW_QK = True
+NARROW_QK_MAX = 96
+
+
+# The same at head dims 136-192 of ``WIDE_PADDED_HEAD_DIMS``: Q and K at 192 (MLA's three
+# 64-column panels) against V and O at 256, 64-key tiles (``NARROW_QK_WIDE``).
+NARROW_QK_WIDE = True
+NARROW_QK_WIDE_MAX = 192
+
+
+def narrow_qk_dim(head_dim: int, head_dim_v: int) -> int | None:
+    """Q's and K's kernel width under ``NARROW_QK`` for tensors of ``(head_dim, head_dim_v)``:
+    ``head_dim`` rounded up to 16 (at most ``NARROW_QK_MAX``) beside V at 128, or 192 beside V
+    at 256 (``NARROW_QK_WIDE``); None where the padded build runs."""
+    pair = (head_dim, head_dim_v)
+    if NARROW_QK and pair in PADDED_HEAD_DIMS:
+        width = -(-head_dim // 16) * 16
+        return width if width <= NARROW_QK_MAX else None
+    if NARROW_QK_WIDE and pair in WIDE_PADDED_HEAD_DIMS and head_dim <= NARROW_QK_WIDE_MAX:
+        return NARROW_QK_WIDE_MAX
+    return None
+
+
 def kernel_head_dim(head_dim: int) -> int:
     """The head dim the Hopper kernels are built for when the tensors' is ``head_dim``: 128 for
     ``PADDED_HEAD_DIMS``, 64 for ``NARROW_HEAD_DIMS``, ``head_dim`` itself otherwise."""
@@ -844,6 +879,12 @@ def plan(
         grid=(batch * heads, num_sms(q.device.index)), packed=spread,
         keys=window_keys(causal, has_window, window_left, window_right),
     )  # fmt: skip
+    narrow = narrow_qk_dim(q.shape[-1], v.shape[-1])
+    if (
+        narrow and config is None and cfg in (CONFIGS[128], CONFIGS[256]) and softcap <= 0
+        and not alibi and varlen is None
+    ):  # fmt: skip
+        head_dim, cfg = narrow, cfg._replace(q_buffers=1, persistent=True)
     rows = 64
     block_m = rows * cfg.num_consumers
     panel = qk_panel(head_dim)
