@@ -113,7 +113,11 @@ NARROW_QK_MAX = 96
 
 
 # The same at head dims 136-192 of ``WIDE_PADDED_HEAD_DIMS``: Q and K at 192 (MLA's three
-# 64-column panels) against V and O at 256, 64-key tiles (``NARROW_QK_WIDE``).
+# 64-column panels) against V and O at 256, 64-key tiles (``NARROW_QK_WIDE``; ``CONFIGS[256]``
+# has one Q buffer already; persistent at every length). H200, bf16, the same script, off / on
+# time: 160 1.116 (1024 keys), 1.066 (4096), causal 1.086 (4096); 192 causal 1.088 (2048), 1.049
+# (8192); 136 1.083 (4096); 176 causal 1.111 (16384). A 64-key step's products weigh more
+# against its softmax here than at D = 128.
 NARROW_QK_WIDE = True
 NARROW_QK_WIDE_MAX = 192
 
