@@ -883,11 +883,14 @@ def plan(
         grid=(batch * heads, num_sms(q.device.index)), packed=spread,
         keys=window_keys(causal, has_window, window_left, window_right),
     )  # fmt: skip
+    # What the one-Q-buffer persistent builds take (below, and the narrow Q/K builds): without
+    # softcap or ALiBi (their builds spilled 40-140 B, against 8 B flat), and dense problems only
+    # (head dim 256 spilled 8 B with pages shorter than the key tile; packed batches of equal
+    # lengths ran on the GPU only before the consumers' while loop).
+    one_q = softcap <= 0 and not alibi and varlen is None
     narrow = narrow_qk_dim(q.shape[-1], v.shape[-1])
-    if (
-        narrow and config is None and cfg in (CONFIGS[128], CONFIGS[256]) and softcap <= 0
-        and not alibi and varlen is None
-    ):  # fmt: skip
+    if narrow and one_q and config is None and cfg == CONFIGS.get(head_dim):
+        # The padded build's own config (not one consumer a CTA or a short window's).
         head_dim, cfg = narrow, cfg._replace(q_buffers=1, persistent=True)
     rows = 64
     block_m = rows * cfg.num_consumers
@@ -904,18 +907,15 @@ def plan(
     keys = loop_keys(seqlen_k, block_m, causal, has_window, window_left, window_right)
     persistent = cfg.persistent
     if persistent is None and cfg.q_buffers == 1:
-        # One Q buffer a consumer (head dims 192 and 256): without softcap or ALiBi (their
-        # builds spilled 40-140 B, against 8 B flat), and dense problems only (head dim 256
-        # spilled 8 B with pages shorter than the key tile; packed batches of equal lengths ran
-        # on the GPU only before the consumers' while loop); causal as CONFIGS says, non-causal
-        # without a window up to ONE_Q_FULL_MAX_KEY_TILES key tiles.
+        # One Q buffer a consumer (head dims 192 and 256) where ``one_q`` allows: causal as
+        # CONFIGS says, non-causal without a window up to ONE_Q_FULL_MAX_KEY_TILES key tiles.
         if causal:
             short = head_dim == 192 or use_persistent(keys, head_dim, causal, cfg.block_n)
         else:
             short = not has_window and use_persistent(
                 keys, head_dim, causal, cfg.block_n, ONE_Q_FULL_MAX_KEY_TILES
             )
-        persistent = short and softcap <= 0 and not alibi and varlen is None
+        persistent = short and one_q
     elif persistent is None:
         persistent = use_persistent(keys, head_dim, causal, cfg.block_n)
     if config is None and spread and cfg.num_consumers > 1:
