@@ -29,6 +29,14 @@ then with one feature of the real kernels at a time, to find which one racecheck
   barrier 5 with 128 threads (inline ``bar.sync 5, 128``) instead of barrier 0.
 - ``worker-barrier``: ``regs`` with a ``gl.thread_barrier()`` in the 4-warp worker partition
   (Triton gives a worker partition its own barrier id, not 0).
+- ``handoff``: data through shared memory ordered by mbarriers alone, as the MLA backward's
+  producer hands its consumers the row statistics: the worker warp stores 64 floats
+  (``st.shared``), ``bar.warp.sync`` and arrives on ``full``; the default partition waits on
+  ``full``, loads them, and arrives on ``empty`` (after Triton's barrier of its 128 threads); the
+  worker waits on ``empty`` and stores the next 64, which the default reads after ``full``'s
+  second phase. A RAW and a WAR pair, each ordered by an mbarrier's release and acquire.
+  (Compiled for sm_90a; not yet run under racecheck: it tells whether the reports on the MLA
+  backward's row statistics, docs/maintainers.md, are racecheck's.)
 
     compute-sanitizer --tool racecheck --racecheck-report hazard \\
         python scripts/ws_racecheck_probe.py plain
@@ -65,6 +73,7 @@ VARIANTS = (
     "pingpong",
     "default-bar5",
     "worker-barrier",
+    "handoff",
 )
 
 
@@ -105,6 +114,43 @@ def _worker(out, bar, SLOT: gl.constexpr, ARRIVE: gl.constexpr, PP: gl.constexpr
     if ARRIVE:
         mbarrier.arrive(bar.index(0), count=1)
     gl.store(out + gl.program_id(0) * 3 + SLOT, 2.0 * SLOT)
+
+
+@gluon.jit
+def _handoff_default(out, buf, full, empty):
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    mbarrier.wait(full.index(0), 0)
+    first = buf.load(layout)
+    mbarrier.arrive(empty.index(0), count=1)
+    mbarrier.wait(full.index(0), 1)
+    second = buf.load(layout)
+    offs = gl.arange(0, 64, layout=layout)
+    gl.store(out + gl.program_id(0) * 128 + offs, first)
+    gl.store(out + gl.program_id(0) * 128 + 64 + offs, second)
+
+
+@gluon.jit
+def _handoff_worker(buf, full, empty):
+    offs = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
+    buf.store(offs.to(gl.float32))
+    mbarrier.arrive(full.index(0), count=1)
+    mbarrier.wait(empty.index(0), 0)
+    buf.store((offs + 64).to(gl.float32))
+    mbarrier.arrive(full.index(0), count=1)
+
+
+@gluon.jit
+def ws_handoff_kernel(out):
+    buf = gl.allocate_shared_memory(gl.float32, [64], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(full.index(0), count=1)
+    mbarrier.init(empty.index(0), count=1)
+    gl.warp_specialize(
+        [(_handoff_default, (out, buf, full, empty)), (_handoff_worker, (buf, full, empty))],
+        [1],
+        [24],
+    )
 
 
 @gluon.jit
@@ -160,6 +206,13 @@ def run(variant: str) -> bool:
     import torch
 
     grid = 8
+    if variant == "handoff":
+        out = torch.zeros(grid * 128, device="cuda")
+        ws_handoff_kernel[(grid,)](out, num_warps=4)
+        torch.cuda.synchronize()
+        ok = torch.equal(out.cpu(), torch.arange(128, dtype=torch.float32).repeat(grid))
+        print(f"ws_probe {variant}:", "right" if ok else "WRONG", flush=True)
+        return ok
     out = torch.zeros(grid * 3, device="cuda")
     ws_probe_kernel[(grid,)](out, **flags(variant), num_warps=4)
     torch.cuda.synchronize()
@@ -179,8 +232,11 @@ def sass(variant: str) -> str:
     sys.path.insert(0, "tests")
     from compile_shards import ptxas_sm90a
 
-    signature = {"out": "*fp32", **dict.fromkeys(flags(variant), "constexpr")}
-    src = GluonASTSource(ws_probe_kernel, signature, flags(variant))
+    if variant == "handoff":
+        src = GluonASTSource(ws_handoff_kernel, {"out": "*fp32"}, {})
+    else:
+        signature = {"out": "*fp32", **dict.fromkeys(flags(variant), "constexpr")}
+        src = GluonASTSource(ws_probe_kernel, signature, flags(variant))
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     _, code = ptxas_sm90a(compiled.asm["ptx"])
     keep = re.compile(r"BAR\.|STS|LDS|SYNCS|USETMAXREG|EXIT|BRX")
