@@ -6,7 +6,9 @@ moves keeps the triage honest: a report counts as on the partition state only at
 ``def`` line, never at a line of its partitions.
 """
 
+import functools
 import importlib.util
+import re
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,64 @@ def test_command_line(tmp_path):
     assert triage.main([str(path)]) == 0
     path.write_text(log(state_report(), errors=3))
     assert triage.main([str(path)]) == 1
+
+
+PROBE_VARIANTS = (
+    "plain", "regs", "init", "init-regs", "arrive", "thread-barrier", "init-sync", "pingpong",
+    "default-bar5", "worker-barrier", "handoff",
+)  # fmt: skip
+
+
+@functools.cache
+def _load_probe():
+    spec = importlib.util.spec_from_file_location(
+        "ws_racecheck_probe", ROOT / "scripts" / "ws_racecheck_probe.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_probe():
+    """The probe script, where its SASS is the code the checks read (Triton 3.6, as the other
+    compile checks: test_compile_hopper.COMPILE_CHECKED)."""
+    pytest.importorskip("triton.experimental.gluon", reason="triton without Gluon")
+    import triton
+
+    from test_compile_hopper import COMPILE_CHECKED
+
+    if not triton.__version__.startswith(COMPILE_CHECKED):
+        pytest.skip(f"the SASS checks read the code Triton {COMPILE_CHECKED} compiles")
+    probe = _load_probe()
+    assert probe.VARIANTS == PROBE_VARIANTS
+    return probe
+
+
+# A barrier of 128 threads with an id the default partition uses (0: Triton's own; 5: the
+# probe's inline one); Triton gives a 4-warp worker partition ids from 2 on (worker-barrier: 2).
+_DEFAULT_PARTIAL = re.compile(r"BAR\.SYNC\.DEFER_BLOCKING 0x[05], 0x80")
+
+
+@pytest.mark.parametrize("variant", PROBE_VARIANTS)
+def test_probe_reports_follow_the_default_partitions_barriers(variant):
+    """The racecheck reports measured on each probe variant (``REPORTS_H200``) come exactly with a
+    barrier of the default partition's 128 threads in its sm_90a SASS, and every variant keeps
+    the handshake: the state stored, then barrier 1 of the whole CTA, then each worker's load."""
+    probe = load_probe()
+    code = probe.sass(variant)
+    lines = code.splitlines()
+    bar1 = [i for i, line in enumerate(lines) if "BAR.SYNC.DEFER_BLOCKING 0x1 ;" in line]
+    loads = [i for i, line in enumerate(lines) if "LDS.U8" in line]
+    assert len(loads) == 1 and bar1 and bar1[0] < loads[0], code
+    if variant == "handoff":
+        # Data through shared memory, ordered by mbarriers: stores, arrivals, waits, loads.
+        assert "SYNCS.ARRIVE" in code and "SYNCS.PHASECHK" in code and "LDSM" in code, code
+    if variant == "pingpong":
+        assert "BAR.ARV 0x9, 0x100" in code and "BAR.SYNC.DEFER_BLOCKING 0x9, 0x100" in code
+    if variant == "worker-barrier":
+        assert "BAR.SYNC.DEFER_BLOCKING 0x2, 0x80" in code
+    partial = bool(_DEFAULT_PARTIAL.search(code))
+    if variant in probe.REPORTS_H200:
+        assert partial == (probe.REPORTS_H200[variant] > 0), code
+    else:
+        assert variant == "handoff" and partial, code
