@@ -135,8 +135,9 @@ def triage(log: str, kernels=None) -> tuple[bool, str]:
     if summary is None:
         return False, "no RACECHECK SUMMARY line: the run did not finish"
     displayed, errors, warnings = summary
-    state = [h for h in hazards if on_partition_state(h, kernels)]
-    other = [h for h in hazards if not on_partition_state(h, kernels)]
+    state, other = [], []
+    for h in hazards:
+        (state if on_partition_state(h, kernels) else other).append(h)
     where = "; ".join(
         f"{kernel} {ranges(sorted({h.address for h in state if h.accesses[0].kernel == kernel}))}"
         for kernel in sorted({h.accesses[0].kernel for h in state})

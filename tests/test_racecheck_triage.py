@@ -14,11 +14,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location(
-    "racecheck_triage", ROOT / "scripts" / "racecheck_triage.py"
-)
-triage = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(triage)
+
+
+@functools.cache
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+triage = load_script("racecheck_triage")
 
 KERNELS = triage.ws_kernels()
 
@@ -131,16 +138,6 @@ PROBE_VARIANTS = (
 )  # fmt: skip
 
 
-@functools.cache
-def _load_probe():
-    spec = importlib.util.spec_from_file_location(
-        "ws_racecheck_probe", ROOT / "scripts" / "ws_racecheck_probe.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def load_probe():
     """The probe script, where its SASS is the code the checks read (Triton 3.6, as the other
     compile checks: test_compile_hopper.COMPILE_CHECKED)."""
@@ -151,7 +148,7 @@ def load_probe():
 
     if not triton.__version__.startswith(COMPILE_CHECKED):
         pytest.skip(f"the SASS checks read the code Triton {COMPILE_CHECKED} compiles")
-    probe = _load_probe()
+    probe = load_script("ws_racecheck_probe")
     assert probe.VARIANTS == PROBE_VARIANTS
     return probe
 
