@@ -127,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"the MLA cases instead (q and k at 192, v at {SANITIZE_MLA_DV}; tests/shapes.py)",
     )
+    parser.add_argument(
+        "--cases", default="", help="comma-separated indices into the case list: only those"
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to smoke-test")
     parser.add_argument(
         "--no-tma",
@@ -143,6 +146,13 @@ def main(argv: list[str] | None = None) -> int:
         head_dims = {int(d) for d in args.head_dims.split(",") if d}
     except ValueError:
         parser.error(f"--head-dims: integers separated by commas, not {args.head_dims!r}")
+    cases = SANITIZE_MLA if args.mla else SANITIZE
+    try:
+        picked = {int(c) for c in args.cases.split(",") if c}
+    except ValueError:
+        parser.error(f"--cases: integers separated by commas, not {args.cases!r}")
+    if not picked <= set(range(len(cases))):
+        parser.error(f"--cases: indices 0..{len(cases) - 1}, not {sorted(picked)}")
     if args.no_tma:
         from flashcore.ops import runtime
 
@@ -164,8 +174,10 @@ def main(argv: list[str] | None = None) -> int:
           f"backward: {'yes' if backward else 'no (forward only)'}; tier: {args.tier}")  # fmt: skip
     failures = runs = 0
     head_dim_v = SANITIZE_MLA_DV if args.mla else None
-    for i, case in enumerate(SANITIZE_MLA if args.mla else SANITIZE):
+    for i, case in enumerate(cases):
         if head_dims and case.head_dim not in head_dims:
+            continue
+        if picked and i not in picked:
             continue
         layout = LAYOUTS[i % len(LAYOUTS)]
         for dtype_name, causal, opt in itertools.product(

@@ -35,8 +35,9 @@ then with one feature of the real kernels at a time, to find which one racecheck
   ``full``, loads them, and arrives on ``empty`` (after Triton's barrier of its 128 threads); the
   worker waits on ``empty`` and stores the next 64, which the default reads after ``full``'s
   second phase. A RAW and a WAR pair, each ordered by an mbarrier's release and acquire.
-  (Compiled for sm_90a; not yet run under racecheck: it tells whether the reports on the MLA
-  backward's row statistics, docs/maintainers.md, are racecheck's.)
+  Reported (the buffer's second store against both loads, past the default partition's barrier
+  of its 128 threads): the MLA backward's reports on its row statistics were racecheck's
+  (docs/maintainers.md).
 
     compute-sanitizer --tool racecheck --racecheck-report hazard \\
         python scripts/ws_racecheck_probe.py plain
@@ -46,10 +47,12 @@ With no argument every variant runs (each its own launch; racecheck reports them
 needed: Triton's ptxas and cuobjdump).
 
 Found (H200, compute-sanitizer 2025.3.1; docs/maintainers.md, "What racecheck reports in the Gluon
-kernels"): ``thread-barrier``, ``default-bar5``, ``arrive`` and ``init-sync`` are reported, the
-others run clean: racecheck reports the state once the default partition's warps pass a barrier
-of their own 128 threads, though a barrier of the whole CTA orders every access to it.
-``scripts/racecheck_triage.py`` sets those reports apart.
+kernels"): ``thread-barrier``, ``default-bar5``, ``arrive``, ``init-sync`` and ``handoff`` are
+reported, the others run clean: racecheck reports the state once the default partition's warps
+pass a barrier of their own 128 threads, though a barrier of the whole CTA orders every access to
+it, and from then on also data handed over through mbarriers alone (``handoff``).
+``scripts/racecheck_triage.py`` sets the state's reports apart; no kernel here hands data over
+that way any more but packed batches' row statistics (docs/maintainers.md).
 """
 
 from __future__ import annotations
@@ -79,12 +82,13 @@ VARIANTS = (
 
 
 # racecheck's reports per variant (H200, compute-sanitizer 2025.3.1, ``--racecheck-report hazard
-# --print-limit 0``, every one on the partition state); ``handoff`` not run yet.
+# --print-limit 0``, every one on the partition state but ``handoff``'s, 5 of whose 3789 are and
+# the rest on the buffer it hands over).
 # tests/test_racecheck_triage.py holds them against the compiled code: a variant is reported
 # exactly when its default partition passes a barrier of its own 128 threads.
 REPORTS_H200 = {
     "plain": 0, "regs": 0, "init": 0, "init-regs": 0, "arrive": 7, "thread-barrier": 5,
-    "init-sync": 29, "pingpong": 0, "default-bar5": 12, "worker-barrier": 0,
+    "init-sync": 29, "pingpong": 0, "default-bar5": 12, "worker-barrier": 0, "handoff": 3789,
 }  # fmt: skip
 
 

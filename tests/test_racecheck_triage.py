@@ -177,7 +177,4 @@ def test_probe_reports_follow_the_default_partitions_barriers(variant):
     if variant == "worker-barrier":
         assert "BAR.SYNC.DEFER_BLOCKING 0x2, 0x80" in code
     partial = bool(_DEFAULT_PARTIAL.search(code))
-    if variant in probe.REPORTS_H200:
-        assert partial == (probe.REPORTS_H200[variant] > 0), code
-    else:
-        assert variant == "handoff" and partial, code
+    assert partial == (probe.REPORTS_H200[variant] > 0), code
