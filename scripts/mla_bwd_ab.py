@@ -66,7 +66,7 @@ def use(path: str) -> None:
     bwd256.WIDE_MASK_EXPONENT = path != "wide-nomexp"
     bwd256.WIDE_FRESH_DESC = path != "wide-nofresh"
     bwd256.WIDE_SPLIT_DIAG = path != "wide-nosplit"
-    bwd256.WIDE_STATS_TMA = path != "wide-statsptr"
+    bwd256.WIDE_STATS_TMA = {"wide-statsptr": 0, "wide-statsfirst": 2}.get(path, 1)
     bwd256.WIDE_TMA_EPILOGUE = bwd256.DKDV_TMA_EPILOGUE = not path.endswith("-regs")
     bwd256._PLANS.clear()
     bwd.forget()

@@ -12,7 +12,16 @@ whatever N): ``scripts/ws_racecheck_probe.py`` shows it on kernels of a few line
 A report is counted as on the partition state when it is a RAW hazard whose read is by a worker
 thread (128 and up: the default partition is four warps) at the ``def`` line of a kernel that
 calls ``gl.warp_specialize`` and whose write is by a default thread (below 128) at a line of that
-kernel's own body. Everything else is reported as a hazard to look at.
+kernel's own body.
+
+From the same barrier on, racecheck also reports data that one partition hands another through
+shared memory ordered by mbarriers alone (a plain store, the writer's arrive, the reader's wait,
+its load; and back for the buffer's next use): ``ws_racecheck_probe.py handoff``. The kernels mark
+each such store and load with a comment line ``# racecheck hand-over: NAME`` right above it. A
+report is counted as a hand-over when it is RAW or WAR, its write and its read are both at lines
+marked with the same NAME, in one kernel, by threads of different warpgroups. What orders them
+(the mbarrier protocol) is what synccheck and the GPU tests exercise; racecheck cannot judge it.
+Everything else is reported as a hazard to look at.
 
     compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 CMD > racecheck.log
     python scripts/racecheck_triage.py racecheck.log
@@ -49,6 +58,9 @@ _SUMMARY = re.compile(
 )
 
 
+_TAG = re.compile(r"^\s*#\s*racecheck hand-over:\s*(.+?)\s*$")
+
+
 class Access(NamedTuple):
     kind: str  # Write or Read
     thread: int
@@ -77,6 +89,23 @@ def ws_kernels(sources=SOURCES) -> dict[str, tuple[str, int, int]]:
             ):
                 kernels[node.name] = (Path(path).name, node.lineno, node.end_lineno)
     return kernels
+
+
+def hand_over_lines(sources=SOURCES) -> dict[tuple[str, int], str]:
+    """Lines marked as a store or load of a hand-over: (file name, line) -> NAME, the line being
+    the first code line under a ``# racecheck hand-over: NAME`` comment line."""
+    tags = {}
+    for path in sources:
+        lines = Path(path).read_text().splitlines()
+        for i, text in enumerate(lines):
+            tag = _TAG.match(text)
+            if tag is None:
+                continue
+            j = i + 1
+            while j < len(lines) and (not lines[j].strip() or lines[j].lstrip().startswith("#")):
+                j += 1
+            tags[(Path(path).name, j + 1)] = tag.group(1)
+    return tags
 
 
 def parse(log: str) -> tuple[list[Hazard], tuple[int, int, int] | None]:
@@ -117,6 +146,24 @@ def on_partition_state(hazard: Hazard, kernels: dict[str, tuple[str, int, int]])
     )
 
 
+def hand_over(hazard: Hazard, tags: dict[tuple[str, int], str]) -> str | None:
+    """The NAME of the hand-over ``hazard`` is on (module docstring), or None."""
+    kinds = sorted(a.kind for a in hazard.accesses)
+    if hazard.kind not in ("RAW", "WAR") or kinds != ["Read", "Write"]:
+        return None
+    read = next(a for a in hazard.accesses if a.kind == "Read")
+    write = next(a for a in hazard.accesses if a.kind == "Write")
+    name = tags.get((write.file, write.line))
+    if (
+        name is None
+        or tags.get((read.file, read.line)) != name
+        or read.kernel != write.kernel
+        or read.thread // DEFAULT_THREADS == write.thread // DEFAULT_THREADS
+    ):
+        return None
+    return name
+
+
 def ranges(addresses: list[int]) -> str:
     """Sorted byte addresses as runs of consecutive bytes: ``0x10-0x13, 0x20``."""
     runs = []
@@ -128,23 +175,32 @@ def ranges(addresses: list[int]) -> str:
     return ", ".join(f"0x{a:x}" if a == b else f"0x{a:x}-0x{b:x}" for a, b in runs)
 
 
-def triage(log: str, kernels=None) -> tuple[bool, str]:
+def triage(log: str, kernels=None, tags=None) -> tuple[bool, str]:
     """``(clean, one-line summary)`` of a racecheck log."""
     kernels = ws_kernels() if kernels is None else kernels
+    tags = hand_over_lines() if tags is None else tags
     hazards, summary = parse(log)
     if summary is None:
         return False, "no RACECHECK SUMMARY line: the run did not finish"
     displayed, errors, warnings = summary
-    state, other = [], []
+    state, handed, other = [], {}, []
     for h in hazards:
-        (state if on_partition_state(h, kernels) else other).append(h)
+        if on_partition_state(h, kernels):
+            state.append(h)
+        elif (name := hand_over(h, tags)) is not None:
+            key = (h.accesses[0].kernel, name)
+            handed[key] = handed.get(key, 0) + 1
+        else:
+            other.append(h)
     where = "; ".join(
         f"{kernel} {ranges(sorted({h.address for h in state if h.accesses[0].kernel == kernel}))}"
         for kernel in sorted({h.accesses[0].kernel for h in state})
     )
+    which = "; ".join(f"{kernel} {name}: {n}" for (kernel, name), n in sorted(handed.items()))
     line = (
         f"{len(hazards)} reports read ({displayed} displayed, {errors} errors, {warnings} "
-        f"warnings): {len(state)} on the partition state ({where or 'none'}), {len(other)} other"
+        f"warnings): {len(state)} on the partition state ({where or 'none'}), "
+        f"{sum(handed.values())} on mbarrier hand-overs ({which or 'none'}), {len(other)} other"
     )
     complete = len(hazards) == displayed == errors + warnings
     if not complete:

@@ -79,8 +79,9 @@ for tool in "${tools[@]}"; do
     cases=$(grep -E '^sanitize_cases:' "$log" | tail -n 1)
     if [ "$tool" = racecheck ]; then
         # racecheck reports the partition state of every warp-specialized Gluon kernel (a
-        # barrier orders those accesses; scripts/racecheck_triage.py says why): the run is clean
-        # when the driver's results are right and every report is one of those.
+        # barrier orders those accesses) and data handed between partitions through mbarriers
+        # alone (scripts/racecheck_triage.py says why): the run is clean when the driver's
+        # results are right and every report is one of those.
         triage=$(python scripts/racecheck_triage.py "$log")
         triage_rc=$?
         summary="${summary:-}; ${triage#racecheck_triage: }"

@@ -135,9 +135,11 @@ def _worker(out, bar, SLOT: gl.constexpr, ARRIVE: gl.constexpr, PP: gl.constexpr
 def _handoff_default(out, buf, full, empty):
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     mbarrier.wait(full.index(0), 0)
+    # racecheck hand-over: handoff buffer
     first = buf.load(layout)
     mbarrier.arrive(empty.index(0), count=1)
     mbarrier.wait(full.index(0), 1)
+    # racecheck hand-over: handoff buffer
     second = buf.load(layout)
     offs = gl.arange(0, 64, layout=layout)
     gl.store(out + gl.program_id(0) * 128 + offs, first)
@@ -147,9 +149,11 @@ def _handoff_default(out, buf, full, empty):
 @gluon.jit
 def _handoff_worker(buf, full, empty):
     offs = gl.arange(0, 64, layout=gl.BlockedLayout([2], [32], [1], [0]))
+    # racecheck hand-over: handoff buffer
     buf.store(offs.to(gl.float32))
     mbarrier.arrive(full.index(0), count=1)
     mbarrier.wait(empty.index(0), 0)
+    # racecheck hand-over: handoff buffer
     buf.store((offs + 64).to(gl.float32))
     mbarrier.arrive(full.index(0), count=1)
 

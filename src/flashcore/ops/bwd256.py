@@ -292,7 +292,7 @@ def _plan(
             **(
                 {"SKIP_MASKED": WIDE_SKIP_MASKED, "MASK_EXPONENT": WIDE_MASK_EXPONENT,
                  "FRESH_DESC": WIDE_FRESH_DESC, "SPLIT_DIAG": WIDE_SPLIT_DIAG,
-                 "STATS_TMA": WIDE_STATS_TMA and varlen is None}
+                 "STATS_TMA": int(WIDE_STATS_TMA) if varlen is None else 0}
                 if wide_mla
                 else {}
             ),

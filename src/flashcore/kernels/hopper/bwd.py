@@ -677,7 +677,9 @@ def _producer(
                     q_desc, do_desc, lse_desc, delta_desc, desc_b, off_h, q_row, row,
                     qd_ready.index(slot), q_smem, do_smem, lse_smem, delta_smem, slot, False,
                 )  # fmt: skip
+            # racecheck hand-over: row stats
             lse_smem.index(slot).store(lse2)
+            # racecheck hand-over: row stats
             delta_smem.index(slot).store(delta)
             # qd_ready's second arrival (count 2): the row stats.
             mbarrier.arrive(qd_ready.index(slot), count=1)
@@ -905,6 +907,7 @@ def _consumer(
         # lse2 and delta are read from shared memory where they are used: in the score layout a
         # row vector takes 16 registers a thread, and loaded early they overlapped S^T, dP^T, dK
         # and dV (spills at D=128).
+        # racecheck hand-over: row stats
         lse2 = lse_smem.index(slot).load(col_layout)
         # Scores in log2 units as the forward forms them (ops/problem.py folds the units):
         # softcap (tanh of scale q.k / c, times c log2(e)), then ALiBi, then the masks.
@@ -944,6 +947,7 @@ def _consumer(
                 s = gl.where(keys <= rows + (diag + window_right), s, float("-inf"))
         p = gl.exp2(s - gl.expand_dims(lse2, 0))
         dp = warpgroup_mma_wait(0, deps=[dp_tok])
+        # racecheck hand-over: row stats
         delta = delta_smem.index(slot).load(col_layout)
         # dS^T before the dV issue: P^T's fp32 and register-operand copies are never live
         # together (16 registers less at the peak).

@@ -210,6 +210,11 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
                 _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
                             qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
         else:
+            if STATS_TMA == 2:
+                flat = off_b * stride_lb + off_h * stride_lh + row
+                mbarrier.expect(bar, 2 * LSE2.block_type.nbytes)
+                tma_load(LSE2, [flat], bar, stats_smem.index(2 * slot))
+                tma_load(DELTA, [flat], bar, stats_smem.index(2 * slot + 1))
             _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
                         qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
         # The step's row stats (lse2, delta) into the slot, read by the consumers from shared
@@ -220,7 +225,9 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
         # Otherwise this warp's loads and stores; VARLEN (the stats of one sequence of all rows,
         # a step's rows start anywhere): lse2 +inf and delta 0 past the sequence's end (P = 0,
         # dS = 0).
-        if STATS_TMA:
+        if STATS_TMA == 2:
+            gl.static_assert(not VARLEN)
+        elif STATS_TMA:
             gl.static_assert(not VARLEN)
             flat = off_b * stride_lb + off_h * stride_lh + row
             mbarrier.expect(bar, 2 * LSE2.block_type.nbytes)
@@ -235,7 +242,9 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
             else:
                 lse2 = gl.load(LSE2 + base + offs)
                 delta = gl.load(DELTA + base + offs)
+            # racecheck hand-over: row stats
             stats_smem.index(2 * slot).store(lse2)
+            # racecheck hand-over: row stats
             stats_smem.index(2 * slot + 1).store(delta)
             mbarrier.arrive(bar, count=1)
 
@@ -278,6 +287,7 @@ def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_fr
     s_tok = warpgroup_mma(kb, qb.permute((1, 0)), s_tok, is_async=True)
     s = warpgroup_mma_wait(0, deps=[s_tok])
     if MASK_EXPONENT:
+        # racecheck hand-over: row stats
         s = s * qk_scale - gl.expand_dims(stats_smem.index(2 * slot).load(col_layout), 0)
     else:
         s = s * qk_scale
@@ -294,6 +304,7 @@ def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_fr
     if MASK_EXPONENT:
         p = gl.exp2(s)
     else:
+        # racecheck hand-over: row stats
         p = gl.exp2(s - gl.expand_dims(stats_smem.index(2 * slot).load(col_layout), 0))
     # One score tile at a time beside dK and dV (160 registers): dV += P^T dO, retired,
     # then dP^T = V dO^T, with P^T kept in fp16 for dS.
@@ -303,6 +314,7 @@ def _step(ka, kb, vt, qa, qb, do, stats_smem, ds_smem, qd_empty, ds_ready, ds_fr
     dv, p_op = warpgroup_mma_wait(0, deps=[dv_tok, p_op])
     dp_tok = warpgroup_mma(vt, do.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     dp = warpgroup_mma_wait(0, deps=[dp_tok])
+    # racecheck hand-over: row stats
     delta = gl.expand_dims(stats_smem.index(2 * slot + 1).load(col_layout), 0)
     ds = (p.to(gl.float32) * (dp - delta)).to(dtype)
     # dS^T for both consumers' dQ, once both have read the previous step's tiles.

@@ -259,6 +259,7 @@ def item_post(items, i, w, WARPS: gl.constexpr):
     """Write work item ``w`` into cell ``i`` of ``items`` (int32 ``[cells, 1]`` in shared memory)
     from a partition of WARPS warps (every thread writes the same value)."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    # racecheck hand-over: work item
     items.index(i).store(gl.full([1], 0, gl.int32, layout) + w)
 
 
@@ -267,6 +268,7 @@ def item_read(items, i, WARPS: gl.constexpr):
     """The work item in cell ``i`` of ``items`` (``item_post``), read by a partition of WARPS
     warps."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
+    # racecheck hand-over: work item
     return gl.max(items.index(i).load(layout), axis=0)
 
 
