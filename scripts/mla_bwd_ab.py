@@ -18,8 +18,6 @@ Paths (``ops/bwd256.py``'s switches, set per side; plans and kept backwards drop
   step loop (``WIDE_FRESH_DESC`` off; every other path forms them in it, as shipped);
 - ``wide-nosplit``: the 128-key kernel with the causal diagonal's steps in the same loop as the
   others (``WIDE_SPLIT_DIAG`` off; every other path runs them in a loop of their own, as shipped);
-- ``wide-statsptr``: the 128-key kernel with its row stats loaded and stored by the producer
-  warp (``WIDE_STATS_TMA`` off; every other path loads them by TMA, as shipped);
 - ``wide-regs``, ``64key-regs``, ``dqkernel-regs``: those with dK and dV stored from
   registers (``WIDE_TMA_EPILOGUE``, ``DKDV_TMA_EPILOGUE`` off; every other path stores them by
   TMA, as shipped);
@@ -66,7 +64,6 @@ def use(path: str) -> None:
     bwd256.WIDE_MASK_EXPONENT = path != "wide-nomexp"
     bwd256.WIDE_FRESH_DESC = path != "wide-nofresh"
     bwd256.WIDE_SPLIT_DIAG = path != "wide-nosplit"
-    bwd256.WIDE_STATS_TMA = {"wide-statsptr": 0, "wide-statsfirst": 2}.get(path, 1)
     bwd256.WIDE_TMA_EPILOGUE = bwd256.DKDV_TMA_EPILOGUE = not path.endswith("-regs")
     bwd256._PLANS.clear()
     bwd.forget()

@@ -36,7 +36,7 @@ then with one feature of the real kernels at a time, to find which one racecheck
   worker waits on ``empty`` and stores the next 64, which the default reads after ``full``'s
   second phase. A RAW and a WAR pair, each ordered by an mbarrier's release and acquire.
   Reported (the buffer's second store against both loads, past the default partition's barrier
-  of its 128 threads): the MLA backward's reports on its row statistics were racecheck's
+  of its 128 threads): the MLA backward's reports on its row statistics are racecheck's
   (docs/maintainers.md).
 
     compute-sanitizer --tool racecheck --racecheck-report hazard \\
@@ -51,8 +51,8 @@ kernels"): ``thread-barrier``, ``default-bar5``, ``arrive``, ``init-sync`` and `
 reported, the others run clean: racecheck reports the state once the default partition's warps
 pass a barrier of their own 128 threads, though a barrier of the whole CTA orders every access to
 it, and from then on also data handed over through mbarriers alone (``handoff``).
-``scripts/racecheck_triage.py`` sets the state's reports apart; no kernel here hands data over
-that way any more but packed batches' row statistics (docs/maintainers.md).
+``scripts/racecheck_triage.py`` sets both apart: the state's by where it is, the hand-overs by the
+marks on their stores and loads (``# racecheck hand-over: NAME``; docs/maintainers.md).
 """
 
 from __future__ import annotations

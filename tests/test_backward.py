@@ -370,11 +370,10 @@ def test_backward_gpu_sm90_fresh_desc(mc, dtype, monkeypatch):
         )
 
 
-# The 128-key kernel as shipped, without SKIP_MASKED, MASK_EXPONENT, FRESH_DESC, SPLIT_DIAG or
-# STATS_TMA; the 64-key fused kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and
-# dV stored from registers instead of by TMA.
-MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-nofresh", "wide-nosplit", "wide-statsptr"]
-MLA_PATHS += ["wide-regs"]
+# The 128-key kernel as shipped, without SKIP_MASKED, MASK_EXPONENT, FRESH_DESC or SPLIT_DIAG; the
+# 64-key fused kernel; the dQ kernel beside the 64-key dK/dV kernel; "-regs": dK and dV stored
+# from registers instead of by TMA.
+MLA_PATHS = ["wide", "wide-noskip", "wide-nomexp", "wide-nofresh", "wide-nosplit", "wide-regs"]
 MLA_PATHS += ["fused-dq", "fused-dq-regs", "dq-kernel", "dq-kernel-regs"]
 
 
@@ -393,9 +392,7 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     its keys, ``bwd256.WIDE_SKIP_MASKED``; "wide-nomexp" with its exponent formed after the
     masks' branches, ``bwd256.WIDE_MASK_EXPONENT`` off; "wide-nofresh" with its fixed tiles'
     descriptors formed before the step loop, ``bwd256.WIDE_FRESH_DESC`` off; "wide-nosplit" with
-    the causal diagonal's steps in the same loop as the others, ``bwd256.WIDE_SPLIT_DIAG`` off;
-    "wide-statsptr" with its row stats loaded and stored by the producer warp instead of the copy
-    engine, ``bwd256.WIDE_STATS_TMA`` off) or
+    the causal diagonal's steps in the same loop as the others, ``bwd256.WIDE_SPLIT_DIAG`` off) or
     at 64 ("fused-dq"), and by the dQ kernel ("dq-kernel"); "-regs": dK and dV stored from registers
     (``bwd256.WIDE_TMA_EPILOGUE`` and ``DKDV_TMA_EPILOGUE`` off; on elsewhere, by TMA)."""
     from flashcore.ops import bwd256
@@ -408,7 +405,6 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     monkeypatch.setattr(bwd256, "WIDE_MASK_EXPONENT", path != "wide-nomexp")
     monkeypatch.setattr(bwd256, "WIDE_FRESH_DESC", path != "wide-nofresh")
     monkeypatch.setattr(bwd256, "WIDE_SPLIT_DIAG", path != "wide-nosplit")
-    monkeypatch.setattr(bwd256, "WIDE_STATS_TMA", path != "wide-statsptr")
     monkeypatch.setattr(bwd256, "WIDE_TMA_EPILOGUE", tma)
     bwd256._PLANS.clear()
     calls = spy_d256(monkeypatch)
@@ -423,7 +419,6 @@ def test_backward_gpu_d256_mla(mc, layout, dtype, path, monkeypatch):
     assert all(p.dkdv[2]["TMA_EPILOGUE"] == tma for p in bwd256._PLANS.values())
     wide = [p for p in bwd256._PLANS.values() if p.wide]
     assert all(p.dkdv[2]["FRESH_DESC"] == (path != "wide-nofresh") for p in wide)
-    assert all(p.dkdv[2]["STATS_TMA"] == (path != "wide-statsptr") for p in wide)
 
 
 @pytest.mark.gpu

@@ -85,10 +85,6 @@ VARIANTS = [
     # shipped), beside the shipped causal build.
     ("mla-wide-tma-skip-mexp-nosplit-fused-bf16-causal", "wide", "bf16", True, False, True, False,
      False),
-    # The row stats by the producer's loads and stores (STATS_TMA off: "statsptr"; every other dense
-    # label loads them by the copy engine, as shipped), beside the shipped causal build.
-    ("mla-wide-tma-skip-mexp-statsptr-fused-bf16-causal", "wide", "bf16", True, False, True, False,
-     False),
 ]  # fmt: skip
 
 
@@ -141,14 +137,6 @@ def compile_variant(variant) -> dict:
             consts["MASK_EXPONENT"] = "mexp" in label
             consts["FRESH_DESC"] = "nofresh" not in label
             consts["SPLIT_DIAG"] = "nosplit" not in label
-            # The row stats by the copy engine (STATS_TMA, shipped without VARLEN; "statsptr":
-            # by the producer's loads and stores, as packed batches).
-            consts["STATS_TMA"] = not consts["VARLEN"] and "statsptr" not in label
-            if consts["STATS_TMA"]:
-                layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
-                signature["LSE2"] = signature["DELTA"] = (
-                    f"tensordesc<fp32[{bwd256.ROWS}],{layout!r}>"
-                )
     else:
         fn = kernels.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
@@ -156,8 +144,6 @@ def compile_variant(variant) -> dict:
             signature[name] = "constexpr"
         elif name in ("qk_scale", "scale", "softcap"):
             signature[name] = "fp32"
-        elif name in signature:
-            pass
         elif name in ("LSE2", "DELTA", "ALIBI"):
             signature[name] = "*fp32"
         elif name in ("CU_Q", "CU_K"):
@@ -230,7 +216,6 @@ SPILL_ALLOWANCE = {
     "mla-wide-tma-nofresh-fused-bf16": 488,
     "mla-wide-tma-skip-mexp-nofresh-fused-bf16-causal": 924,
     "mla-wide-tma-skip-mexp-nosplit-fused-bf16-causal": 132,
-    "mla-wide-tma-skip-mexp-statsptr-fused-bf16-causal": 344,
 }
 
 
@@ -309,16 +294,6 @@ def test_diagonal_steps_in_a_loop_of_their_own(compiled):
     for consumer in (0, 1):
         # sm_90a, Triton 3.6: 565 against 635 (consumer 0), 516 against 613 (consumer 1).
         assert split[2 * consumer + 1] < whole[consumer] - 40, (split, whole)
-
-
-def test_row_stats_by_the_copy_engine(compiled):
-    """STATS_TMA (``kernels/hopper/bwd_mla.py``, shipped without VARLEN): the dense 128-key builds
-    load a step's lse2 and delta by two more copies than the same build with the producer's loads
-    and stores ("statsptr")."""
-    rows = {row["variant"]: row for row in compiled}
-    ours = rows["mla-wide-tma-skip-mexp-fused-bf16-causal"]
-    theirs = rows["mla-wide-tma-skip-mexp-statsptr-fused-bf16-causal"]
-    assert ours["tma_load"] == theirs["tma_load"] + 2, (ours["tma_load"], theirs["tma_load"])
 
 
 def test_mla_trace_build_still_applies():

@@ -94,10 +94,6 @@ WIDE_FRESH_DESC = True
 # mla_bwd_ab.py --rotate 5 at 2048-8192 keys 1.02-1.05x (docs/performance_backward.md). Tests set
 # it either way.
 WIDE_SPLIT_DIAG = True
-# The 128-key kernel's row stats (lse2, delta) into its ring by the copy engine, two (64,) boxes a
-# step (as bwd.py's), instead of the producer warp's loads and shared-memory stores (which packed
-# batches keep: their steps' rows start anywhere). Tests set it either way.
-WIDE_STATS_TMA = True
 # dK and dV through the K and V tiles and TMA stores (as bwd.py's) instead of 4-byte stores
 # from registers, which cost the 128-key kernel 43-64 us at 1024 programs (H200,
 # docs/performance_backward.md, "MLA's backward: packed batches, every length, ..."), in the
@@ -211,7 +207,7 @@ class Plan(NamedTuple):
     dq: tuple  # (grid, scalars, meta) of the dQ kernel, or with ``acc`` of the conversion
     dkdv: tuple  # (grid, scalars, meta) of the dK/dV kernel
     boxes: tuple[list[int], list[int]]  # Q and K's, V and dO's
-    layouts: tuple[object, object, object]  # Q and K's boxes, V and dO's, the row stats'
+    layouts: tuple[object, object]
     acc: tuple | None  # FUSED_DQ: the fp32 dQ accumulator's shape, its two boxes, their layout
     wide: bool  # MLA's 128-key kernel in place of the dK/dV kernel (``wide``)
 
@@ -291,8 +287,7 @@ def _plan(
             "FUSED_DQ": fused_dq, "TMA_EPILOGUE": tma_epilogue, **meta,
             **(
                 {"SKIP_MASKED": WIDE_SKIP_MASKED, "MASK_EXPONENT": WIDE_MASK_EXPONENT,
-                 "FRESH_DESC": WIDE_FRESH_DESC, "SPLIT_DIAG": WIDE_SPLIT_DIAG,
-                 "STATS_TMA": int(WIDE_STATS_TMA) if varlen is None else 0}
+                 "FRESH_DESC": WIDE_FRESH_DESC, "SPLIT_DIAG": WIDE_SPLIT_DIAG}
                 if wide_mla
                 else {}
             ),
@@ -317,8 +312,7 @@ def _plan(
         )  # fmt: skip
     return Plan(
         rows_b * heads * seqlen_pad, prep, dq_launch, dkdv_launch, boxes,
-        (*(box_layout(tuple(box), q.dtype) for box in boxes), box_layout((ROWS,), torch.float32)),
-        acc, wide_mla,
+        tuple(box_layout(tuple(box), q.dtype) for box in boxes), acc, wide_mla,
     )  # fmt: skip
 
 
@@ -407,11 +401,8 @@ def backward(
                 Descriptor(view(t), p.boxes[i], p.layouts[i])
                 for t, i in ((dk, 1), (dk, 0), (dv, 1))
             )
-        stats_args = (lse2, delta)
-        if meta.get("STATS_TMA"):
-            stats_args = tuple(Descriptor(t, [ROWS], p.layouts[2]) for t in stats_args)
         (wide_kernel() if p.wide else dkdv_kernel)(
-            grid, (*descs, *acc_descs, *stats_args, dk, dv, alibi, cu_q, cu_k, *grad_descs,
+            grid, (*descs, *acc_descs, lse2, delta, dk, dv, alibi, cu_q, cu_k, *grad_descs,
                    *scalars), meta, planned=True,
         )  # fmt: skip
         if p.acc is not None:

@@ -89,8 +89,7 @@ V 2 x 16 KB, the dS^T tiles 2 x 8 KB (one step's; FlashAttention-4's MLA backwar
 too), the fp32 staging 3 x 16 KB: 230,920 B with the barriers, of the 232,448 a block may use.
 
 Barriers: ``kv_ready`` (count 2: each consumer's K and V by their own expect); ``qd_ready[s]``
-(count 2: the tiles' expect and the row stats', by an expect of their own with STATS_TMA, else
-the producer's arrival after it stored them),
+(count 2: the copies' expect and the producer's arrival after it stored the row stats),
 ``qd_empty[s]`` (count 2) as ``bwd.py``'s ring; ``ds_ready`` (count 2: both consumers
 wrote their step's dS^T tile) completes once a step, waited with parity ``t & 1``; ``ds_free``
 (count 2: both consumers' dQ products of the step read both tiles) once a step, waited before
@@ -110,11 +109,13 @@ its own ``fix_bar``) and loads the row stats with lse2 +inf and delta 0 there; t
 the end reduce-add exact zeros; dK and dV rows past it are not stored; ``ops/bwd256.py:
 WIDE_MLA_VARLEN``, on). Not covered (``ops/bwd256.py: wide`` says no; the 64-key kernel runs
 them): window, softcap, ALiBi.
-STATS_TMA (``ops/bwd256.py: WIDE_STATS_TMA``, on; not VARLEN): a step's lse2 and delta come by
-the copy engine (two (64,) boxes of the flat padded buffers, as ``bwd.py``'s dense build), not
-by the producer's loads and shared-memory stores, which compute-sanitizer's racecheck reports
-against the consumers' loads though mbarriers order them (docs/maintainers.md, "What racecheck
-reports in the Gluon kernels").
+
+The row stats' stores (the producer's) and loads (the consumers') are hand-overs ordered by
+mbarriers alone, which compute-sanitizer's racecheck reports; they are marked for
+``scripts/racecheck_triage.py`` (docs/maintainers.md, "What racecheck reports in the Gluon
+kernels"). Loading them by the copy engine instead (two (64,) boxes a step, as ``bwd.py``'s dense
+build) ran 1-3% slower non-causal (H200; docs/performance_backward.md, "MLA's row statistics by
+the copy engine"): not kept.
 
 dQ's last bits depend on the order of the reduce-adds (``deterministic`` keeps ``bwd256.py``'s
 dQ kernel).
@@ -133,7 +134,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from flashcore.kernels.hopper.bwd import BLOCK_N, key_block, q_blocks
 from flashcore.kernels.hopper.bwd256 import _load_fixed, _load_tiles, _qk_tiles, _store_acc
 from flashcore.kernels.hopper.bwd_dq import stage_and_reduce
-from flashcore.kernels.hopper.common import opaque, tma_load
+from flashcore.kernels.hopper.common import opaque
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a consumer (one m64 wgmma)
 KEYS = BLOCK_N  # keys a program: two consumers x 64 (bwd.py's key_block walks them)
@@ -161,8 +162,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
               do_smem, stats_smem, kv_ready, qd_ready, qd_empty, fix_bar, LSE2, DELTA, CU_Q,
               CU_K, stride_lb, stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
               total_q, total_k, QK_B: gl.constexpr, NUM_STAGES: gl.constexpr,
-              IS_CAUSAL: gl.constexpr, VARLEN: gl.constexpr, SPLIT_DIAG: gl.constexpr,
-              STATS_TMA: gl.constexpr):  # fmt: skip
+              IS_CAUSAL: gl.constexpr, VARLEN: gl.constexpr,
+              SPLIT_DIAG: gl.constexpr):  # fmt: skip
     start_n, off_b, off_hk, q_start, k_start, seqlen_q, seqlen_k, desc_b = key_block(
         CU_Q, CU_K, kv_heads, seqlen_q, seqlen_k, lpt_heads, total_q, total_k, VARLEN
     )
@@ -210,43 +211,25 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
                 _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
                             qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
         else:
-            if STATS_TMA == 2:
-                flat = off_b * stride_lb + off_h * stride_lh + row
-                mbarrier.expect(bar, 2 * LSE2.block_type.nbytes)
-                tma_load(LSE2, [flat], bar, stats_smem.index(2 * slot))
-                tma_load(DELTA, [flat], bar, stats_smem.index(2 * slot + 1))
             _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
                         qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
         # The step's row stats (lse2, delta) into the slot, read by the consumers from shared
         # memory where they use them (as row vectors in registers they held 32 a thread over
-        # the step); qd_ready's second arrival. STATS_TMA: two (64,) boxes of the flat padded
-        # buffers (LSE2 and DELTA are their descriptors; a step's rows start at a multiple of 64
-        # there, so a box is 16-byte aligned) by the copy engine, under an expect of their own.
-        # Otherwise this warp's loads and stores; VARLEN (the stats of one sequence of all rows,
-        # a step's rows start anywhere): lse2 +inf and delta 0 past the sequence's end (P = 0,
-        # dS = 0).
-        if STATS_TMA == 2:
-            gl.static_assert(not VARLEN)
-        elif STATS_TMA:
-            gl.static_assert(not VARLEN)
-            flat = off_b * stride_lb + off_h * stride_lh + row
-            mbarrier.expect(bar, 2 * LSE2.block_type.nbytes)
-            tma_load(LSE2, [flat], bar, stats_smem.index(2 * slot))
-            tma_load(DELTA, [flat], bar, stats_smem.index(2 * slot + 1))
+        # the step); qd_ready's second arrival. VARLEN (the stats of one sequence of all rows):
+        # lse2 +inf and delta 0 past the sequence's end (P = 0, dS = 0 there).
+        base = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + row
+        if VARLEN:
+            inside = start_m + offs < seqlen_q
+            lse2 = gl.load(LSE2 + base + offs, mask=inside, other=float("inf"))
+            delta = gl.load(DELTA + base + offs, mask=inside, other=0.0)
         else:
-            base = off_b.to(gl.int64) * stride_lb + off_h.to(gl.int64) * stride_lh + row
-            if VARLEN:
-                inside = start_m + offs < seqlen_q
-                lse2 = gl.load(LSE2 + base + offs, mask=inside, other=float("inf"))
-                delta = gl.load(DELTA + base + offs, mask=inside, other=0.0)
-            else:
-                lse2 = gl.load(LSE2 + base + offs)
-                delta = gl.load(DELTA + base + offs)
-            # racecheck hand-over: row stats
-            stats_smem.index(2 * slot).store(lse2)
-            # racecheck hand-over: row stats
-            stats_smem.index(2 * slot + 1).store(delta)
-            mbarrier.arrive(bar, count=1)
+            lse2 = gl.load(LSE2 + base + offs)
+            delta = gl.load(DELTA + base + offs)
+        # racecheck hand-over: row stats
+        stats_smem.index(2 * slot).store(lse2)
+        # racecheck hand-over: row stats
+        stats_smem.index(2 * slot + 1).store(delta)
+        mbarrier.arrive(bar, count=1)
 
 
 @gluon.jit
@@ -567,13 +550,10 @@ def attn_bwd_mla_sm90_kernel(
     MASK_EXPONENT: gl.constexpr = False,
     FRESH_DESC: gl.constexpr = False,
     SPLIT_DIAG: gl.constexpr = False,
-    STATS_TMA: gl.constexpr = False,
 ):
     """dK, dV and the reduce-adds of dQ of one 128-key block (module docstring), with the
     arguments of ``bwd256.attn_bwd_dkdv_sm90_d256_kernel`` (FUSED_DQ; the ones for the options
-    this kernel does not cover are not read). ``EVEN_N``: Sk a multiple of 128. ``STATS_TMA``
-    (not VARLEN): ``LSE2`` and ``DELTA`` are descriptors of (64,) boxes of the flat row-stat
-    buffers instead of their pointers."""
+    this kernel does not cover are not read). ``EVEN_N``: Sk a multiple of 128."""
     gl.static_assert(QK_B > 0 and FUSED_DQ)
     gl.static_assert(not (HAS_WINDOW or SOFTCAP or HAS_ALIBI))
     if VARLEN:
@@ -597,13 +577,10 @@ def attn_bwd_mla_sm90_kernel(
     dq_box: gl.constexpr = dqb_desc.block_type.shape
     dq_tiles0 = gl.allocate_shared_memory(gl.float32, [2] + dq_box, dqb_desc.layout)  # noqa: RUF005
     dq_tiles1 = gl.allocate_shared_memory(gl.float32, [1] + dq_box, dqb_desc.layout)  # noqa: RUF005
-    # The ring's row stats: lse2 and delta of each slot's 64 rows (STATS_TMA: LSE2 and DELTA
-    # are descriptors of (64,) boxes, the tiles in their layout).
-    if STATS_TMA:
-        stats_layout: gl.constexpr = LSE2.layout
-    else:
-        stats_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    stats_smem = gl.allocate_shared_memory(gl.float32, [2 * NUM_STAGES, ROWS], stats_layout)
+    # The ring's row stats: lse2 and delta of each slot's 64 rows.
+    stats_smem = gl.allocate_shared_memory(
+        gl.float32, [2 * NUM_STAGES, ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0])
+    )
     bars = gl.allocate_shared_memory(gl.int64, [3, 1], mbarrier.MBarrierLayout())
     kv_ready = bars.index(0)
     ds_ready = bars.index(1)
@@ -650,7 +627,7 @@ def attn_bwd_mla_sm90_kernel(
                 q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_smem, v_smem,
                 do_smem, stats_smem, kv_ready, qd_ready, qd_empty, fix_bar, LSE2, DELTA, CU_Q,
                 CU_K, stride_lb, stride_lh, kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads,
-                total_q, total_k, QK_B, NUM_STAGES, IS_CAUSAL, VARLEN, SPLIT_DIAG, STATS_TMA,
+                total_q, total_k, QK_B, NUM_STAGES, IS_CAUSAL, VARLEN, SPLIT_DIAG,
             )),
         ],
         [4, 1],
