@@ -1,13 +1,15 @@
 """Driver for scripts/sanitize.sh: FlashCore's kernels on small shapes, for compute-sanitizer.
 
 Runs the forward and the backward (unless ``--no-backward``) on every case of
-``tests/shapes.py``'s SANITIZE tier (``--mla``: SANITIZE_MLA, v at its own head dim), for each
-dtype, both masks and each set of score options (``--options``: none by default; softcap, ALiBi,
-a window, a window with softcap, which the Hopper kernels build as their own variants), cycling
-through the memory layouts; ``--head-dims`` keeps the cases of the head dims given. Each result
-is checked against the float64 reference computed on the CPU, so the sanitized process runs
-FlashCore's kernels and a few PyTorch fills and copies, no cuBLAS. Every CUDA tensor is released
-before exit, so memcheck's leak check sees only what leaked for real.
+``tests/shapes.py``'s SANITIZE tier (``--mla``: SANITIZE_MLA, v at its own head dim; ``--cases``
+some of them by index; ``--deal``: SANITIZE_DEAL, the Hopper forward's dynamically dealt causal
+grid, forward only, in place of the others), for each dtype, both masks and each set of score
+options (``--options``: none by default; softcap, ALiBi, a window, a window with softcap, which
+the Hopper kernels build as their own variants), cycling through the memory layouts;
+``--head-dims`` keeps the cases of the head dims given. Each result is checked against the
+float64 reference computed on the CPU, so the sanitized process runs FlashCore's kernels and a
+few PyTorch fills and copies, no cuBLAS. Every CUDA tensor is released before exit, so memcheck's
+leak check sees only what leaked for real.
 
 Exits 1 when a result is wrong (the sanitizer's --error-exitcode reports memory errors).
 ``--device cpu`` with TRITON_INTERPRET=1 runs the same cases through the interpreter (a smoke test
@@ -37,7 +39,7 @@ from helpers import (
     record_backward_tiers,
     record_sm90_forwards,
 )
-from shapes import DTYPES, SANITIZE, SANITIZE_MLA, SANITIZE_MLA_DV, Case
+from shapes import DTYPES, SANITIZE, SANITIZE_DEAL, SANITIZE_MLA, SANITIZE_MLA_DV, Case
 
 LAYOUTS = ["bhsd", "bshd", "sliced"]
 
@@ -101,6 +103,29 @@ def run_case(
         check_grads(named, *cpu, dout.cpu(), causal=causal, **masks)
 
 
+def run_deal_case(case: Case, dtype: torch.dtype, device: str) -> None:
+    """One ``SANITIZE_DEAL`` case: the causal forward on the Hopper tier, which must deal its
+    persistent grid dynamically (``ops.fwd_sm90.dynamic_deal``), checked against the float64
+    reference."""
+    from flashcore.ops import fwd_sm90
+
+    dealt = []
+    real = fwd_sm90.dynamic_deal
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            fwd_sm90, "dynamic_deal", lambda *a, **kw: dealt.append(real(*a, **kw)) or dealt[-1]
+        )
+        head_dim_v = SANITIZE_MLA_DV if case.head_dim == 192 else None
+        q, k, v = make_qkv(case, dtype, device, head_dim_v=head_dim_v)
+        with flashcore.use_tier("sm90"):
+            out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
+        torch.cuda.synchronize(device)
+    if not any(dealt):
+        raise AssertionError(f"{case.id}: the forward's grid was not dealt dynamically")
+    cpu = [t.cpu() for t in (q, k, v)]
+    check_forward(out.cpu(), lse.cpu(), *cpu, causal=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -130,6 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cases", default="", help="comma-separated indices into the case list: only those"
     )
+    parser.add_argument(
+        "--deal",
+        action="store_true",
+        help="the SANITIZE_DEAL cases instead: the Hopper forward's dynamically dealt causal "
+        "grid, forward only (tests/shapes.py)",
+    )
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to smoke-test")
     parser.add_argument(
         "--no-tma",
@@ -142,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         parser.error(f"--options: unknown {unknown}; known: {', '.join(OPTIONS)}")
+    if args.deal and (args.mla or args.device == "cpu"):
+        parser.error("--deal: the Hopper forward's own cases, on a GPU, without --mla")
     try:
         head_dims = {int(d) for d in args.head_dims.split(",") if d}
     except ValueError:
@@ -173,6 +206,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"flashcore {flashcore.__version__} on {where}; "
           f"backward: {'yes' if backward else 'no (forward only)'}; tier: {args.tier}")  # fmt: skip
     failures = runs = 0
+    if args.deal:
+        for case in SANITIZE_DEAL:
+            for dtype_name in args.dtypes.split(","):
+                runs += 1
+                torch.manual_seed(runs)
+                label = f"{case.id} {dtype_name} causal dealt"
+                try:
+                    run_deal_case(case, DTYPES[dtype_name], args.device)
+                except Exception:  # report every case, then fail
+                    failures += 1
+                    print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
+                else:
+                    print(f"ok   {label} [fwd sm90]", flush=True)
+                gc.collect()
+        cases = []
     head_dim_v = SANITIZE_MLA_DV if args.mla else None
     for i, case in enumerate(cases):
         if head_dims and case.head_dim not in head_dims:

@@ -118,6 +118,16 @@ SANITIZE_MLA = [
     Case(1, 4, 2, 300, 2100, 192),
 ]
 
+# The Hopper forward's persistent causal grid dealt dynamically (``sanitize_cases.py --deal``: its
+# producer hands the consumers their work items through shared memory), which the cases above
+# never reach: D = 64 at 512 on one consumer with three CTAs an SM (taken from six rounds of
+# 128-row tiles, dealt at every length: 1024 tiles here), and MLA's head dims (v at
+# SANITIZE_MLA_DV) at 4096 (dealt from there on; 192 tiles of 128 rows, past the 132 of a wave).
+SANITIZE_DEAL = [
+    Case(4, 64, 64, 512, 512, 64),
+    Case(1, 6, 6, 4096, 4096, 192),
+]
+
 # Backward, interpreter tier: every case runs in fp16, bf16 and fp32, full and causal. Lengths are
 # odd against both backward configs (16x32 for dK/dV, 32x16 for dQ) so every tile edge is ragged
 # somewhere, and the features the backward treats specially are all here.
