@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         print("sanitize_cases: needs a CUDA device", file=sys.stderr)
         return 2
     on_gpu = args.device != "cpu"
-    backward = not args.no_backward
+    backward = not (args.no_backward or args.deal)
     where = torch.cuda.get_device_name(args.device) if on_gpu else "CPU (interpreter)"
     print(f"flashcore {flashcore.__version__} on {where}; "
           f"backward: {'yes' if backward else 'no (forward only)'}; tier: {args.tier}")  # fmt: skip
