@@ -19,6 +19,7 @@ of this script; slow).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import sys
@@ -103,10 +104,29 @@ def run_case(
         check_grads(named, *cpu, dout.cpu(), causal=causal, **masks)
 
 
-def run_deal_case(case: Case, dtype: torch.dtype, device: str) -> None:
+def run_on_tier(tier: str, case: Case, dtype, causal, layout, backward, *rest) -> str:
+    """``run_case`` under ``flashcore.use_tier(tier)``; returns the label of the tiers it ran."""
+    with flashcore.use_tier(tier), pytest.MonkeyPatch.context() as patch:
+        ran = tiers_ran(patch)
+        run_case(case, dtype, causal, layout, backward, *rest)
+    return tiers_label(ran, backward)
+
+
+def attempt(label: str, run) -> bool:
+    """Run one case (``run()`` returns the tiers' label), print its line; whether it passed."""
+    try:
+        tiers = run()
+    except Exception:  # report every case, then fail
+        print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
+        return False
+    print(f"ok   {label} [{tiers}]", flush=True)
+    return True
+
+
+def run_deal_case(case: Case, dtype: torch.dtype, device: str) -> str:
     """One ``SANITIZE_DEAL`` case: the causal forward on the Hopper tier, which must deal its
     persistent grid dynamically (``ops.fwd_sm90.dynamic_deal``), checked against the float64
-    reference."""
+    reference; returns the tier's label."""
     from flashcore.ops import fwd_sm90
 
     dealt = []
@@ -124,6 +144,7 @@ def run_deal_case(case: Case, dtype: torch.dtype, device: str) -> None:
         raise AssertionError(f"{case.id}: the forward's grid was not dealt dynamically")
     cpu = [t.cpu() for t in (q, k, v)]
     check_forward(out.cpu(), lse.cpu(), *cpu, causal=True)
+    return "fwd sm90"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,13 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 runs += 1
                 torch.manual_seed(runs)
                 label = f"{case.id} {dtype_name} causal dealt"
-                try:
-                    run_deal_case(case, DTYPES[dtype_name], args.device)
-                except Exception:  # report every case, then fail
+                run = functools.partial(run_deal_case, case, DTYPES[dtype_name], args.device)
+                if not attempt(label, run):
                     failures += 1
-                    print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
-                else:
-                    print(f"ok   {label} [fwd sm90]", flush=True)
                 gc.collect()
         cases = []
     head_dim_v = SANITIZE_MLA_DV if args.mla else None
@@ -238,24 +255,12 @@ def main(argv: list[str] | None = None) -> int:
                 label += f" dv{head_dim_v}"
             if opt != "none":
                 label += f" {opt}"
-            try:
-                with flashcore.use_tier(args.tier), pytest.MonkeyPatch.context() as patch:
-                    ran = tiers_ran(patch)
-                    run_case(
-                        case,
-                        DTYPES[dtype_name],
-                        causal,
-                        layout,
-                        backward,
-                        args.device,
-                        opt,
-                        head_dim_v,
-                    )
-            except Exception:  # report every case, then fail
+            run = functools.partial(
+                run_on_tier, args.tier, case, DTYPES[dtype_name], causal, layout, backward,
+                args.device, opt, head_dim_v,
+            )  # fmt: skip
+            if not attempt(label, run):
                 failures += 1
-                print(f"FAIL {label}\n{traceback.format_exc()}", flush=True)
-            else:
-                print(f"ok   {label} [{tiers_label(ran, backward)}]", flush=True)
             gc.collect()
     gc.collect()
     if on_gpu:
