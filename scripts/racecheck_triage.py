@@ -1,4 +1,4 @@
-"""Sort a compute-sanitizer racecheck log: reports on the partition state, and all others.
+"""Sort a compute-sanitizer racecheck log: the partition state, mbarrier hand-overs, all others.
 
 Triton's lowering of ``gl.warp_specialize`` keeps each worker warp's partition number in a few
 bytes of shared memory: the default warps store them and pass named barrier 1 (every thread of the
@@ -26,8 +26,8 @@ Everything else is reported as a hazard to look at.
     compute-sanitizer --tool racecheck --racecheck-report hazard --print-limit 0 CMD > racecheck.log
     python scripts/racecheck_triage.py racecheck.log
 
-Exit status 0 when every displayed report is on the partition state and every report was displayed
-(``--print-limit 0``), 1 otherwise.
+Exit status 0 when every report is on the partition state or a hand-over and every report was
+displayed (``--print-limit 0``), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -56,8 +56,6 @@ _ACCESS = re.compile(
 _SUMMARY = re.compile(
     r"RACECHECK SUMMARY: (\d+) hazards displayed \((\d+) errors, (\d+) warnings\)"
 )
-
-
 _TAG = re.compile(r"^\s*#\s*racecheck hand-over:\s*(.+?)\s*$")
 
 
@@ -129,14 +127,22 @@ def parse(log: str) -> tuple[list[Hazard], tuple[int, int, int] | None]:
     )
 
 
-def on_partition_state(hazard: Hazard, kernels: dict[str, tuple[str, int, int]]) -> bool:
-    """Whether ``hazard`` is the report racecheck makes on the warp-specialize handshake."""
-    if hazard.kind != "RAW" or sorted(a.kind for a in hazard.accesses) != ["Read", "Write"]:
-        return False
+def read_write(hazard: Hazard, kinds: tuple[str, ...]) -> tuple[Access, Access] | None:
+    """``(read, write)`` of a hazard of one of ``kinds`` made of one read and one write of one
+    kernel, else None."""
+    if hazard.kind not in kinds or sorted(a.kind for a in hazard.accesses) != ["Read", "Write"]:
+        return None
     read = next(a for a in hazard.accesses if a.kind == "Read")
     write = next(a for a in hazard.accesses if a.kind == "Write")
-    if read.kernel != write.kernel or read.kernel not in kernels:
+    return (read, write) if read.kernel == write.kernel else None
+
+
+def on_partition_state(hazard: Hazard, kernels: dict[str, tuple[str, int, int]]) -> bool:
+    """Whether ``hazard`` is the report racecheck makes on the warp-specialize handshake."""
+    pair = read_write(hazard, ("RAW",))
+    if pair is None or pair[0].kernel not in kernels:
         return False
+    read, write = pair
     file, first, last = kernels[read.kernel]
     return (
         read.file == file == write.file
@@ -148,16 +154,14 @@ def on_partition_state(hazard: Hazard, kernels: dict[str, tuple[str, int, int]])
 
 def hand_over(hazard: Hazard, tags: dict[tuple[str, int], str]) -> str | None:
     """The NAME of the hand-over ``hazard`` is on (module docstring), or None."""
-    kinds = sorted(a.kind for a in hazard.accesses)
-    if hazard.kind not in ("RAW", "WAR") or kinds != ["Read", "Write"]:
+    pair = read_write(hazard, ("RAW", "WAR"))
+    if pair is None:
         return None
-    read = next(a for a in hazard.accesses if a.kind == "Read")
-    write = next(a for a in hazard.accesses if a.kind == "Write")
+    read, write = pair
     name = tags.get((write.file, write.line))
     if (
         name is None
         or tags.get((read.file, read.line)) != name
-        or read.kernel != write.kernel
         or read.thread // DEFAULT_THREADS == write.thread // DEFAULT_THREADS
     ):
         return None

@@ -123,19 +123,21 @@ def attempt(label: str, run) -> bool:
     return True
 
 
-def run_deal_case(case: Case, dtype: torch.dtype, device: str) -> str:
-    """One ``SANITIZE_DEAL`` case: the causal forward on the Hopper tier, which must deal its
-    persistent grid dynamically (``ops.fwd_sm90.dynamic_deal``), checked against the float64
-    reference; returns the tier's label."""
+def run_deal_case(case: Case, dtype: torch.dtype, device: str, head_dim_v: int | None) -> str:
+    """One ``SANITIZE_DEAL`` case (v at ``head_dim_v``): the causal forward on the Hopper tier,
+    which must deal its persistent grid dynamically (``ops.fwd_sm90.dynamic_deal``), checked
+    against the float64 reference; returns the tier's label."""
     from flashcore.ops import fwd_sm90
 
     dealt = []
     real = fwd_sm90.dynamic_deal
+
+    def spy(*args, **kwargs):
+        dealt.append(real(*args, **kwargs))
+        return dealt[-1]
+
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            fwd_sm90, "dynamic_deal", lambda *a, **kw: dealt.append(real(*a, **kw)) or dealt[-1]
-        )
-        head_dim_v = SANITIZE_MLA_DV if case.head_dim == 192 else None
+        patch.setattr(fwd_sm90, "dynamic_deal", spy)
         q, k, v = make_qkv(case, dtype, device, head_dim_v=head_dim_v)
         with flashcore.use_tier("sm90"):
             out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)
@@ -194,8 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         parser.error(f"--options: unknown {unknown}; known: {', '.join(OPTIONS)}")
-    if args.deal and (args.mla or args.device == "cpu"):
-        parser.error("--deal: the Hopper forward's own cases, on a GPU, without --mla")
+    if args.deal and (args.mla or args.cases or args.device == "cpu"):
+        parser.error("--deal: the Hopper forward's own cases, on a GPU, without --mla or --cases")
     try:
         head_dims = {int(d) for d in args.head_dims.split(",") if d}
     except ValueError:
@@ -226,20 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     where = torch.cuda.get_device_name(args.device) if on_gpu else "CPU (interpreter)"
     print(f"flashcore {flashcore.__version__} on {where}; "
           f"backward: {'yes' if backward else 'no (forward only)'}; tier: {args.tier}")  # fmt: skip
-    failures = runs = 0
+    # (label, run) for every case: run() checks it and returns the label of the tiers it ran.
+    jobs = []
     if args.deal:
-        for case in SANITIZE_DEAL:
+        for case, dv in SANITIZE_DEAL:
             for dtype_name in args.dtypes.split(","):
-                runs += 1
-                torch.manual_seed(runs)
-                label = f"{case.id} {dtype_name} causal dealt"
-                run = functools.partial(run_deal_case, case, DTYPES[dtype_name], args.device)
-                if not attempt(label, run):
-                    failures += 1
-                gc.collect()
-        cases = []
+                run = functools.partial(run_deal_case, case, DTYPES[dtype_name], args.device, dv)
+                jobs.append((f"{case.id} {dtype_name} causal dealt", run))
     head_dim_v = SANITIZE_MLA_DV if args.mla else None
-    for i, case in enumerate(cases):
+    for i, case in enumerate([] if args.deal else cases):
         if head_dims and case.head_dim not in head_dims:
             continue
         if picked and i not in picked:
@@ -248,8 +245,6 @@ def main(argv: list[str] | None = None) -> int:
         for dtype_name, causal, opt in itertools.product(
             args.dtypes.split(","), (False, True), options
         ):
-            runs += 1
-            torch.manual_seed(runs)  # each case's inputs the same on every run
             label = f"{case.id} {dtype_name} {'causal' if causal else 'full'} {layout}"
             if head_dim_v is not None:
                 label += f" dv{head_dim_v}"
@@ -259,14 +254,17 @@ def main(argv: list[str] | None = None) -> int:
                 run_on_tier, args.tier, case, DTYPES[dtype_name], causal, layout, backward,
                 args.device, opt, head_dim_v,
             )  # fmt: skip
-            if not attempt(label, run):
-                failures += 1
-            gc.collect()
+            jobs.append((label, run))
+    failures = 0
+    for n, (label, run) in enumerate(jobs, 1):
+        torch.manual_seed(n)  # each case's inputs the same on every run
+        failures += not attempt(label, run)
+        gc.collect()
     gc.collect()
     if on_gpu:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-    print(f"sanitize_cases: {runs - failures}/{runs} cases right")
+    print(f"sanitize_cases: {len(jobs) - failures}/{len(jobs)} cases right")
     return 1 if failures else 0
 
 

@@ -120,12 +120,12 @@ SANITIZE_MLA = [
 
 # The Hopper forward's persistent causal grid dealt dynamically (``sanitize_cases.py --deal``: its
 # producer hands the consumers their work items through shared memory), which the cases above
-# never reach: D = 64 at 512 on one consumer with three CTAs an SM (taken from six rounds of
-# 128-row tiles, dealt at every length: 1024 tiles here), and MLA's head dims (v at
-# SANITIZE_MLA_DV) at 4096 (dealt from there on; 192 tiles of 128 rows, past the 132 of a wave).
+# never reach, each with v's head dim (None: the case's): D = 64 at 512 on one consumer with three
+# CTAs an SM (taken from six rounds of 128-row tiles, dealt at every length: 1024 tiles here), and
+# MLA's head dims at 4096 (dealt from there on; 192 tiles of 128 rows, past the 132 of a wave).
 SANITIZE_DEAL = [
-    Case(4, 64, 64, 512, 512, 64),
-    Case(1, 6, 6, 4096, 4096, 192),
+    (Case(4, 64, 64, 512, 512, 64), None),
+    (Case(1, 6, 6, 4096, 4096, 192), SANITIZE_MLA_DV),
 ]
 
 # Backward, interpreter tier: every case runs in fp16, bf16 and fp32, full and causal. Lengths are
