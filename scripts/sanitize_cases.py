@@ -1,9 +1,10 @@
 """Driver for scripts/sanitize.sh: FlashCore's kernels on small shapes, for compute-sanitizer.
 
 Runs the forward and the backward (unless ``--no-backward``) on every case of
-``tests/shapes.py``'s SANITIZE tier (``--mla``: SANITIZE_MLA, v at its own head dim; ``--cases``
-some of them by index; ``--deal``: SANITIZE_DEAL, the Hopper forward's dynamically dealt causal
-grid, forward only, in place of the others), for each dtype, both masks and each set of score
+``tests/shapes.py``'s SANITIZE tier (``--mla``: SANITIZE_MLA, v at its own head dim;
+``--varlen``: SANITIZE_VARLEN, packed batches through ``attention_varlen``; ``--cases`` some of
+them by index; ``--deal``: SANITIZE_DEAL, the Hopper forward's dynamically dealt causal grid,
+forward only, in place of the others), for each dtype, both masks and each set of score
 options (``--options``: none by default; softcap, ALiBi, a window, a window with softcap, which
 the Hopper kernels build as their own variants), cycling through the memory layouts;
 ``--head-dims`` keeps the cases of the head dims given. Each result is checked against the
@@ -36,11 +37,23 @@ from helpers import (
     alibi_slopes,
     check_forward,
     check_grads,
+    check_varlen_results,
     make_qkv,
+    make_varlen,
     record_backward_tiers,
     record_sm90_forwards,
+    run_varlen,
 )
-from shapes import DTYPES, SANITIZE, SANITIZE_DEAL, SANITIZE_MLA, SANITIZE_MLA_DV, Case
+from shapes import (
+    DTYPES,
+    SANITIZE,
+    SANITIZE_DEAL,
+    SANITIZE_MLA,
+    SANITIZE_MLA_DV,
+    SANITIZE_VARLEN,
+    Case,
+    VarlenCase,
+)
 
 LAYOUTS = ["bhsd", "bshd", "sliced"]
 
@@ -49,7 +62,7 @@ LAYOUTS = ["bhsd", "bshd", "sliced"]
 OPTIONS = ("none", "softcap", "alibi", "window", "window-softcap")
 
 
-def score_options(name: str, case: Case, causal: bool, device: str) -> dict:
+def score_options(name: str, case: Case | VarlenCase, causal: bool, device: str) -> dict:
     opts: dict = {}
     if "window" in name:
         opts["window"] = (7, 0) if causal else (7, 5)
@@ -104,11 +117,43 @@ def run_case(
         check_grads(named, *cpu, dout.cpu(), causal=causal, **masks)
 
 
-def run_on_tier(tier: str, case: Case, dtype, causal, layout, backward, *rest) -> str:
-    """``run_case`` under ``flashcore.use_tier(tier)``; returns the label of the tiers it ran."""
+def run_varlen_case(
+    case: VarlenCase,
+    dtype: torch.dtype,
+    causal: bool,
+    backward: bool,
+    device: str,
+    options: str = "none",
+) -> None:
+    """One packed batch through ``attention_varlen`` (and its gradients through out and lse),
+    checked on the CPU against the per-sequence float64 reference."""
+    q, k, v, cu_q, cu_k = make_varlen(case, dtype, device)
+    q, k, v = (t.requires_grad_(backward) for t in (q, k, v))
+    masks = score_options(options, case, causal, device)
+    out, lse, grads, dout, dlse = run_varlen(case, q, k, v, cu_q, cu_k, causal=causal, **masks)
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+
+    def cpu(t):
+        return None if t is None else t.detach().cpu()
+
+    masks = {key: cpu(val) if torch.is_tensor(val) else val for key, val in masks.items()}
+    check_varlen_results(
+        *(cpu(t) for t in (q, k, v, cu_q, cu_k, out, lse)),
+        None if grads is None else [cpu(g) for g in grads],
+        cpu(dout),
+        cpu(dlse),
+        causal=causal,
+        **masks,
+    )
+
+
+def run_on_tier(tier: str, run, backward: bool, *args) -> str:
+    """``run(*args)`` (``run_case`` or ``run_varlen_case``) under ``flashcore.use_tier(tier)``;
+    returns the label of the tiers it ran."""
     with flashcore.use_tier(tier), pytest.MonkeyPatch.context() as patch:
         ran = tiers_ran(patch)
-        run_case(case, dtype, causal, layout, backward, *rest)
+        run(*args)
     return tiers_label(ran, backward)
 
 
@@ -176,6 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         help=f"the MLA cases instead (q and k at 192, v at {SANITIZE_MLA_DV}; tests/shapes.py)",
     )
     parser.add_argument(
+        "--varlen",
+        action="store_true",
+        help="the SANITIZE_VARLEN cases instead: packed batches through attention_varlen "
+        "(tests/shapes.py)",
+    )
+    parser.add_argument(
         "--cases", default="", help="comma-separated indices into the case list: only those"
     )
     parser.add_argument(
@@ -196,13 +247,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         parser.error(f"--options: unknown {unknown}; known: {', '.join(OPTIONS)}")
-    if args.deal and (args.mla or args.cases or args.device == "cpu"):
-        parser.error("--deal: the Hopper forward's own cases, on a GPU, without --mla or --cases")
+    if args.deal and (args.mla or args.varlen or args.cases or args.device == "cpu"):
+        parser.error(
+            "--deal: the Hopper forward's own cases, on a GPU, without --mla, --varlen or --cases"
+        )
+    if args.mla and args.varlen:
+        parser.error("--mla and --varlen: one case list at a time (SANITIZE_VARLEN has MLA's)")
     try:
         head_dims = {int(d) for d in args.head_dims.split(",") if d}
     except ValueError:
         parser.error(f"--head-dims: integers separated by commas, not {args.head_dims!r}")
-    cases = SANITIZE_MLA if args.mla else SANITIZE
+    cases = SANITIZE_MLA if args.mla else SANITIZE_VARLEN if args.varlen else SANITIZE
     try:
         picked = {int(c) for c in args.cases.split(",") if c}
     except ValueError:
@@ -241,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if picked and i not in picked:
             continue
-        layout = LAYOUTS[i % len(LAYOUTS)]
+        layout = "packed" if args.varlen else LAYOUTS[i % len(LAYOUTS)]
         for dtype_name, causal, opt in itertools.product(
             args.dtypes.split(","), (False, True), options
         ):
@@ -250,11 +305,13 @@ def main(argv: list[str] | None = None) -> int:
                 label += f" dv{head_dim_v}"
             if opt != "none":
                 label += f" {opt}"
-            run = functools.partial(
-                run_on_tier, args.tier, case, DTYPES[dtype_name], causal, layout, backward,
-                args.device, opt, head_dim_v,
-            )  # fmt: skip
-            jobs.append((label, run))
+            dtype = DTYPES[dtype_name]
+            if args.varlen:
+                args_ = (run_varlen_case, backward, case, dtype, causal, backward, args.device, opt)
+            else:
+                args_ = (run_case, backward, case, dtype, causal, layout, backward, args.device,
+                         opt, head_dim_v)  # fmt: skip
+            jobs.append((label, functools.partial(run_on_tier, args.tier, *args_)))
     failures = 0
     for n, (label, run) in enumerate(jobs, 1):
         torch.manual_seed(n)  # each case's inputs the same on every run

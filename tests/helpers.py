@@ -189,28 +189,53 @@ def paged_pools(ks: list, vs: list, block_size: int, generator: torch.Generator 
 
 
 def make_varlen(case: VarlenCase, dtype: torch.dtype, device: str):
-    """Packed ``(q, k, v, cu_seqlens_q, cu_seqlens_k)`` for a varlen case."""
+    """Packed ``(q, k, v, cu_seqlens_q, cu_seqlens_k)`` for a varlen case (v at the case's value
+    head dim)."""
     total_q, total_k = sum(case.seqlens_q), sum(case.seqlens_k)
+    head_dim_v = case.head_dim_v or case.head_dim
     q = torch.randn(total_q, case.heads, case.head_dim, dtype=dtype, device=device)
     k = torch.randn(total_k, case.kv_heads, case.head_dim, dtype=dtype, device=device)
-    v = torch.randn(total_k, case.kv_heads, case.head_dim, dtype=dtype, device=device)
+    v = torch.randn(total_k, case.kv_heads, head_dim_v, dtype=dtype, device=device)
     return q, k, v, cu_seqlens(case.seqlens_q, device), cu_seqlens(case.seqlens_k, device)
 
 
 def check_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, *, causal: bool, backward: bool, **masks):
     """``attention_varlen`` forward (and with ``backward``, dq, dk, dv through out and lse)
     against the per-sequence reference, concatenated, with FlashAttention's rule. ``masks``:
-    ``window``, ``softcap``, ``alibi_slopes``, passed to both."""
+    ``window``, ``softcap``, ``alibi_slopes``, passed to both. Returns out, lse and the
+    gradients (None without ``backward``)."""
     q, k, v = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    out, lse, grads, dout, dlse = run_varlen(case, q, k, v, cu_q, cu_k, causal=causal, **masks)
+    check_varlen_results(q, k, v, cu_q, cu_k, out, lse, grads, dout, dlse, causal=causal, **masks)
+    return out, lse, grads
+
+
+def run_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, *, causal: bool, **masks):
+    """``attention_varlen`` of a packed batch: ``(out, lse, grads, dout, dlse)``, the gradients
+    of q, k and v (when they require grad, else None) through out and lse along random ``dout``
+    and ``dlse``."""
     maxima = max(case.seqlens_q), max(case.seqlens_k)
     out, lse = flashcore.attention_varlen(
         q, k, v, cu_q, cu_k, *maxima, causal=causal, return_lse=True, **masks
     )
     assert (out.shape, out.dtype) == ((*q.shape[:2], v.shape[-1]), q.dtype)
     assert (lse.shape, lse.dtype) == ((case.heads, q.shape[0]), torch.float32)
+    if not q.requires_grad:
+        return out, lse, None, None, None
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    grads = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    return out, lse, grads, dout, dlse
+
+
+def check_varlen_results(q, k, v, cu_q, cu_k, out, lse, grads, dout, dlse, *, causal, **masks):
+    """``run_varlen``'s results against the per-sequence reference on the inputs' device (which
+    may be the CPU, for results computed elsewhere), with FlashAttention's rule; ``grads`` None
+    checks the forward alone."""
+    backward = grads is not None
+    q, k, v = (t.detach() for t in (q, k, v))
 
     def ref(dtype):
-        leaves = [t.detach().to(dtype).requires_grad_(backward) for t in (q, k, v)]
+        leaves = [t.to(dtype).requires_grad_(backward) for t in (q, k, v)]
         ref = reference.attention_varlen(*leaves, cu_q, cu_k, causal=causal, dtype=dtype, **masks)
         return leaves, ref
 
@@ -218,15 +243,12 @@ def check_varlen(case: VarlenCase, q, k, v, cu_q, cu_k, *, causal: bool, backwar
     assert_fa_rule("out", out, pt.out, ref64.out)
     assert_fa_rule("lse", lse, pt.lse, ref64.lse)
     if not backward:
-        return out, lse, None
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
-    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+        return
     want64 = torch.autograd.grad((ref64.out, ref64.lse), leaves64, (dout.double(), dlse.double()))
     want_pt = torch.autograd.grad((pt.out, pt.lse), leaves_pt, (dout, dlse.to(q.dtype)))
-    for name, g, p, r in zip(("dq", "dk", "dv"), got, want_pt, want64, strict=True):
+    for name, g, p, r in zip(("dq", "dk", "dv"), grads, want_pt, want64, strict=True):
         assert g.dtype == q.dtype, f"{name}: dtype {g.dtype} != {q.dtype}"
         assert_fa_rule(name, g, p, r)
-    return out, lse, got
 
 
 def record_backward_tiers(monkeypatch) -> list[str]:

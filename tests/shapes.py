@@ -7,7 +7,8 @@ A case is (batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim).
 - DETERMINISM: repeated runs must be bit-identical (GPU).
 - HUGE: q with more than 2**31 elements (GPU, ~9 GB each in fp16).
 - SANITIZE: small shapes for scripts/sanitize.sh (compute-sanitizer).
-- VARLEN / VARLEN_GPU: packed variable-length batches (``attention_varlen``), as VarlenCase.
+- VARLEN / VARLEN_GPU / SANITIZE_VARLEN: packed variable-length batches (``attention_varlen``),
+  as VarlenCase.
 - MASKS / MASKS_GPU: sliding window, softcap and ALiBi (``MaskCase``), interpreter and GPU.
 """
 
@@ -162,12 +163,14 @@ class VarlenCase(NamedTuple):
     seqlens_q: tuple[int, ...]
     seqlens_k: tuple[int, ...]
     head_dim: int
+    head_dim_v: int | None = None  # v's head dim, None: head_dim
 
     @property
     def id(self) -> str:
         q = "_".join(map(str, self.seqlens_q))
         k = "_".join(map(str, self.seqlens_k))
-        return f"h{self.heads}kv{self.kv_heads}-q{q}-k{k}-d{self.head_dim}"
+        dv = f"-dv{self.head_dim_v}" if self.head_dim_v else ""
+        return f"h{self.heads}kv{self.kv_heads}-q{q}-k{k}-d{self.head_dim}{dv}"
 
 
 # Interpreter tier, forward and backward, every dtype, full and causal. In one batch: Sq < Sk,
@@ -190,6 +193,19 @@ VARLEN_GPU = [
     VarlenCase(
         8, 8, (1023, 4096, 17, 2500, 999, 64, 3333, 1), (1023, 4096, 17, 2500, 999, 64, 3333, 1), 64
     ),
+]
+
+
+# Packed batches (``sanitize_cases.py --varlen``, through ``attention_varlen``): lengths that vary
+# (the Hopper forward's flat grid with its work list) with GQA, Sq != Sk both ways and empty
+# sequences; near-equal lengths (the dense rules' grid); MLA's head dims under MQA; head dim 256.
+# Forward and backward: the packed backward builds hand row statistics and zeroed rows between
+# partitions (scripts/racecheck_triage.py's hand-overs).
+SANITIZE_VARLEN = [
+    VarlenCase(8, 2, (300, 1, 0, 700, 129), (300, 64, 17, 1000, 0), 128),
+    VarlenCase(4, 4, (512, 500, 512, 449), (512, 500, 512, 449), 64),
+    VarlenCase(4, 1, (700, 65, 1), (700, 300, 5), 192, SANITIZE_MLA_DV),
+    VarlenCase(2, 1, (200, 1, 129), (333, 64, 0), 256),
 ]
 
 

@@ -123,7 +123,7 @@ def tagged(file, name, op):
 
 def test_hand_over_marks_sit_on_shared_memory_accesses():
     """Every line marked as a hand-over is a shared-memory store or load, and each name has both."""
-    assert set(TAGS.values()) == {"work item", "row stats", "handoff buffer"}
+    assert set(TAGS.values()) == {"work item", "row stats", "zeroed rows", "handoff buffer"}
     for file, line in TAGS:
         path = next((ROOT / "src/flashcore/kernels/hopper").glob(file), None)
         text = (path or ROOT / "scripts" / file).read_text().splitlines()[line - 1]
@@ -135,29 +135,41 @@ def test_hand_over_marks_sit_on_shared_memory_accesses():
         ("ws_racecheck_probe.py", "handoff buffer"),
     ):
         assert tagged(file, name, "store") and tagged(file, name, "load")  # fmt: skip
+    # The packed backward's K and V rows past a sequence's end: zeroed by the producer
+    # (common.zero_rows), loaded into registers by the consumers (D = 64, KV_REGS).
+    assert tagged("common.py", "zeroed rows", "store") and tagged("bwd.py", "zeroed rows", "load")
 
 
 def test_hand_over_reports_are_clean():
     """The forward's dynamic deal (the producer posts an item, a consumer reads it: WAR against
-    the next post) and the MLA backward's row stats on a packed batch (RAW), as measured (H200:
-    docs/maintainers.md), beside a partition-state report."""
+    the next post), the MLA backward's row stats on a packed batch (RAW) and the packed D = 64
+    backward's zeroed K rows (RAW), as measured (H200: docs/maintainers.md), beside a
+    partition-state report."""
     fwd = "attn_fwd_sm90_kernel"
     post, read = tagged("common.py", "work item", "store"), tagged("common.py", "work item", "load")
     mla = "attn_bwd_mla_sm90_kernel"
     store = tagged("bwd_mla.py", "row stats", "store")
     load = tagged("bwd_mla.py", "row stats", "load")
+    # The packed D = 64 backward's K rows past a sequence's end, zeroed by its producer (thread
+    # 456) and loaded into registers by consumer 1 (thread 225), as measured (H200).
+    bwd = "attn_bwd_sm90_kernel"
+    zeroed, k_regs = (
+        tagged("common.py", "zeroed rows", "store"),
+        tagged("bwd.py", "zeroed rows", "load"),
+    )
     reports = [
         state_report(),
         hazard(0x385C0, (320, fwd, "common.py", post), (95, fwd, "common.py", read), kind="WAR"),
         hazard(0x38408, (321, mla, "bwd_mla.py", store), (65, mla, "bwd_mla.py", load)),
         hazard(0x38409, (321, mla, "bwd_mla.py", store), (130, mla, "bwd_mla.py", load)),
+        hazard(0x1BC90, (456, bwd, "common.py", zeroed), (225, bwd, "bwd.py", k_regs)),
     ]
     clean, line = triage.triage(log(*reports), KERNELS, TAGS)
     assert clean, line
     assert "1 on the partition state" in line
     assert (
-        "3 on mbarrier hand-overs (attn_bwd_mla_sm90_kernel row stats: 2; attn_fwd_sm90_kernel "
-        "work item: 1), 0 other" in line
+        "4 on mbarrier hand-overs (attn_bwd_mla_sm90_kernel row stats: 2; attn_bwd_sm90_kernel "
+        "zeroed rows: 1; attn_fwd_sm90_kernel work item: 1), 0 other" in line
     )
 
 

@@ -834,7 +834,9 @@ def _consumer(
     mbarrier.wait(kv_ready, 0)
     if KV_REGS:
         ka_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        # racecheck hand-over: zeroed rows
         k_a = k_c.load(ka_layout)
+        # racecheck hand-over: zeroed rows
         v_a = v_c.load(ka_layout)
     else:
         k_a = k_c

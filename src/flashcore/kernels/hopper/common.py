@@ -525,6 +525,7 @@ def zero_rows(tile, keep):
             for c in gl.static_range(COLS // PIECE_C):
                 piece = tile.slice(i * 8, 8, dim=0).slice(c * PIECE_C, PIECE_C, dim=1)
                 x = piece.load(layout)
+                # racecheck hand-over: zeroed rows
                 piece.store(gl.where(r + i * 8 >= keep, gl.zeros_like(x), x))
 
 
