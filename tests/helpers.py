@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,17 @@ import flashcore
 from flashcore import reference
 from numerics import assert_fa_rule
 from shapes import Case, MaskCase, VarlenCase
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@functools.cache
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (the scripts are not a package), loaded once."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_qkv(

@@ -808,12 +808,9 @@ def test_own_pv_overlap_where_taken(compiled):
 def test_trace_build_still_applies():
     """``scripts/hopper_fwd_trace.py`` edits the kernel's source as text; a change to the key loop
     that its edits no longer match fails here, not later on the GPU machine."""
-    import importlib.util
+    from helpers import load_script
 
-    path = KERNEL.parents[4] / "scripts" / "hopper_fwd_trace.py"
-    spec = importlib.util.spec_from_file_location("hopper_fwd_trace", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("hopper_fwd_trace")
     source = module.trace_source(0)
     assert source.count("        _stamp(LSE, t, ") == 4  # four stamps in the key loop
     assert "from flashcore.kernels.hopper.fwd_steps import" not in source

@@ -675,13 +675,9 @@ def test_trace_build_still_applies():
     """``scripts/hopper_bwd_trace.py`` edits the kernel's source as text; a change to the step
     loop, the last dQ or the epilogue that its edits no longer match fails here, not later on
     the GPU machine."""
-    import importlib.util
-    from pathlib import Path
+    from helpers import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "hopper_bwd_trace.py"
-    spec = importlib.util.spec_from_file_location("hopper_bwd_trace", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("hopper_bwd_trace")
     # Nine stamps in the loop (e0, e1, e3, e4 and both dQ orders' e5-e7); --s-stamp one more;
     # --all-programs six more around the loop (entry, K/V wait, last dQ, stores, end).
     assert module.trace_source(False).count("_stamp(ALIBI") == 9

@@ -299,13 +299,9 @@ def test_diagonal_steps_in_a_loop_of_their_own(compiled):
 def test_mla_trace_build_still_applies():
     """``scripts/mla_bwd_trace.py`` edits the 128-key kernel's source as text; a change that its
     edits no longer match fails here, not later on the GPU machine."""
-    import importlib.util
-    from pathlib import Path
+    from helpers import load_script
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "mla_bwd_trace.py"
-    spec = importlib.util.spec_from_file_location("mla_bwd_trace", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("mla_bwd_trace")
     # By program: entry (clock, timer, SM, steps), K/V landed, loop end, epilogue end (clock,
     # timer). By step: eleven events. The causal build on non-causal work: the same stamps.
     for fake_full in (False, True):

@@ -6,24 +6,14 @@ moves keeps the triage honest: a report counts as on the partition state only at
 ``def`` line, never at a line of its partitions.
 """
 
-import functools
-import importlib.util
 import re
 from pathlib import Path
 
 import pytest
 
+from helpers import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@functools.cache
-def load_script(name: str):
-    """``scripts/<name>.py`` as a module (the scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 triage = load_script("racecheck_triage")
 

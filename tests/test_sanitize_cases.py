@@ -1,18 +1,13 @@
 """``scripts/sanitize_cases.py``, the compute-sanitizer driver, on the CPU: the case lists it
 refuses to mix, and a packed batch (``--varlen``) run and checked end to end in the interpreter."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from flashcore import tuning
+from helpers import load_script
 from shapes import VARLEN
 
-ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("sanitize_cases", ROOT / "scripts/sanitize_cases.py")
-sanitize_cases = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sanitize_cases)
+sanitize_cases = load_script("sanitize_cases")
 
 
 @pytest.mark.parametrize(
