@@ -1,11 +1,16 @@
 """A/B of two versions of the Hopper backward's kernel module in one process, on an H100:
 
-    PYTHONPATH=src python scripts/bwd_module_ab.py BASE.py [--rounds 5] [--cases causal,packed]
+    mkdir /tmp/base && for f in bwd bwd_load bwd_steps bwd_rows; do
+        git show HEAD:src/flashcore/kernels/hopper/$f.py > /tmp/base/$f.py; done
+    PYTHONPATH=src python scripts/bwd_module_ab.py /tmp/base [--rounds 5] [--cases causal,packed]
 
-``BASE.py`` is another version of ``src/flashcore/kernels/hopper/bwd.py`` (for example
-``git show HEAD:src/flashcore/kernels/hopper/bwd.py > /tmp/base.py``); it is loaded as a module of
-its own and the tree's module is the other side. Both run through ``ops.bwd_sm90.attn_bwd_sm90``
-with the same plans (its ``kernels()`` swapped per side), so only the kernels differ. bf16, 32k
+``BASE`` is a directory with another version of ``src/flashcore/kernels/hopper/bwd.py`` and of
+any of the modules it draws on (``MODULES``: those present stand in for the tree's in its
+imports, the others are the tree's), or one file, a ``bwd.py`` of its own (as the kernel was
+before its producer, consumers and row kernels moved to ``bwd_load.py``, ``bwd_steps.py`` and
+``bwd_rows.py``). It is imported as a package of its own and the tree's modules are the other
+side. Both run through ``ops.bwd_sm90.attn_bwd_sm90`` with the same plans (its ``kernels()``
+swapped per side), so only the kernels differ. bf16, 32k
 tokens, 16 heads at D = 128 and 32 at D = 64. Case groups (``--cases``):
 
 - ``causal``, ``full``: dense causal and non-causal D = 128 at S 1024 ... 16384, one ragged
@@ -33,8 +38,11 @@ reduce-adds' order varies between runs).
 
 import argparse
 import functools
-import importlib.util
+import importlib
+import re
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 from dq_rows_ab import problem, rates_and_ratio, rotated
@@ -46,9 +54,35 @@ from flashcore.ops import problem as pb
 from flashcore.ops.launch import Launcher
 
 TOKENS = 32768
+MODULES = ("bwd", "bwd_load", "bwd_steps", "bwd_rows", "bwd_dq", "common")
 
 
-def launchers(module):
+def base_modules(path: str):
+    """``(kernel module, row-kernel module)`` of the other side (see the docstring), imported as
+    the package ``bwd_ab_base``."""
+    source = Path(path)
+    files = {n: source / f"{n}.py" for n in MODULES} if source.is_dir() else {"bwd": source}
+    files = {name: file for name, file in files.items() if file.is_file()}
+    if "bwd" not in files:
+        raise SystemExit(f"{path}: no bwd.py")
+    package = Path(tempfile.mkdtemp()) / "bwd_ab_base"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    ours = re.compile(r"\bflashcore\.kernels\.hopper\.(" + "|".join(files) + r")\b")
+    for name, file in files.items():
+        (package / f"{name}.py").write_text(ours.sub(r"bwd_ab_base.\1", file.read_text()))
+    sys.path.insert(0, str(package.parent))
+    kernel = importlib.import_module("bwd_ab_base.bwd")
+    if "bwd_rows" in files:
+        return kernel, importlib.import_module("bwd_ab_base.bwd_rows")
+    if hasattr(kernel, "bwd_prep_kernel"):  # a bwd.py from before the split
+        return kernel, kernel
+    from flashcore.kernels.hopper import bwd_rows
+
+    return kernel, bwd_rows
+
+
+def launchers(module, rows):
     main = Launcher(module.attn_bwd_sm90_kernel, 16)
     known = set(module.attn_bwd_sm90_kernel.arg_names)
 
@@ -61,7 +95,7 @@ def launchers(module):
         else:
             main(grid, args, kept)
 
-    return Launcher(module.bwd_prep_kernel, 7), launch
+    return Launcher(rows.bwd_prep_kernel, 7), launch
 
 
 def dense(seqlen, head_dim, causal, option, group=1):
@@ -160,18 +194,16 @@ def compare(name, flops, call, sides, rounds) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("base", help="path of the other version of kernels/hopper/bwd.py")
+    parser.add_argument("base", help="a directory of other versions of MODULES, or a bwd.py")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--cases", default="causal,full,window,softcap,alibi,packed,controls")
     args = parser.parse_args()
-    spec = importlib.util.spec_from_file_location("flashcore_bwd_base", args.base)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    from flashcore.kernels.hopper import bwd
+    base = base_modules(args.base)
+    from flashcore.kernels.hopper import bwd, bwd_rows
 
     sides = {
-        "base": functools.cache(lambda: launchers(module)),
-        "tree": functools.cache(lambda: launchers(bwd)),
+        "base": functools.cache(lambda: launchers(*base)),
+        "tree": functools.cache(lambda: launchers(bwd, bwd_rows)),
     }
     torch.manual_seed(0)
     for group in args.cases.split(","):

@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python scripts/hopper_bwd_trace.py --seqlen 8192 --head-dim 128
 
-The script builds a copy of ``kernels/hopper/bwd.py`` with stamps added to the consumers' loop
+The script builds a copy of ``kernels/hopper/bwd.py`` and ``bwd_steps.py`` (one module) with
+stamps added to the consumers' loop
 (``%clock64`` of the SM, stored by CTA 0 for steps 0..63 of each consumer; ``--window LEFT,RIGHT``
 with ``--all-programs``):
 
@@ -45,6 +46,7 @@ from flashcore.ops.launch import Launcher
 
 KERNELS = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" / "hopper"
 STEPS, EVENTS = 64, 8
+IMPORT_STEPS = "from flashcore.kernels.hopper.bwd_steps import consumer, dq_warpgroup\n"
 WAIT_DV_DK = (
     "            dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=[dv_tok, dk_tok, p_op, ds_op])\n"
 )
@@ -57,10 +59,11 @@ WAIT_DK = "            dk, ds_op = warpgroup_mma_wait(0, deps=[dk_tok, ds_op])\n
 
 
 def trace_source(s_stamp: bool, all_programs: bool = False) -> str:
-    """``kernels/hopper/bwd.py`` with the stamps, which go to ``ALIBI`` (as int64s): of program 0,
-    or with ``all_programs`` of every program (each its own ``2 * STEPS * EVENTS`` block, and e2
-    of step 0 stamped at the end of the epilogue instead of ``--s-stamp``'s)."""
-    src = (KERNELS / "bwd.py").read_text()
+    """``kernels/hopper/bwd.py`` (without its import of the consumers) followed by
+    ``bwd_steps.py`` with the stamps, which go to ``ALIBI`` (as int64s): of program 0, or with
+    ``all_programs`` of every program (each its own ``2 * STEPS * EVENTS`` block, and e2 of step
+    0 stamped at the end of the epilogue instead of ``--s-stamp``'s)."""
+    src = (KERNELS / "bwd_steps.py").read_text()
     who = "gl.program_id(0) >= 0" if all_programs else "gl.program_id(0) == 0"
     stamp_fn = f"""
 
@@ -77,9 +80,9 @@ def _stamp(BUF, t, e: gl.constexpr, CONSUMER: gl.constexpr, x):
 
 
 @gluon.jit
-def _consumer("""
+def consumer("""
     edits = [
-        ("\n\n@gluon.jit\ndef _consumer(", stamp_fn),
+        ("\n\n@gluon.jit\ndef consumer(", stamp_fn),
         (
             "        slot = t % NUM_STAGES\n"
             "        mbarrier.wait(qd_ready.index(slot), (t // NUM_STAGES) & 1)\n",
@@ -152,9 +155,14 @@ def _consumer("""
         ))  # fmt: skip
     for old, new in edits:
         if src.count(old) != 1:
-            raise SystemExit(f"kernels/hopper/bwd.py changed; update this script's edit: {old!r}")
+            raise SystemExit(
+                f"kernels/hopper/bwd_steps.py changed; update this script's edit: {old!r}"
+            )
         src = src.replace(old, new)
-    return src
+    kernel = (KERNELS / "bwd.py").read_text()
+    if kernel.count(IMPORT_STEPS) != 1:
+        raise SystemExit("kernels/hopper/bwd.py changed; update this script's IMPORT_STEPS")
+    return kernel.replace(IMPORT_STEPS, "") + "\n\n" + src
 
 
 def program_times(t_all: torch.Tensor, args) -> None:

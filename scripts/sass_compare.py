@@ -1,9 +1,10 @@
 """Which Hopper-tier compile variants a change leaves bit for bit the same, on the CPU.
 
-    python scripts/sass_compare.py BASE_REV [--suite fwd,bwd]
+    python scripts/sass_compare.py BASE_REV [--suite fwd,bwd,bwd256]
 
-For each variant of ``tests/test_compile_hopper.py`` (fwd) and ``tests/test_compile_hopper_bwd.py``
-(bwd), compiles the Gluon kernel for sm_90a twice, with the working tree and with the tree of git
+For each variant of ``tests/test_compile_hopper.py`` (fwd), ``tests/test_compile_hopper_bwd.py``
+(bwd) and ``tests/test_compile_hopper_bwd256.py`` (bwd256: head dim 256's and MLA's backward),
+compiles the Gluon kernel for sm_90a twice, with the working tree and with the tree of git
 revision ``BASE_REV`` (each side with its own test file, so each variant is built as that side's
 launcher builds it), and prints whether the two SASS listings are identical. A change meant to
 touch some builds only (a new constexpr path, a refactor) should leave every other variant
@@ -27,7 +28,11 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SUITES = {"fwd": "test_compile_hopper", "bwd": "test_compile_hopper_bwd"}
+SUITES = {
+    "fwd": "test_compile_hopper",
+    "bwd": "test_compile_hopper_bwd",
+    "bwd256": "test_compile_hopper_bwd256",
+}
 
 # Run in a subprocess with one side's src and tests on the path: writes each variant's SASS.
 DUMP = """

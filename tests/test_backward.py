@@ -1055,7 +1055,7 @@ def test_sm90_dq_conversion_kernel(device, dtype, shape, acc_rows, packed):
     pytest.importorskip("triton.experimental.gluon")
     import triton
 
-    from flashcore.kernels.hopper import bwd
+    from flashcore.kernels.hopper import bwd_rows
     from flashcore.ops.bwd_sm90 import dq_strides
 
     batch, heads, seqlen, dim = shape
@@ -1072,7 +1072,7 @@ def test_sm90_dq_conversion_kernel(device, dtype, shape, acc_rows, packed):
     strides = dq_strides(dq, packed)
     block_d = triton.next_power_of_2(dim)
     grid = (triton.cdiv(seqlen, 64) * batch * heads,)
-    bwd.bwd_dq_kernel[grid](
+    bwd_rows.bwd_dq_kernel[grid](
         acc, dq, scale, *strides, heads, seqlen, acc_rows, HEAD_DIM=dim, BLOCK_D=block_d,
         BLOCK_M=64,
     )  # fmt: skip

@@ -290,18 +290,18 @@ def kernels() -> tuple[Launcher, Launcher]:
     first launch). ``Launcher`` skips Triton's per-call argument binding once a signature has
     been compiled: the compiled kernel's own launcher reads only each descriptor's base, shape,
     strides and padding (its swizzle and block come from the compiled metadata)."""
-    from flashcore.kernels.hopper import bwd
+    from flashcore.kernels.hopper import bwd, bwd_rows
 
-    return Launcher(bwd.bwd_prep_kernel, 7), Launcher(bwd.attn_bwd_sm90_kernel, 16)
+    return Launcher(bwd_rows.bwd_prep_kernel, 7), Launcher(bwd.attn_bwd_sm90_kernel, 16)
 
 
 @functools.cache
 def dq_kernel() -> Launcher:
     """Launcher of the dQ conversion (``bwd_dq_kernel``: the fp32 accumulator scaled and cast
     into dq)."""
-    from flashcore.kernels.hopper import bwd
+    from flashcore.kernels.hopper import bwd_rows
 
-    return Launcher(bwd.bwd_dq_kernel, 2)
+    return Launcher(bwd_rows.bwd_dq_kernel, 2)
 
 
 def dq_strides(dq: torch.Tensor, packed: bool) -> tuple[int, ...]:

@@ -143,8 +143,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashcore.kernels.hopper.bwd import q_blocks
 from flashcore.kernels.hopper.bwd_dq import stage_and_reduce
+from flashcore.kernels.hopper.bwd_load import q_blocks
 from flashcore.kernels.hopper.common import (
     LOG2E,
     interleave,

@@ -131,9 +131,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashcore.kernels.hopper.bwd import BLOCK_N, key_block, q_blocks
 from flashcore.kernels.hopper.bwd256 import _load_fixed, _load_tiles, _qk_tiles, _store_acc
 from flashcore.kernels.hopper.bwd_dq import stage_and_reduce
+from flashcore.kernels.hopper.bwd_load import BLOCK_N, key_block, q_blocks
 from flashcore.kernels.hopper.common import opaque
 
 ROWS = gl.constexpr(64)  # query rows a step, and keys a consumer (one m64 wgmma)
