@@ -1,4 +1,4 @@
-"""The head-dim-256 dQ and dK/dV kernels (``kernels/hopper/bwd256.py``) compile for sm_90a on a
+"""The head-dim-256 dQ and dK/dV kernels (``kernels/hopper/bwd256*.py``) compile for sm_90a on a
 CPU-only machine, and their compiled code shows what the kernels' docstring states: shared memory
 within a block's 227 KiB, no spills (one allowance), the register split (240 for each consumer, 24
 for the producer) without a ptxas warning, the products on the tensor cores (the score products
@@ -93,7 +93,7 @@ def compile_variant(variant) -> dict:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from flashcore.kernels.hopper import bwd256 as kernels
-    from flashcore.kernels.hopper import bwd_mla
+    from flashcore.kernels.hopper import bwd256_dq, bwd_mla
     from flashcore.ops import bwd256, bwd_sm90
 
     label, which, dtype, causal, window, even_n, softcap, alibi = variant
@@ -138,7 +138,7 @@ def compile_variant(variant) -> dict:
             consts["FRESH_DESC"] = "nofresh" not in label
             consts["SPLIT_DIAG"] = "nosplit" not in label
     else:
-        fn = kernels.attn_bwd_dq_sm90_d256_kernel
+        fn = bwd256_dq.attn_bwd_dq_sm90_d256_kernel
     for name in fn.arg_names:
         if name in consts:
             signature[name] = "constexpr"

@@ -1,4 +1,4 @@
-"""Host launcher of the head-dim-256 backward on Hopper (``kernels/hopper/bwd256.py``, Gluon),
+"""Host launcher of the head-dim-256 backward on Hopper (``kernels/hopper/bwd256*.py``, Gluon),
 which runs MLA's head dims (q and k 192, v 128) too.
 
 ``ops.bwd.launch`` runs it instead of the portable kernels where ``takes`` says so: an sm_90 GPU
@@ -117,11 +117,11 @@ def fused(head_dim: int, head_dim_v: int, deterministic: bool) -> bool:
 def kernels() -> tuple[Launcher, Launcher, Launcher]:
     """Launchers of the row-stats kernel (the Hopper backward's own launcher of it), the dQ and
     the dK/dV kernels."""
-    from flashcore.kernels.hopper import bwd256
+    from flashcore.kernels.hopper import bwd256, bwd256_dq
 
     return (
         bwd_sm90.kernels()[0],
-        Launcher(bwd256.attn_bwd_dq_sm90_d256_kernel, 10),
+        Launcher(bwd256_dq.attn_bwd_dq_sm90_d256_kernel, 10),
         Launcher(bwd256.attn_bwd_dkdv_sm90_d256_kernel, 16),
     )
 

@@ -100,15 +100,15 @@ wait of step t; ``ds_free`` of step t + 1 needs both consumers' ``ds_ready`` arr
 + 1, after their ``ds_free`` waits of step t. No cycle: a consumer's dS^T of step t needs only
 its own products and the previous step's dQ of both.
 
-Covered: fp16 and bf16, causal (bottom-right) or not, ragged Sq and Sk (TMA zero fill: rows past
-Sq have Q = dO = 0 and lse2 = +inf; keys past Sk are masked, their K and V rows zeros), GQA/MQA
-(a program walks its group's query heads). VARLEN (packed batches, ``bwd256.py``'s way: the grid
-sized by the longest sequence, a block past its own returns at entry; the producer zeroes the
-rows of a Q/dO tile or of a consumer's K/V tile past the sequence's end (``bwd256._load_fixed``,
-its own ``fix_bar``) and loads the row stats with lse2 +inf and delta 0 there; the dQ rows past
-the end reduce-add exact zeros; dK and dV rows past it are not stored; ``ops/bwd256.py:
-WIDE_MLA_VARLEN``, on). Not covered (``ops/bwd256.py: wide`` says no; the 64-key kernel runs
-them): window, softcap, ALiBi.
+Covered: fp16 and bf16, causal (bottom-right) or not, ragged Sq and Sk (TMA zero fill: rows past Sq
+have Q = dO = 0 and lse2 = +inf; keys past Sk are masked, their K and V rows zeros), GQA/MQA (a
+program walks its group's query heads). VARLEN (packed batches, ``bwd256.py``'s way: the grid sized
+by the longest sequence, a block past its own returns at entry; the producer zeroes the rows of a
+Q/dO tile or of a consumer's K/V tile past the sequence's end (``bwd256_common.load_fixed``, its own
+``fix_bar``) and loads the row stats with lse2 +inf and delta 0 there; the dQ rows past the end
+reduce-add exact zeros; dK and dV rows past it are not stored; ``ops/bwd256.py: WIDE_MLA_VARLEN``,
+on). Not covered (``ops/bwd256.py: wide`` says no; the 64-key kernel runs them): window, softcap,
+ALiBi.
 
 The row stats' stores (the producer's) and loads (the consumers') are hand-overs ordered by
 mbarriers alone, which compute-sanitizer's racecheck reports; they are marked for
@@ -131,7 +131,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashcore.kernels.hopper.bwd256 import _load_fixed, _load_tiles, _qk_tiles, _store_acc
+from flashcore.kernels.hopper.bwd256_common import load_fixed, load_tiles, qk_tiles, store_acc
 from flashcore.kernels.hopper.bwd_dq import stage_and_reduce
 from flashcore.kernels.hopper.bwd_load import BLOCK_N, key_block, q_blocks
 from flashcore.kernels.hopper.common import opaque
@@ -170,19 +170,19 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
     n_fix = gl.to_tensor(0)
     for c in gl.static_range(2):
         # Each consumer's K and V on kv_ready (count 2: one arrival each). VARLEN: rows past
-        # the sequence's end zeroed first (dQ sums over keys; ``bwd256._load_fixed``).
+        # the sequence's end zeroed first (dQ sums over keys; ``bwd256_common.load_fixed``).
         key = start_n + c * ROWS
         if VARLEN:
             if key + ROWS > seqlen_k:
-                n_fix = _load_fixed(k_desc, v_desc, off_hk, k_start + key, seqlen_k - key,
+                n_fix = load_fixed(k_desc, v_desc, off_hk, k_start + key, seqlen_k - key,
                                     kv_ready, fix_bar, n_fix, ka_smem.index(c), kb_smem.index(c),
                                     v_smem.index(c), QK_B)  # fmt: skip
             else:
-                _load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + key, kv_ready,
+                load_tiles(k_desc, v_desc, desc_b, off_hk, k_start + key, kv_ready,
                             ka_smem.index(c), kb_smem.index(c), v_smem.index(c),
                             QK_B)  # fmt: skip
         else:
-            _load_tiles(k_desc, v_desc, desc_b, off_hk, key, kv_ready, ka_smem.index(c),
+            load_tiles(k_desc, v_desc, desc_b, off_hk, key, kv_ready, ka_smem.index(c),
                         kb_smem.index(c), v_smem.index(c), QK_B)  # fmt: skip
     lo, n_m = q_blocks(start_n, seqlen_q, seqlen_k, 0, 0, IS_CAUSAL, False, KEYS)
     offs = gl.arange(0, ROWS, layout=gl.BlockedLayout([2], [32], [1], [0]))
@@ -204,14 +204,14 @@ def _producer(q_desc, k_desc, v_desc, do_desc, qa_smem, qb_smem, ka_smem, kb_sme
         if VARLEN:
             if start_m + ROWS > seqlen_q:
                 # Q and dO rows past the sequence's end (dV and dK sum over query rows).
-                n_fix = _load_fixed(q_desc, do_desc, off_h, row, seqlen_q - start_m, bar,
+                n_fix = load_fixed(q_desc, do_desc, off_h, row, seqlen_q - start_m, bar,
                                     fix_bar, n_fix, qa_smem.index(slot), qb_smem.index(slot),
                                     do_smem.index(slot), QK_B)  # fmt: skip
             else:
-                _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
+                load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
                             qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
         else:
-            _load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
+            load_tiles(q_desc, do_desc, desc_b, off_h, row, bar, qa_smem.index(slot),
                         qb_smem.index(slot), do_smem.index(slot), QK_B)  # fmt: skip
         # The step's row stats (lse2, delta) into the slot, read by the consumers from shared
         # memory where they use them (as row vectors in registers they held 32 a thread over
@@ -483,9 +483,9 @@ def _consumer(qa_smem, qb_smem, ka_smem, kb_smem, v_smem, do_smem, stats_smem, d
         # completed: ds_free's completion of the last step (none without steps).
         n_steps = n_m * kv_group
         mbarrier.wait(ds_free, (n_steps - 1) & 1, pred=n_steps > 0)
-    # dK and dV (``bwd256._store_acc``: by TMA through this consumer's own tiles, or from
+    # dK and dV (``bwd256_common.store_acc``: by TMA through this consumer's own tiles, or from
     # registers).
-    _store_acc(DK, DV, dka_desc, dkb_desc, dv_desc, ka_smem.index(CONSUMER),
+    store_acc(DK, DV, dka_desc, dkb_desc, dv_desc, ka_smem.index(CONSUMER),
                kb_smem.index(CONSUMER), v_smem.index(CONSUMER), dv, dk_a, dk_b, off_b, off_hk,
                desc_b, k_start, key0, seqlen_k, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
                stride_dvh, stride_dvn, scale, head_dim, True, True, QK_B, TMA_EPILOGUE,
@@ -564,8 +564,8 @@ def attn_bwd_mla_sm90_kernel(
         if start_n >= n_keys:
             return
     dtype: gl.constexpr = q_desc.dtype
-    qa_smem, qb_smem = _qk_tiles(q_desc, [NUM_STAGES, 1, 1, ROWS], QK_A, QK_B)
-    ka_smem, kb_smem = _qk_tiles(k_desc, [2, 1, 1, ROWS], QK_A, QK_B)
+    qa_smem, qb_smem = qk_tiles(q_desc, [NUM_STAGES, 1, 1, ROWS], QK_A, QK_B)
+    ka_smem, kb_smem = qk_tiles(k_desc, [2, 1, 1, ROWS], QK_A, QK_B)
     do_shape: gl.constexpr = [NUM_STAGES] + do_desc.block_type.shape  # noqa: RUF005
     do_smem = gl.allocate_shared_memory(dtype, do_shape, do_desc.layout)
     v_shape: gl.constexpr = [2] + v_desc.block_type.shape  # noqa: RUF005
@@ -589,7 +589,7 @@ def attn_bwd_mla_sm90_kernel(
     qd_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(3):
         mbarrier.init(bars.index(i), count=2)
-    # VARLEN: the producer's own barrier for the tiles it zeroes (``bwd256._load_fixed``);
+    # VARLEN: the producer's own barrier for the tiles it zeroes (``bwd256_common.load_fixed``);
     # without, kv_ready stands in (never touched).
     fix_bar = kv_ready
     if VARLEN:
