@@ -307,6 +307,37 @@ from flashcore.kernels.hopper.bwd_steps import consumer, dq_warpgroup
 
 
 @gluon.jit
+def _consumer_0(
+    q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, qd_ready,
+    qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc, dv_desc, CU_Q, CU_K, DK, DV, kv_heads,
+    kv_group, seqlen_q, seqlen_k, lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right,
+    softcap, ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    HAS_WINDOW: gl.constexpr, SOFTCAP: gl.constexpr, HAS_ALIBI: gl.constexpr, EVEN_N: gl.constexpr,
+    DQ_WARPGROUP: gl.constexpr, ABLATE: gl.constexpr, KV_REGS: gl.constexpr = False,
+    VARLEN: gl.constexpr = False, DQ_BESIDE_DK: gl.constexpr = False,
+    FRESH_DESC: gl.constexpr = False, SKIP_MASKED: gl.constexpr = False,
+    SKIP_WINDOW: gl.constexpr = False, BAND_MASK: gl.constexpr = False,
+    LAG_OPTIONS: gl.constexpr = False,
+):  # fmt: skip
+    """Consumer 0, the default partition: ``bwd_steps.consumer`` (CONSUMER 0) called from the
+    kernel's module. Triton 3.6's line info gives the default partition's own lines the file of
+    its kernel: with ``consumer`` itself as the default partition, racecheck (H200) read consumer
+    0's loads at ``bwd_steps.py``'s line numbers in ``bwd.py``. Called from here, its body is an
+    inlined call that keeps its own file; consumer 1, a worker partition, is named right either
+    way."""
+    consumer(
+        q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, qd_ready,
+        qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc, dv_desc, CU_Q, CU_K, DK, DV,
+        kv_heads, kv_group, seqlen_q, seqlen_k, lpt_heads, seqlen_pad, qk_scale, scale, window_left,
+        window_right, softcap, ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh,
+        stride_dvt, stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+        EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC, SKIP_MASKED,
+        SKIP_WINDOW, BAND_MASK, LAG_OPTIONS,
+    )  # fmt: skip
+
+
+@gluon.jit
 def attn_bwd_sm90_kernel(
     q_desc,
     k_desc,
@@ -429,13 +460,13 @@ def attn_bwd_sm90_kernel(
     if DQ_WARPGROUP:
         gl.warp_specialize(
             [
-                (consumer, (
+                (_consumer_0, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
                     dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
-                    stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                    stride_dvh, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
                     SKIP_MASKED, SKIP_WINDOW, BAND_MASK, LAG_OPTIONS,
                 )),
@@ -469,13 +500,13 @@ def attn_bwd_sm90_kernel(
     else:
         gl.warp_specialize(
             [
-                (consumer, (
+                (_consumer_0, (
                     q_smem, k_smem, v_smem, do_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                     kv_ready, qd_ready, qd_empty, ds_ready, ds_free, dq_done, dq_desc, dk_desc,
                     dv_desc, CU_Q, CU_K, DK, DV, kv_heads, kv_group, seqlen_q, seqlen_k,
                     lpt_heads, seqlen_pad, qk_scale, scale, window_left, window_right, softcap,
                     ALIBI, stride_ab, total_q, total_k, stride_dkt, stride_dkh, stride_dvt,
-                    stride_dvh, 0, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
+                    stride_dvh, HEAD_DIM, NUM_STAGES, IS_CAUSAL, HAS_WINDOW, SOFTCAP, HAS_ALIBI,
                     EVEN_N, DQ_WARPGROUP, ABLATE, KV_REGS, VARLEN, DQ_BESIDE_DK, FRESH_DESC,
                     SKIP_MASKED, SKIP_WINDOW, BAND_MASK, LAG_OPTIONS,
                 )),
