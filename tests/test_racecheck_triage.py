@@ -58,6 +58,34 @@ def test_finds_every_warp_specialized_kernel():
     assert {"fwd.py", "bwd.py", "bwd256.py", "ws_racecheck_probe.py"} <= files
 
 
+def test_default_partitions_live_beside_their_kernels():
+    """Each warp-specialized kernel's default partition (the first function of its
+    ``gl.warp_specialize`` list) is defined in the kernel's own module. Triton 3.6's line info
+    gives the default partition's own lines the kernel's file: with the backward's consumer
+    (``bwd_steps.consumer``) as the default partition, racecheck (H200) named consumer 0's loads
+    ``bwd.py`` at ``bwd_steps.py``'s line numbers, and the triage could not match them to their
+    marks. ``bwd.py`` calls it through ``_consumer_0`` for that reason."""
+    import ast
+
+    sources = [*sorted((ROOT / "src/flashcore/kernels/hopper").glob("*.py"))]
+    sources.append(ROOT / "scripts" / "ws_racecheck_probe.py")
+    checked = set()
+    for path in sources:
+        tree = ast.parse(path.read_text())
+        defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+        for call in ast.walk(tree):
+            if not (
+                isinstance(call, ast.Call) and getattr(call.func, "attr", "") == "warp_specialize"
+            ):
+                continue
+            partitions = call.args[0]
+            first = partitions.elts[0].elts[0] if isinstance(partitions, ast.List) else None
+            assert isinstance(first, ast.Name), (path.name, ast.dump(partitions)[:200])
+            assert first.id in defined, (path.name, first.id)
+            checked.add(path.name)
+    assert {"fwd.py", "bwd.py", "bwd256.py", "bwd256_dq.py", "bwd_mla.py"} <= checked, checked
+
+
 def test_partition_state_reports_are_clean():
     _, _, last = KERNELS["attn_fwd_sm90_kernel"]
     reports = [
