@@ -1,7 +1,7 @@
 """Device-side: the Hopper tier's causal work order, A/B in one process.
 
-Forward: the launcher's choice (``ops/fwd_sm90.py: causal_order``) against the order before it
-(each head's query tiles last-first on ``min(#SMs, work)`` programs), the same kernel. Backward
+Forward: the launcher's choice (``ops/fwd_sm90_configs.py: causal_order``) against the order before
+it (each head's query tiles last-first on ``min(#SMs, work)`` programs), the same kernel. Backward
 (``--bwd``): key blocks heaviest first across ``lpt_group`` heads against head-major. cuDNN
 beside; causal, bf16; rotated rounds, medians of ``do_bench`` medians, TFLOP/s.
 
@@ -25,9 +25,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import flashcore
-from flashcore.ops import bwd, bwd_sm90, fwd, fwd_sm90
+from flashcore.ops import bwd, bwd_sm90, fwd, fwd_sm90_configs
 
-CHOSEN = {"fwd": fwd_sm90.causal_order, "bwd": bwd_sm90.lpt_group}
+CHOSEN = {"fwd": fwd_sm90_configs.causal_order, "bwd": bwd_sm90.lpt_group}
 
 
 def previous_order(costs, heads, sms, persistent, kv_bytes):
@@ -39,7 +39,7 @@ def use(mode: str, name: str) -> None:
     """Switch the launcher to ``name``'s order ("new" or "old") and drop the kept plans (and
     the launches kept per signature, ops.express's and the quick backwards)."""
     if mode == "fwd":
-        fwd_sm90.causal_order = CHOSEN["fwd"] if name == "new" else previous_order
+        fwd_sm90_configs.causal_order = CHOSEN["fwd"] if name == "new" else previous_order
         fwd.forget()
     else:
         bwd_sm90.lpt_group = CHOSEN["bwd"] if name == "new" else (lambda heads, nbytes: 1)

@@ -27,21 +27,20 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import flashcore
-from flashcore.ops import fwd
-from flashcore.ops import fwd_sm90 as sm90
+from flashcore.ops import fwd, fwd_sm90_configs
 
-CHOSEN = sm90.pick_config
+CHOSEN = fwd_sm90_configs.pick_config
 CONFIGS = {
     "auto": None,
-    "two-p": sm90.CONFIGS[64]._replace(persistent=True),
-    "two-f": sm90.CONFIGS[64]._replace(persistent=False),
-    "three-p": sm90.D64_THREE._replace(persistent=True),
-    "three-f": sm90.D64_THREE._replace(persistent=False),
-    "one2": sm90.ONE_D64,
-    "one3": sm90.ONE_D64_THREE_CTAS,
-    "two64-p": sm90.CONFIGS[64]._replace(block_n=64, num_stages=4, persistent=True),
+    "two-p": fwd_sm90_configs.CONFIGS[64]._replace(persistent=True),
+    "two-f": fwd_sm90_configs.CONFIGS[64]._replace(persistent=False),
+    "three-p": fwd_sm90_configs.D64_THREE._replace(persistent=True),
+    "three-f": fwd_sm90_configs.D64_THREE._replace(persistent=False),
+    "one2": fwd_sm90_configs.ONE_D64,
+    "one3": fwd_sm90_configs.ONE_D64_THREE_CTAS,
+    "two64-p": fwd_sm90_configs.CONFIGS[64]._replace(block_n=64, num_stages=4, persistent=True),
 }
-MLA = sm90.CONFIGS[192]
+MLA = fwd_sm90_configs.CONFIGS[192]
 MLA_CONFIGS = {
     "auto": None,
     "n128-f": MLA._replace(persistent=False),
@@ -49,7 +48,7 @@ MLA_CONFIGS = {
     "n64s3-f": MLA._replace(block_n=64, num_stages=3, persistent=False),
     "n64s2-p": MLA._replace(block_n=64, num_stages=2, persistent=True, q_buffers=3),
 }
-D256 = sm90.CONFIGS[256]
+D256 = fwd_sm90_configs.CONFIGS[256]
 D256_CONFIGS = {
     "auto": None,
     "n64-f": D256._replace(persistent=False),
@@ -63,7 +62,7 @@ def configs(mla: bool) -> dict:
 
 def use(name: str, mla: bool = False) -> None:
     cfg = configs(mla)[name]
-    sm90.pick_config = CHOSEN if cfg is None else (lambda *args, **kwargs: cfg)
+    fwd_sm90_configs.pick_config = CHOSEN if cfg is None else (lambda *args, **kwargs: cfg)
     fwd.forget()  # the plans and ops.express's kept launches
 
 

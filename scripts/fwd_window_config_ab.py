@@ -20,13 +20,13 @@ import sys
 
 from fwd_module_ab import ab, case_options, run_cases
 
-from flashcore.ops import fwd, fwd_sm90
+from flashcore.ops import fwd, fwd_sm90_configs
 
 NAMED = {
-    "one": fwd_sm90.ONE,
-    "one3": {64: fwd_sm90.ONE_D64_THREE_CTAS},
-    "two": fwd_sm90.CONFIGS,
-    "two-n64": {d: fwd_sm90.Sm90Config(2, 64, 4, 240, 168) for d in (64, 128)},
+    "one": fwd_sm90_configs.ONE,
+    "one3": {64: fwd_sm90_configs.ONE_D64_THREE_CTAS},
+    "two": fwd_sm90_configs.CONFIGS,
+    "two-n64": {d: fwd_sm90_configs.Sm90Config(2, 64, 4, 240, 168) for d in (64, 128)},
 }
 CASES = "128:4096:1,128:16384:1,64:4096:1,64:16384:1"
 
@@ -35,16 +35,16 @@ def compare(case: str, name: str, rounds: int, window) -> str | None:
     config = NAMED[name].get(int(case.split(":")[0]))
     if config is None:
         return None
-    chosen = fwd_sm90.pick_config
+    chosen = fwd_sm90_configs.pick_config
 
     def select(side: str) -> None:
-        fwd_sm90.pick_config = chosen if side == "auto" else (lambda *a, **kw: config)
+        fwd_sm90_configs.pick_config = chosen if side == "auto" else (lambda *a, **kw: config)
         fwd.forget()
 
     try:
         return f"{name} " + ab(case, "auto", name, select, rounds, f"auto/{name}", window)
     finally:
-        fwd_sm90.pick_config = chosen
+        fwd_sm90_configs.pick_config = chosen
         fwd.forget()
 
 

@@ -132,7 +132,7 @@ SCHEDULES = {"flat": False, "persistent": True}
 
 def schedule_config(head_dim: int, persistent: bool):
     """The launcher's config for ``head_dim`` with the schedule forced."""
-    sm90 = _import("flashcore.ops.fwd_sm90")
+    sm90 = _import("flashcore.ops.fwd_sm90_configs")
     return sm90.CONFIGS[head_dim]._replace(persistent=persistent)
 
 
@@ -256,7 +256,7 @@ def parse_variants(specs: list[str]) -> list[tuple]:
     maxnreg,pingpong[,persistent]`` spec (e.g. ``s3:128:2,128,3,240,168,1``: three K/V slots at
     D=128; ``c3:64:3,128,3,160,128,1``: three consumer warpgroups at D=64). Without the
     persistent field (0 or 1) the launcher picks the schedule by shape."""
-    sm90 = _import("flashcore.ops.fwd_sm90")
+    sm90 = _import("flashcore.ops.fwd_sm90_configs")
     variants = []
     for spec in specs:
         label, head_dim, fields = spec.split(":")
@@ -281,7 +281,7 @@ def bench(args) -> int:
         portable = None
     if args.no_portable:
         portable = None
-    sm90 = _import("flashcore.ops.fwd_sm90")
+    sm90 = _import("flashcore.ops.fwd_sm90_configs")
     variants = parse_variants(args.variant)
     for run in range(args.runs):
         for dtype in args.dtypes:

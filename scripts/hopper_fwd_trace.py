@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from flashcore.ops import fwd_sm90
+from flashcore.ops import fwd_sm90, fwd_sm90_configs
 
 KERNELS = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" / "hopper"
 STEPS, EVENTS = 64, 8
@@ -257,9 +257,9 @@ def main() -> None:
         fwd_sm90.kernels.cache_clear()
         fwd_sm90.launcher.cache_clear()
         fwd_sm90.kernels = lambda: module  # the tier's launcher, on the trace build
-        config = (fwd_sm90.D64_THREE if args.three else fwd_sm90.CONFIGS[d])._replace(
-            persistent=args.tiles
-        )
+        config = (
+            fwd_sm90_configs.D64_THREE if args.three else fwd_sm90_configs.CONFIGS[d]
+        )._replace(persistent=args.tiles)
         if args.stages:
             config = config._replace(num_stages=args.stages)
         unbounded = 2 * s

@@ -170,19 +170,19 @@ def attempt(label: str, run) -> bool:
 
 def run_deal_case(case: Case, dtype: torch.dtype, device: str, head_dim_v: int | None) -> str:
     """One ``SANITIZE_DEAL`` case (v at ``head_dim_v``): the causal forward on the Hopper tier,
-    which must deal its persistent grid dynamically (``ops.fwd_sm90.dynamic_deal``), checked
+    which must deal its persistent grid dynamically (``ops.fwd_sm90_configs.dynamic_deal``), checked
     against the float64 reference; returns the tier's label."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
     dealt = []
-    real = fwd_sm90.dynamic_deal
+    real = fwd_sm90_configs.dynamic_deal
 
     def spy(*args, **kwargs):
         dealt.append(real(*args, **kwargs))
         return dealt[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fwd_sm90, "dynamic_deal", spy)
+        patch.setattr(fwd_sm90_configs, "dynamic_deal", spy)
         q, k, v = make_qkv(case, dtype, device, head_dim_v=head_dim_v)
         with flashcore.use_tier("sm90"):
             out, lse = flashcore.attention(q, k, v, causal=True, return_lse=True)

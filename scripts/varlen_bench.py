@@ -62,7 +62,7 @@ def direct(q, k, v, cu, top, causal, persistent, use_work_list=True):
     forced (``persistent``), over the work list or, with ``use_work_list`` off, sized by the
     longest sequence; planned once: the kernel alone, no dispatch (the work list is built at
     every call, as the API's calls do)."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90, fwd_sm90_configs
     from flashcore.ops import problem as pb
 
     varlen = pb.Varlen(cu, cu, top, top)
@@ -71,7 +71,7 @@ def direct(q, k, v, cu, top, causal, persistent, use_work_list=True):
     lse = torch.empty(heads, q.shape[0], device=q.device)
     out = torch.empty_like(q)
     grid = (batch * heads, fwd_sm90.num_sms(q.device.index))
-    cfg = fwd_sm90.pick_config(head_dim, top, top, causal, False, grid=grid)
+    cfg = fwd_sm90_configs.pick_config(head_dim, top, top, causal, False, grid=grid)
     cfg = cfg._replace(persistent=persistent)
     p = fwd_sm90.plan(
         q, k, v, lse, causal=sc.is_causal, qk_scale=sc.qk_scale, window_left=sc.window_left,

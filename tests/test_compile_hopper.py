@@ -34,7 +34,7 @@ SMEM_LIMIT = 227 * 1024
 KERNEL = Path(__file__).resolve().parents[1] / "src" / "flashcore" / "kernels" / "hopper" / "fwd.py"
 
 # (label, head_dim, dtype, num_consumers, block_n, stages, consumer_regs, maxnreg, flags): the
-# launcher's configs (ops/fwd_sm90.py: CONFIGS), plain and with every feature flag on.
+# launcher's configs (ops/fwd_sm90_configs.py: CONFIGS), plain and with every feature flag on.
 FEATURES = "d64-fp16-window-softcap-alibi"
 PLAIN = dict(causal=False, window=False, softcap=False, alibi=False, raw_max=True, even_n=True)
 ALL_FLAGS = {"causal": True, "window": True, "softcap": True, "alibi": True, "raw_max": False,
@@ -55,7 +55,7 @@ VARIANTS = [
      {**PLAIN, "causal": True, "persistent": True}),
     (FEATURES + "-persistent", 64, "fp16", 2, 128, 3, 240, 168,
      {**ALL_FLAGS, "persistent": True}),
-    # Three consumers at D=64 (ops/fwd_sm90.py: D64_THREE), as "auto" runs them: persistent
+    # Three consumers at D=64 (ops/fwd_sm90_configs.py: D64_THREE), as "auto" runs them: persistent
     # non-causal, flat causal (whole and ragged key tiles; persistent causal beside it).
     ("d64-bf16-three-persistent", 64, "bf16", 3, 128, 3, 160, 128, {**PLAIN, "persistent": True}),
     ("d64-fp16-causal-ragged-three", 64, "fp16", 3, 128, 3, 160, 128,
@@ -69,7 +69,7 @@ VARIANTS = [
      {**PLAIN, "causal": True, "even_n": False, "persistent": True}),
     ("d64-bf16-causal-n64-persistent", 64, "bf16", 2, 64, 4, 240, 168,
      {**PLAIN, "causal": True, "persistent": True}),
-    # One consumer a CTA, two CTAs an SM (ops/fwd_sm90.py: ONE), persistent: D=64 128-key
+    # One consumer a CTA, two CTAs an SM (ops/fwd_sm90_configs.py: ONE), persistent: D=64 128-key
     # tiles, D=128 64-key tiles, 2 slots each; 128 registers at entry over 8 warps.
     ("d64-bf16-one-causal-ragged-persistent", 64, "bf16", 1, 128, 2, 232, 128,
      {**PLAIN, "causal": True, "even_n": False, "persistent": True}),
@@ -83,8 +83,9 @@ VARIANTS = [
     # ... dealt dynamically, as launched (dense causal problems).
     ("d64-bf16-one3-causal-dynamic-persistent", 64, "bf16", 1, 64, 2, 136, 80,
      {**PLAIN, "causal": True, "persistent": True, "dynamic": True}),
-    # Windows of few keys a row (ops/fwd_sm90.py: WINDOW_ONE): gpt-oss's layers at D=64 (causal,
-    # sinks, dealt dynamically), and D=128 non-causal with softcap, ALiBi and a ragged tile.
+    # Windows of few keys a row (ops/fwd_sm90_configs.py: WINDOW_ONE): gpt-oss's layers at D=64
+    # (causal, sinks, dealt dynamically), and D=128 non-causal with softcap, ALiBi and a ragged
+    # tile.
     ("d64-bf16-one3-causal-window-sinks-dynamic-persistent", 64, "bf16", 1, 64, 2, 136, 80,
      {**PLAIN, "causal": True, "window": True, "sinks": True, "persistent": True,
       "dynamic": True}),
@@ -103,10 +104,11 @@ VARIANTS = [
     ("d192-v128-bf16-causal-ragged-sinks-persistent", 192, "bf16", 2, 128, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128, "sinks": True,
       "persistent": True, "q_buffers": 1}),
-    # ... non-causal, as launched up to 2048 keys (ops/fwd_sm90.py: ONE_Q_FULL_MAX_KEY_TILES).
+    # ... non-causal, as launched up to 2048 keys (ops/fwd_sm90_configs.py:
+    # ONE_Q_FULL_MAX_KEY_TILES).
     ("d192-v128-fp16-ragged-persistent", 192, "fp16", 2, 128, 2, 240, 168,
      {**PLAIN, "even_n": False, "value_head_dim": 128, "persistent": True, "q_buffers": 1}),
-    # ... dealt dynamically, as launched from 4096 keys (ops/fwd_sm90.py: DYNAMIC_DEAL).
+    # ... dealt dynamically, as launched from 4096 keys (ops/fwd_sm90_configs.py: DYNAMIC_DEAL).
     ("d192-v128-bf16-causal-ragged-dynamic-persistent", 192, "bf16", 2, 128, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "value_head_dim": 128, "persistent": True,
       "q_buffers": 1, "dynamic": True}),
@@ -122,7 +124,8 @@ VARIANTS = [
     ("d192-v256-fp16-causal-ragged-sinks-persistent", 192, "fp16", 2, 64, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False, "sinks": True, "value_head_dim": 256,
       "persistent": True, "q_buffers": 1}),
-    # Head dim 256 (ops/fwd_sm90.py: CONFIGS[256]): 64-key tiles; causal, a ragged last tile.
+    # Head dim 256 (ops/fwd_sm90_configs.py: CONFIGS[256]): 64-key tiles; causal, a ragged last
+    # tile.
     ("d256-fp16-causal-ragged", 256, "fp16", 2, 64, 2, 240, 168,
      {**PLAIN, "causal": True, "even_n": False}),
     ("d256-bf16-causal-window-persistent", 256, "bf16", 2, 64, 2, 240, 168,
@@ -546,7 +549,7 @@ CTA_RESERVED = 1024
 
 
 def test_one_consumer_fits_its_ctas_an_sm(compiled):
-    """The one-consumer builds run several CTAs an SM (ops/fwd_sm90.py: ONE and
+    """The one-consumer builds run several CTAs an SM (ops/fwd_sm90_configs.py: ONE and
     ONE_D64_THREE_CTAS, ``ctas_per_sm``: as many as their registers at entry over 8 warps allow,
     two at 128 and three at 80): their shared memory must leave room for as many."""
     ones = [row for row in compiled if row["consumers"] == 1]

@@ -170,9 +170,9 @@ def test_auto_takes_sm90_for_short_windows(monkeypatch):
     assert calls == [1]
 
 
-# The persistent causal grid's dynamic deal (ops/fwd_sm90.py: DYNAMIC_DEAL) on shapes that take
-# it: MLA's head dims from 4096 keys (several waves; fewer items than SMs, GQA, Sq < Sk, a ragged
-# last key tile) and D = 64's three CTAs an SM.
+# The persistent causal grid's dynamic deal (ops/fwd_sm90_configs.py: DYNAMIC_DEAL) on shapes that
+# take it: MLA's head dims from 4096 keys (several waves; fewer items than SMs, GQA, Sq < Sk, a
+# ragged last key tile) and D = 64's three CTAs an SM.
 DEALT = [
     (2, 8, 8, 4096, 4096, 192, 128),
     (1, 2, 1, 3000, 4200, 192, 128),
@@ -181,11 +181,11 @@ DEALT = [
 
 
 def test_sm90_dynamic_deal_plan(monkeypatch):
-    """Which plans deal their persistent grid dynamically (ops/fwd_sm90.py: DYNAMIC_DEAL, the
-    configs' ``dynamic_from``), decided on the host: causal MLA from 4096 keys and D = 64's three
-    CTAs an SM, over one program an SM slot and the flat grid's head groups; not D = 128, not
+    """Which plans deal their persistent grid dynamically (ops/fwd_sm90_configs.py: DYNAMIC_DEAL,
+    the configs' ``dynamic_from``), decided on the host: causal MLA from 4096 keys and D = 64's
+    three CTAs an SM, over one program an SM slot and the flat grid's head groups; not D = 128, not
     MLA below 4096 keys, not non-causal, not with the switch off."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90, fwd_sm90_configs
 
     monkeypatch.setattr(fwd_sm90, "num_sms", lambda index: 132)
 
@@ -205,7 +205,7 @@ def test_sm90_dynamic_deal_plan(monkeypatch):
     for p in (plan(4, 16, 2048, 192, 128), plan(8, 16, 2048, 128, 128)):
         assert p.meta["PERSISTENT"] and not p.meta["DYNAMIC"]
     assert not plan(1, 16, 8192, 192, 128, causal=False).meta["DYNAMIC"]
-    monkeypatch.setattr(fwd_sm90, "DYNAMIC_DEAL", False)
+    monkeypatch.setattr(fwd_sm90_configs, "DYNAMIC_DEAL", False)
     assert not plan(1, 16, 8192, 192, 128).meta["DYNAMIC"]
 
 
@@ -215,7 +215,7 @@ def test_sm90_dynamic_deal(shape, monkeypatch):
     """The dynamic deal computes each tile as the fixed snake does: out and the LSE bit for bit
     equal to it, launch after launch on one stream (the counter back at zero after each), on two
     streams at once (a counter each) and replayed from a CUDA graph (a counter of its own)."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90, fwd_sm90_configs
 
     require_sm90()
     batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim, head_dim_v = shape
@@ -228,9 +228,9 @@ def test_sm90_dynamic_deal(shape, monkeypatch):
         has_window=False, softcap=0.0, alibi=False, sinks=False, stride_ab=0,
     )  # fmt: skip
     assert p.meta["PERSISTENT"] and p.meta["DYNAMIC"]
-    monkeypatch.setattr(fwd_sm90, "DYNAMIC_DEAL", False)
+    monkeypatch.setattr(fwd_sm90_configs, "DYNAMIC_DEAL", False)
     want = launch_sm90_forward(q, k, v, causal=True)
-    monkeypatch.setattr(fwd_sm90, "DYNAMIC_DEAL", True)
+    monkeypatch.setattr(fwd_sm90_configs, "DYNAMIC_DEAL", True)
     check_forward(*want, q, k, v, causal=True)
 
     def same(got):
@@ -348,18 +348,19 @@ def test_small_problems_skip_descriptors():
 def test_sm90_forward_window_loop_keys(monkeypatch):
     """The keys the persistent rule counts: ``seqlen_k``, or with PERSISTENT_WINDOW_KEYS and a
     window the keys one query tile can see (an unbounded side arrives as Sq + Sk)."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
-    monkeypatch.setattr(fwd_sm90, "PERSISTENT_WINDOW_KEYS", False)
-    assert fwd_sm90.loop_keys(16384, 128, True, True, 127, 0) == 16384
-    monkeypatch.setattr(fwd_sm90, "PERSISTENT_WINDOW_KEYS", True)
-    assert fwd_sm90.loop_keys(16384, 128, True, True, 127, 32768) == 255  # causal: right is 0
-    assert fwd_sm90.loop_keys(16384, 192, False, True, 100, 50) == 342
-    assert fwd_sm90.loop_keys(16384, 128, False, True, 32768, 50) == 16384  # left unbounded
-    assert fwd_sm90.loop_keys(16384, 128, True, False, 0, 0) == 16384  # no window
-    assert fwd_sm90.loop_keys(200, 128, True, True, 127, 0) == 200
-    keys = fwd_sm90.loop_keys(16384, 128, True, True, 127, 0)
-    assert fwd_sm90.use_persistent(keys, 64, True, 128)
+    monkeypatch.setattr(fwd_sm90_configs, "PERSISTENT_WINDOW_KEYS", False)
+    assert fwd_sm90_configs.loop_keys(16384, 128, True, True, 127, 0) == 16384
+    monkeypatch.setattr(fwd_sm90_configs, "PERSISTENT_WINDOW_KEYS", True)
+    # Causal: the right side is 0.
+    assert fwd_sm90_configs.loop_keys(16384, 128, True, True, 127, 32768) == 255
+    assert fwd_sm90_configs.loop_keys(16384, 192, False, True, 100, 50) == 342
+    assert fwd_sm90_configs.loop_keys(16384, 128, False, True, 32768, 50) == 16384  # left unbounded
+    assert fwd_sm90_configs.loop_keys(16384, 128, True, False, 0, 0) == 16384  # no window
+    assert fwd_sm90_configs.loop_keys(200, 128, True, True, 127, 0) == 200
+    keys = fwd_sm90_configs.loop_keys(16384, 128, True, True, 127, 0)
+    assert fwd_sm90_configs.use_persistent(keys, 64, True, 128)
 
 
 def test_sm90_forward_head_dim_256_from_256():
@@ -381,13 +382,13 @@ def test_sm90_persistent_up_to_32_key_tiles(head_dim, causal):
     """The launcher's schedule by length: persistent up to 32 key tiles of 128 (4096 keys) for
     every head dim, causal or not (D=128 non-causal included since it measured 2-3% faster
     persistent at 4096 on the H100), flat past it."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
-    assert fwd_sm90.use_persistent(4096, head_dim, causal, 128)
-    assert fwd_sm90.use_persistent(2049, head_dim, causal, 128)
-    assert not fwd_sm90.use_persistent(4097, head_dim, causal, 128)
-    assert fwd_sm90.use_persistent(2048, head_dim, causal, 64)
-    assert not fwd_sm90.use_persistent(2049, head_dim, causal, 64)
+    assert fwd_sm90_configs.use_persistent(4096, head_dim, causal, 128)
+    assert fwd_sm90_configs.use_persistent(2049, head_dim, causal, 128)
+    assert not fwd_sm90_configs.use_persistent(4097, head_dim, causal, 128)
+    assert fwd_sm90_configs.use_persistent(2048, head_dim, causal, 64)
+    assert not fwd_sm90_configs.use_persistent(2049, head_dim, causal, 64)
 
 
 @pytest.mark.parametrize(
@@ -413,21 +414,25 @@ def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persi
     """The Hopper forward's tiles per problem (a full grid): three consumer warpgroups at D=64
     from the measured lengths on, persistent when not causal; one consumer a CTA, two CTAs an
     SM, for causal problems up to 1024 (D=64) or 512 (D=128) queries and keys."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
-    cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, causal, options)
+    cfg = fwd_sm90_configs.pick_config(head_dim, seqlen, seqlen, causal, options)
     assert (cfg.num_consumers, cfg.persistent) == (consumers, persistent)
     if consumers == 1:
         # Causal D=64 over a full grid: three CTAs an SM with 64-key tiles.
-        want = fwd_sm90.ONE_D64_THREE_CTAS if head_dim == 64 else fwd_sm90.ONE[head_dim]
+        want = (
+            fwd_sm90_configs.ONE_D64_THREE_CTAS
+            if head_dim == 64
+            else fwd_sm90_configs.ONE[head_dim]
+        )
         assert cfg == want and not cfg.pingpong
     else:
         assert cfg.ctas_per_sm == 1 and cfg.block_n == 128
     # Queries and keys of different lengths: the longer side decides the causal one-consumer
     # rule, the shorter one the three-consumer rule.
     if causal and not options:
-        longer = fwd_sm90.pick_config(head_dim, 256, 8192, causal, options)
-        assert longer == fwd_sm90.CONFIGS[head_dim]
+        longer = fwd_sm90_configs.pick_config(head_dim, 256, 8192, causal, options)
+        assert longer == fwd_sm90_configs.CONFIGS[head_dim]
 
 
 @pytest.mark.parametrize(
@@ -448,12 +453,13 @@ def test_sm90_forward_config(head_dim, seqlen, causal, options, consumers, persi
 )
 def test_sm90_consumers_by_grid(head_dim, batch_heads, seqlen, consumers):
     """Non-causal: three consumer warpgroups (D=64) only where the rounds of 192-row tiles on the
-    SMs beat those of 128-row tiles by the model (``fwd_sm90.three_consumers_pay``); one consumer
-    a CTA where 128-row tiles fill at most ``ONE_MAX_ROUNDS`` rounds (``one_consumer``)."""
-    from flashcore.ops import fwd_sm90
+    SMs beat those of 128-row tiles by the model (``fwd_sm90_configs.three_consumers_pay``); one
+    consumer a CTA where 128-row tiles fill at most ``ONE_MAX_ROUNDS`` rounds
+    (``one_consumer``)."""
+    from flashcore.ops import fwd_sm90_configs
 
     grid = (batch_heads, 132)
-    cfg = fwd_sm90.pick_config(head_dim, seqlen, seqlen, False, False, grid=grid)
+    cfg = fwd_sm90_configs.pick_config(head_dim, seqlen, seqlen, False, False, grid=grid)
     assert cfg.num_consumers == consumers
 
 
@@ -476,19 +482,22 @@ def test_sm90_causal_d64_three_consumers_by_grid(batch_heads, seqlen, consumers)
     """Causal D=64 from 4096 on: three consumer warpgroups (flat) where their 192-row tiles fill
     ``D64_THREE_MIN_ROUNDS_CAUSAL`` rounds of the SMs (``three_consumers_fill``), one consumer a
     CTA (persistent, two CTAs an SM) below."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
-    cfg = fwd_sm90.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
+    cfg = fwd_sm90_configs.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
     if consumers == 3:
-        assert cfg == fwd_sm90.D64_THREE._replace(persistent=False)
+        assert cfg == fwd_sm90_configs.D64_THREE._replace(persistent=False)
     else:
-        assert cfg == fwd_sm90.ONE_D64
+        assert cfg == fwd_sm90_configs.ONE_D64
     # A window, softcap or ALiBi keeps two consumers, whatever the grid; a packed batch whose
     # lengths vary keeps three consumers (the grid rule was measured on dense problems).
     grid = (batch_heads, 132)
-    assert fwd_sm90.pick_config(64, seqlen, seqlen, True, True, grid=grid) == fwd_sm90.CONFIGS[64]
-    packed = fwd_sm90.pick_config(64, seqlen, seqlen, True, False, grid=grid, packed=True)
-    assert packed == fwd_sm90.D64_THREE._replace(persistent=False)
+    assert (
+        fwd_sm90_configs.pick_config(64, seqlen, seqlen, True, True, grid=grid)
+        == fwd_sm90_configs.CONFIGS[64]
+    )
+    packed = fwd_sm90_configs.pick_config(64, seqlen, seqlen, True, False, grid=grid, packed=True)
+    assert packed == fwd_sm90_configs.D64_THREE._replace(persistent=False)
 
 
 @pytest.mark.parametrize(
@@ -505,16 +514,16 @@ def test_sm90_causal_d64_three_consumers_by_grid(batch_heads, seqlen, consumers)
 def test_sm90_causal_d64_one_consumer_by_grid(batch_heads, seqlen, consumers):
     """Causal D=64 between 1024 and 4096: one consumer a CTA (``ONE_D64``) where 128-row tiles
     fill at most ``ONE_MAX_ROUNDS_CAUSAL`` rounds of the SMs, two consumers past that."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
-    cfg = fwd_sm90.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
-    assert cfg == (fwd_sm90.ONE_D64 if consumers == 1 else fwd_sm90.CONFIGS[64])
+    cfg = fwd_sm90_configs.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
+    assert cfg == (fwd_sm90_configs.ONE_D64 if consumers == 1 else fwd_sm90_configs.CONFIGS[64])
     # A packed batch whose lengths vary keeps the two-round limit (ONE_MAX_ROUNDS): every grid
     # here is past it.
-    packed = fwd_sm90.pick_config(
+    packed = fwd_sm90_configs.pick_config(
         64, seqlen, seqlen, True, False, grid=(batch_heads, 132), packed=True
     )
-    assert packed == fwd_sm90.CONFIGS[64]
+    assert packed == fwd_sm90_configs.CONFIGS[64]
 
 
 @pytest.mark.parametrize(
@@ -531,9 +540,9 @@ def test_sm90_causal_d64_one_consumer_by_grid(batch_heads, seqlen, consumers):
 def test_sm90_causal_d64_ctas_by_grid(batch_heads, seqlen, ctas):
     """Causal D=64 up to 1024: one consumer a CTA, three CTAs an SM with 64-key tiles from
     ``ONE_THREE_CTAS_MIN_ROUNDS`` rounds of 128-row tiles on, two with 128-key tiles below."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
-    cfg = fwd_sm90.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
+    cfg = fwd_sm90_configs.pick_config(64, seqlen, seqlen, True, False, grid=(batch_heads, 132))
     assert (cfg.num_consumers, cfg.ctas_per_sm) == (1, ctas)
     assert cfg.block_n == (64 if ctas == 3 else 128)
 
@@ -558,13 +567,13 @@ def test_sm90_causal_d64_ctas_by_grid(batch_heads, seqlen, ctas):
 )
 def test_sm90_causal_order(shape, persistent, want):
     """The causal work order and grid the Hopper launcher takes, from its load model."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
     batch, heads, seqlen, head_dim = shape
-    costs = fwd_sm90.tile_costs(seqlen, seqlen, 128, 128, 0, False)
-    assert costs[0] == 1 + fwd_sm90.LPT_TILE_COST and costs[-1] == seqlen // 128 + 1
+    costs = fwd_sm90_configs.tile_costs(seqlen, seqlen, 128, 128, 0, False)
+    assert costs[0] == 1 + fwd_sm90_configs.LPT_TILE_COST and costs[-1] == seqlen // 128 + 1
     kv_bytes = seqlen * 2 * head_dim * 2
-    got = fwd_sm90.causal_order(costs, batch * heads, 132, persistent, kv_bytes)
+    got = fwd_sm90_configs.causal_order(costs, batch * heads, 132, persistent, kv_bytes)
     assert got == want
 
 
@@ -596,7 +605,7 @@ def test_sm90_fast_divisor():
             fwd_sm90.fast_divisor(bad)
 
 
-# Short causal problems: one consumer a CTA, two CTAs an SM (ops/fwd_sm90.py: ONE, what the
+# Short causal problems: one consumer a CTA, two CTAs an SM (ops/fwd_sm90_configs.py: ONE, what the
 # launcher picks), and two consumers with 64-key tiles, where the first consumer of each 128-row
 # tile skips the key tiles its rows do not see (``fwd_steps.skips``). Ragged both ways, GQA/MQA,
 # Sq > Sk (rows that see no key), one tile, and (last) more tiles than two programs an SM take
@@ -613,7 +622,7 @@ SHORT_CAUSAL_SHAPES = [(2, 4, 2, 300, 300), (1, 3, 3, 512, 512), (2, 2, 1, 129, 
 @pytest.mark.parametrize("shape", SHORT_CAUSAL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_forward_gpu_sm90_short_causal(shape, head_dim, dtype, schedule):
     """The Hopper forward's short causal configs: out and LSE against the float64 reference."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
     require_sm90()
     if schedule == "one-3-ctas" and head_dim != 64:
@@ -621,9 +630,9 @@ def test_forward_gpu_sm90_short_causal(shape, head_dim, dtype, schedule):
     batch, heads, kv_heads, seqlen_q, seqlen_k = shape
     config = {
         "auto": None,
-        "one": fwd_sm90.ONE[head_dim],
-        "one-3-ctas": fwd_sm90.ONE_D64_THREE_CTAS,
-        "two-n64": fwd_sm90.Sm90Config(2, 64, 4, 240, 168),
+        "one": fwd_sm90_configs.ONE[head_dim],
+        "one-3-ctas": fwd_sm90_configs.ONE_D64_THREE_CTAS,
+        "two-n64": fwd_sm90_configs.Sm90Config(2, 64, 4, 240, 168),
     }[schedule]
     q, k, v = make_qkv(Case(batch, heads, kv_heads, seqlen_q, seqlen_k, head_dim), dtype, "cuda")
     out, lse = launch_sm90_forward(q, k, v, causal=True, config=config)
@@ -644,19 +653,22 @@ THREE_CAUSAL_SHAPES = [(1, 4, 2, 1500, 1500), (2, 3, 1, 700, 1100), (1, 4, 4, 10
 def test_forward_gpu_sm90_three_causal_flat(shape, dtype):
     """The three-consumer causal flat build (OWN_PV): out and LSE against the float64 reference;
     at 4096, "auto" too, which takes one consumer a CTA on a grid of 8 heads
-    (``fwd_sm90.three_consumers_fill``)."""
-    from flashcore.ops import fwd_sm90
+    (``fwd_sm90_configs.three_consumers_fill``)."""
+    from flashcore.ops import fwd_sm90, fwd_sm90_configs
 
     require_sm90()
     batch, heads, kv_heads, seqlen_q, seqlen_k = shape
     q, k, v = make_qkv(Case(batch, heads, kv_heads, seqlen_q, seqlen_k, 64), dtype, "cuda")
-    config = fwd_sm90.D64_THREE._replace(persistent=False)
+    config = fwd_sm90_configs.D64_THREE._replace(persistent=False)
     out, lse = launch_sm90_forward(q, k, v, causal=True, config=config)
     assert not out.isnan().any() and not lse.isnan().any()
     check_forward(out, lse, q, k, v, causal=True)
     if seqlen_q == seqlen_k == 4096:
         grid = (batch * heads, fwd_sm90.num_sms(q.device.index))
-        assert fwd_sm90.pick_config(64, 4096, 4096, True, False, grid=grid) == fwd_sm90.ONE_D64
+        assert (
+            fwd_sm90_configs.pick_config(64, 4096, 4096, True, False, grid=grid)
+            == fwd_sm90_configs.ONE_D64
+        )
         auto_out, auto_lse = launch_sm90_forward(q, k, v, causal=True)
         assert not auto_out.isnan().any() and not auto_lse.isnan().any()
         check_forward(auto_out, auto_lse, q, k, v, causal=True)
@@ -666,41 +678,41 @@ def test_sm90_forward_window_config():
     """Windows of few keys a row take one consumer a CTA on 64-row, 64-key tiles (three CTAs an
     SM at D = 64, two at D = 128), up to ``WINDOW_ONE_MAX_KEYS``; longer windows, other head
     dims and packed batches of varying lengths keep the other rules."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
     def pick(head_dim, keys, causal=True, packed=False):
-        return fwd_sm90.pick_config(
+        return fwd_sm90_configs.pick_config(
             head_dim, 16384, 16384, causal, True, grid=(32, 132), packed=packed, keys=keys
         )
 
-    assert fwd_sm90.window_keys(True, True, 127, 32768) == 128  # causal: right is 0
-    assert fwd_sm90.window_keys(False, True, 64, 63) == 128
-    assert fwd_sm90.window_keys(False, True, 32768, 63) > 768  # left unbounded
-    assert fwd_sm90.window_keys(True, False, 127, 0) is None
-    assert pick(64, 128) == pick(64, 768) == fwd_sm90.ONE_D64_THREE_CTAS
-    assert pick(128, 128) == pick(128, 384, causal=False) == fwd_sm90.ONE_D128
-    assert pick(64, 769) == pick(64, None) == fwd_sm90.CONFIGS[64]
-    assert pick(128, 385) == pick(128, None) == fwd_sm90.CONFIGS[128]
-    assert pick(64, 128, packed=True) == fwd_sm90.CONFIGS[64]
-    assert pick(192, 128) == fwd_sm90.CONFIGS[192]
-    assert pick(256, 128) == fwd_sm90.CONFIGS[256]
+    assert fwd_sm90_configs.window_keys(True, True, 127, 32768) == 128  # causal: right is 0
+    assert fwd_sm90_configs.window_keys(False, True, 64, 63) == 128
+    assert fwd_sm90_configs.window_keys(False, True, 32768, 63) > 768  # left unbounded
+    assert fwd_sm90_configs.window_keys(True, False, 127, 0) is None
+    assert pick(64, 128) == pick(64, 768) == fwd_sm90_configs.ONE_D64_THREE_CTAS
+    assert pick(128, 128) == pick(128, 384, causal=False) == fwd_sm90_configs.ONE_D128
+    assert pick(64, 769) == pick(64, None) == fwd_sm90_configs.CONFIGS[64]
+    assert pick(128, 385) == pick(128, None) == fwd_sm90_configs.CONFIGS[128]
+    assert pick(64, 128, packed=True) == fwd_sm90_configs.CONFIGS[64]
+    assert pick(192, 128) == fwd_sm90_configs.CONFIGS[192]
+    assert pick(256, 128) == fwd_sm90_configs.CONFIGS[256]
 
 
 def test_sm90_forward_short_window_floor():
     """ "auto" takes the Hopper forward for a window below ``SM90_FWD_MIN_SEQLEN_WINDOW`` only where
     the one-consumer configs take the window (dense, from the general floors; captured, from
     ``SM90_FWD_MIN_FLOPS_GRAPH`` at D = 64 too); other windows keep the floor."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
-    assert fwd_sm90.takes_window_one(64, True, (127, 0))
-    assert fwd_sm90.takes_window_one(64, True, (767, -1))  # causal: the right side is 0
-    assert fwd_sm90.takes_window_one(64, False, (255, 255))
-    assert not fwd_sm90.takes_window_one(64, False, (127, -1))
-    assert not fwd_sm90.takes_window_one(64, True, (-1, 0))
-    assert not fwd_sm90.takes_window_one(64, False, (384, 384))
-    assert fwd_sm90.takes_window_one(128, False, (192, 191))
-    assert not fwd_sm90.takes_window_one(128, False, (255, 255))
-    assert not fwd_sm90.takes_window_one(192, True, (127, 0))
+    assert fwd_sm90_configs.takes_window_one(64, True, (127, 0))
+    assert fwd_sm90_configs.takes_window_one(64, True, (767, -1))  # causal: the right side is 0
+    assert fwd_sm90_configs.takes_window_one(64, False, (255, 255))
+    assert not fwd_sm90_configs.takes_window_one(64, False, (127, -1))
+    assert not fwd_sm90_configs.takes_window_one(64, True, (-1, 0))
+    assert not fwd_sm90_configs.takes_window_one(64, False, (384, 384))
+    assert fwd_sm90_configs.takes_window_one(128, False, (192, 191))
+    assert not fwd_sm90_configs.takes_window_one(128, False, (255, 255))
+    assert not fwd_sm90_configs.takes_window_one(192, True, (127, 0))
     flops = 4.0 * 32 * 32 * 512 * 512 * 64 / 2  # (32, 32, 512, 64) causal: 3.4e10
     assert tuning.sm90_forward(512, 512, 64, flops, True, window=True, short_window=True)
     assert not tuning.sm90_forward(512, 512, 64, flops, True, window=True)
@@ -718,7 +730,7 @@ def test_sm90_forward_short_window_floor():
                                short_window=True)  # fmt: skip
 
 
-# Windows that take ``fwd_sm90.WINDOW_ONE`` as launched: gpt-oss's layers (D = 64, causal
+# Windows that take ``fwd_sm90_configs.WINDOW_ONE`` as launched: gpt-oss's layers (D = 64, causal
 # (127, 0), GQA, sinks), ragged lengths with Sq != Sk both ways, non-causal with softcap and
 # ALiBi, fp16, windows at the rule's limits, and a head dim padded to 128.
 WINDOW_ONE_CASES = [
@@ -740,10 +752,10 @@ WINDOW_ONE_CASES = [
 def test_forward_gpu_sm90_window_one(mc, with_sinks, dtype, monkeypatch):
     """Windowed problems the launcher gives ``WINDOW_ONE``'s configs: that config picked, out and
     LSE against the float64 reference, every element written."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90, fwd_sm90_configs
 
     require_sm90()
-    real, picked = fwd_sm90.pick_config, []
+    real, picked = fwd_sm90_configs.pick_config, []
     monkeypatch.setattr(
         fwd_sm90, "pick_config", lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1]
     )
@@ -752,14 +764,14 @@ def test_forward_gpu_sm90_window_one(mc, with_sinks, dtype, monkeypatch):
     if with_sinks:
         kw["sinks"] = torch.randn(mc.case.heads, device="cuda")
     out, lse = launch_sm90_forward(q, k, v, **kw)
-    assert picked == [fwd_sm90.WINDOW_ONE[fwd_sm90.kernel_head_dim(mc.case.head_dim)]]
+    assert picked == [fwd_sm90_configs.WINDOW_ONE[fwd_sm90.kernel_head_dim(mc.case.head_dim)]]
     assert not out.isnan().any() and not lse.isnan().any()
     check_forward(out, lse, q, k, v, **kw)
 
 
-# Windows past the persistent rule's key count (``fwd_sm90.PERSISTENT_WINDOW_KEYS``) and past
-# ``WINDOW_ONE_MAX_KEYS``: causal at D = 64, GQA; non-causal at D = 128 with Sq < Sk; MQA with a
-# ragged length.
+# Windows past the persistent rule's key count (``fwd_sm90_configs.PERSISTENT_WINDOW_KEYS``) and
+# past ``WINDOW_ONE_MAX_KEYS``: causal at D = 64, GQA; non-causal at D = 128 with Sq < Sk; MQA
+# with a ragged length.
 WINDOW_PERSISTENT = [
     (Case(1, 4, 2, 8192, 8192, 64), True, (1023, 0)),
     (Case(1, 4, 4, 6000, 6100, 128), False, (256, 256)),
@@ -774,16 +786,16 @@ def test_forward_gpu_sm90_window_persistent(case, causal, window, monkeypatch):
     grid) and ``seqlen_k`` (flat grid): both against the reference; out bit for bit equal, and
     the LSE within the rounding by which the two builds' epilogues differ (H200: at most 1.44
     units in the last place, and the same with no window; docs/performance_features.md)."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90, fwd_sm90_configs
 
     require_sm90()
     q, k, v = make_qkv(case, torch.bfloat16, "cuda")
-    real, picked, results = fwd_sm90.use_persistent, [], {}
+    real, picked, results = fwd_sm90_configs.use_persistent, [], {}
     monkeypatch.setattr(
         fwd_sm90, "use_persistent", lambda *a: picked.append(real(*a)) or picked[-1]
     )
     for on in (False, True):
-        monkeypatch.setattr(fwd_sm90, "PERSISTENT_WINDOW_KEYS", on)
+        monkeypatch.setattr(fwd_sm90_configs, "PERSISTENT_WINDOW_KEYS", on)
         results[on] = launch_sm90_forward(q, k, v, causal=causal, window=window)
         assert picked[-1] == on
         out, lse = results[on]
@@ -809,13 +821,15 @@ ONE_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize(("case", "causal"), ONE_CASES, ids=lambda x: getattr(x, "id", str(x)))
 def test_forward_gpu_sm90_one_consumer(case, causal, dtype):
-    """``fwd_sm90.ONE`` launched directly at lengths and grids it is not picked for: out and LSE
-    against the float64 reference, every element written."""
-    from flashcore.ops import fwd_sm90
+    """``fwd_sm90_configs.ONE`` launched directly at lengths and grids it is not picked for: out
+    and LSE against the float64 reference, every element written."""
+    from flashcore.ops import fwd_sm90_configs
 
     require_sm90()
     q, k, v = make_qkv(case, dtype, "cuda")
-    out, lse = launch_sm90_forward(q, k, v, causal=causal, config=fwd_sm90.ONE[case.head_dim])
+    out, lse = launch_sm90_forward(
+        q, k, v, causal=causal, config=fwd_sm90_configs.ONE[case.head_dim]
+    )
     assert not out.isnan().any() and not lse.isnan().any()
     check_forward(out, lse, q, k, v, causal=causal)
 
@@ -828,7 +842,7 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, consumers, monkeypatc
     """Every causal work order (``lpt_heads``) and a persistent grid of any size cover every tile
     once: out and LSE against the reference (B * H = 8 heads, 8 query tiles each, 5 tiles with
     a ragged last one; with one consumer a CTA, 64-row tiles: 16 and 10)."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
     require_sm90()
     grid, lpt_heads = order
@@ -839,8 +853,8 @@ def test_forward_gpu_sm90_causal_orders(order, persistent, consumers, monkeypatc
             n_work = len(costs) * heads
             return (min(_grid, n_work) if persistent_ else n_work), _lpt
 
-        monkeypatch.setattr(fwd_sm90, "causal_order", order_of)
-        base = fwd_sm90.CONFIGS[128] if consumers == 2 else fwd_sm90.ONE[128]
+        monkeypatch.setattr(fwd_sm90_configs, "causal_order", order_of)
+        base = fwd_sm90_configs.CONFIGS[128] if consumers == 2 else fwd_sm90_configs.ONE[128]
         config = base._replace(persistent=persistent)
         out, lse = launch_sm90_forward(q, k, v, causal=True, config=config)
         assert not out.isnan().any() and not lse.isnan().any()
@@ -1025,14 +1039,14 @@ RISING = [
 def test_forward_gpu_sm90_rising_max(rows, case, causal, config, dtype):
     """Rows whose running max moves many times (and by more than the slack) beside rows whose
     max never moves, on the Hopper forward: out and LSE against the float64 reference."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90_configs
 
     require_sm90()
     cfg = {
         None: None,
-        "three": fwd_sm90.D64_THREE,
-        "three-flat": fwd_sm90.D64_THREE._replace(persistent=False),
-        "one": fwd_sm90.ONE.get(case.head_dim),
+        "three": fwd_sm90_configs.D64_THREE,
+        "three-flat": fwd_sm90_configs.D64_THREE._replace(persistent=False),
+        "one": fwd_sm90_configs.ONE.get(case.head_dim),
     }[config]
     gen = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = make_qkv(case, torch.float32, "cuda")
@@ -1130,11 +1144,11 @@ def test_forward_gpu_sm90_narrow_qk(monkeypatch, mc, layout, with_sinks, dtype):
     written), with the two-consumer config these small grids would not pick by themselves
     (``one_consumer`` off), then through ``use_tier("sm90")`` with its gradients: against the
     float64 reference, and the plan's Q/K width the narrow one."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90, fwd_sm90_configs
     from helpers import check_backward
 
     require_sm90()
-    monkeypatch.setattr(fwd_sm90, "one_consumer", lambda *args, **kw: None)
+    monkeypatch.setattr(fwd_sm90_configs, "one_consumer", lambda *args, **kw: None)
     widths = []
     real = fwd_sm90.launch
     monkeypatch.setattr(

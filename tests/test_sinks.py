@@ -357,7 +357,7 @@ def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
     """The Hopper forward's HAS_SINKS build, launched directly on every schedule, three consumers
     at D=64 and one a CTA (the dispatch picks one schedule per shape): out and LSE against the
     reference."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90, fwd_sm90_configs
 
     q, k, v = make_qkv(mc.case, dtype, device)
     if not (sm90_tier_runs(q.device) and fwd_sm90.dense_problem(q, k, v)):
@@ -370,11 +370,11 @@ def test_sinks_gpu_sm90_forward_kernel(mc, label, dtype, schedule, device):
     sinks = case_sinks(mc, device)
     c = mc.case
     config = {
-        "flat": fwd_sm90.CONFIGS[c.head_dim]._replace(persistent=False),
-        "persistent": fwd_sm90.CONFIGS[c.head_dim]._replace(persistent=True),
-        "three": fwd_sm90.D64_THREE._replace(persistent=False),
-        "one": fwd_sm90.ONE[c.head_dim],
-        "one-3-ctas": fwd_sm90.ONE_D64_THREE_CTAS,
+        "flat": fwd_sm90_configs.CONFIGS[c.head_dim]._replace(persistent=False),
+        "persistent": fwd_sm90_configs.CONFIGS[c.head_dim]._replace(persistent=True),
+        "three": fwd_sm90_configs.D64_THREE._replace(persistent=False),
+        "one": fwd_sm90_configs.ONE[c.head_dim],
+        "one-3-ctas": fwd_sm90_configs.ONE_D64_THREE_CTAS,
     }[schedule]
     out, lse = launch_sm90_forward(q, k, v, sinks=sinks, config=config, **opts)
     scale = c.head_dim**-0.5

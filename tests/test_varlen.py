@@ -145,8 +145,8 @@ def test_varlen_gpu_no_sync():
 # consumer's 64 rows, empty ones, lengths at and past the tiles' edges, and the builds the
 # launcher picks from the longest lengths: (case, V's head dim, options).
 VARLEN_SM90 = [
-    # D = 128: two consumers, on the flat grid (lengths that vary: fwd_sm90.varlen_spread) or
-    # the persistent one (lengths near equal).
+    # D = 128: two consumers, on the flat grid (lengths that vary: fwd_sm90_configs.varlen_spread)
+    # or the persistent one (lengths near equal).
     (VarlenCase(8, 2, (1000, 1003, 990, 1017), (1000, 1003, 990, 1017), 128), 128, {}),
     (VarlenCase(8, 2, (1000, 1003, 990, 1017), (1100, 1003, 990, 1017), 128), 128,
      {"causal": True}),
@@ -660,8 +660,9 @@ def test_varlen_sm90_auto_judges_mean_lengths(monkeypatch):
 
 def test_varlen_spread_takes_the_flat_grid():
     """A packed batch whose grid rows (batch x longest) reach 1.25x its rows runs the flat grid
-    (``fwd_sm90.varlen_spread``); equal lengths, and dense problems, keep the launcher's choice."""
-    from flashcore.ops.fwd_sm90 import varlen_spread
+    (``fwd_sm90_configs.varlen_spread``); equal lengths, and dense problems, keep the launcher's
+    choice."""
+    from flashcore.ops.fwd_sm90_configs import varlen_spread
 
     assert varlen_spread(16, 4096, 39600)  # 256-4096 tokens: 1.65x
     assert not varlen_spread(16, 2048, 16 * 2048)  # equal lengths

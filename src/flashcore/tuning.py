@@ -362,12 +362,13 @@ def sm90_backward(
 #   non-causal and 1.10x causal (0.99x and 0.85x cuDNN; before the K/V release fix it was
 #   0.72-1.09x the portable one).
 #   Since then, causal D=128 at S <= 512 takes one consumer a CTA and two CTAs an SM
-#   (ops/fwd_sm90.py: ONE; before it, 64-key tiles with two consumers at 0.92-0.94x cuDNN).
+#   (ops/fwd_sm90_configs.py: ONE; before it, 64-key tiles with two consumers at 0.92-0.94x cuDNN).
 # - D=64, two consumer warpgroups (persistent at these lengths): 1.04-1.10x the portable forward
 #   non-causal at S = 512, about equal at 1024; causal 1.04x at 2048, equal at 1024, 0.84x at
-#   512. Three consumer warpgroups (ops/fwd_sm90.py: pick_config): 1.06-1.12x cuDNN non-causal
-#   from S = 2048 on; causal from 4096 on 1.01-1.11x the two-consumer kernel (0.94-1.11x cuDNN).
-#   (Causal ones on few heads later took one consumer a CTA: fwd_sm90.three_consumers_fill.)
+#   512. Three consumer warpgroups (ops/fwd_sm90_configs.py: pick_config): 1.06-1.12x cuDNN
+#   non-causal from S = 2048 on; causal from 4096 on 1.01-1.11x the two-consumer kernel
+#   (0.94-1.11x cuDNN). (Causal ones on few heads later took one consumer a CTA:
+#   fwd_sm90_configs.three_consumers_fill.)
 # The window, softcap and ALiBi variants were checked for numerics but not timed, so they stay
 # portable under "auto".
 # Host cost: an eager forward through attention() costs 87 us of host time a call on this tier
@@ -381,8 +382,8 @@ def sm90_backward(
 SM90_FWD_MIN_SEQLEN = 512
 SM90_FWD_MIN_SEQLEN_D64 = 512
 # Causal D=64 up to 1024 queries and keys runs one consumer a CTA, two CTAs an SM
-# (ops/fwd_sm90.py: ONE): at the FA sweep's batch 249 TFLOP/s against the portable forward's 220
-# at S = 512 and 298 against 287 at 1024, and 275 against 202 at (2, 16, 1024) (H100, bf16,
+# (ops/fwd_sm90_configs.py: ONE): at the FA sweep's batch 249 TFLOP/s against the portable forward's
+# 220 at S = 512 and 298 against 287 at 1024, and 275 against 202 at (2, 16, 1024) (H100, bf16,
 # CUDA-graph replays, three rounds in one process), so it takes the same floor as non-causal.
 # The MLA head dims (Q/K 192, V 128; ops/fwd_sm90.py: MLA_HEAD_DIMS): at 4096 and 8192 (H100,
 # bf16, one run, scripts/feature_bench.py --cases mla) 1.84-1.95x the portable forward, 1.11-1.17x
@@ -424,9 +425,9 @@ SM90_FWD_MIN_FLOPS = 3e10
 # from 4096 on.
 SM90_FWD_MIN_SEQLEN_WINDOW = 2048
 # ... except windows of few keys a row, which the Hopper forward gives one consumer a CTA on
-# 64 x 64 tiles (ops/fwd_sm90.py: WINDOW_ONE, ``takes_window_one``; ``short_window``): from the
-# general floors on, but captured only from SM90_FWD_MIN_FLOPS_GRAPH (at D = 64 too). H200, bf16,
-# flashcore-bench --cuda-graph, flashcore-portable / flashcore-sm90 in one process, graph time
+# 64 x 64 tiles (ops/fwd_sm90_configs.py: WINDOW_ONE, ``takes_window_one``; ``short_window``): from
+# the general floors on, but captured only from SM90_FWD_MIN_FLOPS_GRAPH (at D = 64 too). H200,
+# bf16, flashcore-bench --cuda-graph, flashcore-portable / flashcore-sm90 in one process, graph time
 # (eager do_bench in brackets): causal (127, 0), two runs, (32, 32, 512, 64) 1.56 (1.52-1.53),
 # (16, 32, 1024, 64) 1.38-1.49 (1.50-1.51), (32, 16, 512, 128) 1.57 (1.46), (16, 16, 1024, 128)
 # 1.57 (1.50), but captured (2, 8, 1024, 64) (2.7e8 FLOPs) 0.90-0.91; non-causal (255, 255), one
@@ -443,8 +444,8 @@ SM90_FWD_MIN_SEQLEN_ALIBI = 4096
 # 35.3 (SDPA 36.3), non-causal (2, 16, 1024, 64) 23.8 / 23.9; 1.7e10 causal (2, 8, 2048, 128)
 # 33.0-34.3 / 54.6-55.3 (SDPA 52.6-53.5), non-causal (2, 8, 2048, 64) 41.5 / 43.0.
 SM90_FWD_MIN_FLOPS_GRAPH = 3e9
-# At D=64 the captured Hopper forward (one consumer a CTA at these sizes, ops/fwd_sm90.py: ONE)
-# beat the portable one at every size measured from the length floor on, so captured D=64
+# At D=64 the captured Hopper forward (one consumer a CTA at these sizes, ops/fwd_sm90_configs.py:
+# ONE) beat the portable one at every size measured from the length floor on, so captured D=64
 # calls have no FLOP floor: H100, bf16, CUDA-graph replays, three rounds in one process,
 # TFLOP/s Hopper / portable: (1, 1, 512) 11.4 / 10.8 and causal (3.4e7 FLOPs) 5.3 / 4.8, (1, 2,
 # 512) causal 10.8 / 9.4, (1, 4, 512) 44.5 / 41.3 and causal 21.0 / 18.8, (1, 8, 512) 87.4 / 82.4
@@ -478,7 +479,7 @@ def sm90_forward(
     """Whether "auto" takes the Hopper forward for this problem (where it measured faster);
     ``flops``: the forward's ``4 B H Sq Sk D`` (halved for causal); ``window``, ``softcap``,
     ``alibi``: those options are on (``short_window``: a window of few enough keys a row for the
-    one-consumer configs, ``fwd_sm90.takes_window_one``); ``varlen``: a packed batch, whose
+    one-consumer configs, ``fwd_sm90_configs.takes_window_one``); ``varlen``: a packed batch, whose
     lengths are its mean ones; ``graph``: the call is being captured into a CUDA graph (the
     kernels' time alone counts)."""
     if graph:

@@ -25,7 +25,8 @@ import torch
 
 from flashcore.ops import bwd_sm90, runtime
 from flashcore.ops import problem as pb
-from flashcore.ops.fwd_sm90 import MLA_HEAD_DIMS, box_layout, lpt_group, packed_view, tma_ok
+from flashcore.ops.fwd_sm90 import MLA_HEAD_DIMS, box_layout, packed_view, tma_ok
+from flashcore.ops.fwd_sm90_configs import lpt_group
 from flashcore.ops.launch import Descriptor, Launcher, cached
 
 ROWS = 64  # keys a program and query rows a step (kernels/hopper/bwd256.py)

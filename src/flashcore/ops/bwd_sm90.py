@@ -30,13 +30,13 @@ from flashcore.ops.fwd_sm90 import (
     box_layout,
     dense_problem,
     kernel_head_dim,
-    lpt_group,
     num_sms,
     packed_problem,
     packed_view,
     padded_head_dims,
     tma_ok,
 )
+from flashcore.ops.fwd_sm90_configs import lpt_group
 from flashcore.ops.launch import Bound, Descriptor, Launcher, cached, current_stream, remember
 
 ROWS = 64  # query rows per step and keys per consumer warpgroup (kernels/hopper/bwd.py)

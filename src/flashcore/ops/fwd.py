@@ -358,7 +358,7 @@ def _sm90_plan(
     """The Hopper forward's launch (``fwd_sm90.Plan``) where "auto" or ``use_tier("sm90")`` takes
     it for this problem and the tier covers it, else False (``capturing``: into a CUDA graph;
     ``block_table``: paged k and v, whose page size the tier may not take)."""
-    from flashcore.ops import fwd_sm90
+    from flashcore.ops import fwd_sm90, fwd_sm90_configs
 
     dims = pb.problem_dims(q, k, varlen)
     # The kernels' head dim: 128 for those between 64 and 128 (fwd_sm90.PADDED_HEAD_DIMS), 256
@@ -386,7 +386,7 @@ def _sm90_plan(
         softcap=softcap > 0,
         alibi=alibi_slopes is not None,
         varlen=varlen is not None,
-        short_window=fwd_sm90.takes_window_one(head_dim, causal, window),
+        short_window=fwd_sm90_configs.takes_window_one(head_dim, causal, window),
     )
     if not wanted or not fwd_sm90.supports(
         q, k, v, causal=causal, window=window, softcap=softcap, alibi=alibi_slopes,

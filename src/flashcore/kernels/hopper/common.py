@@ -131,7 +131,7 @@ def interleave(w, n_items, lpt_heads):
     ``lpt_heads`` heads (a divisor of ``B * H``) take them in turn: group g's items are its heads'
     item 0, one per head, then their item 1, and so on. ``lpt_heads = 1`` is head-major (a head's
     items consecutive). Causal kernels order each head's items heaviest first, so a group of
-    heads meets the SMs heaviest first (``ops/fwd_sm90.py: causal_order``)."""
+    heads meets the SMs heaviest first (``ops/fwd_sm90_configs.py: causal_order``)."""
     per_group = n_items * lpt_heads
     group = w // per_group
     r = w - group * per_group

@@ -66,12 +66,12 @@ Schedule (one CTA, ``gl.warp_specialize``):
   P goes to its 16-bit operand form right after the ``wait_group 0`` that frees the previous
   one, so that the fp32 P is not live while the next ``Q K^T`` fills its accumulator (160
   registers).
-- One consumer (``ops/fwd_sm90.py: ONE``): the default partition alone, 64-row work tiles, no
-  ping-pong (PINGPONG off), and a register cap at entry low enough (128 over the 8 warps Gluon
-  makes of one warpgroup and the producer warp padded to a warpgroup) and shared memory small
-  enough for two CTAs an SM. The two CTAs' consumers share the tensor cores with no turns
-  between them, so one CTA's tile boundary (its last ``P V``, epilogue and next Q) runs while
-  the other's products do; the persistent grid has two programs an SM.
+- One consumer (``ops/fwd_sm90_configs.py: ONE``): the default partition alone, 64-row work tiles,
+  no ping-pong (PINGPONG off), and a register cap at entry low enough (128 over the 8 warps Gluon
+  makes of one warpgroup and the producer warp padded to a warpgroup) and shared memory small enough
+  for two CTAs an SM. The two CTAs' consumers share the tensor cores with no turns between them, so
+  one CTA's tile boundary (its last ``P V``, epilogue and next Q) runs while the other's products
+  do; the persistent grid has two programs an SM.
 - Epilogue, per consumer: ``O / l`` cast to the output dtype, written into this consumer's Q
   slot (its last reader, the final ``Q K^T``, has completed), ``fence.proxy.async``, one TMA
   store of the ``(1, 1, 64, D)`` block (the copy engine drops rows past Sq); the LSE row by row
@@ -139,8 +139,8 @@ the K/V ring, and per Q slot a
   constants of the lazy rescale were spilled at head dim 256.
 
 Dynamic deal (DYNAMIC, persistent causal dense problems of the configs that measured faster with
-it: ``ops/fwd_sm90.py: DYNAMIC_DEAL``). Program ``pid``'s first item is ``pid``; every later one
-is drawn by its producer from a counter in global memory (WORK, int32, zero at launch):
+it: ``ops/fwd_sm90_configs.py: DYNAMIC_DEAL``). Program ``pid``'s first item is ``pid``; every
+later one is drawn by its producer from a counter in global memory (WORK, int32, zero at launch):
 ``grid + atomic_add(WORK, 1)`` (``common.dealt_item``), drawn once the producer has issued the
 current tile's last K/V load, so the program that frees up first takes the next heaviest tile (the
 items are in the flat grid's order). A launch draws exactly ``n_work`` tickets (``n_work - grid``
@@ -415,7 +415,7 @@ def _consumer_tile(
         l_i = sums_start(0.0, BLOCK_N)
     acc = gl.zeros([ROWS, HEAD_DIM_V], gl.float32, layout=o_layout)
     # Three consumers, causal, on the flat grid (D = 64 from 4096 keys, on grids of four rounds
-    # and more: ops/fwd_sm90.py, three_consumers_fill): each softmax kept under its own P V
+    # and more: ops/fwd_sm90_configs.py, three_consumers_fill): each softmax kept under its own P V
     # (fwd_steps._steps, OWN_PV): 1.5-2% faster there; the other builds with three consumers
     # gained less or spilled with it (docs/hopper_fwd_configs.md, "Row sums per thread").
     OWN_PV: gl.constexpr = (
