@@ -757,7 +757,9 @@ def test_forward_gpu_sm90_window_one(mc, with_sinks, dtype, monkeypatch):
     require_sm90()
     real, picked = fwd_sm90_configs.pick_config, []
     monkeypatch.setattr(
-        fwd_sm90, "pick_config", lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1]
+        fwd_sm90_configs,
+        "pick_config",
+        lambda *a, **kw: picked.append(real(*a, **kw)) or picked[-1],
     )
     q, k, v = make_qkv(mc.case, dtype, "cuda")
     kw = mask_options(mc, "cuda")
@@ -786,13 +788,13 @@ def test_forward_gpu_sm90_window_persistent(case, causal, window, monkeypatch):
     grid) and ``seqlen_k`` (flat grid): both against the reference; out bit for bit equal, and
     the LSE within the rounding by which the two builds' epilogues differ (H200: at most 1.44
     units in the last place, and the same with no window; docs/performance_features.md)."""
-    from flashcore.ops import fwd_sm90, fwd_sm90_configs
+    from flashcore.ops import fwd_sm90_configs
 
     require_sm90()
     q, k, v = make_qkv(case, torch.bfloat16, "cuda")
     real, picked, results = fwd_sm90_configs.use_persistent, [], {}
     monkeypatch.setattr(
-        fwd_sm90, "use_persistent", lambda *a: picked.append(real(*a)) or picked[-1]
+        fwd_sm90_configs, "use_persistent", lambda *a: picked.append(real(*a)) or picked[-1]
     )
     for on in (False, True):
         monkeypatch.setattr(fwd_sm90_configs, "PERSISTENT_WINDOW_KEYS", on)
