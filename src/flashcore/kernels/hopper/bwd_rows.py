@@ -2,7 +2,7 @@
 ``bwd_prep_kernel`` before the main kernel (the row stats delta and lse2, and the fp32 dQ
 accumulator zeroed) and ``bwd_dq_kernel`` after it (dQ scaled and rounded out of that
 accumulator); with PDL each overlaps the main kernel's launch (``bwd.py``, "Dependent
-launches").
+launch").
 """
 
 import triton
