@@ -11,7 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:scripts PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
-python -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_forward.py tests/test_masks.py \
+python -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_forward.py tests/test_forward_sm90.py \
+    tests/test_forward_sm90_rules.py tests/test_masks.py \
     tests/test_sinks.py tests/test_varlen.py -k "window" > "$OUT/band_fwd_tests.log" 2>&1
 status=$?
 tail -4 "$OUT/band_fwd_tests.log"

@@ -13,7 +13,7 @@ set -x
 nvidia-smi --query-gpu=name --format=csv,noheader
 export PYTHONPATH=src
 timeout 240 python -m pytest -q -p no:cacheprovider -m gpu tests/test_value_dim.py -k sm90 \
-    tests/test_forward.py::test_forward_gpu_sm90_kernel_d256 > $OUT/dims_test.log 2>&1
+    tests/test_forward_sm90.py::test_forward_gpu_sm90_kernel_d256 > $OUT/dims_test.log 2>&1
 echo "tests rc=$?"; tail -15 $OUT/dims_test.log
 for run in 1 2; do
     timeout 120 python scripts/feature_bench.py --cases mla --mla-sm90 > $OUT/mla_bench$run.log 2>&1

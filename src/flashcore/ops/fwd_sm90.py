@@ -30,7 +30,7 @@ MLA_HEAD_DIMS = (192, 128)
 MLA_VERIFIED = True
 # Head dim 256: BLOCK_N = 64, flat, 197 KB of shared memory, compiled spill-free for sm_90a
 # (tests/test_compile_hopper.py); on the H100
-# tests/test_forward.py::test_forward_gpu_sm90_kernel_d256 passed (10 cases, fp16 and bf16:
+# tests/test_forward_sm90.py::test_forward_gpu_sm90_kernel_d256 passed (10 cases, fp16 and bf16:
 # causal with Sq > Sk, GQA/MQA, window + softcap, ALiBi, sinks, (B, S, H, D) views).
 WIDE_HEAD_DIMS = (256, 256)
 WIDE_VERIFIED = True
@@ -57,8 +57,8 @@ NARROW_VERIFIED = True
 # Head dims between 128 and 256 (136, 144, ..., 248; V's equal, so not MLA's (192, 128)) run the
 # D = 256 forward the same way, over 256-column boxes; the portable kernels pad them to 256 as
 # well. Their backward runs the head-dim-256 Gluon kernels the same way (ops/bwd256.py).
-# On the H100 tests/test_forward.py::test_forward_gpu_sm90_wide_padded passed (10 cases, fp16 and
-# bf16: head dims 136-248) and the forward ran 1.28-1.54x the portable one at 160, 192 and 224
+# On the H100 tests/test_forward_sm90.py::test_forward_gpu_sm90_wide_padded passed (10 cases, fp16
+# and bf16: head dims 136-248) and the forward ran 1.28-1.54x the portable one at 160, 192 and 224
 # (docs/hopper_fwd_configs.md, "Head dims between 128 and 256").
 WIDE_PADDED_HEAD_DIMS = tuple((d, d) for d in range(136, 256, 8))
 WIDE_PADDED_VERIFIED = True
