@@ -32,7 +32,7 @@ from flashcore.ops.launch import Descriptor, Launcher, cached
 ROWS = 64  # keys a program and query rows a step (kernels/hopper/bwd256.py)
 HEAD_DIM = 256
 # On since the kernels ran right on a GPU (an H200, Triton 3.6: the `d256` GPU tests of
-# tests/test_backward.py and tests/test_sinks.py, softcap, ALiBi and head dims 136-248 among
+# tests/test_backward_d256.py and tests/test_sinks.py, softcap, ALiBi and head dims 136-248 among
 # them; compute-sanitizer memcheck and synccheck clean). Everywhere it was timed the backward beat
 # the portable one (1.6-2.0x at S 1024-8192, 32k tokens, with softcap too; head dim 192 1.9x;
 # docs/performance_backward.md, "Head dim 256"), so it is taken wherever it applies; tests force

@@ -41,9 +41,9 @@ WIDE_VERIFIED = True
 # tensors, so the copy engine fills the columns past D with zeros on loads (they add nothing to
 # Q K^T, and P V's extra output columns are zero) and drops them on stores and reduce-adds
 # (``kernel_head_dim``). The portable kernels pad these head dims to 128 as well (``BLOCK_D``).
-# On the H100 tests/test_backward.py::test_sm90_padded_head_dims passed (10 cases, fp16 and bf16:
-# head dims 72-112, forward and backward through both Hopper tiers) and the tiers ran 1.09-1.36x
-# (forward) and 1.24-1.54x (backward) the portable ones at 80, 96 and 112
+# On the H100 tests/test_backward_sm90.py::test_sm90_padded_head_dims passed (10 cases, fp16 and
+# bf16: head dims 72-112, forward and backward through both Hopper tiers) and the tiers ran
+# 1.09-1.36x (forward) and 1.24-1.54x (backward) the portable ones at 80, 96 and 112
 # (docs/hopper_fwd_configs.md, "Head dims between 64 and 128").
 PADDED_HEAD_DIMS = tuple((d, d) for d in range(72, 128, 8))
 PADDED_VERIFIED = True

@@ -1,6 +1,6 @@
 """FlashAttention-3-style backward for Hopper (sm_90a) in Gluon: one pass per key block, dQ by
 TMA reduce-add. Compiled for sm_90a on the CPU (``tests/test_compile_hopper_bwd.py``) and checked
-on the H100 (``scripts/hopper_bwd.py check``, the GPU tests of ``tests/test_backward.py``).
+on the H100 (``scripts/hopper_bwd.py check``, the GPU tests of ``tests/test_backward_sm90.py``).
 This module holds the kernel (its buffers, barriers and partitions); the producer warp and each
 program's work are in ``bwd_load.py``, the consumer warpgroups and the dQ warpgroup in
 ``bwd_steps.py``, dQ's staging and reduce in ``bwd_dq.py``, the row kernels before and after it
