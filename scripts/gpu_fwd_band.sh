@@ -13,7 +13,7 @@ export PYTHONPATH=src:scripts PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 python -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_forward.py tests/test_forward_sm90.py \
     tests/test_forward_sm90_rules.py tests/test_masks.py \
-    tests/test_sinks.py tests/test_varlen.py -k "window" > "$OUT/band_fwd_tests.log" 2>&1
+    tests/test_sinks.py tests/test_varlen.py tests/test_varlen_sm90.py -k "window" > "$OUT/band_fwd_tests.log" 2>&1
 status=$?
 tail -4 "$OUT/band_fwd_tests.log"
 base=${1:-ab_base}

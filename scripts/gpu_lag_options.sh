@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src:scripts PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 python -m pytest -q -m gpu -n 8 -p no:cacheprovider tests/test_backward.py tests/test_backward_sm90.py \
-    tests/test_varlen.py \
+    tests/test_varlen.py tests/test_varlen_sm90.py \
     -k "lag" > "$OUT/lag_tests.log" 2>&1
 status=$?
 tail -4 "$OUT/lag_tests.log"

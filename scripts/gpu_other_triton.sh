@@ -6,7 +6,7 @@
 # Usage (the device's `run`, carry [".triton-3.8.0/part-ab"], after a call that stashed part-aa):
 #   [SM90_GATE=1] [TIMING=0] bash scripts/gpu_other_triton.sh 3.8.0 [pytest arguments]
 # Default pytest arguments: -m gpu -n 8 tests/test_forward*.py tests/test_decode.py
-# tests/test_varlen.py. Logs under $OUT (pytest.log). Without SM90_GATE the Gluon tier is off on a
+# tests/test_varlen.py tests/test_varlen_sm90.py. Logs under $OUT (pytest.log). Without SM90_GATE the Gluon tier is off on a
 # Triton it was not verified on (ops/runtime.py: SM90_TRITON), so the tests run the portable
 # kernels and the tests' own skips, and a one-line timing of the portable forward and backward
 # (B 2, H 16, S 4096, D 128, bf16, causal and not) follows. SM90_GATE=1 opens the gate for this
@@ -22,7 +22,7 @@ source scripts/triton_payload.sh use "$version" || exit 3
 export PYTHONPATH="src:scripts:$PYTHONPATH" PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp}
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, triton.__file__)"
-[ $# -gt 0 ] || set -- -m gpu -n 8 tests/test_forward.py tests/test_forward_sm90.py tests/test_forward_sm90_rules.py tests/test_decode.py tests/test_varlen.py
+[ $# -gt 0 ] || set -- -m gpu -n 8 tests/test_forward.py tests/test_forward_sm90.py tests/test_forward_sm90_rules.py tests/test_decode.py tests/test_varlen.py tests/test_varlen_sm90.py
 gate=()
 [ "${SM90_GATE:-0}" = 1 ] && gate=(-p sm90_gate)
 timeout "${PYTEST_SECONDS:-420}" python -m pytest -q -p no:cacheprovider "${gate[@]}" "$@" \
