@@ -63,7 +63,7 @@ def skeleton(body: list[str]) -> list[str]:
 
 
 def _report(label: str, sass: str, show_skeleton: bool) -> None:
-    from test_compile_hopper import step_loops
+    from hopper_compile import step_loops
     from test_compile_hopper_bwd import loop_mix
 
     for i, body in enumerate(step_loops(sass)):

@@ -30,7 +30,7 @@ import sys
 import pytest
 
 from compile_shards import emit_variants
-from test_compile_hopper import assemble, assert_register_split, compiled_rows, step_loops
+from hopper_compile import assemble, assert_register_split, compiled_rows, step_loops
 
 SMEM_LIMIT = 227 * 1024
 

@@ -252,7 +252,7 @@ def load_probe():
     pytest.importorskip("triton.experimental.gluon", reason="triton without Gluon")
     import triton
 
-    from test_compile_hopper import COMPILE_CHECKED
+    from hopper_compile import COMPILE_CHECKED
 
     if not triton.__version__.startswith(COMPILE_CHECKED):
         pytest.skip(f"the SASS checks read the code Triton {COMPILE_CHECKED} compiles")
