@@ -1,24 +1,24 @@
-"""The flashcore-bench CLI: the smoke run end to end, argument errors, and its building blocks.
+"""The flashcore-bench CLI run end to end: the presets and providers, their rows and refusals
+(argument errors and building blocks: ``test_bench_cli.py``; the report: ``test_bench_report.py``).
 
 Without CUDA everything runs through Triton's interpreter (conftest sets it); with CUDA the smoke
 run is timed with do_bench, and the assertions below hold either way.
 """
 
-import json
-import math
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from flashcore import reference
-from flashcore.bench import cases, check, metrics, providers, report, runner
-from flashcore.bench.cli import build_parser, main
+from flashcore.bench import cases, check, metrics, providers, report
+from flashcore.bench.cli import main
 from flashcore.bench.report import read_jsonl
 
 HAS_CUDA = torch.cuda.is_available()
+
+
 GRADS = ("out", *check.GRAD_NAMES)
+
+
 KEYS = {
     "provider", "mode", "dtype", "shape", "batch", "heads", "kv_heads", "seqlen_q", "seqlen_k",
     "head_dim", "causal", "status", "reason", "ms_p20", "ms_p50", "ms_p80", "timer", "tflops",
@@ -328,52 +328,6 @@ def test_wrong_and_refusing_providers(tmp_path, monkeypatch):
     assert main([*argv[:-1], "flashcore", "--out", str(out)]) == 1
 
 
-@pytest.mark.parametrize(
-    ("shape", "message"),
-    [
-        ("1,2,3", "expected B,H,S,D[:Dv][,Hkv[,Sk]] (4 to 6 integers)"),
-        ("1,2,x,64", "with integers"),
-        ("1,0,128,64", "H must be a positive integer"),
-        ("1,6,128,64,4", "H (6) must be a multiple of Hkv (4)"),
-        ("1,2,128,512", "D must be at most 256"),
-        ("1,2,128,192:512", "Dv must be at most 256"),
-        ("1,2,128,64:0", "Dv must be a positive integer, got 0"),
-        ("1,2,128,64:", "with integers"),
-        ("1,2,128,64:32:16", "with integers"),
-        ("1,2,128:64,64", "only D takes a value head dim (D:Dv, as 192:128), got S='128:64'"),
-        ("1,4,128,64,2:1", "only D takes a value head dim"),
-    ],
-)
-def test_bad_shape(shape, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["--shape", shape])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert "argument --shape" in err and message in err
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--providers", "sdpa,nope"], "nope not in"),
-        (["--mode", "fwd,back"], "back not in"),
-        (["--dtype", "fp8"], "fp8 not in"),
-        (["--causal", "maybe"], "invalid choice"),
-        (["--preset", "smoke", "--causal", "on", "--shape", "1,1,8,16", "--warmup", "0"], "warmup"),
-        (["--cuda-graph", "--graph-calls", "0"], "argument --graph-calls"),
-        (["--window", "128"], "expected LEFT,RIGHT (two integers)"),
-        (["--window", "128,x"], "expected LEFT,RIGHT (two integers)"),
-        (["--window=-2,0"], "window sides must be >= 0, or -1"),
-        (["--window=-1,-1"], "bounds neither side"),
-    ],
-)
-def test_bad_arguments(argv, message, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
 @pytest.mark.skipif(HAS_CUDA, reason="the GPU-only errors need a machine without CUDA")
 @pytest.mark.parametrize(
     ("argv", "message"),
@@ -389,327 +343,6 @@ def test_bad_arguments(argv, message, capsys):
 def test_gpu_only_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_module_entry_point():
-    result = subprocess.run(
-        [sys.executable, "-m", "flashcore.bench", "--help"], capture_output=True, text=True
-    )
-    assert result.returncode == 0
-    assert "--preset" in result.stdout and "flashcore-bench" in result.stdout
-
-
-def test_shape_syntax_round_trip():
-    for text in ["1,8,512,64", "2,16,1024,128,4", "1,8,1,64,8,4096", "1,8,100,64,2,300"]:
-        assert cases.parse_shape(text).spec == text
-        assert cases.parse_shape(text).value_dim == cases.parse_shape(text).head_dim
-    assert cases.parse_shape("1,8,512,64,8,512").spec == "1,8,512,64"
-    # D:Dv, the value head dim; Dv = D is the plain spec.
-    for text in ["1,128,4096,192:128", "2,16,1024,64:128,4", "1,8,100,192:128,2,300"]:
-        assert cases.parse_shape(text).spec == text
-    mla = cases.parse_shape(" 1, 16, 512, 192:128 ")
-    assert (mla.head_dim, mla.value_dim, mla.kv_heads, mla.seqlen_k) == (192, 128, 16, 512)
-    assert mla == cases.shape(1, 16, 512, 192, dv=128)
-    assert cases.parse_shape("1,8,512,64:64").spec == "1,8,512,64"
-
-
-def test_decode_presets():
-    for name in cases.DECODE_PRESETS:
-        for c in cases.preset_cases(name):
-            s = c.shape
-            assert s.seqlen_q == 1 and s.seqlen_k > 1 and s.heads % s.kv_heads == 0
-    gpu = cases.preset_cases("decode")
-    assert {(c.shape.batch, c.shape.seqlen_k) for c in gpu} == {
-        (b, sk) for b in (1, 8) for sk in (4096, 16384, 32768)
-    }
-
-
-def test_presets():
-    sweep = cases.preset_cases("sweep")
-    assert len(sweep) == 6 * 2 * 2
-    for c in sweep:
-        s = c.shape
-        assert s.heads * s.head_dim == 2048 and s.batch * s.seqlen_q == 16384
-        assert s.seqlen_k == s.seqlen_q and s.kv_heads == s.heads
-    assert {c.shape.seqlen_q for c in sweep} == {512, 1024, 2048, 4096, 8192, 16384}
-    seed = cases.select_cases(["seed"], [], "on")
-    assert all(c.causal for c in seed) and len(seed) == 2
-    extra = cases.parse_shape("1,2,64,32")
-    assert cases.select_cases(["seed"], [extra], "off")[-1] == cases.Case(extra, False)
-
-
-def test_flop_rule():
-    full = cases.Case(cases.shape(2, 8, 1024, 64), False)
-    causal = full._replace(causal=True)
-    assert metrics.attention_flops(full, "fwd") == 4 * 2 * 8 * 1024 * 1024 * 64
-    assert metrics.attention_flops(causal, "fwd") == metrics.attention_flops(full, "fwd") / 2
-    assert metrics.attention_flops(full, "bwd") == 2.5 * metrics.attention_flops(full, "fwd")
-    assert metrics.attention_flops(full, "fwdbwd") == 3.5 * metrics.attention_flops(full, "fwd")
-    # Sq != Sk causal counts the visible pairs exactly: a single query sees every key.
-    decode = cases.Case(cases.shape(1, 1, 1, 64, 1, 4096), True)
-    assert metrics.attention_flops(decode, "fwd") == 4 * 4096 * 64
-    # Sq > Sk: the first Sq - Sk queries see nothing, then 1, 2, ..., Sk keys.
-    tall = cases.Case(cases.shape(1, 1, 10, 16, 1, 4), True)
-    assert metrics.attention_flops(tall, "fwd") == 4 * (1 + 2 + 3 + 4) * 16
-    # Dv != D: D for the matmuls with q or k, Dv for those with v or dout.
-    mla = cases.Case(cases.shape(2, 8, 1024, 192, dv=128), False)
-    pairs = 2 * 8 * 1024 * 1024
-    assert metrics.attention_flops(mla, "fwd") == 2 * pairs * (192 + 128)
-    assert metrics.attention_flops(mla, "bwd") == 2 * pairs * (3 * 192 + 2 * 128)
-    assert metrics.attention_flops(mla, "fwdbwd") == 2 * pairs * (4 * 192 + 3 * 128)
-    assert metrics.attention_flops(mla._replace(causal=True), "fwd") == pairs * (192 + 128)
-    # q, k with D; v, out with Dv.
-    assert metrics.attention_bytes(mla, 2) == 2 * (2 * 8 * 1024 * 2) * (192 + 128)
-
-
-@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 8), (8, 2), (12, 1), (6, 3)])
-@pytest.mark.parametrize("budget_heads", [1, 2, 3, 5, 100])
-def test_head_chunks_cover_every_head_once(heads, kv_heads, budget_heads):
-    group = heads // kv_heads
-    seen = []
-    for b, hq, hkv in check.head_chunks(2, heads, kv_heads, 10, 10 * budget_heads):
-        for h in range(hq.start, hq.stop):
-            assert hkv.start <= h // group < hkv.stop
-        assert (hq.stop - hq.start) <= max(budget_heads, 1) or hkv.stop - hkv.start == 1
-        # The chunk's q heads divide evenly over its kv heads (what the reference's GQA needs).
-        assert (hq.stop - hq.start) % (hkv.stop - hkv.start) == 0
-        seen += [(b, h) for h in range(hq.start, hq.stop)]
-    assert sorted(seen) == [(b, h) for b in range(2) for h in range(heads)]
-
-
-def test_chunked_reference_matches_whole():
-    q = torch.randn(2, 6, 33, 16, dtype=torch.float16)
-    k = torch.randn(2, 2, 40, 16, dtype=torch.float16)
-    v = torch.randn(2, 2, 40, 16, dtype=torch.float16)
-    do = torch.randn(2, 6, 33, 16, dtype=torch.float16)
-    whole = check.compute_reference(q, k, v, do, causal=True, ref_dtype=torch.float64)
-    # A budget of one head's scores forces chunks smaller than a GQA group (group = 3).
-    chunked = check.compute_reference(
-        q, k, v, do, causal=True, ref_dtype=torch.float64, budget_bytes=33 * 40 * 8
-    )
-    torch.testing.assert_close(chunked.out, whole.out)
-    for a, b in zip(chunked.grads, whole.grads, strict=True):
-        torch.testing.assert_close(a, b)
-
-
-def test_compare_flags_nan_and_shape():
-    ref = torch.ones(2, 3, dtype=torch.float64)
-    pt = ref.half()
-    assert check.compare(ref.half(), ref, pt).ok
-    bad = ref.half().clone()
-    bad[0, 0] = float("nan")
-    assert not check.compare(bad, ref, pt).ok and math.isinf(check.compare(bad, ref, pt).err)
-    assert not check.compare(torch.ones(3, 2, dtype=torch.float16), ref, pt).ok
-
-
-def _synthetic_rows():
-    rows = []
-    for provider, rate in [("flashcore", 300.0), ("sdpa", 250.0)]:
-        for causal in (False, True):
-            for s in (512, 1024, 2048):
-                rows.append(
-                    {"record": "measurement", "provider": provider, "mode": "fwd",
-                     "dtype": "bf16", "head_dim": 64, "causal": causal, "seqlen_q": s,
-                     "tflops": rate * (1 + s / 4096), "status": "ok", "device": "test",
-                     "torch": "x", "triton": "y", "git_sha": None}
-                )  # fmt: skip
-    rows[-1]["status"] = "wrong"
-    return rows
-
-
-def test_plot(tmp_path):
-    pytest.importorskip("matplotlib")
-    from flashcore.bench.report import plot
-
-    path = tmp_path / "plot.png"
-    plot(_synthetic_rows(), path)
-    assert path.stat().st_size > 1000
-    with pytest.raises(ValueError, match="nothing to plot"):
-        plot([{**r, "tflops": None} for r in _synthetic_rows()], path)
-
-
-def test_rows_are_strict_json(tmp_path):
-    # NaN/inf never reach the file: json.loads with strict constants must accept every row.
-    out = tmp_path / "rows.jsonl"
-    assert (
-        main(["--shape", "1,1,16,16", "--causal", "off", "--providers", "sdpa", "--out", str(out)])
-        == 0
-    )
-    for line in out.read_text().splitlines():
-        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
-
-
-def test_cuda_graph_arguments():
-    args = build_parser().parse_args(["--preset", "seed"])
-    assert not args.cuda_graph and args.graph_calls == metrics.GRAPH_CALLS
-    args = build_parser().parse_args(["--cuda-graph", "--graph-calls", "7"])
-    assert args.cuda_graph and args.graph_calls == 7
-
-
-def _graph_measurement(provider: str, loop_ms: float, graph_ms: float) -> runner.Measurement:
-    case = cases.Case(cases.shape(1, 8, 512, 64), True)
-    timing = metrics.Timing(0.0105, 0.011, 0.0115, metrics.TIMER_GPU)  # steady: 9% spread
-    graph = metrics.GraphTiming(
-        metrics.Timing(loop_ms * 0.9, loop_ms, loop_ms * 1.1, metrics.TIMER_LOOP),
-        metrics.Timing(graph_ms * 0.9, graph_ms, graph_ms * 1.1, metrics.TIMER_GRAPH),
-        calls=20,
-    )
-    error = check.TensorError(1e-3, 1e-3, 1.0, 1e-3)
-    return runner.Measurement(
-        provider, case, torch.bfloat16, "fwd", "ok", None, timing, {"out": error}, graph=graph
-    )
-
-
-def test_cuda_graph_report():
-    # Rows and table of a --cuda-graph run, from synthetic timings: host ms is loop - graph, the
-    # graph speed-up compares graph times, and the columns line up under the header.
-    env = {"device": "test", "git_sha": None}
-    flash = _graph_measurement("flashcore", loop_ms=0.050, graph_ms=0.009)
-    sdpa = _graph_measurement("sdpa", loop_ms=0.030, graph_ms=0.010)
-    assert flash.graph.host_ms == pytest.approx(0.041)
-    row = report.measurement_row(
-        flash, env=env, peak=None, speedup=1.0, graph_speedup=0.010 / 0.009
-    )
-    assert row["loop_ms_p50"] == 0.050 and row["graph_ms_p50"] == 0.009
-    assert row["host_ms"] == pytest.approx(0.041) and row["graph_calls"] == 20
-    assert row["graph_speedup_vs_sdpa"] == pytest.approx(1.111, abs=1e-3)
-    assert row["graph_reason"] is None
-    json.dumps(row)
-
-    header = report.table_header(False, graph=True)
-    for name in ("loop ms", "graph ms", "host ms", "g vs sdpa"):
-        assert name in header
-    line = report.table_row(row, graph=True)
-    assert len(line.split("  ok")[0]) == len(header.splitlines()[0].split("  status")[0])
-    assert line.split()[-5:] == ["0.05", "0.009", "0.041", "1.11", "ok"]
-    base = report.measurement_row(sdpa, env=env, peak=None, speedup=1.0, graph_speedup=1.0)
-    assert report.table_row(base, graph=True).split()[-3:] == ["0.02", "1.00", "ok"]
-
-    # Without --cuda-graph the table is the one it always was.
-    assert report.table_header(False) == report.table_header(False, graph=False)
-    assert "loop ms" not in report.table_header(False)
-    assert report.table_row(row).split()[-1] == "ok" and "0.041" not in report.table_row(row)
-    footer = report.table_footer(False, None, graph_calls=20)
-    assert "host ms = loop - graph" in footer and "20 calls back to back" in footer
-    assert "host ms" not in report.table_footer(False, None)
-
-    # A provider that cannot be captured keeps its other numbers; the reason is shown.
-    failed = _graph_measurement("flex", 0.05, 0.01)
-    failed.graph, failed.graph_reason = None, "cuda graph: RuntimeError: capture failed"
-    row = report.measurement_row(failed, env=env, peak=None, speedup=None)
-    assert row["host_ms"] is None and row["ms_p50"] == 0.011
-    assert "(cuda graph: RuntimeError: capture failed)" in report.table_row(row, graph=True)
-
-
-def test_variant_summary():
-    # A variant's time over its base's (GPU rows only), and the summary printed after the table.
-    env = {"device": "test", "git_sha": None}
-    base = _graph_measurement("flashcore", 0.05, 0.01)
-    sinks = _graph_measurement("flashcore-sinks", 0.05, 0.01)
-    sinks.timing = metrics.Timing(0.0105, 0.0112, 0.0115, metrics.TIMER_GPU)
-    rows = [
-        report.measurement_row(base, env=env, peak=None, speedup=None),
-        report.measurement_row(sinks, env=env, peak=None, speedup=None, base=base),
-    ]
-    assert rows[0]["base_provider"] is None and rows[0]["time_vs_base"] is None
-    assert rows[1]["base_provider"] == "flashcore"
-    assert rows[1]["time_vs_base"] == pytest.approx(0.0112 / 0.011)
-    text = report.variant_summary(rows)
-    assert text.startswith("Variants over their base provider")
-    line = text.splitlines()[1]
-    assert "flashcore-sinks over flashcore, 1,8,512,64 causal fwd bf16: +1.8%" in line
-    assert "spread 8.9% and 9.1% of the medians" in line
-    assert "flashcore-sinks" in report.table_row(rows[1])  # the wider provider column
-    # Interpreter rows have no time ratio, and then no summary.
-    sinks.timing = metrics.Timing(1.0, 1.0, 1.0, metrics.TIMER_INTERPRETER)
-    row = report.measurement_row(sinks, env=env, peak=None, speedup=None, base=base)
-    assert row["time_vs_base"] is None
-    assert report.variant_summary([rows[0], row]) is None
-
-
-def _timed_row(provider, shape, causal, ms, *, mode="fwd", dtype="bf16", status="ok"):
-    return {
-        "record": "measurement", "provider": provider, "shape": shape, "causal": causal,
-        "mode": mode, "dtype": dtype, "status": status, "ms_p50": ms,
-        "timer": metrics.TIMER_GPU, "window": None, "seqlens": None,
-    }  # fmt: skip
-
-
-def test_provider_summary():
-    # FlashCore against each other provider: the geometric mean of their time over FlashCore's
-    # across the cases both timed, per mode and dtype, with the lowest and highest case.
-    rows = [
-        _timed_row("flashcore", "1,8,512,64", False, 1.0),
-        _timed_row("sdpa", "1,8,512,64", False, 2.0),
-        _timed_row("fa4", "1,8,512,64", False, 0.5),
-        _timed_row("flashcore", "1,8,512,64", True, 1.0),
-        _timed_row("sdpa", "1,8,512,64", True, 8.0),
-        # Not paired: fa4 did not time this case, and a wrong row does not count.
-        _timed_row("fa4", "1,8,512,64", True, 9.0, status="wrong"),
-        _timed_row("flashcore", "1,8,512,64", False, 3.0, mode="bwd"),
-        _timed_row("sdpa", "1,8,512,64", False, 3.0, mode="bwd"),
-        _timed_row("sdpa", "2,8,512,64", False, 1.0),  # no flashcore row
-        # Hand-edited or failed timings are left out, not divided by.
-        _timed_row("flashcore", "4,8,512,64", False, "1.0"),
-        _timed_row("sdpa", "4,8,512,64", False, 2.0),
-        _timed_row("flashcore", "8,8,512,64", False, 1.0),
-        _timed_row("sdpa", "8,8,512,64", False, 0.0),
-    ]
-    text = report.provider_summary(rows)
-    lines = text.splitlines()
-    assert lines[0].startswith("Against the other providers")
-    assert lines[1:] == [
-        "  flashcore vs sdpa, fwd bf16: 4.000 over 2 cases (lowest 2.00 at 1,8,512,64 full, "
-        "highest 8.00 at 1,8,512,64 causal)",
-        "  flashcore vs fa4, fwd bf16: 0.500 over 1 case (lowest 0.50 at 1,8,512,64 full, "
-        "highest 0.50 at 1,8,512,64 full)",
-        "  flashcore vs sdpa, bwd bf16: 1.000 over 1 case (lowest 1.00 at 1,8,512,64 full, "
-        "highest 1.00 at 1,8,512,64 full)",
-    ]
-    # Interpreter wall times are not performance: no summary from them.
-    cpu = [{**r, "timer": metrics.TIMER_INTERPRETER} for r in rows]
-    assert report.provider_summary(cpu) is None
-    assert report.provider_summary(rows[:1]) is None  # nothing beside it
-
-
-def test_summarize_earlier_runs(tmp_path, capsys):
-    # --summarize reads --out's rows (environment records and all) and runs nothing.
-    path = tmp_path / "run.jsonl"
-    rows = [
-        {"record": "environment", "device": "test"},
-        _timed_row("flashcore", "1,8,512,64", False, 1.0),
-        _timed_row("sdpa-cudnn", "1,8,512,64", False, 1.5),
-    ]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert main(["--summarize", str(path), "--summarize", str(path)]) == 0
-    out = capsys.readouterr().out
-    assert out.count(f"{path}: 2 rows") == 2
-    assert out.count("flashcore vs sdpa-cudnn, fwd bf16: 1.500 over 1 case") == 2
-    # Rows with nothing to compare say so.
-    lone = tmp_path / "lone.jsonl"
-    lone.write_text(json.dumps(rows[1]) + "\n")
-    assert main(["--summarize", str(lone)]) == 0
-    assert "no FlashCore row timed on a GPU beside another provider's" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize(
-    "content, extra, message",
-    [
-        (None, [], "--summarize: cannot read"),
-        ("{not json\n", [], "is not JSON lines as --out writes them"),
-        ("[1, 2]\n", [], "holds lines that are not JSON objects"),
-        ('{"provider": "flashcore"}\n', [], "holds rows without provider, shape, causal"),
-        ("", ["--preset", "smoke"], "--summarize reads earlier runs and runs nothing"),
-    ],
-)
-def test_summarize_bad_input(tmp_path, capsys, content, extra, message):
-    path = tmp_path / "rows.jsonl"
-    if content is not None:
-        path.write_text(content)
-    with pytest.raises(SystemExit) as exc:
-        main(["--summarize", str(path), *extra])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
 
@@ -767,38 +400,6 @@ def test_fa4_provider_refuses_clearly(tmp_path, monkeypatch):
     assert rows["flashcore"]["status"] == "ok"
     assert rows["fa4"]["status"] == "refused"
     assert "does not import" in rows["fa4"]["reason"]
-
-
-def test_noisy_timings_marked():
-    # A GPU timing whose p20-p80 spread exceeds NOISY_SPREAD of its median is marked in its row
-    # of the table (the status stays); a steady one, a CPU timing and a refused row are not.
-    env = {"device": "test", "git_sha": None}
-    steady = _graph_measurement("flashcore", loop_ms=0.050, graph_ms=0.009)
-    row = report.measurement_row(steady, env=env, peak=None, speedup=1.0)
-    assert not report.noisy(row) and report.table_row(row).split()[-1] == "ok"
-    disturbed = _graph_measurement("flashcore", loop_ms=0.050, graph_ms=0.009)
-    disturbed.timing = metrics.Timing(0.49, 0.55, 0.62, metrics.TIMER_GPU)
-    row = report.measurement_row(disturbed, env=env, peak=None, speedup=1.0)
-    assert report.noisy(row)
-    assert report.table_row(row).endswith("ok (noisy: p20-p80 24% of the median)")
-    assert not report.noisy({**row, "timer": metrics.TIMER_INTERPRETER})
-    assert not report.noisy({**row, "ms_p20": None, "ms_p50": None, "ms_p80": None})
-    assert "noisy: a p20-p80 spread over 10%" in report.table_footer(False, None)
-
-
-def test_window_flops():
-    # The pairs a window leaves visible, counted row by row, against the reference's mask:
-    # bottom-right with Sq < Sk and Sq > Sk, causal (its right side 0) or not, one side unbounded.
-    for sq, sk in ((40, 40), (17, 53), (53, 17)):
-        for causal in (False, True):
-            for window in ((5, 3), (0, 0), (-1, 4), (9, -1), (100, 100)):
-                mask = reference.visible_mask(sq, sk, causal=causal, window=window)
-                got = metrics.visible_pairs(sq, sk, causal, window)
-                assert got == mask.sum().item(), (sq, sk, causal, window)
-    case = cases.Case(cases.shape(2, 4, 64, 32), True, window=(15, 0))
-    pairs = 2 * sum(min(i + 1, 16) for i in range(64))
-    assert metrics.attention_flops(case, "fwd") == 4 * 4 * pairs * 32
-    assert case.label == "2,4,64,32 causal window 15,0"
 
 
 def test_window_option(tmp_path, monkeypatch):
