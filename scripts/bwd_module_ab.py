@@ -39,13 +39,11 @@ reduce-adds' order varies between runs).
 import argparse
 import functools
 import importlib
-import re
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 from dq_rows_ab import problem, rates_and_ratio, rotated
+from fwd_module_ab import base_package
 
 from flashcore.bench.metrics import visible_pairs
 from flashcore.ops import bwd_sm90 as sm90
@@ -60,20 +58,9 @@ MODULES = ("bwd", "bwd_load", "bwd_steps", "bwd_rows", "bwd_dq", "common")
 def base_modules(path: str):
     """``(kernel module, row-kernel module)`` of the other side (see the docstring), imported as
     the package ``bwd_ab_base``."""
-    source = Path(path)
-    files = {n: source / f"{n}.py" for n in MODULES} if source.is_dir() else {"bwd": source}
-    files = {name: file for name, file in files.items() if file.is_file()}
-    if "bwd" not in files:
-        raise SystemExit(f"{path}: no bwd.py")
-    package = Path(tempfile.mkdtemp()) / "bwd_ab_base"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    ours = re.compile(r"\bflashcore\.kernels\.hopper\.(" + "|".join(files) + r")\b")
-    for name, file in files.items():
-        (package / f"{name}.py").write_text(ours.sub(r"bwd_ab_base.\1", file.read_text()))
-    sys.path.insert(0, str(package.parent))
+    present = base_package(path, MODULES, ("bwd",), "bwd_ab_base")
     kernel = importlib.import_module("bwd_ab_base.bwd")
-    if "bwd_rows" in files:
+    if "bwd_rows" in present:
         return kernel, importlib.import_module("bwd_ab_base.bwd_rows")
     if hasattr(kernel, "bwd_prep_kernel"):  # a bwd.py from before the split
         return kernel, kernel

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -39,15 +40,30 @@ CASES = "128:2048:0,128:8192:0,128:16384:0,128:2048:1,128:8192:1,64:8192:0,64:16
 MODULES = ("fwd", "fwd_steps", "fwd_load", "common")
 
 
-def base_launcher(directory: str) -> Launcher:
-    """The forward kernel of the modules in ``directory``, as a package named ``ab_base``."""
-    package = Path(tempfile.mkdtemp()) / "ab_base"
+def base_package(source: str, modules: tuple[str, ...], required: tuple[str, ...], name: str):
+    """Other versions of ``kernels/hopper`` modules imported as the package ``name``: ``source``
+    a directory holding some of ``modules`` (each ``.py``), or one file standing for
+    ``modules[0]``; every one of ``required`` must be there. Imports of a module present point at
+    the package's copy, the others stay the tree's. Returns the names present."""
+    path = Path(source)
+    files = {m: path / f"{m}.py" for m in modules} if path.is_dir() else {modules[0]: path}
+    files = {m: file for m, file in files.items() if file.is_file()}
+    missing = [m for m in required if m not in files]
+    if missing:
+        raise SystemExit(f"{source}: no {', '.join(m + '.py' for m in missing)}")
+    package = Path(tempfile.mkdtemp()) / name
     package.mkdir()
     (package / "__init__.py").write_text("")
-    for name in MODULES:
-        text = (Path(directory) / f"{name}.py").read_text()
-        (package / f"{name}.py").write_text(text.replace("flashcore.kernels.hopper.", "ab_base."))
+    ours = re.compile(r"\bflashcore\.kernels\.hopper\.(" + "|".join(files) + r")\b")
+    for module, file in files.items():
+        (package / f"{module}.py").write_text(ours.sub(name + r".\1", file.read_text()))
     sys.path.insert(0, str(package.parent))
+    return list(files)
+
+
+def base_launcher(directory: str) -> Launcher:
+    """The forward kernel of the modules in ``directory``, as a package named ``ab_base``."""
+    base_package(directory, MODULES, MODULES, "ab_base")
     return Launcher(importlib.import_module("ab_base.fwd").attn_fwd_sm90_kernel, 12)
 
 

@@ -67,10 +67,8 @@ def test_default_partitions_live_beside_their_kernels():
     marks. ``bwd.py`` calls it through ``_consumer_0`` for that reason."""
     import ast
 
-    sources = [*sorted((ROOT / "src/flashcore/kernels/hopper").glob("*.py"))]
-    sources.append(ROOT / "scripts" / "ws_racecheck_probe.py")
     checked = set()
-    for path in sources:
+    for path in triage.SOURCES:
         tree = ast.parse(path.read_text())
         defined = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
         for call in ast.walk(tree):
